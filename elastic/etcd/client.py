@@ -1,0 +1,422 @@
+"""The project's only door to etcd v3: a small adapter over ``python3-etcd3`` (imported as ``etcd3``).
+
+Everything else (the rendezvous backend, the store, the service) talks to :class:`EtcdClient`, which
+offers the handful of operations the project needs, each with retry across the configured endpoints
+until a deadline, and turns every third-party failure into :class:`EtcdConnectionError` (naming the
+endpoints) or :class:`EtcdError`.
+
+Blocking waits use an etcd watch stream that starts at a known revision, so no change between a read
+and the wait can be missed, and nothing polls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import etcd3
+import grpc
+from etcd3 import etcdrpc
+from etcd3 import exceptions as etcd_exc
+
+from elastic.etcd.config import EtcdConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EtcdClient", "EtcdConnectionError", "EtcdError", "KeyValue", "create_client"]
+
+
+class EtcdError(Exception):
+    """An etcd request failed for a reason other than connectivity (bad auth, bad request)."""
+
+
+class EtcdConnectionError(EtcdError):
+    """No configured etcd endpoint answered within the deadline."""
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as read from etcd."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int = 0
+
+
+@dataclass
+class _Retry:
+    deadline: float
+    attempts: int = 0
+    last_exc: BaseException | None = field(default=None)
+
+
+def _prefix_end(prefix: str) -> bytes:
+    raw = bytearray(prefix.encode())
+    for i in range(len(raw) - 1, -1, -1):
+        if raw[i] < 0xFF:
+            raw[i] += 1
+            return bytes(raw[: i + 1])
+    return b"\0"
+
+
+def _kv(msg: Any) -> KeyValue:
+    return KeyValue(
+        key=msg.key.decode(),
+        value=bytes(msg.value),
+        create_revision=int(msg.create_revision),
+        mod_revision=int(msg.mod_revision),
+        lease=int(msg.lease),
+    )
+
+
+_RETRYABLE = (
+    etcd_exc.ConnectionFailedError,
+    etcd_exc.ConnectionTimeoutError,
+    etcd_exc.InternalServerError,
+    etcd_exc.NoServerAvailableError,
+)
+
+
+class EtcdClient:
+    """A thread-safe etcd v3 client bound to one cluster (one or more endpoints, with failover).
+
+    Operations retry on connection failures, moving to the next endpoint, until ``config.op_timeout``
+    has passed; then they raise :class:`EtcdConnectionError`. Compare-and-swap operations are safe to
+    retry because a repeated attempt fails its comparison and reports the current value.
+    """
+
+    def __init__(self, config: EtcdConfig) -> None:
+        self._config = config
+        self._lock = threading.RLock()
+        self._client: Any = None
+
+    # -- connection ----------------------------------------------------------------------------------
+    @property
+    def config(self) -> EtcdConfig:
+        return self._config
+
+    @property
+    def endpoints_label(self) -> str:
+        return ",".join(f"{h}:{p}" for h, p in self._config.endpoints)
+
+    def _connect(self) -> Any:
+        cfg = self._config
+        creds = None
+        secure = cfg.ca_cert is not None
+        if secure:
+            assert cfg.ca_cert is not None
+            creds = etcd3.MultiEndpointEtcd3Client.get_secure_creds(cfg.ca_cert, cfg.cert_key, cfg.cert)
+        opts = [
+            ("grpc.keepalive_time_ms", 2000),
+            ("grpc.keepalive_timeout_ms", 2000),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        eps = [
+            etcd3.Endpoint(host, port, secure=secure, creds=creds, time_retry=0.2, opts=opts)
+            for host, port in cfg.endpoints
+        ]
+        return etcd3.MultiEndpointEtcd3Client(
+            endpoints=eps,
+            timeout=cfg.request_timeout.total_seconds(),
+            user=cfg.user,
+            password=cfg.password,
+            failover=True,
+        )
+
+    def _raw(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                self._client = self._connect()
+            return self._client
+
+    def _reset(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # pragma: no cover - best effort
+                logger.debug("closing the etcd client failed", exc_info=True)
+
+    def close(self) -> None:
+        self._reset()
+
+    def _call(self, fn: Any, *, timeout: timedelta | None = None) -> Any:
+        limit = (timeout or self._config.op_timeout).total_seconds()
+        retry = _Retry(deadline=time.monotonic() + limit)
+        while True:
+            try:
+                return fn(self._raw())
+            except _RETRYABLE as exc:
+                retry.last_exc = exc
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code == grpc.StatusCode.UNAUTHENTICATED or code == grpc.StatusCode.INVALID_ARGUMENT and (
+                    "token" in str(exc.details() if hasattr(exc, "details") else exc)
+                ):
+                    # The auth token expired: a new client authenticates again.
+                    retry.last_exc = exc
+                    self._reset()
+                elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    retry.last_exc = exc
+                else:
+                    raise EtcdError(f"etcd at {self.endpoints_label} refused the request: {exc}") from exc
+            except Exception as exc:
+                if self._client is None:
+                    raise EtcdConnectionError(f"cannot connect to etcd at {self.endpoints_label}: {exc}") from exc
+                raise EtcdError(f"etcd request to {self.endpoints_label} failed: {exc}") from exc
+            retry.attempts += 1
+            if time.monotonic() >= retry.deadline:
+                raise EtcdConnectionError(
+                    f"etcd unreachable at {self.endpoints_label} after {limit:.1f}s "
+                    f"({type(retry.last_exc).__name__})"
+                ) from retry.last_exc
+            if retry.attempts > 1 and retry.attempts % len(self._config.endpoints) == 0:
+                self._reset()
+            time.sleep(min(0.05 * retry.attempts, 0.25))
+
+    # -- key/value -----------------------------------------------------------------------------------
+    def ping(self, timeout: timedelta | None = None) -> int:
+        """Return the cluster's current revision; raises :class:`EtcdConnectionError` if unreachable."""
+
+        def op(c: Any) -> int:
+            resp = c.get_response("\0")
+            return int(resp.header.revision)
+
+        return int(self._call(op, timeout=timeout))
+
+    def get(self, key: str) -> tuple[KeyValue | None, int]:
+        """Return ``(value or None, revision of the read)``."""
+
+        def op(c: Any) -> tuple[KeyValue | None, int]:
+            resp = c.get_response(key)
+            kv = _kv(resp.kvs[0]) if resp.kvs else None
+            return kv, int(resp.header.revision)
+
+        result: tuple[KeyValue | None, int] = self._call(op)
+        return result
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        def op(c: Any) -> tuple[list[KeyValue], int]:
+            req = etcdrpc.RangeRequest(key=prefix.encode(), range_end=_prefix_end(prefix))
+            resp = c.kvstub.Range(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+            return [_kv(m) for m in resp.kvs], int(resp.header.revision)
+
+        result: tuple[list[KeyValue], int] = self._call(op)
+        return result
+
+    def count_prefix(self, prefix: str) -> int:
+        def op(c: Any) -> int:
+            req = etcdrpc.RangeRequest(key=prefix.encode(), range_end=_prefix_end(prefix), count_only=True)
+            resp = c.kvstub.Range(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+            return int(resp.count)
+
+        return int(self._call(op))
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        """Write unconditionally; return the new revision."""
+
+        def op(c: Any) -> int:
+            req = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
+            resp = c.kvstub.Put(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+            return int(resp.header.revision)
+
+        return int(self._call(op))
+
+    def delete(self, key: str) -> bool:
+        def op(c: Any) -> bool:
+            req = etcdrpc.DeleteRangeRequest(key=key.encode())
+            resp = c.kvstub.DeleteRange(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+            return int(resp.deleted) > 0
+
+        return bool(self._call(op))
+
+    def delete_prefix(self, prefix: str) -> int:
+        def op(c: Any) -> int:
+            req = etcdrpc.DeleteRangeRequest(key=prefix.encode(), range_end=_prefix_end(prefix))
+            resp = c.kvstub.DeleteRange(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+            return int(resp.deleted)
+
+        return int(self._call(op))
+
+    def compare_and_put(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        mod_revision: int,
+        lease: int = 0,
+        read_prefix: str | None = None,
+        guard: tuple[str, int] | None = None,
+    ) -> tuple[bool, KeyValue | None, list[KeyValue], int]:
+        """Put ``value`` only if ``key``'s mod revision equals ``mod_revision`` (0: key must not exist).
+
+        ``guard``, when given as ``(key, create_revision)``, must also hold (a fencing token: the key
+        must still exist with that create revision). In the same transaction, reads ``key`` (after the
+        put, or the current value on failure) and, if ``read_prefix`` is given, every key under it.
+        Returns ``(succeeded, key's value, prefix values, revision)``.
+        """
+
+        def op(c: Any) -> tuple[bool, KeyValue | None, list[KeyValue], int]:
+            cmp = [
+                etcdrpc.Compare(
+                    key=key.encode(),
+                    result=etcdrpc.Compare.EQUAL,
+                    target=etcdrpc.Compare.MOD,
+                    mod_revision=mod_revision,
+                )
+            ]
+            if guard is not None:
+                cmp.append(
+                    etcdrpc.Compare(
+                        key=guard[0].encode(),
+                        result=etcdrpc.Compare.EQUAL,
+                        target=etcdrpc.Compare.CREATE,
+                        create_revision=guard[1],
+                    )
+                )
+            reads = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))]
+            if read_prefix is not None:
+                reads.append(
+                    etcdrpc.RequestOp(
+                        request_range=etcdrpc.RangeRequest(
+                            key=read_prefix.encode(), range_end=_prefix_end(read_prefix)
+                        )
+                    )
+                )
+            put = etcdrpc.RequestOp(
+                request_put=etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
+            )
+            req = etcdrpc.TxnRequest(compare=cmp, success=[put, *reads], failure=reads)
+            resp = c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+            ranges = [r.response_range for r in resp.responses if r.WhichOneof("response") == "response_range"]
+            cur = _kv(ranges[0].kvs[0]) if ranges and ranges[0].kvs else None
+            pref = [_kv(m) for m in ranges[1].kvs] if len(ranges) > 1 else []
+            return bool(resp.succeeded), cur, pref, int(resp.header.revision)
+
+        result: tuple[bool, KeyValue | None, list[KeyValue], int] = self._call(op)
+        return result
+
+    def get_with_prefix(self, key: str, prefix: str) -> tuple[KeyValue | None, list[KeyValue], int]:
+        """Read ``key`` and every key under ``prefix`` at one revision."""
+
+        def op(c: Any) -> tuple[KeyValue | None, list[KeyValue], int]:
+            reads = [
+                etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode())),
+                etcdrpc.RequestOp(
+                    request_range=etcdrpc.RangeRequest(key=prefix.encode(), range_end=_prefix_end(prefix))
+                ),
+            ]
+            req = etcdrpc.TxnRequest(compare=[], success=reads, failure=[])
+            resp = c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+            r0, r1 = (r.response_range for r in resp.responses)
+            cur = _kv(r0.kvs[0]) if r0.kvs else None
+            return cur, [_kv(m) for m in r1.kvs], int(resp.header.revision)
+
+        result: tuple[KeyValue | None, list[KeyValue], int] = self._call(op)
+        return result
+
+    # -- leases --------------------------------------------------------------------------------------
+    def grant_lease(self, ttl: timedelta) -> int:
+        seconds = max(1, round(ttl.total_seconds()))
+
+        def op(c: Any) -> int:
+            return int(c.lease(seconds).id)
+
+        return int(self._call(op))
+
+    def keep_alive_once(self, lease_id: int) -> int:
+        """Refresh a lease once; return its remaining TTL in seconds (<= 0: the lease is gone)."""
+
+        def op(c: Any) -> int:
+            for resp in c.refresh_lease(lease_id):
+                return int(resp.TTL)
+            return 0
+
+        return int(self._call(op, timeout=self._config.request_timeout))
+
+    def revoke_lease(self, lease_id: int) -> None:
+        def op(c: Any) -> None:
+            try:
+                c.revoke_lease(lease_id)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+
+        self._call(op, timeout=self._config.request_timeout)
+
+    # -- watches -------------------------------------------------------------------------------------
+    def wait_for_event(
+        self, key: str, start_revision: int, timeout: timedelta, *, prefix: bool = False
+    ) -> bool:
+        """Block until ``key`` (or a key under it, if ``prefix``) changes at or after ``start_revision``.
+
+        Returns True on a change, False when ``timeout`` passes first. A broken watch stream (a member
+        restarting) is re-opened from the same revision, so no event is lost.
+        """
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                return self._watch_once(key, start_revision, remaining, prefix)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return False
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    raise EtcdError(f"watch on etcd at {self.endpoints_label} failed: {exc}") from exc
+            except _RETRYABLE:
+                pass
+            self._reset()
+            time.sleep(0.1)
+
+    def _watch_once(self, key: str, start_revision: int, timeout: float, prefix: bool) -> bool:
+        c = self._raw()
+        create = etcdrpc.WatchCreateRequest(key=key.encode(), start_revision=start_revision)
+        if prefix:
+            create.range_end = _prefix_end(key)
+        done = threading.Event()
+
+        def requests() -> Iterator[Any]:
+            yield etcdrpc.WatchRequest(create_request=create)
+            done.wait()
+
+        stub = etcdrpc.WatchStub(c.channel)
+        stream = stub.Watch(requests(), timeout, credentials=c.call_credentials, metadata=c.metadata)
+        try:
+            for resp in stream:
+                if resp.compact_revision and resp.compact_revision > start_revision:
+                    return True  # history compacted: the caller must re-read
+                if resp.canceled:
+                    raise EtcdError(f"etcd cancelled a watch on {key!r}: {resp.cancel_reason}")
+                if resp.events:
+                    return True
+            return False
+        finally:
+            done.set()
+            stream.cancel()
+
+
+def create_client(config: EtcdConfig) -> EtcdClient:
+    """Create a client; nothing connects until the first request."""
+    return EtcdClient(config)
+
+
+def check_reachable(config: EtcdConfig, timeout: timedelta | None = None) -> int:
+    """Fail fast, with one line naming the endpoints, when etcd cannot be reached."""
+    client = create_client(config)
+    try:
+        return client.ping(timeout=timeout or config.connect_timeout)
+    finally:
+        client.close()
+

@@ -1,0 +1,159 @@
+"""``torchrun --rdzv-backend=etcd-v3``: the handler factory registered in the ``torchrun.handlers`` group.
+
+torch calls the entry point's object with no arguments and registers what it returns, so the entry
+point is :func:`plugin`, which returns :func:`create_handler`.
+
+Options come from ``--rdzv-endpoint`` (``host:port[,host:port...]``) and ``--rdzv-conf`` (see the README
+table, or :data:`OPTIONS`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from collections.abc import Callable
+from datetime import timedelta
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
+
+from elastic.etcd import EtcdConfig, EtcdConnectionError, create_client
+from elastic.rendezvous.etcd_v3_backend import DEFAULT_KEY_PREFIX, EtcdV3RendezvousBackend
+from elastic.rendezvous.etcd_v3_store import EtcdV3Store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OPTIONS", "EtcdV3RendezvousHandler", "create_handler", "plugin"]
+
+#: ``--rdzv-conf`` keys understood by the ``etcd-v3`` backend, with their defaults.
+OPTIONS: dict[str, str] = {
+    "key_prefix": DEFAULT_KEY_PREFIX,
+    "node_ttl": "2",
+    "state_ttl": "7200",
+    "ca_cert": "",
+    "cert": "",
+    "cert_key": "",
+    "user": "",
+    "password": "",
+    "connect_timeout": "5",
+    "request_timeout": "5",
+    "op_timeout": "30",
+    "store_timeout": "300",
+    # torch's DynamicRendezvousHandler settings, with our defaults where they differ from torch's.
+    "join_timeout": "600",
+    "last_call_timeout": "10",
+    "close_timeout": "30",
+    "heartbeat_timeout": "5",
+    "keep_alive_interval": "5",
+    "keep_alive_max_attempt": "3",
+}
+
+
+class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous on the etcd v3 backend; ``shutdown`` also revokes this agent's lease."""
+
+    _etcd_backend: EtcdV3RendezvousBackend
+
+    def shutdown(self) -> bool:
+        try:
+            return super().shutdown()
+        finally:
+            self._etcd_backend.close()
+
+
+def _opt(params: RendezvousParameters, key: str) -> str:
+    value = params.get(key, None)
+    return str(value) if value not in (None, "") else OPTIONS[key]
+
+
+def _seconds(params: RendezvousParameters, key: str) -> timedelta:
+    raw = _opt(params, key)
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"--rdzv-conf {key}={raw!r} is not a number of seconds") from exc
+    if value <= 0:
+        raise ValueError(f"--rdzv-conf {key}={raw!r} must be positive")
+    return timedelta(seconds=value)
+
+
+def etcd_config_from_params(params: RendezvousParameters) -> EtcdConfig:
+    """The etcd connection settings of a torchrun invocation."""
+    options = {k: _opt(params, k) for k in ("ca_cert", "cert", "cert_key", "user", "password")}
+    options.update(
+        {k: str(_seconds(params, k).total_seconds()) for k in ("connect_timeout", "request_timeout", "op_timeout")}
+    )
+    if not params.endpoint:
+        raise ValueError("--rdzv-endpoint is required for the etcd-v3 backend (host:port[,host:port...])")
+    return EtcdConfig.from_options(params.endpoint, options)
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build the ``etcd-v3`` rendezvous handler for one torchrun agent.
+
+    Fails fast, with one line naming the endpoints, when etcd cannot be reached within
+    ``connect_timeout``.
+    """
+    # torch 2.13 hangs on worker restart when the agent shares its TCPStore with the workers
+    # (pytorch#135712); the workers' rank 0 hosts the per-round TCPStore instead.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+    config = etcd_config_from_params(params)
+    client = create_client(config)
+    try:
+        client.ping(timeout=config.connect_timeout)
+    except EtcdConnectionError as exc:
+        client.close()
+        raise RendezvousConnectionError(
+            f"etcd-v3 rendezvous: etcd unreachable at {client.endpoints_label} "
+            f"(connect_timeout={config.connect_timeout.total_seconds():g}s)"
+        ) from exc
+
+    backend = EtcdV3RendezvousBackend(
+        client,
+        params.run_id,
+        key_prefix=_opt(params, "key_prefix"),
+        state_ttl=_seconds(params, "state_ttl"),
+        node_ttl=_seconds(params, "node_ttl"),
+    )
+    store = EtcdV3Store(
+        client,
+        backend.key_base + "store",
+        timeout=_seconds(params, "store_timeout"),
+        lease=backend.state_lease_id,
+    )
+    timeout = RendezvousTimeout(
+        join=_seconds(params, "join_timeout"),
+        last_call=_seconds(params, "last_call_timeout"),
+        close=_seconds(params, "close_timeout"),
+        heartbeat=_seconds(params, "heartbeat_timeout"),
+    )
+    handler = EtcdV3RendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        keep_alive_interval=int(_seconds(params, "keep_alive_interval").total_seconds()),
+        keep_alive_max_attempt=int(_opt(params, "keep_alive_max_attempt")),
+    )
+    handler._etcd_backend = backend
+    node = handler._this_node
+    backend.register_node(node.addr, node.pid)
+    atexit.register(backend.close)
+    return handler
+
+
+def plugin() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """Entry point of the ``torchrun.handlers`` group (torch calls it and registers the result)."""
+    return create_handler
