@@ -160,9 +160,9 @@ class EtcdClient:
                 retry.last_exc = exc
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
-                if code == grpc.StatusCode.UNAUTHENTICATED or code == grpc.StatusCode.INVALID_ARGUMENT and (
+                if code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.INVALID_ARGUMENT and (
                     "token" in str(exc.details() if hasattr(exc, "details") else exc)
-                ):
+                )):
                     # The auth token expired: a new client authenticates again.
                     retry.last_exc = exc
                     self._reset()

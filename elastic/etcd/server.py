@@ -84,6 +84,7 @@ class LocalEtcdCluster:
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="etcd-"))
             self._own_dir = True
+        self.workdir.mkdir(parents=True, exist_ok=True)
         for i in range(self.size):
             name = f"m{i}"
             self.members.append(
@@ -126,7 +127,7 @@ class LocalEtcdCluster:
 
     def start_member(self, index: int) -> None:
         m = self.members[index]
-        log = open(m.log_path, "ab")  # noqa: SIM115 - owned by the child
+        log = open(m.log_path, "ab")
         m.process = subprocess.Popen(
             self._command(m), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )

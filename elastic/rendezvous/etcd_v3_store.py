@@ -89,12 +89,15 @@ class EtcdV3Store(Store):
                         f"Timed out after {timeout.total_seconds():.1f}s waiting for key {key!r} "
                         f"in the etcd store {self._prefix!r}"
                     )
-                self._etcd(
-                    lambda k=key, r=revision, t=remaining: self._client.wait_for_event(
-                        self._k(k), r + 1, timedelta(seconds=t)
-                    )
-                )
+                self._wait_change(key, revision + 1, timedelta(seconds=remaining))
         return found
+
+    def _wait_change(self, key: str, start_revision: int, timeout: timedelta) -> None:
+        self._etcd(lambda: self._client.wait_for_event(self._k(key), start_revision, timeout))
+
+    def _timeout(self) -> timedelta:
+        value: timedelta = self.timeout  # type: ignore[attr-defined]  # provided by the pybind base
+        return value
 
     def _cas_loop(self, key: str, update: Callable[[bytes | None], bytes | None]) -> bytes | None:
         """Apply ``update(old) -> new`` atomically; ``None`` from ``update`` means: write nothing.
@@ -108,14 +111,21 @@ class EtcdV3Store(Store):
             new = update(old)
             if new is None:
                 return old
-            ok, current, _, _ = self._etcd(
-                lambda o=kv, n=new: self._client.compare_and_put(
-                    full, n, mod_revision=o.mod_revision if o is not None else 0, lease=self._lease()
-                )
-            )
+            expected = kv.mod_revision if kv is not None else 0
+            ok, current = self._put_if(full, new, expected)
             if ok:
                 return new
             kv = current
+
+    def _put_if(self, full_key: str, value: bytes, mod_revision: int) -> tuple[bool, KeyValue | None]:
+        def op() -> tuple[bool, KeyValue | None]:
+            ok, current, _, _ = self._client.compare_and_put(
+                full_key, value, mod_revision=mod_revision, lease=self._lease()
+            )
+            return ok, current
+
+        result: tuple[bool, KeyValue | None] = self._etcd(op)
+        return result
 
     # -- Store API -----------------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
@@ -123,7 +133,7 @@ class EtcdV3Store(Store):
         self._etcd(lambda: self._client.put(self._k(key), data, lease=self._lease()))
 
     def get(self, key: str) -> bytes:
-        return self._wait_present([key], self.timeout)[key]
+        return self._wait_present([key], self._timeout())[key]
 
     def add(self, key: str, value: int) -> int:
         def inc(old: bytes | None) -> bytes:
@@ -159,10 +169,10 @@ class EtcdV3Store(Store):
         return all(self._read(k)[0] is not None for k in keys)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._wait_present(keys, timeout if timeout is not None else self.timeout)
+        self._wait_present(keys, timeout if timeout is not None else self._timeout())
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        found = self._wait_present(keys, self.timeout)
+        found = self._wait_present(keys, self._timeout())
         return [found[k] for k in keys]
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:

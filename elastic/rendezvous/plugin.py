@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -96,6 +97,12 @@ def etcd_config_from_params(params: RendezvousParameters) -> EtcdConfig:
     return EtcdConfig.from_options(params.endpoint, options)
 
 
+def _running_under_torchrun_cli() -> bool:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return os.path.basename(sys.argv[0]) == "torchrun" or getattr(spec, "name", "") == "torch.distributed.run"
+
+
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Build the ``etcd-v3`` rendezvous handler for one torchrun agent.
 
@@ -112,10 +119,14 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         client.ping(timeout=config.connect_timeout)
     except EtcdConnectionError as exc:
         client.close()
-        raise RendezvousConnectionError(
+        message = (
             f"etcd-v3 rendezvous: etcd unreachable at {client.endpoints_label} "
             f"(connect_timeout={config.connect_timeout.total_seconds():g}s)"
-        ) from exc
+        )
+        if _running_under_torchrun_cli():
+            # torchrun would print a long traceback for an exception: exit with one line instead.
+            raise SystemExit(f"error: {message}") from exc
+        raise RendezvousConnectionError(message) from exc
 
     backend = EtcdV3RendezvousBackend(
         client,

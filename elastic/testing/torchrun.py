@@ -1,0 +1,163 @@
+"""Launch stock torchrun agents as real process trees and inject faults into them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+WORKER = str(Path(__file__).with_name("allreduce_worker.py"))
+
+
+def torchrun_command(
+    *,
+    backend: str,
+    endpoint: str,
+    run_id: str,
+    nnodes: str,
+    nproc: int = 1,
+    rdzv_conf: dict[str, object] | None = None,
+    max_restarts: int = 3,
+    script: str = WORKER,
+    script_args: Sequence[str] = (),
+    local_addr: str = "127.0.0.1",
+    monitor_interval: float = 0.1,
+) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+        f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+        f"--max-restarts={max_restarts}", f"--monitor-interval={monitor_interval}",
+        f"--local-addr={local_addr}",
+    ]  # fmt: skip
+    if rdzv_conf:
+        cmd.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in rdzv_conf.items()))
+    return [*cmd, script, *script_args]
+
+
+@dataclass
+class Agent:
+    """One torchrun agent and its workers, in a process group of their own."""
+
+    cmd: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Agent:
+        env = dict(os.environ)
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(self.env)
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def kill_tree(self, sig: int = signal.SIGKILL) -> float:
+        """Signal the agent and every descendant (torchrun puts workers in sessions of their own, so a
+        process-group kill would miss them); returns the time of the kill."""
+        if self.process is None or self.process.poll() is not None:
+            return time.time()
+        return kill_tree(self.process.pid, sig)
+
+    def kill_workers(self, sig: int = signal.SIGKILL) -> float:
+        """Signal the agent's workers only (a worker crash); the agent lives on."""
+        if self.process is None:
+            return time.time()
+        now = time.time()
+        for pid in descendants(self.process.pid):
+            _signal(pid, sig)
+        return now
+
+    def wait(self, timeout: float) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.kill_tree(signal.SIGKILL)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def descendants(root: int) -> list[int]:
+    """All live descendants of ``root`` (from /proc), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out: list[int] = []
+    queue = [root]
+    while queue:
+        for child in children.get(queue.pop(0), []):
+            out.append(child)
+            queue.append(child)
+    return out
+
+
+def kill_tree(root: int, sig: int = signal.SIGKILL) -> float:
+    """Freeze ``root`` (so it spawns nothing new), then signal it and all its descendants."""
+    _signal(root, signal.SIGSTOP)
+    now = time.time()
+    for pid in [root, *descendants(root)]:
+        _signal(pid, sig)
+    if sig != signal.SIGKILL:
+        _signal(root, signal.SIGCONT)
+    return now
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+    return out
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
