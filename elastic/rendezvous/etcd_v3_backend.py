@@ -1,6 +1,6 @@
 """A torch ``RendezvousBackend`` that keeps the rendezvous state in etcd over the v3 API.
 
-Keys (under ``<key_prefix>/<run_id>/``):
+Keys (under ``<key_prefix>/<run_id>/rdzv/``; the run's store lives beside them under ``store/``):
 
 ``state``
     The state blob written by torch's ``DynamicRendezvousHandler``, framed as
@@ -26,7 +26,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import pickle
+import random
 import threading
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -38,6 +40,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from elastic.etcd import EtcdClient, EtcdConnectionError, EtcdError, KeyValue
 from elastic.etcd.lease import LeaseKeeper
+from elastic.etcd.watch import RevisionWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -89,14 +92,18 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._client = client
         self._run_id = run_id
         self._base = f"{key_prefix.rstrip('/')}/{run_id}/"
-        self._state_key = self._base + "state"
-        self._alive_prefix = self._base + "alive/"
+        self._rdzv_prefix = self._base + "rdzv/"
+        self._state_key = self._rdzv_prefix + "state"
+        self._alive_prefix = self._rdzv_prefix + "alive/"
+        self._last_revision = 0
+        self._backoff = 0.005
         self._state_ttl = state_ttl
         self._node_ttl = node_ttl
         self._lock = threading.Lock()
         self._state_lease: LeaseKeeper | None = None
         self._node_lease: LeaseKeeper | None = None
         self._node_key: str | None = None
+        self._watcher: RevisionWatcher | None = None
 
     # -- identity and leases -------------------------------------------------------------------------
     @property
@@ -140,8 +147,11 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def close(self) -> None:
         """Revoke this process's leases (its ``alive`` key disappears at once)."""
         with self._lock:
-            node, state = self._node_lease, self._state_lease
+            node, state, watcher = self._node_lease, self._state_lease, self._watcher
             self._node_lease = self._state_lease = None
+            self._watcher = None
+        if watcher is not None:
+            watcher.close()
         if node is not None:
             node.close()
         if state is not None:
@@ -151,7 +161,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
 
     # -- RendezvousBackend ---------------------------------------------------------------------------
     def get_state(self) -> tuple[bytes, Token] | None:
-        kv, alive, _ = self._wrap(lambda: self._client.get_with_prefix(self._state_key, self._alive_prefix))
+        kv, alive, revision = self._wrap(lambda: self._client.get_with_prefix(self._state_key, self._alive_prefix))
+        self._seen(revision)
         if kv is None:
             return None
         return self._decode(kv, alive), kv.mod_revision
@@ -166,7 +177,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             if expected <= 0:
                 return self._current_as_failed()
         lease = self.state_lease_id()
-        ok, kv, alive, _ = self._wrap(
+        ok, kv, alive, revision = self._wrap(
             lambda: self._client.compare_and_put(
                 self._state_key,
                 _frame(state),
@@ -175,11 +186,32 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                 read_prefix=self._alive_prefix,
             )
         )
+        self._seen(revision)
+        if not ok:
+            # Lost a race: back off a little, at random, so that many nodes joining at once do not
+            # retry in lock-step (each success would otherwise fail every other writer again).
+            time.sleep(random.uniform(0, self._backoff))
+            self._backoff = min(self._backoff * 2, 0.1)
+        else:
+            self._backoff = 0.005
         if kv is None:
             return None
         return self._decode(kv, alive), kv.mod_revision, ok
 
+    def wait_for_change(self, timeout: timedelta) -> bool:
+        """Block until the run's rendezvous keys (state, liveness) change after the last read, or
+        ``timeout`` passes; True on a change. Replaces torch's fixed 1 s polling while waiting."""
+        with self._lock:
+            if self._watcher is None:
+                self._watcher = RevisionWatcher(self._client, self._rdzv_prefix, self._last_revision + 1)
+            watcher, seen = self._watcher, self._last_revision
+        return watcher.wait_beyond(seen, timeout)
+
     # -- helpers -------------------------------------------------------------------------------------
+    def _seen(self, revision: int) -> None:
+        with self._lock:
+            self._last_revision = max(self._last_revision, revision)
+
     def _current_as_failed(self) -> tuple[bytes, Token, bool] | None:
         current = self.get_state()
         if current is None:

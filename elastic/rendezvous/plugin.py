@@ -13,6 +13,8 @@ import atexit
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -21,6 +23,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousParameters,
 )
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+from torch.distributed.elastic.rendezvous.api import RendezvousInfo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
@@ -55,13 +59,69 @@ OPTIONS: dict[str, str] = {
     "heartbeat_timeout": "5",
     "keep_alive_interval": "5",
     "keep_alive_max_attempt": "3",
+    "min_wake_interval": "0.1",
 }
 
 
+_local = threading.local()
+_patch_lock = threading.Lock()
+
+
+def _install_watch_delay() -> None:
+    """Let etcd-v3 handlers wait on a watch where torch's op executor sleeps 1 s between polls.
+
+    torch's ``_DistributedRendezvousOpExecutor`` calls the module function ``_delay(seconds=1)`` when a
+    node has to wait for others. It is replaced, once, by a function that does exactly the same unless
+    the calling thread is inside an etcd-v3 ``next_rendezvous`` (a thread-local waiter is set): then it
+    returns as soon as the run's keys change in etcd (and at the latest after the same second). Other
+    backends in the process (c10d, ...) are unaffected.
+    """
+    with _patch_lock:
+        if getattr(dynamic_rendezvous._delay, "_etcd_v3", False):
+            return
+        original = dynamic_rendezvous._delay
+
+        def _delay(seconds: float | tuple[float, float]) -> None:
+            waiter = getattr(_local, "waiter", None)
+            if waiter is None or isinstance(seconds, tuple):
+                original(seconds)
+            else:
+                waiter(timedelta(seconds=seconds))
+
+        _delay._etcd_v3 = True  # type: ignore[attr-defined]
+        dynamic_rendezvous._delay = _delay
+
+
 class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
-    """torch's dynamic rendezvous on the etcd v3 backend; ``shutdown`` also revokes this agent's lease."""
+    """torch's dynamic rendezvous on the etcd v3 backend.
+
+    Differences from ``DynamicRendezvousHandler``: while waiting for other nodes it blocks on an etcd
+    watch instead of polling every second; ``shutdown`` also revokes this agent's lease.
+    """
 
     _etcd_backend: EtcdV3RendezvousBackend
+    _min_wake_interval: float = 0.1
+    _last_wake: float = 0.0
+
+    def _wait_for_change(self, timeout: timedelta) -> None:
+        # Wake on a change, but no more often than every ``min_wake_interval``: with many nodes waiting,
+        # every join would otherwise wake all of them at once and their reads would starve the writers.
+        spacing = self._last_wake + self._min_wake_interval - time.monotonic()
+        if spacing > 0:
+            time.sleep(spacing)
+        changed = self._etcd_backend.wait_for_change(timeout)
+        self._last_wake = time.monotonic()
+        if changed:
+            holder = getattr(self, "_state_holder", None)
+            if holder is not None and hasattr(holder, "_last_sync_time"):
+                holder._last_sync_time = float("-inf")  # the cached state is stale: read on next sync
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        _local.waiter = self._wait_for_change
+        try:
+            return super().next_rendezvous()
+        finally:
+            _local.waiter = None
 
     def shutdown(self) -> bool:
         try:
@@ -113,6 +173,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # (pytorch#135712); the workers' rank 0 hosts the per-round TCPStore instead.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
+    _install_watch_delay()
     config = etcd_config_from_params(params)
     client = create_client(config)
     try:
@@ -159,6 +220,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_max_attempt=int(_opt(params, "keep_alive_max_attempt")),
     )
     handler._etcd_backend = backend
+    handler._min_wake_interval = float(_opt(params, "min_wake_interval"))
     node = handler._this_node
     backend.register_node(node.addr, node.pid)
     atexit.register(backend.close)

@@ -1,0 +1,52 @@
+"""One long-lived watch per prefix that many waiters can block on (no stream per wait)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+from elastic.etcd.client import EtcdClient
+
+__all__ = ["RevisionWatcher"]
+
+
+class RevisionWatcher:
+    """Tracks the newest revision at which a key under ``prefix`` changed.
+
+    ``wait_beyond(revision, timeout)`` returns True as soon as a change newer than ``revision`` has been
+    seen (at once if one already has), False after ``timeout``. The watch stream runs in a daemon thread
+    and re-opens itself from the last delivered revision when it breaks.
+    """
+
+    def __init__(self, client: EtcdClient, prefix: str, start_revision: int) -> None:
+        self._latest = start_revision - 1
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=client.watch_revisions,
+            args=(prefix, start_revision, self._on_revision, self._stop),
+            kwargs={"prefix": True},
+            name=f"etcd-watch:{prefix}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _on_revision(self, revision: int) -> None:
+        with self._cond:
+            if revision > self._latest:
+                self._latest = revision
+                self._cond.notify_all()
+
+    @property
+    def latest(self) -> int:
+        with self._cond:
+            return self._latest
+
+    def wait_beyond(self, revision: int, timeout: timedelta) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._latest > revision, timeout.total_seconds())
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
