@@ -2,13 +2,14 @@
 # elastic-train image: one image runs the controller (`etrain controller`), the node agents
 # (`etrain agent`, which starts torchrun) and the chart's `helm test` pod.
 #
-#   CPU (default):  docker build -t etrain:0.1.0 .
-#   CUDA:           docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
-#                                -t etrain:0.1.0-cuda .
-#   CUDA base:      add --build-arg BASE_IMAGE=<an image with python3.11, e.g. built FROM nvidia/cuda>
+#   CPU, the default:  docker build -t etrain:0.1.0 .
+#   CUDA:              docker build --build-arg TORCH_INDEX_URL=https://pypi.org/simple -t etrain:0.1.0-cuda .
 #
-# CUDA torch wheels carry the CUDA runtime, cuDNN and NCCL as pip packages, so the slim Python base is
-# enough on GPU nodes (the node provides the driver through the NVIDIA container toolkit).
+# TORCH_INDEX_URL picks the torch build: the CPU index by default; PyPI's Linux wheel is the CUDA build
+# (a download.pytorch.org/whl/cuXXX index picks another CUDA version). CUDA wheels carry the CUDA runtime,
+# cuDNN and NCCL as pip packages, so the slim Python base serves GPU nodes too: the node supplies the
+# driver through the NVIDIA container toolkit. BASE_IMAGE swaps the base of both stages, e.g. for an
+# image of your own built FROM nvidia/cuda with Python 3.11 (it must provide python3 with venv).
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 

@@ -45,7 +45,7 @@ env_file=$(umask 077 && mktemp "$env_dir/.etrain-env.${PBS_JOBID:-$$}.XXXXXX")
 trap 'rm -f "$env_file"' EXIT
 while IFS= read -r name; do
   printf 'export %s=%q\n' "$name" "${!name}"
-done < <(compgen -e | grep -E '^(ETRAIN_|NCCL_|TORCH_|AWS_|PATH$|LD_LIBRARY_PATH$|PYTHONPATH$|VIRTUAL_ENV$)' | grep -v '^ETRAIN_ENV_FILE$') >"$env_file"
+done < <(compgen -e | grep -E '^(ETRAIN_|NCCL_|TORCH_|AWS_|PATH$|LD_LIBRARY_PATH$|PYTHONPATH$|VIRTUAL_ENV$|PBS_JOBID$)' | grep -v '^ETRAIN_ENV_FILE$') >"$env_file"
 
 bash_bin=$(command -v bash)
 node_cmd=(/usr/bin/env "ETRAIN_ENV_FILE=$env_file" "$bash_bin" "$hpc_dir/etrain-node-agent.sh")
