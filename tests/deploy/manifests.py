@@ -15,8 +15,18 @@ WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-_VOLUME_SOURCES = ("emptyDir", "persistentVolumeClaim", "secret", "configMap", "hostPath", "projected", "csi",
-                   "nfs", "downwardAPI", "ephemeral")
+_VOLUME_SOURCES = (
+    "emptyDir",
+    "persistentVolumeClaim",
+    "secret",
+    "configMap",
+    "hostPath",
+    "projected",
+    "csi",
+    "nfs",
+    "downwardAPI",
+    "ephemeral",
+)
 
 
 @dataclass(frozen=True)
@@ -70,9 +80,9 @@ def pod_spec(m: Manifest) -> dict[str, Any]:
 
 
 def pod_labels(m: Manifest) -> dict[str, str]:
-    labels: dict[str, str] = (m.obj["metadata"] if m.kind == "Pod" else m.obj["spec"]["template"]["metadata"]).get(
-        "labels"
-    ) or {}
+    labels: dict[str, str] = (
+        m.obj["metadata"] if m.kind == "Pod" else m.obj["spec"]["template"]["metadata"]
+    ).get("labels") or {}
     return labels
 
 
@@ -135,14 +145,18 @@ def problems(manifests: list[Manifest]) -> list[str]:
                 for w in targets:
                     names = {p["name"] for c in pod_spec(w)["containers"] for p in c.get("ports", [])}
                     if target not in names:
-                        errs.append(f"Service/{svc.name}: targetPort {target} is not a port of {w.kind}/{w.name}")
+                        errs.append(
+                            f"Service/{svc.name}: targetPort {target} is not a port of {w.kind}/{w.name}"
+                        )
     for pdb in find(manifests, "PodDisruptionBudget"):
         if not any(selects(pdb.obj["spec"]["selector"]["matchLabels"], pod_labels(w)) for w in workloads):
             errs.append(f"PodDisruptionBudget/{pdb.name}: selects no workload")
     for hpa in find(manifests, "HorizontalPodAutoscaler"):
         ref = hpa.obj["spec"]["scaleTargetRef"]
         if (ref["kind"], ref["name"]) not in by_kind_name:
-            errs.append(f"HorizontalPodAutoscaler/{hpa.name}: target {ref['kind']}/{ref['name']} is not rendered")
+            errs.append(
+                f"HorizontalPodAutoscaler/{hpa.name}: target {ref['kind']}/{ref['name']} is not rendered"
+            )
         if hpa.obj["spec"]["minReplicas"] > hpa.obj["spec"]["maxReplicas"]:
             errs.append(f"HorizontalPodAutoscaler/{hpa.name}: minReplicas > maxReplicas")
     for ing in find(manifests, "Ingress"):
@@ -162,9 +176,11 @@ def _pod_problems(m: Manifest) -> list[str]:
     where = f"{m.kind}/{m.name}"
     spec = pod_spec(m)
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
-    claim_templates = {t["metadata"]["name"] for t in m.obj["spec"].get("volumeClaimTemplates", [])} if m.kind == (
-        "StatefulSet"
-    ) else set()
+    claim_templates = (
+        {t["metadata"]["name"] for t in m.obj["spec"].get("volumeClaimTemplates", [])}
+        if m.kind == ("StatefulSet")
+        else set()
+    )
     for name, vol in volumes.items():
         sources = [k for k in _VOLUME_SOURCES if vol.get(k) is not None]
         if len(sources) != 1:

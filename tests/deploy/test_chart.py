@@ -73,27 +73,35 @@ def test_values_pass_the_chart_schema(chart: helm.Chart, ci_values_file: Path) -
 def test_rendered_objects_are_valid_kubernetes(chart: helm.Chart, ci_values_file: Path) -> None:
     objects = render(chart, load_values(ci_values_file))
     assert len(objects) >= 8
+    invalid: list[str] = []
     for kube in (OLDEST_KUBE, CURRENT_KUBE):
         for m in objects:
             try:
                 kubernetes_validate.validate(m.obj, kube, strict=True)
             except kubernetes_validate.ValidationError as exc:
                 path = "/".join(str(p) for p in exc.path)
-                pytest.fail(f"{m.template}: {m.kind}/{m.name} invalid for Kubernetes {kube} at {path}: {exc.message}")
+                invalid.append(
+                    f"{m.template}: {m.kind}/{m.name} invalid for Kubernetes {kube} at {path}: {exc.message}"
+                )
+    assert invalid == []
 
 
 def test_rendered_objects_reference_each_other_consistently(chart: helm.Chart, ci_values_file: Path) -> None:
     assert mf.problems(render(chart, load_values(ci_values_file))) == []
 
 
-def test_every_pod_runs_non_root_read_only_without_privileges(chart: helm.Chart, ci_values_file: Path) -> None:
+def test_every_pod_runs_non_root_read_only_without_privileges(
+    chart: helm.Chart, ci_values_file: Path
+) -> None:
     objects = render(chart, load_values(ci_values_file))
     all_pods = list(mf.pods(objects))
     assert {m.name.rsplit("-", 1)[-1] for m in all_pods} >= {"controller", "agent", "readyz"}
     assert [p for m in all_pods for p in mf.security_problems(m)] == []
 
 
-def test_install_dry_run_succeeds_and_notes_name_the_checkpoint_url(chart: helm.Chart, ci_values_file: Path) -> None:
+def test_install_dry_run_succeeds_and_notes_name_the_checkpoint_url(
+    chart: helm.Chart, ci_values_file: Path
+) -> None:
     values = load_values(ci_values_file)
     with helm.Config(namespace=NAMESPACE) as cfg:
         release = cfg.install(chart, RELEASE, values, dry_run="client", namespace=NAMESPACE)
@@ -133,7 +141,9 @@ def test_in_cluster_etcd_members_bootstrap_one_cluster(chart: helm.Chart) -> Non
     endpoints = mf.env_of(mf.container(mf.one(objects, "Deployment", "-controller"), "controller"))[
         "ETRAIN_ETCD_ENDPOINTS"
     ]
-    assert endpoints.split(",") == [f"{name}.{headless}.{NAMESPACE}.svc.cluster.local:2379" for name in members]
+    assert endpoints.split(",") == [
+        f"{name}.{headless}.{NAMESPACE}.svc.cluster.local:2379" for name in members
+    ]
     claims = sts.obj["spec"]["volumeClaimTemplates"]
     assert claims[0]["spec"]["accessModes"] == ["ReadWriteOnce"]
 
@@ -142,7 +152,10 @@ def test_external_etcd_replaces_the_in_cluster_one_and_mounts_tls_and_password(c
     values = by_name("external-etcd")
     objects = render(chart, values)
     assert [m for m in objects if m.name.endswith(("-etcd", "-etcd-headless"))] == []
-    for workload, name in ((mf.one(objects, "Deployment"), "controller"), (mf.one(objects, "StatefulSet"), "agent")):
+    for workload, name in (
+        (mf.one(objects, "Deployment"), "controller"),
+        (mf.one(objects, "StatefulSet"), "agent"),
+    ):
         c = mf.container(workload, name)
         env = mf.env_of(c)
         assert env["ETRAIN_ETCD_ENDPOINTS"] == ",".join(values["etcd"]["external"]["endpoints"])
@@ -176,7 +189,10 @@ def test_external_etcd_replaces_the_in_cluster_one_and_mounts_tls_and_password(c
 def test_s3_storage_exports_credentials_from_the_secret(chart: helm.Chart) -> None:
     objects = render(chart, by_name("s3"))
     assert mf.find(objects, "PersistentVolumeClaim") == []
-    for workload, name in ((mf.one(objects, "Deployment"), "controller"), (mf.one(objects, "StatefulSet", "-agent"), "agent")):
+    for workload, name in (
+        (mf.one(objects, "Deployment"), "controller"),
+        (mf.one(objects, "StatefulSet", "-agent"), "agent"),
+    ):
         env = mf.env_of(mf.container(workload, name))
         assert env["AWS_ACCESS_KEY_ID"] == {
             "secretKeyRef": {"name": "etrain-s3-credentials", "key": "AWS_ACCESS_KEY_ID"}
@@ -201,7 +217,10 @@ def test_lustre_claim_is_read_write_many_and_mounted_at_one_path_everywhere(char
     assert pvc.obj["spec"]["accessModes"] == ["ReadWriteMany"]
     assert pvc.obj["spec"]["storageClassName"] == "lustre-csi"
     assert pvc.obj["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    for workload, name in ((mf.one(objects, "Deployment"), "controller"), (mf.one(objects, "DaemonSet"), "agent")):
+    for workload, name in (
+        (mf.one(objects, "Deployment"), "controller"),
+        (mf.one(objects, "DaemonSet"), "agent"),
+    ):
         volumes = {v["name"]: v for v in mf.pod_spec(workload)["volumes"]}
         assert volumes["shared"]["persistentVolumeClaim"]["claimName"] == pvc.name
         mounts = {m["name"]: m["mountPath"] for m in mf.container(workload, name)["volumeMounts"]}
@@ -238,7 +257,9 @@ def test_auth_tokens_reach_the_controller_as_its_tokens_file(chart: helm.Chart) 
     deploy = mf.one(objects, "Deployment")
     c = mf.container(deploy, "controller")
     assert _mounted_files(deploy, c)[mf.env_of(c)["ETRAIN_TOKENS_FILE"]] == secret.name
-    assert re.fullmatch(r"[0-9a-f]{64}", deploy.obj["spec"]["template"]["metadata"]["annotations"]["checksum/auth"])
+    assert re.fullmatch(
+        r"[0-9a-f]{64}", deploy.obj["spec"]["template"]["metadata"]["annotations"]["checksum/auth"]
+    )
     ingress = mf.one(objects, "Ingress")
     backend = ingress.obj["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
     assert backend == {"name": mf.one(objects, "Service", "-controller").name, "port": {"name": "http"}}
@@ -270,7 +291,9 @@ def test_helm_test_hook_requests_the_controller_readyz(chart: helm.Chart) -> Non
     assert annotations["helm.sh/hook"] == "test"
     svc = mf.one(objects, "Service", "-controller")
     url = mf.container(pod, "readyz")["command"][3]
-    assert url == f"http://{svc.name}.{NAMESPACE}.svc.cluster.local:{svc.obj['spec']['ports'][0]['port']}/readyz"
+    assert (
+        url == f"http://{svc.name}.{NAMESPACE}.svc.cluster.local:{svc.obj['spec']['ports'][0]['port']}/readyz"
+    )
 
 
 @pytest.mark.timeout(60)
@@ -283,7 +306,9 @@ def test_helm_test_script_fails_with_a_message_when_the_controller_is_unreachabl
     assert command[:2] == ["python3", "-c"] and command[4] == "3"
     url = f"http://127.0.0.1:{free_port()}/readyz"
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", command[2], url, "3"], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-c", command[2], url, "3"], capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 1
     assert f"{url}: not ready:" in proc.stdout
     assert 3 <= time.monotonic() - started < 20
@@ -298,7 +323,9 @@ _FAILS = [
         "etrain: agent.autoscaling.minReplicas (5) is greater than agent.autoscaling.maxReplicas (2)",
         id="min-nodes-above-max-nodes",
     ),
-    pytest.param({"storage": {"type": "s3"}}, "etrain: storage.type=s3 needs storage.s3.bucket", id="s3-no-bucket"),
+    pytest.param(
+        {"storage": {"type": "s3"}}, "etrain: storage.type=s3 needs storage.s3.bucket", id="s3-no-bucket"
+    ),
     pytest.param(
         {"storage": {"type": "s3", "s3": {"bucket": "ckpt"}}},
         "etrain: storage.type=s3 needs credentials",
@@ -345,10 +372,16 @@ _FAILS = [
 
 
 @pytest.mark.parametrize(("overrides", "message"), _FAILS)
-def test_bad_values_fail_with_the_intended_message(chart: helm.Chart, overrides: dict[str, Any], message: str) -> None:
-    storage = {} if "storage" in overrides or not overrides else {"storage": {"pvc": {"existingClaim": "ckpt"}}}
+def test_bad_values_fail_with_the_intended_message(
+    chart: helm.Chart, overrides: dict[str, Any], message: str
+) -> None:
+    storage = (
+        {} if "storage" in overrides or not overrides else {"storage": {"pvc": {"existingClaim": "ckpt"}}}
+    )
     values = _merge(storage, overrides)
-    chart.validate_schema(chart.merge_values(values))  # the schema accepts each of them: the chart logic rejects
+    chart.validate_schema(
+        chart.merge_values(values)
+    )  # the schema accepts each of them: the chart logic rejects
     with pytest.raises(helm.HelmRenderError) as info:
         chart.render(values, name=RELEASE, namespace=NAMESPACE)
     assert message in str(info.value)
@@ -358,26 +391,40 @@ def test_bad_values_fail_with_the_intended_message(chart: helm.Chart, overrides:
 
 
 _SCHEMA_FAILS = [
-    pytest.param({"agent": {"replica": 3}}, "at '/agent': additional properties 'replica' not allowed", id="typo"),
-    pytest.param({"storage": {"type": "nfs"}}, "at '/storage/type': value must be one of 'pvc', 's3'", id="storage"),
+    pytest.param(
+        {"agent": {"replica": 3}}, "at '/agent': additional properties 'replica' not allowed", id="typo"
+    ),
+    pytest.param(
+        {"storage": {"type": "nfs"}}, "at '/storage/type': value must be one of 'pvc', 's3'", id="storage"
+    ),
     pytest.param(
         {"auth": {"enabled": True, "tokens": [{"name": "x", "role": "root", "token": "t" * 20}]}},
         "at '/auth/tokens/0/role': value must be one of 'admin', 'read'",
         id="role",
     ),
-    pytest.param({"agent": {"nprocPerNode": -1}}, "at '/agent/nprocPerNode': minimum: got -1, want 0", id="nproc"),
+    pytest.param(
+        {"agent": {"nprocPerNode": -1}}, "at '/agent/nprocPerNode': minimum: got -1, want 0", id="nproc"
+    ),
     pytest.param(
         {"agent": {"autoscaling": {"minReplicas": 0}}},
         "at '/agent/autoscaling/minReplicas': minimum: got 0, want 1",
         id="min-nodes-zero",
     ),
-    pytest.param({"etcd": {"external": {"endpoints": ["http://a b:2379"]}}}, "at '/etcd/external/endpoints/0'", id="url"),
-    pytest.param({"controller": {"port": 70000}}, "at '/controller/port': maximum: got 70,000, want 65,535", id="port"),
+    pytest.param(
+        {"etcd": {"external": {"endpoints": ["http://a b:2379"]}}},
+        "at '/etcd/external/endpoints/0'",
+        id="url",
+    ),
+    pytest.param(
+        {"controller": {"port": 70000}}, "at '/controller/port': maximum: got 70,000, want 65,535", id="port"
+    ),
 ]
 
 
 @pytest.mark.parametrize(("overrides", "message"), _SCHEMA_FAILS)
-def test_schema_rejects_bad_values_naming_the_key(chart: helm.Chart, overrides: dict[str, Any], message: str) -> None:
+def test_schema_rejects_bad_values_naming_the_key(
+    chart: helm.Chart, overrides: dict[str, Any], message: str
+) -> None:
     values = _merge({"storage": {"pvc": {"existingClaim": "ckpt"}}}, overrides)
     with pytest.raises(helm.HelmValuesError) as info:
         chart.render(values, name=RELEASE, namespace=NAMESPACE)

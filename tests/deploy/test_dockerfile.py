@@ -4,6 +4,7 @@ build context to what the Dockerfile copies. (No Docker engine here: the image i
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shlex
@@ -91,7 +92,9 @@ def test_multi_stage_build_with_a_slim_non_root_runtime() -> None:
     copies = [i.args for i in runtime if i.keyword == "COPY"]
     assert copies == ["--from=build /opt/venv /opt/venv"]  # only the virtualenv, no sources or build tools
     users = [i.args for i in runtime if i.keyword == "USER"]
-    assert users and re.fullmatch(r"[1-9][0-9]*:[1-9][0-9]*", users[-1])  # numeric: runAsNonRoot can verify it
+    assert users and re.fullmatch(
+        r"[1-9][0-9]*:[1-9][0-9]*", users[-1]
+    )  # numeric: runAsNonRoot can verify it
     chart_user = yaml.safe_load((CHART_DIR / "values.yaml").read_text())["podSecurityContext"]
     assert users[-1] == f"{chart_user['runAsUser']}:{chart_user['runAsGroup']}"
     arg_base = next(i.args for i in instructions if i.keyword == "ARG" and i.args.startswith("BASE_IMAGE="))
@@ -156,7 +159,7 @@ def test_documented_build_commands_are_the_dockerfiles_and_use_its_arguments() -
     tags = set()
     for argv in in_docs:
         assert argv[-1] == "."
-        for flag, value in zip(argv, argv[1:], strict=False):
+        for flag, value in itertools.pairwise(argv):
             if flag == "--build-arg":
                 assert value.split("=", 1)[0] in declared, value
             if flag == "-t":
@@ -211,7 +214,9 @@ def excluded(path: str, patterns: list[str]) -> bool:
 
 def test_dockerignore_keeps_the_copied_sources_and_drops_everything_else() -> None:
     patterns = [
-        ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")
+        ln.strip()
+        for ln in (REPO / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
     ]
     copied = [
         src
