@@ -512,3 +512,143 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+# --- the rendered commands start the real service --------------------------------------------------------
+
+
+def _expand(env: list[dict[str, Any]], overrides: dict[str, str], fields: dict[str, str]) -> dict[str, str]:
+    """A container's env as the kubelet builds it: downward-API fields filled in, `$(VAR)` expanded from
+    variables defined earlier in the list; secret references are left out."""
+    out: dict[str, str] = {}
+    for item in env:
+        name = item["name"]
+        if name in overrides:
+            value = overrides[name]
+        elif "value" in item:
+            value = re.sub(
+                r"\$\(([A-Za-z_]\w*)\)", lambda m: out.get(m.group(1), m.group(0)), str(item["value"])
+            )
+        elif "fieldRef" in item.get("valueFrom", {}):
+            value = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            continue
+        out[name] = value
+    return out
+
+
+def _service_cli_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("service.cli") is not None
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(
+    not _service_cli_available(), reason="the service CLI (service/cli.py) is not in this tree"
+)
+def test_rendered_controller_command_serves_readyz_for_the_helm_test_script(
+    chart: helm.Chart, etcd_server: Any, tmp_path: Path
+) -> None:
+    """The controller container's command and env, as rendered, start the real controller against a real
+    etcd; the `helm test` pod's script then passes against it."""
+    import os
+
+    from elastic.etcd.server import free_port
+
+    objects = render(chart, by_name("auth"))
+    container = mf.container(mf.one(objects, "Deployment"), "controller")
+    port = free_port()
+    env = _expand(
+        container["env"],
+        {
+            "ETRAIN_ETCD_ENDPOINTS": etcd_server.endpoints,
+            "ETRAIN_HOST": "127.0.0.1",
+            "ETRAIN_PORT": str(port),
+            "ETRAIN_TOKENS_FILE": str(tmp_path / "tokens.yaml"),
+            "HOME": str(tmp_path),
+        },
+        {},
+    )
+    tokens = yaml.safe_load(mf.one(objects, "Secret", "-auth").obj["stringData"]["tokens.yaml"])
+    (tmp_path / "tokens.yaml").write_text(yaml.safe_dump(tokens))
+    assert container["command"][0] == "etrain"
+    argv = [
+        sys.executable,
+        "-c",
+        "import sys; from service.cli import main; sys.exit(main())",
+        *container["command"][1:],
+    ]
+    repo = str(CHART_DIR.parents[1])
+    full_env = {**os.environ, **env, "PYTHONPATH": repo}
+    proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        script = mf.container(mf.one(objects, "Pod"), "readyz")["command"][2]
+        check = subprocess.run(
+            [sys.executable, "-c", script, f"http://127.0.0.1:{port}/readyz", "45"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert check.returncode == 0, (check.stdout, proc.poll())
+        assert "HTTP 200" in check.stdout
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(
+    not _service_cli_available(), reason="the service CLI (service/cli.py) is not in this tree"
+)
+def test_rendered_agent_command_starts_an_agent_that_answers_healthz(
+    chart: helm.Chart, etcd_server: Any, tmp_path: Path
+) -> None:
+    """The agent container's command and env (downward-API fields and `$(VAR)` expanded as the kubelet
+    does) start the real agent against a real etcd, and its health port answers."""
+    import os
+
+    from elastic.etcd.server import free_port
+
+    container = mf.container(mf.one(render(chart, by_name("s3")), "StatefulSet", "-agent"), "agent")
+    port = free_port()
+    env = _expand(
+        container["env"],
+        {
+            "ETRAIN_ETCD_ENDPOINTS": etcd_server.endpoints,
+            "ETRAIN_PREFIX": f"/deploy-test/{port}",
+            "ETRAIN_HEALTH_PORT": str(port),
+            "ETRAIN_WORK_DIR": str(tmp_path / "work"),
+            "HOME": str(tmp_path),
+        },
+        {"metadata.name": "demo-etrain-agent-0", "status.podIP": "127.0.0.1", "spec.nodeName": "node-a"},
+    )
+    assert env["ETRAIN_NODE_NAME"] == "demo-etrain-agent-0" and env["ETRAIN_RDZV_HOST"] == "127.0.0.1"
+    argv = [
+        sys.executable,
+        "-c",
+        "import sys; from service.cli import main; sys.exit(main())",
+        *container["command"][1:],
+    ]
+    full_env = {**os.environ, **env, "PYTHONPATH": str(CHART_DIR.parents[1])}
+    proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        script = mf.container(mf.one(render(chart, by_name("s3")), "Pod"), "readyz")["command"][2]
+        check = subprocess.run(
+            [sys.executable, "-c", script, f"http://127.0.0.1:{port}/healthz", "45"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert check.returncode == 0, (check.stdout, proc.poll())
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
