@@ -138,8 +138,10 @@ def bench_rendezvous(sizes: list[int], trials: int, etcd: LocalEtcdCluster) -> l
                     "total_median_s": statistics.median(s["total_s"] for s in samples),
                 }
             )
+            arrival = "staggered" if staggered else "burst"
             print(
-                f"rendezvous {backend:8s} {'staggered' if staggered else 'burst':9s} N={n:3d}: from last join median {rows[-1]['from_last_join_median_s']:.3f}s"
+                f"rendezvous {backend:8s} {arrival:9s} N={n:3d}: "
+                f"from last join median {rows[-1]['from_last_join_median_s']:.3f}s"
                 f" max {rows[-1]['from_last_join_max_s']:.3f}s, total median {rows[-1]['total_median_s']:.3f}s",
                 flush=True,
             )

@@ -116,6 +116,11 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return self._base
 
     @property
+    def state_key(self) -> str:
+        """The etcd key holding the framed rendezvous state."""
+        return self._state_key
+
+    @property
     def client(self) -> EtcdClient:
         return self._client
 

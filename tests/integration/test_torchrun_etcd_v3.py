@@ -145,7 +145,12 @@ def test_losing_one_of_three_etcd_members_causes_no_worker_failure(
     for name in ("a", "b"):
         agents.append(_agent(tmp_path, name, ep, run_id, "2:2", out, steps=140, step_time=0.05))
     assert wait_until(lambda: len(_worlds(out)) >= 10, 120), _logs(agents)
+    # Take two different members down in turn, so the member each agent is connected to is lost once.
     etcd_cluster3.stop_member(0)
+    time.sleep(2)
+    etcd_cluster3.start_member(0)
+    etcd_cluster3.wait_healthy(index=0)
+    etcd_cluster3.stop_member(1)
     for a in agents:
         assert a.wait(timeout=150) == 0, _logs(agents)
     starts = [r for r in read_jsonl(out / "events.jsonl") if r["event"] == "start"]

@@ -109,7 +109,7 @@ def test_runs_are_isolated(make_backend: BackendFactory) -> None:
 def test_corrupt_state_raises_state_error(etcd_client: EtcdClient, key_prefix: str) -> None:
     backend = EtcdV3RendezvousBackend(etcd_client, "run-x", key_prefix=key_prefix)
     backend.set_state(b"good")
-    etcd_client.put(backend.key_base + "state", b"garbage written by someone else")
+    etcd_client.put(backend.state_key, b"garbage written by someone else")
     with pytest.raises(RendezvousStateError):
         backend.get_state()
 
@@ -117,10 +117,10 @@ def test_corrupt_state_raises_state_error(etcd_client: EtcdClient, key_prefix: s
 def test_bit_flip_in_state_is_detected(etcd_client: EtcdClient, key_prefix: str) -> None:
     backend = EtcdV3RendezvousBackend(etcd_client, "run-x", key_prefix=key_prefix)
     backend.set_state(b"good state")
-    kv, _ = etcd_client.get(backend.key_base + "state")
+    kv, _ = etcd_client.get(backend.state_key)
     assert kv is not None
     flipped = kv.value[:-1] + bytes([kv.value[-1] ^ 0x01])
-    etcd_client.put(backend.key_base + "state", flipped)
+    etcd_client.put(backend.state_key, flipped)
     with pytest.raises(RendezvousStateError, match="checksum"):
         backend.get_state()
 
@@ -130,14 +130,14 @@ def test_state_key_is_on_a_lease_so_abandoned_state_expires(etcd_client: EtcdCli
         etcd_client, "run-ttl", key_prefix=key_prefix, state_ttl=timedelta(seconds=2)
     )
     backend.set_state(b"abandoned")
-    kv, _ = etcd_client.get(backend.key_base + "state")
+    kv, _ = etcd_client.get(backend.state_key)
     assert kv is not None and kv.lease != 0
     backend.close()  # stops refreshing: as if every agent died
     deadline_ok = False
     import time
 
     for _ in range(60):
-        if etcd_client.get(backend.key_base + "state")[0] is None:
+        if etcd_client.get(backend.state_key)[0] is None:
             deadline_ok = True
             break
         time.sleep(0.1)
