@@ -1,0 +1,340 @@
+"""The worker-side elastic loop: a few lines turn a DDP script into an elastic, resumable one.
+
+    trainer = ElasticTrainer(model, optimizer, dataset, ElasticConfig(checkpoint_url=..., lr_policy=...))
+    for x, y in trainer.batches(epochs=3):
+        trainer.backward(loss_fn(trainer.model(x), y))
+    trainer.close()
+
+What it does, in order: joins the process group torchrun describes (gloo on CPU, NCCL on GPU); checks the
+checkpoint storage (a clear error before training); restores the newest verified snapshot that rank 0 picks
+(model, optimizer, scheduler, data cursor, RNG, step, LR policy reference); wraps the model in DDP, which
+broadcasts rank 0's parameters so replicas start identical; then, for each optimizer step, hands out this
+rank's share of exactly the samples not yet consumed this epoch (split into micro-batches under ``no_sync``
+for gradient accumulation), scales the loss so the gradient is the exact mean over the global batch, applies
+the LR policy's factor (with its warmup ramp after a resize) around ``optimizer.step()``, steps the LR
+scheduler, advances the data cursor, saves snapshots on a step/time schedule (asynchronously), logs progress
+averaged over workers, and on SIGTERM saves synchronously at the step boundary and stops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import default_collate
+
+from elastic.checkpoint import (
+    CheckpointOptions,
+    PreemptionWatcher,
+    capture_training_state,
+    create_checkpoint_manager,
+    restore_training_state,
+)
+from elastic.checkpoint.api import CheckpointManager
+from elastic.lr import LRPolicy, RampState, scaled_lr
+from elastic.sampler import ElasticSampler, split_sizes
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ElasticConfig", "ElasticTrainer", "StepInfo"]
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """Settings of one job's elastic loop (``checkpoint_url`` defaults to ``$ETRAIN_CHECKPOINT_URL``)."""
+
+    lr_policy: LRPolicy
+    checkpoint_url: str | None = None
+    checkpoint_options: CheckpointOptions = field(default_factory=CheckpointOptions)
+    save_every_steps: int | None = 50
+    save_every: timedelta | None = None
+    seed: int = 0
+    shuffle: bool = True
+    backend: str | None = None  # None: nccl with CUDA, else gloo
+    progress_every: int = 10
+    timeout: timedelta = timedelta(minutes=10)
+
+    def resolved_checkpoint_url(self) -> str | None:
+        return self.checkpoint_url or os.environ.get("ETRAIN_CHECKPOINT_URL") or None
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One committed optimizer step, as seen by this rank (for progress hooks and sample accounting)."""
+
+    step: int
+    epoch: int
+    rank: int
+    world_size: int
+    indices: Sequence[int]
+    lr: float
+    loss: float | None
+
+
+class ElasticTrainer:
+    """See the module docstring. The optimizer must be created with ``lr = lr_policy.base_lr``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Any,
+        config: ElasticConfig,
+        *,
+        scheduler: Any = None,
+        collate_fn: Callable[[list[Any]], Any] = default_collate,
+        on_step: Callable[[StepInfo], None] | None = None,
+    ) -> None:
+        self.config = config
+        self._dataset = dataset
+        self._collate = collate_fn
+        self._on_step = on_step
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self._init_process_group()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = self._pick_device()
+        self.policy = config.lr_policy
+        self.step = 0
+        self.sampler = ElasticSampler(len(dataset), seed=config.seed, shuffle=config.shuffle)
+        self.sampler.set_world(self.rank, self.world_size)
+        self._ramp = self.policy.start_ramp(0, self.policy.factor(self.world_size), self.world_size)
+        self._manager = self._open_checkpoints()
+        model.to(self.device)
+        self._restore(model)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self.model = DistributedDataParallel(model, device_ids=device_ids)  # broadcasts rank 0's state
+        self._preemption = PreemptionWatcher().install()
+        self._last_save_time = time.monotonic()
+        self._loss_sum = 0.0
+        self._loss_count = 0
+        self._scale = 1.0
+        self._backward_done = True
+        self._stopped = False
+        if abs(optimizer.param_groups[0]["lr"] - self.policy.base_lr) > 1e-12 and self.step == 0:
+            logger.warning(
+                "optimizer lr %g differs from the LR policy's base_lr %g; the policy's factor multiplies the "
+                "optimizer's lr", optimizer.param_groups[0]["lr"], self.policy.base_lr,
+            )  # fmt: skip
+
+    # -- set-up --------------------------------------------------------------------------------------
+    def _init_process_group(self) -> None:
+        if dist.is_initialized():
+            return
+        backend = self.config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend, timeout=self.config.timeout)
+
+    def _pick_device(self) -> torch.device:
+        if dist.get_backend() == "nccl":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            return torch.device("cuda", local)
+        return torch.device("cpu")
+
+    def _open_checkpoints(self) -> CheckpointManager | None:
+        url = self.config.resolved_checkpoint_url()
+        if url is None:
+            logger.warning("no checkpoint URL: training will not survive a restart")
+            return None
+        manager = create_checkpoint_manager(url, self.config.checkpoint_options)
+        manager.check_storage()  # one clear line, before any training, if the storage is unusable
+        return manager
+
+    def _restore(self, model: torch.nn.Module) -> None:
+        if self._manager is None:
+            return
+        # Rank 0 picks the snapshot, so every rank restores the same one even if a save lands meanwhile.
+        chosen = torch.tensor([-1], dtype=torch.int64)
+        snapshot = self._manager.load_latest() if self.rank == 0 else None
+        if snapshot is not None:
+            chosen[0] = snapshot.step
+        dist.broadcast(chosen, 0)
+        step = int(chosen.item())
+        if step < 0:
+            return
+        if snapshot is None:
+            snapshot = self._manager.load(step)
+        ts = restore_training_state(snapshot.training_state(), model, self.optimizer, self.scheduler)
+        self.step = ts.step
+        self.sampler.load_state_dict(dict(ts.data_cursor)["sampler"])
+        if ts.lr_reference:
+            stored = LRPolicy.from_reference(dict(ts.lr_reference))
+            if stored != self.policy:
+                logger.warning("using the LR policy stored in the checkpoint (%s), not %s", stored, self.policy)
+            self.policy = stored
+        saved_ramp = dict(ts.extras).get("lr_ramp")
+        ramp = RampState(**saved_ramp) if saved_ramp else self._ramp
+        if ts.world_size != self.world_size:
+            in_force = self.policy.factor_at(self.step, ramp)
+            self._ramp = self.policy.start_ramp(self.step, in_force, self.world_size)
+            logger.info(
+                "resized %d -> %d workers at step %d: LR factor %.6g -> %.6g over %d steps",
+                ts.world_size, self.world_size, self.step, in_force, self._ramp.target_factor,
+                self.policy.warmup_steps,
+            )  # fmt: skip
+        else:
+            self._ramp = ramp
+        logger.info("resumed from step %d (epoch %d, position %d)", self.step, self.sampler.epoch, self.sampler.position)
+
+    # -- the loop ------------------------------------------------------------------------------------
+    @property
+    def lr_factor(self) -> float:
+        return self.policy.factor_at(self.step, self._ramp)
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) * self.lr_factor
+
+    def batches(self, epochs: int) -> Iterator[Any]:
+        """Yield this rank's micro-batches until ``epochs`` epochs are done; each must get one
+        :meth:`backward`. The optimizer step runs inside, after the last micro-batch of each step."""
+        plan = self.policy.step_plan(self.world_size)
+        while self.sampler.epoch < epochs and not self._stopped:
+            total = self.sampler.step_size(plan.global_batch)
+            mine = self.sampler.step_indices(plan.global_batch)
+            offset = 0
+            for j, size in enumerate(split_sizes(len(mine), plan.accumulation_steps)):
+                last = j == plan.accumulation_steps - 1
+                with nullcontext() if last else self.model.no_sync():
+                    idx = mine[offset : offset + size]
+                    offset += size
+                    if size == 0:
+                        self._zero_backward()
+                        continue
+                    self._scale = size * self.world_size / total  # exact mean over the global batch
+                    self._backward_done = False
+                    yield self._batch(idx)
+                    if not self._backward_done:
+                        raise RuntimeError("trainer.backward(loss) must be called once for every batch")
+            self._finish_step(mine)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of the mean loss over the micro-batch just yielded (scaled for exact averaging)."""
+        (loss * self._scale).backward()
+        self._backward_done = True
+        self._loss_sum += float(loss.detach()) * self._scale
+        self._loss_count += 1
+
+    def _batch(self, idx: Sequence[int]) -> Any:
+        batch = self._collate([self._dataset[i] for i in idx])
+        return _to_device(batch, self.device)
+
+    def _zero_backward(self) -> None:
+        # A rank with no samples in this micro-batch still joins DDP's all-reduce, with zero gradients.
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        torch.stack([p.sum() for p in params]).sum().mul(0.0).backward()
+
+    def _finish_step(self, indices: Sequence[int]) -> None:
+        plan = self.policy.step_plan(self.world_size)
+        lr = self.current_lr()
+        with scaled_lr(self.optimizer, self.lr_factor):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        epoch = self.sampler.epoch
+        self.sampler.advance(plan.global_batch)
+        self.step += 1
+        loss = self._loss_sum if self._loss_count else None
+        self._loss_sum, self._loss_count = 0.0, 0
+        if self._on_step is not None:
+            self._on_step(StepInfo(self.step, epoch, self.rank, self.world_size, list(indices), lr, loss))
+        self._maybe_report(lr, loss)
+        self._maybe_save()
+
+    def _maybe_report(self, lr: float, loss: float | None) -> None:
+        every = self.config.progress_every
+        if every <= 0 or self.step % every != 0:
+            return
+        mean = self.average({"loss": loss if loss is not None else 0.0})["loss"]
+        if self.rank == 0:
+            logger.info(
+                "step %d epoch %d loss %.5f world %d lr %.6g", self.step, self.sampler.epoch, mean, self.world_size, lr
+            )
+
+    def average(self, values: dict[str, float]) -> dict[str, float]:
+        """Mean of each value over all workers (one all-reduce); a collective: every rank must call it."""
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return {k: float(v) / self.world_size for k, v in zip(keys, t.tolist(), strict=True)}
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def _maybe_save(self) -> None:
+        if self._manager is None:
+            return
+        every = self.config.save_every_steps
+        due = every is not None and self.step % every == 0
+        timed = self.config.save_every is not None
+        preempted = self._preemption.requested
+        if timed or preempted:
+            # Agree on a time-based save or a preemption notice seen by any rank (one small all-reduce).
+            elapsed = time.monotonic() - self._last_save_time
+            time_due = timed and self.config.save_every is not None and elapsed >= self.config.save_every.total_seconds()
+            flags = torch.tensor([int(time_due), int(preempted)], device=self.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            due = due or bool(flags[0])
+            preempted = bool(flags[1])
+        if preempted:
+            logger.warning("preemption notice: saving step %d synchronously and stopping", self.step)
+            self.save(blocking=True)
+            self._stopped = True
+        elif due:
+            self.save(blocking=False)
+
+    def save(self, blocking: bool = False) -> None:
+        """Snapshot the full state now (a collective: every rank must call it)."""
+        if self._manager is None:
+            return
+        state = capture_training_state(
+            self.step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            data_cursor={"sampler": self.sampler.state_dict()},
+            lr_reference=self.policy.reference(),
+            extras={"lr_ramp": dataclasses.asdict(self._ramp)},
+            world_size=self.world_size,
+        )
+        self._manager.save(self.step, state, blocking=blocking)
+        self._last_save_time = time.monotonic()
+
+    @property
+    def stopped_by_preemption(self) -> bool:
+        return self._stopped
+
+    def close(self) -> None:
+        """Flush the in-flight save (raising its error) and leave the process group."""
+        self._preemption.uninstall()
+        if self._manager is not None:
+            self._manager.close()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def __enter__(self) -> ElasticTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
