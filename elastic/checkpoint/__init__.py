@@ -17,7 +17,11 @@ from elastic.checkpoint.api import (
     StateLayout,
 )
 from elastic.checkpoint.layout import Manifest, writer_rank_for
-from elastic.checkpoint.manager import FsspecCheckpointManager, create_checkpoint_manager, current_rank_and_world
+from elastic.checkpoint.manager import (
+    FsspecCheckpointManager,
+    create_checkpoint_manager,
+    current_rank_and_world,
+)
 from elastic.checkpoint.preemption import PreemptionWatcher
 from elastic.checkpoint.state import (
     TrainingState,

@@ -106,9 +106,13 @@ class CheckpointOptions:
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
         if self.lustre_stripe_count < -1 or self.lustre_stripe_count == 0:
-            raise ValueError(f"lustre_stripe_count must be -1 (all OSTs) or >= 1, got {self.lustre_stripe_count}")
+            raise ValueError(
+                f"lustre_stripe_count must be -1 (all OSTs) or >= 1, got {self.lustre_stripe_count}"
+            )
         if not re.fullmatch(r"[1-9][0-9]*[KkMmGg]?", self.lustre_stripe_size):
-            raise ValueError(f"lustre_stripe_size must look like 1048576, 4M or 1G, got {self.lustre_stripe_size!r}")
+            raise ValueError(
+                f"lustre_stripe_size must look like 1048576, 4M or 1G, got {self.lustre_stripe_size!r}"
+            )
         object.__setattr__(self, "layout", StateLayout(self.layout))
 
     @classmethod
@@ -175,7 +179,7 @@ class CheckpointManager(ABC):
 
     @abstractmethod
     def save(self, step: int, state: Mapping[str, Any] | Any, *, blocking: bool = False) -> None:
-        """Snapshot ``state`` (a mapping, or a :class:`~elastic.checkpoint.state.TrainingState`) at ``step``."""
+        """Snapshot ``state`` (a mapping or a ``TrainingState``) at ``step``."""
 
     @abstractmethod
     def wait(self) -> None:

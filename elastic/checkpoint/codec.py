@@ -1,4 +1,4 @@
-"""Encoding of replicated state: a small ``skeleton.pt`` plus the raw bytes of every tensor in ``tensors.bin``.
+"""Encoding of replicated state: a small ``skeleton.pt`` plus raw tensor bytes in ``tensors.bin``.
 
 Why not one ``torch.save`` file: ``torch.save`` into a Python stream copies each storage into a Python
 ``bytes`` object and computes a CRC32 with the GIL held, so a background writer thread would stall the
@@ -108,7 +108,9 @@ class Stager:
             return _copy_leaf(obj) if copy else obj
 
         flat.skeleton = visit(state)
-        flat.tensors = [self._copy(i, t) for i, t in enumerate(sources)] if copy else [_as_cpu(t) for t in sources]
+        flat.tensors = (
+            [self._copy(i, t) for i, t in enumerate(sources)] if copy else [_as_cpu(t) for t in sources]
+        )
         if copy:
             del self._buffers[len(sources) :]
         return flat
@@ -147,7 +149,12 @@ def tensor_layout(tensors: list[torch.Tensor]) -> tuple[list[dict[str, Any]], in
         nbytes = t.numel() * t.element_size()
         offset = -(-offset // _ALIGN) * _ALIGN
         table.append(
-            {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset, "nbytes": nbytes}
+            {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "offset": offset,
+                "nbytes": nbytes,
+            }
         )
         offset += nbytes
     return table, offset
@@ -168,7 +175,7 @@ def encode_skeleton(flat: FlatState) -> bytes:
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def write_tensors(
@@ -209,14 +216,18 @@ def decode_pack(skeleton_bytes: bytes, tensor_buffer: bytearray, *, weights_only
     try:
         bundle = torch.load(io.BytesIO(skeleton_bytes), map_location="cpu", weights_only=weights_only)
     except Exception as exc:
-        hint = " (set CheckpointOptions(weights_only=False) if you trust this storage)" if weights_only else ""
+        hint = (
+            " (set CheckpointOptions(weights_only=False) if you trust this storage)" if weights_only else ""
+        )
         raise PackDecodeError(f"skeleton does not load{hint}: {' '.join(str(exc).split())[:400]}") from exc
     if not isinstance(bundle, dict) or bundle.get("format") != PACK_FORMAT:
         raise PackDecodeError(f"skeleton is not in format {PACK_FORMAT}")
     if bundle.get("byteorder") != sys.byteorder:
         raise PackDecodeError(f"snapshot was written on a {bundle.get('byteorder')}-endian machine")
     if bundle["tensors_bytes"] != len(tensor_buffer):
-        raise PackDecodeError(f"tensors.bin has {len(tensor_buffer)} bytes, skeleton says {bundle['tensors_bytes']}")
+        raise PackDecodeError(
+            f"tensors.bin has {len(tensor_buffer)} bytes, skeleton says {bundle['tensors_bytes']}"
+        )
     tensors: list[torch.Tensor] = []
     for entry in bundle["tensors"]:
         dtype = getattr(torch, entry["dtype"], None)
@@ -225,7 +236,9 @@ def decode_pack(skeleton_bytes: bytes, tensor_buffer: bytearray, *, weights_only
         if entry["nbytes"] == 0:
             tensors.append(torch.empty(entry["shape"], dtype=dtype))
             continue
-        raw = torch.frombuffer(tensor_buffer, dtype=torch.uint8, count=entry["nbytes"], offset=entry["offset"])
+        raw = torch.frombuffer(
+            tensor_buffer, dtype=torch.uint8, count=entry["nbytes"], offset=entry["offset"]
+        )
         tensors.append(raw.view(dtype).reshape(entry["shape"]))
 
     def rebuild(obj: Any) -> Any:

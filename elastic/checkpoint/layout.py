@@ -220,4 +220,3 @@ def garbage_step_dirs(
     """Step directories without a valid manifest that are older than ``just_written`` (dead attempts)."""
     committed = set(committed_steps)
     return sorted(s for s in set(step_dirs) if s < just_written and s not in committed)
-

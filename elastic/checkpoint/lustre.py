@@ -34,12 +34,17 @@ def apply_striping(directory: str | Path, stripe_count: int, stripe_size: str) -
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        logger.warning("lfs setstripe on %s failed to run (%s); the default Lustre layout stays", directory, exc)
+        logger.warning(
+            "lfs setstripe on %s failed to run (%s); the default Lustre layout stays", directory, exc
+        )
         return False
     if proc.returncode != 0:
         detail = (proc.stderr or proc.stdout).strip().replace("\n", " ")
         logger.warning(
-            "lfs setstripe on %s exited %d (%s); the default Lustre layout stays", directory, proc.returncode, detail
+            "lfs setstripe on %s exited %d (%s); the default Lustre layout stays",
+            directory,
+            proc.returncode,
+            detail,
         )
         return False
     logger.info("Lustre striping of %s: count %d, size %s", directory, stripe_count, stripe_size)

@@ -34,7 +34,12 @@ from elastic.checkpoint.codec import Stager
 from elastic.checkpoint.layout import Manifest, ManifestError, step_dir, writer_rank_for
 from elastic.checkpoint.reader import read_manifest, read_pack, scan
 from elastic.checkpoint.state import TrainingState
-from elastic.checkpoint.storage import CheckpointStorage, StripeSettings, create_storage, describe_storage_failure
+from elastic.checkpoint.storage import (
+    CheckpointStorage,
+    StripeSettings,
+    create_storage,
+    describe_storage_failure,
+)
 from elastic.checkpoint.writer import PackSaveJob, SaveTimings
 
 __all__ = ["FsspecCheckpointManager", "create_checkpoint_manager", "current_rank_and_world"]
@@ -43,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 
 def current_rank_and_world() -> tuple[int, int]:
-    """(rank, world size) from ``torch.distributed`` when initialized, else ``RANK``/``WORLD_SIZE``, else (0, 1)."""
+    """(rank, world size) from ``torch.distributed`` if initialized, else ``RANK``/``WORLD_SIZE``."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -149,7 +154,9 @@ class FsspecCheckpointManager(CheckpointManager):
         try:
             manifest = job.run()
         except CheckpointError as exc:
-            raise CheckpointWriteError(f"saving checkpoint step {job.step} to {self.url} failed: {exc}") from exc
+            raise CheckpointWriteError(
+                f"saving checkpoint step {job.step} to {self.url} failed: {exc}"
+            ) from exc
         except Exception as exc:
             raise CheckpointWriteError(
                 f"saving checkpoint step {job.step} to {self.url} failed: {describe_storage_failure(exc)}"
@@ -202,7 +209,10 @@ class FsspecCheckpointManager(CheckpointManager):
         if self._options.layout == StateLayout.SHARDED:
             return self._sharded_saver().load(manifest, template)
         state = read_pack(
-            self._storage, manifest, weights_only=self._options.weights_only, chunk_bytes=self._options.chunk_bytes
+            self._storage,
+            manifest,
+            weights_only=self._options.weights_only,
+            chunk_bytes=self._options.chunk_bytes,
         )
         return Snapshot(step=manifest.step, state=state, manifest=manifest, url=self.url)
 
@@ -227,7 +237,10 @@ class FsspecCheckpointManager(CheckpointManager):
 
     def _skip(self, step: int, why: str) -> None:
         logger.warning(
-            "checkpoint step %d under %s is unusable (%s); falling back to the previous snapshot", step, self.url, why
+            "checkpoint step %d under %s is unusable (%s); falling back to the previous snapshot",
+            step,
+            self.url,
+            why,
         )
 
     def _none_found(self) -> None:

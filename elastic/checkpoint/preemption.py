@@ -65,7 +65,9 @@ class PreemptionWatcher:
         if not self.requested:
             return False
         logger.warning(
-            "preemption notice (%s): writing a final checkpoint at step %d", self.signal_name or "requested", step
+            "preemption notice (%s): writing a final checkpoint at step %d",
+            self.signal_name or "requested",
+            step,
         )
         manager.save(step, state, blocking=True)
         manager.close()

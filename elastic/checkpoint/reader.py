@@ -7,9 +7,10 @@ save that never committed and is silently ignored.  Verification compares sizes 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,20 +95,20 @@ def _read_into(
     return buf
 
 
-def _guard_io(manifest: Manifest, fn: Callable[[], Any]) -> Any:
+@contextlib.contextmanager
+def _missing_is_corrupt() -> Iterator[None]:
     try:
-        return fn()
-    except CheckpointCorruptError:
-        raise
+        yield
     except FileNotFoundError as exc:
-        raise CheckpointCorruptError(f"a file vanished while reading: {exc}") from exc
+        raise CheckpointCorruptError(f"a file is missing: {exc}") from exc
 
 
 def verify_files(storage: CheckpointStorage, manifest: Manifest, chunk_bytes: int = 8 << 20) -> None:
     """Raise :class:`CheckpointCorruptError` unless every file has its manifest size and sha256."""
-    _guard_io(manifest, lambda: _check_sizes(storage, manifest))
-    for entry in manifest.files:
-        _guard_io(manifest, lambda entry=entry: _read_into(storage, manifest, entry, chunk_bytes, keep=False))
+    with _missing_is_corrupt():
+        _check_sizes(storage, manifest)
+        for entry in manifest.files:
+            _read_into(storage, manifest, entry, chunk_bytes, keep=False)
 
 
 def read_pack(
@@ -116,14 +117,17 @@ def read_pack(
     """Verify and decode a replicated (pack) snapshot in one read of each file."""
     if manifest.kind != SnapshotKind.PACK:
         raise CheckpointLoadError(f"snapshot step {manifest.step} is of kind {manifest.kind.value}, not pack")
-    _guard_io(manifest, lambda: _check_sizes(storage, manifest))
     by_name = {entry.path.rsplit("/", 1)[-1]: entry for entry in manifest.files}
     missing = {SKELETON_NAME, TENSORS_NAME} - set(by_name)
     if missing:
         raise CheckpointCorruptError(f"manifest lacks {', '.join(sorted(missing))}")
-    skeleton = _guard_io(manifest, lambda: _read_into(storage, manifest, by_name[SKELETON_NAME], chunk_bytes, True))
-    tensors = _guard_io(manifest, lambda: _read_into(storage, manifest, by_name[TENSORS_NAME], chunk_bytes, True))
+    with _missing_is_corrupt():
+        _check_sizes(storage, manifest)
+        skeleton = _read_into(storage, manifest, by_name[SKELETON_NAME], chunk_bytes, True)
+        tensors = _read_into(storage, manifest, by_name[TENSORS_NAME], chunk_bytes, True)
     try:
         return decode_pack(bytes(skeleton), tensors, weights_only=weights_only)
     except PackDecodeError as exc:
-        raise CheckpointLoadError(f"snapshot step {manifest.step} is intact but does not decode: {exc}") from exc
+        raise CheckpointLoadError(
+            f"snapshot step {manifest.step} is intact but does not decode: {exc}"
+        ) from exc

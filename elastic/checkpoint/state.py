@@ -69,7 +69,9 @@ class TrainingState:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainingState:
         if values.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a training state (format {values.get('format')!r}, expected {STATE_FORMAT})")
+            raise ValueError(
+                f"not a training state (format {values.get('format')!r}, expected {STATE_FORMAT})"
+            )
         return cls(
             step=int(values["step"]),
             model=values["model"],
@@ -91,7 +93,7 @@ def _dist_rank_world(process_group: Any = None) -> tuple[int, int]:
 
 def capture_rng_state() -> dict[str, Any]:
     """This process's torch (CPU and CUDA), numpy and python RNG states, as tensors and plain values."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     version, py_state, gauss_next = random.getstate()
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -106,7 +108,11 @@ def capture_rng_state() -> dict[str, Any]:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
         },
-        "python": {"version": int(version), "state": torch.tensor(py_state, dtype=torch.int64), "gauss_next": gauss_next},
+        "python": {
+            "version": int(version),
+            "state": torch.tensor(py_state, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
     }
 
 
@@ -130,7 +136,11 @@ def restore_rng_state(rng: Mapping[str, Any]) -> None:
         if len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda)
         else:
-            logger.info("CUDA RNG not restored: %d device states saved, %d devices here", len(cuda), torch.cuda.device_count())
+            logger.info(
+                "CUDA RNG not restored: %d device states saved, %d devices here",
+                len(cuda),
+                torch.cuda.device_count(),
+            )
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -209,6 +219,11 @@ def restore_training_state(
             restore_rng_state(ts.rng[me])
         else:
             fallback = min(ts.rng)
-            logger.info("no RNG state saved for rank %d (saved world size %d); using rank %d's", me, ts.world_size, fallback)
+            logger.info(
+                "no RNG state saved for rank %d (saved world size %d); using rank %d's",
+                me,
+                ts.world_size,
+                fallback,
+            )
             restore_rng_state(ts.rng[fallback])
     return ts

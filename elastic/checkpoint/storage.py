@@ -17,12 +17,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 from elastic.checkpoint.api import CheckpointStorageError, EventHook
 from elastic.checkpoint.lustre import apply_striping
 
 __all__ = [
+    "BinaryReader",
     "BinaryWriter",
     "CheckpointStorage",
     "FsspecStorage",
@@ -40,6 +41,12 @@ _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "ab
 
 class BinaryWriter(Protocol):
     def write(self, data: Any, /) -> int | None: ...
+
+
+class BinaryReader(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
+
+    def readinto(self, buffer: Any, /) -> int | None: ...
 
 
 class CheckpointStorage(ABC):
@@ -77,7 +84,7 @@ class CheckpointStorage(ABC):
     def publish(self, rel: str, data: bytes) -> None: ...
 
     @abstractmethod
-    def open_read(self, rel: str) -> contextlib.AbstractContextManager[IO[bytes]]: ...
+    def open_read(self, rel: str) -> contextlib.AbstractContextManager[BinaryReader]: ...
 
     @abstractmethod
     def read_bytes(self, rel: str) -> bytes: ...
@@ -134,7 +141,11 @@ def describe_storage_failure(exc: BaseException) -> str:
         return f"cannot connect to the storage endpoint: {text}"
     if isinstance(exc, FileNotFoundError) and "bucket" in text.lower():
         return f"the bucket does not exist: {text}"
-    if isinstance(exc, PermissionError) or getattr(exc, "errno", None) in (errno.EACCES, errno.EPERM, errno.EROFS):
+    if isinstance(exc, PermissionError) or getattr(exc, "errno", None) in (
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+    ):
         return f"not writable (permission denied or read-only): {text}"
     if isinstance(exc, (NotADirectoryError, FileExistsError)):
         return f"a path component is not a directory: {text}"
@@ -178,7 +189,9 @@ def _fsync_dir(path: Path) -> None:
 class LocalStorage(CheckpointStorage):
     """A POSIX directory (local disk, NFS, Lustre): fsync'd files and directories, rename to commit."""
 
-    def __init__(self, root: str | Path, stripe: StripeSettings | None = None, url: str | None = None) -> None:
+    def __init__(
+        self, root: str | Path, stripe: StripeSettings | None = None, url: str | None = None
+    ) -> None:
         self._root = Path(root).absolute()
         self._url = url or str(self._root)
         self._stripe = stripe
@@ -246,7 +259,7 @@ class LocalStorage(CheckpointStorage):
         _fsync_dir(path.parent)
 
     @contextlib.contextmanager
-    def open_read(self, rel: str) -> Iterator[IO[bytes]]:
+    def open_read(self, rel: str) -> Iterator[BinaryReader]:
         with open(self._path(rel), "rb", buffering=0) as f:
             yield f
 
@@ -299,7 +312,6 @@ class FsspecStorage(CheckpointStorage):
         self._url = url
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self._object_store = bool(_OBJECT_STORE_PROTOCOLS.intersection(protocols))
-        self._protocol = protocols[0]
 
     @property
     def url(self) -> str:
@@ -309,11 +321,15 @@ class FsspecStorage(CheckpointStorage):
     def fs(self) -> Any:
         return self._fs
 
+    @property
+    def is_object_store(self) -> bool:
+        return self._object_store
+
     def _path(self, rel: str) -> str:
         return f"{self._root}/{rel}" if rel else self._root
 
     def full_path(self, rel: str) -> str:
-        return f"{self._protocol}://{self._path(rel).lstrip('/')}" if self._object_store else self._path(rel)
+        return str(self._fs.unstrip_protocol(self._path(rel)))
 
     def prepare_root(self) -> None:
         if not self._object_store:
@@ -342,7 +358,7 @@ class FsspecStorage(CheckpointStorage):
         self._fs.pipe_file(self._path(rel), data)
 
     @contextlib.contextmanager
-    def open_read(self, rel: str) -> Iterator[IO[bytes]]:
+    def open_read(self, rel: str) -> Iterator[BinaryReader]:
         with self._fs.open(self._path(rel), "rb") as f:
             yield f
 

@@ -149,7 +149,7 @@ def finish_commit(
 def apply_retention(
     storage: CheckpointStorage, manifest: Manifest, options: CheckpointOptions, event: EventHook
 ) -> list[int]:
-    """Delete snapshots beyond retention and dead save attempts older than ``manifest``; returns deleted steps.
+    """Delete snapshots beyond retention and dead attempts older than ``manifest``; return deleted steps.
 
     A snapshot is deleted manifest first, so a crash half-way leaves an uncommitted directory (garbage
     for a later cleanup), never a committed snapshot with missing files.
@@ -172,5 +172,7 @@ def apply_retention(
     for old in garbage_step_dirs([e.step for e in entries], committed, step):
         storage.delete_tree(step_dir(old))
     if doomed:
-        logger.info("checkpoint retention removed step(s) %s under %s", ", ".join(map(str, doomed)), storage.url)
+        logger.info(
+            "checkpoint retention removed step(s) %s under %s", ", ".join(map(str, doomed)), storage.url
+        )
     return doomed
