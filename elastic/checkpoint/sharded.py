@@ -15,11 +15,13 @@ background save never interleaves with the training loop's collectives.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -147,6 +149,14 @@ _LocalWriter = _writer_class(FileSystemWriter)
 _FsspecWriter = _writer_class(FsspecWriter)
 
 
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """DCP warns on every call without a process group; that case is intended here (world of one)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
+        yield
+
+
 def _require_template(template: Mapping[str, Any] | None) -> Mapping[str, Any]:
     if template is None:
         raise CheckpointLoadError("sharded snapshots load in place: pass template= (the current state dict)")
@@ -214,7 +224,8 @@ class ShardedCheckpointer:
         pg = self._pg()
         try:
             if blocking:
-                dcp.save(dict(state), storage_writer=writer, process_group=pg, no_dist=pg is None)
+                with _single_process_is_intended():
+                    dcp.save(dict(state), storage_writer=writer, process_group=pg, no_dist=pg is None)
                 self._log_commit(step, commit)
                 return
             self._future = dcp.async_save(
@@ -272,7 +283,8 @@ class ShardedCheckpointer:
         state = dict(template)
         pg = self._pg()
         try:
-            dcp.load(state, storage_reader=self._reader(manifest), process_group=pg, no_dist=pg is None)
+            with _single_process_is_intended():
+                dcp.load(state, storage_reader=self._reader(manifest), process_group=pg, no_dist=pg is None)
         except Exception as exc:
             raise CheckpointLoadError(f"loading sharded snapshot step {manifest.step} failed: {exc}") from exc
         return Snapshot(step=manifest.step, state=state, manifest=manifest, url=self._storage.url)

@@ -33,7 +33,11 @@ def main() -> None:
 
     def sharded(step: int) -> dict[str, object]:
         full = full_state(step)
-        return {"w": distribute_tensor(full["w"], mesh, [Shard(0)]), "b": full["b"], "cursor": {"epoch": step}}
+        return {
+            "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+            "b": full["b"],
+            "cursor": {"epoch": step},
+        }
 
     options = CheckpointOptions(layout=StateLayout.SHARDED, storage_options=storage_options, keep_last=3)
     mgr = create_checkpoint_manager(url, options)
@@ -43,7 +47,11 @@ def main() -> None:
 
     def template() -> dict[str, object]:
         zeros = {"w": torch.zeros(64, 8), "b": torch.zeros(5, dtype=torch.bfloat16)}
-        return {"w": distribute_tensor(zeros["w"], mesh, [Shard(0)]), "b": zeros["b"], "cursor": {"epoch": -1}}
+        return {
+            "w": distribute_tensor(zeros["w"], mesh, [Shard(0)]),
+            "b": zeros["b"],
+            "cursor": {"epoch": -1},
+        }
 
     result: dict[str, object] = {"rank": rank}
     snap = mgr.load_latest(template=template())
