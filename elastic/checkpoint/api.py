@@ -12,7 +12,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from elastic.checkpoint.layout import Manifest
@@ -144,6 +144,9 @@ class Snapshot:
     url: str
 
 
+_Manager = TypeVar("_Manager", bound="CheckpointManager")
+
+
 class CheckpointManager(ABC):
     """Saves and restores training state snapshots on one storage root.
 
@@ -210,7 +213,7 @@ class CheckpointManager(ABC):
     def close(self) -> None:
         """Flush the in-flight save and release resources; raises a pending background error."""
 
-    def __enter__(self) -> CheckpointManager:
+    def __enter__(self: _Manager) -> _Manager:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -29,7 +29,7 @@ def _free_port(host: str) -> int:
 
 
 class LocalS3Server:
-    """``python -m moto.server`` on ``host`` (loopback) and a free port; ``start()`` waits until it answers."""
+    """``python -m moto.server`` on a loopback ``host`` and a free port; ``start()`` waits for it."""
 
     def __init__(
         self, host: str = "127.0.0.1", port: int | None = None, log_path: Path | None = None
@@ -57,7 +57,7 @@ class LocalS3Server:
     def start(self, timeout: timedelta = timedelta(seconds=60)) -> LocalS3Server:
         out: Any = subprocess.DEVNULL
         if self._log_path is not None:
-            self._log = open(self._log_path, "ab")  # noqa: SIM115 - closed in stop()
+            self._log = open(self._log_path, "ab")
             out = self._log
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],

@@ -1,4 +1,4 @@
-"""Background saves: the caller only waits for the in-memory copy, one save in flight, errors surface later."""
+"""Background saves: callers wait only for the in-memory copy; one save in flight; errors surface later."""
 
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ import pytest
 
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.layout import step_dir
-from tests.elastic.checkpoint._crash_writer import COLS, ROWS
 from tests.elastic.checkpoint._helpers import assert_same, make_state
 from tests.elastic.checkpoint.conftest import Target
 

@@ -1,4 +1,4 @@
-"""Sharded (DTensor) state through torch.distributed.checkpoint under our manifest, with real torchrun ranks."""
+"""Sharded (DTensor) state through torch.distributed.checkpoint under our manifest, real torchrun ranks."""
 
 from __future__ import annotations
 

@@ -53,8 +53,7 @@ def test_corrupted_byte_falls_back_to_previous_snapshot_with_a_warning(
 def test_corrupted_byte_on_s3_falls_back_too(s3_target: Target, caplog: pytest.LogCaptureFixture) -> None:
     import fsspec
 
-    options = {"storage_options": s3_target.storage_options}
-    save_steps(s3_target.url, [1, 2], **options)
+    save_steps(s3_target.url, [1, 2], storage_options=s3_target.storage_options)
     fs = fsspec.filesystem("s3", **s3_target.storage_options)
     (path,) = fs.glob(f"{s3_target.url}/{step_dir(2)}/*/skeleton.pt")
     data = bytearray(fs.cat_file(path))
@@ -62,7 +61,9 @@ def test_corrupted_byte_on_s3_falls_back_too(s3_target: Target, caplog: pytest.L
     fs.pipe_file(path, bytes(data))
     with (
         caplog.at_level(logging.WARNING),
-        create_checkpoint_manager(s3_target.url, CheckpointOptions(**options)) as mgr,
+        create_checkpoint_manager(
+            s3_target.url, CheckpointOptions(storage_options=s3_target.storage_options)
+        ) as mgr,
     ):
         snap = mgr.load_latest()
     assert snap is not None and snap.step == 1
