@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import queue
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -35,6 +37,45 @@ from elastic.checkpoint.storage import CheckpointStorage
 __all__ = ["PackSaveJob", "SaveTimings", "apply_retention", "new_token"]
 
 logger = logging.getLogger(__name__)
+
+
+class _PipelinedHasher:
+    """sha256 of a stream of chunks, computed in a helper thread while the caller writes the same chunks.
+
+    ``hashlib`` and ``os.write`` both release the GIL on large buffers, so hashing overlaps with writing
+    instead of adding to it.  Chunks are views (no copies); they must stay unchanged until ``hexdigest``.
+    """
+
+    def __init__(self) -> None:
+        self._hasher = hashlib.sha256()
+        self._queue: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="checkpoint-sha256", daemon=True)
+        self._thread.start()
+        self._digest: str | None = None
+
+    def _run(self) -> None:
+        while (chunk := self._queue.get()) is not None:
+            self._hasher.update(chunk)
+
+    def update(self, chunk: memoryview) -> None:
+        self._queue.put(chunk)
+
+    def _finish(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def hexdigest(self) -> str:
+        if self._digest is None:
+            self._finish()
+            self._digest = self._hasher.hexdigest()
+        return self._digest
+
+    def __enter__(self) -> _PipelinedHasher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._finish()
 
 
 def new_token() -> str:
@@ -69,10 +110,9 @@ class PackSaveJob:
             self.events(name)
 
     def _write_file(self, rel: str, payload: bytes | FlatState) -> FileEntry:
-        hasher = hashlib.sha256()
-        with self.storage.open_write(f"{step_dir(self.step)}/{rel}") as out:
+        with _PipelinedHasher() as hasher, self.storage.open_write(f"{step_dir(self.step)}/{rel}") as out:
             if isinstance(payload, bytes):
-                hasher.update(payload)
+                hasher.update(memoryview(payload))
                 out.write(payload)
                 size = len(payload)
             else:
