@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from elastic.checkpoint.layout import Manifest
+    from elastic.checkpoint.state import TrainingState
 
 __all__ = [
     "CheckpointCorruptError",
@@ -142,6 +143,12 @@ class Snapshot:
     state: Mapping[str, Any]
     manifest: Manifest
     url: str
+
+    def training_state(self) -> TrainingState:
+        """``state`` as a :class:`~elastic.checkpoint.state.TrainingState` (when it was saved as one)."""
+        from elastic.checkpoint.state import TrainingState
+
+        return TrainingState.from_dict(self.state)
 
 
 _Manager = TypeVar("_Manager", bound="CheckpointManager")

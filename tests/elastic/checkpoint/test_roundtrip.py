@@ -91,6 +91,7 @@ def test_training_state_round_trips_bit_identically_and_training_continues_exact
         snap = mgr.load_latest()
     assert snap is not None and snap.step == 3
     assert_same(snap.state, expected)
+    assert snap.training_state().step == 3
     restored = restore_training_state(snap.state, model2, optimizer2, scheduler2)
     assert restored.data_cursor == {"epoch": 1, "position": 96, "seed": 11}
     assert restored.lr_reference == {"base_lr": 1e-2, "world_size": 4, "batch_size": 8}
