@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    import torch
+
     from elastic.checkpoint.layout import Manifest
     from elastic.checkpoint.state import TrainingState
 
@@ -162,8 +164,9 @@ class CheckpointManager(ABC):
       raises :class:`CheckpointStorageError` with one line otherwise.
     - ``save(step, state, blocking=False)`` returns once the state is copied to CPU memory; the write
       runs in the background.  At most one save is in flight: a new save first waits for the previous
-      one and raises its error (:class:`CheckpointWriteError`) instead of starting.  ``blocking=True``
-      returns once the snapshot is committed.  With the replicated layout only ``is_writer`` ranks write;
+      one and raises its error (:class:`CheckpointWriteError`) instead of starting.  With
+      ``overlap_with=optimizer`` it returns before copying that optimizer's tensors (see ``save``).
+      ``blocking=True`` returns once the snapshot is committed.  With the replicated layout only ``is_writer`` ranks write;
       other ranks return at once.  ``step`` must grow monotonically over the life of a job.
     - A snapshot exists once its manifest is committed, which happens after all its data is durable;
       a crash at any point leaves either the previous set of snapshots or the new one, never a torn one.
@@ -188,8 +191,21 @@ class CheckpointManager(ABC):
         """Raise :class:`CheckpointStorageError` unless the root can be written, read and deleted."""
 
     @abstractmethod
-    def save(self, step: int, state: Mapping[str, Any] | Any, *, blocking: bool = False) -> None:
-        """Snapshot ``state`` (a mapping or a ``TrainingState``) at ``step``."""
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any] | Any,
+        *,
+        blocking: bool = False,
+        overlap_with: torch.optim.Optimizer | None = None,
+    ) -> None:
+        """Snapshot ``state`` (a mapping or a ``TrainingState``) at ``step``.
+
+        ``overlap_with`` (background saves of replicated state): the parameters and state of this
+        optimizer are copied by the writer thread, overlapping the next forward/backward, and the
+        optimizer's next ``step()`` waits until they are copied.  Only valid if nothing else changes
+        them in between; all other tensors are copied before ``save`` returns.
+        """
 
     @abstractmethod
     def wait(self) -> None:

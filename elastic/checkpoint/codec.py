@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import io
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,10 +56,27 @@ class PackDecodeError(ValueError):
 
 @dataclass
 class FlatState:
-    """A state split into its structure (``skeleton``) and the tensors it references, in order."""
+    """A state split into its structure (``skeleton``) and the tensors it references, in order.
+
+    ``pending`` tensors are still the live sources: ``finish_staging`` (run by the writer thread) copies
+    them into staging buffers and then sets ``staged``.
+    """
 
     skeleton: Any
     tensors: list[torch.Tensor] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    staged: threading.Event = field(default_factory=threading.Event)
+    stager: Stager | None = None
+
+    def finish_staging(self) -> None:
+        """Copy the deferred tensors; ``staged`` is set afterwards even if copying fails."""
+        try:
+            if self.pending and self.stager is not None:
+                for index in self.pending:
+                    self.tensors[index] = self.stager._copy(index, self.tensors[index])
+            self.pending = []
+        finally:
+            self.staged.set()
 
     @property
     def tensor_bytes(self) -> int:
@@ -79,10 +97,14 @@ class Stager:
 
     def __init__(self, reuse_buffers: bool = True) -> None:
         self._reuse = reuse_buffers
-        self._buffers: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor | None] = []
 
-    def flatten(self, state: Any, *, copy: bool) -> FlatState:
-        flat = FlatState(skeleton=None)
+    def flatten(
+        self, state: Any, *, copy: bool, defer: Callable[[torch.Tensor], bool] | None = None
+    ) -> FlatState:
+        """Split ``state``; with ``copy``, tensors are copied now, except those ``defer`` selects, which
+        are left for ``FlatState.finish_staging`` (the caller then must not change them until ``staged``)."""
+        flat = FlatState(skeleton=None, stager=self)
         memo: dict[int, int] = {}
         sources: list[torch.Tensor] = []
 
@@ -108,22 +130,28 @@ class Stager:
             return _copy_leaf(obj) if copy else obj
 
         flat.skeleton = visit(state)
-        flat.tensors = (
-            [self._copy(i, t) for i, t in enumerate(sources)] if copy else [_as_cpu(t) for t in sources]
-        )
-        if copy:
+        if not copy:
+            flat.tensors = [_as_cpu(t) for t in sources]
+        else:
             del self._buffers[len(sources) :]
+            for index, src in enumerate(sources):
+                if defer is not None and defer(src):
+                    flat.tensors.append(src)
+                    flat.pending.append(index)
+                else:
+                    flat.tensors.append(self._copy(index, src))
+        if not flat.pending:
+            flat.staged.set()
         return flat
 
     def _copy(self, index: int, src: torch.Tensor) -> torch.Tensor:
         src = src.detach()
-        buf = self._buffers[index] if self._reuse and index < len(self._buffers) else None
+        while len(self._buffers) <= index:
+            self._buffers.append(None)
+        buf = self._buffers[index] if self._reuse else None
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu")
-            if index < len(self._buffers):
-                self._buffers[index] = buf
-            else:
-                self._buffers.append(buf)
+            self._buffers[index] = buf
         buf.copy_(src)
         return buf
 

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from elastic.checkpoint.api import (
     CheckpointCorruptError,
     CheckpointError,
@@ -56,6 +58,16 @@ def current_rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _optimizer_storages(optimizer: torch.optim.Optimizer) -> set[int]:
+    """Storage addresses of everything ``optimizer.step()`` writes: its parameters and state tensors."""
+    owned = {p.untyped_storage().data_ptr() for group in optimizer.param_groups for p in group["params"]}
+    for per_param in optimizer.state.values():
+        owned.update(
+            v.untyped_storage().data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor)
+        )
+    return owned
+
+
 def _as_mapping(state: Mapping[str, Any] | Any) -> Mapping[str, Any]:
     if isinstance(state, TrainingState):
         return state.to_dict()
@@ -83,6 +95,9 @@ class FsspecCheckpointManager(CheckpointManager):
         self._sharded: Any = None
         self.last_timings = SaveTimings()
         self.last_blocking_s = 0.0
+        self.last_fence_wait_s = 0.0
+        self._staged: threading.Event | None = None
+        self._fences: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
         self._exit_hook = _make_exit_hook(weakref.ref(self))
         atexit.register(self._exit_hook)
 
@@ -116,12 +131,25 @@ class FsspecCheckpointManager(CheckpointManager):
         if self._closed:
             raise CheckpointError(f"checkpoint manager for {self.url} is closed")
 
-    def save(self, step: int, state: Mapping[str, Any] | Any, *, blocking: bool = False) -> None:
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any] | Any,
+        *,
+        blocking: bool = False,
+        overlap_with: torch.optim.Optimizer | None = None,
+    ) -> None:
+        """See :class:`CheckpointManager`.  With ``overlap_with``, tensors sharing storage with the
+        optimizer's parameters or state are copied by the writer thread; an optimizer pre-step hook makes
+        its next ``step()`` wait for that copy.  Other tensors (buffers such as BatchNorm statistics, RNG
+        states, ...) are still copied before returning."""
         self._check_open()
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         mapping = _as_mapping(state)
         if self._options.layout == StateLayout.SHARDED:
+            if overlap_with is not None:
+                raise ValueError("overlap_with applies to the replicated layout (DCP stages sharded state)")
             self._sharded_saver().save(step, mapping, blocking=blocking)
             return
         with self._lock:
@@ -129,7 +157,16 @@ class FsspecCheckpointManager(CheckpointManager):
             if not self.is_writer:
                 return
             started = time.perf_counter()
-            flat = self._stager.flatten(mapping, copy=not blocking)
+            defer = None
+            if overlap_with is not None and not blocking:
+                self._install_fence(overlap_with)
+                owned = _optimizer_storages(overlap_with)
+
+                def defer(t: torch.Tensor) -> bool:
+                    return t.numel() > 0 and t.untyped_storage().data_ptr() in owned
+
+            flat = self._stager.flatten(mapping, copy=not blocking, defer=defer)
+            self._staged = flat.staged
             rank, world = current_rank_and_world()
             job = PackSaveJob(
                 storage=self._storage,
@@ -150,6 +187,18 @@ class FsspecCheckpointManager(CheckpointManager):
             self.last_blocking_s = time.perf_counter() - started
             logger.debug("checkpoint step %d staged in %.3fs", step, self.last_blocking_s)
 
+    def _install_fence(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer not in self._fences:
+            self._fences[optimizer] = optimizer.register_step_pre_hook(self._fence)
+
+    def _fence(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """Optimizer pre-step hook: wait until the deferred copy of the last save is done."""
+        staged = self._staged
+        if staged is not None and not staged.is_set():
+            mark = time.perf_counter()
+            staged.wait()
+            self.last_fence_wait_s = time.perf_counter() - mark
+
     def _run_job(self, job: PackSaveJob, started: float) -> Manifest:
         try:
             manifest = job.run()
@@ -161,6 +210,8 @@ class FsspecCheckpointManager(CheckpointManager):
             raise CheckpointWriteError(
                 f"saving checkpoint step {job.step} to {self.url} failed: {describe_storage_failure(exc)}"
             ) from exc
+        finally:
+            job.flat.staged.set()  # never leave an optimizer waiting on a failed save
         self.last_timings = job.timings
         logger.info(
             "checkpoint step %d committed at %s (%.1f MiB, %.2fs)",
@@ -290,6 +341,9 @@ class FsspecCheckpointManager(CheckpointManager):
                 self._executor.shutdown(wait=True)
             if self._sharded is not None:
                 self._sharded.close()
+            for handle in list(self._fences.values()):
+                handle.remove()
+            self._fences.clear()
             self._stager.release()
             atexit.unregister(self._exit_hook)
 

@@ -125,6 +125,8 @@ class PackSaveJob:
     def run(self) -> Manifest:
         token = new_token()
         sdir = step_dir(self.step)
+        self._event("staging_begin")
+        self.flat.finish_staging()  # deferred copies (overlap_with) first: the training loop waits on it
         self._event("save_begin")
         started = time.perf_counter()
         self.storage.make_dirs(f"{sdir}/{token}")

@@ -8,6 +8,8 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from elastic.checkpoint import CheckpointOptions, CheckpointWriteError, create_checkpoint_manager
 from tests.elastic.checkpoint._helpers import assert_same, make_state
@@ -100,3 +102,43 @@ def test_close_raises_a_pending_background_failure(tmp_path: Path) -> None:
     with pytest.raises(CheckpointWriteError, match="step 1"):
         mgr.close()
     mgr.close()  # closed for good; a second close is a no-op
+
+
+class HoldBeforeStaging(Gate):
+    def __call__(self, name: str) -> None:
+        if name == "staging_begin":
+            self.reached.set()
+            assert self.release.wait(30), "test never released the writer"
+
+
+@pytest.mark.timeout(60)
+def test_overlapped_copy_lets_forward_run_and_holds_the_optimizer_step_until_copied(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def forward_backward() -> None:
+        optimizer.zero_grad()
+        model(torch.randn(32, 8)).pow(2).mean().backward()
+
+    forward_backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    expected = copy.deepcopy(state)
+    gate = HoldBeforeStaging()
+    with create_checkpoint_manager(str(tmp_path), CheckpointOptions(), events=gate) as mgr:
+        mgr.save(1, state, overlap_with=optimizer)
+        assert gate.reached.wait(10)  # save returned; parameters and momentum not copied yet
+        forward_backward()  # forward runs meanwhile and changes BatchNorm statistics (copied before return)
+        stepper = threading.Thread(target=optimizer.step)
+        stepper.start()
+        stepper.join(0.5)
+        assert stepper.is_alive(), "optimizer.step() changed parameters before they were copied"
+        gate.release.set()
+        stepper.join(10)
+        assert not stepper.is_alive()
+        mgr.wait()
+        snap = mgr.load_latest()
+    assert snap is not None
+    assert_same(snap.state, expected)
+    assert not torch.equal(model[0].weight, expected["model"]["0.weight"])  # training did move on
