@@ -166,8 +166,8 @@ class CheckpointManager(ABC):
       runs in the background.  At most one save is in flight: a new save first waits for the previous
       one and raises its error (:class:`CheckpointWriteError`) instead of starting.  With
       ``overlap_with=optimizer`` it returns before copying that optimizer's tensors (see ``save``).
-      ``blocking=True`` returns once the snapshot is committed.  With the replicated layout only ``is_writer`` ranks write;
-      other ranks return at once.  ``step`` must grow monotonically over the life of a job.
+      ``blocking=True`` returns once the snapshot is committed.  With the replicated layout only
+      ``is_writer`` ranks write; other ranks return at once.  ``step`` must grow monotonically.
     - A snapshot exists once its manifest is committed, which happens after all its data is durable;
       a crash at any point leaves either the previous set of snapshots or the new one, never a torn one.
     - ``load_latest()`` returns the newest snapshot that passes verification (sizes and sha256), warning
