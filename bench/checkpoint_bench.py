@@ -202,13 +202,17 @@ def bench_local(directory: Path, state: dict[str, Any], repeats: int) -> dict[st
     ours.once(state)  # warm-up: staging buffers
     dcp_run.once(state)
     dd, plain, synced = [], [], []
-    for _ in range(repeats):
+    for _ in range(repeats):  # os.sync() between measurements: no one pays for another's dirty pages
         dd.append(dd_once(directory, nbytes))
+        os.sync()
         p, s = torch_save_once(directory, state)
+        os.sync()
         plain.append(p)
         synced.append(s)
         ours.once(state)
+        os.sync()
         dcp_run.once(state)
+        os.sync()
     return {
         "dd_bytes_per_s": dd,
         "torch_save": {"blocking_s": plain, "blocking_with_fsync_s": synced},

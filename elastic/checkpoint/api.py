@@ -87,7 +87,7 @@ class CheckpointOptions:
     ``PATH`` and the root is a local path.
     """
 
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)  # may hold secrets
     layout: StateLayout = StateLayout.REPLICATED
     keep_last: int = 3
     keep_every: int | None = None
