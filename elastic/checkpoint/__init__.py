@@ -1,0 +1,57 @@
+"""Verified, atomic, asynchronous checkpoints on shared storage (local/Lustre paths, S3, any fsspec URL).
+
+Entry point: :func:`create_checkpoint_manager`; see docs/checkpoints.md.
+"""
+
+from elastic.checkpoint.api import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointLoadError,
+    CheckpointManager,
+    CheckpointOptions,
+    CheckpointStorageError,
+    CheckpointWriteError,
+    EventHook,
+    Snapshot,
+    SnapshotInfo,
+    StateLayout,
+)
+from elastic.checkpoint.layout import Manifest, writer_rank_for
+from elastic.checkpoint.manager import (
+    FsspecCheckpointManager,
+    create_checkpoint_manager,
+    current_rank_and_world,
+)
+from elastic.checkpoint.preemption import PreemptionWatcher
+from elastic.checkpoint.state import (
+    TrainingState,
+    capture_rng_state,
+    capture_training_state,
+    restore_rng_state,
+    restore_training_state,
+)
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointLoadError",
+    "CheckpointManager",
+    "CheckpointOptions",
+    "CheckpointStorageError",
+    "CheckpointWriteError",
+    "EventHook",
+    "FsspecCheckpointManager",
+    "Manifest",
+    "PreemptionWatcher",
+    "Snapshot",
+    "SnapshotInfo",
+    "StateLayout",
+    "TrainingState",
+    "capture_rng_state",
+    "capture_training_state",
+    "create_checkpoint_manager",
+    "current_rank_and_world",
+    "restore_rng_state",
+    "restore_training_state",
+    "writer_rank_for",
+]

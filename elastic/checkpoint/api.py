@@ -1,0 +1,243 @@
+"""The checkpoint interface the training loop uses, its options, and its errors.
+
+A *snapshot* is the full training state at one step, stored under ``<root>/step-<step>/`` and made to
+exist by one act: writing its manifest (file list, sizes, sha256) after all of its data.  Anything
+without a valid manifest does not exist for readers.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from elastic.checkpoint.layout import Manifest
+    from elastic.checkpoint.state import TrainingState
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointLoadError",
+    "CheckpointManager",
+    "CheckpointOptions",
+    "CheckpointStorageError",
+    "CheckpointWriteError",
+    "EventHook",
+    "Snapshot",
+    "SnapshotInfo",
+    "StateLayout",
+]
+
+#: Called with a named progress point of a save ("data_begin", "data_chunk", "manifest_committed", ...),
+#: from the thread that does the work.  For metrics and fault-injection tests; it must be quick.
+EventHook = Callable[[str], None]
+
+
+class CheckpointError(Exception):
+    """Base class of every checkpoint failure."""
+
+
+class CheckpointStorageError(CheckpointError):
+    """The storage cannot be used (bad URL, missing bucket or credentials, read-only path).
+
+    The message is one line naming the URL and the reason.
+    """
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save failed; for a background save this is raised by the next ``save``/``wait``/``close``."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A snapshot failed verification (missing file, size or sha256 mismatch, bad manifest)."""
+
+
+class CheckpointLoadError(CheckpointError):
+    """A verified snapshot could not be decoded or applied (a bug or an incompatible state, not rot)."""
+
+
+class StateLayout(str, enum.Enum):
+    """How the state is spread over ranks.
+
+    ``replicated``: every rank holds the same state (DDP); one rank (see ``writer_rank``) writes it.
+    ``sharded``: each rank holds a part (FSDP/DTensor); every rank writes its part through
+    ``torch.distributed.checkpoint`` and rank 0 commits the manifest.
+    """
+
+    REPLICATED = "replicated"
+    SHARDED = "sharded"
+
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """Settings of one checkpoint manager (see docs/checkpoints.md for the table).
+
+    ``storage_options`` go to fsspec unchanged (e.g. ``{"client_kwargs": {"endpoint_url": ...}}`` for s3fs).
+    ``keep_last`` snapshots are kept (the one just written counts), plus every snapshot whose step is a
+    multiple of ``keep_every`` when set.  ``lustre_stripe_*`` are used when an ``lfs`` executable is on
+    ``PATH`` and the root is a local path.
+    """
+
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)  # may hold secrets
+    layout: StateLayout = StateLayout.REPLICATED
+    keep_last: int = 3
+    keep_every: int | None = None
+    writer_rank: int = 0
+    verify_after_write: bool = True
+    weights_only: bool = True
+    chunk_bytes: int = 8 * _MIB
+    lustre_striping: bool = True
+    lustre_stripe_count: int = 4
+    lustre_stripe_size: str = "4M"
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise ValueError(f"keep_every must be >= 1 when set, got {self.keep_every}")
+        if self.writer_rank < 0:
+            raise ValueError(f"writer_rank must be >= 0, got {self.writer_rank}")
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
+        if self.lustre_stripe_count < -1 or self.lustre_stripe_count == 0:
+            raise ValueError(
+                f"lustre_stripe_count must be -1 (all OSTs) or >= 1, got {self.lustre_stripe_count}"
+            )
+        if not re.fullmatch(r"[1-9][0-9]*[KkMmGg]?", self.lustre_stripe_size):
+            raise ValueError(
+                f"lustre_stripe_size must look like 1048576, 4M or 1G, got {self.lustre_stripe_size!r}"
+            )
+        object.__setattr__(self, "layout", StateLayout(self.layout))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> CheckpointOptions:
+        """Build from a plain mapping (a job spec); unknown keys raise ``ValueError`` naming them."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown checkpoint option(s): {', '.join(unknown)}")
+        return cls(**dict(values))
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A committed snapshot as listed from its manifest (its data is not verified by listing)."""
+
+    step: int
+    path: str
+    manifest: Manifest
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A verified, loaded snapshot: ``state`` is the mapping given to ``save`` (tensors on CPU)."""
+
+    step: int
+    state: Mapping[str, Any]
+    manifest: Manifest
+    url: str
+
+    def training_state(self) -> TrainingState:
+        """``state`` as a :class:`~elastic.checkpoint.state.TrainingState` (when it was saved as one)."""
+        from elastic.checkpoint.state import TrainingState
+
+        return TrainingState.from_dict(self.state)
+
+
+_Manager = TypeVar("_Manager", bound="CheckpointManager")
+
+
+class CheckpointManager(ABC):
+    """Saves and restores training state snapshots on one storage root.
+
+    Contract:
+    - ``check_storage()`` proves at start-up that the root is usable (write, read back, delete) and
+      raises :class:`CheckpointStorageError` with one line otherwise.
+    - ``save(step, state, blocking=False)`` returns once the state is copied to CPU memory; the write
+      runs in the background.  At most one save is in flight: a new save first waits for the previous
+      one and raises its error (:class:`CheckpointWriteError`) instead of starting.  With
+      ``overlap_with=optimizer`` it returns before copying that optimizer's tensors (see ``save``).
+      ``blocking=True`` returns once the snapshot is committed.  With the replicated layout only
+      ``is_writer`` ranks write; other ranks return at once.  ``step`` must grow monotonically.
+    - A snapshot exists once its manifest is committed, which happens after all its data is durable;
+      a crash at any point leaves either the previous set of snapshots or the new one, never a torn one.
+    - ``load_latest()`` returns the newest snapshot that passes verification (sizes and sha256), warning
+      about each newer one it skips, or ``None`` (logged once) when there is none.
+    - ``close()`` waits for the in-flight save and raises its error; the manager is unusable afterwards.
+    - Retention runs after a save is committed and verified and only deletes snapshots older than it.
+    """
+
+    @property
+    @abstractmethod
+    def url(self) -> str:
+        """The root URL snapshots live under."""
+
+    @property
+    @abstractmethod
+    def is_writer(self) -> bool:
+        """Whether this process writes replicated snapshots (rank ``writer_rank`` of the saving world)."""
+
+    @abstractmethod
+    def check_storage(self) -> None:
+        """Raise :class:`CheckpointStorageError` unless the root can be written, read and deleted."""
+
+    @abstractmethod
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any] | Any,
+        *,
+        blocking: bool = False,
+        overlap_with: torch.optim.Optimizer | None = None,
+    ) -> None:
+        """Snapshot ``state`` (a mapping or a ``TrainingState``) at ``step``.
+
+        ``overlap_with`` (background saves of replicated state): the parameters and state of this
+        optimizer are copied by the writer thread, overlapping the next forward/backward, and the
+        optimizer's next ``step()`` waits until they are copied.  Only valid if nothing else changes
+        them in between; all other tensors are copied before ``save`` returns.
+        """
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block until no save is in flight; raise the error of a failed background save."""
+
+    @property
+    @abstractmethod
+    def in_flight(self) -> bool:
+        """Whether a background save is still running."""
+
+    @abstractmethod
+    def load_latest(self, template: Mapping[str, Any] | None = None) -> Snapshot | None:
+        """The newest verified snapshot, or ``None``; ``template`` is needed by the sharded layout."""
+
+    @abstractmethod
+    def load(self, step: int, template: Mapping[str, Any] | None = None) -> Snapshot:
+        """The snapshot at ``step``; raises :class:`CheckpointCorruptError` if missing or invalid."""
+
+    @abstractmethod
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        """Committed snapshots (valid manifests), oldest first, without verifying their data."""
+
+    @abstractmethod
+    def latest_step(self) -> int | None:
+        """Step of the newest committed snapshot (manifest only, data not verified), or ``None``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Flush the in-flight save and release resources; raises a pending background error."""
+
+    def __enter__(self: _Manager) -> _Manager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,321 @@
+"""Sharded state (FSDP, DTensor) through ``torch.distributed.checkpoint``, committed by our manifest.
+
+DCP does the sharded work (planning, de-duplication, resharding on load, its async save); this module
+adds what it lacks for shared storage: a per-attempt directory, sha256 of every file, and the manifest as
+the commit point.  DCP's storage writer is subclassed so that
+
+- ``write_data`` (every rank) hashes the files that rank wrote, reading them back, and publishes
+  ``part-<rank>.json`` next to them before DCP gathers the write results;
+- ``finish`` (coordinator, after all ranks' data is written) lets DCP write ``.metadata``, merges the part
+  files and commits ``manifest.json``; then verification and retention run as for replicated state.
+
+Saves and loads are collectives: every rank of the job calls them.  They use a dedicated gloo group so a
+background save never interleaves with the training loop's collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+from elastic.checkpoint.api import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointLoadError,
+    CheckpointOptions,
+    CheckpointWriteError,
+    EventHook,
+    Snapshot,
+)
+from elastic.checkpoint.layout import FileEntry, Manifest, SnapshotKind, manifest_path, step_dir
+from elastic.checkpoint.reader import verify_files
+from elastic.checkpoint.storage import CheckpointStorage, FsspecStorage, LocalStorage
+from elastic.checkpoint.writer import SaveTimings, finish_commit, new_token
+
+__all__ = ["ShardedCheckpointer"]
+
+logger = logging.getLogger(__name__)
+
+_METADATA = ".metadata"
+
+
+def _hash_file(storage: CheckpointStorage, rel: str, chunk_bytes: int) -> tuple[int, str]:
+    hasher = hashlib.sha256()
+    size = 0
+    with storage.open_read(rel) as f:
+        while block := f.read(chunk_bytes):
+            hasher.update(block)
+            size += len(block)
+    return size, hasher.hexdigest()
+
+
+class _Commit:
+    """What the DCP writer needs to know to commit one attempt (shared by all of its hooks)."""
+
+    def __init__(
+        self,
+        storage: CheckpointStorage,
+        options: CheckpointOptions,
+        step: int,
+        token: str,
+        world: int,
+        events: EventHook,
+    ) -> None:
+        self.storage, self.options, self.step, self.token, self.world, self.events = (
+            storage,
+            options,
+            step,
+            token,
+            world,
+            events,
+        )
+        self.rel = f"{step_dir(step)}/{token}"
+        self.timings = SaveTimings()
+        self.manifest: Manifest | None = None
+
+    def after_write(self, rank: int, results: list[Any]) -> None:
+        names = sorted({r.storage_data.relative_path for r in results})
+        entries = []
+        for name in names:
+            size, digest = _hash_file(self.storage, f"{self.rel}/{name}", self.options.chunk_bytes)
+            entries.append({"path": f"{self.token}/{name}", "size": size, "sha256": digest})
+        self.storage.publish(f"{self.rel}/part-{rank:05d}.json", json.dumps(entries).encode())
+        self.events("data_done")
+
+    def commit(self, results: list[list[Any]]) -> None:
+        files: dict[str, FileEntry] = {}
+        for rank, rank_results in enumerate(results):
+            if not rank_results:
+                continue
+            part = json.loads(self.storage.read_bytes(f"{self.rel}/part-{rank:05d}.json"))
+            for item in part:
+                files[item["path"]] = FileEntry(item["path"], int(item["size"]), item["sha256"])
+            for r in rank_results:
+                if f"{self.token}/{r.storage_data.relative_path}" not in files:
+                    raise CheckpointWriteError(
+                        f"rank {rank} wrote {r.storage_data.relative_path} but did not hash it"
+                    )
+        size, digest = _hash_file(self.storage, f"{self.rel}/{_METADATA}", self.options.chunk_bytes)
+        files[f"{self.token}/{_METADATA}"] = FileEntry(f"{self.token}/{_METADATA}", size, digest)
+        manifest = Manifest(
+            step=self.step,
+            token=self.token,
+            kind=SnapshotKind.DCP,
+            files=tuple(files[k] for k in sorted(files)),
+            created_unix=time.time(),
+            world_size=self.world,
+            writer_rank=0,
+            meta={"torch": torch.__version__},
+        )
+        self.events("manifest_begin")
+        self.storage.publish(manifest_path(self.step), manifest.to_json())
+        self.events("manifest_committed")
+        self.manifest = manifest
+        finish_commit(self.storage, manifest, self.options, self.timings, self.events)
+
+
+def _writer_class(base: type) -> type:
+    class _ManifestingWriter(base):
+        """A DCP storage writer that hashes what it wrote and commits our manifest in ``finish``."""
+
+        commit_state: _Commit
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            future = super().write_data(plan, planner)
+            future.wait()
+            self.commit_state.after_write(int(self.rank or 0), future.value())
+            return future
+
+        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+            super().finish(metadata, results)
+            self.commit_state.commit(results)
+
+    return _ManifestingWriter
+
+
+_LocalWriter = _writer_class(FileSystemWriter)
+_FsspecWriter = _writer_class(FsspecWriter)
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """DCP warns on every call without a process group; that case is intended here (world of one)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
+        yield
+
+
+def _require_template(template: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    if template is None:
+        raise CheckpointLoadError("sharded snapshots load in place: pass template= (the current state dict)")
+    return template
+
+
+class ShardedCheckpointer:
+    """Save/load sharded state with DCP under our commit protocol; used by the manager."""
+
+    def __init__(
+        self, storage: CheckpointStorage, options: CheckpointOptions, events: EventHook | None
+    ) -> None:
+        self._storage = storage
+        self._options = options
+        self._events: EventHook = events or (lambda _name: None)
+        self._group: Any = None
+        self._future: Any = None
+        self._step: int | None = None
+
+    # -- process group --------------------------------------------------------------------------------
+    def _pg(self) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self._group is None:  # collective: every rank reaches this on its first save/load
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _broadcast(self, value: Any) -> Any:
+        pg = self._pg()
+        if pg is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, group=pg, group_src=0)
+        return box[0]
+
+    def _rank_world(self) -> tuple[int, int]:
+        pg = self._pg()
+        return (dist.get_rank(pg), dist.get_world_size(pg)) if pg is not None else (0, 1)
+
+    # -- saving ---------------------------------------------------------------------------------------
+    def _make_writer(self, commit: _Commit) -> Any:
+        path = self._storage.full_path(commit.rel)
+        if isinstance(self._storage, LocalStorage):
+            writer = _LocalWriter(path, sync_files=True)
+        elif isinstance(self._storage, FsspecStorage):
+            writer = _FsspecWriter(
+                path, sync_files=not self._storage.is_object_store, **dict(self._options.storage_options)
+            )
+        else:
+            raise CheckpointError(
+                f"sharded checkpoints need a LocalStorage or FsspecStorage, not {type(self._storage)}"
+            )
+        writer.commit_state = commit
+        return writer
+
+    def save(self, step: int, state: Mapping[str, Any], *, blocking: bool) -> None:
+        self.wait()
+        rank, world = self._rank_world()
+        token = self._broadcast(new_token() if rank == 0 else None)
+        commit = _Commit(self._storage, self._options, step, token, world, self._events)
+        if rank == 0:
+            self._storage.make_dirs(commit.rel)
+        self._events("save_begin")
+        writer = self._make_writer(commit)
+        pg = self._pg()
+        try:
+            if blocking:
+                with _single_process_is_intended():
+                    dcp.save(dict(state), storage_writer=writer, process_group=pg, no_dist=pg is None)
+                self._log_commit(step, commit)
+                return
+            self._future = dcp.async_save(
+                dict(state), storage_writer=writer, process_group=pg, no_dist=pg is None
+            )
+            self._step = step
+
+            def log_when_done(future: Any) -> None:
+                if future.exception() is None:
+                    self._log_commit(step, commit)
+
+            self._future.add_done_callback(log_when_done)
+        except Exception as exc:
+            raise CheckpointWriteError(
+                f"saving sharded checkpoint step {step} to {self._storage.url} failed: {exc}"
+            ) from exc
+
+    def _log_commit(self, step: int, commit: _Commit) -> None:
+        if commit.manifest is not None:
+            logger.info(
+                "sharded checkpoint step %d committed at %s (%.1f MiB)",
+                step,
+                self._storage.url,
+                commit.manifest.total_bytes / 2**20,
+            )
+
+    @property
+    def in_flight(self) -> bool:
+        return self._future is not None and not self._future.done()
+
+    def wait(self) -> None:
+        future, self._future = self._future, None
+        if future is None:
+            return
+        try:
+            future.result()
+        except Exception as exc:
+            raise CheckpointWriteError(
+                f"saving sharded checkpoint step {self._step} to {self._storage.url} failed: {exc}"
+            ) from exc
+
+    # -- loading --------------------------------------------------------------------------------------
+    def _reader(self, manifest: Manifest) -> Any:
+        path = self._storage.full_path(f"{step_dir(manifest.step)}/{manifest.token}")
+        if isinstance(self._storage, LocalStorage):
+            return FileSystemReader(path)
+        return FsspecReader(path, **dict(self._options.storage_options))
+
+    def _dcp_load(self, manifest: Manifest, template: Mapping[str, Any] | None) -> Snapshot:
+        template = _require_template(template)
+        if manifest.kind != SnapshotKind.DCP:
+            raise CheckpointLoadError(
+                f"snapshot step {manifest.step} is of kind {manifest.kind.value}, not dcp"
+            )
+        state = dict(template)
+        pg = self._pg()
+        try:
+            with _single_process_is_intended():
+                dcp.load(state, storage_reader=self._reader(manifest), process_group=pg, no_dist=pg is None)
+        except Exception as exc:
+            raise CheckpointLoadError(f"loading sharded snapshot step {manifest.step} failed: {exc}") from exc
+        return Snapshot(step=manifest.step, state=state, manifest=manifest, url=self._storage.url)
+
+    def load(self, manifest: Manifest, template: Mapping[str, Any] | None) -> Snapshot:
+        """Rank 0 verifies ``manifest``'s files, every rank learns the verdict, then all load."""
+        _require_template(template)
+        problem = None
+        if self._rank_world()[0] == 0:
+            try:
+                verify_files(self._storage, manifest, self._options.chunk_bytes)
+            except CheckpointCorruptError as exc:
+                problem = str(exc)
+        problem = self._broadcast(problem)
+        if problem is not None:
+            raise CheckpointCorruptError(problem)
+        return self._dcp_load(manifest, template)
+
+    def load_latest(
+        self, template: Mapping[str, Any] | None, pick: Callable[[], Manifest | None]
+    ) -> Snapshot | None:
+        """Rank 0 picks the newest verified manifest (``pick``), every rank loads that one."""
+        _require_template(template)
+        payload = None
+        if self._rank_world()[0] == 0:
+            manifest = pick()
+            payload = manifest.to_json() if manifest is not None else None
+        payload = self._broadcast(payload)
+        if payload is None:
+            return None
+        return self._dcp_load(Manifest.from_json(payload), template)
+
+    def close(self) -> None:
+        self.wait()

@@ -1,0 +1,220 @@
+"""One save of replicated state: data, then the manifest (commit), then verification and retention.
+
+Runs in the caller (blocking save) or in the manager's writer thread (background save); either way it
+only reads the :class:`~elastic.checkpoint.codec.FlatState` it was given, which the caller must not touch
+until the job is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from elastic.checkpoint.api import CheckpointCorruptError, CheckpointOptions, EventHook
+from elastic.checkpoint.codec import SKELETON_NAME, TENSORS_NAME, FlatState, encode_skeleton, write_tensors
+from elastic.checkpoint.layout import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    SnapshotKind,
+    garbage_step_dirs,
+    manifest_path,
+    plan_retention,
+    step_dir,
+)
+from elastic.checkpoint.reader import scan, verify_files
+from elastic.checkpoint.storage import CheckpointStorage
+
+__all__ = ["PackSaveJob", "SaveTimings", "apply_retention", "new_token"]
+
+logger = logging.getLogger(__name__)
+
+
+class _PipelinedHasher:
+    """sha256 of a stream of chunks, computed in a helper thread while the caller writes the same chunks.
+
+    ``hashlib`` and ``os.write`` both release the GIL on large buffers, so hashing overlaps with writing
+    instead of adding to it.  Chunks are views (no copies); they must stay unchanged until ``hexdigest``.
+    """
+
+    def __init__(self) -> None:
+        self._hasher = hashlib.sha256()
+        self._queue: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="checkpoint-sha256", daemon=True)
+        self._thread.start()
+        self._digest: str | None = None
+
+    def _run(self) -> None:
+        while (chunk := self._queue.get()) is not None:
+            self._hasher.update(chunk)
+
+    def update(self, chunk: memoryview) -> None:
+        self._queue.put(chunk)
+
+    def _finish(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def hexdigest(self) -> str:
+        if self._digest is None:
+            self._finish()
+            self._digest = self._hasher.hexdigest()
+        return self._digest
+
+    def __enter__(self) -> _PipelinedHasher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._finish()
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+@dataclass
+class SaveTimings:
+    """Seconds spent in each phase of the last save (for logs and the benchmark)."""
+
+    data_s: float = 0.0
+    commit_s: float = 0.0
+    verify_s: float = 0.0
+    cleanup_s: float = 0.0
+    bytes_written: int = 0
+
+
+@dataclass
+class PackSaveJob:
+    storage: CheckpointStorage
+    step: int
+    flat: FlatState
+    options: CheckpointOptions
+    world_size: int
+    writer_rank: int
+    events: EventHook | None = None
+    meta: Mapping[str, str] = field(default_factory=dict)
+    timings: SaveTimings = field(default_factory=SaveTimings)
+
+    def _event(self, name: str) -> None:
+        if self.events is not None:
+            self.events(name)
+
+    def _write_file(self, rel: str, payload: bytes | FlatState) -> FileEntry:
+        with _PipelinedHasher() as hasher, self.storage.open_write(f"{step_dir(self.step)}/{rel}") as out:
+            if isinstance(payload, bytes):
+                hasher.update(memoryview(payload))
+                out.write(payload)
+                size = len(payload)
+            else:
+                size = write_tensors(
+                    payload, out, hasher.update, self.options.chunk_bytes, lambda: self._event("data_chunk")
+                )
+        self._event("data_file_closed")
+        return FileEntry(path=rel, size=size, sha256=hasher.hexdigest())
+
+    def run(self) -> Manifest:
+        token = new_token()
+        sdir = step_dir(self.step)
+        self._event("staging_begin")
+        self.flat.finish_staging()  # deferred copies (overlap_with) first: the training loop waits on it
+        self._event("save_begin")
+        started = time.perf_counter()
+        self.storage.make_dirs(f"{sdir}/{token}")
+        try:
+            self._event("data_begin")
+            entries = (
+                self._write_file(f"{token}/{SKELETON_NAME}", encode_skeleton(self.flat)),
+                self._write_file(f"{token}/{TENSORS_NAME}", self.flat),
+            )
+            self._event("data_done")
+            manifest = Manifest(
+                step=self.step,
+                token=token,
+                kind=SnapshotKind.PACK,
+                files=entries,
+                created_unix=time.time(),
+                world_size=self.world_size,
+                writer_rank=self.writer_rank,
+                meta={"torch": torch.__version__, **self.meta},
+            )
+            self.timings.data_s = time.perf_counter() - started
+            self.timings.bytes_written = manifest.total_bytes
+            self._event("manifest_begin")
+            mark = time.perf_counter()
+            self.storage.publish(manifest_path(self.step), manifest.to_json())
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.storage.delete_tree(f"{sdir}/{token}")
+            raise
+        self.timings.commit_s = time.perf_counter() - mark
+        self._event("manifest_committed")
+        finish_commit(self.storage, manifest, self.options, self.timings, self._event)
+        return manifest
+
+
+def finish_commit(
+    storage: CheckpointStorage,
+    manifest: Manifest,
+    options: CheckpointOptions,
+    timings: SaveTimings,
+    event: EventHook,
+) -> None:
+    """After a commit: verify the new snapshot (if configured), then apply retention."""
+    if options.verify_after_write:
+        mark = time.perf_counter()
+        try:
+            verify_files(storage, manifest, options.chunk_bytes)
+        except CheckpointCorruptError as exc:
+            raise CheckpointCorruptError(
+                f"snapshot step {manifest.step} failed verification right after writing ({exc}); "
+                "older snapshots were kept"
+            ) from exc
+        timings.verify_s = time.perf_counter() - mark
+        event("verified")
+    mark = time.perf_counter()
+    event("cleanup_begin")
+    apply_retention(storage, manifest, options, event)
+    timings.cleanup_s = time.perf_counter() - mark
+    event("cleanup_done")
+
+
+def apply_retention(
+    storage: CheckpointStorage, manifest: Manifest, options: CheckpointOptions, event: EventHook
+) -> list[int]:
+    """Delete snapshots beyond retention and dead attempts older than ``manifest``; return deleted steps.
+
+    A snapshot is deleted manifest first, so a crash half-way leaves an uncommitted directory (garbage
+    for a later cleanup), never a committed snapshot with missing files.
+    """
+    step = manifest.step
+    sdir = step_dir(step)
+    for name in storage.list_children(sdir):  # earlier attempts at this step, stale manifest temp files
+        if name not in (MANIFEST_NAME, manifest.token):
+            if "." in name:
+                storage.delete_file(f"{sdir}/{name}")
+            else:
+                storage.delete_tree(f"{sdir}/{name}")
+    entries = scan(storage)
+    committed = [e.step for e in entries if e.manifest is not None]
+    doomed = plan_retention(committed, step, options.keep_last, options.keep_every)
+    for old in doomed:
+        storage.delete_file(manifest_path(old))
+        event("snapshot_uncommitted")
+        storage.delete_tree(step_dir(old))
+    for old in garbage_step_dirs([e.step for e in entries], committed, step):
+        storage.delete_tree(step_dir(old))
+    if doomed:
+        logger.info(
+            "checkpoint retention removed step(s) %s under %s", ", ".join(map(str, doomed)), storage.url
+        )
+    return doomed

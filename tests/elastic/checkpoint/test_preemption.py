@@ -1,0 +1,59 @@
+"""SIGTERM (preemption notice) to a real training process: a final synchronous snapshot, then a clean exit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic.checkpoint import create_checkpoint_manager
+from tests.elastic.checkpoint._preempt_trainer import model_digest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _run(url: str, progress: Path, mode: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "tests.elastic.checkpoint._preempt_trainer", url, str(progress), mode]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_writes_a_final_synchronous_snapshot_of_the_current_step(tmp_path: Path) -> None:
+    progress = tmp_path / "progress"
+    proc = _run(str(tmp_path / "ckpt"), progress, "train")
+    try:
+        deadline = time.monotonic() + 60
+        while not (progress.exists() and progress.read_text().isdigit() and int(progress.read_text()) >= 7):
+            assert proc.poll() is None and time.monotonic() < deadline, "trainer did not get going"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output
+    word, step_text, digest = progress.read_text().split()
+    assert word == "final" and int(step_text) >= 7
+    assert "preemption notice (SIGTERM)" in output
+    with create_checkpoint_manager(str(tmp_path / "ckpt")) as mgr:
+        snap = mgr.load_latest()
+    assert snap is not None and snap.step == int(step_text)
+    assert snap.state["extras"] == {"preempted": True}
+    assert model_digest(dict(snap.state["model"])) == digest
+
+
+@pytest.mark.timeout(60)
+def test_background_save_in_flight_at_interpreter_exit_is_completed(tmp_path: Path) -> None:
+    proc = _run(str(tmp_path / "ckpt"), tmp_path / "progress", "exit")
+    output = proc.communicate(timeout=50)[0].decode()
+    assert proc.returncode == 0, output
+    with create_checkpoint_manager(str(tmp_path / "ckpt")) as mgr:
+        snap = mgr.load_latest()
+    assert snap is not None and snap.step == 1
