@@ -184,7 +184,9 @@ class ElasticTrainer:
             )  # fmt: skip
         else:
             self._ramp = ramp
-        logger.info("resumed from step %d (epoch %d, position %d)", self.step, self.sampler.epoch, self.sampler.position)
+        logger.info(
+            "resumed from step %d (epoch %d, position %d)", self.step, self.sampler.epoch, self.sampler.position
+        )
 
     # -- the loop ------------------------------------------------------------------------------------
     @property
@@ -279,7 +281,8 @@ class ElasticTrainer:
         if timed or preempted:
             # Agree on a time-based save or a preemption notice seen by any rank (one small all-reduce).
             elapsed = time.monotonic() - self._last_save_time
-            time_due = timed and self.config.save_every is not None and elapsed >= self.config.save_every.total_seconds()
+            interval = self.config.save_every
+            time_due = interval is not None and elapsed >= interval.total_seconds()
             flags = torch.tensor([int(time_due), int(preempted)], device=self.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             due = due or bool(flags[0])
@@ -305,7 +308,9 @@ class ElasticTrainer:
             extras={"lr_ramp": dataclasses.asdict(self._ramp)},
             world_size=self.world_size,
         )
-        self._manager.save(self.step, state, blocking=blocking)
+        # The optimizer's tensors are copied by the writer thread while the next forward/backward runs;
+        # the next optimizer.step() waits for that copy (see CheckpointManager.save).
+        self._manager.save(self.step, state, blocking=blocking, overlap_with=None if blocking else self.optimizer)
         self._last_save_time = time.monotonic()
 
     @property

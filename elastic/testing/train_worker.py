@@ -1,0 +1,101 @@
+"""A small elastic training job for tests and benchmarks, run under torchrun.
+
+It trains a little MLP on a deterministic synthetic classification set through :class:`ElasticTrainer`,
+and records, per rank, one JSON line per committed step (step, epoch, world, lr, indices, restart count)
+in ``--record DIR/rank<R>.<pid>.jsonl``. At the end rank 0 evaluates the model on the whole data set and
+writes ``final.json`` (loss, step) and ``final_params.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from elastic.checkpoint import CheckpointOptions
+from elastic.loop import ElasticConfig, ElasticTrainer, StepInfo
+from elastic.lr import LRPolicy, LRRule
+
+
+def make_dataset(n: int, seed: int = 1234) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g)
+    w = torch.randn(16, 4, generator=g)
+    y = (x @ w + 0.3 * torch.randn(n, 4, generator=g)).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--checkpoint-url", required=True)
+    p.add_argument("--record", type=Path, required=True)
+    p.add_argument("--samples", type=int, default=512)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr-rule", default="linear")
+    p.add_argument("--base-world", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    args.record.mkdir(parents=True, exist_ok=True)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # One worker group (one rendezvous round) = one attempt; its master port is chosen anew each round.
+    attempt = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}:{os.environ.get('WORLD_SIZE')}"
+    dataset = make_dataset(args.samples)
+    model = make_model(args.seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    policy = LRPolicy(LRRule(args.lr_rule), args.lr, args.base_world, args.batch, warmup_steps=args.warmup)
+    config = ElasticConfig(
+        policy,
+        args.checkpoint_url,
+        checkpoint_options=CheckpointOptions(keep_last=100),
+        save_every_steps=args.save_every,
+        seed=args.seed,
+        progress_every=0,
+    )
+    log_file: list[Path] = []
+
+    def on_step(info: StepInfo) -> None:
+        record = {"step": info.step, "epoch": info.epoch, "rank": info.rank, "world": info.world_size,
+                  "lr": info.lr, "indices": list(info.indices), "restart": restart, "t": time.time(),
+                  "attempt": attempt}  # fmt: skip
+        with open(log_file[0], "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+
+    trainer = ElasticTrainer(model, optimizer, dataset, config, on_step=on_step)
+    log_file.append(args.record / f"rank{trainer.rank}.{os.getpid()}.jsonl")
+    for x, y in trainer.batches(epochs=args.epochs):
+        trainer.backward(F.cross_entropy(trainer.model(x), y))
+    if trainer.rank == 0:
+        module = trainer.model.module
+        module.eval()
+        with torch.no_grad():
+            x_all, y_all = dataset.tensors
+            loss = float(F.cross_entropy(module(x_all), y_all))
+        torch.save({k: v.clone() for k, v in module.state_dict().items()}, args.record / "final_params.pt")
+        (args.record / "final.json").write_text(json.dumps({"loss": loss, "step": trainer.step}))
+    trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The elastic loop under real torchrun on real etcd: resume, LR policy on resize, exactly-once data."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastic.etcd.server import LocalEtcdCluster
+from elastic.lr import LRPolicy, LRRule
+from elastic.testing.torchrun import Agent, torchrun_command, wait_until
+
+WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    started: list[Agent] = []
+    yield started
+    for a in started:
+        a.stop()
+
+
+def _agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnodes: str, nproc: int,
+           args: list[str]) -> Agent:  # fmt: skip
+    cmd = torchrun_command(
+        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
+        rdzv_conf={"last_call_timeout": 2}, max_restarts=5, script=WORKER, script_args=args,
+    )  # fmt: skip
+    return Agent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}).start()
+
+
+def _records(rec: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in rec.glob("rank*.jsonl"):
+        for line in f.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by SIGKILL
+    return out
+
+
+def _effective(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """For each step, the records of the last attempt that committed it (earlier attempts were rolled back)."""
+    by_step: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        by_step[r["step"]][r["attempt"]].append(r)
+    out = {}
+    for step, attempts in by_step.items():
+        out[step] = max(attempts.values(), key=lambda rs: max(r["t"] for r in rs))
+    return out
+
+
+def _max_step(rec: Path) -> int:
+    return max((r["step"] for r in _records(rec)), default=0)
+
+
+def _logs(agents: list[Agent]) -> str:
+    return "\n".join(f"--- {a.log_path.name}\n{a.log()[-2500:]}" for a in agents)
+
+
+@pytest.mark.timeout(300)
+def test_kill_and_resume_at_same_world_gives_bit_identical_params(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
+) -> None:
+    common = ["--epochs", "2", "--save-every", "5", "--samples", "384", "--batch", "8", "--lr-rule", "none"]
+    ref = tmp_path / "ref"
+    a = _agent(tmp_path, "ref", etcd_server, f"ref-{uuid.uuid4().hex[:6]}", "1", 2,
+               [*common, "--checkpoint-url", str(tmp_path / "ck-ref"), "--record", str(ref)])  # fmt: skip
+    agents.append(a)
+    assert a.wait(timeout=200) == 0, _logs(agents)
+
+    run = tmp_path / "run"
+    b = _agent(tmp_path, "run", etcd_server, f"run-{uuid.uuid4().hex[:6]}", "1", 2,
+               [*common, "--checkpoint-url", str(tmp_path / "ck-run"), "--record", str(run),
+                "--step-sleep", "0.05"])  # fmt: skip
+    agents.append(b)
+    assert wait_until(lambda: _max_step(run) >= 13, 120), _logs(agents)
+    b.kill_workers()  # SIGKILL every worker mid-run: torchrun restarts the group from the last snapshot
+    assert b.wait(timeout=200) == 0, _logs(agents)
+
+    restarts = {r["restart"] for r in _records(run)}
+    assert restarts == {0, 1}, "the group was killed once and restarted once"
+    ref_params = torch.load(ref / "final_params.pt")
+    run_params = torch.load(run / "final_params.pt")
+    assert ref_params.keys() == run_params.keys()
+    for k in ref_params:
+        assert torch.equal(ref_params[k], run_params[k]), k
+
+
+def _expected_factors(policy: LRPolicy, eff: dict[int, list[dict[str, Any]]]) -> dict[int, float]:
+    """Replay the policy over the effective trajectory: a ramp starts wherever the world changed."""
+    steps = sorted(eff)
+    world = eff[steps[0]][0]["world"]
+    ramp = policy.start_ramp(0, policy.factor(world), world)
+    out = {}
+    for s in steps:
+        w = eff[s][0]["world"]
+        if w != world:
+            ramp = policy.start_ramp(s - 1, policy.factor_at(s - 1, ramp), w)
+            world = w
+        out[s] = policy.factor_at(s - 1, ramp)
+    return out
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("rule", [r.value for r in LRRule])
+def test_resizes_4_2_3_keep_lr_policy_exact_and_every_sample_once_per_epoch(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent], rule: str
+) -> None:
+    rec = tmp_path / "rec"
+    run_id = f"resize-{uuid.uuid4().hex[:6]}"
+    n, batch, lr, warmup = 480, 4, 0.05, 3
+    args = ["--epochs", "3", "--samples", str(n), "--batch", str(batch), "--lr", str(lr), "--lr-rule", rule,
+            "--base-world", "4", "--warmup", str(warmup), "--save-every", "4", "--step-sleep", "0.03",
+            "--checkpoint-url", str(tmp_path / "ck"), "--record", str(rec)]  # fmt: skip
+    a = _agent(tmp_path, "a", etcd_server, run_id, "1:3", 2, args)
+    b = _agent(tmp_path, "b", etcd_server, run_id, "1:3", 2, args)
+    agents += [a, b]
+
+    def world_reached(w: int, after: int = 0) -> bool:
+        return any(r["world"] == w and r["step"] > after for r in _records(rec))
+
+    assert wait_until(lambda: world_reached(4), 150), _logs(agents)
+    assert wait_until(lambda: _max_step(rec) >= 10, 120), _logs(agents)
+    b.kill_tree()  # a node dies mid-epoch: 4 -> 2
+    assert wait_until(lambda: world_reached(2, after=8), 120), _logs(agents)
+    shrunk_at = _max_step(rec)
+    assert wait_until(lambda: _max_step(rec) >= shrunk_at + 12, 120), _logs(agents)
+    c = _agent(tmp_path, "c", etcd_server, run_id, "1:3", 1, args)  # a node joins: 2 -> 3
+    agents.append(c)
+    for agent in (a, c):
+        assert agent.wait(timeout=300) == 0, _logs(agents)
+
+    eff = _effective(_records(rec))
+    steps = sorted(eff)
+    assert steps == list(range(1, steps[-1] + 1)), "every step committed exactly once"
+    worlds = [eff[s][0]["world"] for s in steps]
+    changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
+    assert changes == [4, 2, 3], changes
+
+    policy = LRPolicy(LRRule(rule), lr, 4, batch, warmup_steps=warmup)
+    expected = _expected_factors(policy, eff)
+    for s in steps:
+        assert len(eff[s]) == eff[s][0]["world"], f"step {s}: one record per rank"
+        for r in eff[s]:
+            assert r["lr"] == lr * expected[s], (s, r["lr"], lr * expected[s])
+    # Steady state after the last resize: the policy's exact target LR.
+    assert eff[steps[-1]][0]["lr"] == policy.target_lr(3)
+
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for s in steps:
+        for r in eff[s]:
+            per_epoch[r["epoch"]].extend(r["indices"])
+    assert sorted(per_epoch) == [0, 1, 2]
+    for epoch, seen in per_epoch.items():
+        assert sorted(seen) == list(range(n)), f"epoch {epoch}: a sample was skipped or repeated"
