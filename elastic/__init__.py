@@ -1,3 +1,32 @@
-"""Elastic, fault-tolerant training for stock torchrun: etcd v3 rendezvous, checkpoints, elastic loop."""
+"""Elastic, fault-tolerant training for stock torchrun: etcd v3 rendezvous, checkpoints, elastic loop.
+
+The training API is importable from here (lazily, so that loading the torchrun plugin stays light)::
+
+    from elastic import ElasticConfig, ElasticTrainer, LRPolicy
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "ElasticConfig": "elastic.loop",
+    "ElasticTrainer": "elastic.loop",
+    "StepInfo": "elastic.loop",
+    "LRPolicy": "elastic.lr",
+    "LRRule": "elastic.lr",
+    "ElasticSampler": "elastic.sampler",
+}
+
+__all__ = ["ElasticConfig", "ElasticSampler", "ElasticTrainer", "LRPolicy", "LRRule", "StepInfo"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elastic' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,9 +1,17 @@
 """The worker-side elastic loop: a few lines turn a DDP script into an elastic, resumable one.
 
-    trainer = ElasticTrainer(model, optimizer, dataset, ElasticConfig(checkpoint_url=..., lr_policy=...))
+    trainer = ElasticTrainer(model, optimizer, dataset, ElasticConfig(lr_policy=..., checkpoint_url=...))
     for x, y in trainer.batches(epochs=3):
         trainer.backward(loss_fn(trainer.model(x), y))
     trainer.close()
+
+or, as a drop-in for a tutorial DDP script (the process group and ``DDP(model)`` are the user's own)::
+
+    dist.init_process_group("gloo"); model = DDP(model)
+    trainer = ElasticTrainer(model, optimizer, dataset, ElasticConfig(LRPolicy("linear", lr, 2, batch)))
+    for epoch in range(epochs):
+        for x, y in trainer.batches(epoch):
+            trainer.backward(loss_fn(model(x), y))
 
 What it does, in order: joins the process group torchrun describes (gloo on CPU, NCCL on GPU); checks the
 checkpoint storage (a clear error before training); restores the newest verified snapshot that rank 0 picks
@@ -110,10 +118,16 @@ class ElasticTrainer:
         self.sampler.set_world(self.rank, self.world_size)
         self._ramp = self.policy.start_ramp(0, self.policy.factor(self.world_size), self.world_size)
         self._manager = self._open_checkpoints()
-        model.to(self.device)
-        self._restore(model)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self.model = DistributedDataParallel(model, device_ids=device_ids)  # broadcasts rank 0's state
+        if isinstance(model, DistributedDataParallel):
+            # The user wrapped it already: restore into the module, then make replicas identical.
+            self._restore(model.module)
+            self._broadcast_module(model.module)
+            self.model = model
+        else:
+            model.to(self.device)
+            self._restore(model)
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DistributedDataParallel(model, device_ids=device_ids)  # broadcasts rank 0's state
         self._preemption = PreemptionWatcher().install()
         self._last_save_time = time.monotonic()
         self._loss_sum = 0.0
@@ -133,6 +147,12 @@ class ElasticTrainer:
             return
         backend = self.config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend, timeout=self.config.timeout)
+
+    @staticmethod
+    def _broadcast_module(module: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t.data, 0)
 
     def _pick_device(self) -> torch.device:
         if dist.get_backend() == "nccl":
@@ -196,11 +216,20 @@ class ElasticTrainer:
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) * self.lr_factor
 
-    def batches(self, epochs: int) -> Iterator[Any]:
-        """Yield this rank's micro-batches until ``epochs`` epochs are done; each must get one
-        :meth:`backward`. The optimizer step runs inside, after the last micro-batch of each step."""
+    def batches(self, epoch: int | None = None, *, epochs: int | None = None) -> Iterator[Any]:
+        """Yield this rank's micro-batches; each must get one :meth:`backward`. The optimizer step runs
+        inside, after the last micro-batch of each step.
+
+        ``batches(epoch)`` serves what is left of that epoch (nothing if a resumed run is already past it);
+        ``batches(epochs=N)`` serves everything until N epochs are done.
+        """
+        if (epoch is None) == (epochs is None):
+            raise TypeError("give either an epoch or epochs=N")
+        if epoch is not None and epoch > self.sampler.epoch:
+            raise ValueError(f"epoch {epoch} asked for while epoch {self.sampler.epoch} is not finished")
+        end = epochs if epochs is not None else (epoch or 0) + 1
         plan = self.policy.step_plan(self.world_size)
-        while self.sampler.epoch < epochs and not self._stopped:
+        while self.sampler.epoch < end and not self._stopped:
             total = self.sampler.step_size(plan.global_batch)
             mine = self.sampler.step_indices(plan.global_batch)
             offset = 0
@@ -244,14 +273,14 @@ class ElasticTrainer:
         if self.scheduler is not None:
             self.scheduler.step()
         epoch = self.sampler.epoch
-        self.sampler.advance(plan.global_batch)
+        epoch_done = self.sampler.advance(plan.global_batch)
         self.step += 1
         loss = self._loss_sum if self._loss_count else None
         self._loss_sum, self._loss_count = 0.0, 0
         if self._on_step is not None:
             self._on_step(StepInfo(self.step, epoch, self.rank, self.world_size, list(indices), lr, loss))
         self._maybe_report(lr, loss)
-        self._maybe_save()
+        self._maybe_save(epoch_done)
 
     def _maybe_report(self, lr: float, loss: float | None) -> None:
         every = self.config.progress_every
@@ -271,11 +300,11 @@ class ElasticTrainer:
         return {k: float(v) / self.world_size for k, v in zip(keys, t.tolist(), strict=True)}
 
     # -- checkpoints ---------------------------------------------------------------------------------
-    def _maybe_save(self) -> None:
+    def _maybe_save(self, epoch_done: bool = False) -> None:
         if self._manager is None:
             return
         every = self.config.save_every_steps
-        due = every is not None and self.step % every == 0
+        due = epoch_done or (every is not None and self.step % every == 0)
         timed = self.config.save_every is not None
         preempted = self._preemption.requested
         if timed or preempted:

@@ -1,0 +1,68 @@
+"""The examples: the elastic version of the tutorial DDP script changes at most 10 lines, and both run."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from elastic.etcd.server import LocalEtcdCluster
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _changed_lines(a: Path, b: Path) -> int:
+    def body(p: Path) -> list[str]:
+        lines = p.read_text().splitlines()
+        start = lines.index('"""', 1) + 1 if lines[0].startswith('"""') and lines[0].count('"""') == 1 else 1
+        return [ln for ln in lines[start:] if ln.strip()]  # the module docstring is prose, not code
+
+    diff = difflib.unified_diff(body(a), body(b), lineterm="", n=0)
+    removed = added = 0
+    for line in diff:
+        if line.startswith("-") and not line.startswith("---"):
+            removed += 1
+        elif line.startswith("+") and not line.startswith("+++"):
+            added += 1
+    return max(removed, added)
+
+
+def test_elastic_digits_changes_at_most_10_lines_of_the_ddp_script() -> None:
+    changed = _changed_lines(EXAMPLES / "ddp_digits.py", EXAMPLES / "elastic_digits.py")
+    assert changed <= 10, f"{changed} lines changed"
+
+
+def _torchrun(
+    etcd: LocalEtcdCluster, script: str, args: list[str], nproc: int = 2, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+        "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoints}", f"--rdzv-id=ex-{uuid.uuid4().hex[:6]}",
+        str(EXAMPLES / script), *args,
+    ]  # fmt: skip
+    full_env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=full_env, cwd=EXAMPLES)
+
+
+@pytest.mark.timeout(300)
+def test_elastic_digits_trains_and_resumes_from_its_checkpoint(etcd_server: LocalEtcdCluster, tmp_path: Path) -> None:
+    ck = str(tmp_path / "ck")
+    first = _torchrun(etcd_server, "elastic_digits.py", ["--epochs", "2"], env={"ETRAIN_CHECKPOINT_URL": ck})
+    assert first.returncode == 0, first.stderr[-3000:]
+    # 1797 samples, global batch 2 x 32: 29 steps per epoch.
+    assert "world 2" in first.stderr and "epoch 1 done at step 58" in first.stderr, first.stderr[-3000:]
+    again = _torchrun(etcd_server, "elastic_digits.py", ["--epochs", "3"], env={"ETRAIN_CHECKPOINT_URL": ck})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from step 58" in again.stderr and "epoch 2 done at step 87" in again.stderr, again.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_elastic_chargpt_trains_on_the_committed_text(etcd_server: LocalEtcdCluster, tmp_path: Path) -> None:
+    run = _torchrun(etcd_server, "elastic_chargpt.py", ["--epochs", "1", "--checkpoint-url", str(tmp_path / "ck")])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "done at step" in run.stderr and "loss" in run.stderr, run.stderr[-3000:]
