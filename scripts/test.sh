@@ -7,4 +7,4 @@ PY=${PYTHON:-python3}
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 echo "== ruff"; $PY -m ruff check elastic service tests bench examples
 echo "== mypy"; $PY -m mypy
-echo "== pytest"; $PY -m pytest -q -ra --durations=15 "$@"
+echo "== pytest"; $PY -m pytest -q -ra --durations=15 -m "not slow" "$@"

@@ -162,3 +162,57 @@ def test_resizes_4_2_3_keep_lr_policy_exact_and_every_sample_once_per_epoch(
     assert sorted(per_epoch) == [0, 1, 2]
     for epoch, seen in per_epoch.items():
         assert sorted(seen) == list(range(n)), f"epoch {epoch}: a sample was skipped or repeated"
+
+
+def _final_loss(tmp: Path, etcd: LocalEtcdCluster, agents: list[Agent], rule: str, seed: int, resize: bool) -> float:
+    rec = tmp / f"{rule}-{seed}-{'resized' if resize else 'fixed'}"
+    run_id = f"conv-{uuid.uuid4().hex[:6]}"
+    args = ["--epochs", "4", "--samples", "480", "--batch", "4", "--lr", "0.05", "--lr-rule", rule,
+            "--base-world", "4", "--warmup", "3", "--save-every", "4", "--seed", str(seed),
+            "--checkpoint-url", str(rec / "ck"), "--record", str(rec)]  # fmt: skip
+    if not resize:
+        a = _agent(tmp, f"{rec.name}-a", etcd, run_id, "2:2", 2, args)
+        b = _agent(tmp, f"{rec.name}-b", etcd, run_id, "2:2", 2, args)
+        agents += [a, b]
+        for agent in (a, b):
+            assert agent.wait(timeout=300) == 0, _logs(agents)
+    else:
+        a = _agent(tmp, f"{rec.name}-a", etcd, run_id, "1:3", 2, [*args, "--step-sleep", "0.02"])
+        b = _agent(tmp, f"{rec.name}-b", etcd, run_id, "1:3", 2, [*args, "--step-sleep", "0.02"])
+        agents += [a, b]
+        assert wait_until(lambda: _max_step(rec) >= 30, 150), _logs(agents)
+        b.kill_tree()
+        assert wait_until(lambda: any(r["world"] == 2 for r in _records(rec)), 120), _logs(agents)
+        assert wait_until(lambda: _max_step(rec) >= 70, 150), _logs(agents)
+        c = _agent(tmp, f"{rec.name}-c", etcd, run_id, "1:3", 1, [*args, "--step-sleep", "0.02"])
+        agents.append(c)
+        for agent in (a, c):
+            assert agent.wait(timeout=300) == 0, _logs(agents)
+        worlds = [r["world"] for r in sorted(_records(rec), key=lambda r: r["t"])]
+        assert 3 in worlds and 2 in worlds and 4 in worlds
+    return float(json.loads((rec / "final.json").read_text())["loss"])
+
+
+def _convergence(tmp: Path, etcd: LocalEtcdCluster, agents: list[Agent], rule: str, seed: int) -> None:
+    fixed = _final_loss(tmp, etcd, agents, rule, seed, resize=False)
+    resized = _final_loss(tmp, etcd, agents, rule, seed, resize=True)
+    print(f"convergence {rule} seed {seed}: fixed 4 workers {fixed:.5f}, resized 4->2->3 {resized:.5f}, "
+          f"{100 * (resized - fixed) / fixed:+.2f} %")  # fmt: skip
+    assert abs(resized - fixed) <= 0.02 * fixed
+
+
+@pytest.mark.timeout(600)
+def test_resized_run_converges_within_2_percent_of_fixed_world_small_form(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
+) -> None:
+    _convergence(tmp_path, etcd_server, agents, "fixed-global-batch", seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("rule", ["fixed-global-batch", "linear"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_resized_run_converges_within_2_percent_of_fixed_world_3_seeds(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent], rule: str, seed: int
+) -> None:
+    _convergence(tmp_path, etcd_server, agents, rule, seed)
