@@ -38,9 +38,18 @@ NODE_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Environment variables the agent and torchrun set for workers; a job spec may not override them.
 RESERVED_ENV = frozenset(
-    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-     "MASTER_PORT", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
-)  # fmt: skip
+    {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    }
+)
 _RESERVED_ENV_PREFIXES = ("ETRAIN_", "TORCHELASTIC_")
 _CHECKPOINT_SCHEMES = ("file", "s3", "gs", "gcs", "az", "abfs", "lustre")
 
@@ -58,20 +67,31 @@ def _positive(value: timedelta) -> timedelta:
 class RestartPolicy(_Spec):
     """How often and how fast a job is restarted, with separate budgets per cause."""
 
-    max_failures: int = Field(3, ge=0, le=1000, description="restarts after failed workers before failing")
+    max_failures: int = Field(
+        default=3, ge=0, le=1000, description="restarts after failed workers before failing"
+    )
     max_membership_changes: int = Field(
-        20, ge=0, le=100000, description="nodes lost or added while running before failing"
+        default=20, ge=0, le=100000, description="nodes lost or added while running before failing"
     )
     max_worker_restarts: int = Field(
-        3, ge=0, le=1000, description="torchrun --max-restarts: in-place restarts within one generation"
+        default=3,
+        ge=0,
+        le=1000,
+        description="torchrun --max-restarts: in-place restarts within one generation",
     )
-    backoff_initial: timedelta = Field(timedelta(seconds=2), description="first restart delay (doubles)")
-    backoff_max: timedelta = Field(timedelta(seconds=120), description="restart delay cap")
+    backoff_initial: timedelta = Field(
+        default=timedelta(seconds=2), description="first restart delay (doubles)"
+    )
+    backoff_max: timedelta = Field(default=timedelta(seconds=120), description="restart delay cap")
     crash_loop_threshold: int = Field(
-        3, ge=1, le=1000, description="consecutive generations failing before their first step: fail"
+        default=3, ge=1, le=1000, description="consecutive generations failing before their first step: fail"
     )
-    blacklist_after: int = Field(2, ge=1, le=1000, description="failures on one node before it is avoided")
-    blacklist_cooldown: timedelta = Field(timedelta(minutes=10), description="how long a node is avoided")
+    blacklist_after: int = Field(
+        default=2, ge=1, le=1000, description="failures on one node before it is avoided"
+    )
+    blacklist_cooldown: timedelta = Field(
+        default=timedelta(minutes=10), description="how long a node is avoided"
+    )
 
     _check_positive = field_validator("backoff_initial", "backoff_max", "blacklist_cooldown")(_positive)
 
@@ -88,17 +108,25 @@ class LRPolicy(_Spec):
     """How the training loop rescales the learning rate when the world size changes."""
 
     scaling: Literal["linear", "sqrt", "none"] = "linear"
-    base_lr: float = Field(0.1, gt=0, le=1e6)
-    base_world_size: int = Field(1, ge=1, le=1_000_000, description="world size base_lr is tuned for")
-    warmup_steps: int = Field(0, ge=0, le=10_000_000, description="steps to ramp to a new LR after a change")
+    base_lr: float = Field(default=0.1, gt=0, le=1e6)
+    base_world_size: int = Field(default=1, ge=1, le=1_000_000, description="world size base_lr is tuned for")
+    warmup_steps: int = Field(
+        default=0, ge=0, le=10_000_000, description="steps to ramp to a new LR after a change"
+    )
 
 
 class RendezvousOptions(_Spec):
     """torchrun ``--rdzv-conf`` settings of the job's ``etcd-v3`` rendezvous."""
 
-    last_call_timeout: timedelta = Field(timedelta(seconds=5), description="wait for more nodes after min")
-    join_timeout: timedelta = Field(timedelta(minutes=10), description="wait for min nodes before failing")
-    node_ttl: timedelta = Field(timedelta(seconds=2), description="lease TTL that detects a dead torchrun")
+    last_call_timeout: timedelta = Field(
+        default=timedelta(seconds=5), description="wait for more nodes after min"
+    )
+    join_timeout: timedelta = Field(
+        default=timedelta(minutes=10), description="wait for min nodes before failing"
+    )
+    node_ttl: timedelta = Field(
+        default=timedelta(seconds=2), description="lease TTL that detects a dead torchrun"
+    )
 
     _check_positive = field_validator("last_call_timeout", "join_timeout", "node_ttl")(_positive)
 
@@ -109,17 +137,23 @@ class JobSpec(_Spec):
     name: str = Field(pattern=NAME_PATTERN, description="lower-case letters, digits, '-' (max 40)")
     entrypoint: str = Field(min_length=1, max_length=4096, description="script path (or module, see module)")
     args: list[str] = Field(default_factory=list, max_length=1000)
-    module: bool = Field(False, description="run the entrypoint as a module (torchrun -m)")
-    image: str | None = Field(None, max_length=1024, description="container image (for container agents)")
+    module: bool = Field(default=False, description="run the entrypoint as a module (torchrun -m)")
+    image: str | None = Field(
+        default=None, max_length=1024, description="container image (for container agents)"
+    )
     env: dict[str, str] = Field(default_factory=dict)
-    working_dir: str | None = Field(None, max_length=4096, description="workers' cwd (agent's cwd if unset)")
-    nproc_per_node: int = Field(1, ge=1, le=256)
-    min_nodes: int = Field(1, ge=1, le=4096)
-    max_nodes: int = Field(1, ge=1, le=4096)
-    checkpoint_url: str | None = Field(None, max_length=4096, description="this job's checkpoint prefix")
-    lr_policy: LRPolicy = Field(default_factory=LRPolicy)
-    restart_policy: RestartPolicy = Field(default_factory=RestartPolicy)
-    rendezvous: RendezvousOptions = Field(default_factory=RendezvousOptions)
+    working_dir: str | None = Field(
+        default=None, max_length=4096, description="workers' cwd (agent's cwd if unset)"
+    )
+    nproc_per_node: int = Field(default=1, ge=1, le=256)
+    min_nodes: int = Field(default=1, ge=1, le=4096)
+    max_nodes: int = Field(default=1, ge=1, le=4096)
+    checkpoint_url: str | None = Field(
+        default=None, max_length=4096, description="this job's checkpoint prefix"
+    )
+    lr_policy: LRPolicy = Field(default_factory=lambda: LRPolicy())
+    restart_policy: RestartPolicy = Field(default_factory=lambda: RestartPolicy())
+    rendezvous: RendezvousOptions = Field(default_factory=lambda: RendezvousOptions())
 
     @field_validator("entrypoint")
     @classmethod
@@ -188,7 +222,9 @@ class JobRecord(_Record):
     id: str
     spec: JobSpec
     created_at: datetime
-    checkpoint_url: str | None = Field(None, description="resolved: the spec's, or the default prefix")
+    checkpoint_url: str | None = Field(
+        default=None, description="resolved: the spec's, or the default prefix"
+    )
     submitted_by: str | None = None
 
 
@@ -200,9 +236,11 @@ class WorldSizeChange(_Record):
 
 
 class Restarts(_Record):
-    failure: int = Field(0, description="generations restarted after failed workers")
-    membership: int = Field(0, description="nodes lost or added while running")
-    in_place: int = Field(0, description="torchrun worker-group restarts within a generation (any cause)")
+    failure: int = Field(default=0, description="generations restarted after failed workers")
+    membership: int = Field(default=0, description="nodes lost or added while running")
+    in_place: int = Field(
+        default=0, description="torchrun worker-group restarts within a generation (any cause)"
+    )
 
 
 class CheckpointInfo(_Record):
@@ -220,7 +258,7 @@ class JobStatus(_Record):
     nodes: list[str] = Field(default_factory=list)
     world_size: int | None = None
     world_size_history: list[WorldSizeChange] = Field(default_factory=list)
-    restarts: Restarts = Field(default_factory=Restarts)
+    restarts: Restarts = Field(default_factory=lambda: Restarts())
     checkpoint: CheckpointInfo | None = None
     step: int | None = None
     total_steps: int | None = None
