@@ -308,26 +308,22 @@ def _handle_lost_nodes(d: _Decision) -> bool:
     return False
 
 
-def _checkpoint_conflict(d: _Decision) -> str | None:
+def _checkpoint_conflict(d: _Decision, claimed: Mapping[str, str]) -> str | None:
+    """Another started, active job whose checkpoint prefix overlaps this job's (``claimed``: id -> url)."""
     own = d.record.checkpoint_url
     if own is None:
         return None
-    for other in d.view.jobs.values():
-        rec = other.record
-        if rec.id == d.record.id or rec.checkpoint_url is None or other.status.state.terminal:
-            continue
-        if other.status.generation == 0:
-            continue  # not started: it will meet this check itself
-        if checkpoint_url_within(own, rec.checkpoint_url) or checkpoint_url_within(rec.checkpoint_url, own):
-            return rec.id
+    for job_id, url in sorted(claimed.items()):
+        if job_id != d.record.id and (checkpoint_url_within(own, url) or checkpoint_url_within(url, own)):
+            return job_id
     return None
 
 
-def _try_start(d: _Decision, free: dict[str, int]) -> None:
+def _try_start(d: _Decision, free: dict[str, int], claimed: dict[str, str]) -> None:
     st = d.st
     if st.backoff_until is not None and d.now < st.backoff_until:
         return
-    conflict = _checkpoint_conflict(d)
+    conflict = _checkpoint_conflict(d, claimed)
     if conflict is not None:
         d.move(Trigger.FAIL, f"checkpoint prefix {d.record.checkpoint_url} is in use by job {conflict}")
         return
@@ -348,6 +344,8 @@ def _try_start(d: _Decision, free: dict[str, int]) -> None:
     for node in nodes:
         free[node] -= d.spec.nproc_per_node
     d.place(st.nodes)
+    if d.record.checkpoint_url is not None:
+        claimed[d.record.id] = d.record.checkpoint_url
     d.move(Trigger.START, f"generation {st.generation} on {len(nodes)} node(s): {', '.join(st.nodes)}")
 
 
@@ -377,6 +375,11 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
     pairs = [(node, a) for node, jobs in view.assignments.items() for a in jobs.values()]
     free = free_capacity(view.nodes, pairs, active)
     plan.orphans = sorted((node, a.job_id) for node, a in pairs if a.job_id not in view.jobs)
+    claimed = {
+        e.record.id: e.record.checkpoint_url
+        for e in entries
+        if e.record.checkpoint_url is not None and not e.status.state.terminal and e.status.generation > 0
+    }
     growable: list[_Decision] = []
     decisions: list[_Decision] = []
     for entry in entries:
@@ -413,7 +416,7 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
                 st.disrupted_at = None
                 d.move(Trigger.RESUME, f"running on {len(st.nodes)} node(s) (the job reports no progress)")
         if not st.nodes and st.state in (JobState.PENDING, JobState.RECOVERING):
-            _try_start(d, free)
+            _try_start(d, free, claimed)
         elif st.state == JobState.RUNNING and len(st.nodes) < d.spec.max_nodes:
             growable.append(d)
     for d in growable:
