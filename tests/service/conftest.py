@@ -50,7 +50,9 @@ def api(settings: Settings) -> Iterator[TestClient]:
 def live_server(settings: Settings) -> Iterator[str]:
     """The app served by uvicorn on a loopback port (for the CLI), its URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

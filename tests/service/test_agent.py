@@ -23,7 +23,8 @@ pytestmark = pytest.mark.timeout(90)
 _WORKER = """
 import os, sys, time
 mode = sys.argv[1]
-print("worker", os.environ["RANK"], os.environ["ETRAIN_JOB_ID"], os.environ["ETRAIN_CHECKPOINT_URL"], flush=True)
+env = os.environ
+print("worker", env["RANK"], env["ETRAIN_JOB_ID"], env["ETRAIN_CHECKPOINT_URL"], flush=True)
 if mode == "fail":
     print("boom: bad input", file=sys.stderr, flush=True)
     sys.exit(3)
@@ -32,7 +33,9 @@ if mode == "sleep":
 """
 
 
-def _settings(etcd: LocalEtcdCluster, prefix: str, tmp_path: Path, name: str = "n1", **kw: object) -> AgentSettings:
+def _settings(
+    etcd: LocalEtcdCluster, prefix: str, tmp_path: Path, name: str = "n1", **kw: object
+) -> AgentSettings:
     base: dict[str, object] = {
         "etcd": EtcdOptions(etcd.endpoints),
         "node_name": name,
@@ -69,7 +72,9 @@ def _assign(agent: NodeAgent, tmp_path: Path, mode: str, generation: int = 1) ->
         checkpoint_url="file:///ck/job-1",
         assigned_at=datetime.now(timezone.utc),
     )
-    agent.client.put(agent.store.keys.assignment(agent.settings.node_name, "job-1"), a.model_dump_json().encode())
+    agent.client.put(
+        agent.store.keys.assignment(agent.settings.node_name, "job-1"), a.model_dump_json().encode()
+    )
     return a
 
 

@@ -75,9 +75,13 @@ def test_operational_endpoints_need_no_token(api: TestClient) -> None:
     assert body["etcd"] == "ok" and body["is_leader"] is True and body["leader"] == body["replica"]
     assert api.get("/docs", headers=bare).status_code == 200
     paths = api.get("/openapi.json", headers=bare).json()["paths"]
-    assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel", "/v1/jobs/{job_id}/events", "/v1/nodes"} <= set(
-        paths
-    )
+    assert {
+        "/v1/jobs",
+        "/v1/jobs/{job_id}",
+        "/v1/jobs/{job_id}/cancel",
+        "/v1/jobs/{job_id}/events",
+        "/v1/nodes",
+    } <= set(paths)
     metrics = api.get("/metrics", headers=bare)
     assert metrics.status_code == 200 and "etrain_jobs{" in metrics.text
 
@@ -149,7 +153,9 @@ def test_submit_then_list_and_get_show_the_job(api: TestClient) -> None:
     got = api.get(f"/v1/jobs/{job['id']}").json()
     assert got["spec"] == job["spec"] and got["checkpoint"]["url"] == job["checkpoint"]["url"]
     # no node is registered: the leader keeps it pending and says why
-    msg = wait_until(lambda: api.get(f"/v1/jobs/{job['id']}").json()["message"].startswith("waiting for nodes"))
+    msg = wait_until(
+        lambda: api.get(f"/v1/jobs/{job['id']}").json()["message"].startswith("waiting for nodes")
+    )
     assert msg
     assert api.get("/v1/jobs", params={"state": "running"}).json()["jobs"] == []
     assert len(api.get("/v1/jobs", params={"state": "pending"}).json()["jobs"]) == 1
@@ -157,7 +163,12 @@ def test_submit_then_list_and_get_show_the_job(api: TestClient) -> None:
 
 
 @pytest.mark.parametrize(
-    ("method", "path"), [("GET", "/v1/jobs/nope-1234"), ("POST", "/v1/jobs/nope-1234/cancel"), ("GET", "/v1/jobs/nope-1234/events")]
+    ("method", "path"),
+    [
+        ("GET", "/v1/jobs/nope-1234"),
+        ("POST", "/v1/jobs/nope-1234/cancel"),
+        ("GET", "/v1/jobs/nope-1234/events"),
+    ],
 )
 def test_unknown_job_id_is_404(api: TestClient, method: str, path: str) -> None:
     resp = api.request(method, path)
@@ -189,10 +200,14 @@ def test_nodes_lists_registered_agents_until_they_leave(
 ) -> None:
     agent = create_agent(
         AgentSettings(
-            etcd=settings.etcd, node_name="gpu-7", prefix=settings.prefix, nproc_per_node=4,
-            work_dir=tmp_path, lease_ttl=timedelta(seconds=2),
+            etcd=settings.etcd,
+            node_name="gpu-7",
+            prefix=settings.prefix,
+            nproc_per_node=4,
+            work_dir=tmp_path,
+            lease_ttl=timedelta(seconds=2),
         )
-    )  # fmt: skip
+    )
     agent.register()
     try:
         nodes = api.get("/v1/nodes").json()["nodes"]

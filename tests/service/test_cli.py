@@ -1,4 +1,4 @@
-"""The ``etrain`` CLI: start-up errors are one line with exit code 2; client commands against a live server."""
+"""The ``etrain`` CLI: start-up errors are one line with exit code 2; client commands against a live API."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _etrain(*args: str, timeout: float = 30) -> tuple[int, str, str, float]:
 @pytest.mark.parametrize("command", [["controller"], ["agent", "--node-name", "n1"]])
 def test_unreachable_etcd_is_one_line_and_exit_2_within_the_connect_timeout(command: list[str]) -> None:
     port = free_port()  # nobody listens there
-    code, out, err, took = _etrain(*command, "--etcd", f"127.0.0.1:{port}", "--etcd-connect-timeout", "1")
+    code, _out, err, took = _etrain(*command, "--etcd", f"127.0.0.1:{port}", "--etcd-connect-timeout", "1")
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and lines[0].startswith("etrain: ")
@@ -85,7 +85,9 @@ def test_client_commands_against_a_live_controller(
     assert capsys.readouterr().out.split() == ["NODE", "CAPACITY", "FREE", "JOBS", "HOST", "REGISTERED"]
 
 
-def test_client_errors_name_the_http_status(live_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_client_errors_name_the_http_status(
+    live_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["list", "--server", live_server, "--token", "wrong"]) == 3
     assert "HTTP 401" in capsys.readouterr().err
     assert main(["status", "nope-1", "--server", live_server, "--token", READER]) == 3

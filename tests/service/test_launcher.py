@@ -34,8 +34,13 @@ def _assignment(**spec: object) -> Assignment:
 
 def test_torchrun_command_is_stock_torchrun_with_the_etcd_v3_rendezvous() -> None:
     a = _assignment(args=["--steps", "5"], nproc_per_node=2, restart_policy={"max_worker_restarts": 7})
-    cmd = torchrun_command(a, python="py", etcd_endpoints="127.0.0.1:1,127.0.0.1:2", rdzv_host="127.0.0.1",
-                           conf_on_command_line="key_prefix=/p/rdzv")  # fmt: skip
+    cmd = torchrun_command(
+        a,
+        python="py",
+        etcd_endpoints="127.0.0.1:1,127.0.0.1:2",
+        rdzv_host="127.0.0.1",
+        conf_on_command_line="key_prefix=/p/rdzv",
+    )
     assert cmd[:3] == ["py", "-m", "torch.distributed.run"]
     assert {
         "--nnodes=2:3",
@@ -48,8 +53,9 @@ def test_torchrun_command_is_stock_torchrun_with_the_etcd_v3_rendezvous() -> Non
         "--local-addr=127.0.0.1",
     } <= set(cmd)
     assert cmd[-3:] == ["train.py", "--steps", "5"]
-    module = torchrun_command(_assignment(module=True), python="py", etcd_endpoints="e:1", rdzv_host=None,
-                              conf_on_command_line=None)  # fmt: skip
+    module = torchrun_command(
+        _assignment(module=True), python="py", etcd_endpoints="e:1", rdzv_host=None, conf_on_command_line=None
+    )
     assert module[-2:] == ["--module", "train.py"]
     assert not any(c.startswith(("--rdzv-conf", "--local-addr")) for c in module)
 
@@ -60,7 +66,9 @@ def test_rdzv_conf_carries_timeouts_prefix_and_tls_and_a_password_only_with_a_us
     assert plain == "key_prefix=/etrain/rdzv,last_call_timeout=1,join_timeout=30,node_ttl=2,connect_timeout=5"
     tls = EtcdOptions("e:1", ca_cert="ca.pem", cert="c.pem", key="k.pem", user="u", password_file="pw")
     conf = dict(kv.split("=", 1) for kv in rdzv_conf(a, tls, "/p", "s3cret").split(","))
-    assert conf["ca_cert"] == str(Path("ca.pem").resolve()) and conf["cert_key"] == str(Path("k.pem").resolve())
+    assert conf["ca_cert"] == str(Path("ca.pem").resolve()) and conf["cert_key"] == str(
+        Path("k.pem").resolve()
+    )
     assert (conf["user"], conf["password"]) == ("u", "s3cret")
 
 
@@ -129,7 +137,8 @@ _FAKE_AGENT = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from service.launcher import TorchrunProcess
-    p = TorchrunProcess.start([sys.executable, "-c", "import time; time.sleep(120)"], {}, ".", Path(sys.argv[1]))
+    cmd = [sys.executable, "-c", "import time; time.sleep(120)"]
+    p = TorchrunProcess.start(cmd, {}, ".", Path(sys.argv[1]))
     print(p.pid, flush=True)
     time.sleep(120)
     """
@@ -139,7 +148,10 @@ _FAKE_AGENT = textwrap.dedent(
 def test_workers_get_sigterm_when_their_agent_is_sigkilled(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     agent = subprocess.Popen(
-        [sys.executable, "-c", _FAKE_AGENT, str(tmp_path / "w.log")], stdout=subprocess.PIPE, env=env, text=True
+        [sys.executable, "-c", _FAKE_AGENT, str(tmp_path / "w.log")],
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
     )
     assert agent.stdout is not None
     worker = int(agent.stdout.readline())

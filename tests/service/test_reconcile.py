@@ -17,7 +17,9 @@ from service.states import JobState
 
 T0 = datetime(2030, 1, 1, tzinfo=timezone.utc)
 CFG = ReconcileConfig(
-    success_grace=timedelta(seconds=10), failure_settle=timedelta(seconds=2), resume_after=timedelta(seconds=30)
+    success_grace=timedelta(seconds=10),
+    failure_settle=timedelta(seconds=2),
+    resume_after=timedelta(seconds=30),
 )
 
 
@@ -42,7 +44,9 @@ class _Cluster:
     progress: dict[str, Progress] = field(default_factory=dict)
     events: list[tuple[str, str]] = field(default_factory=list)
 
-    def add_job(self, job_id: str, spec: JobSpec, at: datetime = T0, checkpoint_url: str | None = None) -> None:
+    def add_job(
+        self, job_id: str, spec: JobSpec, at: datetime = T0, checkpoint_url: str | None = None
+    ) -> None:
         rec = JobRecord(id=job_id, spec=spec, created_at=at, checkpoint_url=checkpoint_url)
         self.jobs[job_id] = JobEntry(rec, JobStatus(created_at=at, updated_at=at), 1)
 
@@ -80,12 +84,19 @@ class _Cluster:
     def report(self, job_id: str, node: str, state: str, code: int | None = None, at: datetime = T0) -> None:
         gen = self.status(job_id).generation
         self.reports.setdefault(job_id, {})[node] = WorkerReport(
-            job_id=job_id, node=node, generation=gen, state=state, exit_code=code, finished_at=at  # type: ignore[arg-type]
+            job_id=job_id,
+            node=node,
+            generation=gen,
+            state=state,
+            exit_code=code,
+            finished_at=at,  # type: ignore[arg-type]
         )
 
     def progress_at(self, job_id: str, at: datetime, step: int, world: int, **kw: Any) -> None:
         gen = self.status(job_id).generation
-        self.progress[job_id] = Progress(step=step, world_size=world, time=at.timestamp(), generation=gen, **kw)
+        self.progress[job_id] = Progress(
+            step=step, world_size=world, time=at.timestamp(), generation=gen, **kw
+        )
 
 
 def _s(seconds: float) -> datetime:
@@ -236,7 +247,9 @@ def test_failure_on_one_node_waits_to_settle_then_blames_and_blacklists_it() -> 
 def test_repeated_failures_before_the_first_step_fail_as_crash_loop() -> None:
     c = _Cluster()
     c.add_nodes("a", "b")
-    c.add_job("j1", _spec(restart_policy={"backoff_initial": 1, "max_failures": 10, "crash_loop_threshold": 2}))
+    c.add_job(
+        "j1", _spec(restart_policy={"backoff_initial": 1, "max_failures": 10, "crash_loop_threshold": 2})
+    )
     c.tick(_s(0))
     for t in (1, 10):
         c.report("j1", "a", "exited", 2, at=_s(t))

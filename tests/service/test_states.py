@@ -38,11 +38,15 @@ def test_every_other_transition_is_refused(state: JobState, trigger: Trigger) ->
 
 
 def test_terminal_states_accept_no_trigger_and_say_so() -> None:
-    assert {s for s in JobState if s.terminal} == TERMINAL_STATES == {
-        JobState.SUCCEEDED,
-        JobState.FAILED,
-        JobState.CANCELLED,
-    }
+    assert (
+        {s for s in JobState if s.terminal}
+        == TERMINAL_STATES
+        == {
+            JobState.SUCCEEDED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+        }
+    )
     for state in TERMINAL_STATES:
         assert allowed_triggers(state) == frozenset()
 
