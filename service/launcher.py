@@ -232,6 +232,9 @@ class TorchrunProcess:
         while any(_same(p) for p in tree[1:]) and time.monotonic() < deadline:
             time.sleep(0.1)
         _kill_same(tree[1:], signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while any(_same(p) for p in tree[1:]) and time.monotonic() < deadline:
+            time.sleep(0.02)  # SIGKILL is delivered asynchronously: report only when they are gone
         code = self._popen.returncode
         return int(code) if code is not None else -1
 
@@ -249,5 +252,10 @@ class TorchrunProcess:
 
 
 def _same(proc: tuple[int, int]) -> bool:
-    st = _stat(proc[0])
-    return st is not None and st[1] == proc[1]
+    """The recorded process still runs (same start time; a zombie counts as gone)."""
+    try:
+        raw = Path(f"/proc/{proc[0]}/stat").read_text()
+    except OSError:
+        return False
+    fields = raw[raw.rfind(")") + 2 :].split()
+    return fields[0] != "Z" and int(fields[19]) == proc[1]
