@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -32,6 +33,17 @@ _TERMINAL = {"succeeded", "failed", "cancelled"}
 def _env(name: str, default: str | None = None) -> str | None:
     value = os.environ.get(name)
     return value if value not in (None, "") else default
+
+
+def _first_line(exc: BaseException) -> str:
+    """One line for an etcd failure: gRPC errors carry their useful part in ``details = "..."``."""
+    text = str(exc)
+    found = re.search(r'details = "([^"]*)"', text)
+    head = text.splitlines()[0] if text else type(exc).__name__
+    if found:
+        head = head.split("<_InactiveRpcError")[0].split("<_MultiThreadedRendezvous")[0].rstrip(" :")
+        return f"{head}: {found.group(1)}"
+    return head
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -120,7 +132,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     except EtcdError as exc:
-        return _fail(f"controller: {str(exc).splitlines()[0]}")
+        return _fail(f"controller: {_first_line(exc)}")
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -155,7 +167,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     except (EtcdError, AgentError) as exc:
-        return _fail(f"agent: {str(exc).splitlines()[0]}")
+        return _fail(f"agent: {_first_line(exc)}")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -362,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ApiError as exc:
         return _fail(str(exc), 3 if exc.status else 2)
     except EtcdConnectionError as exc:
-        return _fail(str(exc).splitlines()[0])
+        return _fail(_first_line(exc))
     except KeyboardInterrupt:
         return 130
 
