@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Controller", "create_controller"]
 
-_MIN_SPACING = 0.1
+_MIN_SPACING = 0.25
 
 
 class Controller:
