@@ -15,9 +15,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from common import DATA, CharDataset, TinyTransformer  # noqa: E402
+from common import DATA, CharDataset, TinyTransformer
 
-from elastic import ElasticConfig, ElasticTrainer, LRPolicy  # noqa: E402
+from elastic import ElasticConfig, ElasticTrainer, LRPolicy
 
 
 def main() -> None:
@@ -65,7 +65,7 @@ def main() -> None:
             if trainer.step >= args.steps:
                 break
         trainer.close()
-    if dist.is_initialized() and dist.get_rank() == 0 or not dist.is_initialized():
+    if (dist.is_initialized() and dist.get_rank() == 0) or not dist.is_initialized():
         steady = times[args.warmup :]
         rate = (len(steady) - 1) / (steady[-1] - steady[0])
         args.out.write_text(json.dumps({"mode": args.mode, "steps_per_s": rate, "steps": len(times)}))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -323,6 +323,76 @@ class EtcdClient:
             return cur, [_kv(m) for m in r1.kvs], int(resp.header.revision)
 
         result: tuple[KeyValue | None, list[KeyValue], int] = self._call(op)
+        return result
+
+    def read_prefixes(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
+        """Read every key under each of ``prefixes`` at one revision (one transaction)."""
+
+        def op(c: Any) -> tuple[list[list[KeyValue]], int]:
+            reads = [
+                etcdrpc.RequestOp(
+                    request_range=etcdrpc.RangeRequest(key=p.encode(), range_end=_prefix_end(p))
+                )
+                for p in prefixes
+            ]
+            req = etcdrpc.TxnRequest(compare=[], success=reads, failure=[])
+            resp = c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+            out = [[_kv(m) for m in r.response_range.kvs] for r in resp.responses]
+            return out, int(resp.header.revision)
+
+        result: tuple[list[list[KeyValue]], int] = self._call(op)
+        return result
+
+    def commit(
+        self,
+        puts: Sequence[tuple[str, bytes]] = (),
+        deletes: Sequence[str] = (),
+        *,
+        delete_prefixes: Sequence[str] = (),
+        expect: Sequence[tuple[str, int]] = (),
+        guard: tuple[str, int] | None = None,
+    ) -> tuple[bool, int]:
+        """Apply ``puts``, ``deletes`` and ``delete_prefixes`` in one transaction, all or nothing.
+
+        The transaction applies only if every ``(key, mod_revision)`` in ``expect`` holds (0: the key
+        must not exist) and, when ``guard=(key, create_revision)`` is given, that fencing key still
+        exists with that create revision. Returns ``(applied, revision)``. Puts carry no lease.
+        """
+
+        def op(c: Any) -> tuple[bool, int]:
+            cmp = [
+                etcdrpc.Compare(
+                    key=k.encode(), result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD, mod_revision=r
+                )
+                for k, r in expect
+            ]
+            if guard is not None:
+                cmp.append(
+                    etcdrpc.Compare(
+                        key=guard[0].encode(),
+                        result=etcdrpc.Compare.EQUAL,
+                        target=etcdrpc.Compare.CREATE,
+                        create_revision=guard[1],
+                    )
+                )
+            ops = [
+                etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=k.encode(), value=v)) for k, v in puts
+            ]
+            ops += [
+                etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=k.encode()))
+                for k in deletes
+            ]
+            ops += [
+                etcdrpc.RequestOp(
+                    request_delete_range=etcdrpc.DeleteRangeRequest(key=p.encode(), range_end=_prefix_end(p))
+                )
+                for p in delete_prefixes
+            ]
+            req = etcdrpc.TxnRequest(compare=cmp, success=ops, failure=[])
+            resp = c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+            return bool(resp.succeeded), int(resp.header.revision)
+
+        result: tuple[bool, int] = self._call(op)
         return result
 
     # -- leases --------------------------------------------------------------------------------------

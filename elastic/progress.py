@@ -1,0 +1,211 @@
+"""Training progress reported by a job's workers to one etcd key that the job service reads.
+
+The service's node agent sets ``ETRAIN_PROGRESS_KEY`` (and the ``ETRAIN_ETCD_*`` connection variables)
+in each worker's environment; :func:`create_reporter` builds a reporter from them. Outside the service
+(plain torchrun, tests) the variables are absent and the reporter does nothing, so training code can
+always call it.
+
+Only rank 0 writes (one key per job, last value wins). Reports are throttled to one per
+``min_interval`` unless forced (a committed checkpoint, the last step). A failed write is logged and
+dropped: progress reporting never stops training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from elastic.etcd import EtcdClient, EtcdConfig, EtcdError, create_client
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ENV_ETCD_CA_CERT",
+    "ENV_ETCD_CERT",
+    "ENV_ETCD_ENDPOINTS",
+    "ENV_ETCD_KEY",
+    "ENV_ETCD_PASSWORD_FILE",
+    "ENV_ETCD_USER",
+    "ENV_PROGRESS_KEY",
+    "EtcdProgressReporter",
+    "NullProgressReporter",
+    "Progress",
+    "ProgressReporter",
+    "create_reporter",
+    "etcd_config_from_env",
+]
+
+ENV_PROGRESS_KEY = "ETRAIN_PROGRESS_KEY"
+ENV_ETCD_ENDPOINTS = "ETRAIN_ETCD_ENDPOINTS"
+ENV_ETCD_CA_CERT = "ETRAIN_ETCD_CA_CERT"
+ENV_ETCD_CERT = "ETRAIN_ETCD_CERT"
+ENV_ETCD_KEY = "ETRAIN_ETCD_KEY"
+ENV_ETCD_USER = "ETRAIN_ETCD_USER"
+ENV_ETCD_PASSWORD_FILE = "ETRAIN_ETCD_PASSWORD_FILE"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One progress report (JSON in etcd). ``checkpoint_*`` describe the latest *committed* checkpoint."""
+
+    step: int
+    world_size: int
+    time: float
+    total_steps: int | None = None
+    loss: float | None = None
+    generation: int | None = None
+    restart_count: int = 0
+    checkpoint_step: int | None = None
+    checkpoint_path: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Progress:
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("a progress report must be a JSON object")
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class ProgressReporter:
+    """Publishes progress for the service. Contract: ``report`` never raises and never blocks training
+    for longer than one etcd request; ``close`` releases connections and may be called twice."""
+
+    def report(
+        self,
+        step: int,
+        *,
+        world_size: int,
+        loss: float | None = None,
+        total_steps: int | None = None,
+        checkpoint_step: int | None = None,
+        checkpoint_path: str | None = None,
+        force: bool = False,
+        **extra: Any,
+    ) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class NullProgressReporter(ProgressReporter):
+    """Used outside the service: drops every report."""
+
+    def report(self, step: int, *, world_size: int, **kwargs: Any) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class EtcdProgressReporter(ProgressReporter):
+    """Writes :class:`Progress` JSON to ``key``; remembers the last committed checkpoint across reports."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        key: str,
+        min_interval: timedelta = timedelta(seconds=1),
+        generation: int | None = None,
+        restart_count: int = 0,
+    ) -> None:
+        self._client = client
+        self._key = key
+        self._min_interval = min_interval.total_seconds()
+        self._generation = generation
+        self._restart_count = restart_count
+        self._last_sent = 0.0
+        self._checkpoint: tuple[int | None, str | None] = (None, None)
+
+    def report(
+        self,
+        step: int,
+        *,
+        world_size: int,
+        loss: float | None = None,
+        total_steps: int | None = None,
+        checkpoint_step: int | None = None,
+        checkpoint_path: str | None = None,
+        force: bool = False,
+        **extra: Any,
+    ) -> None:
+        if checkpoint_step is not None:
+            self._checkpoint = (checkpoint_step, checkpoint_path)
+            force = True
+        now = time.time()
+        if not force and now - self._last_sent < self._min_interval:
+            return
+        progress = Progress(
+            step=step,
+            world_size=world_size,
+            time=now,
+            total_steps=total_steps,
+            loss=loss,
+            generation=self._generation,
+            restart_count=self._restart_count,
+            checkpoint_step=self._checkpoint[0],
+            checkpoint_path=self._checkpoint[1],
+            extra=extra,
+        )
+        try:
+            self._client.put(self._key, progress.to_json())
+            self._last_sent = now
+        except EtcdError as exc:
+            logger.warning("progress report dropped: %s", exc)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def etcd_config_from_env(env: Mapping[str, str]) -> EtcdConfig | None:
+    """The etcd settings the agent passes to workers, or None when none are set."""
+    endpoints = env.get(ENV_ETCD_ENDPOINTS)
+    if not endpoints:
+        return None
+    password = None
+    password_file = env.get(ENV_ETCD_PASSWORD_FILE)
+    if password_file:
+        password = Path(password_file).read_text().strip()
+    return EtcdConfig.from_options(
+        endpoints,
+        {
+            "ca_cert": env.get(ENV_ETCD_CA_CERT),
+            "cert": env.get(ENV_ETCD_CERT),
+            "cert_key": env.get(ENV_ETCD_KEY),
+            "user": env.get(ENV_ETCD_USER),
+            "password": password,
+            "op_timeout": "5",
+            "request_timeout": "2",
+        },
+    )
+
+
+def create_reporter(
+    env: Mapping[str, str] | None = None, min_interval: timedelta = timedelta(seconds=1)
+) -> ProgressReporter:
+    """A reporter for this worker: writes only on rank 0 and only when the service configured a key."""
+    env = os.environ if env is None else env
+    key = env.get(ENV_PROGRESS_KEY)
+    config = etcd_config_from_env(env) if key else None
+    if not key or config is None or int(env.get("RANK", "0")) != 0:
+        return NullProgressReporter()
+    generation = env.get("ETRAIN_GENERATION")
+    return EtcdProgressReporter(
+        create_client(config),
+        key,
+        min_interval=min_interval,
+        generation=int(generation) if generation else None,
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    )

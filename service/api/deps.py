@@ -1,0 +1,32 @@
+"""Request-scoped access to the app's store, settings and metrics (set by ``create_app``)."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from service.config import Settings
+from service.controller import Controller
+from service.metrics import Metrics
+from service.store import Store
+
+__all__ = ["get_controller", "get_metrics", "get_settings", "get_store"]
+
+
+def get_store(request: Request) -> Store:
+    store: Store = request.app.state.store
+    return store
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
+
+
+def get_controller(request: Request) -> Controller:
+    controller: Controller = request.app.state.controller
+    return controller

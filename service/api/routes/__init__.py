@@ -1,0 +1,1 @@
+"""API routers: jobs, nodes, system (health, readiness, metrics)."""

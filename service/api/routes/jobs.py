@@ -1,0 +1,148 @@
+"""``/v1/jobs``: submit, list, inspect, cancel jobs and read their events."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime, timezone
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Query, status
+from fastapi.exceptions import RequestValidationError
+
+from service.api.deps import get_metrics, get_settings, get_store
+from service.api.schemas import EventList, JobDetail, JobList, job_detail, job_summary
+from service.auth import Principal, require_admin, require_read
+from service.config import Settings
+from service.metrics import Metrics
+from service.models import JobRecord, JobSpec, JobStatus, checkpoint_url_within, normalize_checkpoint_url
+from service.reconcile import JobEntry
+from service.states import JobState
+from service.store import JobExists, Store, new_event
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["jobs"])
+
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "no job with this id"}}
+
+
+def _resolve_checkpoint_url(spec: JobSpec, root: str | None, job_id: str) -> str | None:
+    """The job's checkpoint prefix: the spec's (which must lie below ``root`` if set) or ``<root>/<id>``."""
+    if root is None:
+        return spec.checkpoint_url
+    root = normalize_checkpoint_url(root)
+    if spec.checkpoint_url is None:
+        return f"{root}/{job_id}"
+    if not checkpoint_url_within(spec.checkpoint_url, root):
+        raise RequestValidationError(
+            [
+                {
+                    "type": "value_error",
+                    "loc": ("body", "checkpoint_url"),
+                    "msg": f"must lie below the service's checkpoint root {root}",
+                    "input": spec.checkpoint_url,
+                }
+            ]
+        )
+    return spec.checkpoint_url
+
+
+def _get(store: Store, job_id: str) -> JobEntry:
+    entry = store.get_job(job_id)
+    if entry is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no job {job_id!r}")
+    return entry
+
+
+@router.post(
+    "/jobs",
+    status_code=status.HTTP_201_CREATED,
+    summary="Submit a job",
+    responses={409: {"description": "the checkpoint prefix overlaps an active job's"}},
+)
+def submit_job(
+    spec: JobSpec,
+    principal: Annotated[Principal, Depends(require_admin)],
+    store: Annotated[Store, Depends(get_store)],
+    settings: Annotated[Settings, Depends(get_settings)],
+    metrics: Annotated[Metrics, Depends(get_metrics)],
+) -> JobDetail:
+    now = datetime.now(timezone.utc)
+    job_id = f"{spec.name}-{secrets.token_hex(4)}"
+    url = _resolve_checkpoint_url(spec, settings.checkpoint_root, job_id)
+    if url is not None:
+        for other in store.list_jobs():
+            theirs = other.record.checkpoint_url
+            if other.status.state.terminal or theirs is None:
+                continue
+            if checkpoint_url_within(url, theirs) or checkpoint_url_within(theirs, url):
+                raise HTTPException(
+                    status.HTTP_409_CONFLICT,
+                    detail=f"checkpoint_url {url} overlaps the checkpoint prefix of active job "
+                    f"{other.record.id}",
+                )
+    record = JobRecord(id=job_id, spec=spec, created_at=now, checkpoint_url=url, submitted_by=principal.name)
+    job_status = JobStatus(created_at=now, updated_at=now)
+    event = new_event("submitted", f"submitted by {principal.name}", now, checkpoint_url=url)
+    try:
+        store.create_job(record, job_status, event)
+    except JobExists:  # 32 random bits collided: the client may simply retry
+        raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job id {job_id} exists; retry") from None
+    metrics.jobs_submitted.inc()
+    return job_detail(JobEntry(record, job_status, 0))
+
+
+@router.get("/jobs", summary="List jobs", dependencies=[Depends(require_read)])
+def list_jobs(
+    store: Annotated[Store, Depends(get_store)],
+    state: Annotated[JobState | None, Query(description="only jobs in this state")] = None,
+) -> JobList:
+    entries = store.list_jobs()
+    return JobList(jobs=[job_summary(e) for e in entries if state is None or e.status.state == state])
+
+
+@router.get(
+    "/jobs/{job_id}", summary="Job status", responses=_NOT_FOUND, dependencies=[Depends(require_read)]
+)
+def get_job(job_id: str, store: Annotated[Store, Depends(get_store)]) -> JobDetail:
+    return job_detail(_get(store, job_id))
+
+
+@router.post(
+    "/jobs/{job_id}/cancel",
+    status_code=status.HTTP_202_ACCEPTED,
+    summary="Cancel a job (the leader stops its workers)",
+    responses={**_NOT_FOUND, 409: {"description": "the job already finished"}},
+)
+def cancel_job(
+    job_id: str,
+    principal: Annotated[Principal, Depends(require_admin)],
+    store: Annotated[Store, Depends(get_store)],
+) -> JobDetail:
+    entry = _get(store, job_id)
+    if entry.status.state.terminal:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT, detail=f"job {job_id} already {entry.status.state.value}"
+        )
+    if not entry.cancel_requested:
+        now = datetime.now(timezone.utc)
+        store.request_cancel(
+            job_id, new_event("cancel_requested", f"cancel requested by {principal.name}", now)
+        )
+    return job_detail(_get(store, job_id))
+
+
+@router.get(
+    "/jobs/{job_id}/events",
+    summary="A job's events, oldest first",
+    responses=_NOT_FOUND,
+    dependencies=[Depends(require_read)],
+)
+def job_events(
+    job_id: str,
+    store: Annotated[Store, Depends(get_store)],
+    after: Annotated[str | None, Query(description="only events after this event id (for following)")] = None,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+) -> EventList:
+    _get(store, job_id)
+    return EventList(job_id=job_id, events=store.events(job_id, after=after, limit=limit))

@@ -1,0 +1,54 @@
+"""Unauthenticated operational endpoints: liveness, readiness, Prometheus metrics."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Response
+from fastapi.responses import JSONResponse
+
+from elastic.etcd import EtcdError
+from service.api.deps import get_controller, get_metrics, get_settings, get_store
+from service.config import Settings
+from service.controller import Controller
+from service.metrics import CONTENT_TYPE, Metrics
+from service.store import Store
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["system"])
+
+
+@router.get("/healthz", summary="The process is up")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get(
+    "/readyz",
+    summary="etcd is reachable and a leader is known",
+    responses={503: {"description": "not ready"}},
+)
+def readyz(
+    store: Annotated[Store, Depends(get_store)],
+    controller: Annotated[Controller, Depends(get_controller)],
+    settings: Annotated[Settings, Depends(get_settings)],
+) -> JSONResponse:
+    body: dict[str, Any] = {"replica": settings.replica_id}
+    try:
+        store.client.ping(timeout=timedelta(seconds=2))
+        body["etcd"] = "ok"
+        leader = controller.election.leader()
+    except EtcdError as exc:
+        body.update(etcd=f"unreachable: {exc}", ready=False)
+        return JSONResponse(body, status_code=503)
+    body["leader"] = leader.get("replica") if leader else None
+    body["is_leader"] = controller.election.is_leader
+    body["ready"] = leader is not None or not settings.run_controller
+    return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+def metrics(m: Annotated[Metrics, Depends(get_metrics)]) -> Response:
+    return Response(m.render(), media_type=CONTENT_TYPE)

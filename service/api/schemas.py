@@ -1,0 +1,173 @@
+"""Response bodies of the REST API (views over the records in ``service.models``)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.models import Event, JobSpec, NodeInfo, Restarts, WorldSizeChange
+from service.reconcile import JobEntry
+from service.states import JobState
+
+__all__ = [
+    "BudgetView",
+    "CheckpointView",
+    "EventList",
+    "JobDetail",
+    "JobList",
+    "JobSummary",
+    "NodeList",
+    "NodeView",
+    "ProgressView",
+    "WorldSizeView",
+    "job_detail",
+    "job_summary",
+]
+
+
+class _View(BaseModel):
+    model_config = ConfigDict(ser_json_timedelta="float")
+
+
+class WorldSizeView(_View):
+    current: int | None = Field(description="world size the workers last reported in this generation")
+    expected: int | None = Field(description="nodes assigned x nproc_per_node (None: no nodes assigned)")
+    history: list[WorldSizeChange]
+
+
+class BudgetView(_View):
+    max_failures: int
+    failures_left: int
+    max_membership_changes: int
+    membership_changes_left: int
+
+
+class CheckpointView(_View):
+    url: str | None = Field(description="the job's checkpoint prefix")
+    step: int | None = Field(default=None, description="step of the latest committed checkpoint")
+    path: str | None = None
+    committed_at: datetime | None = None
+
+
+class ProgressView(_View):
+    step: int | None
+    total_steps: int | None
+    loss: float | None
+    updated_at: datetime | None
+
+
+class JobSummary(_View):
+    id: str
+    name: str
+    state: JobState
+    message: str
+    created_at: datetime
+    nodes: list[str]
+    world_size: int | None
+    step: int | None
+    total_steps: int | None
+    restarts: Restarts
+
+
+class JobDetail(_View):
+    id: str
+    name: str
+    state: JobState
+    message: str
+    cancel_requested: bool
+    spec: JobSpec
+    submitted_by: str | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    generation: int
+    nodes: list[str]
+    world_size: WorldSizeView
+    restarts: Restarts
+    restart_budget: BudgetView
+    checkpoint: CheckpointView
+    progress: ProgressView
+    last_error: str | None
+    backoff_until: datetime | None
+    blacklist: dict[str, datetime]
+
+
+class JobList(_View):
+    jobs: list[JobSummary]
+
+
+class EventList(_View):
+    job_id: str
+    events: list[Event]
+
+
+class NodeView(NodeInfo):
+    jobs: list[str] = Field(default_factory=list, description="jobs assigned to this node")
+    free: int = Field(description="capacity not used by assigned jobs")
+
+
+class NodeList(_View):
+    nodes: list[NodeView]
+
+
+def job_summary(entry: JobEntry) -> JobSummary:
+    st, rec = entry.status, entry.record
+    return JobSummary(
+        id=rec.id,
+        name=rec.spec.name,
+        state=st.state,
+        message=st.message,
+        created_at=rec.created_at,
+        nodes=st.nodes,
+        world_size=st.world_size,
+        step=st.step,
+        total_steps=st.total_steps,
+        restarts=st.restarts,
+    )
+
+
+def job_detail(entry: JobEntry) -> JobDetail:
+    st, rec = entry.status, entry.record
+    policy = rec.spec.restart_policy
+    ckpt = st.checkpoint
+    return JobDetail(
+        id=rec.id,
+        name=rec.spec.name,
+        state=st.state,
+        message=st.message,
+        cancel_requested=entry.cancel_requested,
+        spec=rec.spec,
+        submitted_by=rec.submitted_by,
+        created_at=rec.created_at,
+        updated_at=st.updated_at,
+        started_at=st.started_at,
+        finished_at=st.finished_at,
+        generation=st.generation,
+        nodes=st.nodes,
+        world_size=WorldSizeView(
+            current=st.world_size,
+            expected=len(st.nodes) * rec.spec.nproc_per_node if st.nodes else None,
+            history=st.world_size_history,
+        ),
+        restarts=st.restarts,
+        restart_budget=BudgetView(
+            max_failures=policy.max_failures,
+            failures_left=max(policy.max_failures - st.restarts.failure, 0),
+            max_membership_changes=policy.max_membership_changes,
+            membership_changes_left=max(policy.max_membership_changes - st.restarts.membership, 0),
+        ),
+        checkpoint=CheckpointView(
+            url=rec.checkpoint_url,
+            step=ckpt.step if ckpt else None,
+            path=ckpt.path if ckpt else None,
+            committed_at=ckpt.committed_at if ckpt else None,
+        ),
+        progress=ProgressView(
+            step=st.step, total_steps=st.total_steps, loss=st.loss, updated_at=st.progress_at
+        ),
+        last_error=st.last_error,
+        backoff_until=st.backoff_until,
+        blacklist=st.blacklist,
+    )

@@ -1,0 +1,136 @@
+"""Plain-text rendering of API answers for the CLI and the demo (pure functions of JSON dicts)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+__all__ = ["event_line", "job_table", "job_text", "node_table", "progress_line"]
+
+
+def _clock(value: str | None) -> str:
+    if not value:
+        return "-"
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone().strftime("%H:%M:%S")
+    except ValueError:
+        return value
+
+
+def _bar(step: int, total: int, width: int = 24) -> str:
+    frac = min(max(step / total, 0.0), 1.0) if total > 0 else 0.0
+    filled = round(frac * width)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {frac * 100:3.0f}%"
+
+
+def progress_line(job: dict[str, Any]) -> str:
+    """``state | step 40/150 [####....] 27% | loss 0.0123 | world 3 on node-1,node-2 | ckpt 40``."""
+    prog = job.get("progress") or {}
+    step, total = prog.get("step"), prog.get("total_steps")
+    parts = [f"{job['state']:<10}"]
+    if step is None:
+        parts.append("no progress yet")
+    elif total:
+        parts.append(f"step {step}/{total} {_bar(step, total)}")
+    else:
+        parts.append(f"step {step}")
+    if prog.get("loss") is not None:
+        parts.append(f"loss {prog['loss']:.4g}")
+    world = job.get("world_size") or {}
+    current = world.get("current")
+    nodes = ",".join(job.get("nodes") or [])
+    parts.append(f"world {'-' if current is None else current}" + (f" on {nodes}" if nodes else ""))
+    ckpt = job.get("checkpoint") or {}
+    if ckpt.get("step") is not None:
+        parts.append(f"ckpt {ckpt['step']}")
+    return " | ".join(parts)
+
+
+def event_line(event: dict[str, Any]) -> str:
+    return f"{_clock(event.get('time'))}  {event.get('type', ''):<18} {event.get('message', '')}"
+
+
+def job_text(job: dict[str, Any]) -> str:
+    """A multi-line status report: state, progress, world size now and history, restarts, checkpoint."""
+    spec = job["spec"]
+    world = job["world_size"]
+    restarts, budget = job["restarts"], job["restart_budget"]
+    ckpt = job["checkpoint"]
+    lines = [
+        f"job        {job['id']}  ({spec['name']})",
+        f"state      {job['state']}: {job['message']}"
+        + ("  [cancel requested]" if job.get("cancel_requested") else ""),
+        f"nodes      {', '.join(job['nodes']) or '-'}  (min {spec['min_nodes']}, max {spec['max_nodes']}, "
+        f"{spec['nproc_per_node']} proc/node, generation {job['generation']})",
+        f"progress   {progress_line(job)}",
+        f"world size now {'-' if world['current'] is None else world['current']}"
+        + (f" (expected {world['expected']})" if world.get("expected") is not None else ""),
+    ]
+    for change in world["history"]:
+        lines.append(
+            f"           {_clock(change['at'])}  {change['world_size']:>3}"
+            f"  on {', '.join(change['nodes']) or '-'}"
+            f"  (generation {change['generation']})"
+        )
+    lines.append(
+        f"restarts   failure {restarts['failure']}/{budget['max_failures']}, membership "
+        f"{restarts['membership']}/{budget['max_membership_changes']}, in-place {restarts['in_place']}"
+    )
+    if ckpt.get("step") is not None:
+        lines.append(
+            f"checkpoint step {ckpt['step']} at {ckpt.get('path') or '-'}"
+            f" ({_clock(ckpt.get('committed_at'))})"
+        )
+    else:
+        lines.append("checkpoint none committed yet")
+    lines.append(f"ckpt url   {ckpt.get('url') or '-'}")
+    if job.get("blacklist"):
+        lines.append("avoiding   " + ", ".join(f"{n} until {_clock(t)}" for n, t in job["blacklist"].items()))
+    if job.get("last_error"):
+        lines.append("last error " + job["last_error"].replace("\n", "\n           "))
+    return "\n".join(lines)
+
+
+def job_table(jobs: list[dict[str, Any]]) -> str:
+    rows: list[tuple[str, ...]] = [("ID", "STATE", "NODES", "WORLD", "STEP", "RESTARTS f/m/i", "CREATED")]
+    for j in jobs:
+        r = j["restarts"]
+        step = (
+            "-"
+            if j.get("step") is None
+            else f"{j['step']}" + (f"/{j['total_steps']}" if j.get("total_steps") else "")
+        )
+        rows.append(
+            (
+                j["id"],
+                j["state"],
+                ",".join(j["nodes"]) or "-",
+                "-" if j.get("world_size") is None else str(j["world_size"]),
+                step,
+                f"{r['failure']}/{r['membership']}/{r['in_place']}",
+                _clock(j["created_at"]),
+            )
+        )
+    return _table(rows)
+
+
+def node_table(nodes: list[dict[str, Any]]) -> str:
+    rows: list[tuple[str, ...]] = [("NODE", "CAPACITY", "FREE", "JOBS", "HOST", "REGISTERED")]
+    for n in nodes:
+        rows.append(
+            (
+                n["name"],
+                str(n["capacity"]),
+                str(n["free"]),
+                ",".join(n["jobs"]) or "-",
+                n.get("rdzv_host") or n.get("hostname") or "-",
+                _clock(n["registered_at"]),
+            )
+        )
+    return _table(rows)
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)

@@ -1,0 +1,78 @@
+"""A job on three real agents survives a SIGKILLed agent and a SIGKILLed controller, and finishes.
+
+Real etcd, the controller and the agents as ``etrain`` processes, stock torchrun with the etcd-v3
+rendezvous, the example job training with gloo on CPU and checkpointing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.service_harness import ServiceCluster, job_spec, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 150
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[ServiceCluster]:
+    c = ServiceCluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def test_job_recovers_from_agent_sigkill_and_controller_restart_then_finishes(
+    cluster: ServiceCluster,
+) -> None:
+    api = cluster.start_controller()
+    for name in ("node-1", "node-2", "node-3"):
+        cluster.start_agent(name)
+    wait_for("3 nodes", lambda: len(api.nodes()) == 3, 60)
+    job_id = api.submit(job_spec(STEPS))["id"]
+
+    def at_three_with_checkpoint() -> bool:
+        job = api.job(job_id)
+        return job["world_size"]["current"] == 3 and (job["checkpoint"]["step"] or 0) >= 10
+
+    wait_for("world size 3 and a checkpoint", at_three_with_checkpoint, 120)
+    victim = api.job(job_id)["nodes"][-1]
+    cluster.kill_agent(victim)
+
+    def reformed_on_two() -> dict | None:
+        job = api.job(job_id)
+        ok = len(job["nodes"]) == 2 and job["world_size"]["current"] == 2 and job["state"] == "running"
+        return job if ok else None
+
+    before = wait_for("the job to re-form on 2 nodes", reformed_on_two, 90)
+    assert victim not in before["nodes"] and before["generation"] == 1  # re-formed in place
+    assert before["restarts"]["membership"] == 1 and before["restarts"]["failure"] == 0
+
+    cluster.kill_controller()
+    api = cluster.start_controller()  # a new process, new port: everything comes from etcd
+    after = api.job(job_id)
+    assert after["state"] == "running" and after["progress"]["step"] < STEPS  # the job trained on meanwhile
+    assert (
+        after["world_size"]["history"][: len(before["world_size"]["history"])]
+        == before["world_size"]["history"]
+    )
+    assert after["restarts"] == before["restarts"] and after["created_at"] == before["created_at"]
+    types = [e["type"] for e in api.events(job_id)]
+    assert types[0] == "submitted" and "node_lost" in types
+
+    final = wait_for(
+        "the job to finish", lambda: (j := api.job(job_id))["state"] in ("succeeded", "failed") and j, 150
+    )
+    assert final["state"] == "succeeded", final["last_error"]
+    sizes = [c["world_size"] for c in final["world_size"]["history"]]
+    assert 3 in sizes and sizes[-1] == 2
+    assert final["checkpoint"]["step"] == STEPS and final["progress"]["step"] == STEPS
+    assert final["restarts"]["failure"] == 0 and final["generation"] == 1
+    ckpt_dir = cluster.checkpoint_root / job_id
+    assert final["checkpoint"]["url"] == f"file://{ckpt_dir}"
+    assert (ckpt_dir / "LATEST").read_text().strip() == f"step-{STEPS:08d}.pt"
