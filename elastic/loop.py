@@ -301,25 +301,27 @@ class ElasticTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _maybe_save(self, epoch_done: bool = False) -> None:
-        if self._manager is None:
-            return
         every = self.config.save_every_steps
         due = epoch_done or (every is not None and self.step % every == 0)
-        timed = self.config.save_every is not None
-        preempted = self._preemption.requested
-        if timed or preempted:
-            # Agree on a time-based save or a preemption notice seen by any rank (one small all-reduce).
-            elapsed = time.monotonic() - self._last_save_time
-            interval = self.config.save_every
-            time_due = interval is not None and elapsed >= interval.total_seconds()
-            flags = torch.tensor([int(time_due), int(preempted)], device=self.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            due = due or bool(flags[0])
-            preempted = bool(flags[1])
-        if preempted:
-            logger.warning("preemption notice: saving step %d synchronously and stopping", self.step)
+        # Every rank, every step: agree on a time-based save and on a SIGTERM seen by any rank. Doing this
+        # collective unconditionally keeps all ranks' collectives in the same order.
+        interval = self.config.save_every
+        time_due = interval is not None and time.monotonic() - self._last_save_time >= interval.total_seconds()
+        signalled = self._preemption.requested
+        flags = torch.tensor([int(time_due), int(signalled)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        due = due or bool(flags[0])
+        if bool(flags[1]):
+            # SIGTERM: a preemption notice, or torchrun restarting the group (it signals workers first).
+            # Everyone saves this step synchronously (no step is lost); the signalled ranks then exit,
+            # the others carry on and resume from this snapshot when the group re-forms.
+            logger.warning("SIGTERM seen by a worker: saving step %d synchronously", self.step)
             self.save(blocking=True)
-            self._stopped = True
+            if signalled:
+                self._stopped = True
+                if self._manager is not None:
+                    self._manager.close()
+                raise SystemExit(143)
         elif due:
             self.save(blocking=False)
 
@@ -353,6 +355,9 @@ class ElasticTrainer:
             self._manager.close()
         if dist.is_initialized():
             dist.barrier()
+            # gloo's worker thread frees finished work (which holds Python tensors) under the GIL; give it
+            # the GIL now, or tearing the group down from the main thread can deadlock at exit.
+            time.sleep(0.2)
             dist.destroy_process_group()
 
     def __enter__(self) -> ElasticTrainer:

@@ -39,7 +39,7 @@ def main() -> None:
             loss = F.cross_entropy(model(x), y)
             trainer.backward(loss)
         log.info("epoch %d done at step %d", epoch, trainer.step)
-    dist.destroy_process_group()
+    trainer.close()
 
 
 if __name__ == "__main__":

@@ -33,9 +33,9 @@ def make_dataset(n: int, seed: int = 1234) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def make_model(seed: int) -> nn.Module:
+def make_model(seed: int, dropout: float = 0.1) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 4))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dropout", type=float, default=0.1)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     args.record.mkdir(parents=True, exist_ok=True)
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     # One worker group (one rendezvous round) = one attempt; its master port is chosen anew each round.
     attempt = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}:{os.environ.get('WORLD_SIZE')}"
     dataset = make_dataset(args.samples)
-    model = make_model(args.seed)
+    model = make_model(args.seed, args.dropout)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     policy = LRPolicy(LRRule(args.lr_rule), args.lr, args.base_world, args.batch, warmup_steps=args.warmup)
     config = ElasticConfig(
