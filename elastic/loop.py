@@ -49,7 +49,9 @@ from elastic.checkpoint import (
     restore_training_state,
 )
 from elastic.checkpoint.api import CheckpointManager
+from elastic.checkpoint.layout import step_dir
 from elastic.lr import LRPolicy, RampState, scaled_lr
+from elastic.progress import create_reporter
 from elastic.sampler import ElasticSampler, split_sizes
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ class ElasticConfig:
     backend: str | None = None  # None: nccl with CUDA, else gloo
     progress_every: int = 10
     timeout: timedelta = timedelta(minutes=10)
+    total_steps: int | None = None  # only for progress reports to the job service
 
     def resolved_checkpoint_url(self) -> str | None:
         return self.checkpoint_url or os.environ.get("ETRAIN_CHECKPOINT_URL") or None
@@ -129,6 +132,9 @@ class ElasticTrainer:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = DistributedDataParallel(model, device_ids=device_ids)  # broadcasts rank 0's state
         self._preemption = PreemptionWatcher().install()
+        self._progress = create_reporter()  # a no-op outside the job service
+        self._pending_checkpoint: int | None = None
+        self._progress.report(self.step, world_size=self.world_size, total_steps=config.total_steps, force=True)
         self._last_save_time = time.monotonic()
         self._loss_sum = 0.0
         self._loss_count = 0
@@ -281,6 +287,7 @@ class ElasticTrainer:
             self._on_step(StepInfo(self.step, epoch, self.rank, self.world_size, list(indices), lr, loss))
         self._maybe_report(lr, loss)
         self._maybe_save(epoch_done)
+        self._publish_progress(lr, loss)
 
     def _maybe_report(self, lr: float, loss: float | None) -> None:
         every = self.config.progress_every
@@ -291,6 +298,18 @@ class ElasticTrainer:
             logger.info(
                 "step %d epoch %d loss %.5f world %d lr %.6g", self.step, self.sampler.epoch, mean, self.world_size, lr
             )
+
+    def _publish_progress(self, lr: float, loss: float | None) -> None:
+        """Progress for the job service (rank 0 only, throttled by the reporter; a no-op elsewhere)."""
+        committed: dict[str, Any] = {}
+        pending = self._pending_checkpoint
+        if pending is not None and self._manager is not None and not self._manager.in_flight:
+            committed = {"checkpoint_step": pending, "checkpoint_path": f"{self._manager.url}/{step_dir(pending)}"}
+            self._pending_checkpoint = None
+        self._progress.report(
+            self.step, world_size=self.world_size, loss=loss, total_steps=self.config.total_steps,
+            lr=lr, epoch=self.sampler.epoch, force=bool(committed), **committed,
+        )  # fmt: skip
 
     def average(self, values: dict[str, float]) -> dict[str, float]:
         """Mean of each value over all workers (one all-reduce); a collective: every rank must call it."""
@@ -343,6 +362,7 @@ class ElasticTrainer:
         # the next optimizer.step() waits for that copy (see CheckpointManager.save).
         self._manager.save(self.step, state, blocking=blocking, overlap_with=None if blocking else self.optimizer)
         self._last_save_time = time.monotonic()
+        self._pending_checkpoint = self.step
 
     @property
     def stopped_by_preemption(self) -> bool:
@@ -353,6 +373,9 @@ class ElasticTrainer:
         self._preemption.uninstall()
         if self._manager is not None:
             self._manager.close()
+        if self._pending_checkpoint is not None and self._manager is not None:
+            self._publish_progress(self.current_lr(), None)
+        self._progress.close()
         if dist.is_initialized():
             dist.barrier()
             # gloo's worker thread frees finished work (which holds Python tensors) under the GIL; give it

@@ -107,9 +107,12 @@ class RestartPolicy(_Spec):
 class LRPolicy(_Spec):
     """How the training loop rescales the learning rate when the world size changes."""
 
-    scaling: Literal["linear", "sqrt", "none"] = "linear"
+    scaling: Literal["linear", "sqrt", "none", "fixed-global-batch"] = "linear"
     base_lr: float = Field(default=0.1, gt=0, le=1e6)
     base_world_size: int = Field(default=1, ge=1, le=1_000_000, description="world size base_lr is tuned for")
+    base_batch_per_worker: int = Field(
+        default=32, ge=1, le=1_000_000, description="per-worker batch base_lr is tuned for"
+    )
     warmup_steps: int = Field(
         default=0, ge=0, le=10_000_000, description="steps to ramp to a new LR after a change"
     )

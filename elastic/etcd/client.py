@@ -76,6 +76,14 @@ def _kv(msg: Any) -> KeyValue:
     )
 
 
+def _is_deadline(exc: grpc.RpcError) -> bool:
+    code = exc.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return True
+    details = exc.details() if hasattr(exc, "details") else ""
+    return code == grpc.StatusCode.UNKNOWN and "deadline" in str(details)
+
+
 _RETRYABLE = (
     etcd_exc.ConnectionFailedError,
     etcd_exc.ConnectionTimeoutError,
@@ -441,8 +449,8 @@ class EtcdClient:
             try:
                 return self._watch_once(key, start_revision, remaining, prefix)
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    return False
+                if _is_deadline(exc):
+                    continue  # our own timeout (etcd may report it as UNKNOWN): the loop returns False
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise EtcdError(f"watch on etcd at {self.endpoints_label} failed: {exc}") from exc
             except _RETRYABLE:
