@@ -48,6 +48,7 @@ OPTIONS: dict[str, str] = {
     "cert_key": "",
     "user": "",
     "password": "",
+    "password_file": "",
     "connect_timeout": "5",
     "request_timeout": "5",
     "op_timeout": "30",
@@ -149,6 +150,13 @@ def _seconds(params: RendezvousParameters, key: str) -> timedelta:
 def etcd_config_from_params(params: RendezvousParameters) -> EtcdConfig:
     """The etcd connection settings of a torchrun invocation."""
     options = {k: _opt(params, k) for k in ("ca_cert", "cert", "cert_key", "user", "password")}
+    password_file = _opt(params, "password_file")
+    if password_file:
+        try:
+            with open(password_file, encoding="utf-8") as f:
+                options["password"] = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"--rdzv-conf password_file={password_file!r} cannot be read: {exc}") from exc
     options.update(
         {k: str(_seconds(params, k).total_seconds()) for k in ("connect_timeout", "request_timeout", "op_timeout")}
     )
