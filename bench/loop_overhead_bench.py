@@ -2,7 +2,7 @@
 ElasticTrainer (etcd-v3 rendezvous, async snapshots every 25 steps) vs the same model in plain DDP under
 stock torchrun (--standalone), 2 workers, interleaved rounds. Goal: ratio >= 0.98.
 
-    python bench/loop_overhead_bench.py [--rounds 3] [--steps 120]
+    python bench/loop_overhead_bench.py [--rounds 3] [--steps 400]
 """
 
 from __future__ import annotations
@@ -36,14 +36,16 @@ def _run(mode: str, etcd: LocalEtcdCluster, steps: int, work: Path) -> float:
     if mode == "elastic":
         cmd += ["--checkpoint-url", str(work / f"ck-{uuid.uuid4().hex[:6]}")]
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return float(json.loads(out.read_text())["steps_per_s"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--json", type=Path, default=HERE / "results" / "loop_overhead.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="overhead-"))
