@@ -219,3 +219,34 @@ def test_resized_run_converges_within_2_percent_of_fixed_world_3_seeds(
     tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent], rule: str, seed: int
 ) -> None:
     _convergence(tmp_path, etcd_server, agents, rule, seed)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_of_one_node_saves_synchronously_and_loses_no_step(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
+) -> None:
+    """A preemption notice (SIGTERM to a node's agent, forwarded to its workers): every rank saves that step,
+    the signalled node leaves, the survivor re-forms and resumes from exactly that step."""
+    import signal
+
+    rec = tmp_path / "rec"
+    run_id = f"term-{uuid.uuid4().hex[:6]}"
+    args = ["--epochs", "3", "--samples", "480", "--batch", "4", "--lr-rule", "linear", "--base-world", "2",
+            "--save-every", "1000", "--step-sleep", "0.05",
+            "--checkpoint-url", str(tmp_path / "ck"), "--record", str(rec)]  # fmt: skip
+    a = _agent(tmp_path, "a", etcd_server, run_id, "1:2", 1, args)
+    b = _agent(tmp_path, "b", etcd_server, run_id, "1:2", 1, args)
+    agents += [a, b]
+    assert wait_until(lambda: _max_step(rec) >= 15, 150), _logs(agents)
+    b.kill_tree(signal.SIGTERM)
+    assert wait_until(lambda: any(r["world"] == 1 for r in _records(rec)), 120), _logs(agents)
+    assert a.wait(timeout=200) == 0, _logs(agents)
+
+    records = _records(rec)
+    before = [r for r in records if r["world"] == 2]
+    after = [r for r in records if r["world"] == 1]
+    last_before = max(r["step"] for r in before)
+    first_after = min(r["step"] for r in after)
+    assert first_after == last_before + 1, f"lost steps: resumed at {first_after - 1}, had reached {last_before}"
+    snapshots = sorted(p.name for p in (tmp_path / "ck").glob("step-*"))
+    assert f"step-{last_before:012d}" in snapshots, snapshots  # written on the notice (interval is 1000)
