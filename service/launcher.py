@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
+from elastic.proctree import descendants, process_stat
 from service.config import EtcdOptions
 from service.models import Assignment
 
@@ -126,38 +127,10 @@ def worker_env(
 
 
 # -- processes -----------------------------------------------------------------------------------------
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time) of a process, or None if it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rfind(")") + 2 :].split()
-    return int(fields[1]), int(fields[19])
-
-
-def descendants(root: int) -> list[tuple[int, int]]:
-    """``(pid, start time)`` of every live descendant of ``root`` (from ``/proc``)."""
-    children: dict[int, list[tuple[int, int]]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        st = _stat(int(entry))
-        if st is not None:
-            children.setdefault(st[0], []).append((int(entry), st[1]))
-    out: list[tuple[int, int]] = []
-    todo = [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child[0])
-    return out
-
-
 def _kill_same(procs: Sequence[tuple[int, int]], sig: int) -> None:
     """Signal processes that are still the ones recorded (same start time: no pid reuse)."""
     for pid, started in procs:
-        st = _stat(pid)
+        st = process_stat(pid)
         if st is not None and st[1] == started:
             try:
                 os.kill(pid, sig)
@@ -208,7 +181,7 @@ class TorchrunProcess:
 
     def tree(self) -> list[tuple[int, int]]:
         """torchrun itself and its live descendants, as ``(pid, start time)``."""
-        own = _stat(self.pid)
+        own = process_stat(self.pid)
         return ([(self.pid, own[1])] if own else []) + descendants(self.pid)
 
     def stop(self, grace: timedelta) -> int:

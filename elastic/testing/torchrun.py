@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic.proctree import descendants
+
 WORKER = str(Path(__file__).with_name("allreduce_worker.py"))
 
 
@@ -81,7 +83,7 @@ class Agent:
         if self.process is None:
             return time.time()
         now = time.time()
-        for pid in descendants(self.process.pid):
+        for pid, _ in descendants(self.process.pid):
             _signal(pid, sig)
         return now
 
@@ -109,33 +111,11 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def descendants(root: int) -> list[int]:
-    """All live descendants of ``root`` (from /proc), children before grandchildren."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out: list[int] = []
-    queue = [root]
-    while queue:
-        for child in children.get(queue.pop(0), []):
-            out.append(child)
-            queue.append(child)
-    return out
-
-
 def kill_tree(root: int, sig: int = signal.SIGKILL) -> float:
     """Freeze ``root`` (so it spawns nothing new), then signal it and all its descendants."""
     _signal(root, signal.SIGSTOP)
     now = time.time()
-    for pid in [root, *descendants(root)]:
+    for pid in [root, *(p for p, _ in descendants(root))]:
         _signal(pid, sig)
     if sig != signal.SIGKILL:
         _signal(root, signal.SIGCONT)

@@ -17,8 +17,8 @@ from typing import Any
 
 from elastic.etcd import create_client
 from elastic.etcd.server import LocalEtcdCluster, free_port
+from elastic.proctree import descendants
 from service.client import ApiClient
-from service.launcher import descendants
 from service.models import WorkerReport
 from service.store import Keys
 

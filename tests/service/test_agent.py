@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd.server import LocalEtcdCluster, free_port
+from elastic.proctree import descendants
 from service.agent import AgentError, NodeAgent, create_agent
 from service.config import AgentSettings, EtcdOptions
-from service.launcher import descendants
 from service.models import Assignment, JobSpec, WorkerReport
 from tests.service.conftest import wait_until
 
