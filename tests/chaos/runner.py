@@ -98,7 +98,7 @@ class ChaosConfig:
     @property
     def epochs(self) -> int:
         """Enough steps for every fault plus a tail, so that all faults hit a running job."""
-        need = (self.faults + 2) * self.steps_between + 2 * self.steps_per_epoch
+        need = 2 * (self.faults + 2) * self.steps_between + 2 * self.steps_per_epoch
         return max(2, math.ceil(need / self.steps_per_epoch))
 
 
@@ -252,6 +252,13 @@ class ChaosRunner:
         logger.warning("chaos: timed out waiting for %s", what)
         return False
 
+    def pause(self, seconds: float) -> None:
+        """Sleep while deferred actions keep running."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.tick()
+            time.sleep(0.1)
+
     def _restart_agent(self, name: str) -> None:
         self.cluster.start_agent(name)
         self.down_agents.discard(name)
@@ -373,7 +380,7 @@ class ChaosRunner:
                 target = self.inject(kind)
                 if target is None:
                     self._order.insert(0, kind)  # try it again later
-                    self.wait("a target", lambda: False, 1.0)
+                    self.pause(1.0)
                     continue
                 fault = Fault(kind.value, target, at, step_at)
                 report.faults.append(fault)
@@ -388,7 +395,7 @@ class ChaosRunner:
                 else:
                     report.notes.append(f"the job did not recover within {c.settle_timeout} of {kind.value}")
                     break
-                self.wait("a random pause", lambda: False, self.rng.uniform(0, 2))
+                self.pause(self.rng.uniform(0, 2))
             self.wait("pending actions", lambda: not self.pending, 15)
 
             def finished() -> bool:
@@ -420,20 +427,27 @@ class ChaosRunner:
         report.steps = max((r["step"] for r in records), default=0)
         report.attempts = len({r["attempt"] for r in records})
         report.api_polls, report.events = history.polls, len(history.events)
-        report.checks["job completed"] = [] if report.job_state == "succeeded" else [f"job {report.job_state}"]
-        report.checks["every sample exactly once per epoch"] = check_exactly_once(
-            records, c.samples, c.epochs, c.steps_per_epoch
-        )
-        report.checks["replicas identical"] = check_replicas_identical(self.rec)
-        report.checks["no job record or event lost"] = list(history.problems)
-        problems, checked = check_resumed_snapshots_verify(records, checkpoint_url) if checkpoint_url else (
-            ["no checkpoint url"], 0)  # fmt: skip
-        report.checks["no torn checkpoint loaded"] = problems
-        report.resume_points_verified = checked
-        logs = list((self.workdir / "agents").glob("**/*.log"))
-        report.corrupt_warnings = sum(
-            log.read_text(errors="replace").lower().count("corrupt") for log in logs if log.is_file()
-        )
+
+        def guarded(name: str, check: Callable[[], list[str]]) -> None:
+            try:
+                report.checks[name] = check()
+            except Exception as exc:  # a check that cannot run is a failed check
+                report.checks[name] = [f"could not check: {exc!r}"]
+
+        def snapshots() -> list[str]:
+            if not checkpoint_url:
+                return ["the job reported no checkpoint url"]
+            problems, report.resume_points_verified = check_resumed_snapshots_verify(records, checkpoint_url)
+            return problems
+
+        guarded("job completed", lambda: [] if report.job_state == "succeeded" else [f"job {report.job_state}"])
+        guarded("every sample exactly once per epoch",
+                lambda: check_exactly_once(records, c.samples, c.epochs, c.steps_per_epoch))  # fmt: skip
+        guarded("replicas identical", lambda: check_replicas_identical(self.rec))
+        guarded("no job record or event lost", lambda: list(history.problems))
+        guarded("no torn checkpoint loaded", snapshots)
+        logs = [log for log in (self.workdir / "agents").glob("**/*.log") if log.is_file()]
+        report.corrupt_warnings = sum(log.read_text(errors="replace").lower().count("corrupt") for log in logs)
 
 
 def run_chaos(config: ChaosConfig, workdir: Path | None = None, keep: bool = False) -> ChaosReport:
