@@ -114,6 +114,11 @@ def run(plan: Plan, workdir: Path, results: Path, only: set[str] | None) -> dict
                 systems, 1, etcd, workdir, base, plan.goodput_duration, INTERVAL
             )
             out["recovery_workload"] = vars(base)
+    if wanted("detect"):
+        with LocalEtcdCluster(1, workdir=workdir / "etcd-detect") as etcd:
+            out["kills_fast_detect"] = recovery_bench.bench_kills(
+                [recovery_bench.FAST_DETECT], plan.kill_trials, etcd, workdir, recovery_bench.Workload(), seed=2
+            )
     if wanted("rendezvous"):
         with LocalEtcdCluster(1, workdir=workdir / "etcd-rdzv") as etcd:
             out["rendezvous"] = rendezvous_bench.bench_rendezvous(list(plan.rdzv_sizes), plan.rdzv_trials, etcd)
@@ -193,6 +198,13 @@ def summary(data: dict[str, Any]) -> tuple[dict[str, Any], str]:
                 f"{_fmt(e['worker_kill_next_step_s'])}, lost {_fmt(e['worker_kill_lost_steps'], '', 1, 1)}; "
                 f"node kill → next step {_fmt(e['node_kill_next_step_s'])}, lost "
                 f"{_fmt(e['node_kill_lost_steps'], '', 1, 1)} (median / p95).",
+            ]
+        for row in data.get("kills_fast_detect", []):
+            lines += [
+                "",
+                f"{row['system']}, snapshot every 5 steps: worker kill → next step"
+                f" {_fmt(row['worker_kill_next_step_s'])}, node kill → survivor's next step"
+                f" {_fmt(row['node_kill_next_step_s'])} (median / p95).",
             ]
         ours = kills.get("etcd-v3")
         if ours:
@@ -293,13 +305,23 @@ def main() -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_const", const="quick", dest="mode")
     mode.add_argument("--full", action="store_const", const="full", dest="mode")
-    parser.add_argument("--only", default=None, help="parts: recovery,rendezvous,checkpoint,overhead,api")
+    parser.add_argument("--only", default=None, help="parts: recovery,detect,rendezvous,checkpoint,overhead,api")
     parser.add_argument("--results", type=Path, default=HERE / "results")
     parser.add_argument("--summarize", type=Path, default=None, help="only re-render the summary of this JSON")
+    parser.add_argument("--merge", type=Path, default=None, help="add the parts run now to this summary JSON")
     args = parser.parse_args()
     args.results.mkdir(parents=True, exist_ok=True)
     if args.summarize is not None:
         data = json.loads(args.summarize.read_text())
+    elif args.merge is not None:  # run some parts again (or new ones) into an existing summary
+        data = json.loads(args.merge.read_text())
+        workdir = Path(tempfile.mkdtemp(prefix="bench-all-"))
+        try:
+            new = run(PLANS[args.mode or data.get("mode", "quick")], workdir, args.results,
+                      set(args.only.split(",")) if args.only else None)  # fmt: skip
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        data.update({k: v for k, v in new.items() if k not in ("machine", "started", "finished")})
     else:
         plan = PLANS[args.mode or "quick"]
         workdir = Path(tempfile.mkdtemp(prefix="bench-all-"))
