@@ -31,6 +31,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    rank = dist.get_rank()  # ElasticTrainer.close() leaves the process group: remember who writes
     dataset = CharDataset(DATA / "tiny_shakespeare.txt")
     model = DDP(TinyTransformer(len(dataset.chars)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -65,7 +66,7 @@ def main() -> None:
             if trainer.step >= args.steps:
                 break
         trainer.close()
-    if (dist.is_initialized() and dist.get_rank() == 0) or not dist.is_initialized():
+    if rank == 0:
         steady = times[args.warmup :]
         rate = (len(steady) - 1) / (steady[-1] - steady[0])
         args.out.write_text(json.dumps({"mode": args.mode, "steps_per_s": rate, "steps": len(times)}))

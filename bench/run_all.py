@@ -98,45 +98,73 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def run(plan: Plan, workdir: Path, results: Path, only: set[str] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"machine": _machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    wanted: Callable[[str], bool] = lambda part: only is None or part in only  # noqa: E731
+def run(plan: Plan, workdir: Path, results: Path, only: set[str] | None,
+        out: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Run the wanted parts into ``out``; a part that fails is recorded in ``out["errors"]`` and the
+    others still run; ``results/summary.json`` is rewritten after every part."""
+    out = out if out is not None else {}
+    out.setdefault("machine", _machine())
+    out.setdefault("started", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     systems = list(recovery_bench.SYSTEMS.values())
-    if wanted("recovery"):
+
+    def recovery() -> None:
         with LocalEtcdCluster(1, workdir=workdir / "etcd-recovery") as etcd:
             base = recovery_bench.Workload()
+            out["recovery_workload"] = vars(base)
             out["kills"] = recovery_bench.bench_kills(systems, plan.kill_trials, etcd, workdir, base)
+            _save(out, results)
             every = recovery_bench.Workload(save_every=1)
             out["kills_every_step"] = recovery_bench.bench_kills(
                 [recovery_bench.SYSTEMS["etcd-v3"]], plan.every_step_trials, etcd, workdir, every, seed=1
             )
+            _save(out, results)
             out["goodput"] = recovery_bench.bench_goodput(
                 systems, 1, etcd, workdir, base, plan.goodput_duration, INTERVAL
             )
-            out["recovery_workload"] = vars(base)
-    if wanted("detect"):
+
+    def detect() -> None:
         with LocalEtcdCluster(1, workdir=workdir / "etcd-detect") as etcd:
             out["kills_fast_detect"] = recovery_bench.bench_kills(
                 [recovery_bench.FAST_DETECT], plan.kill_trials, etcd, workdir, recovery_bench.Workload(), seed=2
             )
-    if wanted("rendezvous"):
+
+    def rendezvous() -> None:
         with LocalEtcdCluster(1, workdir=workdir / "etcd-rdzv") as etcd:
             out["rendezvous"] = rendezvous_bench.bench_rendezvous(list(plan.rdzv_sizes), plan.rdzv_trials, etcd)
-    if wanted("checkpoint"):
+
+    def checkpoint() -> None:
         path = results / "checkpoint.json"
         _subprocess([sys.executable, str(HERE / "checkpoint_bench.py"), "--size-mb", str(plan.ckpt_size_mb),
                      "--repeats", str(plan.ckpt_repeats), "--no-s3", "--out", str(path)], 1200)  # fmt: skip
         out["checkpoint"] = json.loads(path.read_text())
-    if wanted("overhead"):
+
+    def overhead() -> None:
         path = results / "loop_overhead.json"
         _subprocess([sys.executable, str(HERE / "loop_overhead_bench.py"), "--rounds", str(plan.overhead_rounds),
                      "--json", str(path)], 1800)  # fmt: skip
         out["loop_overhead"] = json.loads(path.read_text())
-    if wanted("api"):
+
+    def api() -> None:
         out["api"] = api_load_bench.bench_api(plan.api_rounds, plan.api_duration, 8, workdir / "api")
+
+    parts: dict[str, Callable[[], None]] = {"recovery": recovery, "detect": detect, "rendezvous": rendezvous,
+                                            "checkpoint": checkpoint, "overhead": overhead, "api": api}  # fmt: skip
+    for name, part in parts.items():
+        if only is not None and name not in only:
+            continue
+        try:
+            part()
+        except Exception as exc:  # reported in the summary; the other parts still run
+            out.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+            print(f"part {name} FAILED: {exc}", file=sys.stderr, flush=True)
+        _save(out, results)
     out["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out["machine"]["load_average_at_end"] = os.getloadavg()[0]
     return out
+
+
+def _save(data: dict[str, Any], results: Path) -> None:
+    (results / "summary.json").write_text(json.dumps(data, indent=2))
 
 
 # -- the summary ---------------------------------------------------------------------------------------
@@ -294,6 +322,8 @@ def summary(data: dict[str, Any]) -> tuple[dict[str, Any], str]:
         ]
         goal("≥ 500 status req/s at p99 ≤ 50 ms", rps["median"] >= 500 and p99["median"] <= 50,
              f"{rps['median']:.0f} req/s, p99 {p99['median']:.1f} ms")  # fmt: skip
+    for part, error in data.get("errors", {}).items():
+        lines += [f"**Part `{part}` failed**: {error}", ""]
     lines += ["### Goals", "", "| goal | measured | met |", "|---|---|---|"]
     for g in goals:
         lines.append(f"| {g['goal']} | {g['value']} | {'yes' if g['met'] else '**no**'} |")
@@ -315,13 +345,14 @@ def main() -> None:
         data = json.loads(args.summarize.read_text())
     elif args.merge is not None:  # run some parts again (or new ones) into an existing summary
         data = json.loads(args.merge.read_text())
+        for part in (args.only or "").split(","):
+            data.get("errors", {}).pop(part, None)
         workdir = Path(tempfile.mkdtemp(prefix="bench-all-"))
         try:
-            new = run(PLANS[args.mode or data.get("mode", "quick")], workdir, args.results,
-                      set(args.only.split(",")) if args.only else None)  # fmt: skip
+            data = run(PLANS[args.mode or data.get("mode", "quick")], workdir, args.results,
+                       set(args.only.split(",")) if args.only else None, out=data)  # fmt: skip
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-        data.update({k: v for k, v in new.items() if k not in ("machine", "started", "finished")})
     else:
         plan = PLANS[args.mode or "quick"]
         workdir = Path(tempfile.mkdtemp(prefix="bench-all-"))
