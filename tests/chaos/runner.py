@@ -472,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API poll otherwise
     config = ChaosConfig(
         faults=args.faults, seed=args.seed, time_limit=timedelta(seconds=args.time_limit),
         steps_between=args.steps_between, kinds=tuple(FaultKind(k) for k in args.kinds.split(",")),
