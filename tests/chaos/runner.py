@@ -15,7 +15,8 @@ when the last one hit. Faults:
 
 Network partitions (a node in a network namespace cut off with nftables) are not implemented.
 
-Pass: the job succeeds; every rank of the final group holds identical parameters; in the effective
+Pass: the job succeeds; training resumes after every fault (within ``settle_timeout``); every rank of
+the final group holds identical parameters; in the effective
 trajectory every step is committed once and every sample is seen exactly once per epoch; nothing the API
 once showed of the job (record, events, counters) disappears or goes back; every snapshot a group resumed
 from verifies. The run stops by itself: at ``time_limit`` at the latest, everything is torn down.
@@ -126,6 +127,7 @@ class ChaosReport:
     corrupt_warnings: int = 0
     checks: dict[str, list[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    stalls: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -393,7 +395,10 @@ class ChaosRunner:
                 ):
                     fault.settle_s = time.time() - at
                 else:
-                    report.notes.append(f"the job did not recover within {c.settle_timeout} of {kind.value}")
+                    report.stalls.append(
+                        f"fault {len(report.faults)} ({kind.value} on {target} at step {step_at}): no progress"
+                        f" {c.settle_timeout.total_seconds():.0f} s later"
+                    )
                     break
                 self.pause(self.rng.uniform(0, 2))
             self.wait("pending actions", lambda: not self.pending, 15)
@@ -441,6 +446,7 @@ class ChaosRunner:
             return problems
 
         guarded("job completed", lambda: [] if report.job_state == "succeeded" else [f"job {report.job_state}"])
+        guarded("training resumed after every fault", lambda: list(report.stalls))
         guarded("every sample exactly once per epoch",
                 lambda: check_exactly_once(records, c.samples, c.epochs, c.steps_per_epoch))  # fmt: skip
         guarded("replicas identical", lambda: check_replicas_identical(self.rec))
