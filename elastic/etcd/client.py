@@ -441,7 +441,7 @@ class EtcdClient:
             try:
                 return self._watch_once(key, start_revision, remaining, prefix)
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                if _deadline_exceeded(exc):
                     return False
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise EtcdError(f"watch on etcd at {self.endpoints_label} failed: {exc}") from exc
@@ -537,3 +537,12 @@ def check_reachable(config: EtcdConfig, timeout: timedelta | None = None) -> int
     finally:
         client.close()
 
+
+def _deadline_exceeded(exc: grpc.RpcError) -> bool:
+    """The call's own timeout passed. A watch stream cut by its deadline may also end with status UNKNOWN
+    and the details "context deadline exceeded" (seen with etcd 3.x): that is a timeout, not a failure."""
+    code = exc.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return True
+    details = exc.details() if callable(getattr(exc, "details", None)) else ""
+    return code == grpc.StatusCode.UNKNOWN and "deadline exceeded" in (details or "")
