@@ -32,7 +32,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank = dist.get_rank()  # ElasticTrainer.close() leaves the process group: remember who writes
     dataset = CharDataset(DATA / "tiny_shakespeare.txt")
     model = DDP(TinyTransformer(len(dataset.chars)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

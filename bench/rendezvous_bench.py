@@ -136,6 +136,7 @@ def bench_rendezvous(sizes: list[int], trials: int, etcd: LocalEtcdCluster) -> l
                     "from_last_join_median_s": statistics.median(last),
                     "from_last_join_max_s": max(last),
                     "total_median_s": statistics.median(s["total_s"] for s in samples),
+                    "from_last_join_samples_s": last,
                 }
             )
             arrival = "staggered" if staggered else "burst"

@@ -8,7 +8,7 @@ token on an admin endpoint gets 403. Tokens are compared in constant time.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -44,10 +44,10 @@ def authenticate(tokens: Sequence[TokenEntry] | None, presented: str | None) -> 
     return found
 
 
-def require(role: Role) -> Callable[..., Principal]:
+def require(role: Role) -> Callable[..., Awaitable[Principal]]:
     """A FastAPI dependency admitting callers with ``role`` (admin satisfies read)."""
 
-    def dependency(
+    async def dependency(
         request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
     ) -> Principal:
         tokens: Sequence[TokenEntry] | None = request.app.state.settings.tokens

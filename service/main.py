@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import elastic
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from service.api.routes import jobs, nodes, system
 from service.config import Settings
 from service.controller import Controller, create_controller
-from service.metrics import create_metrics
+from service.metrics import Metrics, create_metrics
 from service.store import create_store
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,35 @@ def _one_line(errors: list[dict[str, object]]) -> str:
         loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]  # type: ignore[attr-defined]
         parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
     return "; ".join(parts)
+
+
+class _RequestMetrics:
+    """Counts requests by method, route and status, and times them (a plain ASGI middleware: Starlette's
+    ``BaseHTTPMiddleware`` costs a task and a stream per request, a large share of a status read)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        status = 500
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")  # set by the router in this scope
+            self.metrics.http_requests.labels(scope["method"], route, str(status)).inc()
+            self.metrics.http_seconds.labels(route).observe(time.monotonic() - started)
 
 
 def create_app(settings: Settings, client: EtcdClient | None = None) -> FastAPI:
@@ -80,14 +110,7 @@ def create_app(settings: Settings, client: EtcdClient | None = None) -> FastAPI:
         logger.warning("%s %s: %s", request.method, request.url.path, exc)
         return JSONResponse({"detail": f"etcd unavailable: {exc}"}, status_code=503)
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        started = time.monotonic()
-        response = await call_next(request)
-        route = getattr(request.scope.get("route"), "path", "unmatched")
-        metrics.http_requests.labels(request.method, route, str(response.status_code)).inc()
-        metrics.http_seconds.labels(route).observe(time.monotonic() - started)
-        return response
+    app.add_middleware(_RequestMetrics, metrics=metrics)
 
     app.include_router(jobs.router)
     app.include_router(nodes.router)

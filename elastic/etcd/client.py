@@ -77,6 +77,8 @@ def _kv(msg: Any) -> KeyValue:
 
 
 def _is_deadline(exc: grpc.RpcError) -> bool:
+    """The call's own timeout passed. A watch stream cut by its deadline may also end with status UNKNOWN
+    and the details "context deadline exceeded" (seen with etcd 3.x): that is a timeout, not a failure."""
     code = exc.code()
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return True
@@ -544,4 +546,5 @@ def check_reachable(config: EtcdConfig, timeout: timedelta | None = None) -> int
         return client.ping(timeout=timeout or config.connect_timeout)
     finally:
         client.close()
+
 

@@ -3,7 +3,9 @@
 It trains a little MLP on a deterministic synthetic classification set through :class:`ElasticTrainer`,
 and records, per rank, one JSON line per committed step (step, epoch, world, lr, indices, restart count)
 in ``--record DIR/rank<R>.<pid>.jsonl``. At the end rank 0 evaluates the model on the whole data set and
-writes ``final.json`` (loss, step) and ``final_params.pt``.
+writes ``final.json`` (loss, step) and ``final_params.pt``; every rank writes ``final_params.rank<R>.pt`` and
+``final.rank<R>.json`` (its attempt and step), so that replicas can be compared. Under the job service it
+reports progress (``elastic.progress``; a no-op elsewhere) and takes ``$ETRAIN_CHECKPOINT_URL`` by default.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.utils.data import TensorDataset
 from elastic.checkpoint import CheckpointOptions
 from elastic.loop import ElasticConfig, ElasticTrainer, StepInfo
 from elastic.lr import LRPolicy, LRRule
+from elastic.progress import create_reporter
 
 
 def make_dataset(n: int, seed: int = 1234) -> TensorDataset:
@@ -40,7 +43,7 @@ def make_model(seed: int, dropout: float = 0.1) -> nn.Module:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--checkpoint-url", required=True)
+    p.add_argument("--checkpoint-url", default=os.environ.get("ETRAIN_CHECKPOINT_URL"))
     p.add_argument("--record", type=Path, required=True)
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--epochs", type=int, default=2)
@@ -53,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--keep-last", type=int, default=100)
     args = p.parse_args(argv)
+    if not args.checkpoint_url:
+        p.error("--checkpoint-url (or $ETRAIN_CHECKPOINT_URL) is required")
     torch.set_num_threads(1)
     args.record.mkdir(parents=True, exist_ok=True)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -66,12 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     config = ElasticConfig(
         policy,
         args.checkpoint_url,
-        checkpoint_options=CheckpointOptions(keep_last=100),
+        checkpoint_options=CheckpointOptions(keep_last=args.keep_last),
         save_every_steps=args.save_every,
         seed=args.seed,
         progress_every=0,
     )
     log_file: list[Path] = []
+    reporter = create_reporter()
 
     def on_step(info: StepInfo) -> None:
         record = {"step": info.step, "epoch": info.epoch, "rank": info.rank, "world": info.world_size,
@@ -79,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                   "attempt": attempt}  # fmt: skip
         with open(log_file[0], "a") as f:
             f.write(json.dumps(record) + "\n")
+        reporter.report(info.step, world_size=info.world_size, loss=info.loss)
         if args.step_sleep:
             time.sleep(args.step_sleep)
 
@@ -94,7 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             loss = float(F.cross_entropy(module(x_all), y_all))
         torch.save({k: v.clone() for k, v in module.state_dict().items()}, args.record / "final_params.pt")
         (args.record / "final.json").write_text(json.dumps({"loss": loss, "step": trainer.step}))
+    params = {k: v.clone() for k, v in trainer.model.module.state_dict().items()}
+    torch.save(params, args.record / f"final_params.rank{trainer.rank}.pt")
+    done = {"attempt": attempt, "step": trainer.step, "world": trainer.world_size}
+    (args.record / f"final.rank{trainer.rank}.json").write_text(json.dumps(done))
     trainer.close()
+    reporter.close()
     return 0
 
 

@@ -12,21 +12,21 @@ from service.store import Store
 __all__ = ["get_controller", "get_metrics", "get_settings", "get_store"]
 
 
-def get_store(request: Request) -> Store:
+async def get_store(request: Request) -> Store:
     store: Store = request.app.state.store
     return store
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     metrics: Metrics = request.app.state.metrics
     return metrics
 
 
-def get_controller(request: Request) -> Controller:
+async def get_controller(request: Request) -> Controller:
     controller: Controller = request.app.state.controller
     return controller

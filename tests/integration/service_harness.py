@@ -54,12 +54,12 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: floa
 
 
 class ServiceCluster:
-    def __init__(self, workdir: Path, prefix: str = "/etrain", lease_ttl: float = 2.0) -> None:
+    def __init__(self, workdir: Path, prefix: str = "/etrain", lease_ttl: float = 2.0, etcd_members: int = 1) -> None:
         self.workdir = workdir
         self.prefix = prefix
         self.lease_ttl = lease_ttl
         (workdir / "etcd").mkdir(parents=True, exist_ok=True)
-        self.etcd = LocalEtcdCluster(1, workdir=workdir / "etcd").start()
+        self.etcd = LocalEtcdCluster(etcd_members, workdir=workdir / "etcd").start()
         self.controller: subprocess.Popen[bytes] | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.url = ""

@@ -1,0 +1,162 @@
+"""The chaos suite's pass conditions, as functions of what a run left behind (records, final files,
+checkpoints, the API's view of the job over time). Each returns a list of violations (empty: passed).
+
+Records are the JSON lines ``elastic/testing/train_worker.py`` writes per rank and committed step
+(``step, epoch, rank, world, lr, indices, restart, t, attempt``); an *attempt* is one worker group (one
+rendezvous round). After a failure the group resumes from a snapshot, so steps after it are done again:
+the *effective* trajectory keeps, for each step, the records of the last attempt that committed it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic.checkpoint import CheckpointError, create_checkpoint_manager
+from elastic.testing.torchrun import read_jsonl
+
+Record = dict[str, Any]
+
+
+def read_records(rec: Path) -> list[Record]:
+    out: list[Record] = []
+    for f in sorted(rec.glob("rank*.jsonl")):
+        out.extend(read_jsonl(f))
+    return out
+
+
+def effective(records: Iterable[Record]) -> dict[int, list[Record]]:
+    """For each step, the records of the last attempt that committed it (earlier ones were rolled back)."""
+    by_step: dict[int, dict[str, list[Record]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        by_step[r["step"]][r["attempt"]].append(r)
+    return {
+        step: max(attempts.values(), key=lambda rs: max(r["t"] for r in rs)) for step, attempts in by_step.items()
+    }
+
+
+def resume_points(records: Iterable[Record]) -> dict[str, int]:
+    """For each attempt, the step it resumed from (its first committed step - 1)."""
+    first: dict[str, int] = {}
+    for r in records:
+        first[r["attempt"]] = min(first.get(r["attempt"], r["step"]), r["step"])
+    return {attempt: step - 1 for attempt, step in first.items()}
+
+
+def check_exactly_once(records: list[Record], samples: int, epochs: int, steps_per_epoch: int) -> list[str]:
+    """Steps 1..N each committed once in the effective trajectory, by every rank of its world, and every
+    sample seen exactly once per epoch."""
+    eff = effective(records)
+    problems: list[str] = []
+    steps = sorted(eff)
+    expected = epochs * steps_per_epoch
+    if steps != list(range(1, expected + 1)):
+        missing = sorted(set(range(1, expected + 1)) - set(steps))
+        problems.append(f"effective steps are not 1..{expected}: {len(steps)} steps, missing {missing[:10]}")
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for s in steps:
+        rs = eff[s]
+        world = rs[0]["world"]
+        ranks = sorted(r["rank"] for r in rs)
+        if ranks != list(range(world)):
+            problems.append(f"step {s}: ranks {ranks} recorded for a world of {world}")
+        for r in rs:
+            per_epoch[r["epoch"]].extend(r["indices"])
+    for epoch in range(epochs):
+        seen = per_epoch.get(epoch, [])
+        if sorted(seen) != list(range(samples)):
+            counts: dict[int, int] = defaultdict(int)
+            for i in seen:
+                counts[i] += 1
+            twice = sum(1 for c in counts.values() if c > 1)
+            never = samples - len(counts)
+            problems.append(f"epoch {epoch}: {twice} samples seen more than once, {never} never")
+    return problems
+
+
+def check_replicas_identical(rec: Path) -> list[str]:
+    """Every rank of the attempt that finished wrote the same final parameters."""
+    finals = {int(p.name.split(".")[1][4:]): json.loads(p.read_text()) for p in rec.glob("final.rank*.json")}
+    if 0 not in finals:
+        return ["rank 0 wrote no final state"]
+    attempt, world = finals[0]["attempt"], finals[0]["world"]
+    ranks = sorted(r for r, f in finals.items() if f["attempt"] == attempt)
+    if ranks != list(range(world)):
+        return [f"final state of ranks {ranks} only, for a world of {world}"]
+    ref = torch.load(rec / "final_params.rank0.pt")
+    problems = []
+    for r in ranks[1:]:
+        other = torch.load(rec / f"final_params.rank{r}.pt")
+        if ref.keys() != other.keys() or not all(torch.equal(ref[k], other[k]) for k in ref):
+            problems.append(f"rank {r}'s final parameters differ from rank 0's")
+    return problems
+
+
+def check_resumed_snapshots_verify(records: list[Record], checkpoint_url: str) -> tuple[list[str], int]:
+    """Every snapshot an attempt resumed from still verifies (checksums) and holds that step: what was
+    loaded was a complete, committed snapshot, never a torn one. Returns the problems and how many
+    resume points were checked."""
+    points = sorted({s for s in resume_points(records).values() if s > 0})
+    problems: list[str] = []
+    manager = create_checkpoint_manager(checkpoint_url)
+    try:
+        for step in points:
+            try:
+                snap = manager.load(step)
+            except CheckpointError as exc:
+                problems.append(f"resumed from step {step}, whose snapshot does not verify: {exc}")
+                continue
+            if snap.step != step:
+                problems.append(f"snapshot of step {step} holds step {snap.step}")
+    finally:
+        manager.close()
+    return problems, len(points)
+
+
+class ApiHistory:
+    """What the API showed of one job over time: nothing once seen may disappear or go backwards."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, dict[str, Any]] = {}
+        self.order: list[str] = []
+        self.record: dict[str, Any] | None = None
+        self.problems: list[str] = []
+        self.last_generation = 0
+        self.last_restarts: dict[str, int] = {}
+        self.polls = 0
+
+    def observe(self, job: dict[str, Any], events: list[dict[str, Any]]) -> None:
+        self.polls += 1
+        fixed = {k: job.get(k) for k in ("id", "created_at", "spec", "submitted_by")}
+        fixed["checkpoint_url"] = (job.get("checkpoint") or {}).get("url")
+        if self.record is None:
+            self.record = fixed
+        elif fixed != self.record:
+            self.problems.append(f"the job record changed: {self.record} -> {fixed}")
+        if job.get("generation", 0) < self.last_generation:
+            self.problems.append(f"generation went back: {self.last_generation} -> {job.get('generation')}")
+        self.last_generation = max(self.last_generation, job.get("generation", 0))
+        for cause, n in (job.get("restarts") or {}).items():
+            if isinstance(n, int):
+                if n < self.last_restarts.get(cause, 0):
+                    self.problems.append(f"restarts[{cause}] went back: {self.last_restarts[cause]} -> {n}")
+                self.last_restarts[cause] = max(n, self.last_restarts.get(cause, 0))
+        ids = [e["id"] for e in events]
+        for known in self.order:
+            if known not in ids:
+                self.problems.append(f"event {known} ({self.events[known]['type']}) disappeared")
+        for e in events:
+            if e["id"] in self.events and e != self.events[e["id"]]:
+                self.problems.append(f"event {e['id']} changed: {self.events[e['id']]} -> {e}")
+            elif e["id"] not in self.events:
+                self.events[e["id"]] = e
+                self.order.append(e["id"])
+        if ids != sorted(ids, key=lambda i: self.order.index(i)):
+            self.problems.append("events came back in another order")
+        # keep each problem once
+        self.problems = list(dict.fromkeys(self.problems))

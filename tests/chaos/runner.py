@@ -1,0 +1,496 @@
+"""Chaos runner: one training job on the real service under random faults, then its pass conditions.
+
+A three-member etcd cluster, the controller and three node agents run as processes on loopback
+(``tests/integration/service_harness.py``); the job is ``elastic/testing/train_worker.py`` (the
+ElasticTrainer) on 1..3 nodes. Faults are drawn from a seeded RNG, each kind in turn in a shuffled order,
+one at a time: the next fault comes once the job has trained ``steps_between`` steps past where it was
+when the last one hit. Faults:
+
+- ``worker_kill`` / ``worker_stop``: SIGKILL, or SIGSTOP for 2-5 s, of one training worker;
+- ``torchrun_kill`` / ``torchrun_stop``: the same for one node's torchrun (elastic agent) process;
+- ``agent_kill``: SIGKILL of one node agent (its torchrun follows through the parent-death signal); the
+  node comes back 3-6 s later; ``agent_stop``: SIGSTOP of a node agent for 3-6 s (its lease expires);
+- ``controller_restart``: SIGKILL of the controller, a new one started at once;
+- ``etcd_member_loss``: SIGKILL of one of the three etcd members, restarted 3-8 s later.
+
+Network partitions (a node in a network namespace cut off with nftables) are not implemented.
+
+Pass: the job succeeds; training resumes after every fault (within ``settle_timeout``); every rank of
+the final group holds identical parameters; in the effective
+trajectory every step is committed once and every sample is seen exactly once per epoch; nothing the API
+once showed of the job (record, events, counters) disappears or goes back; every snapshot a group resumed
+from verifies. The run stops by itself: at ``time_limit`` at the latest, everything is torn down.
+
+    python -m tests.chaos.runner --faults 50 --seed 1 [--time-limit 2400] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from elastic.testing.torchrun import descendants
+from tests.chaos.checks import (
+    ApiHistory,
+    check_exactly_once,
+    check_replicas_identical,
+    check_resumed_snapshots_verify,
+    read_records,
+)
+from tests.integration.service_harness import ROOT, ServiceCluster
+
+logger = logging.getLogger(__name__)
+
+WORKER = ROOT / "elastic" / "testing" / "train_worker.py"
+
+
+class FaultKind(str, Enum):
+    WORKER_KILL = "worker_kill"
+    WORKER_STOP = "worker_stop"
+    TORCHRUN_KILL = "torchrun_kill"
+    TORCHRUN_STOP = "torchrun_stop"
+    AGENT_KILL = "agent_kill"
+    AGENT_STOP = "agent_stop"
+    CONTROLLER_RESTART = "controller_restart"
+    ETCD_MEMBER_LOSS = "etcd_member_loss"
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    faults: int = 8
+    seed: int = 0
+    time_limit: timedelta = timedelta(minutes=30)
+    steps_between: int = 10
+    kinds: tuple[FaultKind, ...] = tuple(FaultKind)
+    nodes: int = 3
+    samples: int = 240
+    batch: int = 4
+    save_every: int = 3
+    step_sleep: float = 0.1
+    settle_timeout: timedelta = timedelta(seconds=240)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch * self.nodes  # fixed-global-batch with base world = nodes
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.samples / self.global_batch)
+
+    @property
+    def epochs(self) -> int:
+        """Enough steps for every fault plus a tail, so that all faults hit a running job."""
+        need = 2 * (self.faults + 2) * self.steps_between + 2 * self.steps_per_epoch
+        return max(2, math.ceil(need / self.steps_per_epoch))
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: str
+    at: float
+    step_at: int
+    settle_s: float | None = None
+
+
+@dataclass
+class ChaosReport:
+    config: dict[str, Any]
+    faults: list[Fault] = field(default_factory=list)
+    job_id: str = ""
+    job_state: str = ""
+    duration_s: float = 0.0
+    steps: int = 0
+    attempts: int = 0
+    resume_points_verified: int = 0
+    api_polls: int = 0
+    events: int = 0
+    corrupt_warnings: int = 0
+    checks: dict[str, list[str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    stalls: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.job_state == "succeeded" and not any(self.checks.values()) and bool(self.checks)
+
+    def summary(self) -> str:
+        by_kind: dict[str, list[float]] = {}
+        for f in self.faults:
+            by_kind.setdefault(f.kind, []).append(f.settle_s if f.settle_s is not None else float("nan"))
+        lines = [
+            f"chaos seed={self.config['seed']}: {len(self.faults)} faults in {self.duration_s:.0f} s, job {self.job_id}"
+            f" {self.job_state}, {self.steps} steps, {self.attempts} worker groups (attempts),"
+            f" {self.resume_points_verified} resume snapshots verified, {self.events} events,"
+            f" {self.api_polls} API polls, {self.corrupt_warnings} corrupt-snapshot warnings in worker logs",
+            "fault kind            count   settle median / max (s)  [time until the job trained"
+            f" {self.config['steps_between']} steps past the fault]",
+        ]
+        for kind, settle in sorted(by_kind.items()):
+            ok = [s for s in settle if not math.isnan(s)]
+            med = f"{statistics.median(ok):6.1f}" if ok else "     —"
+            top = f"{max(ok):6.1f}" if ok else "     —"
+            lines.append(f"  {kind:20s} {len(settle):5d}   {med} / {top}")
+        for name, problems in self.checks.items():
+            lines.append(f"check {name}: {'ok' if not problems else 'FAILED: ' + '; '.join(problems[:5])}")
+        lines += [f"note: {n}" for n in self.notes]
+        lines.append("PASSED" if self.passed else "FAILED")
+        return "\n".join(lines)
+
+
+class _Poller(threading.Thread):
+    """Reads the job and its events from the API once a second (whatever controller is up)."""
+
+    def __init__(self, cluster: ServiceCluster, job_id: str, history: ApiHistory) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.job_id, self.history = cluster, job_id, history
+        self.stop_event = threading.Event()
+        self.last_job: dict[str, Any] | None = None
+
+    def poll_once(self) -> None:
+        url = self.cluster.url
+        try:
+            with httpx.Client(base_url=url, timeout=5) as http:
+                job = http.get(f"/v1/jobs/{self.job_id}")
+                events = http.get(f"/v1/jobs/{self.job_id}/events", params={"limit": 10000})
+        except httpx.HTTPError:
+            return  # the controller is restarting
+        if job.status_code == 404 or events.status_code == 404:
+            self.history.problems.append(f"the API answered 404 for job {self.job_id}: its record was lost")
+            return
+        if job.status_code != 200 or events.status_code != 200:
+            return  # 503 while etcd elects a leader: not a loss
+        self.last_job = job.json()
+        self.history.observe(self.last_job, events.json()["events"])
+
+    def run(self) -> None:
+        while not self.stop_event.wait(1.0):
+            self.poll_once()
+
+
+class ChaosRunner:
+    def __init__(self, config: ChaosConfig, workdir: Path) -> None:
+        self.config = config
+        self.workdir = workdir
+        self.rng = random.Random(config.seed)
+        self.cluster = ServiceCluster(workdir, lease_ttl=2.0, etcd_members=3)
+        self.rec = workdir / "records"
+        self.report = ChaosReport(config={**asdict(config), "time_limit": config.time_limit.total_seconds()})
+        self.pending: list[tuple[float, str, Callable[[], None]]] = []  # (due, what, action)
+        self.down_agents: set[str] = set()
+        self.down_members: set[int] = set()
+        self.deadline = time.monotonic() + config.time_limit.total_seconds()
+        self.job_id = ""
+        self._order: list[FaultKind] = []
+
+    # -- the job -------------------------------------------------------------------------------------
+    def job_spec(self) -> dict[str, Any]:
+        c = self.config
+        args = ["--record", str(self.rec), "--epochs", str(c.epochs), "--samples", str(c.samples),
+                "--batch", str(c.batch), "--lr-rule", "fixed-global-batch", "--base-world", str(c.nodes),
+                "--save-every", str(c.save_every), "--step-sleep", str(c.step_sleep), "--dropout", "0",
+                "--keep-last", "1000000"]  # fmt: skip
+        return {
+            "name": "chaos",
+            "entrypoint": str(WORKER),
+            "args": args,
+            "env": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"},
+            "min_nodes": 1,
+            "max_nodes": c.nodes,
+            "rendezvous": {"last_call_timeout": 1},
+            "restart_policy": {
+                "backoff_initial": 1, "backoff_max": 4, "max_failures": 1000, "max_membership_changes": 100000,
+                "max_worker_restarts": 100, "crash_loop_threshold": 1000, "blacklist_after": 1000,
+            },
+        }
+
+    def max_step(self, after: float = 0.0) -> int:
+        return max((r["step"] for r in read_records(self.rec) if r["t"] > after), default=0)
+
+    # -- the clock: deferred actions (SIGCONT, restarts) and crashed agents -----------------------------
+    def tick(self) -> None:
+        now = time.monotonic()
+        due = [p for p in self.pending if p[0] <= now]
+        self.pending = [p for p in self.pending if p[0] > now]
+        for _, what, action in due:
+            logger.info("chaos: %s", what)
+            action()
+        for name, proc in self.cluster.agents.items():
+            if name not in self.down_agents and proc.poll() is not None:
+                logger.warning("chaos: agent %s exited (%s); starting it again", name, proc.returncode)
+                self.report.notes.append(f"agent {name} exited with {proc.returncode} and was restarted")
+                self.down_agents.add(name)
+                self.later(1.0, f"restart agent {name}", lambda n=name: self._restart_agent(n))
+
+    def later(self, delay: float, what: str, action: Callable[[], None]) -> None:
+        self.pending.append((time.monotonic() + delay, what, action))
+
+    def wait(self, what: str, predicate: Callable[[], bool], timeout: float) -> bool:
+        end = min(time.monotonic() + timeout, self.deadline)
+        while time.monotonic() < end:
+            self.tick()
+            if predicate():
+                return True
+            time.sleep(0.25)
+        logger.warning("chaos: timed out waiting for %s", what)
+        return False
+
+    def pause(self, seconds: float) -> None:
+        """Sleep while deferred actions keep running."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.tick()
+            time.sleep(0.1)
+
+    def _restart_agent(self, name: str) -> None:
+        self.cluster.start_agent(name)
+        self.down_agents.discard(name)
+
+    # -- targets -------------------------------------------------------------------------------------
+    def _torchruns(self) -> dict[str, int]:
+        try:
+            reports = self.cluster.reports(self.job_id)
+        except Exception as exc:  # etcd electing: no target this time
+            logger.warning("chaos: cannot read reports: %s", exc)
+            return {}
+        return {node: r.pid for node, r in reports.items() if r.state == "running" and r.pid}
+
+    @staticmethod
+    def _children(pid: int) -> list[int]:
+        out = []
+        for child in descendants(pid):
+            try:
+                stat = Path(f"/proc/{child}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(child)
+        return out
+
+    @staticmethod
+    def _signal(pid: int, sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _stop_for(self, pid: int, seconds: float, what: str) -> None:
+        self._signal(pid, signal.SIGSTOP)
+        self.later(seconds, f"SIGCONT {what}", lambda: self._signal(pid, signal.SIGCONT))
+
+    # -- faults --------------------------------------------------------------------------------------
+    def next_kind(self) -> FaultKind:
+        if not self._order:
+            self._order = list(self.config.kinds)
+            self.rng.shuffle(self._order)
+        return self._order.pop()
+
+    def inject(self, kind: FaultKind) -> str | None:
+        """Inject one fault; the target's name, or None when no target is available now."""
+        rng = self.rng
+        if kind in (FaultKind.WORKER_KILL, FaultKind.WORKER_STOP, FaultKind.TORCHRUN_KILL, FaultKind.TORCHRUN_STOP):
+            torchruns = self._torchruns()
+            if not torchruns:
+                return None
+            node = rng.choice(sorted(torchruns))
+            pid = torchruns[node]
+            if kind in (FaultKind.WORKER_KILL, FaultKind.WORKER_STOP):
+                workers = self._children(pid)
+                if not workers:
+                    return None
+                pid = rng.choice(workers)
+            target = f"{'worker' if 'worker' in kind.value else 'torchrun'} {pid} on {node}"
+            if kind.value.endswith("kill"):
+                self._signal(pid, signal.SIGKILL)
+            else:
+                self._stop_for(pid, rng.uniform(2, 5), target)
+            return target
+        if kind in (FaultKind.AGENT_KILL, FaultKind.AGENT_STOP):
+            up = sorted(n for n in self.cluster.agents if n not in self.down_agents)
+            if len(up) < self.config.nodes:  # one node disturbed at a time
+                return None
+            name = rng.choice(up)
+            if kind == FaultKind.AGENT_KILL:
+                self.cluster.kill_agent(name)
+                self.down_agents.add(name)
+                self.later(rng.uniform(3, 6), f"restart agent {name}", lambda: self._restart_agent(name))
+            else:
+                self._stop_for(self.cluster.agents[name].pid, rng.uniform(3, 6), f"agent {name}")
+            return f"agent {name}"
+        if kind == FaultKind.CONTROLLER_RESTART:
+            self.cluster.kill_controller()
+            self.cluster.start_controller()
+            return "controller"
+        if kind == FaultKind.ETCD_MEMBER_LOSS:
+            if self.down_members:
+                return None
+            index = rng.randrange(len(self.cluster.etcd.members))
+            self.cluster.etcd.stop_member(index)
+            self.down_members.add(index)
+
+            def back() -> None:
+                self.cluster.etcd.start_member(index)
+                self.down_members.discard(index)
+
+            self.later(rng.uniform(3, 8), f"restart etcd member {index}", back)
+            return f"etcd member {index}"
+        raise ValueError(kind)
+
+    # -- the run -------------------------------------------------------------------------------------
+    def run(self) -> ChaosReport:
+        c, report = self.config, self.report
+        started = time.monotonic()
+        history = ApiHistory()
+        poller: _Poller | None = None
+        try:
+            api = self.cluster.start_controller()
+            for i in range(1, c.nodes + 1):
+                self.cluster.start_agent(f"node-{i}")
+            if not self.wait("the nodes", lambda: len(api.nodes()) == c.nodes, 60):
+                raise RuntimeError("the node agents never registered")
+            self.job_id = report.job_id = api.submit(self.job_spec())["id"]
+            poller = _Poller(self.cluster, self.job_id, history)
+            poller.start()
+            total = c.epochs * c.steps_per_epoch
+            if not self.wait("training to start", lambda: self.max_step() >= c.steps_between, 180):
+                raise RuntimeError("the job never trained")
+            while len(report.faults) < c.faults and self.deadline - time.monotonic() > 60:
+                if self.max_step() >= total - c.steps_between:
+                    report.notes.append(f"the job neared its end after {len(report.faults)} faults")
+                    break
+                kind = self.next_kind()
+                step_at, at = self.max_step(), time.time()
+                target = self.inject(kind)
+                if target is None:
+                    self._order.insert(0, kind)  # try it again later
+                    self.pause(1.0)
+                    continue
+                fault = Fault(kind.value, target, at, step_at)
+                report.faults.append(fault)
+                logger.info("chaos: fault %d: %s on %s at step %d", len(report.faults), kind.value, target, step_at)
+                goal = min(total, step_at + c.steps_between)
+                if self.wait(
+                    f"the job to get past step {goal}",
+                    lambda at=at, goal=goal: self.max_step(after=at) >= goal,
+                    c.settle_timeout.total_seconds(),
+                ):
+                    fault.settle_s = time.time() - at
+                else:
+                    report.stalls.append(
+                        f"fault {len(report.faults)} ({kind.value} on {target} at step {step_at}): no progress"
+                        f" {c.settle_timeout.total_seconds():.0f} s later"
+                    )
+                    break
+                self.pause(self.rng.uniform(0, 2))
+            self.wait("pending actions", lambda: not self.pending, 15)
+
+            def finished() -> bool:
+                job = poller.last_job if poller else None
+                return bool(job and job["state"] in ("succeeded", "failed", "cancelled"))
+
+            self.wait("the job to finish", finished, self.deadline - time.monotonic())
+            poller.poll_once()
+            report.job_state = (poller.last_job or {}).get("state", "unknown")
+            if report.job_state not in ("succeeded", "failed", "cancelled"):
+                report.notes.append("the time limit was reached before the job finished")
+            checkpoint_url = ((poller.last_job or {}).get("checkpoint") or {}).get("url") or ""
+            self._check(history, checkpoint_url, total)
+        finally:
+            if poller is not None:
+                poller.stop_event.set()
+            for _, _, action in self.pending:  # leave nothing stopped behind
+                try:
+                    action()
+                except Exception:
+                    pass
+            self.cluster.stop()
+            report.duration_s = time.monotonic() - started
+        return report
+
+    def _check(self, history: ApiHistory, checkpoint_url: str, total: int) -> None:
+        c, report = self.config, self.report
+        records = read_records(self.rec)
+        report.steps = max((r["step"] for r in records), default=0)
+        report.attempts = len({r["attempt"] for r in records})
+        report.api_polls, report.events = history.polls, len(history.events)
+
+        def guarded(name: str, check: Callable[[], list[str]]) -> None:
+            try:
+                report.checks[name] = check()
+            except Exception as exc:  # a check that cannot run is a failed check
+                report.checks[name] = [f"could not check: {exc!r}"]
+
+        def snapshots() -> list[str]:
+            if not checkpoint_url:
+                return ["the job reported no checkpoint url"]
+            problems, report.resume_points_verified = check_resumed_snapshots_verify(records, checkpoint_url)
+            return problems
+
+        guarded("job completed", lambda: [] if report.job_state == "succeeded" else [f"job {report.job_state}"])
+        guarded("training resumed after every fault", lambda: list(report.stalls))
+        guarded("every sample exactly once per epoch",
+                lambda: check_exactly_once(records, c.samples, c.epochs, c.steps_per_epoch))  # fmt: skip
+        guarded("replicas identical", lambda: check_replicas_identical(self.rec))
+        guarded("no job record or event lost", lambda: list(history.problems))
+        guarded("no torn checkpoint loaded", snapshots)
+        logs = [log for log in (self.workdir / "agents").glob("**/*.log") if log.is_file()]
+        report.corrupt_warnings = sum(log.read_text(errors="replace").lower().count("corrupt") for log in logs)
+
+
+def run_chaos(config: ChaosConfig, workdir: Path | None = None, keep: bool = False) -> ChaosReport:
+    """Run one bounded chaos session (a temporary work dir unless given; removed unless ``keep``)."""
+    own = workdir is None
+    wd = Path(tempfile.mkdtemp(prefix="chaos-")) if workdir is None else workdir
+    try:
+        return ChaosRunner(config, wd).run()
+    finally:
+        if own and not keep:
+            shutil.rmtree(wd, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--faults", type=int, default=50)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--time-limit", type=float, default=2400, help="seconds; the run stops by itself")
+    p.add_argument("--steps-between", type=int, default=10)
+    p.add_argument("--kinds", default=",".join(k.value for k in FaultKind))
+    p.add_argument("--workdir", type=Path, default=None, help="keep everything here (default: a temp dir)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API poll otherwise
+    config = ChaosConfig(
+        faults=args.faults, seed=args.seed, time_limit=timedelta(seconds=args.time_limit),
+        steps_between=args.steps_between, kinds=tuple(FaultKind(k) for k in args.kinds.split(",")),
+    )  # fmt: skip
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    report = run_chaos(config, args.workdir)
+    print(report.summary())
+    if args.json is not None:
+        args.json.write_text(json.dumps({**asdict(report), "passed": report.passed}, indent=2, default=str))
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
