@@ -103,6 +103,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _etcd_backend: EtcdV3RendezvousBackend
     _min_wake_interval: float = 0.1
     _last_wake: float = 0.0
+    _round_members: int = 0
 
     def _wait_for_change(self, timeout: timedelta) -> None:
         # Wake on a change, but no more often than every ``min_wake_interval``: with many nodes waiting,
@@ -120,9 +121,34 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         _local.waiter = self._wait_for_change
         try:
-            return super().next_rendezvous()
+            info = super().next_rendezvous()
         finally:
             _local.waiter = None
+        self._round_members = len(self._state_holder.state.participants)
+        return info
+
+    def num_nodes_waiting(self) -> int:
+        """torch's count, plus one when a member of this node's round has lost its liveness lease.
+
+        torchrun's agent re-forms the group only when a worker fails or a node waits to join. A member that
+        vanishes while the survivors' workers do not crash (blocked in a collective or in process-group
+        set-up, or peers frozen) would otherwise leave them stuck until a collective timeout; reporting a
+        waiting node makes the agent restart its workers and re-form without the lost member.
+        """
+        waiting = super().num_nodes_waiting()
+        if waiting:
+            return waiting
+        state = self._state_holder.state
+        members = self._round_members
+        # A finished job's agents close the rendezvous before revoking their leases: not a loss.
+        lost = members and len(state.participants) < members
+        if lost and state.complete and not state.closed and self._this_node in state.participants:
+            logger.warning(
+                "a node of round %d lost its liveness lease (%d of %d members left): re-forming",
+                state.round, len(state.participants), members,
+            )  # fmt: skip
+            return 1
+        return 0
 
     def shutdown(self) -> bool:
         try:

@@ -99,7 +99,8 @@ class ChaosConfig:
     @property
     def epochs(self) -> int:
         """Enough steps for every fault plus a tail, so that all faults hit a running job."""
-        need = 2 * (self.faults + 2) * self.steps_between + 2 * self.steps_per_epoch
+        # Training runs on while a fault settles and between faults, often well past steps_between: 3x.
+        need = 3 * (self.faults + 2) * self.steps_between + 2 * self.steps_per_epoch
         return max(2, math.ceil(need / self.steps_per_epoch))
 
 

@@ -115,6 +115,42 @@ def test_sigkill_of_one_agent_tree_shrinks_world_then_new_agent_grows_it(
     assert recovery < 15, f"survivor's next step came {recovery:.1f}s after the kill"
 
 
+@pytest.mark.timeout(180)
+def test_lost_member_whose_workers_hang_instead_of_crashing_is_re_formed_without(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
+) -> None:
+    """b's agent dies while b's worker is frozen: the survivor's all-reduce blocks (no connection error), so
+    torchrun alone would wait for the collective timeout. The lost liveness lease makes a's agent re-form."""
+    import os
+    import signal
+
+    from elastic.proctree import descendants
+
+    out = tmp_path / "out"
+    run_id = f"hang-{uuid.uuid4().hex[:6]}"
+    a = _agent(tmp_path, "a", etcd_server.endpoints, run_id, "1:2", out, steps=100_000, step_time=0.05)
+    b = _agent(tmp_path, "b", etcd_server.endpoints, run_id, "1:2", out, steps=100_000, step_time=0.05)
+    agents += [a, b]
+    assert wait_until(lambda: _worlds(out).count(2) >= 10, 120), _logs(agents)
+    frozen = [pid for pid, _ in descendants(b.pid)]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)  # b's worker: alive, sockets open, silent
+    killed_at = time.time()
+    os.kill(b.pid, signal.SIGKILL)  # b's torchrun agent: its lease expires
+    try:
+
+        def shrunk() -> bool:
+            return any(r["world"] == 1 and r["t"] > killed_at for r in read_jsonl(out / "steps.jsonl"))
+
+        assert wait_until(shrunk, 45), _logs(agents)  # the allreduce_worker's gloo timeout is 60 s
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 @pytest.mark.timeout(240)
 def test_etcd_restart_during_training_causes_no_worker_failure(
     tmp_path: Path, etcd_member: LocalEtcdCluster, agents: list[Agent]
