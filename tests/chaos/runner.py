@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from elastic.testing.torchrun import descendants
+from elastic.proctree import descendants
 from tests.chaos.checks import (
     ApiHistory,
     check_exactly_once,
@@ -99,8 +99,9 @@ class ChaosConfig:
     @property
     def epochs(self) -> int:
         """Enough steps for every fault plus a tail, so that all faults hit a running job."""
-        # Training runs on while a fault settles and between faults, often well past steps_between: 3x.
-        need = 3 * (self.faults + 2) * self.steps_between + 2 * self.steps_per_epoch
+        # Training runs on while a fault settles and between faults (up to ~45 steps a fault in CI runs with
+        # steps_between=8): 6x steps_between, so that every fault hits a running job.
+        need = 6 * (self.faults + 2) * self.steps_between + 2 * self.steps_per_epoch
         return max(2, math.ceil(need / self.steps_per_epoch))
 
 
@@ -278,7 +279,7 @@ class ChaosRunner:
     @staticmethod
     def _children(pid: int) -> list[int]:
         out = []
-        for child in descendants(pid):
+        for child, _ in descendants(pid):
             try:
                 stat = Path(f"/proc/{child}/stat").read_text()
             except OSError:
