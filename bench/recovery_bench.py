@@ -49,6 +49,7 @@ class System:
     label: str
     backend: str
     conf: dict[str, object] = field(default_factory=dict)
+    prefork: bool = False
 
     def endpoint(self, etcd: LocalEtcdCluster) -> str:
         return etcd.endpoints if self.backend == "etcd-v3" else f"127.0.0.1:{free_port()}"
@@ -58,6 +59,7 @@ SYSTEMS = {
     s.key: s
     for s in (
         System("etcd-v3", "this project (etcd-v3)", "etcd-v3", {"last_call_timeout": 1}),
+        System("etcd-v3-warm", "this project (etcd-v3, warm starts)", "etcd-v3", {"last_call_timeout": 1}, True),
         System("c10d", "torchrun c10d (defaults)", "c10d", {}),
         System("c10d-tuned", "torchrun c10d (last_call_timeout=1)", "c10d", {"last_call_timeout": 1}),
     )
@@ -98,6 +100,7 @@ class Job:
         cmd = torchrun_command(
             backend=self.system.backend, endpoint=self.endpoint, run_id=self.run_id, nnodes="1:2", nproc=1,
             rdzv_conf=self.system.conf, max_restarts=100, script=WORKER, script_args=args,
+            prefork=self.system.prefork,
         )  # fmt: skip
         agent = Agent(cmd, self.dir / f"{name}.log", env={"LOGLEVEL": "WARNING"}).start()
         self.agents.append(agent)

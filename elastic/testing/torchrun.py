@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic.prefork import forked_worker
 from elastic.proctree import descendants
 
 WORKER = str(Path(__file__).with_name("allreduce_worker.py"))
@@ -31,6 +32,7 @@ def torchrun_command(
     script_args: Sequence[str] = (),
     local_addr: str = "127.0.0.1",
     monitor_interval: float = 0.1,
+    prefork: bool = False,
 ) -> list[str]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
@@ -41,6 +43,8 @@ def torchrun_command(
     ]  # fmt: skip
     if rdzv_conf:
         cmd.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in rdzv_conf.items()))
+    if prefork:  # warm starts: the agent's zygote forks each worker (elastic/prefork.py)
+        cmd += ["-m", "elastic.prefork"]
     return [*cmd, script, *script_args]
 
 
@@ -84,7 +88,7 @@ class Agent:
             return time.time()
         now = time.time()
         for pid, _ in descendants(self.process.pid):
-            _signal(pid, sig)
+            _signal_worker(pid, sig)
         return now
 
     def wait(self, timeout: float) -> int:
@@ -111,12 +115,20 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def _signal_worker(pid: int, sig: int) -> None:
+    """Signal a process, and first the worker it runs if it is a warm-start client (elastic.prefork)."""
+    child = forked_worker(pid)
+    if child is not None:
+        _signal(child, sig)
+    _signal(pid, sig)
+
+
 def kill_tree(root: int, sig: int = signal.SIGKILL) -> float:
     """Freeze ``root`` (so it spawns nothing new), then signal it and all its descendants."""
     _signal(root, signal.SIGSTOP)
     now = time.time()
     for pid in [root, *(p for p, _ in descendants(root))]:
-        _signal(pid, sig)
+        _signal_worker(pid, sig)
     if sig != signal.SIGKILL:
         _signal(root, signal.SIGCONT)
     return now
