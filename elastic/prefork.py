@@ -223,7 +223,8 @@ def _spawn_detached(cmd: list[str], log: Path) -> int:
 def _exit_like(status: dict[str, int]) -> int:
     if "signal" in status:
         sig = status["signal"]
-        signal.signal(sig, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
         return 128 + sig
     return status["exit"]

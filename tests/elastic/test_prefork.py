@@ -1,0 +1,150 @@
+"""Warm worker starts (elastic.prefork) with real processes: an owner process (a shell standing in for the
+torchrun agent, or real torchrun), real clients, a real zygote, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic.prefork import forked_worker
+from elastic.proctree import process_stat
+from elastic.testing.torchrun import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    warm = "torch" in sys.modules  # before the script imports anything
+    out = os.environ["OUT"]
+    def on_term(sig, frame):
+        open(out + ".term", "w").write("got SIGTERM")
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, on_term)
+    info = {"warm": warm, "pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:], "cwd": os.getcwd(),
+            "env": os.environ.get("PREFORK_TEST"), "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT")}
+    with open(out, "a") as f:
+        f.write(json.dumps(info) + "\\n")
+    print("stdout reaches the client's stdout", flush=True)
+    mode = os.environ.get("MODE", "exit")
+    if mode == "sleep":
+        time.sleep(60)
+    if mode == "die-first" and info["restart"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(int(os.environ.get("CODE", "0")))
+    """
+)
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    short = tempfile.mkdtemp(prefix="pf", dir="/tmp")  # a Unix socket path must stay under 108 bytes
+    monkeypatch.setenv("ETRAIN_PREFORK_DIR", short)  # for forked_worker() in this process
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "job.py").write_text(SCRIPT)
+    e = dict(os.environ, ETRAIN_PREFORK_DIR=short, OUT=str(tmp_path / "out.jsonl"), PREFORK_TEST="yes",
+             PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
+    yield e
+    for sock in Path(short).glob("*.sock"):  # a zygote left by a failed test: end it
+        subprocess.run(["pkill", "-KILL", "-f", f"elastic.prefork --serve {sock}"], check=False)
+    shutil.rmtree(short, ignore_errors=True)
+
+
+def _records(e: dict[str, str]) -> list[dict[str, object]]:
+    path = Path(e["OUT"])
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _zygotes(e: dict[str, str]) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"elastic.prefork --serve {e['ETRAIN_PREFORK_DIR']}/"],
+                         capture_output=True, text=True)  # fmt: skip
+    return [int(p) for p in out.stdout.split()]
+
+
+def _client(e: dict[str, str], tmp_path: Path) -> str:  # noqa: ARG001 (same call shape everywhere)
+    return f"{sys.executable} -m elastic.prefork job.py --flag 'a b'"
+
+
+def test_workers_are_forked_warm_from_one_zygote_with_their_args_env_cwd_and_exit_code(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    owner = subprocess.run(
+        ["bash", "-c", f"{_client(env, tmp_path)}; echo first=$?; CODE=7 {_client(env, tmp_path)}; echo second=$?"],
+        cwd=tmp_path / "work", env=env, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert "first=0" in owner.stdout and "second=7" in owner.stdout, owner.stderr
+    assert owner.stdout.count("stdout reaches the client's stdout") == 2
+    first, second = _records(env)
+    assert first["warm"] and second["warm"]  # torch was imported before the script's first line
+    assert first["ppid"] == second["ppid"]  # both forked by the same zygote ...
+    assert first["argv"] == ["--flag", "a b"] and first["env"] == "yes"
+    assert first["cwd"] == str(tmp_path / "work")
+    # ... which ended with its owner (the shell standing in for the torchrun agent)
+    assert wait_until(lambda: process_stat(int(str(first["ppid"]))) is None, 10)
+
+
+def test_signals_reach_the_worker_and_a_killed_client_takes_its_worker_along(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    env = dict(env, MODE="sleep")
+    owner = subprocess.Popen(["bash", "-c", f"{_client(env, tmp_path)}; echo rc=$?; {_client(env, tmp_path)}; sleep 30"],
+                             cwd=tmp_path / "work", env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert wait_until(lambda: len(_records(env)) == 1, 60)
+        client = int(subprocess.check_output(["pgrep", "-P", str(owner.pid), "-f", "elastic.prefork"]).split()[0])
+        assert wait_until(lambda: forked_worker(client) is not None, 10)
+        worker = forked_worker(client)
+        assert worker == _records(env)[0]["pid"] and worker != client
+        os.kill(client, signal.SIGTERM)  # torchrun stopping its workers: the script's handler runs
+        assert wait_until(lambda: Path(env["OUT"] + ".term").exists(), 10)
+        assert wait_until(lambda: process_stat(worker) is None, 10)
+        assert wait_until(lambda: len(_records(env)) == 2, 30)
+        client2 = int(subprocess.check_output(["pgrep", "-P", str(owner.pid), "-f", "elastic.prefork"]).split()[0])
+        assert wait_until(lambda: forked_worker(client2) is not None, 10)
+        worker2 = forked_worker(client2)
+        assert worker2 is not None
+        os.kill(client2, signal.SIGKILL)  # a SIGKILLed client cannot forward anything: the zygote acts
+        assert wait_until(lambda: process_stat(worker2) is None, 5)
+    finally:
+        owner.kill()
+        out, _ = owner.communicate(timeout=10)
+    assert "rc=143" in out
+    assert wait_until(lambda: not _zygotes(env), 10)  # the owner is gone: so is its zygote
+
+
+def test_worker_dying_of_a_signal_makes_the_client_die_of_it_and_prefork_off_runs_in_process(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    cmd = f"MODE=die-first TORCHELASTIC_RESTART_COUNT=0 {_client(env, tmp_path)}; echo rc=$?; ETRAIN_PREFORK=0 {_client(env, tmp_path)}"
+    owner = subprocess.run(["bash", "-c", cmd], cwd=tmp_path / "work", env=env, capture_output=True, text=True,
+                           timeout=90)  # fmt: skip
+    assert "rc=137" in owner.stdout, owner.stderr  # 128 + SIGKILL, as if the client itself had been killed
+    killed, cold = _records(env)
+    assert killed["warm"] and not cold["warm"]  # ETRAIN_PREFORK=0: an ordinary cold start in the client
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_restarts_a_killed_worker_from_the_warm_zygote(env: dict[str, str], tmp_path: Path) -> None:
+    env = dict(env, MODE="die-first")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "--monitor-interval=0.1", "-m", "elastic.prefork", "job.py", "--flag", "x"]  # fmt: skip
+    started = time.monotonic()
+    run = subprocess.run(cmd, cwd=tmp_path / "work", env=env, capture_output=True, text=True, timeout=150)
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = _records(env)
+    assert sorted(str(r["restart"]) for r in records) == ["0", "0", "1", "1"]
+    assert all(r["warm"] and r["argv"] == ["--flag", "x"] for r in records)
+    assert len({r["ppid"] for r in records}) == 1  # one zygote served the first start and the restart
+    assert time.monotonic() - started < 150
+    assert wait_until(lambda: not _zygotes(env), 10)
