@@ -56,9 +56,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic.proctree import process_stat
+from elastic.proctree import descendants, process_stat
 
-__all__ = ["DEFAULT_PRELOAD", "Target", "forked_worker", "main", "socket_path"]
+__all__ = ["DEFAULT_PRELOAD", "Target", "forked_worker", "main", "socket_path", "worker_tree"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,19 @@ def forked_worker(client_pid: int) -> int | None:
     except (OSError, ValueError):
         return None
     return child if process_stat(child) is not None else None
+
+
+def worker_tree(root: int) -> list[tuple[int, int]]:
+    """:func:`elastic.proctree.descendants` of ``root``, each prefork client followed by the worker it runs
+    (which is the zygote's child, not the client's)."""
+    out: list[tuple[int, int]] = []
+    for pid, start in descendants(root):
+        out.append((pid, start))
+        child = forked_worker(pid)
+        st = process_stat(child) if child is not None else None
+        if child is not None and st is not None:
+            out.append((child, st[1]))
+    return out
 
 
 # -- messages: a 4-byte length, then JSON ----------------------------------------------------------------

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
+from elastic.prefork import worker_tree
 from elastic.proctree import descendants, process_stat
 from service.config import EtcdOptions
 from service.models import Assignment
@@ -85,9 +86,11 @@ def torchrun_command(
         cmd.append(f"--rdzv-conf={conf_on_command_line}")
     if rdzv_host:
         cmd.append(f"--local-addr={rdzv_host}")
-    if spec.module:
-        cmd.append("--module")
-    cmd.append(spec.entrypoint)
+    if spec.warm_start:  # torchrun starts elastic.prefork clients; the node's zygote forks the workers
+        cmd += ["--module", "elastic.prefork"]
+        cmd += ["-m", spec.entrypoint] if spec.module else [spec.entrypoint]
+    else:
+        cmd += ["--module", spec.entrypoint] if spec.module else [spec.entrypoint]
     cmd.extend(spec.args)
     return cmd
 
@@ -182,7 +185,7 @@ class TorchrunProcess:
     def tree(self) -> list[tuple[int, int]]:
         """torchrun itself and its live descendants, as ``(pid, start time)``."""
         own = process_stat(self.pid)
-        return ([(self.pid, own[1])] if own else []) + descendants(self.pid)
+        return ([(self.pid, own[1])] if own else []) + worker_tree(self.pid)
 
     def stop(self, grace: timedelta) -> int:
         """SIGTERM torchrun (it stops its workers and keeps the rendezvous open), SIGKILL what is left
@@ -196,7 +199,7 @@ class TorchrunProcess:
             try:
                 self._popen.wait(timeout=grace.total_seconds())
             except subprocess.TimeoutExpired:
-                tree += descendants(self.pid)
+                tree += worker_tree(self.pid)
                 logger.warning("torchrun %d ignored SIGTERM for %s; killing its tree", self.pid, grace)
                 _kill_same(tree, signal.SIGKILL)
                 self._popen.wait(timeout=10)

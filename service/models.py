@@ -141,6 +141,11 @@ class JobSpec(_Spec):
     entrypoint: str = Field(min_length=1, max_length=4096, description="script path (or module, see module)")
     args: list[str] = Field(default_factory=list, max_length=1000)
     module: bool = Field(default=False, description="run the entrypoint as a module (torchrun -m)")
+    warm_start: bool = Field(
+        default=True,
+        description="fork each worker from a per-node zygote that has torch imported (elastic.prefork), so a "
+        "restart skips the interpreter and torch start-up; false: torchrun starts a fresh Python per worker",
+    )
     image: str | None = Field(
         default=None, max_length=1024, description="container image (for container agents)"
     )

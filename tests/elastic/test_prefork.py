@@ -72,15 +72,14 @@ def _zygotes(e: dict[str, str]) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def _client(e: dict[str, str], tmp_path: Path) -> str:  # noqa: ARG001 (same call shape everywhere)
-    return f"{sys.executable} -m elastic.prefork job.py --flag 'a b'"
+CLIENT = f"{sys.executable} -m elastic.prefork job.py --flag 'a b'"
 
 
 def test_workers_are_forked_warm_from_one_zygote_with_their_args_env_cwd_and_exit_code(
     env: dict[str, str], tmp_path: Path
 ) -> None:
     owner = subprocess.run(
-        ["bash", "-c", f"{_client(env, tmp_path)}; echo first=$?; CODE=7 {_client(env, tmp_path)}; echo second=$?"],
+        ["bash", "-c", f"{CLIENT}; echo first=$?; CODE=7 {CLIENT}; echo second=$?"],
         cwd=tmp_path / "work", env=env, capture_output=True, text=True, timeout=90,
     )  # fmt: skip
     assert "first=0" in owner.stdout and "second=7" in owner.stdout, owner.stderr
@@ -98,7 +97,7 @@ def test_signals_reach_the_worker_and_a_killed_client_takes_its_worker_along(
     env: dict[str, str], tmp_path: Path
 ) -> None:
     env = dict(env, MODE="sleep")
-    owner = subprocess.Popen(["bash", "-c", f"{_client(env, tmp_path)}; echo rc=$?; {_client(env, tmp_path)}; sleep 30"],
+    owner = subprocess.Popen(["bash", "-c", f"{CLIENT}; echo rc=$?; {CLIENT}; sleep 30"],
                              cwd=tmp_path / "work", env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert wait_until(lambda: len(_records(env)) == 1, 60)
@@ -126,7 +125,7 @@ def test_signals_reach_the_worker_and_a_killed_client_takes_its_worker_along(
 def test_worker_dying_of_a_signal_makes_the_client_die_of_it_and_prefork_off_runs_in_process(
     env: dict[str, str], tmp_path: Path
 ) -> None:
-    cmd = f"MODE=die-first TORCHELASTIC_RESTART_COUNT=0 {_client(env, tmp_path)}; echo rc=$?; ETRAIN_PREFORK=0 {_client(env, tmp_path)}"
+    cmd = f"MODE=die-first TORCHELASTIC_RESTART_COUNT=0 {CLIENT}; echo rc=$?; ETRAIN_PREFORK=0 {CLIENT}"
     owner = subprocess.run(["bash", "-c", cmd], cwd=tmp_path / "work", env=env, capture_output=True, text=True,
                            timeout=90)  # fmt: skip
     assert "rc=137" in owner.stdout, owner.stderr  # 128 + SIGKILL, as if the client itself had been killed

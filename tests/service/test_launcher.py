@@ -52,12 +52,19 @@ def test_torchrun_command_is_stock_torchrun_with_the_etcd_v3_rendezvous() -> Non
         "--rdzv-conf=key_prefix=/p/rdzv",
         "--local-addr=127.0.0.1",
     } <= set(cmd)
-    assert cmd[-3:] == ["train.py", "--steps", "5"]
+    # warm starts by default: torchrun runs elastic.prefork clients, the node's zygote forks the script
+    assert cmd[-5:] == ["--module", "elastic.prefork", "train.py", "--steps", "5"]
     module = torchrun_command(
         _assignment(module=True), python="py", etcd_endpoints="e:1", rdzv_host=None, conf_on_command_line=None
     )
-    assert module[-2:] == ["--module", "train.py"]
+    assert module[-4:] == ["--module", "elastic.prefork", "-m", "train.py"]
     assert not any(c.startswith(("--rdzv-conf", "--local-addr")) for c in module)
+    cold = torchrun_command(_assignment(module=True, warm_start=False), python="py", etcd_endpoints="e:1",
+                            rdzv_host=None, conf_on_command_line=None)  # fmt: skip
+    assert cold[-2:] == ["--module", "train.py"] and "elastic.prefork" not in cold
+    cold_script = torchrun_command(_assignment(warm_start=False), python="py", etcd_endpoints="e:1",
+                                   rdzv_host=None, conf_on_command_line=None)  # fmt: skip
+    assert cold_script[-1] == "train.py" and "--module" not in cold_script
 
 
 def test_rdzv_conf_carries_timeouts_prefix_and_tls_and_a_password_only_with_a_user(tmp_path: Path) -> None:
