@@ -114,10 +114,16 @@ def socket_path(owner: int) -> Path | None:
     return _base_dir() / f"{owner}-{st[1]}.sock"
 
 
+def _marker(client_pid: int) -> Path:
+    folder = _base_dir() / "clients"
+    folder.mkdir(exist_ok=True)
+    return folder / str(client_pid)
+
+
 def forked_worker(client_pid: int) -> int | None:
     """The pid of the child a client process runs its script in, or None (not a prefork client, or gone)."""
     try:
-        child = int((_base_dir() / "clients" / str(client_pid)).read_text())
+        child = int(_marker(client_pid).read_text())
     except (OSError, ValueError):
         return None
     return child if process_stat(child) is not None else None
@@ -262,13 +268,10 @@ def _run_client(sock: socket.socket, target: Target) -> int:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    marker = _base_dir() / "clients" / str(os.getpid())
     try:
         _send(sock, request, fds=[0, 1, 2])
         reply, _ = _recv(sock)
         child.append(int(reply["pid"]))
-        marker.parent.mkdir(exist_ok=True)
-        marker.write_text(str(child[0]))
         for waiting in pending:
             forward(waiting, None)
         reply, _ = _recv(sock)
@@ -276,9 +279,6 @@ def _run_client(sock: socket.socket, target: Target) -> int:
     except (EOFError, OSError) as exc:
         print(f"elastic.prefork: lost the zygote ({exc}); the worker is gone", file=sys.stderr, flush=True)
         return 1
-    finally:
-        with contextlib.suppress(OSError):
-            marker.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,7 +321,7 @@ def _serve(path: Path, owner: int) -> int:
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, ("listen", None))
     sel.register(owner_fd, selectors.EVENT_READ, ("owner", None))
-    children: dict[int, tuple[socket.socket, int]] = {}  # pid -> (client connection, pidfd)
+    children: dict[int, tuple[socket.socket, int, int]] = {}  # pid -> (client connection, pidfd, client pid)
     try:
         while True:
             for key, _ in sel.select():
@@ -339,11 +339,13 @@ def _serve(path: Path, owner: int) -> int:
                 elif what == "child":
                     _reap(data, sel, children)
     finally:
-        for pid in children:
+        for pid, (_, _, client_pid) in children.items():
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            path.unlink()
+                _marker(client_pid).unlink()
+        for leftover in (path, path.with_suffix(".lock"), path.with_suffix(".log")):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
 
 
 def _accept(listener: socket.socket, sel: selectors.BaseSelector, children: dict[int, Any]) -> None:
@@ -359,13 +361,16 @@ def _accept(listener: socket.socket, sel: selectors.BaseSelector, children: dict
             os.close(fd)
         conn.close()
         return
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    client_pid = struct.unpack("3i", creds)[0]
     pid = os.fork()
     if pid == 0:
         _child(request, fds, keep=conn)  # never returns
+    _marker(client_pid).write_text(str(pid))
     for fd in fds:
         os.close(fd)
     pidfd = os.pidfd_open(pid)
-    children[pid] = (conn, pidfd)
+    children[pid] = (conn, pidfd, client_pid)
     conn.settimeout(None)
     with contextlib.suppress(OSError):
         _send(conn, {"pid": pid})
@@ -373,8 +378,10 @@ def _accept(listener: socket.socket, sel: selectors.BaseSelector, children: dict
     sel.register(pidfd, selectors.EVENT_READ, ("child", pid))
 
 
-def _reap(pid: int, sel: selectors.BaseSelector, children: dict[int, tuple[socket.socket, int]]) -> None:
-    conn, pidfd = children.pop(pid)
+def _reap(pid: int, sel: selectors.BaseSelector, children: dict[int, tuple[socket.socket, int, int]]) -> None:
+    conn, pidfd, client_pid = children.pop(pid)
+    with contextlib.suppress(OSError):
+        _marker(client_pid).unlink()
     _, status = os.waitpid(pid, 0)
     sel.unregister(pidfd)
     os.close(pidfd)

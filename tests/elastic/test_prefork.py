@@ -91,6 +91,7 @@ def test_workers_are_forked_warm_from_one_zygote_with_their_args_env_cwd_and_exi
     assert first["cwd"] == str(tmp_path / "work")
     # ... which ended with its owner (the shell standing in for the torchrun agent)
     assert wait_until(lambda: process_stat(int(str(first["ppid"]))) is None, 10)
+    assert not [p for p in Path(env["ETRAIN_PREFORK_DIR"]).iterdir() if p.name != "clients"]  # nothing left behind
 
 
 def test_signals_reach_the_worker_and_a_killed_client_takes_its_worker_along(
