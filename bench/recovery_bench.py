@@ -58,16 +58,17 @@ class System:
 SYSTEMS = {
     s.key: s
     for s in (
-        System("etcd-v3", "this project (etcd-v3)", "etcd-v3", {"last_call_timeout": 1}),
-        System("etcd-v3-warm", "this project (etcd-v3, warm starts)", "etcd-v3", {"last_call_timeout": 1}, True),
+        System("etcd-v3-warm", "this project (etcd-v3 + warm starts)", "etcd-v3", {"last_call_timeout": 1}, True),
+        System("etcd-v3", "this project, cold starts (warm_start=false)", "etcd-v3", {"last_call_timeout": 1}),
         System("c10d", "torchrun c10d (defaults)", "c10d", {}),
         System("c10d-tuned", "torchrun c10d (last_call_timeout=1)", "c10d", {"last_call_timeout": 1}),
     )
 }
 # Faster failure detection: a node's liveness lease of 1 s instead of the default 2 s.
 FAST_DETECT = System(
-    "etcd-v3-ttl1", "this project (etcd-v3, node_ttl=1)", "etcd-v3", {"last_call_timeout": 1, "node_ttl": 1}
-)
+    "etcd-v3-ttl1", "this project (etcd-v3 + warm starts, node_ttl=1)", "etcd-v3",
+    {"last_call_timeout": 1, "node_ttl": 1}, True,
+)  # fmt: skip
 
 
 @dataclass
@@ -257,7 +258,7 @@ def bench_goodput(systems: list[System], trials: int, etcd: LocalEtcdCluster, wo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--systems", default="etcd-v3,c10d,c10d-tuned")
+    parser.add_argument("--systems", default="etcd-v3-warm,etcd-v3,c10d,c10d-tuned")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--goodput-trials", type=int, default=1)
     parser.add_argument("--goodput-duration", type=float, default=120.0)
