@@ -48,6 +48,7 @@ import selectors
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -58,7 +59,7 @@ from typing import Any
 
 from elastic.proctree import descendants, process_stat
 
-__all__ = ["DEFAULT_PRELOAD", "Target", "forked_worker", "main", "socket_path", "worker_tree"]
+__all__ = ["DEFAULT_PRELOAD", "Target", "forked_worker", "main", "prestart", "socket_path", "worker_tree"]
 
 logger = logging.getLogger(__name__)
 
@@ -187,56 +188,88 @@ def _connect(path: Path) -> socket.socket | None:
     return sock
 
 
-def _start_zygote(path: Path, owner: int) -> socket.socket | None:
-    """Connect to the agent's zygote, starting it first if no worker of this agent did (one at a time)."""
+def _zygote_starting(path: Path) -> int | None:
+    """The pid of the zygote being started for ``path`` (recorded by whoever started it), if it lives."""
+    try:
+        pid, start = (int(x) for x in path.with_suffix(".pid").read_text().split())
+    except (OSError, ValueError):
+        return None
+    st = process_stat(pid)
+    return pid if st is not None and st[1] == start else None
+
+
+def _launch(path: Path, owner: int) -> int | None:
+    """Under the agent's lock: the zygote already starting for ``owner``, or a new one (its pid)."""
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        pid = _zygote_starting(path)
+        if pid is not None:
+            return pid
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a zygote that was killed leaves its socket behind
+        pid = _spawn_detached([sys.executable, "-m", "elastic.prefork", "--serve", str(path), str(owner)],
+                              path.with_suffix(".log"))  # fmt: skip
+        st = process_stat(pid) if pid > 0 else None
+        if st is None:
+            return None
+        path.with_suffix(".pid").write_text(f"{pid} {st[1]}")
+        return pid
+
+
+def _start_zygote(path: Path, owner: int) -> socket.socket | None:
+    """Connect to the agent's zygote, starting it first if nobody did (one start per agent)."""
+    pid = _launch(path, owner)
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while pid is not None and time.monotonic() < deadline:
         sock = _connect(path)
         if sock is not None:
             return sock
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # a zygote that was killed leaves its socket behind
-        zygote = _spawn_detached(
-            [sys.executable, "-m", "elastic.prefork", "--serve", str(path), str(owner)], path.with_suffix(".log")
-        )
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while time.monotonic() < deadline and process_stat(zygote) is not None:
-            sock = _connect(path)
-            if sock is not None:
-                return sock
-            time.sleep(0.02)
-        with contextlib.suppress(OSError):
-            os.kill(zygote, signal.SIGKILL)
-        return None
+        if process_stat(pid) is None:
+            return _connect(path)
+        time.sleep(0.02)
+    return None
+
+
+def prestart(owner: int | None = None) -> None:
+    """Start the zygote of torchrun agent ``owner`` (default: this process) now and return at once, so
+    that its imports overlap the rendezvous instead of delaying the first worker. Does nothing if
+    ``ETRAIN_PREFORK=0`` or if one runs already. Safe in a multi-threaded process (no fork here)."""
+    if os.environ.get("ETRAIN_PREFORK", "1") == "0":
+        return
+    path = socket_path(os.getpid() if owner is None else owner)
+    if path is None:
+        return
+    sock = _connect(path)
+    if sock is not None:
+        sock.close()
+        return
+    _launch(path, os.getpid() if owner is None else owner)
+
+
+_DETACH = """import os, sys
+log, cmd = sys.argv[1], sys.argv[2:]
+pid = os.fork()
+if pid == 0:
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(null, 0); os.dup2(out, 1); os.dup2(out, 2)
+    os.execv(cmd[0], cmd)
+print(pid)
+"""
 
 
 def _spawn_detached(cmd: list[str], log: Path) -> int:
-    """Start ``cmd`` in a session of its own and NOT as our descendant (a double fork: its parent becomes
-    init), so that whoever kills this worker's process tree does not kill the agent's zygote with it.
-    Returns its pid."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # intermediate: fork the zygote, report its pid, exit
-        try:
-            os.close(read)
-            os.setsid()
-            grandchild = os.fork()
-            if grandchild == 0:
-                os.close(write)
-                null = os.open(os.devnull, os.O_RDONLY)
-                out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                os.dup2(null, 0)
-                os.dup2(out, 1)
-                os.dup2(out, 2)
-                os.execv(cmd[0], cmd)
-            os.write(write, str(grandchild).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return int(data) if data else -1
+    """Start ``cmd`` in a session of its own and NOT as our descendant (an intermediate process forks it and
+    exits: its parent becomes init), so that whoever kills a worker's process tree does not kill the agent's
+    zygote with it. Returns its pid (-1 if that failed)."""
+    try:
+        out = subprocess.run([sys.executable, "-S", "-c", _DETACH, str(log), *cmd], capture_output=True,
+                             text=True, timeout=30, check=True)  # fmt: skip
+        return int(out.stdout.strip())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        logger.warning("elastic.prefork: could not start a zygote", exc_info=True)
+        return -1
 
 
 def _exit_like(status: dict[str, int]) -> int:
@@ -252,7 +285,7 @@ def _exit_like(status: dict[str, int]) -> int:
 def _run_client(sock: socket.socket, target: Target) -> int:
     request = {
         "target": [target.kind, target.name, list(target.args)],
-        "env": dict(os.environ),
+        "env": dict(os.environ, ETRAIN_PREFORK_CLIENT=str(os.getpid())),
         "cwd": os.getcwd(),
         "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
     }
@@ -343,7 +376,7 @@ def _serve(path: Path, owner: int) -> int:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
                 _marker(client_pid).unlink()
-        for leftover in (path, path.with_suffix(".lock"), path.with_suffix(".log")):
+        for leftover in (path, *(path.with_suffix(x) for x in (".lock", ".log", ".pid"))):
             with contextlib.suppress(OSError):
                 leftover.unlink()
 

@@ -31,6 +31,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic.etcd import EtcdConfig, EtcdConnectionError, create_client
+from elastic.prefork import prestart
 from elastic.rendezvous.etcd_v3_backend import DEFAULT_KEY_PREFIX, EtcdV3RendezvousBackend
 from elastic.rendezvous.etcd_v3_store import EtcdV3Store
 
@@ -223,6 +224,10 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
             raise SystemExit(f"error: {message}") from exc
         raise RendezvousConnectionError(message) from exc
 
+    if _running_under_torchrun_cli() and "elastic.prefork" in sys.argv:
+        # workers run through elastic.prefork: start this agent's zygote now, its imports overlapping the
+        # rendezvous, instead of when the first worker asks for it
+        prestart()
     backend = EtcdV3RendezvousBackend(
         client,
         params.run_id,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic.etcd.server import LocalEtcdCluster
 from elastic.prefork import forked_worker
 from elastic.proctree import process_stat
 from elastic.testing.torchrun import wait_until
@@ -32,8 +33,13 @@ SCRIPT = textwrap.dedent(
         open(out + ".term", "w").write("got SIGTERM")
         sys.exit(143)
     signal.signal(signal.SIGTERM, on_term)
+    def started(pid):  # start time in clock ticks
+        raw = open(f"/proc/{pid}/stat").read()
+        return int(raw[raw.rfind(")") + 2:].split()[19])
+    client = int(os.environ.get("ETRAIN_PREFORK_CLIENT", os.getpid()))
     info = {"warm": warm, "pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:], "cwd": os.getcwd(),
-            "env": os.environ.get("PREFORK_TEST"), "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT")}
+            "env": os.environ.get("PREFORK_TEST"), "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+            "zygote_started": started(os.getppid()), "client_started": started(client)}
     with open(out, "a") as f:
         f.write(json.dumps(info) + "\\n")
     print("stdout reaches the client's stdout", flush=True)
@@ -135,9 +141,12 @@ def test_worker_dying_of_a_signal_makes_the_client_die_of_it_and_prefork_off_run
 
 
 @pytest.mark.timeout(180)
-def test_torchrun_restarts_a_killed_worker_from_the_warm_zygote(env: dict[str, str], tmp_path: Path) -> None:
+def test_torchrun_restarts_a_killed_worker_from_the_warm_zygote_started_during_the_rendezvous(
+    env: dict[str, str], tmp_path: Path, etcd_server: LocalEtcdCluster
+) -> None:
     env = dict(env, MODE="die-first")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
+           "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd_server.endpoints}", f"--rdzv-id=pf-{os.getpid()}",
            "--monitor-interval=0.1", "-m", "elastic.prefork", "job.py", "--flag", "x"]  # fmt: skip
     started = time.monotonic()
     run = subprocess.run(cmd, cwd=tmp_path / "work", env=env, capture_output=True, text=True, timeout=150)
@@ -146,5 +155,7 @@ def test_torchrun_restarts_a_killed_worker_from_the_warm_zygote(env: dict[str, s
     assert sorted(str(r["restart"]) for r in records) == ["0", "0", "1", "1"]
     assert all(r["warm"] and r["argv"] == ["--flag", "x"] for r in records)
     assert len({r["ppid"] for r in records}) == 1  # one zygote served the first start and the restart
+    # the etcd-v3 handler started it in the agent, before torchrun spawned the first worker (client)
+    assert all(int(str(r["zygote_started"])) <= int(str(r["client_started"])) for r in records)
     assert time.monotonic() - started < 150
     assert wait_until(lambda: not _zygotes(env), 10)
