@@ -159,3 +159,18 @@ def test_torchrun_restarts_a_killed_worker_from_the_warm_zygote_started_during_t
     assert all(int(str(r["zygote_started"])) <= int(str(r["client_started"])) for r in records)
     assert time.monotonic() - started < 150
     assert wait_until(lambda: not _zygotes(env), 10)
+
+
+def test_workers_die_with_their_agent_even_when_only_the_agent_is_killed(env: dict[str, str], tmp_path: Path) -> None:
+    # Without prefork, SIGKILL of torchrun alone leaves its workers (in sessions of their own) training on.
+    env = dict(env, MODE="sleep")
+    owner = subprocess.Popen(["bash", "-c", f"{CLIENT}; sleep 60"], cwd=tmp_path / "work", env=env)
+    try:
+        assert wait_until(lambda: len(_records(env)) == 1, 60)
+        worker = int(str(_records(env)[0]["pid"]))
+        owner.kill()  # the "agent" only: the client and the worker are not signalled
+        owner.wait(timeout=10)
+        assert wait_until(lambda: process_stat(worker) is None, 5)
+        assert wait_until(lambda: not _zygotes(env), 5)
+    finally:
+        owner.kill()
