@@ -1,0 +1,177 @@
+"""The client: the process torchrun starts for each worker. It has the agent's zygote fork the worker, hands
+it its stdio, environment, directory and arguments, forwards signals, and exits like the worker did."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from elastic.prefork.common import FORWARDED, Target, recv_message, send_message, socket_path
+from elastic.proctree import process_stat
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 120.0
+
+
+# -- the client: one per worker torchrun starts ------------------------------------------------------------
+def _connect(path: Path) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(path))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _zygote_starting(path: Path) -> int | None:
+    """The pid of the zygote being started for ``path`` (recorded by whoever started it), if it lives."""
+    try:
+        pid, start = (int(x) for x in path.with_suffix(".pid").read_text().split())
+    except (OSError, ValueError):
+        return None
+    st = process_stat(pid)
+    return pid if st is not None and st[1] == start else None
+
+
+def _launch(path: Path, owner: int) -> int | None:
+    """Under the agent's lock: the zygote already starting for ``owner``, or a new one (its pid)."""
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        pid = _zygote_starting(path)
+        if pid is not None:
+            return pid
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a zygote that was killed leaves its socket behind
+        pid = _spawn_detached([sys.executable, "-m", "elastic.prefork", "--serve", str(path), str(owner)],
+                              path.with_suffix(".log"))  # fmt: skip
+        st = process_stat(pid) if pid > 0 else None
+        if st is None:
+            return None
+        path.with_suffix(".pid").write_text(f"{pid} {st[1]}")
+        return pid
+
+
+def _start_zygote(path: Path, owner: int) -> socket.socket | None:
+    """Connect to the agent's zygote, starting it first if nobody did (one start per agent)."""
+    pid = _launch(path, owner)
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while pid is not None and time.monotonic() < deadline:
+        sock = _connect(path)
+        if sock is not None:
+            return sock
+        if process_stat(pid) is None:
+            return _connect(path)
+        time.sleep(0.02)
+    return None
+
+
+def prestart(owner: int | None = None) -> None:
+    """Start the zygote of torchrun agent ``owner`` (default: this process) now and return at once, so
+    that its imports overlap the rendezvous instead of delaying the first worker. Does nothing if
+    ``ETRAIN_PREFORK=0`` or if one runs already. Safe in a multi-threaded process (no fork here)."""
+    if os.environ.get("ETRAIN_PREFORK", "1") == "0":
+        return
+    path = socket_path(os.getpid() if owner is None else owner)
+    if path is None:
+        return
+    sock = _connect(path)
+    if sock is not None:
+        sock.close()
+        return
+    _launch(path, os.getpid() if owner is None else owner)
+
+
+_DETACH = """import os, sys
+log, cmd = sys.argv[1], sys.argv[2:]
+pid = os.fork()
+if pid == 0:
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(null, 0); os.dup2(out, 1); os.dup2(out, 2)
+    os.execv(cmd[0], cmd)
+print(pid)
+"""
+
+
+def _spawn_detached(cmd: list[str], log: Path) -> int:
+    """Start ``cmd`` in a session of its own and NOT as our descendant (an intermediate process forks it and
+    exits: its parent becomes init), so that whoever kills a worker's process tree does not kill the agent's
+    zygote with it. Returns its pid (-1 if that failed)."""
+    try:
+        out = subprocess.run([sys.executable, "-S", "-c", _DETACH, str(log), *cmd], capture_output=True,
+                             text=True, timeout=30, check=True)  # fmt: skip
+        return int(out.stdout.strip())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        logger.warning("elastic.prefork: could not start a zygote", exc_info=True)
+        return -1
+
+
+def _exit_like(status: dict[str, int]) -> int:
+    if "signal" in status:
+        sig = status["signal"]
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        return 128 + sig
+    return status["exit"]
+
+
+def _run_client(sock: socket.socket, target: Target) -> int:
+    request = {
+        "target": [target.kind, target.name, list(target.args)],
+        "env": dict(os.environ, ETRAIN_PREFORK_CLIENT=str(os.getpid())),
+        "cwd": os.getcwd(),
+        "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
+    }
+    child: list[int] = []
+    pending: list[int] = []
+
+    def forward(sig: int, _frame: object) -> None:
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child[0], sig)
+        else:
+            pending.append(sig)
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    try:
+        send_message(sock, request, fds=[0, 1, 2])
+        reply, _ = recv_message(sock)
+        child.append(int(reply["pid"]))
+        for waiting in pending:
+            forward(waiting, None)
+        reply, _ = recv_message(sock)
+        return _exit_like(reply["status"])
+    except (EOFError, OSError) as exc:
+        print(f"elastic.prefork: lost the zygote ({exc}); the worker is gone", file=sys.stderr, flush=True)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve"]:
+        from elastic.prefork.zygote import serve  # only the zygote needs it
+
+        return serve(Path(argv[1]), int(argv[2]))
+    target = Target.parse(argv)
+    path = socket_path(os.getppid()) if os.environ.get("ETRAIN_PREFORK", "1") != "0" else None
+    if path is not None:
+        sock = _connect(path) or _start_zygote(path, os.getppid())
+        if sock is not None:
+            with sock:
+                return _run_client(sock, target)
+        print(f"elastic.prefork: no zygote (see {path.with_suffix('.log')}); running cold", file=sys.stderr)
+    target.run()
+    return 0

@@ -1,0 +1,127 @@
+"""What the client and the zygote share: the target, where an agent's zygote lives, the message format."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import socket
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elastic.proctree import descendants, process_stat
+
+DEFAULT_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "elastic.loop")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGCONT)  # fmt: skip
+_HEADER = struct.Struct("!I")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What to run: a script path or a module (``-m``), with its arguments."""
+
+    kind: str  # "script" | "module"
+    name: str
+    args: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, argv: list[str]) -> Target:
+        if argv[:1] == ["-m"] and len(argv) >= 2:
+            return cls("module", argv[1], tuple(argv[2:]))
+        if not argv or argv[0].startswith("-"):
+            raise SystemExit("usage: python -m elastic.prefork (SCRIPT | -m MODULE) [ARGS...]")
+        return cls("script", argv[0], tuple(argv[1:]))
+
+    def run(self) -> None:
+        """Run as ``__main__`` in this process (``sys.argv`` and ``sys.path[0]`` as ``python`` sets them)."""
+        if self.kind == "module":
+            sys.argv = [self.name, *self.args]
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(self.name, run_name="__main__", alter_sys=True)
+        else:
+            path = os.path.abspath(self.name)
+            sys.argv = [self.name, *self.args]
+            sys.path.insert(0, os.path.dirname(path))
+            runpy.run_path(path, run_name="__main__")
+
+
+# -- where the zygote of an agent lives ----------------------------------------------------------------
+def _base_dir() -> Path:
+    base = Path(os.environ.get("ETRAIN_PREFORK_DIR") or f"/tmp/etrain-prefork-{os.getuid()}")
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return base
+
+
+def socket_path(owner: int) -> Path | None:
+    """The zygote socket of the torchrun agent ``owner`` (None if that process is gone)."""
+    st = process_stat(owner)
+    if st is None:
+        return None
+    return _base_dir() / f"{owner}-{st[1]}.sock"
+
+
+def marker_path(client_pid: int) -> Path:
+    folder = _base_dir() / "clients"
+    folder.mkdir(exist_ok=True)
+    return folder / str(client_pid)
+
+
+def forked_worker(client_pid: int) -> int | None:
+    """The pid of the child a client process runs its script in, or None (not a prefork client, or gone)."""
+    try:
+        child = int(marker_path(client_pid).read_text())
+    except (OSError, ValueError):
+        return None
+    return child if process_stat(child) is not None else None
+
+
+def worker_tree(root: int) -> list[tuple[int, int]]:
+    """:func:`elastic.proctree.descendants` of ``root``, each prefork client followed by the worker it runs
+    (which is the zygote's child, not the client's)."""
+    out: list[tuple[int, int]] = []
+    for pid, start in descendants(root):
+        out.append((pid, start))
+        child = forked_worker(pid)
+        st = process_stat(child) if child is not None else None
+        if child is not None and st is not None:
+            out.append((child, st[1]))
+    return out
+
+
+# -- messages: a 4-byte length, then JSON ----------------------------------------------------------------
+def send_message(sock: socket.socket, obj: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = json.dumps(obj).encode()
+    frame = _HEADER.pack(len(data)) + data
+    if fds:
+        sent = socket.send_fds(sock, [frame], fds)
+        sock.sendall(frame[sent:])
+    else:
+        sock.sendall(frame)
+
+
+def _recv_exact(sock: socket.socket, n: int, buf: bytes = b"") -> bytes:
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("connection closed")
+        buf += chunk
+    return buf
+
+
+def recv_message(sock: socket.socket, with_fds: bool = False) -> tuple[dict[str, Any], list[int]]:
+    fds: list[int] = []
+    if with_fds:
+        data, fds, _, _ = socket.recv_fds(sock, 65536, 3)
+        if not data:
+            raise EOFError("connection closed")
+    else:
+        data = b""
+    data = _recv_exact(sock, _HEADER.size, data)
+    (length,) = _HEADER.unpack(data[: _HEADER.size])
+    body = _recv_exact(sock, _HEADER.size + length, data)
+    return json.loads(body[_HEADER.size :]), fds
