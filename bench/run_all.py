@@ -154,8 +154,10 @@ def run(plan: Plan, workdir: Path, results: Path, only: set[str] | None,
     for name, part in parts.items():
         if only is not None and name not in only:
             continue
+        began = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         try:
             part()
+            out.setdefault("part_times", {})[name] = [began, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())]
         except Exception as exc:  # reported in the summary; the other parts still run
             out.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
             print(f"part {name} FAILED: {exc}", file=sys.stderr, flush=True)
@@ -190,6 +192,9 @@ def summary(data: dict[str, Any]) -> tuple[dict[str, Any], str]:
         "Each cell: median / p95 over the trials (nearest rank; with few trials p95 is the maximum).",
         "",
     ]
+    if data.get("part_times"):
+        spans = ", ".join(f"{k} {a[11:16]}-{b[11:16]}Z" for k, (a, b) in data["part_times"].items())
+        lines[-1:-1] = [f"Parts run at: {spans} (parts not listed: in the first run, before that).", ""]
 
     def goal(name: str, ok: bool | None, value: str) -> None:
         goals.append({"goal": name, "met": ok, "value": value})
