@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Iterable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,27 @@ def check_resumed_snapshots_verify(records: list[Record], checkpoint_url: str) -
     finally:
         manager.close()
     return problems, len(points)
+
+
+def check_partitions_dropped_and_rejoined(
+    partitions: Iterable[tuple[str, float]], events: Iterable[dict[str, Any]]
+) -> list[str]:
+    """For each ``(node, unix time)`` a partition began: the controller dropped that node after it
+    (``node_lost``) and added it back after that (``node_joined``) - the node's lease expired while it was
+    cut off, and it rejoined once healed."""
+    timeline = sorted(
+        (datetime.fromisoformat(e["time"]).timestamp(), e["type"], (e.get("data") or {}).get("node"))
+        for e in events
+        if e["type"] in ("node_lost", "node_joined")
+    )
+    problems: list[str] = []
+    for node, at in partitions:
+        lost = next((t for t, kind, n in timeline if n == node and kind == "node_lost" and t >= at), None)
+        if lost is None:
+            problems.append(f"{node}, partitioned at {at:.1f}, was never dropped (no node_lost event after it)")
+        elif not any(n == node and kind == "node_joined" and t >= lost for t, kind, n in timeline):
+            problems.append(f"{node} was dropped at {lost:.1f} after its partition and never rejoined")
+    return problems
 
 
 class ApiHistory:

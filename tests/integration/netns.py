@@ -284,4 +284,3 @@ def cleanup_stale() -> list[str]:
     if stale:
         logger.warning("netns: removed %d stale namespaces of crashed runs: %s", len(stale), ", ".join(stale))
     return stale
-
