@@ -125,6 +125,7 @@ class ChaosRunner:
         self.pending: list[tuple[float, str, Callable[[], None]]] = []  # (due, what, action)
         self.down_agents: set[str] = set()
         self.partitioned: set[str] = set()
+        self.stopped_agents: set[str] = set()
         self.partitions: list[tuple[str, float]] = []  # (node, unix time) of every partition
         self.down_members: set[int] = set()
         self.deadline = time.monotonic() + config.time_limit.total_seconds()
@@ -260,7 +261,8 @@ class ChaosRunner:
                 self._stop_for(pid, rng.uniform(2, 5), target)
             return target
         if kind in (FaultKind.AGENT_KILL, FaultKind.AGENT_STOP, FaultKind.NETWORK_PARTITION):
-            up = sorted(n for n in self.cluster.agents if n not in self.down_agents | self.partitioned)
+            disturbed = self.down_agents | self.stopped_agents | self.partitioned
+            up = sorted(n for n in self.cluster.agents if n not in disturbed)
             if len(up) < self.config.nodes:  # one node disturbed at a time
                 return None
             name = rng.choice(up)
@@ -271,7 +273,7 @@ class ChaosRunner:
                 self.down_agents.add(name)
                 self.later(rng.uniform(3, 6), f"restart agent {name}", lambda: self._restart_agent(name))
             else:
-                self._stop_for(self.cluster.agents[name].pid, rng.uniform(3, 6), f"agent {name}")
+                self._stop_agent_for(name, rng.uniform(3, 6))
             return f"agent {name}"
         if kind == FaultKind.CONTROLLER_RESTART:
             self.cluster.kill_controller()
@@ -291,6 +293,17 @@ class ChaosRunner:
             self.later(rng.uniform(3, 8), f"restart etcd member {index}", back)
             return f"etcd member {index}"
         raise ValueError(kind)
+
+    def _stop_agent_for(self, name: str, seconds: float) -> None:
+        pid = self.cluster.agents[name].pid
+        self._signal(pid, signal.SIGSTOP)
+        self.stopped_agents.add(name)
+
+        def cont() -> None:
+            self._signal(pid, signal.SIGCONT)
+            self.stopped_agents.discard(name)
+
+        self.later(seconds, f"SIGCONT agent {name}", cont)
 
     def _partition(self, name: str, seconds: float) -> str:
         assert self.network is not None
