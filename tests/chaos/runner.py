@@ -47,6 +47,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -105,6 +106,13 @@ class _Poller(threading.Thread):
             self.poll_once()
 
 
+@dataclass
+class _Partition:
+    node: str
+    began: float  # unix time
+    healed: float | None = None
+
+
 class ChaosRunner:
     """One chaos session, in this process; with ``network`` this process must run in its hub namespace."""
 
@@ -126,7 +134,7 @@ class ChaosRunner:
         self.down_agents: set[str] = set()
         self.partitioned: set[str] = set()
         self.stopped_agents: set[str] = set()
-        self.partitions: list[tuple[str, float]] = []  # (node, unix time) of every partition
+        self.partitions: list[_Partition] = []
         self.down_members: set[int] = set()
         self.deadline = time.monotonic() + config.time_limit.total_seconds()
         self.job_id = ""
@@ -309,12 +317,14 @@ class ChaosRunner:
         assert self.network is not None
         self.network.partition(name)
         self.partitioned.add(name)
-        self.partitions.append((name, time.time()))
+        partition = _Partition(name, time.time())
+        self.partitions.append(partition)
 
         def heal() -> None:
             assert self.network is not None
             self.network.heal(name)
             self.partitioned.discard(name)
+            partition.healed = time.time()
 
         self.later(seconds, f"heal the partition of {name}", heal)
         return f"node {name} ({self.network.nodes[name].address}) for {seconds:.1f} s"
@@ -417,9 +427,10 @@ class ChaosRunner:
         guarded("no job record or event lost", lambda: list(history.problems))
         guarded("no torn checkpoint loaded", snapshots)
         if self.partitions:
+            cuts = [(p.node, p.began, p.healed) for p in self.partitions]
             events = list(history.events.values())
             guarded("partitioned nodes dropped and rejoined",
-                    lambda: check_partitions_dropped_and_rejoined(self.partitions, events))  # fmt: skip
+                    lambda: check_partitions_dropped_and_rejoined(cuts, events))  # fmt: skip
         logs = [log for log in (self.workdir / "agents").glob("**/*.log") if log.is_file()]
         report.corrupt_warnings = sum(log.read_text(errors="replace").lower().count("corrupt") for log in logs)
 

@@ -83,7 +83,11 @@ def test_a_partitioned_node_must_be_dropped_after_the_cut_and_join_again_after_t
 
     events = [ev(100, "node_lost", "n2"), ev(200, "node_lost", "n2"), ev(205, "node_joined", "n2"),
               ev(300, "node_lost", "n3")]  # fmt: skip
-    assert check_partitions_dropped_and_rejoined([("n2", 199.0)], events) == []
-    assert "never dropped" in check_partitions_dropped_and_rejoined([("n1", 0.0)], events)[0]
-    assert "never rejoined" in check_partitions_dropped_and_rejoined([("n3", 299.0)], events)[0]
-    assert "never dropped" in check_partitions_dropped_and_rejoined([("n2", 201.0)], events)[0]  # lost before
+    assert check_partitions_dropped_and_rejoined([("n2", 199.0, 204.0)], events) == []
+    assert "never dropped" in check_partitions_dropped_and_rejoined([("n1", 0.0, 5.0)], events)[0]
+    assert "never rejoined" in check_partitions_dropped_and_rejoined([("n3", 299.0, 305.0)], events)[0]
+    assert "never dropped" in check_partitions_dropped_and_rejoined([("n2", 201.0, 204.0)], events)[0]  # lost before
+    # the job's workers finished before n3 could rejoin, or n3 was never healed: no rejoin expected
+    done = [*events, ev(310, "workers_succeeded", "n1")]
+    assert check_partitions_dropped_and_rejoined([("n3", 299.0, 305.0)], done) == []
+    assert check_partitions_dropped_and_rejoined([("n3", 299.0, None)], events) == []
