@@ -464,8 +464,12 @@ def run_chaos(
             shutil.rmtree(wd, ignore_errors=True)
 
 
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds through every ``finally``: processes and namespaces go
+def _exit_once(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM or SIGINT: unwind through every ``finally`` (processes, namespaces); a second signal (Ctrl-C
+    reaches both this process and the session in the hub) must not cut that teardown short."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
 
 
 def _inside(spec_path: Path) -> int:
@@ -493,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API poll otherwise
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_once)
     if args.inside is not None:
         return _inside(args.inside)
     config = ChaosConfig(
