@@ -38,9 +38,8 @@ def test_job_completes_exactly_once_with_identical_replicas_through_one_fault_of
     assert report.resume_points_verified >= 1
 
 
+@pytest.mark.skipif(NO_NETNS is not None, reason=f"network namespaces unavailable, partitions left out: {NO_NETNS}")
 def test_a_partitioned_node_is_dropped_and_rejoins_and_the_job_still_passes(report: ChaosReport) -> None:
-    if NO_NETNS:
-        pytest.skip(f"network namespaces unavailable, partitions left out: {NO_NETNS}")
     partitions = [f for f in report.faults if f.kind == FaultKind.NETWORK_PARTITION.value]
     assert len(partitions) == 1 and partitions[0].settle_s is not None, report.summary()
     assert report.network.startswith("netns:") and report.passed, report.summary()
