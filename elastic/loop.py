@@ -22,6 +22,11 @@ for gradient accumulation), scales the loss so the gradient is the exact mean ov
 the LR policy's factor (with its warmup ramp after a resize) around ``optimizer.step()``, steps the LR
 scheduler, advances the data cursor, saves snapshots on a step/time schedule (asynchronously), logs progress
 averaged over workers, and on SIGTERM saves synchronously at the step boundary and stops.
+
+A SIGTERM'd worker that cannot reach the step boundary within ``stop_timeout`` (at least three times the
+slowest of the last steps) is blocked in a collective with a peer that vanished without closing its
+connections (a network partition, a host gone dark): it exits at once with 128+signal and no final save,
+and the group re-forms from the last snapshot, instead of waiting for torchrun's SIGKILL 30 s later.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -73,6 +81,8 @@ class ElasticConfig:
     backend: str | None = None  # None: nccl with CUDA, else gloo
     progress_every: int = 10
     timeout: timedelta = timedelta(minutes=10)
+    # after SIGTERM, how long to reach the step boundary before exiting without the final save (None: wait)
+    stop_timeout: timedelta | None = timedelta(seconds=10)
     total_steps: int | None = None  # only for progress reports to the job service
 
     def resolved_checkpoint_url(self) -> str | None:
@@ -131,7 +141,10 @@ class ElasticTrainer:
             self._restore(model)
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = DistributedDataParallel(model, device_ids=device_ids)  # broadcasts rank 0's state
-        self._preemption = PreemptionWatcher().install()
+        self._step_times: deque[float] = deque(maxlen=50)  # seconds between the last step boundaries
+        self._last_boundary: float | None = None
+        self._boundary_after_signal = threading.Event()  # the final save began, or the loop is over
+        self._preemption = PreemptionWatcher(on_signal=self._arm_stop_timeout).install()
         self._progress = create_reporter()  # a no-op outside the job service
         self._pending_checkpoint: int | None = None
         self._progress.report(self.step, world_size=self.world_size, total_steps=config.total_steps, force=True)
@@ -270,7 +283,30 @@ class ElasticTrainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         torch.stack([p.sum() for p in params]).sum().mul(0.0).backward()
 
+    def _arm_stop_timeout(self, sig: signal.Signals) -> None:
+        """Runs in the watcher's thread as soon as SIGTERM arrives (also while the main thread is blocked)."""
+        if self.config.stop_timeout is None:
+            return
+        limit = max(self.config.stop_timeout.total_seconds(), 3 * max(self._step_times, default=0.0))
+
+        def watchdog() -> None:
+            if self._boundary_after_signal.wait(limit):
+                return
+            logger.error(
+                "%s %.0f s ago and step %d's boundary not reached: blocked in a collective with a vanished peer?"
+                " exiting without the final save", sig.name, limit, self.step,
+            )  # fmt: skip
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(128 + int(sig))
+
+        threading.Thread(target=watchdog, name="stop-timeout", daemon=True).start()
+
     def _finish_step(self, indices: Sequence[int]) -> None:
+        now = time.monotonic()
+        if self._last_boundary is not None:
+            self._step_times.append(now - self._last_boundary)
+        self._last_boundary = now
         plan = self.policy.step_plan(self.world_size)
         lr = self.current_lr()
         with scaled_lr(self.optimizer, self.lr_factor):
@@ -334,6 +370,7 @@ class ElasticTrainer:
             # SIGTERM: a preemption notice, or torchrun restarting the group (it signals workers first).
             # Everyone saves this step synchronously (no step is lost); the signalled ranks then exit,
             # the others carry on and resume from this snapshot when the group re-forms.
+            self._boundary_after_signal.set()
             logger.warning("SIGTERM seen by a worker: saving step %d synchronously", self.step)
             self.save(blocking=True)
             if signalled:
@@ -370,6 +407,7 @@ class ElasticTrainer:
 
     def close(self) -> None:
         """Flush the in-flight save (raising its error) and leave the process group."""
+        self._boundary_after_signal.set()
         self._preemption.uninstall()
         if self._manager is not None:
             self._manager.close()

@@ -10,6 +10,7 @@ need_apt=()
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v etcdctl >/dev/null 2>&1 || need_apt+=(etcd-client)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+command -v nft >/dev/null 2>&1 || need_apt+=(nftables)  # network partitions in the chaos suite
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: apt-get install ${need_apt[*]}"
   $SUDO apt-get update -qq

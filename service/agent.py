@@ -145,6 +145,7 @@ class NodeAgent:
             progress_key=self.store.keys.progress_of(a.job_id),
             etcd=s.etcd,
             extra=s.extra_env,
+            socket_ifname=s.socket_ifname,
         )
         if secret:
             env["PET_RDZV_CONF"] = conf

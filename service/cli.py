@@ -158,6 +158,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             nproc_per_node=args.nproc_per_node,
             work_dir=Path(args.work_dir).resolve(),
             rdzv_host=args.rdzv_host,
+            socket_ifname=args.socket_ifname,
             health_port=args.health_port,
             lease_ttl=timedelta(seconds=args.lease_ttl),
         )
@@ -323,6 +324,12 @@ def _parser() -> argparse.ArgumentParser:
         "--rdzv-host",
         default=_env("ETRAIN_RDZV_HOST"),
         help="address other nodes reach this node's workers at (ETRAIN_RDZV_HOST)",
+    )
+    p.add_argument(
+        "--socket-ifname",
+        default=_env("ETRAIN_SOCKET_IFNAME"),
+        help="network interface of the workers' collectives: their GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME"
+        " unless the job's env sets them (ETRAIN_SOCKET_IFNAME)",
     )
     p.add_argument(
         "--health-port",

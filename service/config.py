@@ -133,6 +133,7 @@ class AgentSettings:
     nproc_per_node: int = 1
     work_dir: Path = Path("etrain-work")
     rdzv_host: str | None = None
+    socket_ifname: str | None = None  # the workers' GLOO_/NCCL_SOCKET_IFNAME unless the job's env sets them
     health_port: int = 0
     lease_ttl: timedelta = timedelta(seconds=10)
     poll_interval: timedelta = timedelta(seconds=0.5)

@@ -103,10 +103,17 @@ def worker_env(
     progress_key: str,
     etcd: EtcdOptions,
     extra: Mapping[str, str] | None = None,
+    socket_ifname: str | None = None,
 ) -> dict[str, str]:
-    """torchrun's environment (inherited by the workers): base, extra, the spec's env, then the service's."""
+    """torchrun's environment (inherited by the workers): base, extra, the node's collective interface,
+    the spec's env, then the service's.
+
+    ``socket_ifname`` (the agent's ``--socket-ifname``) is the network interface the workers' collectives
+    bind: it becomes ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``, which a job's own env still overrides.
+    """
     spec = assignment.spec
-    env = {**base, **(extra or {}), **spec.env}
+    nic = {"GLOO_SOCKET_IFNAME": socket_ifname, "NCCL_SOCKET_IFNAME": socket_ifname} if socket_ifname else {}
+    env = {**base, **(extra or {}), **nic, **spec.env}
     env.update(etcd.worker_env())
     env.update(
         {

@@ -6,14 +6,19 @@ old and new parameters.  The handler only records the notice; the training loop 
 after each step and calls :meth:`PreemptionWatcher.final_save`, which waits for any background save,
 writes the current state synchronously, and flushes the manager.  The scheduler's grace period
 (Kubernetes ``terminationGracePeriodSeconds``, Slurm ``--signal``) must cover one step plus one save.
+
+The handler itself runs only when the main thread comes back to Python: not while it is blocked in C code,
+e.g. a collective waiting for a peer that vanished without closing its connections. ``on_signal`` tells
+another thread at once (through ``signal.set_wakeup_fd``), so that the caller can act on such a hang.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import FrameType
 from typing import Any
 
@@ -25,28 +30,78 @@ logger = logging.getLogger(__name__)
 
 
 class PreemptionWatcher:
-    """Records the first of ``signals`` received; install from the main thread."""
+    """Records the first of ``signals`` received; install from the main thread.
 
-    def __init__(self, signals: Iterable[signal.Signals] = (signal.SIGTERM,)) -> None:
+    ``on_signal``, when given, is called once, with the first signal, from a thread of the watcher's own as
+    soon as the signal arrives, even while the main thread is blocked in C code; it must return quickly.
+    Where the process's wakeup fd is taken already (an asyncio loop), it is called from the handler instead,
+    when the main thread next runs Python.
+    """
+
+    def __init__(
+        self,
+        signals: Iterable[signal.Signals] = (signal.SIGTERM,),
+        on_signal: Callable[[signal.Signals], None] | None = None,
+    ) -> None:
         self._signals = tuple(signals)
+        self._on_signal = on_signal
         self._previous: dict[signal.Signals, Any] = {}
         self._received: signal.Signals | None = None
         self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._wakeup_w: int | None = None
 
     def install(self) -> PreemptionWatcher:
         for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if self._on_signal is not None:
+            self._watch_wakeup_fd()
         return self
 
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+        if self._wakeup_w is not None:
+            signal.set_wakeup_fd(-1)
+            os.close(self._wakeup_w)  # the reader thread sees end-of-file and ends
+            self._wakeup_w = None
+
+    def _watch_wakeup_fd(self) -> None:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        if previous != -1:  # someone else's (an event loop): leave it, on_signal comes from the handler
+            signal.set_wakeup_fd(previous)
+            os.close(r)
+            os.close(w)
+            logger.debug("the signal wakeup fd is in use; on_signal will run when the main thread does")
+            return
+        self._wakeup_w = w
+        wanted = {int(s) for s in self._signals}
+
+        def read() -> None:
+            try:
+                while data := os.read(r, 64):
+                    for signum in data:
+                        if signum in wanted:
+                            self._notify(signal.Signals(signum))
+            finally:
+                os.close(r)
+
+        threading.Thread(target=read, name="preemption-wakeup", daemon=True).start()
+
+    def _notify(self, sig: signal.Signals) -> None:
+        with self._lock:
+            first = self._received is None
+            if first:
+                self._received = sig
+        self._event.set()
+        if first and self._on_signal is not None:
+            self._on_signal(sig)
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if self._received is None:
-            self._received = signal.Signals(signum)
-        self._event.set()
+        self._notify(signal.Signals(signum))
 
     @property
     def requested(self) -> bool:

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--keep-last", type=int, default=100)
+    p.add_argument("--stop-timeout", type=float, default=10.0,
+                   help="seconds after SIGTERM to reach a step boundary, else exit unsaved; 0: wait")  # fmt: skip
     args = p.parse_args(argv)
     if not args.checkpoint_url:
         p.error("--checkpoint-url (or $ETRAIN_CHECKPOINT_URL) is required")
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         save_every_steps=args.save_every,
         seed=args.seed,
         progress_every=0,
+        stop_timeout=timedelta(seconds=args.stop_timeout) if args.stop_timeout > 0 else None,
     )
     log_file: list[Path] = []
     reporter = create_reporter()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Iterable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,30 @@ def check_resumed_snapshots_verify(records: list[Record], checkpoint_url: str) -
     finally:
         manager.close()
     return problems, len(points)
+
+
+def check_partitions_dropped_and_rejoined(
+    partitions: Iterable[tuple[str, float, float | None]], events: Iterable[dict[str, Any]], rejoin_s: float = 15
+) -> list[str]:
+    """For each ``(node, began, healed)`` partition (unix times; healed None: not during the run): the
+    controller dropped that node after it began (``node_lost``) - its lease expired while it was cut off -
+    and added it back after that (``node_joined``), unless the job's workers had finished before the node
+    could rejoin (``rejoin_s`` after the heal)."""
+    timeline = sorted(
+        (datetime.fromisoformat(e["time"]).timestamp(), e["type"], (e.get("data") or {}).get("node"))
+        for e in events
+        if e["type"] in ("node_lost", "node_joined", "workers_succeeded")
+    )
+    finished = next((t for t, kind, _ in timeline if kind == "workers_succeeded"), float("inf"))
+    problems: list[str] = []
+    for node, began, healed in partitions:
+        lost = next((t for t, kind, n in timeline if n == node and kind == "node_lost" and t >= began), None)
+        if lost is None:
+            problems.append(f"{node}, partitioned at {began:.1f}, was never dropped (no node_lost event after it)")
+        elif not any(n == node and kind == "node_joined" and t >= lost for t, kind, n in timeline):
+            if healed is not None and healed + rejoin_s < finished:
+                problems.append(f"{node} was dropped at {lost:.1f} after its partition and never rejoined")
+    return problems
 
 
 class ApiHistory:

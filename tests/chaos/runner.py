@@ -1,6 +1,6 @@
 """Chaos runner: one training job on the real service under random faults, then its pass conditions.
 
-A three-member etcd cluster, the controller and three node agents run as processes on loopback
+A three-member etcd cluster, the controller and three node agents run as processes
 (``tests/integration/service_harness.py``); the job is ``elastic/testing/train_worker.py`` (the
 ElasticTrainer) on 1..3 nodes. Faults are drawn from a seeded RNG, each kind in turn in a shuffled order,
 one at a time: the next fault comes once the job has trained ``steps_between`` steps past where it was
@@ -11,39 +11,46 @@ when the last one hit. Faults:
 - ``agent_kill``: SIGKILL of one node agent (its torchrun follows through the parent-death signal); the
   node comes back 3-6 s later; ``agent_stop``: SIGSTOP of a node agent for 3-6 s (its lease expires);
 - ``controller_restart``: SIGKILL of the controller, a new one started at once;
-- ``etcd_member_loss``: SIGKILL of one of the three etcd members, restarted 3-8 s later.
+- ``etcd_member_loss``: SIGKILL of one of the three etcd members, restarted 3-8 s later;
+- ``network_partition``: one node cut off for 3-8 s (nftables drops everything in and out of its
+  namespace except loopback), then healed; its leases expire, the others re-form, it rejoins.
 
-Network partitions (a node in a network namespace cut off with nftables) are not implemented.
+With ``network_partition`` among the kinds (the default) each node runs in a network namespace of its
+own, and etcd, the controller and this runner in a hub namespace joined to the nodes by a bridge
+(``tests/chaos/isolation.py``, ``tests/integration/netns.py``; root or CAP_NET_ADMIN, ``ip`` and ``nft``
+needed). Where namespaces cannot be made, or with ``--no-netns``, everything runs on loopback in the
+caller's namespace and partitions are left out with a warning. At most one node is disturbed (agent
+down, stopped or partitioned) at a time.
 
 Pass: the job succeeds; training resumes after every fault (within ``settle_timeout``); every rank of
 the final group holds identical parameters; in the effective
 trajectory every step is committed once and every sample is seen exactly once per epoch; nothing the API
 once showed of the job (record, events, counters) disappears or goes back; every snapshot a group resumed
-from verifies. The run stops by itself: at ``time_limit`` at the latest, everything is torn down.
+from verifies. The run stops by itself: at ``time_limit`` at the latest, everything is torn down
+(processes, and namespaces with their links, also on Ctrl-C or SIGTERM).
 
-    python -m tests.chaos.runner --faults 50 --seed 1 [--time-limit 2400] [--json out.json]
+    python -m tests.chaos.runner --faults 50 --seed 1 [--time-limit 2400] [--no-netns] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
-import math
 import os
 import random
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from enum import Enum
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import httpx
@@ -52,111 +59,21 @@ from elastic.proctree import descendants
 from tests.chaos.checks import (
     ApiHistory,
     check_exactly_once,
+    check_partitions_dropped_and_rejoined,
     check_replicas_identical,
     check_resumed_snapshots_verify,
     read_records,
 )
+from tests.chaos.isolation import run_in_namespaces
+from tests.chaos.model import ChaosConfig, ChaosReport, Fault, FaultKind
+from tests.integration.netns import NetnsTopology, unavailable_reason
 from tests.integration.service_harness import ROOT, ServiceCluster
+
+__all__ = ["ChaosConfig", "ChaosReport", "ChaosRunner", "Fault", "FaultKind", "main", "run_chaos"]
 
 logger = logging.getLogger(__name__)
 
 WORKER = ROOT / "elastic" / "testing" / "train_worker.py"
-
-
-class FaultKind(str, Enum):
-    WORKER_KILL = "worker_kill"
-    WORKER_STOP = "worker_stop"
-    TORCHRUN_KILL = "torchrun_kill"
-    TORCHRUN_STOP = "torchrun_stop"
-    AGENT_KILL = "agent_kill"
-    AGENT_STOP = "agent_stop"
-    CONTROLLER_RESTART = "controller_restart"
-    ETCD_MEMBER_LOSS = "etcd_member_loss"
-
-
-@dataclass(frozen=True)
-class ChaosConfig:
-    faults: int = 8
-    seed: int = 0
-    time_limit: timedelta = timedelta(minutes=30)
-    steps_between: int = 10
-    kinds: tuple[FaultKind, ...] = tuple(FaultKind)
-    nodes: int = 3
-    samples: int = 240
-    batch: int = 4
-    save_every: int = 3
-    step_sleep: float = 0.1
-    settle_timeout: timedelta = timedelta(seconds=240)
-
-    @property
-    def global_batch(self) -> int:
-        return self.batch * self.nodes  # fixed-global-batch with base world = nodes
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return math.ceil(self.samples / self.global_batch)
-
-    @property
-    def epochs(self) -> int:
-        """Enough steps for every fault plus a tail, so that all faults hit a running job."""
-        # Training runs on while a fault settles and between faults (up to ~45 steps a fault in CI runs with
-        # steps_between=8): 6x steps_between, so that every fault hits a running job.
-        need = 6 * (self.faults + 2) * self.steps_between + 2 * self.steps_per_epoch
-        return max(2, math.ceil(need / self.steps_per_epoch))
-
-
-@dataclass
-class Fault:
-    kind: str
-    target: str
-    at: float
-    step_at: int
-    settle_s: float | None = None
-
-
-@dataclass
-class ChaosReport:
-    config: dict[str, Any]
-    faults: list[Fault] = field(default_factory=list)
-    job_id: str = ""
-    job_state: str = ""
-    duration_s: float = 0.0
-    steps: int = 0
-    attempts: int = 0
-    resume_points_verified: int = 0
-    api_polls: int = 0
-    events: int = 0
-    corrupt_warnings: int = 0
-    checks: dict[str, list[str]] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    stalls: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return self.job_state == "succeeded" and not any(self.checks.values()) and bool(self.checks)
-
-    def summary(self) -> str:
-        by_kind: dict[str, list[float]] = {}
-        for f in self.faults:
-            by_kind.setdefault(f.kind, []).append(f.settle_s if f.settle_s is not None else float("nan"))
-        lines = [
-            f"chaos seed={self.config['seed']}: {len(self.faults)} faults in {self.duration_s:.0f} s, job {self.job_id}"
-            f" {self.job_state}, {self.steps} steps, {self.attempts} worker groups (attempts),"
-            f" {self.resume_points_verified} resume snapshots verified, {self.events} events,"
-            f" {self.api_polls} API polls, {self.corrupt_warnings} corrupt-snapshot warnings in worker logs",
-            "fault kind            count   settle median / max (s)  [time until the job trained"
-            f" {self.config['steps_between']} steps past the fault]",
-        ]
-        for kind, settle in sorted(by_kind.items()):
-            ok = [s for s in settle if not math.isnan(s)]
-            med = f"{statistics.median(ok):6.1f}" if ok else "     —"
-            top = f"{max(ok):6.1f}" if ok else "     —"
-            lines.append(f"  {kind:20s} {len(settle):5d}   {med} / {top}")
-        for name, problems in self.checks.items():
-            lines.append(f"check {name}: {'ok' if not problems else 'FAILED: ' + '; '.join(problems[:5])}")
-        lines += [f"note: {n}" for n in self.notes]
-        lines.append("PASSED" if self.passed else "FAILED")
-        return "\n".join(lines)
 
 
 class _Poller(threading.Thread):
@@ -189,16 +106,35 @@ class _Poller(threading.Thread):
             self.poll_once()
 
 
+@dataclass
+class _Partition:
+    node: str
+    began: float  # unix time
+    healed: float | None = None
+
+
 class ChaosRunner:
-    def __init__(self, config: ChaosConfig, workdir: Path) -> None:
+    """One chaos session, in this process; with ``network`` this process must run in its hub namespace."""
+
+    def __init__(self, config: ChaosConfig, workdir: Path, network: NetnsTopology | None = None) -> None:
+        if FaultKind.NETWORK_PARTITION in config.kinds and network is None:
+            raise ValueError("network partitions need the nodes in network namespaces (a NetnsTopology)")
         self.config = config
         self.workdir = workdir
+        self.network = network
         self.rng = random.Random(config.seed)
-        self.cluster = ServiceCluster(workdir, lease_ttl=2.0, etcd_members=3)
+        self.report = ChaosReport(config=config.to_dict())
+        if network is not None:
+            self.report.network = f"netns: hub {network.hub} at {network.hub_address}, nodes " + ", ".join(
+                f"{n.name}={n.address}" for n in network.nodes.values()
+            )
+        self.cluster = ServiceCluster(workdir, lease_ttl=2.0, etcd_members=3, network=network)
         self.rec = workdir / "records"
-        self.report = ChaosReport(config={**asdict(config), "time_limit": config.time_limit.total_seconds()})
         self.pending: list[tuple[float, str, Callable[[], None]]] = []  # (due, what, action)
         self.down_agents: set[str] = set()
+        self.partitioned: set[str] = set()
+        self.stopped_agents: set[str] = set()
+        self.partitions: list[_Partition] = []
         self.down_members: set[int] = set()
         self.deadline = time.monotonic() + config.time_limit.total_seconds()
         self.job_id = ""
@@ -211,11 +147,14 @@ class ChaosRunner:
                 "--batch", str(c.batch), "--lr-rule", "fixed-global-batch", "--base-world", str(c.nodes),
                 "--save-every", str(c.save_every), "--step-sleep", str(c.step_sleep), "--dropout", "0",
                 "--keep-last", "1000000"]  # fmt: skip
+        env = {"OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
+        if self.network is None:
+            env["GLOO_SOCKET_IFNAME"] = "lo"  # in namespaces the agents give their node's interface
         return {
             "name": "chaos",
             "entrypoint": str(WORKER),
             "args": args,
-            "env": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"},
+            "env": env,
             "min_nodes": 1,
             "max_nodes": c.nodes,
             "rendezvous": {"last_call_timeout": 1},
@@ -227,6 +166,9 @@ class ChaosRunner:
 
     def max_step(self, after: float = 0.0) -> int:
         return max((r["step"] for r in read_records(self.rec) if r["t"] > after), default=0)
+
+    def _past(self, after: float, goal: int) -> bool:
+        return self.max_step(after=after) >= goal
 
     # -- the clock: deferred actions (SIGCONT, restarts) and crashed agents -----------------------------
     def tick(self) -> None:
@@ -241,7 +183,7 @@ class ChaosRunner:
                 logger.warning("chaos: agent %s exited (%s); starting it again", name, proc.returncode)
                 self.report.notes.append(f"agent {name} exited with {proc.returncode} and was restarted")
                 self.down_agents.add(name)
-                self.later(1.0, f"restart agent {name}", lambda n=name: self._restart_agent(n))
+                self.later(1.0, f"restart agent {name}", functools.partial(self._restart_agent, name))
 
     def later(self, delay: float, what: str, action: Callable[[], None]) -> None:
         self.pending.append((time.monotonic() + delay, what, action))
@@ -326,17 +268,20 @@ class ChaosRunner:
             else:
                 self._stop_for(pid, rng.uniform(2, 5), target)
             return target
-        if kind in (FaultKind.AGENT_KILL, FaultKind.AGENT_STOP):
-            up = sorted(n for n in self.cluster.agents if n not in self.down_agents)
+        if kind in (FaultKind.AGENT_KILL, FaultKind.AGENT_STOP, FaultKind.NETWORK_PARTITION):
+            disturbed = self.down_agents | self.stopped_agents | self.partitioned
+            up = sorted(n for n in self.cluster.agents if n not in disturbed)
             if len(up) < self.config.nodes:  # one node disturbed at a time
                 return None
             name = rng.choice(up)
+            if kind == FaultKind.NETWORK_PARTITION:
+                return self._partition(name, rng.uniform(3, 8))
             if kind == FaultKind.AGENT_KILL:
                 self.cluster.kill_agent(name)
                 self.down_agents.add(name)
                 self.later(rng.uniform(3, 6), f"restart agent {name}", lambda: self._restart_agent(name))
             else:
-                self._stop_for(self.cluster.agents[name].pid, rng.uniform(3, 6), f"agent {name}")
+                self._stop_agent_for(name, rng.uniform(3, 6))
             return f"agent {name}"
         if kind == FaultKind.CONTROLLER_RESTART:
             self.cluster.kill_controller()
@@ -356,6 +301,33 @@ class ChaosRunner:
             self.later(rng.uniform(3, 8), f"restart etcd member {index}", back)
             return f"etcd member {index}"
         raise ValueError(kind)
+
+    def _stop_agent_for(self, name: str, seconds: float) -> None:
+        pid = self.cluster.agents[name].pid
+        self._signal(pid, signal.SIGSTOP)
+        self.stopped_agents.add(name)
+
+        def cont() -> None:
+            self._signal(pid, signal.SIGCONT)
+            self.stopped_agents.discard(name)
+
+        self.later(seconds, f"SIGCONT agent {name}", cont)
+
+    def _partition(self, name: str, seconds: float) -> str:
+        assert self.network is not None
+        self.network.partition(name)
+        self.partitioned.add(name)
+        partition = _Partition(name, time.time())
+        self.partitions.append(partition)
+
+        def heal() -> None:
+            assert self.network is not None
+            self.network.heal(name)
+            self.partitioned.discard(name)
+            partition.healed = time.time()
+
+        self.later(seconds, f"heal the partition of {name}", heal)
+        return f"node {name} ({self.network.nodes[name].address}) for {seconds:.1f} s"
 
     # -- the run -------------------------------------------------------------------------------------
     def run(self) -> ChaosReport:
@@ -392,7 +364,7 @@ class ChaosRunner:
                 goal = min(total, step_at + c.steps_between)
                 if self.wait(
                     f"the job to get past step {goal}",
-                    lambda at=at, goal=goal: self.max_step(after=at) >= goal,
+                    functools.partial(self._past, at, goal),
                     c.settle_timeout.total_seconds(),
                 ):
                     fault.settle_s = time.time() - at
@@ -454,19 +426,60 @@ class ChaosRunner:
         guarded("replicas identical", lambda: check_replicas_identical(self.rec))
         guarded("no job record or event lost", lambda: list(history.problems))
         guarded("no torn checkpoint loaded", snapshots)
+        if self.partitions:
+            cuts = [(p.node, p.began, p.healed) for p in self.partitions]
+            events = list(history.events.values())
+            guarded("partitioned nodes dropped and rejoined",
+                    lambda: check_partitions_dropped_and_rejoined(cuts, events))  # fmt: skip
         logs = [log for log in (self.workdir / "agents").glob("**/*.log") if log.is_file()]
         report.corrupt_warnings = sum(log.read_text(errors="replace").lower().count("corrupt") for log in logs)
 
 
-def run_chaos(config: ChaosConfig, workdir: Path | None = None, keep: bool = False) -> ChaosReport:
-    """Run one bounded chaos session (a temporary work dir unless given; removed unless ``keep``)."""
+def run_chaos(
+    config: ChaosConfig, workdir: Path | None = None, keep: bool = False, netns: bool | None = None
+) -> ChaosReport:
+    """Run one bounded chaos session (a temporary work dir unless given; removed unless ``keep``).
+
+    With ``network_partition`` among the kinds the session runs in network namespaces (``netns`` None:
+    where they work; True: they must; False: never). Where they cannot be used, partitions are left out
+    with a warning, and the report says why (``partitions_left_out``).
+    """
     own = workdir is None
     wd = Path(tempfile.mkdtemp(prefix="chaos-")) if workdir is None else workdir
     try:
-        return ChaosRunner(config, wd).run()
+        wanted = FaultKind.NETWORK_PARTITION in config.kinds or netns is True
+        reason = "" if not wanted else "turned off (--no-netns)" if netns is False else unavailable_reason() or ""
+        if reason and netns is True:
+            raise RuntimeError(f"network namespaces are unavailable: {reason}")
+        if wanted and not reason:
+            return run_in_namespaces(config, wd, [f"node-{i}" for i in range(1, config.nodes + 1)])
+        if reason and FaultKind.NETWORK_PARTITION in config.kinds:
+            logger.warning("chaos: network partitions left out: %s", reason)
+            config = config.without(FaultKind.NETWORK_PARTITION)
+        report = ChaosRunner(config, wd).run()
+        report.partitions_left_out = reason
+        return report
     finally:
         if own and not keep:
             shutil.rmtree(wd, ignore_errors=True)
+
+
+def _exit_once(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM or SIGINT: unwind through every ``finally`` (processes, namespaces); a second signal (Ctrl-C
+    reaches both this process and the session in the hub) must not cut that teardown short."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
+def _inside(spec_path: Path) -> int:
+    """The half of a namespaced run that runs in the hub (see ``tests/chaos/isolation.py``)."""
+    spec = json.loads(spec_path.read_text())
+    config = ChaosConfig.from_dict(spec["config"])
+    network = NetnsTopology.from_json(json.dumps(spec["topology"]))
+    report = ChaosRunner(config, Path(spec["workdir"]), network).run()
+    Path(spec["report"]).write_text(json.dumps(report.to_dict(), indent=2, default=str))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -476,21 +489,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=2400, help="seconds; the run stops by itself")
     p.add_argument("--steps-between", type=int, default=10)
     p.add_argument("--kinds", default=",".join(k.value for k in FaultKind))
+    p.add_argument("--no-netns", action="store_true",
+                   help="everything on loopback in this namespace; network partitions are left out")  # fmt: skip
     p.add_argument("--workdir", type=Path, default=None, help="keep everything here (default: a temp dir)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--inside", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API poll otherwise
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_once)
+    if args.inside is not None:
+        return _inside(args.inside)
     config = ChaosConfig(
         faults=args.faults, seed=args.seed, time_limit=timedelta(seconds=args.time_limit),
         steps_between=args.steps_between, kinds=tuple(FaultKind(k) for k in args.kinds.split(",")),
     )  # fmt: skip
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
-    report = run_chaos(config, args.workdir)
+    report = run_chaos(config, args.workdir, netns=False if args.no_netns else None)
     print(report.summary())
     if args.json is not None:
-        args.json.write_text(json.dumps({**asdict(report), "passed": report.passed}, indent=2, default=str))
+        args.json.write_text(json.dumps(report.to_dict(), indent=2, default=str))
     return 0 if report.passed else 1
 
 

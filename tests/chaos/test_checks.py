@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.chaos.checks import ApiHistory, check_exactly_once, check_replicas_identical, effective
+from tests.chaos.checks import (
+    ApiHistory,
+    check_exactly_once,
+    check_partitions_dropped_and_rejoined,
+    check_replicas_identical,
+    effective,
+)
 
 
 def _run(attempt: str, steps: range, world: int, t0: float, samples_per_step: int = 4) -> list[dict[str, Any]]:
@@ -67,3 +74,20 @@ def test_api_history_reports_a_lost_event_a_changed_record_and_counters_going_ba
     assert any("restarts[failure] went back" in p for p in h.problems)
     h.observe({**job, "spec": {"a": 2}}, [*events, {"id": "3", "type": "node_lost"}])
     assert any("the job record changed" in p for p in h.problems)
+
+
+def test_a_partitioned_node_must_be_dropped_after_the_cut_and_join_again_after_that() -> None:
+    def ev(t: float, kind: str, node: str) -> dict[str, Any]:
+        stamp = datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
+        return {"id": str(t), "time": stamp, "type": kind, "message": "", "data": {"node": node}}
+
+    events = [ev(100, "node_lost", "n2"), ev(200, "node_lost", "n2"), ev(205, "node_joined", "n2"),
+              ev(300, "node_lost", "n3")]  # fmt: skip
+    assert check_partitions_dropped_and_rejoined([("n2", 199.0, 204.0)], events) == []
+    assert "never dropped" in check_partitions_dropped_and_rejoined([("n1", 0.0, 5.0)], events)[0]
+    assert "never rejoined" in check_partitions_dropped_and_rejoined([("n3", 299.0, 305.0)], events)[0]
+    assert "never dropped" in check_partitions_dropped_and_rejoined([("n2", 201.0, 204.0)], events)[0]  # lost before
+    # the job's workers finished before n3 could rejoin, or n3 was never healed: no rejoin expected
+    done = [*events, ev(310, "workers_succeeded", "n1")]
+    assert check_partitions_dropped_and_rejoined([("n3", 299.0, 305.0)], done) == []
+    assert check_partitions_dropped_and_rejoined([("n3", 299.0, None)], events) == []

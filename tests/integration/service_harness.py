@@ -2,6 +2,12 @@
 
 Processes are started with ``python -m service.cli`` exactly as an operator would, so tests can SIGKILL
 and restart any of them.
+
+With ``network`` (a :class:`~tests.integration.netns.NetnsTopology`) the cluster must be built by a process
+running in the topology's hub namespace: etcd listens on the hub's bridge address, the controller on the
+hub's loopback, and each agent runs in its node's namespace (``ip netns exec``), advertising the node's
+address (``--rdzv-host``, torchrun's ``--local-addr``) and binding its workers' collectives to the node's
+interface (``--socket-ifname``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from elastic.proctree import descendants
 from service.client import ApiClient
 from service.models import WorkerReport
 from service.store import Keys
+from tests.integration.netns import NetnsTopology
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_JOB = ROOT / "examples" / "demo_job.py"
@@ -54,25 +61,35 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: floa
 
 
 class ServiceCluster:
-    def __init__(self, workdir: Path, prefix: str = "/etrain", lease_ttl: float = 2.0, etcd_members: int = 1) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        prefix: str = "/etrain",
+        lease_ttl: float = 2.0,
+        etcd_members: int = 1,
+        network: NetnsTopology | None = None,
+    ) -> None:
         self.workdir = workdir
         self.prefix = prefix
         self.lease_ttl = lease_ttl
+        self.network = network
         (workdir / "etcd").mkdir(parents=True, exist_ok=True)
-        self.etcd = LocalEtcdCluster(etcd_members, workdir=workdir / "etcd").start()
+        host = network.hub_address if network is not None else "127.0.0.1"
+        self.etcd = LocalEtcdCluster(etcd_members, host=host, workdir=workdir / "etcd").start()
         self.controller: subprocess.Popen[bytes] | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.url = ""
         self.keys = Keys(prefix)
         self.checkpoint_root = workdir / "checkpoints"
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: list[str], prefix: list[str] | None = None) -> subprocess.Popen[bytes]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETRAIN_")}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         (self.workdir / "logs").mkdir(exist_ok=True)
         with open(self.workdir / "logs" / f"{name}.log", "ab") as log:
             return subprocess.Popen(
                 [
+                    *(prefix or []),  # `ip netns exec NS` execs the program: the pid stays the agent's
                     sys.executable,
                     "-m",
                     "service.cli",
@@ -115,20 +132,14 @@ class ServiceCluster:
         self.controller.wait()
 
     def start_agent(self, name: str) -> None:
-        self.agents[name] = self._spawn(
-            name,
-            [
-                "agent",
-                "--node-name",
-                name,
-                "--work-dir",
-                str(self.workdir / "agents" / name),
-                "--rdzv-host",
-                "127.0.0.1",
-                "--lease-ttl",
-                str(self.lease_ttl),
-            ],
-        )
+        args = ["agent", "--node-name", name, "--work-dir", str(self.workdir / "agents" / name),
+                "--lease-ttl", str(self.lease_ttl)]  # fmt: skip
+        if self.network is None:
+            self.agents[name] = self._spawn(name, [*args, "--rdzv-host", "127.0.0.1"])
+            return
+        node = self.network.nodes[name]
+        args += ["--rdzv-host", node.address, "--socket-ifname", node.ifname]
+        self.agents[name] = self._spawn(name, args, prefix=self.network.node_prefix(name))
 
     def kill_agent(self, name: str) -> None:
         proc = self.agents[name]

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from elastic.etcd.server import free_port
-from service.cli import main
+from service.cli import _parser, main
 from tests.service.conftest import ADMIN, READER, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -112,3 +112,11 @@ def test_submit_reads_json_too_and_env_supplies_server_and_token(
     job_id = capsys.readouterr().out.strip()
     wait_until(lambda: main(["status", job_id]) == 0)
     assert "json-job" in capsys.readouterr().out
+
+
+def test_agent_socket_ifname_comes_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ETRAIN_SOCKET_IFNAME", raising=False)
+    assert _parser().parse_args(["agent", "--socket-ifname", "ib0"]).socket_ifname == "ib0"
+    assert _parser().parse_args(["agent"]).socket_ifname is None
+    monkeypatch.setenv("ETRAIN_SOCKET_IFNAME", "eth1")
+    assert _parser().parse_args(["agent"]).socket_ifname == "eth1"

@@ -98,6 +98,20 @@ def test_worker_env_sets_service_variables_over_user_and_base_values() -> None:
     assert '"scaling":"sqrt"' in env["ETRAIN_LR_POLICY"]
 
 
+def test_the_nodes_socket_ifname_binds_gloo_and_nccl_unless_the_job_sets_its_own() -> None:
+    def env_of(a: Assignment, ifname: str | None) -> dict[str, str]:
+        base = {"GLOO_SOCKET_IFNAME": "eth9"}
+        etcd = EtcdOptions("e:1")
+        return worker_env(a, base=base, node_name="n1", progress_key="/p", etcd=etcd, socket_ifname=ifname)
+
+    env = env_of(_assignment(), "etrain-eth0")
+    assert (env["GLOO_SOCKET_IFNAME"], env["NCCL_SOCKET_IFNAME"]) == ("etrain-eth0", "etrain-eth0")
+    env = env_of(_assignment(env={"GLOO_SOCKET_IFNAME": "lo"}), "etrain-eth0")
+    assert (env["GLOO_SOCKET_IFNAME"], env["NCCL_SOCKET_IFNAME"]) == ("lo", "etrain-eth0")
+    env = env_of(_assignment(), None)
+    assert env["GLOO_SOCKET_IFNAME"] == "eth9" and "NCCL_SOCKET_IFNAME" not in env
+
+
 _TREE = textwrap.dedent(
     """
     import signal, subprocess, sys, time

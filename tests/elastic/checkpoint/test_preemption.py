@@ -57,3 +57,36 @@ def test_background_save_in_flight_at_interpreter_exit_is_completed(tmp_path: Pa
     with create_checkpoint_manager(str(tmp_path / "ckpt")) as mgr:
         snap = mgr.load_latest()
     assert snap is not None and snap.step == 1
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("fd_taken", [False, True], ids=["own-wakeup-fd", "wakeup-fd-of-an-event-loop"])
+def test_on_signal_is_called_once_and_another_owners_wakeup_fd_is_left_alone(fd_taken: bool) -> None:
+    import threading
+
+    from elastic.checkpoint import PreemptionWatcher
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    before = signal.set_wakeup_fd(w if fd_taken else -1)
+    calls: list[signal.Signals] = []
+    got = threading.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        calls.append(sig)
+        got.set()
+
+    watcher = PreemptionWatcher((signal.SIGUSR1,), on_signal=on_signal)
+    watcher.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert got.wait(5) and watcher.requested and watcher.signal_name == "SIGUSR1"
+        time.sleep(0.2)
+        assert calls == [signal.SIGUSR1]
+    finally:
+        watcher.uninstall()
+        now = signal.set_wakeup_fd(before)
+        os.close(r)
+        os.close(w)
+    assert now == (w if fd_taken else -1)  # uninstall gave the owner's fd back (or none)

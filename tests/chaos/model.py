@@ -1,0 +1,141 @@
+"""What a chaos run is asked to do and what it found: fault kinds, the configuration, the report.
+
+Both travel as JSON between the runner and its copy running inside the network namespaces
+(:meth:`ChaosConfig.to_dict` / :meth:`ChaosReport.from_dict`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
+from enum import Enum
+from typing import Any
+
+
+class FaultKind(str, Enum):
+    WORKER_KILL = "worker_kill"
+    WORKER_STOP = "worker_stop"
+    TORCHRUN_KILL = "torchrun_kill"
+    TORCHRUN_STOP = "torchrun_stop"
+    AGENT_KILL = "agent_kill"
+    AGENT_STOP = "agent_stop"
+    CONTROLLER_RESTART = "controller_restart"
+    ETCD_MEMBER_LOSS = "etcd_member_loss"
+    NETWORK_PARTITION = "network_partition"
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    faults: int = 8
+    seed: int = 0
+    time_limit: timedelta = timedelta(minutes=30)
+    steps_between: int = 10
+    kinds: tuple[FaultKind, ...] = tuple(FaultKind)
+    nodes: int = 3
+    samples: int = 240
+    batch: int = 4
+    save_every: int = 3
+    step_sleep: float = 0.1
+    settle_timeout: timedelta = timedelta(seconds=240)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (seconds for timedeltas, names for kinds); :meth:`from_dict` reads it back."""
+        seconds = {"time_limit": self.time_limit.total_seconds(), "settle_timeout": self.settle_timeout.total_seconds()}
+        return {**asdict(self), **seconds, "kinds": [k.value for k in self.kinds]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ChaosConfig:
+        return cls(**{**data, "time_limit": timedelta(seconds=data["time_limit"]),
+                      "settle_timeout": timedelta(seconds=data["settle_timeout"]),
+                      "kinds": tuple(FaultKind(k) for k in data["kinds"])})  # fmt: skip
+
+    def without(self, kind: FaultKind) -> ChaosConfig:
+        return replace(self, kinds=tuple(k for k in self.kinds if k != kind))
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch * self.nodes  # fixed-global-batch with base world = nodes
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.samples / self.global_batch)
+
+    @property
+    def epochs(self) -> int:
+        """Enough steps for every fault plus a tail, so that all faults hit a running job."""
+        # Training runs on while a fault settles and between faults: about 2-2.5x steps_between a fault on
+        # average, up to ~5.5x for the slowest (45 steps in CI runs with steps_between=8). The first ten faults
+        # get that worst case; over more faults the total stays near the mean (50 faults, steps_between=10:
+        # 975-1080 steps measured), so each further one gets 3x. What is left over is an idle tail.
+        slots = 6 * min(self.faults + 2, 10) + 3 * max(self.faults + 2 - 10, 0)
+        need = slots * self.steps_between + 2 * self.steps_per_epoch
+        return max(2, math.ceil(need / self.steps_per_epoch))
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: str
+    at: float
+    step_at: int
+    settle_s: float | None = None
+
+
+@dataclass
+class ChaosReport:
+    config: dict[str, Any]
+    faults: list[Fault] = field(default_factory=list)
+    job_id: str = ""
+    job_state: str = ""
+    duration_s: float = 0.0
+    steps: int = 0
+    attempts: int = 0
+    resume_points_verified: int = 0
+    api_polls: int = 0
+    events: int = 0
+    corrupt_warnings: int = 0
+    checks: dict[str, list[str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    stalls: list[str] = field(default_factory=list)
+    network: str = "loopback"  # or "netns: <hub namespace>"
+    partitions_left_out: str = ""  # why network partitions were not injected (empty: they could be)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ChaosReport:
+        data = {k: v for k, v in data.items() if k != "passed"}
+        return cls(**{**data, "faults": [Fault(**f) for f in data["faults"]]})
+
+    @property
+    def passed(self) -> bool:
+        return self.job_state == "succeeded" and not any(self.checks.values()) and bool(self.checks)
+
+    def summary(self) -> str:
+        by_kind: dict[str, list[float]] = {}
+        for f in self.faults:
+            by_kind.setdefault(f.kind, []).append(f.settle_s if f.settle_s is not None else float("nan"))
+        lines = [
+            f"chaos seed={self.config['seed']}: {len(self.faults)} faults in {self.duration_s:.0f} s, job {self.job_id}"
+            f" {self.job_state}, {self.steps} steps, {self.attempts} worker groups (attempts),"
+            f" {self.resume_points_verified} resume snapshots verified, {self.events} events,"
+            f" {self.api_polls} API polls, {self.corrupt_warnings} corrupt-snapshot warnings in worker logs",
+            "fault kind            count   settle median / max (s)  [time until the job trained"
+            f" {self.config['steps_between']} steps past the fault]",
+        ]
+        lines.insert(1, f"network: {self.network}")
+        if self.partitions_left_out:
+            lines.insert(2, f"network partitions left out: {self.partitions_left_out}")
+        for kind, settle in sorted(by_kind.items()):
+            ok = [s for s in settle if not math.isnan(s)]
+            med = f"{statistics.median(ok):6.1f}" if ok else "     —"
+            top = f"{max(ok):6.1f}" if ok else "     —"
+            lines.append(f"  {kind:20s} {len(settle):5d}   {med} / {top}")
+        for name, problems in self.checks.items():
+            lines.append(f"check {name}: {'ok' if not problems else 'FAILED: ' + '; '.join(problems[:5])}")
+        lines += [f"note: {n}" for n in self.notes]
+        lines.append("PASSED" if self.passed else "FAILED")
+        return "\n".join(lines)
