@@ -55,6 +55,7 @@ from typing import Any
 
 import httpx
 
+from elastic.prefork import forked_worker
 from elastic.proctree import descendants
 from tests.chaos.checks import (
     ApiHistory,
@@ -220,6 +221,8 @@ class ChaosRunner:
 
     @staticmethod
     def _children(pid: int) -> list[int]:
+        """The training workers of torchrun ``pid``: its children, or, for a warm-start client (the service's
+        default), the worker the client's zygote forked for it (a fault must hit the process that trains)."""
         out = []
         for child, _ in descendants(pid):
             try:
@@ -227,7 +230,7 @@ class ChaosRunner:
             except OSError:
                 continue
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(child)
+                out.append(forked_worker(child) or child)
         return out
 
     @staticmethod
