@@ -204,12 +204,11 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def _shutdown(code: int) -> int:
-    """What interpreter exit does that matters to a worker: join non-daemon threads, atexit, flush."""
+    """What interpreter exit does that matters to a worker, in its order: ``threading._shutdown`` (the
+    threading atexit hooks, e.g. concurrent.futures telling its idle pool threads to stop, then joining the
+    non-daemon threads; joining them without those hooks waits for ever), ``atexit`` handlers, flush."""
     try:
-        main_thread = threading.main_thread()
-        for t in threading.enumerate():
-            if t is not main_thread and not t.daemon:
-                t.join()
+        threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls
         atexit._run_exitfuncs()
     except BaseException:
         traceback.print_exc()

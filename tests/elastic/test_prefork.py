@@ -44,6 +44,10 @@ SCRIPT = textwrap.dedent(
         f.write(json.dumps(info) + "\\n")
     print("stdout reaches the client's stdout", flush=True)
     mode = os.environ.get("MODE", "exit")
+    if mode == "pool":  # an idle non-daemon pool thread, never shut down: interpreter exit must still end
+        from concurrent.futures import ThreadPoolExecutor
+        pool = ThreadPoolExecutor(1)  # referenced until exit, as a checkpoint manager's pool is
+        pool.submit(print, "pool thread ran", flush=True).result()
     if mode == "sleep":
         time.sleep(60)
     if mode == "die-first" and info["restart"] == "0":
@@ -127,6 +131,16 @@ def test_signals_reach_the_worker_and_a_killed_client_takes_its_worker_along(
         out, _ = owner.communicate(timeout=10)
     assert "rc=143" in out
     assert wait_until(lambda: not _zygotes(env), 10)  # the owner is gone: so is its zygote
+
+
+def test_a_worker_exits_like_python_does_with_an_idle_thread_pool_left_open(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    # Found by the chaos suite: joining the pool's idle non-daemon thread without the threading atexit hooks
+    # hung the worker until torchrun's SIGKILL, 30 s later.
+    run = subprocess.run(["bash", "-c", f"MODE=pool CODE=3 {CLIENT}; echo rc=$?"], cwd=tmp_path / "work", env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "pool thread ran" in run.stdout and "rc=3" in run.stdout, run.stderr
 
 
 def test_worker_dying_of_a_signal_makes_the_client_die_of_it_and_prefork_off_runs_in_process(
