@@ -25,10 +25,21 @@ logger = logging.getLogger(__name__)
 __all__ = ["EtcdMember", "LocalEtcdCluster", "find_etcd_binary", "free_port"]
 
 
+_handed_out: set[tuple[str, int]] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free on ``host`` now, never one this process handed out before: the kernel may offer the same
+    ephemeral port to consecutive binds once the probe socket is closed (seen in a fresh network namespace,
+    where an etcd cluster then got the same peer port twice)."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if (host, port) not in _handed_out:
+            _handed_out.add((host, port))
+            return port
+    raise RuntimeError(f"no fresh free port on {host}")
 
 
 def find_etcd_binary() -> str:
