@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from elastic.prefork.common import FORWARDED, Target, recv_message, send_message, socket_path
+from elastic.prefork.common import FORWARDED, Target, prefork_enabled, recv_message, send_message, socket_path
 from elastic.proctree import process_stat
 
 logger = logging.getLogger(__name__)
@@ -79,16 +79,15 @@ def prestart(owner: int | None = None) -> None:
     """Start the zygote of torchrun agent ``owner`` (default: this process) now and return at once, so
     that its imports overlap the rendezvous instead of delaying the first worker. Does nothing if
     ``ETRAIN_PREFORK=0`` or if one runs already. Safe in a multi-threaded process (no fork here)."""
-    if os.environ.get("ETRAIN_PREFORK", "1") == "0":
-        return
-    path = socket_path(os.getpid() if owner is None else owner)
+    owner = os.getpid() if owner is None else owner
+    path = socket_path(owner) if prefork_enabled() else None
     if path is None:
         return
     sock = _connect(path)
     if sock is not None:
         sock.close()
         return
-    _launch(path, os.getpid() if owner is None else owner)
+    _launch(path, owner)
 
 
 _DETACH = """import os, sys
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(Path(argv[1]), int(argv[2]))
     target = Target.parse(argv)
-    path = socket_path(os.getppid()) if os.environ.get("ETRAIN_PREFORK", "1") != "0" else None
+    path = socket_path(os.getppid()) if prefork_enabled() else None
     if path is not None:
         sock = _connect(path) or _start_zygote(path, os.getppid())
         if sock is not None:

@@ -71,26 +71,37 @@ def marker_path(client_pid: int) -> Path:
     return folder / str(client_pid)
 
 
-def forked_worker(client_pid: int) -> int | None:
-    """The pid of the child a client process runs its script in, or None (not a prefork client, or gone)."""
+def _forked(client_pid: int) -> tuple[int, int] | None:
+    """``(pid, start time)`` of the live child a client process runs its script in, else None."""
     try:
         child = int(marker_path(client_pid).read_text())
     except (OSError, ValueError):
         return None
-    return child if process_stat(child) is not None else None
+    st = process_stat(child)
+    return (child, st[1]) if st is not None else None
+
+
+def forked_worker(client_pid: int) -> int | None:
+    """The pid of the child a client process runs its script in, or None (not a prefork client, or gone)."""
+    found = _forked(client_pid)
+    return found[0] if found is not None else None
 
 
 def worker_tree(root: int) -> list[tuple[int, int]]:
     """:func:`elastic.proctree.descendants` of ``root``, each prefork client followed by the worker it runs
     (which is the zygote's child, not the client's)."""
     out: list[tuple[int, int]] = []
-    for pid, start in descendants(root):
-        out.append((pid, start))
-        child = forked_worker(pid)
-        st = process_stat(child) if child is not None else None
-        if child is not None and st is not None:
-            out.append((child, st[1]))
+    for proc in descendants(root):
+        out.append(proc)
+        child = _forked(proc[0])
+        if child is not None:
+            out.append(child)
     return out
+
+
+def prefork_enabled() -> bool:
+    """False when ``ETRAIN_PREFORK=0``: scripts run in the client process, no zygote is started."""
+    return os.environ.get("ETRAIN_PREFORK", "1") != "0"
 
 
 # -- messages: a 4-byte length, then JSON ----------------------------------------------------------------

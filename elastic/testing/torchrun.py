@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic.prefork import forked_worker
-from elastic.proctree import descendants
+from elastic.prefork import worker_tree
 
 WORKER = str(Path(__file__).with_name("allreduce_worker.py"))
 
@@ -64,9 +63,7 @@ class Agent:
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.update(self.env)
         log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         return self
 
@@ -87,8 +84,8 @@ class Agent:
         if self.process is None:
             return time.time()
         now = time.time()
-        for pid, _ in descendants(self.process.pid):
-            _signal_worker(pid, sig)
+        for pid, _ in worker_tree(self.process.pid):
+            _signal(pid, sig)
         return now
 
     def wait(self, timeout: float) -> int:
@@ -115,20 +112,12 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _signal_worker(pid: int, sig: int) -> None:
-    """Signal a process, and first the worker it runs if it is a warm-start client (elastic.prefork)."""
-    child = forked_worker(pid)
-    if child is not None:
-        _signal(child, sig)
-    _signal(pid, sig)
-
-
 def kill_tree(root: int, sig: int = signal.SIGKILL) -> float:
     """Freeze ``root`` (so it spawns nothing new), then signal it and all its descendants."""
     _signal(root, signal.SIGSTOP)
     now = time.time()
-    for pid in [root, *(p for p, _ in descendants(root))]:
-        _signal_worker(pid, sig)
+    for pid in [root, *(p for p, _ in worker_tree(root))]:
+        _signal(pid, sig)
     if sig != signal.SIGKILL:
         _signal(root, signal.SIGCONT)
     return now

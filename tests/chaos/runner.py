@@ -56,7 +56,7 @@ from typing import Any
 import httpx
 
 from elastic.prefork import forked_worker
-from elastic.proctree import descendants
+from elastic.proctree import descendants, process_stat
 from tests.chaos.checks import (
     ApiHistory,
     check_exactly_once,
@@ -225,11 +225,8 @@ class ChaosRunner:
         default), the worker the client's zygote forked for it (a fault must hit the process that trains)."""
         out = []
         for child, _ in descendants(pid):
-            try:
-                stat = Path(f"/proc/{child}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            st = process_stat(child)
+            if st is not None and st[0] == pid:
                 out.append(forked_worker(child) or child)
         return out
 
