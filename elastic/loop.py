@@ -58,9 +58,11 @@ from elastic.checkpoint import (
 )
 from elastic.checkpoint.api import CheckpointManager
 from elastic.checkpoint.layout import step_dir
+from elastic.checkpoint.state import TrainingState
 from elastic.lr import LRPolicy, RampState, scaled_lr
 from elastic.progress import create_reporter
 from elastic.sampler import ElasticSampler, split_sizes
+from elastic.tiers import create_snapshot_tiers
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,8 @@ class ElasticConfig:
     checkpoint_options: CheckpointOptions = field(default_factory=CheckpointOptions)
     save_every_steps: int | None = 50
     save_every: timedelta | None = None
+    # node-local snapshots in memory (see elastic/tiers.py); None: $ETRAIN_LOCAL_SNAPSHOT_EVERY, else off
+    local_every_steps: int | None = None
     seed: int = 0
     shuffle: bool = True
     backend: str | None = None  # None: nccl with CUDA, else gloo
@@ -87,6 +91,16 @@ class ElasticConfig:
 
     def resolved_checkpoint_url(self) -> str | None:
         return self.checkpoint_url or os.environ.get("ETRAIN_CHECKPOINT_URL") or None
+
+    def resolved_local_every_steps(self) -> int | None:
+        if self.local_every_steps is not None:
+            return self.local_every_steps
+        raw = os.environ.get("ETRAIN_LOCAL_SNAPSHOT_EVERY", "").strip()
+        if raw in ("", "0"):
+            return None
+        if not raw.isdigit():
+            raise ValueError(f"ETRAIN_LOCAL_SNAPSHOT_EVERY must be a number of steps (0: off), got {raw!r}")
+        return int(raw)
 
 
 @dataclass(frozen=True)
@@ -131,6 +145,7 @@ class ElasticTrainer:
         self.sampler.set_world(self.rank, self.world_size)
         self._ramp = self.policy.start_ramp(0, self.policy.factor(self.world_size), self.world_size)
         self._manager = self._open_checkpoints()
+        self._tiers = create_snapshot_tiers(self._manager, config.resolved_local_every_steps(), self.device)
         if isinstance(model, DistributedDataParallel):
             # The user wrapped it already: restore into the module, then make replicas identical.
             self._restore(model.module)
@@ -190,20 +205,12 @@ class ElasticTrainer:
         return manager
 
     def _restore(self, model: torch.nn.Module) -> None:
-        if self._manager is None:
+        # Every rank restores the same snapshot: the newest verified durable one that rank 0 picks, or a
+        # newer node-local one that a surviving node holds (elastic/tiers.py).
+        state = self._tiers.restore()
+        if state is None:
             return
-        # Rank 0 picks the snapshot, so every rank restores the same one even if a save lands meanwhile.
-        chosen = torch.tensor([-1], dtype=torch.int64)
-        snapshot = self._manager.load_latest() if self.rank == 0 else None
-        if snapshot is not None:
-            chosen[0] = snapshot.step
-        dist.broadcast(chosen, 0)
-        step = int(chosen.item())
-        if step < 0:
-            return
-        if snapshot is None:
-            snapshot = self._manager.load(step)
-        ts = restore_training_state(snapshot.training_state(), model, self.optimizer, self.scheduler)
+        ts = restore_training_state(state, model, self.optimizer, self.scheduler)
         self.step = ts.step
         self.sampler.load_state_dict(dict(ts.data_cursor)["sampler"])
         if ts.lr_reference:
@@ -360,6 +367,7 @@ class ElasticTrainer:
         due = epoch_done or (every is not None and self.step % every == 0)
         # Every rank, every step: agree on a time-based save and on a SIGTERM seen by any rank. Doing this
         # collective unconditionally keeps all ranks' collectives in the same order.
+        local_due = self._tiers.local_due(self.step)
         interval = self.config.save_every
         time_due = interval is not None and time.monotonic() - self._last_save_time >= interval.total_seconds()
         signalled = self._preemption.requested
@@ -380,12 +388,12 @@ class ElasticTrainer:
                 raise SystemExit(143)
         elif due:
             self.save(blocking=False)
+        elif local_due:
+            self._tiers.save_local(self.step, self._capture(), overlap_with=self.optimizer)
 
-    def save(self, blocking: bool = False) -> None:
-        """Snapshot the full state now (a collective: every rank must call it)."""
-        if self._manager is None:
-            return
-        state = capture_training_state(
+    def _capture(self) -> TrainingState:
+        """References to the full state (a collective: gathers every rank's RNG state)."""
+        return capture_training_state(
             self.step,
             self.model,
             self.optimizer,
@@ -395,6 +403,12 @@ class ElasticTrainer:
             extras={"lr_ramp": dataclasses.asdict(self._ramp)},
             world_size=self.world_size,
         )
+
+    def save(self, blocking: bool = False) -> None:
+        """Snapshot the full state now (a collective: every rank must call it)."""
+        if self._manager is None:
+            return
+        state = self._capture()
         # The optimizer's tensors are copied by the writer thread while the next forward/backward runs;
         # the next optimizer.step() waits for that copy (see CheckpointManager.save).
         self._manager.save(self.step, state, blocking=blocking, overlap_with=None if blocking else self.optimizer)
@@ -405,10 +419,12 @@ class ElasticTrainer:
     def stopped_by_preemption(self) -> bool:
         return self._stopped
 
-    def close(self) -> None:
-        """Flush the in-flight save (raising its error) and leave the process group."""
+    def close(self, finished: bool = True) -> None:
+        """Flush the in-flight save (raising its error) and leave the process group. ``finished``: the job
+        is done, so this node's in-memory snapshots are deleted (kept after a preemption stop)."""
         self._boundary_after_signal.set()
         self._preemption.uninstall()
+        self._tiers.close(finished=finished and not self._stopped)
         if self._manager is not None:
             self._manager.close()
         if self._pending_checkpoint is not None and self._manager is not None:
@@ -425,7 +441,7 @@ class ElasticTrainer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(finished=exc[0] is None)
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

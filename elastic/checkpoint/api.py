@@ -84,7 +84,8 @@ class CheckpointOptions:
     ``storage_options`` go to fsspec unchanged (e.g. ``{"client_kwargs": {"endpoint_url": ...}}`` for s3fs).
     ``keep_last`` snapshots are kept (the one just written counts), plus every snapshot whose step is a
     multiple of ``keep_every`` when set.  ``lustre_stripe_*`` are used when an ``lfs`` executable is on
-    ``PATH`` and the root is a local path.
+    ``PATH`` and the root is a local path.  ``per_node`` (replicated layout): the first worker of every node
+    (``LOCAL_RANK`` 0) writes instead of one rank of the world, for node-local storage such as ``/dev/shm``.
     """
 
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)  # may hold secrets
@@ -92,6 +93,7 @@ class CheckpointOptions:
     keep_last: int = 3
     keep_every: int | None = None
     writer_rank: int = 0
+    per_node: bool = False
     verify_after_write: bool = True
     weights_only: bool = True
     chunk_bytes: int = 8 * _MIB
@@ -117,6 +119,8 @@ class CheckpointOptions:
                 f"lustre_stripe_size must look like 1048576, 4M or 1G, got {self.lustre_stripe_size!r}"
             )
         object.__setattr__(self, "layout", StateLayout(self.layout))
+        if self.per_node and self.layout == StateLayout.SHARDED:
+            raise ValueError("per_node applies to the replicated layout (each rank of a sharded state writes its part)")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> CheckpointOptions:
@@ -184,7 +188,8 @@ class CheckpointManager(ABC):
     @property
     @abstractmethod
     def is_writer(self) -> bool:
-        """Whether this process writes replicated snapshots (rank ``writer_rank`` of the saving world)."""
+        """Whether this process writes replicated snapshots (rank ``writer_rank`` of the saving world, or
+        with ``per_node`` the first worker of each node)."""
 
     @abstractmethod
     def check_storage(self) -> None:

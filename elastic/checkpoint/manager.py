@@ -120,6 +120,8 @@ class FsspecCheckpointManager(CheckpointManager):
 
     @property
     def is_writer(self) -> bool:
+        if self._options.per_node:
+            return int(os.environ.get("LOCAL_RANK", "0")) == 0
         return current_rank_and_world()[0] == self.writer_rank
 
     def check_storage(self) -> None:

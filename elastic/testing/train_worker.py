@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--keep-last", type=int, default=100)
+    p.add_argument("--local-every", type=int, default=0, help="node-local snapshot every N steps (0: off)")
     p.add_argument("--stop-timeout", type=float, default=10.0,
                    help="seconds after SIGTERM to reach a step boundary, else exit unsaved; 0: wait")  # fmt: skip
     args = p.parse_args(argv)
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         args.checkpoint_url,
         checkpoint_options=CheckpointOptions(keep_last=args.keep_last),
         save_every_steps=args.save_every,
+        local_every_steps=args.local_every or None,
         seed=args.seed,
         progress_every=0,
         stop_timeout=timedelta(seconds=args.stop_timeout) if args.stop_timeout > 0 else None,

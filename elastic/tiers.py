@@ -1,0 +1,224 @@
+"""Two tiers of snapshots: durable ones on shared storage, and node-local ones in memory (``/dev/shm``).
+
+A durable snapshot every N steps survives losing every node; a node-local snapshot every step (or every
+few) bounds what a single failure costs. After a worker crash or the loss of a node, the re-formed group
+resumes from the newest step that *any* surviving node still holds in its local tier, so at most
+``local_every_steps`` steps are re-done instead of up to ``save_every_steps``.
+
+Contract of :class:`SnapshotTiers` (replicated, DDP-style state only: any node's copy is the whole state):
+
+- ``restore()`` is a collective (every rank calls it, in the same order as other collectives):
+  1. rank 0 picks the newest durable snapshot that verifies (as with durable snapshots alone);
+  2. the first worker of each node reports the newest committed step of every slot on its node;
+  3. if the newest local step is newer than the durable one, the lowest rank holding it loads and
+     verifies it and broadcasts the state to every rank; if it does not verify, every rank falls back to
+     the durable snapshot, with a warning. It returns the :class:`TrainingState` to resume from, or None.
+- ``save_local()`` is a best effort: the first worker of each node writes asynchronously to its own slot;
+  a save still in flight is not waited for (that step is skipped), and a failed local write is a warning,
+  never an error of the training run.
+- Slots: each writer holds an exclusive ``flock`` on its slot for its lifetime, so two agents on one host
+  never write the same directory, and a restarted worker finds what its dead predecessor wrote. After a
+  restore, the data of slots nobody holds is deleted (it is no newer than what was restored).
+- ``close(finished=True)`` deletes this node's local tier (the job is done: nothing is left in memory).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
+from elastic.checkpoint.api import CheckpointError, CheckpointManager
+from elastic.checkpoint.state import TrainingState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SnapshotTiers", "create_snapshot_tiers", "default_local_root", "local_tier_dir"]
+
+LOCAL_OPTIONS = CheckpointOptions(keep_last=1, per_node=True, verify_after_write=False, lustre_striping=False)
+_MAX_SLOTS = 64
+
+
+def default_local_root() -> Path:
+    """``$ETRAIN_LOCAL_SNAPSHOT_DIR``, else ``/dev/shm/etrain-<uid>`` (memory), else the temp directory."""
+    configured = os.environ.get("ETRAIN_LOCAL_SNAPSHOT_DIR")
+    if configured:
+        return Path(configured)
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"etrain-{os.getuid()}"
+
+
+def local_tier_dir(root: Path, durable_url: str | None, run_id: str | None) -> Path:
+    """One job's local tier: keyed by its durable checkpoint URL (else torchrun's run id)."""
+    key = durable_url or f"run:{run_id or 'none'}"
+    return root / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class SnapshotTiers:
+    """See the module docstring. ``durable`` or ``local_dir`` may be None (that tier is off)."""
+
+    def __init__(
+        self,
+        durable: CheckpointManager | None,
+        local_dir: Path | None,
+        local_every_steps: int | None,
+        device: torch.device,
+    ) -> None:
+        if local_dir is not None and (local_every_steps is None or local_every_steps < 1):
+            raise ValueError(f"local_every_steps must be >= 1 with a local tier, got {local_every_steps}")
+        self.durable = durable
+        self._dir = local_dir
+        self._every = local_every_steps
+        self._device = device
+        self._writer = local_dir is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0
+        self._lock_fd: int | None = None
+        self._local: CheckpointManager | None = None
+        self._warned = False
+        if self._writer:
+            assert local_dir is not None
+            self._local = create_checkpoint_manager(str(self._claim_slot(local_dir)), LOCAL_OPTIONS)
+            self._local.check_storage()
+
+    @property
+    def local_enabled(self) -> bool:
+        return self._dir is not None
+
+    # -- slots ---------------------------------------------------------------------------------------
+    def _claim_slot(self, root: Path) -> Path:
+        root.mkdir(parents=True, exist_ok=True)
+        for i in range(_MAX_SLOTS):
+            fd = os.open(root / f"slot-{i}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._lock_fd = fd
+            return root / f"slot-{i}"
+        raise CheckpointError(f"all {_MAX_SLOTS} local snapshot slots under {root} are held")
+
+    def _slots(self) -> list[Path]:
+        assert self._dir is not None
+        return sorted(p for p in self._dir.glob("slot-*") if p.is_dir())
+
+    @staticmethod
+    def _held(slot: Path) -> bool:
+        fd = os.open(f"{slot}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing drops a lock we just took
+        return False
+
+    def _newest_local(self) -> tuple[int, Path | None]:
+        best: tuple[int, Path | None] = (-1, None)
+        for slot in self._slots():
+            step = create_checkpoint_manager(str(slot), LOCAL_OPTIONS).latest_step()
+            if step is not None and step > best[0]:
+                best = (step, slot)
+        return best
+
+    def _drop_stale_slots(self) -> None:
+        mine = Path(self._local.url) if self._local is not None else None
+        for slot in self._slots():
+            if slot != mine and not self._held(slot):
+                shutil.rmtree(slot, ignore_errors=True)
+
+    # -- restore -------------------------------------------------------------------------------------
+    def restore(self) -> TrainingState | None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        durable_latest = self.durable.latest_step() if self.durable is not None and rank == 0 else None
+        local_step, local_slot = self._newest_local() if self._writer else (-1, None)
+        mine = torch.tensor([-1 if durable_latest is None else durable_latest, local_step], device=self._device)
+        gathered = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        local_steps = [int(g[1]) for g in gathered]
+        best = max(local_steps)
+        src = local_steps.index(best)
+        tried = best > int(gathered[0][0])
+        state = self._broadcast_local(src, best, local_slot) if tried else None
+        if state is None:
+            state = self._restore_durable(rank)
+            if not tried and best >= 0 and (state is None or best > state.step):  # newest durable ones corrupt
+                state = self._broadcast_local(src, best, local_slot) or state
+        if self._writer:
+            self._drop_stale_slots()
+        return state
+
+    def _restore_durable(self, rank: int) -> TrainingState | None:
+        """Rank 0 picks the newest durable snapshot that verifies, so every rank loads the same one."""
+        if self.durable is None:
+            return None
+        snapshot = self.durable.load_latest() if rank == 0 else None
+        chosen = torch.tensor([-1 if snapshot is None else snapshot.step], device=self._device)
+        dist.broadcast(chosen, 0)
+        step = int(chosen.item())
+        if step < 0:
+            return None
+        return (snapshot if snapshot is not None else self.durable.load(step)).training_state()
+
+    def _broadcast_local(self, src: int, step: int, slot: Path | None) -> TrainingState | None:
+        payload: list[Any] = [None]
+        if dist.get_rank() == src:
+            assert slot is not None
+            try:
+                payload[0] = create_checkpoint_manager(str(slot), LOCAL_OPTIONS).load(step).state
+            except CheckpointError as exc:
+                logger.warning("node-local snapshot step %d is unusable (%s); using a durable one", step, exc)
+        dist.broadcast_object_list(payload, src=src, device=self._device)
+        if payload[0] is None:
+            return None
+        logger.info("resuming from node-local snapshot step %d (held by rank %d)", step, src)
+        return TrainingState.from_dict(payload[0])
+
+    # -- save ----------------------------------------------------------------------------------------
+    def local_due(self, step: int) -> bool:
+        return self._dir is not None and self._every is not None and step % self._every == 0
+
+    def save_local(self, step: int, state: TrainingState, overlap_with: torch.optim.Optimizer | None) -> None:
+        local = self._local
+        if local is None or local.in_flight:
+            return  # not this node's writer, or the previous local save is still being written: skip
+        try:
+            local.save(step, state, overlap_with=overlap_with)
+        except CheckpointError as exc:
+            if not self._warned:
+                logger.warning("node-local snapshots failing (durable ones go on): %s", exc)
+                self._warned = True
+
+    def close(self, finished: bool = False) -> None:
+        """Flush the local tier; with ``finished`` (the job is done) delete this node's local snapshots."""
+        if self._local is not None:
+            try:
+                self._local.close()
+            except CheckpointError as exc:
+                logger.warning("last node-local snapshot failed: %s", exc)
+            self._local = None
+        if finished and self._writer and self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def create_snapshot_tiers(
+    durable: CheckpointManager | None, local_every_steps: int | None, device: torch.device
+) -> SnapshotTiers:
+    """Tiers for a worker started by torchrun; the local tier is on when ``local_every_steps`` is set."""
+    local_dir = None
+    if local_every_steps is not None:
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        local_dir = local_tier_dir(default_local_root(), durable.url if durable is not None else None, run_id)
+    return SnapshotTiers(durable, local_dir, local_every_steps, device)

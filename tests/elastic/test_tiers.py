@@ -1,0 +1,150 @@
+"""SnapshotTiers in one process (a gloo group of one): which tier a restore picks, slots, clean-up.
+
+The multi-process behaviour (a restarted worker group and the survivors of a lost node resuming from
+node-local snapshots under real torchrun) is in tests/integration/test_local_snapshots.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
+from elastic.checkpoint.state import TrainingState
+from elastic.loop import ElasticConfig
+from elastic.lr import LRPolicy, LRRule
+from elastic.tiers import LOCAL_OPTIONS, SnapshotTiers, local_tier_dir
+
+pytestmark = pytest.mark.timeout(60)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def group() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _state(step: int) -> TrainingState:
+    return TrainingState(step=step, model={"w": torch.full((4,), float(step))}, data_cursor={"position": step})
+
+
+def _tiers(tmp: Path, durable: bool = True) -> SnapshotTiers:
+    manager = create_checkpoint_manager(str(tmp / "durable"), CheckpointOptions()) if durable else None
+    return SnapshotTiers(manager, tmp / "local", 1, CPU)
+
+
+def _save(tiers: SnapshotTiers, step: int, durable: bool) -> None:
+    if durable:
+        assert tiers.durable is not None
+        tiers.durable.save(step, _state(step), blocking=True)
+    else:
+        tiers.save_local(step, _state(step), overlap_with=None)
+        tiers.close()  # flushes the local write
+
+
+def test_restore_prefers_a_newer_node_local_snapshot_over_the_durable_one(tmp_path: Path) -> None:
+    _save(_tiers(tmp_path), 10, durable=True)
+    _save(_tiers(tmp_path), 13, durable=False)
+    state = _tiers(tmp_path).restore()
+    assert state is not None and state.step == 13
+    assert torch.equal(state.model["w"], torch.full((4,), 13.0))
+
+
+def test_restore_takes_the_durable_snapshot_when_it_is_newer(tmp_path: Path) -> None:
+    _save(_tiers(tmp_path), 7, durable=False)
+    _save(_tiers(tmp_path), 10, durable=True)
+    state = _tiers(tmp_path).restore()
+    assert state is not None and state.step == 10
+
+
+def test_a_corrupt_local_snapshot_falls_back_to_the_durable_one_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _save(_tiers(tmp_path), 10, durable=True)
+    _save(_tiers(tmp_path), 13, durable=False)
+    data = [p for p in (tmp_path / "local").rglob("*") if p.is_file() and "manifest" not in p.name and p.stat().st_size]
+    assert data, list((tmp_path / "local").rglob("*"))
+    raw = bytearray(data[0].read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data[0].write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="elastic.tiers"):
+        state = _tiers(tmp_path).restore()
+    assert state is not None and state.step == 10
+    assert "node-local snapshot step 13 is unusable" in caplog.text
+
+
+def test_local_snapshots_alone_resume_a_job_without_durable_storage(tmp_path: Path) -> None:
+    _save(_tiers(tmp_path, durable=False), 3, durable=False)
+    state = _tiers(tmp_path, durable=False).restore()
+    assert state is not None and state.step == 3
+    assert _tiers(tmp_path / "empty", durable=False).restore() is None
+
+
+def test_live_writers_hold_distinct_slots_and_a_dead_writers_slot_is_reused(tmp_path: Path) -> None:
+    first, second = _tiers(tmp_path), _tiers(tmp_path)  # two agents on one host
+    assert first._local is not None and second._local is not None
+    assert Path(first._local.url).name == "slot-0" and Path(second._local.url).name == "slot-1"
+    first.close()  # its worker died: the lock is gone
+    third = _tiers(tmp_path)
+    assert third._local is not None and Path(third._local.url).name == "slot-0"
+    second.close()
+    third.close()
+
+
+def test_after_a_restore_only_slots_nobody_holds_are_deleted(tmp_path: Path) -> None:
+    dead = _tiers(tmp_path)
+    _save(dead, 5, durable=False)  # slot-0, lock released by close
+    live = _tiers(tmp_path)  # takes slot-0 again
+    other = _tiers(tmp_path)  # slot-1, held
+    other.save_local(6, _state(6), overlap_with=None)
+    assert other._local is not None
+    other._local.wait()
+    stale = tmp_path / "local" / "slot-2"
+    manager = create_checkpoint_manager(str(stale), LOCAL_OPTIONS)
+    manager.save(4, _state(4), blocking=True)
+    manager.close()
+    state = live.restore()
+    assert state is not None and state.step == 6
+    assert not stale.exists()
+    assert (tmp_path / "local" / "slot-1").exists()
+    other.close()
+    live.close()
+
+
+def test_close_of_a_finished_job_deletes_the_node_local_snapshots_and_a_stopped_one_keeps_them(
+    tmp_path: Path,
+) -> None:
+    kept = _tiers(tmp_path)
+    kept.save_local(2, _state(2), overlap_with=None)
+    kept.close(finished=False)
+    assert any((tmp_path / "local").rglob("manifest*"))
+    done = _tiers(tmp_path)
+    done.close(finished=True)
+    assert not (tmp_path / "local").exists()
+
+
+def test_the_local_tier_of_a_job_is_keyed_by_its_durable_url(tmp_path: Path) -> None:
+    a = local_tier_dir(tmp_path, "s3://bucket/job-a", "run-1")
+    assert a == local_tier_dir(tmp_path, "s3://bucket/job-a", "run-2")  # a new torchrun generation
+    assert a != local_tier_dir(tmp_path, "s3://bucket/job-b", "run-1")
+    assert local_tier_dir(tmp_path, None, "run-1") != local_tier_dir(tmp_path, None, "run-2")
+
+
+def test_local_every_steps_comes_from_the_environment_and_rejects_junk(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = ElasticConfig(LRPolicy(LRRule.LINEAR, 0.1, 1, 8))
+    monkeypatch.setenv("ETRAIN_LOCAL_SNAPSHOT_EVERY", "2")
+    assert config.resolved_local_every_steps() == 2
+    monkeypatch.setenv("ETRAIN_LOCAL_SNAPSHOT_EVERY", "0")
+    assert config.resolved_local_every_steps() is None
+    monkeypatch.setenv("ETRAIN_LOCAL_SNAPSHOT_EVERY", "often")
+    with pytest.raises(ValueError, match="ETRAIN_LOCAL_SNAPSHOT_EVERY"):
+        config.resolved_local_every_steps()
+    with pytest.raises(ValueError, match="local_every_steps"):
+        SnapshotTiers(None, Path("/nonexistent"), 0, CPU)
