@@ -50,6 +50,7 @@ class System:
     backend: str
     conf: dict[str, object] = field(default_factory=dict)
     prefork: bool = False
+    local_every: int = 0  # node-local snapshot every N steps (elastic/tiers.py); 0: off
 
     def endpoint(self, etcd: LocalEtcdCluster) -> str:
         return etcd.endpoints if self.backend == "etcd-v3" else f"127.0.0.1:{free_port()}"
@@ -58,6 +59,8 @@ class System:
 SYSTEMS = {
     s.key: s
     for s in (
+        System("etcd-v3-local", "this project (etcd-v3 + warm starts + node-local snapshot every step)", "etcd-v3",
+               {"last_call_timeout": 1}, True, local_every=1),
         System("etcd-v3-warm", "this project (etcd-v3 + warm starts)", "etcd-v3", {"last_call_timeout": 1}, True),
         System("etcd-v3", "this project, cold starts (warm_start=false)", "etcd-v3", {"last_call_timeout": 1}),
         System("c10d", "torchrun c10d (defaults)", "c10d", {}),
@@ -91,19 +94,22 @@ class Job:
         self.rec.mkdir(parents=True)
         self.workload = workload
         self.agents: list[Agent] = []
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        self.shm = shm / f"etrain-bench-{self.run_id}"
 
     def start_agent(self, name: str) -> Agent:
         w = self.workload
         args = ["--checkpoint-url", str(self.dir / "ck"), "--record", str(self.rec), "--epochs", "100000",
                 "--samples", str(w.samples), "--batch", str(w.batch), "--lr-rule", "fixed-global-batch",
                 "--base-world", "2", "--save-every", str(w.save_every), "--step-sleep", str(w.step_sleep),
-                "--dropout", "0"]  # fmt: skip
+                "--dropout", "0", "--local-every", str(self.system.local_every)]  # fmt: skip
         cmd = torchrun_command(
             backend=self.system.backend, endpoint=self.endpoint, run_id=self.run_id, nnodes="1:2", nproc=1,
             rdzv_conf=self.system.conf, max_restarts=100, script=WORKER, script_args=args,
             prefork=self.system.prefork,
         )  # fmt: skip
-        agent = Agent(cmd, self.dir / f"{name}.log", env={"LOGLEVEL": "WARNING"}).start()
+        env = {"LOGLEVEL": "WARNING", "ETRAIN_LOCAL_SNAPSHOT_DIR": str(self.shm)}  # in memory, removed by stop()
+        agent = Agent(cmd, self.dir / f"{name}.log", env=env).start()
         self.agents.append(agent)
         return agent
 
@@ -119,6 +125,7 @@ class Job:
     def stop(self) -> None:
         for a in self.agents:
             a.stop()
+        shutil.rmtree(self.shm, ignore_errors=True)
 
     def fail(self, what: str) -> RuntimeError:
         logs = "\n".join(f"--- {a.log_path.name}\n{a.log()[-1500:]}" for a in self.agents)
@@ -258,7 +265,7 @@ def bench_goodput(systems: list[System], trials: int, etcd: LocalEtcdCluster, wo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--systems", default="etcd-v3-warm,etcd-v3,c10d,c10d-tuned")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--goodput-trials", type=int, default=1)
     parser.add_argument("--goodput-duration", type=float, default=120.0)

@@ -133,6 +133,7 @@ def worker_env(
         env["ETRAIN_CHECKPOINT_URL"] = assignment.checkpoint_url
     else:
         env.pop("ETRAIN_CHECKPOINT_URL", None)
+    env["ETRAIN_LOCAL_SNAPSHOT_EVERY"] = str(spec.local_snapshot_every)  # read by elastic.loop; 0: off
     return env
 
 

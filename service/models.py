@@ -161,6 +161,11 @@ class JobSpec(_Spec):
     checkpoint_url: str | None = Field(
         default=None, max_length=4096, description="this job's checkpoint prefix"
     )
+    local_snapshot_every: int = Field(
+        default=0, ge=0, le=1_000_000,
+        description="node-local snapshot in memory (/dev/shm) every N steps, so a failure re-does at most N "
+        "steps; costs one copy of the model + optimizer state in each node's memory; 0: off",
+    )  # fmt: skip
     lr_policy: LRPolicy = Field(default_factory=lambda: LRPolicy())
     restart_policy: RestartPolicy = Field(default_factory=lambda: RestartPolicy())
     rendezvous: RendezvousOptions = Field(default_factory=lambda: RendezvousOptions())

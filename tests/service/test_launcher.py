@@ -96,6 +96,15 @@ def test_worker_env_sets_service_variables_over_user_and_base_values() -> None:
     assert env["ETRAIN_PROGRESS_KEY"] == "/etrain/progress/j-abc"
     assert env["ETRAIN_ETCD_ENDPOINTS"] == "127.0.0.1:9"
     assert '"scaling":"sqrt"' in env["ETRAIN_LR_POLICY"]
+    assert env["ETRAIN_LOCAL_SNAPSHOT_EVERY"] == "0"  # off unless the spec asks
+
+
+def test_local_snapshot_every_reaches_the_workers_and_a_negative_one_is_refused() -> None:
+    env = worker_env(_assignment(local_snapshot_every=2), base={"ETRAIN_LOCAL_SNAPSHOT_EVERY": "9"},
+                     node_name="n1", progress_key="/p", etcd=EtcdOptions("e:1"))  # fmt: skip
+    assert env["ETRAIN_LOCAL_SNAPSHOT_EVERY"] == "2"
+    with pytest.raises(ValueError, match="local_snapshot_every"):
+        _assignment(local_snapshot_every=-1)
 
 
 def test_the_nodes_socket_ifname_binds_gloo_and_nccl_unless_the_job_sets_its_own() -> None:
