@@ -416,6 +416,11 @@ class ElasticTrainer:
         self._pending_checkpoint = self.step
 
     @property
+    def resumed_from(self) -> str | None:
+        """Which tier the start-up restore used: ``"durable"``, ``"node-local"``, or None (a fresh start)."""
+        return self._tiers.source
+
+    @property
     def stopped_by_preemption(self) -> bool:
         return self._stopped
 

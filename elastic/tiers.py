@@ -84,6 +84,7 @@ class SnapshotTiers:
         self._lock_fd: int | None = None
         self._local: CheckpointManager | None = None
         self._warned = False
+        self.source: str | None = None  # what the last restore resumed from: "node-local", "durable" or None
         if self._writer:
             assert local_dir is not None
             self._local = create_checkpoint_manager(str(self._claim_slot(local_dir)), LOCAL_OPTIONS)
@@ -125,7 +126,8 @@ class SnapshotTiers:
     def _newest_local(self) -> tuple[int, Path | None]:
         best: tuple[int, Path | None] = (-1, None)
         for slot in self._slots():
-            step = create_checkpoint_manager(str(slot), LOCAL_OPTIONS).latest_step()
+            with create_checkpoint_manager(str(slot), LOCAL_OPTIONS) as reader:
+                step = reader.latest_step()
             if step is not None and step > best[0]:
                 best = (step, slot)
         return best
@@ -149,10 +151,14 @@ class SnapshotTiers:
         src = local_steps.index(best)
         tried = best > int(gathered[0][0])
         state = self._broadcast_local(src, best, local_slot) if tried else None
+        self.source = "node-local" if state is not None else None
         if state is None:
             state = self._restore_durable(rank)
+            self.source = "durable" if state is not None else None
             if not tried and best >= 0 and (state is None or best > state.step):  # newest durable ones corrupt
-                state = self._broadcast_local(src, best, local_slot) or state
+                local = self._broadcast_local(src, best, local_slot)
+                if local is not None:
+                    state, self.source = local, "node-local"
         if self._writer:
             self._drop_stale_slots()
         return state
@@ -174,7 +180,8 @@ class SnapshotTiers:
         if dist.get_rank() == src:
             assert slot is not None
             try:
-                payload[0] = create_checkpoint_manager(str(slot), LOCAL_OPTIONS).load(step).state
+                with create_checkpoint_manager(str(slot), LOCAL_OPTIONS) as reader:
+                    payload[0] = reader.load(step).state
             except CheckpointError as exc:
                 logger.warning("node-local snapshot step %d is unusable (%s); using a durable one", step, exc)
         dist.broadcast_object_list(payload, src=src, device=self._device)

@@ -84,12 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         stop_timeout=timedelta(seconds=args.stop_timeout) if args.stop_timeout > 0 else None,
     )
     log_file: list[Path] = []
+    resumed_from: list[str | None] = []
     reporter = create_reporter()
 
     def on_step(info: StepInfo) -> None:
         record = {"step": info.step, "epoch": info.epoch, "rank": info.rank, "world": info.world_size,
                   "lr": info.lr, "indices": list(info.indices), "restart": restart, "t": time.time(),
-                  "attempt": attempt}  # fmt: skip
+                  "attempt": attempt, "resumed_from": resumed_from[0] if resumed_from else None}  # fmt: skip
         with open(log_file[0], "a") as f:
             f.write(json.dumps(record) + "\n")
         reporter.report(info.step, world_size=info.world_size, loss=info.loss)
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = ElasticTrainer(model, optimizer, dataset, config, on_step=on_step)
     log_file.append(args.record / f"rank{trainer.rank}.{os.getpid()}.jsonl")
+    resumed_from.append(trainer.resumed_from)
     for x, y in trainer.batches(epochs=args.epochs):
         trainer.backward(F.cross_entropy(trainer.model(x), y))
     if trainer.rank == 0:

@@ -101,8 +101,11 @@ def check_replicas_identical(rec: Path) -> list[str]:
 def check_resumed_snapshots_verify(records: list[Record], checkpoint_url: str) -> tuple[list[str], int]:
     """Every snapshot an attempt resumed from still verifies (checksums) and holds that step: what was
     loaded was a complete, committed snapshot, never a torn one. Returns the problems and how many
-    resume points were checked."""
-    points = sorted({s for s in resume_points(records).values() if s > 0})
+    resume points were checked. Attempts that resumed from a node-local snapshot are not re-checked here
+    (keep_last=1 has replaced it since); the worker verified its sha256 on load, and a wrong state would
+    fail the exactly-once and identical-replica checks."""
+    local = {r["attempt"] for r in records if r.get("resumed_from") == "node-local"}
+    points = sorted({s for a, s in resume_points(records).items() if s > 0 and a not in local})
     problems: list[str] = []
     manager = create_checkpoint_manager(checkpoint_url)
     try:

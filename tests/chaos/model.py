@@ -38,6 +38,7 @@ class ChaosConfig:
     batch: int = 4
     save_every: int = 3
     step_sleep: float = 0.1
+    local_every: int = 0  # the job spec's local_snapshot_every (node-local snapshots; 0: off)
     settle_timeout: timedelta = timedelta(seconds=240)
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,6 +94,7 @@ class ChaosReport:
     steps: int = 0
     attempts: int = 0
     resume_points_verified: int = 0
+    resumed_node_local: int = 0  # attempts that resumed from a node-local snapshot
     api_polls: int = 0
     events: int = 0
     corrupt_warnings: int = 0
@@ -118,10 +120,13 @@ class ChaosReport:
         by_kind: dict[str, list[float]] = {}
         for f in self.faults:
             by_kind.setdefault(f.kind, []).append(f.settle_s if f.settle_s is not None else float("nan"))
+        local = f" {self.resumed_node_local} from node-local snapshots," if self.config.get("local_every") else ""
         lines = [
             f"chaos seed={self.config['seed']}: {len(self.faults)} faults in {self.duration_s:.0f} s, job {self.job_id}"
             f" {self.job_state}, {self.steps} steps, {self.attempts} worker groups (attempts),"
-            f" {self.resume_points_verified} resume snapshots verified, {self.events} events,"
+            f" {self.resume_points_verified} resume snapshots verified,"
+            f"{local}"
+            f" {self.events} events,"
             f" {self.api_polls} API polls, {self.corrupt_warnings} corrupt-snapshot warnings in worker logs",
             "fault kind            count   settle median / max (s)  [time until the job trained"
             f" {self.config['steps_between']} steps past the fault]",

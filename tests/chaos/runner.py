@@ -159,6 +159,7 @@ class ChaosRunner:
             "min_nodes": 1,
             "max_nodes": c.nodes,
             "rendezvous": {"last_call_timeout": 1},
+            "local_snapshot_every": c.local_every,
             "restart_policy": {
                 "backoff_initial": 1, "backoff_max": 4, "max_failures": 1000, "max_membership_changes": 100000,
                 "max_worker_restarts": 100, "crash_loop_threshold": 1000, "blacklist_after": 1000,
@@ -405,6 +406,7 @@ class ChaosRunner:
         records = read_records(self.rec)
         report.steps = max((r["step"] for r in records), default=0)
         report.attempts = len({r["attempt"] for r in records})
+        report.resumed_node_local = len({r["attempt"] for r in records if r.get("resumed_from") == "node-local"})
         report.api_polls, report.events = history.polls, len(history.events)
 
         def guarded(name: str, check: Callable[[], list[str]]) -> None:
@@ -488,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--time-limit", type=float, default=2400, help="seconds; the run stops by itself")
     p.add_argument("--steps-between", type=int, default=10)
+    p.add_argument("--local-every", type=int, default=0, help="node-local snapshot every N steps (0: off)")
     p.add_argument("--kinds", default=",".join(k.value for k in FaultKind))
     p.add_argument("--no-netns", action="store_true",
                    help="everything on loopback in this namespace; network partitions are left out")  # fmt: skip
@@ -504,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ChaosConfig(
         faults=args.faults, seed=args.seed, time_limit=timedelta(seconds=args.time_limit),
         steps_between=args.steps_between, kinds=tuple(FaultKind(k) for k in args.kinds.split(",")),
+        local_every=args.local_every,
     )  # fmt: skip
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
