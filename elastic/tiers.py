@@ -90,10 +90,6 @@ class SnapshotTiers:
             self._local = create_checkpoint_manager(str(self._claim_slot(local_dir)), LOCAL_OPTIONS)
             self._local.check_storage()
 
-    @property
-    def local_enabled(self) -> bool:
-        return self._dir is not None
-
     # -- slots ---------------------------------------------------------------------------------------
     def _claim_slot(self, root: Path) -> Path:
         root.mkdir(parents=True, exist_ok=True)

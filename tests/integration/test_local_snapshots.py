@@ -26,12 +26,12 @@ def agents() -> Iterator[list[Agent]]:
         a.stop()
 
 
-def _start(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, local_every: int) -> Agent:
+def _start(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, local_every: int, nproc: int = 1) -> Agent:
     args = ["--epochs", "2", "--samples", "480", "--batch", "4", "--lr-rule", "linear", "--base-world", "2",
             "--save-every", "1000", "--local-every", str(local_every), "--step-sleep", "0.05",
             "--checkpoint-url", str(tmp / "ck"), "--record", str(tmp / "rec")]  # fmt: skip
     cmd = torchrun_command(
-        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes="1:2", nproc=1,
+        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes="1:2", nproc=nproc,
         rdzv_conf={"last_call_timeout": 1}, max_restarts=5, script=WORKER, script_args=args, prefork=True,
     )  # fmt: skip
     env = {"LOGLEVEL": "INFO", "ETRAIN_LOCAL_SNAPSHOT_DIR": str(tmp / "shm")}
@@ -101,3 +101,19 @@ def test_without_node_local_snapshots_the_same_worker_kill_restarts_from_the_las
     assert wait_until(lambda: _max_step(tmp_path) >= 12, 150), _logs(agents)
     assert _lost_by(tmp_path, b.kill_workers(), agents) >= 12
     assert not (tmp_path / "shm").exists()
+
+
+@pytest.mark.timeout(300)
+def test_with_two_workers_per_node_one_writes_per_node_and_a_worker_kill_redoes_at_most_one_step(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
+) -> None:
+    run_id = f"local2-{uuid.uuid4().hex[:6]}"
+    a = _start(tmp_path, "a", etcd_server, run_id, local_every=1, nproc=2)
+    b = _start(tmp_path, "b", etcd_server, run_id, local_every=1, nproc=2)
+    agents += [a, b]
+    assert wait_until(lambda: _max_step(tmp_path) >= 12, 150), _logs(agents)
+    # LOCAL_RANK 0 of each agent writes; the LOCAL_RANK 1 workers never claim a slot
+    assert sorted(p.name for p in (tmp_path / "shm").glob("*/slot-*") if p.is_dir()) == ["slot-0", "slot-1"]
+    lost = _lost_by(tmp_path, b.kill_workers(), agents)
+    assert lost <= 1, f"worker kill re-did {lost} steps\n{_logs(agents)}"
+    assert not list((tmp_path / "ck").glob("step-*")), "durable snapshots exist: the check proves nothing"
