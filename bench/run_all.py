@@ -230,7 +230,8 @@ def summary(data: dict[str, Any]) -> tuple[dict[str, Any], str]:
             e = every[OURS]
             lines += [
                 "",
-                "This project with a snapshot **every step** (what ≤ 1 lost step takes): worker kill → next step "
+                "This project with a **durable** snapshot every step (the other way to ≤ 1 lost step): worker kill"
+                " → next step "
                 f"{_fmt(e['worker_kill_next_step_s'])}, lost {_fmt(e['worker_kill_lost_steps'], '', 1, 1)}; "
                 f"node kill → next step {_fmt(e['node_kill_next_step_s'])}, lost "
                 f"{_fmt(e['node_kill_lost_steps'], '', 1, 1)} (median / p95).",
