@@ -80,6 +80,8 @@ class ElasticConfig:
     save_every: timedelta | None = None
     # node-local snapshots in memory (see elastic/tiers.py); None: $ETRAIN_LOCAL_SNAPSHOT_EVERY, else off
     local_every_steps: int | None = None
+    # ... spaced out so that their measured cost stays under this fraction of training time (None: no cap)
+    local_max_overhead: float | None = 0.05
     seed: int = 0
     shuffle: bool = True
     backend: str | None = None  # None: nccl with CUDA, else gloo
@@ -88,6 +90,12 @@ class ElasticConfig:
     # after SIGTERM, how long to reach the step boundary before exiting without the final save (None: wait)
     stop_timeout: timedelta | None = timedelta(seconds=10)
     total_steps: int | None = None  # only for progress reports to the job service
+
+    def __post_init__(self) -> None:
+        if self.local_max_overhead is not None and not 0 < self.local_max_overhead < 1:
+            raise ValueError(f"local_max_overhead must be in (0, 1) or None, got {self.local_max_overhead}")
+        if self.local_every_steps is not None and self.local_every_steps < 1:
+            raise ValueError(f"local_every_steps must be >= 1 or None, got {self.local_every_steps}")
 
     def resolved_checkpoint_url(self) -> str | None:
         return self.checkpoint_url or os.environ.get("ETRAIN_CHECKPOINT_URL") or None
@@ -145,7 +153,9 @@ class ElasticTrainer:
         self.sampler.set_world(self.rank, self.world_size)
         self._ramp = self.policy.start_ramp(0, self.policy.factor(self.world_size), self.world_size)
         self._manager = self._open_checkpoints()
-        self._tiers = create_snapshot_tiers(self._manager, config.resolved_local_every_steps(), self.device)
+        self._tiers = create_snapshot_tiers(
+            self._manager, config.resolved_local_every_steps(), self.device, config.local_max_overhead
+        )
         if isinstance(model, DistributedDataParallel):
             # The user wrapped it already: restore into the module, then make replicas identical.
             self._restore(model.module)
@@ -367,11 +377,11 @@ class ElasticTrainer:
         due = epoch_done or (every is not None and self.step % every == 0)
         # Every rank, every step: agree on a time-based save and on a SIGTERM seen by any rank. Doing this
         # collective unconditionally keeps all ranks' collectives in the same order.
-        local_due = self._tiers.local_due(self.step)
         interval = self.config.save_every
         time_due = interval is not None and time.monotonic() - self._last_save_time >= interval.total_seconds()
         signalled = self._preemption.requested
-        flags = torch.tensor([int(time_due), int(signalled)], device=self.device)
+        local_due = self.rank == 0 and self._tiers.want_local(self.step)  # rank 0's measurements decide
+        flags = torch.tensor([int(time_due), int(signalled), int(local_due)], device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         due = due or bool(flags[0])
         if bool(flags[1]):
@@ -388,8 +398,9 @@ class ElasticTrainer:
                 raise SystemExit(143)
         elif due:
             self.save(blocking=False)
-        elif local_due:
-            self._tiers.save_local(self.step, self._capture(), overlap_with=self.optimizer)
+            self._tiers.note_durable(self.step)
+        elif bool(flags[2]):
+            self._tiers.save_local(self.step, self._capture, overlap_with=self.optimizer)
 
     def _capture(self) -> TrainingState:
         """References to the full state (a collective: gathers every rank's RNG state)."""

@@ -13,9 +13,11 @@ Contract of :class:`SnapshotTiers` (replicated, DDP-style state only: any node's
   3. if the newest local step is newer than the durable one, the lowest rank holding it loads and
      verifies it and broadcasts the state to every rank; if it does not verify, every rank falls back to
      the durable snapshot, with a warning. It returns the :class:`TrainingState` to resume from, or None.
-- ``save_local()`` is a best effort: the first worker of each node writes asynchronously to its own slot;
-  a save still in flight is not waited for (that step is skipped), and a failed local write is a warning,
-  never an error of the training run.
+- ``save_local()`` is a collective (it captures the state) and a best effort: the first worker of each
+  node writes asynchronously to its own slot; a save still in flight is not waited for (that step is
+  skipped), and a failed local write is a warning, never an error of the training run.
+- ``want_local()`` spaces snapshots: every ``local_every_steps``, and with ``max_overhead`` no more often
+  than keeps their measured cost under that fraction of the time (so fast steps get one every few steps).
 - Slots: each writer holds an exclusive ``flock`` on its slot for its lifetime, so two agents on one host
   never write the same directory, and a restarted worker finds what its dead predecessor wrote. After a
   restore, the data of slots nobody holds is deleted (it is no newer than what was restored).
@@ -30,6 +32,8 @@ import logging
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,7 @@ import torch.distributed as dist
 
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.api import CheckpointError, CheckpointManager
+from elastic.checkpoint.manager import FsspecCheckpointManager
 from elastic.checkpoint.state import TrainingState
 
 logger = logging.getLogger(__name__)
@@ -73,6 +78,7 @@ class SnapshotTiers:
         local_dir: Path | None,
         local_every_steps: int | None,
         device: torch.device,
+        max_overhead: float | None = None,
     ) -> None:
         if local_dir is not None and (local_every_steps is None or local_every_steps < 1):
             raise ValueError(f"local_every_steps must be >= 1 with a local tier, got {local_every_steps}")
@@ -80,6 +86,10 @@ class SnapshotTiers:
         self._dir = local_dir
         self._every = local_every_steps
         self._device = device
+        self._max_overhead = max_overhead
+        self._last_step = 0
+        self._last_started: float | None = None
+        self._blocking_s = 0.0
         self._writer = local_dir is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0
         self._lock_fd: int | None = None
         self._local: CheckpointManager | None = None
@@ -187,19 +197,39 @@ class SnapshotTiers:
         return TrainingState.from_dict(payload[0])
 
     # -- save ----------------------------------------------------------------------------------------
-    def local_due(self, step: int) -> bool:
-        return self._dir is not None and self._every is not None and step % self._every == 0
+    def want_local(self, step: int) -> bool:
+        """Whether a node-local snapshot is due at ``step`` on this rank's measurements (the loop takes rank
+        0's answer for every rank): ``local_every_steps`` since the last snapshot, and, with
+        ``max_overhead``, enough time since the last one that its measured cost (the loop blocked in
+        capture and copy, plus the writer's time) stays under that fraction of the time between them."""
+        if self._dir is None or self._every is None or step - self._last_step < self._every:
+            return False
+        if self._max_overhead is None or self._last_started is None:
+            return True
+        writer = self._local.last_timings if isinstance(self._local, FsspecCheckpointManager) else None
+        writer_s = writer.data_s + writer.commit_s + writer.verify_s + writer.cleanup_s if writer else 0.0
+        return time.monotonic() - self._last_started >= (self._blocking_s + writer_s) / self._max_overhead
 
-    def save_local(self, step: int, state: TrainingState, overlap_with: torch.optim.Optimizer | None) -> None:
+    def note_durable(self, step: int) -> None:
+        """A durable snapshot was taken at ``step``: the next local one is counted from there."""
+        self._last_step = step
+
+    def save_local(
+        self, step: int, capture: Callable[[], TrainingState], overlap_with: torch.optim.Optimizer | None
+    ) -> None:
+        """Take a node-local snapshot (a collective: ``capture`` gathers every rank's RNG state)."""
+        started = time.perf_counter()
+        self._last_started, self._last_step = time.monotonic(), step
+        state = capture()
         local = self._local
-        if local is None or local.in_flight:
-            return  # not this node's writer, or the previous local save is still being written: skip
-        try:
-            local.save(step, state, overlap_with=overlap_with)
-        except CheckpointError as exc:
-            if not self._warned:
-                logger.warning("node-local snapshots failing (durable ones go on): %s", exc)
-                self._warned = True
+        if local is not None and not local.in_flight:  # else not a writer, or the last one still being written
+            try:
+                local.save(step, state, overlap_with=overlap_with)
+            except CheckpointError as exc:
+                if not self._warned:
+                    logger.warning("node-local snapshots failing (durable ones go on): %s", exc)
+                    self._warned = True
+        self._blocking_s = time.perf_counter() - started
 
     def close(self, finished: bool = False) -> None:
         """Flush the local tier; with ``finished`` (the job is done) delete this node's local snapshots."""
@@ -217,11 +247,14 @@ class SnapshotTiers:
 
 
 def create_snapshot_tiers(
-    durable: CheckpointManager | None, local_every_steps: int | None, device: torch.device
+    durable: CheckpointManager | None,
+    local_every_steps: int | None,
+    device: torch.device,
+    max_overhead: float | None = None,
 ) -> SnapshotTiers:
     """Tiers for a worker started by torchrun; the local tier is on when ``local_every_steps`` is set."""
     local_dir = None
     if local_every_steps is not None:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
         local_dir = local_tier_dir(default_local_root(), durable.url if durable is not None else None, run_id)
-    return SnapshotTiers(durable, local_dir, local_every_steps, device)
+    return SnapshotTiers(durable, local_dir, local_every_steps, device, max_overhead)

@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--keep-last", type=int, default=100)
     p.add_argument("--local-every", type=int, default=0, help="node-local snapshot every N steps (0: off)")
+    p.add_argument("--local-max-overhead", type=float, default=None,
+                   help="cap on the local snapshots' cost, a fraction of time (0: none)")  # fmt: skip
     p.add_argument("--stop-timeout", type=float, default=10.0,
                    help="seconds after SIGTERM to reach a step boundary, else exit unsaved; 0: wait")  # fmt: skip
     args = p.parse_args(argv)
@@ -73,12 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(args.seed, args.dropout)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     policy = LRPolicy(LRRule(args.lr_rule), args.lr, args.base_world, args.batch, warmup_steps=args.warmup)
+    cap = ElasticConfig.local_max_overhead if args.local_max_overhead is None else args.local_max_overhead or None
     config = ElasticConfig(
         policy,
         args.checkpoint_url,
         checkpoint_options=CheckpointOptions(keep_last=args.keep_last),
         save_every_steps=args.save_every,
         local_every_steps=args.local_every or None,
+        local_max_overhead=cap,
         seed=args.seed,
         progress_every=0,
         stop_timeout=timedelta(seconds=args.stop_timeout) if args.stop_timeout > 0 else None,

@@ -7,6 +7,7 @@ node-local snapshots under real torchrun) is in tests/integration/test_local_sna
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def _save(tiers: SnapshotTiers, step: int, durable: bool) -> None:
         assert tiers.durable is not None
         tiers.durable.save(step, _state(step), blocking=True)
     else:
-        tiers.save_local(step, _state(step), overlap_with=None)
+        tiers.save_local(step, lambda: _state(step), overlap_with=None)
         tiers.close()  # flushes the local write
 
 
@@ -103,7 +104,7 @@ def test_after_a_restore_only_slots_nobody_holds_are_deleted(tmp_path: Path) -> 
     _save(dead, 5, durable=False)  # slot-0, lock released by close
     live = _tiers(tmp_path)  # takes slot-0 again
     other = _tiers(tmp_path)  # slot-1, held
-    other.save_local(6, _state(6), overlap_with=None)
+    other.save_local(6, lambda: _state(6), overlap_with=None)
     assert other._local is not None
     other._local.wait()
     stale = tmp_path / "local" / "slot-2"
@@ -122,7 +123,7 @@ def test_close_of_a_finished_job_deletes_the_node_local_snapshots_and_a_stopped_
     tmp_path: Path,
 ) -> None:
     kept = _tiers(tmp_path)
-    kept.save_local(2, _state(2), overlap_with=None)
+    kept.save_local(2, lambda: _state(2), overlap_with=None)
     kept.close(finished=False)
     assert any((tmp_path / "local").rglob("manifest*"))
     done = _tiers(tmp_path)
@@ -148,3 +149,26 @@ def test_local_every_steps_comes_from_the_environment_and_rejects_junk(monkeypat
         config.resolved_local_every_steps()
     with pytest.raises(ValueError, match="local_every_steps"):
         SnapshotTiers(None, Path("/nonexistent"), 0, CPU)
+
+
+def test_local_snapshots_come_every_n_steps_and_no_more_often_than_their_cost_allows(tmp_path: Path) -> None:
+    every2 = SnapshotTiers(None, tmp_path / "a", 2, CPU)
+    taken = []
+    for step in range(1, 7):
+        if every2.want_local(step):
+            every2.save_local(step, lambda: _state(1), None)
+            taken.append(step)
+    assert taken == [2, 4, 6]
+    every2.close()
+    capped = SnapshotTiers(None, tmp_path / "b", 1, CPU, max_overhead=0.01)
+
+    def slow() -> TrainingState:
+        time.sleep(0.02)  # a 20 ms capture at a 1 % cap: the next one no sooner than 2 s later
+        return _state(1)
+
+    assert capped.want_local(1)
+    capped.save_local(1, slow, None)
+    assert not capped.want_local(2) and not capped.want_local(50)
+    capped.note_durable(50)
+    assert not capped.want_local(51)
+    capped.close()

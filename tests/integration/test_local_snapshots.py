@@ -28,7 +28,8 @@ def agents() -> Iterator[list[Agent]]:
 
 def _start(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, local_every: int, nproc: int = 1) -> Agent:
     args = ["--epochs", "2", "--samples", "480", "--batch", "4", "--lr-rule", "linear", "--base-world", "2",
-            "--save-every", "1000", "--local-every", str(local_every), "--step-sleep", "0.05",
+            "--save-every", "1000", "--local-every", str(local_every), "--local-max-overhead", "0",
+            "--step-sleep", "0.05",
             "--checkpoint-url", str(tmp / "ck"), "--record", str(tmp / "rec")]  # fmt: skip
     cmd = torchrun_command(
         backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes="1:2", nproc=nproc,
