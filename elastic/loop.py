@@ -20,8 +20,9 @@ broadcasts rank 0's parameters so replicas start identical; then, for each optim
 rank's share of exactly the samples not yet consumed this epoch (split into micro-batches under ``no_sync``
 for gradient accumulation), scales the loss so the gradient is the exact mean over the global batch, applies
 the LR policy's factor (with its warmup ramp after a resize) around ``optimizer.step()``, steps the LR
-scheduler, advances the data cursor, saves snapshots on a step/time schedule (asynchronously), logs progress
-averaged over workers, and on SIGTERM saves synchronously at the step boundary and stops.
+scheduler, advances the data cursor, saves snapshots on a step/time schedule (asynchronously; optionally also
+node-local ones in memory, see ``elastic/tiers.py``), logs progress averaged over workers, and on SIGTERM saves
+synchronously at the step boundary and stops.
 
 A SIGTERM'd worker that cannot reach the step boundary within ``stop_timeout`` (at least three times the
 slowest of the last steps) is blocked in a collective with a peer that vanished without closing its

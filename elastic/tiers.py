@@ -2,8 +2,9 @@
 
 A durable snapshot every N steps survives losing every node; a node-local snapshot every step (or every
 few) bounds what a single failure costs. After a worker crash or the loss of a node, the re-formed group
-resumes from the newest step that *any* surviving node still holds in its local tier, so at most
-``local_every_steps`` steps are re-done instead of up to ``save_every_steps``.
+resumes from the newest step that *any* surviving node still holds in its local tier, so about
+``local_every_steps`` steps at most are re-done instead of up to ``save_every_steps`` (more when the cost cap
+spaces snapshots out, see ``want_local``).
 
 Contract of :class:`SnapshotTiers` (replicated, DDP-style state only: any node's copy is the whole state):
 
@@ -63,9 +64,11 @@ def default_local_root() -> Path:
     return base / f"etrain-{os.getuid()}"
 
 
-def local_tier_dir(root: Path, durable_url: str | None, run_id: str | None) -> Path:
-    """One job's local tier: keyed by its durable checkpoint URL (else torchrun's run id)."""
-    key = durable_url or f"run:{run_id or 'none'}"
+def local_tier_dir(root: Path, durable_url: str | None, job_id: str | None) -> Path:
+    """One job's local tier, keyed by its durable checkpoint URL and the job's identity (the service's job
+    id, which outlives torchrun generations, else torchrun's run id): a new job that reuses a checkpoint
+    URL never resumes from what an earlier job left in memory."""
+    key = f"{durable_url or ''}|{job_id or ''}"
     return root / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -255,6 +258,6 @@ def create_snapshot_tiers(
     """Tiers for a worker started by torchrun; the local tier is on when ``local_every_steps`` is set."""
     local_dir = None
     if local_every_steps is not None:
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-        local_dir = local_tier_dir(default_local_root(), durable.url if durable is not None else None, run_id)
+        job_id = os.environ.get("ETRAIN_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+        local_dir = local_tier_dir(default_local_root(), durable.url if durable is not None else None, job_id)
     return SnapshotTiers(durable, local_dir, local_every_steps, device, max_overhead)

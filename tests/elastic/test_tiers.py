@@ -19,7 +19,7 @@ from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.state import TrainingState
 from elastic.loop import ElasticConfig
 from elastic.lr import LRPolicy, LRRule
-from elastic.tiers import LOCAL_OPTIONS, SnapshotTiers, local_tier_dir
+from elastic.tiers import LOCAL_OPTIONS, SnapshotTiers, create_snapshot_tiers, local_tier_dir
 
 pytestmark = pytest.mark.timeout(60)
 CPU = torch.device("cpu")
@@ -131,11 +131,22 @@ def test_close_of_a_finished_job_deletes_the_node_local_snapshots_and_a_stopped_
     assert not (tmp_path / "local").exists()
 
 
-def test_the_local_tier_of_a_job_is_keyed_by_its_durable_url(tmp_path: Path) -> None:
-    a = local_tier_dir(tmp_path, "s3://bucket/job-a", "run-1")
-    assert a == local_tier_dir(tmp_path, "s3://bucket/job-a", "run-2")  # a new torchrun generation
-    assert a != local_tier_dir(tmp_path, "s3://bucket/job-b", "run-1")
-    assert local_tier_dir(tmp_path, None, "run-1") != local_tier_dir(tmp_path, None, "run-2")
+def test_the_local_tier_is_keyed_by_durable_url_and_job_so_a_new_job_never_resumes_an_old_ones_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = local_tier_dir(tmp_path, "s3://bucket/ck", "job-1")
+    assert a == local_tier_dir(tmp_path, "s3://bucket/ck", "job-1")
+    assert a != local_tier_dir(tmp_path, "s3://bucket/ck", "job-2")  # same URL, a new job
+    assert a != local_tier_dir(tmp_path, "s3://bucket/other", "job-1")
+    monkeypatch.setenv("ETRAIN_LOCAL_SNAPSHOT_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "gen-1")  # the service's job id outlives torchrun generations
+    monkeypatch.setenv("ETRAIN_JOB_ID", "job-1")
+    first = create_snapshot_tiers(None, 1, CPU)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "gen-2")
+    second = create_snapshot_tiers(None, 1, CPU)
+    assert first._dir == second._dir == local_tier_dir(tmp_path, None, "job-1")
+    first.close()
+    second.close()
 
 
 def test_local_every_steps_comes_from_the_environment_and_rejects_junk(monkeypatch: pytest.MonkeyPatch) -> None:
