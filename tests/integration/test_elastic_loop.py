@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +16,6 @@ from elastic.lr import LRPolicy, LRRule
 from elastic.testing.torchrun import Agent, torchrun_command, wait_until
 
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
-
-
-@pytest.fixture
-def agents() -> Iterator[list[Agent]]:
-    started: list[Agent] = []
-    yield started
-    for a in started:
-        a.stop()
 
 
 def _agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnodes: str, nproc: int,

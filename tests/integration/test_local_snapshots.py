@@ -7,7 +7,6 @@ groups know comes from the node-local tier; the control run without it restarts 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,6 @@ from elastic.etcd.server import LocalEtcdCluster
 from elastic.testing.torchrun import Agent, read_jsonl, torchrun_command, wait_until
 
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
-
-
-@pytest.fixture
-def agents() -> Iterator[list[Agent]]:
-    started: list[Agent] = []
-    yield started
-    for a in started:
-        a.stop()
 
 
 def _start(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, local_every: int, nproc: int = 1) -> Agent:
@@ -69,16 +60,27 @@ def _max_step(tmp: Path) -> int:
     return max((int(r["step"]) for r in _records(tmp)), default=0)  # type: ignore[call-overload]
 
 
+def _two_agents_at_step_12(
+    tmp: Path, etcd: LocalEtcdCluster, agents: list[Agent], local_every: int, nproc: int = 1
+) -> tuple[Agent, Agent]:
+    run_id = f"local-{uuid.uuid4().hex[:6]}"
+    a = _start(tmp, "a", etcd, run_id, local_every=local_every, nproc=nproc)
+    b = _start(tmp, "b", etcd, run_id, local_every=local_every, nproc=nproc)
+    agents += [a, b]
+    assert wait_until(lambda: _max_step(tmp) >= 12, 150), _logs(agents)
+    return a, b
+
+
+def _slots(tmp: Path) -> list[str]:
+    return sorted(p.name for p in (tmp / "shm").glob("*/slot-*") if p.is_dir())
+
+
 @pytest.mark.timeout(300)
 def test_worker_kill_and_node_kill_each_redo_at_most_one_step_from_node_local_snapshots(
     tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
 ) -> None:
-    run_id = f"local-{uuid.uuid4().hex[:6]}"
-    a = _start(tmp_path, "a", etcd_server, run_id, local_every=1)
-    b = _start(tmp_path, "b", etcd_server, run_id, local_every=1)
-    agents += [a, b]
-    assert wait_until(lambda: _max_step(tmp_path) >= 12, 150), _logs(agents)
-    assert sorted(p.name for p in (tmp_path / "shm").glob("*/slot-*") if p.is_dir()) == ["slot-0", "slot-1"]
+    a, b = _two_agents_at_step_12(tmp_path, etcd_server, agents, local_every=1)
+    assert _slots(tmp_path) == ["slot-0", "slot-1"]
     lost_worker = _lost_by(tmp_path, b.kill_workers(), agents)
     assert lost_worker <= 1, f"worker kill re-did {lost_worker} steps\n{_logs(agents)}"
     start = _max_step(tmp_path)
@@ -95,11 +97,7 @@ def test_without_node_local_snapshots_the_same_worker_kill_restarts_from_the_las
     tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
 ) -> None:
     """The control: the check above can fail (no local tier, no durable snapshot yet: back to step 0)."""
-    run_id = f"nolocal-{uuid.uuid4().hex[:6]}"
-    a = _start(tmp_path, "a", etcd_server, run_id, local_every=0)
-    b = _start(tmp_path, "b", etcd_server, run_id, local_every=0)
-    agents += [a, b]
-    assert wait_until(lambda: _max_step(tmp_path) >= 12, 150), _logs(agents)
+    _, b = _two_agents_at_step_12(tmp_path, etcd_server, agents, local_every=0)
     assert _lost_by(tmp_path, b.kill_workers(), agents) >= 12
     assert not (tmp_path / "shm").exists()
 
@@ -108,13 +106,9 @@ def test_without_node_local_snapshots_the_same_worker_kill_restarts_from_the_las
 def test_with_two_workers_per_node_one_writes_per_node_and_a_worker_kill_redoes_at_most_one_step(
     tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
 ) -> None:
-    run_id = f"local2-{uuid.uuid4().hex[:6]}"
-    a = _start(tmp_path, "a", etcd_server, run_id, local_every=1, nproc=2)
-    b = _start(tmp_path, "b", etcd_server, run_id, local_every=1, nproc=2)
-    agents += [a, b]
-    assert wait_until(lambda: _max_step(tmp_path) >= 12, 150), _logs(agents)
+    _, b = _two_agents_at_step_12(tmp_path, etcd_server, agents, local_every=1, nproc=2)
     # LOCAL_RANK 0 of each agent writes; the LOCAL_RANK 1 workers never claim a slot
-    assert sorted(p.name for p in (tmp_path / "shm").glob("*/slot-*") if p.is_dir()) == ["slot-0", "slot-1"]
+    assert _slots(tmp_path) == ["slot-0", "slot-1"]
     lost = _lost_by(tmp_path, b.kill_workers(), agents)
     assert lost <= 1, f"worker kill re-did {lost} steps\n{_logs(agents)}"
     assert not list((tmp_path / "ck").glob("step-*")), "durable snapshots exist: the check proves nothing"

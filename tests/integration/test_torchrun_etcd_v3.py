@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,14 +15,6 @@ from elastic.etcd.server import LocalEtcdCluster, free_port
 from elastic.testing.torchrun import Agent, read_jsonl, torchrun_command, wait_until
 
 RDZV_CONF = {"last_call_timeout": 1, "join_timeout": 60}
-
-
-@pytest.fixture
-def agents() -> Iterator[list[Agent]]:
-    started: list[Agent] = []
-    yield started
-    for a in started:
-        a.stop()
 
 
 def _agent(
