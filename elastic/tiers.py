@@ -95,7 +95,7 @@ class SnapshotTiers:
         self._blocking_s = 0.0
         self._writer = local_dir is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0
         self._lock_fd: int | None = None
-        self._local: CheckpointManager | None = None
+        self._local: FsspecCheckpointManager | None = None
         self._warned = False
         self.source: str | None = None  # what the last restore resumed from: "node-local", "durable" or None
         if self._writer:
@@ -209,7 +209,7 @@ class SnapshotTiers:
             return False
         if self._max_overhead is None or self._last_started is None:
             return True
-        writer = self._local.last_timings if isinstance(self._local, FsspecCheckpointManager) else None
+        writer = self._local.last_timings if self._local is not None else None
         writer_s = writer.data_s + writer.commit_s + writer.verify_s + writer.cleanup_s if writer else 0.0
         return time.monotonic() - self._last_started >= (self._blocking_s + writer_s) / self._max_overhead
 
