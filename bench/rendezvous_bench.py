@@ -29,11 +29,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as torch_create_handler
 
+from elastic import compat
 from elastic.etcd.server import LocalEtcdCluster, free_port
 from elastic.rendezvous.plugin import create_handler as etcd_create_handler
 from elastic.testing.torchrun import Agent, read_jsonl, torchrun_command, wait_until
@@ -52,7 +54,7 @@ _KEEP: list[object] = []
 
 def _participants(handler: RendezvousHandler) -> int:
     """How many participants the shared state holds (read through the handler's own backend)."""
-    backend = handler._state_holder._backend  # type: ignore[attr-defined]
+    backend = compat.handler_backend(handler)
     got = backend.get_state()
     if got is None:
         return 0
@@ -181,12 +183,15 @@ def _kill_trial(label: str, backend: str, endpoint: str, conf: dict[str, object]
         second.stop()
 
 
-def bench_node_loss(trials: int, etcd: LocalEtcdCluster, workdir: Path) -> list[dict[str, Any]]:
+def bench_node_loss(
+    trials: int, etcd: LocalEtcdCluster, workdir: Path, systems: tuple[str, ...] = ("etcd-v3", "c10d")
+) -> list[dict[str, Any]]:
     configs: list[tuple[str, str, Callable[[], str], dict[str, object]]] = [
         ("etcd-v3", "etcd-v3", lambda: etcd.endpoints, {"last_call_timeout": 1}),
         ("c10d (torch defaults)", "c10d", lambda: f"127.0.0.1:{free_port()}", {}),
         ("c10d (last_call_timeout=1)", "c10d", lambda: f"127.0.0.1:{free_port()}", {"last_call_timeout": 1}),
     ]
+    configs = [c for c in configs if c[1] in systems]
     rows = []
     for label, backend, endpoint, conf in configs:
         samples = [_kill_trial(label, backend, endpoint(), conf, workdir) for _ in range(trials)]
@@ -213,18 +218,27 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--kill-trials", type=int, default=3)
     parser.add_argument("--skip-kill", action="store_true")
+    parser.add_argument(
+        "--kill-systems", default="etcd-v3,c10d", help="rendezvous backends of the node-loss part (etcd-v3, c10d)"
+    )
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "rendezvous.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     workdir = Path(tempfile.mkdtemp(prefix="rdzv-bench-"))
     result: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     with LocalEtcdCluster(1, workdir=workdir / "etcd") as etcd:
         result["rendezvous"] = bench_rendezvous([int(x) for x in args.sizes.split(",")], args.trials, etcd)
         if not args.skip_kill:
-            result["node_loss"] = bench_node_loss(args.kill_trials, etcd, workdir)
+            systems = tuple(args.kill_systems.split(","))
+            result["node_loss"] = bench_node_loss(args.kill_trials, etcd, workdir, systems)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import default_collate
 
+from elastic import compat
 from elastic.checkpoint import (
     CheckpointOptions,
     PreemptionWatcher,
@@ -61,7 +62,7 @@ from elastic.checkpoint.api import CheckpointManager
 from elastic.checkpoint.layout import step_dir
 from elastic.checkpoint.state import TrainingState
 from elastic.lr import LRPolicy, RampState, scaled_lr
-from elastic.progress import create_reporter
+from elastic.progress import ENV_NODE_NAME, create_reporter
 from elastic.sampler import ElasticSampler, split_sizes
 from elastic.tiers import create_snapshot_tiers
 
@@ -139,6 +140,7 @@ class ElasticTrainer:
         collate_fn: Callable[[list[Any]], Any] = default_collate,
         on_step: Callable[[StepInfo], None] | None = None,
     ) -> None:
+        compat.check_torch_version()
         self.config = config
         self._dataset = dataset
         self._collate = collate_fn
@@ -173,7 +175,9 @@ class ElasticTrainer:
         self._preemption = PreemptionWatcher(on_signal=self._arm_stop_timeout).install()
         self._progress = create_reporter()  # a no-op outside the job service
         self._pending_checkpoint: int | None = None
-        self._progress.report(self.step, world_size=self.world_size, total_steps=config.total_steps, force=True)
+        self._progress.report(
+            self.step, world_size=self.world_size, total_steps=config.total_steps, nodes=self._round_nodes(), force=True
+        )
         self._last_save_time = time.monotonic()
         self._loss_sum = 0.0
         self._loss_count = 0
@@ -343,6 +347,17 @@ class ElasticTrainer:
         self._maybe_save(epoch_done)
         self._publish_progress(lr, loss)
 
+    def _round_nodes(self) -> list[str] | None:
+        """The service's names of this round's nodes (one all-gather per start), or None outside the service.
+
+        The job service sets ``ETRAIN_NODE_NAME`` for every worker of a job, so every rank takes part."""
+        name = os.environ.get(ENV_NODE_NAME)
+        if not name:
+            return None
+        names: list[Any] = [None] * self.world_size
+        dist.all_gather_object(names, name)
+        return sorted({str(n) for n in names})
+
     def _maybe_report(self, lr: float, loss: float | None) -> None:
         every = self.config.progress_every
         if every <= 0 or self.step % every != 0:
@@ -452,7 +467,7 @@ class ElasticTrainer:
             # gloo's worker thread frees finished work (which holds Python tensors) under the GIL; give it
             # the GIL now, or tearing the group down from the main thread can deadlock at exit.
             time.sleep(0.2)
-            dist.destroy_process_group()
+            compat.destroy_process_group()
 
     def __enter__(self) -> ElasticTrainer:
         return self

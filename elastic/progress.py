@@ -33,6 +33,7 @@ __all__ = [
     "ENV_ETCD_KEY",
     "ENV_ETCD_PASSWORD_FILE",
     "ENV_ETCD_USER",
+    "ENV_NODE_NAME",
     "ENV_PROGRESS_KEY",
     "EtcdProgressReporter",
     "NullProgressReporter",
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 ENV_PROGRESS_KEY = "ETRAIN_PROGRESS_KEY"
+ENV_NODE_NAME = "ETRAIN_NODE_NAME"  # the service's name of the worker's node
 ENV_ETCD_ENDPOINTS = "ETRAIN_ETCD_ENDPOINTS"
 ENV_ETCD_CA_CERT = "ETRAIN_ETCD_CA_CERT"
 ENV_ETCD_CERT = "ETRAIN_ETCD_CERT"
@@ -64,6 +66,8 @@ class Progress:
     restart_count: int = 0
     checkpoint_step: int | None = None
     checkpoint_path: str | None = None
+    #: the service's names of the nodes the workers of this round run on (sorted), when known
+    nodes: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
@@ -91,9 +95,11 @@ class ProgressReporter:
         total_steps: int | None = None,
         checkpoint_step: int | None = None,
         checkpoint_path: str | None = None,
+        nodes: list[str] | None = None,
         force: bool = False,
         **extra: Any,
     ) -> None:
+        """``nodes``: the round's node names; remembered, like the checkpoint, for later reports."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -128,6 +134,7 @@ class EtcdProgressReporter(ProgressReporter):
         self._restart_count = restart_count
         self._last_sent = 0.0
         self._checkpoint: tuple[int | None, str | None] = (None, None)
+        self._nodes: list[str] | None = None
 
     def report(
         self,
@@ -138,9 +145,12 @@ class EtcdProgressReporter(ProgressReporter):
         total_steps: int | None = None,
         checkpoint_step: int | None = None,
         checkpoint_path: str | None = None,
+        nodes: list[str] | None = None,
         force: bool = False,
         **extra: Any,
     ) -> None:
+        if nodes is not None:
+            self._nodes = sorted(nodes)
         if checkpoint_step is not None:
             self._checkpoint = (checkpoint_step, checkpoint_path)
             force = True
@@ -157,6 +167,7 @@ class EtcdProgressReporter(ProgressReporter):
             restart_count=self._restart_count,
             checkpoint_step=self._checkpoint[0],
             checkpoint_path=self._checkpoint[1],
+            nodes=self._nodes,
             extra=extra,
         )
         try:

@@ -20,7 +20,13 @@ def setup_logging() -> None:
 
 def digits_dataset() -> TensorDataset:
     """scikit-learn's 8x8 handwritten digits (1797 images, shipped inside the package)."""
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:
+        raise ImportError(
+            "the digits examples need scikit-learn: pip install 'elastic-train[examples]' "
+            "(scripts/setup.sh installs it)"
+        ) from exc
 
     digits = load_digits()
     x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0

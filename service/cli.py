@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
+from elastic import compat
 from elastic.etcd import EtcdConnectionError, EtcdError, check_reachable
 from service.client import ApiClient, ApiError, load_job_file
 from service.config import AgentSettings, ConfigError, EtcdOptions, Settings, load_tokens
@@ -149,6 +150,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     if not args.node_name:
         return _fail("agent: --node-name (or ETRAIN_NODE_NAME) is required")
+    try:
+        compat.check_torch()  # the torch its torchrun runs on: refuse a node that could not train
+    except compat.TorchCompatError as exc:
+        return _fail(f"agent: {exc}")
     try:
         etcd = _etcd_options(args)
         settings = AgentSettings(

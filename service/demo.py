@@ -26,7 +26,7 @@ from elastic.etcd.server import LocalEtcdCluster, free_port
 from service.client import ApiClient, ApiError
 from service.render import event_line, job_text, progress_line
 
-__all__ = ["demo_job_spec", "run_demo"]
+__all__ = ["demo_job_spec", "run_demo", "snapshot_sizes"]
 
 _REPO = Path(__file__).resolve().parent.parent
 _NODES = ("node-1", "node-2", "node-3")
@@ -136,6 +136,18 @@ class _Cluster:
             self.etcd.stop()
 
 
+def snapshot_sizes(ckpt_dir: Path) -> list[tuple[str, int]]:
+    """Each entry of a job's checkpoint directory with its size: a snapshot (a directory) counts the bytes
+    of every file in it, not its directory entry."""
+    if not ckpt_dir.exists():
+        return []
+    sizes = []
+    for path in sorted(ckpt_dir.iterdir()):
+        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+        sizes.append((path.name + ("/" if path.is_dir() else ""), sum(f.stat().st_size for f in files)))
+    return sizes
+
+
 def _wait(what: str, check: Callable[[], bool], timeout: float, cluster: _Cluster) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -209,8 +221,8 @@ def run_demo(workdir: Path, keep: bool = False, steps: int = 150) -> int:
         print(job_text(job))
         ckpt_dir = workdir / "checkpoints" / job_id
         _say(f"checkpoints are in {ckpt_dir}")
-        for path in sorted(ckpt_dir.glob("*")) if ckpt_dir.exists() else []:
-            print(f"    {path.name:<20} {path.stat().st_size:>8} bytes")
+        for name, size in snapshot_sizes(ckpt_dir):
+            print(f"    {name:<20} {size:>10,} bytes")
         print(f"    job logs: {workdir / 'agents'}/<node>/jobs/{job_id}/")
         sizes = [c["world_size"] for c in job["world_size"]["history"]]
         ok = job["state"] == "succeeded" and victim is not None and 3 in sizes and sizes[-1] == 2

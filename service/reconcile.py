@@ -206,14 +206,17 @@ def _observe_progress(d: _Decision) -> None:
         return  # a late report of an earlier generation
     if prog.world_size != st.world_size:
         st.world_size = prog.world_size
+        # The workers say which nodes the round holds: a re-formed round reports before the controller
+        # has seen the lost node's lease expire, while st.nodes still lists it.
+        nodes = list(prog.nodes) if prog.nodes is not None else list(st.nodes)
         st.world_size_history.append(
-            WorldSizeChange(at=at, world_size=prog.world_size, nodes=list(st.nodes), generation=st.generation)
+            WorldSizeChange(at=at, world_size=prog.world_size, nodes=nodes, generation=st.generation)
         )
         d.event(
             "world_size",
-            f"world size {prog.world_size} on {', '.join(st.nodes) or '-'}",
+            f"world size {prog.world_size} on {', '.join(nodes) or '-'}",
             world_size=prog.world_size,
-            nodes=list(st.nodes),
+            nodes=nodes,
         )
     if prog.restart_count > st.seen_restart_count:
         st.restarts.in_place += prog.restart_count - st.seen_restart_count

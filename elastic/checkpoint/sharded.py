@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 from elastic.checkpoint.api import (
     CheckpointCorruptError,
@@ -43,8 +42,11 @@ from elastic.checkpoint.layout import FileEntry, Manifest, SnapshotKind, manifes
 from elastic.checkpoint.reader import verify_files
 from elastic.checkpoint.storage import CheckpointStorage, FsspecStorage, LocalStorage
 from elastic.checkpoint.writer import SaveTimings, finish_commit, new_token
+from elastic.compat import dcp_no_dist, fsspec_checkpoint_io, fsspec_dcp_io
 
 __all__ = ["ShardedCheckpointer"]
+
+FsspecReader, FsspecWriter = fsspec_checkpoint_io()
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +72,16 @@ class _Commit:
         options: CheckpointOptions,
         step: int,
         token: str,
+        rank: int,
         world: int,
         events: EventHook,
     ) -> None:
-        self.storage, self.options, self.step, self.token, self.world, self.events = (
+        self.storage, self.options, self.step, self.token, self.rank, self.world, self.events = (
             storage,
             options,
             step,
             token,
+            rank,
             world,
             events,
         )
@@ -104,9 +108,7 @@ class _Commit:
                 files[item["path"]] = FileEntry(item["path"], int(item["size"]), item["sha256"])
             for r in rank_results:
                 if f"{self.token}/{r.storage_data.relative_path}" not in files:
-                    raise CheckpointWriteError(
-                        f"rank {rank} wrote {r.storage_data.relative_path} but did not hash it"
-                    )
+                    raise CheckpointWriteError(f"rank {rank} wrote {r.storage_data.relative_path} but did not hash it")
         size, digest = _hash_file(self.storage, f"{self.rel}/{_METADATA}", self.options.chunk_bytes)
         files[f"{self.token}/{_METADATA}"] = FileEntry(f"{self.token}/{_METADATA}", size, digest)
         manifest = Manifest(
@@ -135,7 +137,8 @@ def _writer_class(base: type) -> type:
         def write_data(self, plan: Any, planner: Any) -> Any:
             future = super().write_data(plan, planner)
             future.wait()
-            self.commit_state.after_write(int(self.rank or 0), future.value())
+            # this rank's own number: torch's writers learn theirs only since torch 2.7
+            self.commit_state.after_write(self.commit_state.rank, future.value())
             return future
 
         def finish(self, metadata: Any, results: list[list[Any]]) -> None:
@@ -166,9 +169,7 @@ def _require_template(template: Mapping[str, Any] | None) -> Mapping[str, Any]:
 class ShardedCheckpointer:
     """Save/load sharded state with DCP under our commit protocol; used by the manager."""
 
-    def __init__(
-        self, storage: CheckpointStorage, options: CheckpointOptions, events: EventHook | None
-    ) -> None:
+    def __init__(self, storage: CheckpointStorage, options: CheckpointOptions, events: EventHook | None) -> None:
         self._storage = storage
         self._options = options
         self._events: EventHook = events or (lambda _name: None)
@@ -202,8 +203,11 @@ class ShardedCheckpointer:
         if isinstance(self._storage, LocalStorage):
             writer = _LocalWriter(path, sync_files=True)
         elif isinstance(self._storage, FsspecStorage):
-            writer = _FsspecWriter(
-                path, sync_files=not self._storage.is_object_store, **dict(self._options.storage_options)
+            writer = fsspec_dcp_io(
+                _FsspecWriter,
+                path,
+                dict(self._options.storage_options),
+                sync_files=not self._storage.is_object_store,
             )
         else:
             raise CheckpointError(
@@ -216,7 +220,7 @@ class ShardedCheckpointer:
         self.wait()
         rank, world = self._rank_world()
         token = self._broadcast(new_token() if rank == 0 else None)
-        commit = _Commit(self._storage, self._options, step, token, world, self._events)
+        commit = _Commit(self._storage, self._options, step, token, rank, world, self._events)
         if rank == 0:
             self._storage.make_dirs(commit.rel)
         self._events("save_begin")
@@ -225,11 +229,11 @@ class ShardedCheckpointer:
         try:
             if blocking:
                 with _single_process_is_intended():
-                    dcp.save(dict(state), storage_writer=writer, process_group=pg, no_dist=pg is None)
+                    dcp.save(dict(state), storage_writer=writer, process_group=pg, **dcp_no_dist(dcp.save, pg is None))
                 self._log_commit(step, commit)
                 return
             self._future = dcp.async_save(
-                dict(state), storage_writer=writer, process_group=pg, no_dist=pg is None
+                dict(state), storage_writer=writer, process_group=pg, **dcp_no_dist(dcp.async_save, pg is None)
             )
             self._step = step
 
@@ -272,19 +276,22 @@ class ShardedCheckpointer:
         path = self._storage.full_path(f"{step_dir(manifest.step)}/{manifest.token}")
         if isinstance(self._storage, LocalStorage):
             return FileSystemReader(path)
-        return FsspecReader(path, **dict(self._options.storage_options))
+        return fsspec_dcp_io(FsspecReader, path, dict(self._options.storage_options))
 
     def _dcp_load(self, manifest: Manifest, template: Mapping[str, Any] | None) -> Snapshot:
         template = _require_template(template)
         if manifest.kind != SnapshotKind.DCP:
-            raise CheckpointLoadError(
-                f"snapshot step {manifest.step} is of kind {manifest.kind.value}, not dcp"
-            )
+            raise CheckpointLoadError(f"snapshot step {manifest.step} is of kind {manifest.kind.value}, not dcp")
         state = dict(template)
         pg = self._pg()
         try:
             with _single_process_is_intended():
-                dcp.load(state, storage_reader=self._reader(manifest), process_group=pg, no_dist=pg is None)
+                dcp.load(
+                    state,
+                    storage_reader=self._reader(manifest),
+                    process_group=pg,
+                    **dcp_no_dist(dcp.load, pg is None),
+                )
         except Exception as exc:
             raise CheckpointLoadError(f"loading sharded snapshot step {manifest.step} failed: {exc}") from exc
         return Snapshot(step=manifest.step, state=state, manifest=manifest, url=self._storage.url)
@@ -303,9 +310,7 @@ class ShardedCheckpointer:
             raise CheckpointCorruptError(problem)
         return self._dcp_load(manifest, template)
 
-    def load_latest(
-        self, template: Mapping[str, Any] | None, pick: Callable[[], Manifest | None]
-    ) -> Snapshot | None:
+    def load_latest(self, template: Mapping[str, Any] | None, pick: Callable[[], Manifest | None]) -> Snapshot | None:
         """Rank 0 picks the newest verified manifest (``pick``), every rank loads that one."""
         _require_template(template)
         payload = None

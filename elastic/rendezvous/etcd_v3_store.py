@@ -85,9 +85,10 @@ class EtcdV3Store(Store):
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    # torch's stores say "wait timeout after ...": torch's code and store tests match on it
                     raise DistStoreError(
-                        f"Timed out after {timeout.total_seconds():.1f}s waiting for key {key!r} "
-                        f"in the etcd store {self._prefix!r}"
+                        f"wait timeout after {timeout.total_seconds() * 1000:.0f}ms, keys: {key!r} "
+                        f"(etcd store {self._prefix!r})"
                     )
                 self._wait_change(key, revision + 1, timedelta(seconds=remaining))
         return found

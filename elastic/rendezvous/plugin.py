@@ -1,7 +1,7 @@
 """``torchrun --rdzv-backend=etcd-v3``: the handler factory registered in the ``torchrun.handlers`` group.
 
-torch calls the entry point's object with no arguments and registers what it returns, so the entry
-point is :func:`plugin`, which returns :func:`create_handler`.
+The entry point itself is :func:`elastic.rendezvous.entry.plugin` (a module that imports nothing from
+torch, see there), which returns a function calling :func:`create_handler`.
 
 Options come from ``--rdzv-endpoint`` (``host:port[,host:port...]``) and ``--rdzv-conf`` (see the README
 table, or :data:`OPTIONS`).
@@ -15,14 +15,12 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
-    dynamic_rendezvous,
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -30,6 +28,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from elastic import compat
 from elastic.etcd import EtcdConfig, EtcdConnectionError, create_client
 from elastic.prefork import prestart
 from elastic.rendezvous.etcd_v3_backend import DEFAULT_KEY_PREFIX, EtcdV3RendezvousBackend
@@ -37,7 +36,7 @@ from elastic.rendezvous.etcd_v3_store import EtcdV3Store
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OPTIONS", "EtcdV3RendezvousHandler", "create_handler", "plugin"]
+__all__ = ["OPTIONS", "EtcdV3RendezvousHandler", "create_handler"]
 
 #: ``--rdzv-conf`` keys understood by the ``etcd-v3`` backend, with their defaults.
 OPTIONS: dict[str, str] = {
@@ -66,7 +65,6 @@ OPTIONS: dict[str, str] = {
 
 
 _local = threading.local()
-_patch_lock = threading.Lock()
 
 
 def _install_watch_delay() -> None:
@@ -78,11 +76,8 @@ def _install_watch_delay() -> None:
     returns as soon as the run's keys change in etcd (and at the latest after the same second). Other
     backends in the process (c10d, ...) are unaffected.
     """
-    with _patch_lock:
-        if getattr(dynamic_rendezvous._delay, "_etcd_v3", False):
-            return
-        original = dynamic_rendezvous._delay
 
+    def make(original: compat.DelayFunction) -> compat.DelayFunction:
         def _delay(seconds: float | tuple[float, float]) -> None:
             waiter = getattr(_local, "waiter", None)
             if waiter is None or isinstance(seconds, tuple):
@@ -90,8 +85,9 @@ def _install_watch_delay() -> None:
             else:
                 waiter(timedelta(seconds=seconds))
 
-        _delay._etcd_v3 = True  # type: ignore[attr-defined]
-        dynamic_rendezvous._delay = _delay
+        return _delay
+
+    compat.patch_rendezvous_delay(make)
 
 
 class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
@@ -115,9 +111,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         changed = self._etcd_backend.wait_for_change(timeout)
         self._last_wake = time.monotonic()
         if changed:
-            holder = getattr(self, "_state_holder", None)
-            if holder is not None and hasattr(holder, "_last_sync_time"):
-                holder._last_sync_time = float("-inf")  # the cached state is stale: read on next sync
+            compat.invalidate_cached_state(self)  # the cached state is stale: read on next sync
 
     def next_rendezvous(self) -> RendezvousInfo:
         _local.waiter = self._wait_for_change
@@ -125,7 +119,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             info = super().next_rendezvous()
         finally:
             _local.waiter = None
-        self._round_members = len(self._state_holder.state.participants)
+        self._round_members = len(compat.handler_state(self).participants)
         return info
 
     def num_nodes_waiting(self) -> int:
@@ -139,11 +133,11 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         waiting = super().num_nodes_waiting()
         if waiting:
             return waiting
-        state = self._state_holder.state
+        state = compat.handler_state(self)
         members = self._round_members
         # A finished job's agents close the rendezvous before revoking their leases: not a loss.
         lost = members and len(state.participants) < members
-        if lost and state.complete and not state.closed and self._this_node in state.participants:
+        if lost and state.complete and not state.closed and compat.handler_node(self) in state.participants:
             logger.warning(
                 "a node of round %d lost its liveness lease (%d of %d members left): re-forming",
                 state.round, len(state.participants), members,
@@ -153,6 +147,13 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
 
     def shutdown(self) -> bool:
         try:
+            if compat.shutdown_on_death_signal():
+                # torch 2.6's agent closes the rendezvous when a signal stops it; torch's launcher and later
+                # agents leave it open, so that the other nodes re-form without this one (whose liveness
+                # lease goes below): do as they do.
+                compat.stop_heartbeats(self)
+                logger.info("stopped by a signal: leaving the rendezvous open for the other nodes")
+                return True
             return super().shutdown()
         finally:
             self._etcd_backend.close()
@@ -208,6 +209,12 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # (pytorch#135712); the workers' rank 0 hosts the per-round TCPStore instead.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
+    try:
+        compat.check_torch()
+    except compat.TorchCompatError as exc:
+        if _running_under_torchrun_cli():
+            raise SystemExit(f"error: {exc}") from exc
+        raise
     _install_watch_delay()
     config = etcd_config_from_params(params)
     client = create_client(config)
@@ -247,7 +254,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         close=_seconds(params, "close_timeout"),
         heartbeat=_seconds(params, "heartbeat_timeout"),
     )
-    handler = EtcdV3RendezvousHandler.from_backend(
+    handler = compat.handler_from_backend(
+        EtcdV3RendezvousHandler,
         params.run_id,
         store,
         backend,
@@ -255,17 +263,13 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         params.max_nodes,
         params.local_addr,
         timeout,
-        keep_alive_interval=int(_seconds(params, "keep_alive_interval").total_seconds()),
+        keep_alive_interval=_seconds(params, "keep_alive_interval"),
         keep_alive_max_attempt=int(_opt(params, "keep_alive_max_attempt")),
     )
     handler._etcd_backend = backend
     handler._min_wake_interval = float(_opt(params, "min_wake_interval"))
-    node = handler._this_node
+    node = compat.handler_node(handler)
     backend.register_node(node.addr, node.pid)
     atexit.register(backend.close)
     return handler
 
-
-def plugin() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """Entry point of the ``torchrun.handlers`` group (torch calls it and registers the result)."""
-    return create_handler

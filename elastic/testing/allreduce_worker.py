@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from elastic import compat
+
 
 def _append(path: Path, record: dict[str, object]) -> None:
     line = (json.dumps(record) + "\n").encode()
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
     if rank == 0:
         (out / "done").write_text(str(step))
-    dist.destroy_process_group()
+    compat.destroy_process_group()
     return 0
 
 

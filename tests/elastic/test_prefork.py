@@ -51,6 +51,11 @@ SCRIPT = textwrap.dedent(
     if mode == "sleep":
         time.sleep(60)
     if mode == "die-first" and info["restart"] == "0":
+        if "LOCAL_WORLD_SIZE" in os.environ:  # under torchrun: every local rank records its first start, then
+            while sum('"restart": "0"' in line for line in open(out)) < int(os.environ["LOCAL_WORLD_SIZE"]):
+                time.sleep(0.05)  # (else torchrun may stop a sibling before it has started)
+            if os.environ["LOCAL_RANK"] != "0":
+                time.sleep(60)  # stopped by torchrun when local rank 0 dies
         os.kill(os.getpid(), signal.SIGKILL)
     sys.exit(int(os.environ.get("CODE", "0")))
     """

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elastic import compat
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.state import TrainingState
 from elastic.loop import ElasticConfig
@@ -29,7 +30,7 @@ CPU = torch.device("cpu")
 def group() -> Iterator[None]:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    compat.destroy_process_group()
 
 
 def _state(step: int) -> TrainingState:

@@ -52,6 +52,8 @@ def test_job_recovers_from_agent_sigkill_and_controller_restart_then_finishes(
 
     before = wait_for("the job to re-form on 2 nodes", reformed_on_two, 90)
     assert victim not in before["nodes"] and before["generation"] == 1  # re-formed in place
+    history = before["world_size"]["history"]
+    assert [h["world_size"] for h in history][-1] == 2 and victim not in history[-1]["nodes"], history
     assert before["restarts"]["membership"] == 1 and before["restarts"]["failure"] == 0
 
     cluster.kill_controller()

@@ -214,4 +214,4 @@ def test_etcd_v3_is_registered_through_the_torchrun_handlers_entry_point() -> No
         "print(r._registry['etcd-v3'].__module__)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.stdout.strip() == "elastic.rendezvous.plugin", proc.stderr
+    assert proc.stdout.strip() == "elastic.rendezvous.entry", proc.stderr

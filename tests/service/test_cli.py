@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from elastic import compat
 from elastic.etcd.server import free_port
 from service.cli import _parser, main
 from tests.service.conftest import ADMIN, READER, wait_until
@@ -120,3 +121,26 @@ def test_agent_socket_ifname_comes_from_the_flag_or_the_environment(monkeypatch:
     assert _parser().parse_args(["agent"]).socket_ifname is None
     monkeypatch.setenv("ETRAIN_SOCKET_IFNAME", "eth1")
     assert _parser().parse_args(["agent"]).socket_ifname == "eth1"
+
+
+def test_the_node_agent_on_an_unsupported_torch_refuses_to_start_with_one_line() -> None:
+    prelude = "import torch\ntorch.__version__ = '2.16.0'\n"  # what this interpreter's torch reports
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            prelude
+            + (
+                "from service.cli import main\n"
+                "raise SystemExit(main(['agent', '--node-name', 'n1', '--etcd', '127.0.0.1:9']))\n"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"etrain: agent: elastic-train supports {compat.TORCH_REQUIREMENT}; the installed torch is 2.16.0: "
+        f"install a torch in that range (pip install '{compat.TORCH_REQUIREMENT}')"
+    ], proc.stderr

@@ -103,6 +103,25 @@ def _s(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
 
+def test_world_size_history_lists_the_nodes_the_workers_report_not_the_stale_assignment() -> None:
+    # The demo showed "2  on node-1, node-2, node-3": the re-formed round reported world size 2 before the
+    # controller saw the lost node's lease expire.
+    c = _Cluster()
+    c.add_nodes("a", "b", "c")
+    c.add_job("j1", _spec())
+    c.tick(_s(1))
+    c.progress_at("j1", _s(5), step=10, world=3, nodes=["a", "b", "c"])
+    c.tick(_s(5))
+    c.progress_at("j1", _s(6), step=11, world=2, nodes=["a", "b"])  # "c" still assigned
+    c.tick(_s(6))
+    st = c.status("j1")
+    assert st.nodes == ["a", "b", "c"]
+    assert [(h.world_size, h.nodes) for h in st.world_size_history] == [(3, ["a", "b", "c"]), (2, ["a", "b"])]
+    c.progress_at("j1", _s(7), step=12, world=1)  # a report without nodes (a worker outside the loop)
+    c.tick(_s(7))
+    assert c.status("j1").world_size_history[-1].nodes == ["a", "b", "c"]
+
+
 def test_pending_job_starts_on_up_to_max_nodes_when_min_are_free() -> None:
     c = _Cluster()
     c.add_nodes("a", "b", "c", "d")

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from elastic import compat
 from elastic.checkpoint import CheckpointOptions, StateLayout, create_checkpoint_manager
 from elastic.checkpoint.layout import step_dir
 
@@ -86,7 +87,7 @@ def main() -> None:
     )
     mgr.close()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    compat.destroy_process_group()
 
 
 if __name__ == "__main__":

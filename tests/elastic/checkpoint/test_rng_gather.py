@@ -40,6 +40,7 @@ def test_two_ranks_gather_each_others_rng_states(tmp_path: Path) -> None:
     script.write_text(textwrap.dedent('''
         import random, sys
         import numpy as np, torch, torch.distributed as dist
+        from elastic import compat
         from elastic.checkpoint.state import capture_training_state, restore_rng_state
         dist.init_process_group("gloo")
         rank = dist.get_rank()
@@ -53,7 +54,7 @@ def test_two_ranks_gather_each_others_rng_states(tmp_path: Path) -> None:
         got = (torch.rand(2).tolist(), np.random.rand(2).tolist(), random.random())
         assert sorted(state.rng) == [0, 1] and got == expected, (got, expected)
         print("ok", rank)
-        dist.destroy_process_group()
+        compat.destroy_process_group()
     '''))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}

@@ -46,11 +46,15 @@ def test_get_blocks_until_another_handle_sets_the_key(make_store: StoreFactory) 
     assert 0.4 < elapsed < 5
 
 
-def test_get_of_missing_key_times_out(make_store: StoreFactory) -> None:
+# torch's own store suite (test/distributed/test_store.py, _test_simple_wait) matches timeouts with this
+TIMEOUT_MESSAGE = "[t -i]imeout"
+
+
+def test_get_of_missing_key_times_out_with_torchs_error_and_message(make_store: StoreFactory) -> None:
     s = make_store()
     s.set_timeout(timedelta(seconds=1))
     start = time.monotonic()
-    with pytest.raises(DistStoreError):
+    with pytest.raises(DistStoreError, match=TIMEOUT_MESSAGE):
         s.get("never")
     assert 0.9 < time.monotonic() - start < 5
 
@@ -81,7 +85,7 @@ def test_wait_returns_when_all_keys_exist_and_times_out_otherwise(make_store: St
     threading.Timer(0.3, lambda: (w.set("a", "1"), w.set("b", "2"))).start()
     s.wait(["a", "b"])
     assert s.check(["a", "b"])
-    with pytest.raises(DistStoreError):
+    with pytest.raises(DistStoreError, match=TIMEOUT_MESSAGE):
         s.wait(["a", "missing"], timedelta(seconds=1))
 
 

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The torch compatibility run: the compat, rendezvous, store, loop, prefork and checkpoint suites against
+# other torch releases, each in a virtual environment of its own (.venv-torch<version>), next to the
+# project and its [test] extra.
+#
+#   bash scripts/compat.sh                 # the oldest and the newest torch of the supported range
+#   bash scripts/compat.sh 2.11.0 2.15.0   # chosen releases
+#
+# Only PyPI's builds exist for most releases: CUDA builds (several GB each, with the nvidia-* wheels),
+# which run on CPU. The versions asked for are what is checked, so in these environments pip's constraints
+# are only the torch asked for (a machine-wide constraint file that caps torch is set aside). KEEP_VENVS=1 keeps the environments
+# (default: each is removed after its run, to give back the disk). Needs scripts/setup.sh's apt packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BASE=${PYTHON:-python3}
+
+if [ $# -eq 0 ]; then
+  # elastic/compat.py holds the range; it imports torch only inside functions, so the bare interpreter can read it
+  read -r -a versions <<<"$($BASE -c 'from elastic.compat import TORCH_MIN as a, TORCH_BELOW as b
+print(f"~={a[0]}.{a[1]}.0 <{b[0]}.{b[1]}")')"
+else
+  versions=()
+  for v in "$@"; do versions+=("==$v"); done
+fi
+
+SUITES=(
+  tests/elastic/test_compat.py
+  tests/elastic/rendezvous
+  tests/elastic/checkpoint
+  tests/elastic/test_prefork.py
+  tests/elastic/test_sampler.py
+  tests/elastic/test_lr.py
+  tests/elastic/test_tiers.py
+  tests/elastic/test_stop_timeout.py
+  tests/integration/test_elastic_loop.py
+  tests/integration/test_torchrun_etcd_v3.py
+)
+
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+summary=()
+failed=0
+for spec in "${versions[@]}"; do
+  name=$(printf '%s' "$spec" | tr -c 'A-Za-z0-9.\n' '_')
+  venv=".venv-torch${name}"
+  echo "== compat: torch${spec} in ${venv}"
+  started=$(date +%s)
+  if [ ! -x "$venv/bin/python" ]; then $BASE -m venv "$venv"; fi
+  PY="$venv/bin/python"
+  pin="$venv/torch-pin.txt"
+  echo "torch${spec}" >"$pin"
+  # a current pip (venv's 23.x backtracks into another torch), the torch asked for, then the project
+  # with that torch held in place
+  PIP_CONSTRAINT="$pin" "$PY" -m pip install -q --upgrade pip 2> >(grep -vE "^WARNING: Location" >&2)
+  PIP_CONSTRAINT="$pin" "$PY" -m pip install -q "torch${spec}" 2> >(grep -vE "^WARNING: Location" >&2)
+  # the installed distribution's version (torch.__version__ may carry a +cu124 that PyPI's files do not)
+  "$PY" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$pin"
+  torch_version=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)
+  PIP_CONSTRAINT="$pin" "$PY" -m pip install -q -e ".[test]" 2> >(grep -vE "^WARNING: Location" >&2)
+  echo "== compat: torch ${torch_version}, python $("$PY" -c 'import platform; print(platform.python_version())')"
+  rc=0
+  PATH="$PWD/$venv/bin:$PATH" "$PY" -m pytest -q -ra -p no:cacheprovider -m "not slow" "${SUITES[@]}" || rc=$?
+  took=$(( $(date +%s) - started ))
+  if [ $rc -eq 0 ]; then result="passed"; else result="FAILED (pytest exit $rc)"; failed=1; fi
+  summary+=("torch ${torch_version}: ${result} in ${took}s")
+  if [ "${KEEP_VENVS:-}" != "1" ]; then rm -rf "$venv"; fi
+done
+echo "== compat summary"
+printf '  %s\n' "${summary[@]}"
+exit $failed
