@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager  # noqa: E402
-from elastic.checkpoint.s3_server import LocalS3Server  # noqa: E402
+from elastic.testing.s3_server import LocalS3Server  # noqa: E402
 
 MiB = 2**20
 

@@ -3,7 +3,7 @@ ElasticTrainer (etcd-v3 rendezvous, async verified snapshots) vs the same model 
 torchrun (--standalone) with the tutorial's synchronous torch.save from rank 0, at the same checkpoint
 interval, 2 workers, interleaved rounds. Goal: ratio >= 0.98. Reports wall-clock steps/s and steps per
 CPU-second of rank 0 (the latter is robust to other load on the machine). ``--with-local`` adds a third
-system per round: the elastic loop with a node-local snapshot every step (elastic/tiers.py), to price it.
+system per round: the elastic loop with a node-local snapshot every step (elastic/checkpoint/tiers.py), to price it.
 
     python bench/loop_overhead_bench.py [--rounds 3] [--steps 400] [--with-local]
 """
@@ -22,7 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
-from elastic.etcd.server import LocalEtcdCluster
+from elastic.testing.etcd_server import LocalEtcdCluster
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_overhead_worker.py"

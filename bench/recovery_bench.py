@@ -37,8 +37,8 @@ sys.path.insert(0, str(HERE))
 
 from _stats import summarize  # noqa: E402
 
-from elastic.etcd.server import LocalEtcdCluster, free_port  # noqa: E402
-from elastic.testing.torchrun import Agent, read_jsonl, torchrun_command, wait_until  # noqa: E402
+from elastic.testing.etcd_server import LocalEtcdCluster, free_port  # noqa: E402
+from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command, wait_until  # noqa: E402
 
 WORKER = str(REPO / "elastic" / "testing" / "train_worker.py")
 
@@ -50,7 +50,7 @@ class System:
     backend: str
     conf: dict[str, object] = field(default_factory=dict)
     prefork: bool = False
-    local_every: int = 0  # node-local snapshot every N steps (elastic/tiers.py); 0: off
+    local_every: int = 0  # node-local snapshot every N steps (elastic/checkpoint/tiers.py); 0: off
 
     def endpoint(self, etcd: LocalEtcdCluster) -> str:
         return etcd.endpoints if self.backend == "etcd-v3" else f"127.0.0.1:{free_port()}"
@@ -93,11 +93,11 @@ class Job:
         self.rec = self.dir / "rec"
         self.rec.mkdir(parents=True)
         self.workload = workload
-        self.agents: list[Agent] = []
+        self.agents: list[TorchrunAgent] = []
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.shm = shm / f"etrain-bench-{self.run_id}"
 
-    def start_agent(self, name: str) -> Agent:
+    def start_agent(self, name: str) -> TorchrunAgent:
         w = self.workload
         args = ["--checkpoint-url", str(self.dir / "ck"), "--record", str(self.rec), "--epochs", "100000",
                 "--samples", str(w.samples), "--batch", str(w.batch), "--lr-rule", "fixed-global-batch",
@@ -109,7 +109,7 @@ class Job:
             prefork=self.system.prefork,
         )  # fmt: skip
         env = {"LOGLEVEL": "WARNING", "ETRAIN_LOCAL_SNAPSHOT_DIR": str(self.shm)}  # in memory, removed by stop()
-        agent = Agent(cmd, self.dir / f"{name}.log", env=env).start()
+        agent = TorchrunAgent(cmd, self.dir / f"{name}.log", env=env).start()
         self.agents.append(agent)
         return agent
 

@@ -36,9 +36,9 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as torch_create_handler
 
 from elastic import compat
-from elastic.etcd.server import LocalEtcdCluster, free_port
 from elastic.rendezvous.plugin import create_handler as etcd_create_handler
-from elastic.testing.torchrun import Agent, read_jsonl, torchrun_command, wait_until
+from elastic.testing.etcd_server import LocalEtcdCluster, free_port
+from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command, wait_until
 
 os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
@@ -157,11 +157,11 @@ def _kill_trial(label: str, backend: str, endpoint: str, conf: dict[str, object]
     out.mkdir(parents=True)
     args = ["--out", str(out), "--steps", "1000000", "--step-time", "0.05"]
 
-    def agent(name: str) -> Agent:
+    def agent(name: str) -> TorchrunAgent:
         cmd = torchrun_command(
             backend=backend, endpoint=endpoint, run_id=run_id, nnodes="1:2", rdzv_conf=conf, script_args=args
         )
-        return Agent(cmd, out / f"{name}.log").start()
+        return TorchrunAgent(cmd, out / f"{name}.log").start()
 
     first = agent("a")
     time.sleep(1.0)  # with c10d, the first agent hosts the store: we kill the other one

@@ -48,7 +48,7 @@ LOCAL = "etcd-v3-local"  # the same + a node-local snapshot every step (JobSpec.
 import rendezvous_bench  # noqa: E402
 from _stats import summarize  # noqa: E402
 
-from elastic.etcd.server import LocalEtcdCluster  # noqa: E402
+from elastic.testing.etcd_server import LocalEtcdCluster  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ rank's share of exactly the samples not yet consumed this epoch (split into micr
 for gradient accumulation), scales the loss so the gradient is the exact mean over the global batch, applies
 the LR policy's factor (with its warmup ramp after a resize) around ``optimizer.step()``, steps the LR
 scheduler, advances the data cursor, saves snapshots on a step/time schedule (asynchronously; optionally also
-node-local ones in memory, see ``elastic/tiers.py``), logs progress averaged over workers, and on SIGTERM saves
+node-local ones in memory, see ``elastic/checkpoint/tiers.py``), logs progress averaged over workers, and
+on SIGTERM saves
 synchronously at the step boundary and stops.
 
 A SIGTERM'd worker that cannot reach the step boundary within ``stop_timeout`` (at least three times the
@@ -61,10 +62,10 @@ from elastic.checkpoint import (
 from elastic.checkpoint.api import CheckpointManager
 from elastic.checkpoint.layout import step_dir
 from elastic.checkpoint.state import TrainingState
+from elastic.checkpoint.tiers import create_snapshot_tiers
 from elastic.lr import LRPolicy, RampState, scaled_lr
 from elastic.progress import ENV_NODE_NAME, create_reporter
 from elastic.sampler import ElasticSampler, split_sizes
-from elastic.tiers import create_snapshot_tiers
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class ElasticConfig:
     checkpoint_options: CheckpointOptions = field(default_factory=CheckpointOptions)
     save_every_steps: int | None = 50
     save_every: timedelta | None = None
-    # node-local snapshots in memory (see elastic/tiers.py); None: $ETRAIN_LOCAL_SNAPSHOT_EVERY, else off
+    # node-local snapshots in memory (see elastic/checkpoint/tiers.py); None: $ETRAIN_LOCAL_SNAPSHOT_EVERY, else off
     local_every_steps: int | None = None
     # ... spaced out so that their measured cost stays under this fraction of training time (None: no cap)
     local_max_overhead: float | None = 0.05
@@ -221,7 +222,7 @@ class ElasticTrainer:
 
     def _restore(self, model: torch.nn.Module) -> None:
         # Every rank restores the same snapshot: the newest verified durable one that rank 0 picks, or a
-        # newer node-local one that a surviving node holds (elastic/tiers.py).
+        # newer node-local one that a surviving node holds (elastic/checkpoint/tiers.py).
         state = self._tiers.restore()
         if state is None:
             return

@@ -30,7 +30,7 @@ SUITES=(
   tests/elastic/test_prefork.py
   tests/elastic/test_sampler.py
   tests/elastic/test_lr.py
-  tests/elastic/test_tiers.py
+  tests/elastic/checkpoint/test_tiers.py
   tests/elastic/test_stop_timeout.py
   tests/integration/test_elastic_loop.py
   tests/integration/test_torchrun_etcd_v3.py

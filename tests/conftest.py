@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd import EtcdClient, create_client
-from elastic.etcd.server import LocalEtcdCluster
+from elastic.testing.etcd_server import LocalEtcdCluster
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd.server import LocalEtcdCluster
+from elastic.testing.etcd_server import LocalEtcdCluster
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -48,7 +48,7 @@ def torchrun_command(
 
 
 @dataclass
-class Agent:
+class TorchrunAgent:
     """One torchrun agent and its workers, in a process group of their own."""
 
     cmd: list[str]
@@ -56,7 +56,7 @@ class Agent:
     env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> Agent:
+    def start(self) -> TorchrunAgent:
         env = dict(os.environ)
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -1,1 +1,1 @@
-"""The versioned REST API of the controller (routers mounted by ``service.main.create_app``)."""
+"""The versioned REST API of the controller (routers mounted by ``service.api.app.create_app``)."""

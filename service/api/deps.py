@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from service.config import Settings
-from service.controller import Controller
-from service.metrics import Metrics
-from service.store import Store
+from service.controller.loop import Controller
+from service.controller.metrics import Metrics
+from service.core.config import Settings
+from service.core.store import ServiceStore
 
 __all__ = ["get_controller", "get_metrics", "get_settings", "get_store"]
 
 
-async def get_store(request: Request) -> Store:
-    store: Store = request.app.state.store
+async def get_store(request: Request) -> ServiceStore:
+    store: ServiceStore = request.app.state.store
     return store
 
 

@@ -1,4 +1,4 @@
-"""Response bodies of the REST API (views over the records in ``service.models``)."""
+"""Response bodies of the REST API (views over the records in ``service.core.models``)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.models import Event, JobSpec, NodeInfo, Restarts, WorldSizeChange
-from service.reconcile import JobEntry
-from service.states import JobState
+from service.core.models import Event, JobSpec, NodeInfo, Restarts, WorldSizeChange
+from service.core.states import JobState
+from service.core.view import JobEntry
 
 __all__ = [
     "BudgetView",

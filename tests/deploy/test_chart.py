@@ -299,7 +299,7 @@ def test_helm_test_hook_requests_the_controller_readyz(chart: helm.Chart) -> Non
 @pytest.mark.timeout(60)
 def test_helm_test_script_fails_with_a_message_when_the_controller_is_unreachable(chart: helm.Chart) -> None:
     """Runs the test pod's own command here against a loopback port where nothing listens."""
-    from elastic.etcd.server import free_port
+    from elastic.testing.etcd_server import free_port
 
     values = by_name("auth") | {"tests": {"enabled": True, "timeoutSeconds": 3}}
     command = mf.container(mf.one(render(chart, values), "Pod"), "readyz")["command"]
@@ -545,7 +545,7 @@ def _service_cli_available() -> bool:
 
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(
-    not _service_cli_available(), reason="the service CLI (service/cli.py) is not in this tree"
+    not _service_cli_available(), reason="the service CLI (service/cli/main.py) is not in this tree"
 )
 def test_rendered_controller_command_serves_readyz_for_the_helm_test_script(
     chart: helm.Chart, etcd_server: Any, tmp_path: Path
@@ -554,7 +554,7 @@ def test_rendered_controller_command_serves_readyz_for_the_helm_test_script(
     etcd; the `helm test` pod's script then passes against it."""
     import os
 
-    from elastic.etcd.server import free_port
+    from elastic.testing.etcd_server import free_port
 
     objects = render(chart, by_name("auth"))
     container = mf.container(mf.one(objects, "Deployment"), "controller")
@@ -576,7 +576,7 @@ def test_rendered_controller_command_serves_readyz_for_the_helm_test_script(
     argv = [
         sys.executable,
         "-c",
-        "import sys; from service.cli import main; sys.exit(main())",
+        "import sys; from service.cli.main import main; sys.exit(main())",
         *container["command"][1:],
     ]
     repo = str(CHART_DIR.parents[1])
@@ -603,7 +603,7 @@ def test_rendered_controller_command_serves_readyz_for_the_helm_test_script(
 
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(
-    not _service_cli_available(), reason="the service CLI (service/cli.py) is not in this tree"
+    not _service_cli_available(), reason="the service CLI (service/cli/main.py) is not in this tree"
 )
 def test_rendered_agent_command_starts_an_agent_that_answers_healthz(
     chart: helm.Chart, etcd_server: Any, tmp_path: Path
@@ -612,7 +612,7 @@ def test_rendered_agent_command_starts_an_agent_that_answers_healthz(
     does) start the real agent against a real etcd, and its health port answers."""
     import os
 
-    from elastic.etcd.server import free_port
+    from elastic.testing.etcd_server import free_port
 
     container = mf.container(mf.one(render(chart, by_name("s3")), "StatefulSet", "-agent"), "agent")
     port = free_port()
@@ -631,7 +631,7 @@ def test_rendered_agent_command_starts_an_agent_that_answers_healthz(
     argv = [
         sys.executable,
         "-c",
-        "import sys; from service.cli import main; sys.exit(main())",
+        "import sys; from service.cli.main import main; sys.exit(main())",
         *container["command"][1:],
     ]
     full_env = {**os.environ, **env, "PYTHONPATH": str(CHART_DIR.parents[1])}

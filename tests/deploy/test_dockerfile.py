@@ -122,7 +122,7 @@ def test_entrypoint_and_ports_match_the_package_and_the_chart() -> None:
     instructions = parse(DOCKERFILE.read_text())
     entrypoint = json.loads(next(i.args for i in instructions if i.keyword == "ENTRYPOINT"))
     assert entrypoint == ["etrain"]
-    assert re.search(r'^etrain = "service\.cli:main"', (REPO / "pyproject.toml").read_text(), re.M)
+    assert re.search(r'^etrain = "service\.cli\.main:main"', (REPO / "pyproject.toml").read_text(), re.M)
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
     exposed = {int(p) for i in instructions if i.keyword == "EXPOSE" for p in i.args.split()}
     assert exposed == {values["controller"]["port"], values["agent"]["healthPort"]}
@@ -227,7 +227,7 @@ def test_dockerignore_keeps_the_copied_sources_and_drops_everything_else() -> No
     assert copied == ["pyproject.toml", "README.md", "elastic", "service"]
     for src in copied:
         assert not excluded(src, patterns), src
-    for kept in ("elastic/etcd/client.py", "service/cli.py"):
+    for kept in ("elastic/etcd/client.py", "service/cli/main.py"):
         assert not excluded(kept, patterns), kept
     for dropped in (
         ".git/HEAD",

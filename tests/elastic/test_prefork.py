@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd.server import LocalEtcdCluster
 from elastic.prefork import forked_worker
 from elastic.proctree import process_stat
+from elastic.testing.etcd_server import LocalEtcdCluster
 from elastic.testing.torchrun import wait_until
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd.server import free_port
+from elastic.testing.etcd_server import free_port
 from elastic.testing.torchrun import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]

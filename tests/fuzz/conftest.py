@@ -10,9 +10,9 @@ import pytest
 import schemathesis
 
 from elastic.etcd import create_client
-from elastic.etcd.server import LocalEtcdCluster
-from service.config import EtcdOptions, Role, Settings, TokenEntry
-from service.main import create_app
+from elastic.testing.etcd_server import LocalEtcdCluster
+from service.api.app import create_app
+from service.core.config import EtcdOptions, Role, Settings, TokenEntry
 
 ADMIN_TOKEN = "fuzz-admin-token-0123456789abcdef"
 

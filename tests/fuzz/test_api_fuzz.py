@@ -11,7 +11,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from pydantic import ValidationError
 
-from service.models import JobSpec
+from service.core.models import JobSpec
 from tests.fuzz.conftest import ADMIN_TOKEN
 
 schema = schemathesis.pytest.from_fixture("api_schema")

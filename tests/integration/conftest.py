@@ -6,13 +6,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from elastic.testing.torchrun import Agent
+from elastic.testing.torchrun import TorchrunAgent
 
 
 @pytest.fixture
-def agents() -> Iterator[list[Agent]]:
+def agents() -> Iterator[list[TorchrunAgent]]:
     """Agents a test started (append them here): each is stopped with its whole process tree at the end."""
-    started: list[Agent] = []
+    started: list[TorchrunAgent] = []
     yield started
     for a in started:
         a.stop()

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from elastic.etcd import create_client
-from elastic.etcd.server import LocalEtcdCluster, free_port
 from elastic.proctree import descendants
-from service.client import ApiClient
-from service.models import WorkerReport
-from service.store import Keys
+from elastic.testing.etcd_server import LocalEtcdCluster, free_port
+from service.cli.client import ApiClient
+from service.core.models import WorkerReport
+from service.core.store import Keys
 from tests.integration.netns import NetnsTopology
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,20 +11,20 @@ from typing import Any
 import pytest
 import torch
 
-from elastic.etcd.server import LocalEtcdCluster
 from elastic.lr import LRPolicy, LRRule
-from elastic.testing.torchrun import Agent, torchrun_command, wait_until
+from elastic.testing.etcd_server import LocalEtcdCluster
+from elastic.testing.torchrun import TorchrunAgent, torchrun_command, wait_until
 
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
 
 
 def _agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnodes: str, nproc: int,
-           args: list[str]) -> Agent:  # fmt: skip
+           args: list[str]) -> TorchrunAgent:  # fmt: skip
     cmd = torchrun_command(
         backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
         rdzv_conf={"last_call_timeout": 2}, max_restarts=5, script=WORKER, script_args=args,
     )  # fmt: skip
-    return Agent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}).start()
+    return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}).start()
 
 
 def _records(rec: Path) -> list[dict[str, Any]]:
@@ -53,13 +53,13 @@ def _max_step(rec: Path) -> int:
     return max((r["step"] for r in _records(rec)), default=0)
 
 
-def _logs(agents: list[Agent]) -> str:
+def _logs(agents: list[TorchrunAgent]) -> str:
     return "\n".join(f"--- {a.log_path.name}\n{a.log()[-2500:]}" for a in agents)
 
 
 @pytest.mark.timeout(300)
 def test_kill_and_resume_at_same_world_gives_bit_identical_params(
-    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
     common = ["--epochs", "2", "--save-every", "5", "--samples", "384", "--batch", "8", "--lr-rule", "none"]
     ref = tmp_path / "ref"
@@ -104,7 +104,7 @@ def _expected_factors(policy: LRPolicy, eff: dict[int, list[dict[str, Any]]]) ->
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("rule", [r.value for r in LRRule])
 def test_resizes_4_2_3_keep_lr_policy_exact_and_every_sample_once_per_epoch(
-    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent], rule: str
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str
 ) -> None:
     rec = tmp_path / "rec"
     run_id = f"resize-{uuid.uuid4().hex[:6]}"
@@ -155,7 +155,7 @@ def test_resizes_4_2_3_keep_lr_policy_exact_and_every_sample_once_per_epoch(
         assert sorted(seen) == list(range(n)), f"epoch {epoch}: a sample was skipped or repeated"
 
 
-def _final_loss(tmp: Path, etcd: LocalEtcdCluster, agents: list[Agent], rule: str, seed: int, resize: bool) -> float:
+def _final_loss(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, seed: int, resize: bool) -> float:
     rec = tmp / f"{rule}-{seed}-{'resized' if resize else 'fixed'}"
     run_id = f"conv-{uuid.uuid4().hex[:6]}"
     # No dropout and enough epochs to converge: the comparison is about the resizes, not about noise.
@@ -187,7 +187,7 @@ def _final_loss(tmp: Path, etcd: LocalEtcdCluster, agents: list[Agent], rule: st
     return float(json.loads((rec / "final.json").read_text())["loss"])
 
 
-def _convergence(tmp: Path, etcd: LocalEtcdCluster, agents: list[Agent], rule: str, seed: int) -> None:
+def _convergence(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, seed: int) -> None:
     fixed = _final_loss(tmp, etcd, agents, rule, seed, resize=False)
     resized = _final_loss(tmp, etcd, agents, rule, seed, resize=True)
     print(f"convergence {rule} seed {seed}: fixed 4 workers {fixed:.5f}, resized 4->2->3 {resized:.5f}, "
@@ -197,7 +197,7 @@ def _convergence(tmp: Path, etcd: LocalEtcdCluster, agents: list[Agent], rule: s
 
 @pytest.mark.timeout(600)
 def test_resized_run_converges_within_2_percent_of_fixed_world_small_form(
-    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
     _convergence(tmp_path, etcd_server, agents, "fixed-global-batch", seed=0)
 
@@ -207,14 +207,14 @@ def test_resized_run_converges_within_2_percent_of_fixed_world_small_form(
 @pytest.mark.parametrize("rule", ["fixed-global-batch", "linear"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_resized_run_converges_within_2_percent_of_fixed_world_3_seeds(
-    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent], rule: str, seed: int
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, seed: int
 ) -> None:
     _convergence(tmp_path, etcd_server, agents, rule, seed)
 
 
 @pytest.mark.timeout(300)
 def test_sigterm_of_one_node_saves_synchronously_and_loses_no_step(
-    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
     """A preemption notice (SIGTERM to a node's agent, forwarded to its workers): every rank saves that step,
     the signalled node leaves, the survivor re-forms and resumes from exactly that step."""

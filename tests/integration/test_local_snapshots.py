@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd.server import LocalEtcdCluster
-from elastic.testing.torchrun import Agent, read_jsonl, torchrun_command, wait_until
+from elastic.testing.etcd_server import LocalEtcdCluster
+from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command, wait_until
 
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
 
 
-def _start(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, local_every: int, nproc: int = 1) -> Agent:
+def _start(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, local_every: int, nproc: int = 1) -> TorchrunAgent:
     args = ["--epochs", "2", "--samples", "480", "--batch", "4", "--lr-rule", "linear", "--base-world", "2",
             "--save-every", "1000", "--local-every", str(local_every), "--local-max-overhead", "0",
             "--step-sleep", "0.05",
@@ -27,7 +27,7 @@ def _start(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, local_ever
         rdzv_conf={"last_call_timeout": 1}, max_restarts=5, script=WORKER, script_args=args, prefork=True,
     )  # fmt: skip
     env = {"LOGLEVEL": "INFO", "ETRAIN_LOCAL_SNAPSHOT_DIR": str(tmp / "shm")}
-    return Agent(cmd, tmp / f"{name}.log", env=env).start()
+    return TorchrunAgent(cmd, tmp / f"{name}.log", env=env).start()
 
 
 def _records(tmp: Path) -> list[dict[str, object]]:
@@ -37,7 +37,7 @@ def _records(tmp: Path) -> list[dict[str, object]]:
     return out
 
 
-def _lost_by(tmp: Path, kill: float, agents: list[Agent]) -> int:
+def _lost_by(tmp: Path, kill: float, agents: list[TorchrunAgent]) -> int:
     """Steps the group killed at ``kill`` had committed that the next group re-does."""
     records = _records(tmp)
     killed = max((r for r in records if float(r["t"]) <= kill), key=lambda r: float(r["t"]))["attempt"]  # type: ignore[arg-type]
@@ -52,7 +52,7 @@ def _lost_by(tmp: Path, kill: float, agents: list[Agent]) -> int:
     return before - resumed_from
 
 
-def _logs(agents: list[Agent]) -> str:
+def _logs(agents: list[TorchrunAgent]) -> str:
     return "\n".join(f"--- {a.log_path.name}\n{a.log()[-2500:]}" for a in agents)
 
 
@@ -61,8 +61,8 @@ def _max_step(tmp: Path) -> int:
 
 
 def _two_agents_at_step_12(
-    tmp: Path, etcd: LocalEtcdCluster, agents: list[Agent], local_every: int, nproc: int = 1
-) -> tuple[Agent, Agent]:
+    tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], local_every: int, nproc: int = 1
+) -> tuple[TorchrunAgent, TorchrunAgent]:
     run_id = f"local-{uuid.uuid4().hex[:6]}"
     a = _start(tmp, "a", etcd, run_id, local_every=local_every, nproc=nproc)
     b = _start(tmp, "b", etcd, run_id, local_every=local_every, nproc=nproc)
@@ -77,7 +77,7 @@ def _slots(tmp: Path) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_worker_kill_and_node_kill_each_redo_at_most_one_step_from_node_local_snapshots(
-    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
     a, b = _two_agents_at_step_12(tmp_path, etcd_server, agents, local_every=1)
     assert _slots(tmp_path) == ["slot-0", "slot-1"]
@@ -94,7 +94,7 @@ def test_worker_kill_and_node_kill_each_redo_at_most_one_step_from_node_local_sn
 
 @pytest.mark.timeout(300)
 def test_without_node_local_snapshots_the_same_worker_kill_restarts_from_the_last_durable_step(
-    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
     """The control: the check above can fail (no local tier, no durable snapshot yet: back to step 0)."""
     _, b = _two_agents_at_step_12(tmp_path, etcd_server, agents, local_every=0)
@@ -104,7 +104,7 @@ def test_without_node_local_snapshots_the_same_worker_kill_restarts_from_the_las
 
 @pytest.mark.timeout(300)
 def test_with_two_workers_per_node_one_writes_per_node_and_a_worker_kill_redoes_at_most_one_step(
-    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
     _, b = _two_agents_at_step_12(tmp_path, etcd_server, agents, local_every=1, nproc=2)
     # LOCAL_RANK 0 of each agent writes; the LOCAL_RANK 1 workers never claim a slot

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd.server import LocalEtcdCluster, free_port
-from elastic.testing.torchrun import Agent, read_jsonl, torchrun_command, wait_until
+from elastic.testing.etcd_server import LocalEtcdCluster, free_port
+from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command, wait_until
 
 RDZV_CONF = {"last_call_timeout": 1, "join_timeout": 60}
 
@@ -27,7 +27,7 @@ def _agent(
     steps: int,
     step_time: float = 0.1,
     nproc: int = 1,
-) -> Agent:
+) -> TorchrunAgent:
     cmd = torchrun_command(
         backend="etcd-v3",
         endpoint=endpoint,
@@ -37,10 +37,10 @@ def _agent(
         rdzv_conf=RDZV_CONF,
         script_args=["--out", str(out), "--steps", str(steps), "--step-time", str(step_time)],
     )
-    return Agent(cmd, tmp_path / f"{name}.log").start()
+    return TorchrunAgent(cmd, tmp_path / f"{name}.log").start()
 
 
-def _logs(agents: list[Agent]) -> str:
+def _logs(agents: list[TorchrunAgent]) -> str:
     return "\n".join(f"--- {a.log_path.name}\n{a.log()[-3000:]}" for a in agents)
 
 
@@ -51,7 +51,7 @@ def _worlds(out: Path) -> list[int]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("n_agents", [2, 3])
 def test_agents_form_one_world_and_allreduce_checks_out(
-    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent], n_agents: int
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent], n_agents: int
 ) -> None:
     out = tmp_path / "out"
     run_id = f"form-{uuid.uuid4().hex[:6]}"
@@ -70,7 +70,7 @@ def test_agents_form_one_world_and_allreduce_checks_out(
 
 @pytest.mark.timeout(240)
 def test_sigkill_of_one_agent_tree_shrinks_world_then_new_agent_grows_it(
-    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
     out = tmp_path / "out"
     run_id = f"kill-{uuid.uuid4().hex[:6]}"
@@ -109,7 +109,7 @@ def test_sigkill_of_one_agent_tree_shrinks_world_then_new_agent_grows_it(
 
 @pytest.mark.timeout(180)
 def test_lost_member_whose_workers_hang_instead_of_crashing_is_re_formed_without(
-    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[Agent]
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
     """b's agent dies while b's worker is frozen: the survivor's all-reduce blocks (no connection error), so
     torchrun alone would wait for the collective timeout. The lost liveness lease makes a's agent re-form."""
@@ -144,7 +144,7 @@ def test_lost_member_whose_workers_hang_instead_of_crashing_is_re_formed_without
 
 
 def _train_through_etcd_fault(
-    tmp_path: Path, etcd: LocalEtcdCluster, agents: list[Agent], fault: Callable[[], None]
+    tmp_path: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], fault: Callable[[], None]
 ) -> None:
     """Two agents train 140 steps; ``fault`` hits etcd mid-run; no worker group may restart."""
     out = tmp_path / "out"
@@ -162,7 +162,7 @@ def _train_through_etcd_fault(
 
 @pytest.mark.timeout(240)
 def test_etcd_restart_during_training_causes_no_worker_failure(
-    tmp_path: Path, etcd_member: LocalEtcdCluster, agents: list[Agent]
+    tmp_path: Path, etcd_member: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
     def restart() -> None:
         etcd_member.stop_member(0)
@@ -174,7 +174,7 @@ def test_etcd_restart_during_training_causes_no_worker_failure(
 
 @pytest.mark.timeout(240)
 def test_losing_one_of_three_etcd_members_causes_no_worker_failure(
-    tmp_path: Path, etcd_cluster3: LocalEtcdCluster, agents: list[Agent]
+    tmp_path: Path, etcd_cluster3: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
     def lose_two_members_in_turn() -> None:
         # Two different members, so the member each agent is connected to is lost once.

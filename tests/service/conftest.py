@@ -12,10 +12,10 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from elastic.etcd.server import LocalEtcdCluster, free_port
-from service.config import EtcdOptions, Role, Settings, TokenEntry
-from service.main import create_app
-from service.reconcile import ReconcileConfig
+from elastic.testing.etcd_server import LocalEtcdCluster, free_port
+from service.api.app import create_app
+from service.core.config import EtcdOptions, Role, Settings, TokenEntry
+from service.core.view import ReconcileConfig
 
 ADMIN = "admin-token-0123456789"
 READER = "read-token-0123456789"

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd import EtcdConfig, create_client
-from elastic.etcd.server import find_etcd_binary, free_port
-from service.client import ApiClient
+from elastic.testing.etcd_server import find_etcd_binary, free_port
+from service.cli.client import ApiClient
 from tests.integration.service_harness import wait_for
 
 pytestmark = [

@@ -9,15 +9,15 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, status
 from fastapi.exceptions import RequestValidationError
 
+from service.api.auth import Principal, require_admin, require_read
 from service.api.deps import get_metrics, get_settings, get_store
 from service.api.schemas import EventList, JobDetail, JobList, job_detail, job_summary
-from service.auth import Principal, require_admin, require_read
-from service.config import Settings
-from service.metrics import Metrics
-from service.models import JobRecord, JobSpec, JobStatus, checkpoint_url_within, normalize_checkpoint_url
-from service.reconcile import JobEntry
-from service.states import JobState
-from service.store import JobExists, Store, new_event
+from service.controller.metrics import Metrics
+from service.core.config import Settings
+from service.core.models import JobRecord, JobSpec, JobStatus, checkpoint_url_within, normalize_checkpoint_url
+from service.core.states import JobState
+from service.core.store import JobExists, ServiceStore, new_event
+from service.core.view import JobEntry
 
 __all__ = ["router"]
 
@@ -47,7 +47,7 @@ def _resolve_checkpoint_url(spec: JobSpec, root: str | None, job_id: str) -> str
     return spec.checkpoint_url
 
 
-def _get(store: Store, job_id: str) -> JobEntry:
+def _get(store: ServiceStore, job_id: str) -> JobEntry:
     entry = store.get_job(job_id)
     if entry is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no job {job_id!r}")
@@ -63,7 +63,7 @@ def _get(store: Store, job_id: str) -> JobEntry:
 def submit_job(
     spec: JobSpec,
     principal: Annotated[Principal, Depends(require_admin)],
-    store: Annotated[Store, Depends(get_store)],
+    store: Annotated[ServiceStore, Depends(get_store)],
     settings: Annotated[Settings, Depends(get_settings)],
     metrics: Annotated[Metrics, Depends(get_metrics)],
 ) -> JobDetail:
@@ -94,7 +94,7 @@ def submit_job(
 
 @router.get("/jobs", summary="List jobs", dependencies=[Depends(require_read)])
 def list_jobs(
-    store: Annotated[Store, Depends(get_store)],
+    store: Annotated[ServiceStore, Depends(get_store)],
     state: Annotated[JobState | None, Query(description="only jobs in this state")] = None,
 ) -> JobList:
     entries = store.list_jobs()
@@ -104,7 +104,7 @@ def list_jobs(
 @router.get(
     "/jobs/{job_id}", summary="Job status", responses=_NOT_FOUND, dependencies=[Depends(require_read)]
 )
-def get_job(job_id: str, store: Annotated[Store, Depends(get_store)]) -> JobDetail:
+def get_job(job_id: str, store: Annotated[ServiceStore, Depends(get_store)]) -> JobDetail:
     return job_detail(_get(store, job_id))
 
 
@@ -117,7 +117,7 @@ def get_job(job_id: str, store: Annotated[Store, Depends(get_store)]) -> JobDeta
 def cancel_job(
     job_id: str,
     principal: Annotated[Principal, Depends(require_admin)],
-    store: Annotated[Store, Depends(get_store)],
+    store: Annotated[ServiceStore, Depends(get_store)],
 ) -> JobDetail:
     entry = _get(store, job_id)
     if entry.status.state.terminal:
@@ -140,7 +140,7 @@ def cancel_job(
 )
 def job_events(
     job_id: str,
-    store: Annotated[Store, Depends(get_store)],
+    store: Annotated[ServiceStore, Depends(get_store)],
     after: Annotated[str | None, Query(description="only events after this event id (for following)")] = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
 ) -> EventList:

@@ -6,10 +6,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends
 
+from service.api.auth import require_read
 from service.api.deps import get_store
 from service.api.schemas import NodeList, NodeView
-from service.auth import require_read
-from service.store import Store
+from service.core.store import ServiceStore
 
 __all__ = ["router"]
 
@@ -17,7 +17,7 @@ router = APIRouter(prefix="/v1", tags=["nodes"])
 
 
 @router.get("/nodes", summary="Live nodes", dependencies=[Depends(require_read)])
-def list_nodes(store: Annotated[Store, Depends(get_store)]) -> NodeList:
+def list_nodes(store: Annotated[ServiceStore, Depends(get_store)]) -> NodeList:
     nodes, assigned = store.list_nodes()
     entries = {e.record.id: e for e in store.list_jobs()}
     views = []

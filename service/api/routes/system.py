@@ -10,10 +10,10 @@ from fastapi.responses import JSONResponse
 
 from elastic.etcd import EtcdError
 from service.api.deps import get_controller, get_metrics, get_settings, get_store
-from service.config import Settings
-from service.controller import Controller
-from service.metrics import CONTENT_TYPE, Metrics
-from service.store import Store
+from service.controller.loop import Controller
+from service.controller.metrics import CONTENT_TYPE, Metrics
+from service.core.config import Settings
+from service.core.store import ServiceStore
 
 __all__ = ["router"]
 
@@ -31,7 +31,7 @@ def healthz() -> dict[str, str]:
     responses={503: {"description": "not ready"}},
 )
 def readyz(
-    store: Annotated[Store, Depends(get_store)],
+    store: Annotated[ServiceStore, Depends(get_store)],
     controller: Annotated[Controller, Depends(get_controller)],
     settings: Annotated[Settings, Depends(get_settings)],
 ) -> JSONResponse:

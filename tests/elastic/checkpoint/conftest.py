@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from elastic.checkpoint.s3_server import LocalS3Server
+from elastic.testing.s3_server import LocalS3Server
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from elastic.checkpoint import CheckpointOptions, CheckpointStorageError, create_checkpoint_manager
-from elastic.checkpoint.s3_server import LocalS3Server
+from elastic.testing.s3_server import LocalS3Server
 from tests.elastic.checkpoint._helpers import make_state
 from tests.elastic.checkpoint.conftest import Target
 

@@ -16,8 +16,8 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
 from elastic.etcd import EtcdClient, EtcdConfig, create_client
-from elastic.etcd.server import LocalEtcdCluster, free_port
 from elastic.rendezvous.etcd_v3_backend import EtcdV3RendezvousBackend
+from elastic.testing.etcd_server import LocalEtcdCluster, free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,8 +20,8 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic import compat
-from elastic.etcd.server import LocalEtcdCluster
 from elastic.rendezvous.plugin import EtcdV3RendezvousHandler, create_handler
+from elastic.testing.etcd_server import LocalEtcdCluster
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -11,8 +11,8 @@ import pytest
 from torch.distributed import DistStoreError, HashStore, PrefixStore, Store
 
 from elastic.etcd import EtcdClient, create_client
-from elastic.etcd.server import LocalEtcdCluster
 from elastic.rendezvous.etcd_v3_store import EtcdV3Store
+from elastic.testing.etcd_server import LocalEtcdCluster
 
 pytestmark = pytest.mark.timeout(60)
 

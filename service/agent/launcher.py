@@ -1,0 +1,245 @@
+"""How a node agent runs one job generation: the stock torchrun command, its environment, its process tree.
+
+:func:`torchrun_command` and :func:`worker_env` are pure. :class:`TorchrunProcess` starts torchrun in a
+session of its own with a parent-death signal (SIGTERM when the agent dies, so a dead agent never leaves
+a node's workers running), and stops the whole tree: torchrun's workers run in sessions of their own, so
+the tree is found through ``/proc`` before any signal is sent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+from elastic.prefork import worker_tree
+from elastic.proctree import descendants, process_stat
+from service.core.config import EtcdOptions
+from service.core.models import Assignment
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TorchrunProcess", "descendants", "rdzv_conf", "torchrun_command", "worker_env"]
+
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _secs(value: timedelta) -> str:
+    return f"{value.total_seconds():g}"
+
+
+def rdzv_conf(assignment: Assignment, etcd: EtcdOptions, rdzv_prefix: str, password: str | None) -> str:
+    """The ``--rdzv-conf`` string of the job's ``etcd-v3`` rendezvous (``key=value,...``)."""
+    r = assignment.spec.rendezvous
+    conf = {
+        "key_prefix": rdzv_prefix,
+        "last_call_timeout": _secs(r.last_call_timeout),
+        "join_timeout": _secs(r.join_timeout),
+        "node_ttl": _secs(r.node_ttl),
+        "connect_timeout": _secs(etcd.connect_timeout),
+    }
+    for key, value in (
+        ("ca_cert", etcd.ca_cert),
+        ("cert", etcd.cert),
+        ("cert_key", etcd.key),
+    ):
+        if value:
+            conf[key] = str(Path(value).resolve())
+    if etcd.user and password is not None:
+        conf["user"] = etcd.user
+        conf["password"] = password
+    return ",".join(f"{k}={v}" for k, v in conf.items())
+
+
+def torchrun_command(
+    assignment: Assignment,
+    *,
+    python: str,
+    etcd_endpoints: str,
+    rdzv_host: str | None,
+    conf_on_command_line: str | None,
+) -> list[str]:
+    """``python -m torch.distributed.run ...`` for one generation (``conf_on_command_line`` None: the
+    rendezvous configuration travels in ``PET_RDZV_CONF``, keeping a password off the command line)."""
+    spec = assignment.spec
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={spec.min_nodes}:{spec.max_nodes}",
+        f"--nproc-per-node={spec.nproc_per_node}",
+        "--rdzv-backend=etcd-v3",
+        f"--rdzv-endpoint={etcd_endpoints}",
+        f"--rdzv-id={assignment.rdzv_id}",
+        f"--max-restarts={spec.restart_policy.max_worker_restarts}",
+        "--monitor-interval=0.5",
+    ]
+    if conf_on_command_line is not None:
+        cmd.append(f"--rdzv-conf={conf_on_command_line}")
+    if rdzv_host:
+        cmd.append(f"--local-addr={rdzv_host}")
+    if spec.warm_start:  # torchrun starts elastic.prefork clients; the node's zygote forks the workers
+        cmd += ["--module", "elastic.prefork"]
+        cmd += ["-m", spec.entrypoint] if spec.module else [spec.entrypoint]
+    else:
+        cmd += ["--module", spec.entrypoint] if spec.module else [spec.entrypoint]
+    cmd.extend(spec.args)
+    return cmd
+
+
+def worker_env(
+    assignment: Assignment,
+    *,
+    base: Mapping[str, str],
+    node_name: str,
+    progress_key: str,
+    etcd: EtcdOptions,
+    extra: Mapping[str, str] | None = None,
+    socket_ifname: str | None = None,
+) -> dict[str, str]:
+    """torchrun's environment (inherited by the workers): base, extra, the node's collective interface,
+    the spec's env, then the service's.
+
+    ``socket_ifname`` (the agent's ``--socket-ifname``) is the network interface the workers' collectives
+    bind: it becomes ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``, which a job's own env still overrides.
+    """
+    spec = assignment.spec
+    nic = {"GLOO_SOCKET_IFNAME": socket_ifname, "NCCL_SOCKET_IFNAME": socket_ifname} if socket_ifname else {}
+    env = {**base, **(extra or {}), **nic, **spec.env}
+    env.update(etcd.worker_env())
+    env.update(
+        {
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "ETRAIN_JOB_ID": assignment.job_id,
+            "ETRAIN_JOB_NAME": spec.name,
+            "ETRAIN_GENERATION": str(assignment.generation),
+            "ETRAIN_NODE_NAME": node_name,
+            "ETRAIN_PROGRESS_KEY": progress_key,
+            "ETRAIN_LR_POLICY": spec.lr_policy.model_dump_json(),
+            "ETRAIN_MIN_NODES": str(spec.min_nodes),
+            "ETRAIN_MAX_NODES": str(spec.max_nodes),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if assignment.checkpoint_url:
+        env["ETRAIN_CHECKPOINT_URL"] = assignment.checkpoint_url
+    else:
+        env.pop("ETRAIN_CHECKPOINT_URL", None)
+    env["ETRAIN_LOCAL_SNAPSHOT_EVERY"] = str(spec.local_snapshot_every)  # read by elastic.loop; 0: off
+    return env
+
+
+# -- processes -----------------------------------------------------------------------------------------
+def _kill_same(procs: Sequence[tuple[int, int]], sig: int) -> None:
+    """Signal processes that are still the ones recorded (same start time: no pid reuse)."""
+    for pid, started in procs:
+        st = process_stat(pid)
+        if st is not None and st[1] == started:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _child_setup(parent: int) -> None:  # runs in the child between fork and exec
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:  # the agent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class TorchrunProcess:
+    """One torchrun process (and its workers) started by the agent."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], log_path: Path) -> None:
+        self._popen = popen
+        self.log_path = log_path
+        self.started = time.time()
+
+    @classmethod
+    def start(cls, cmd: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path) -> TorchrunProcess:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        parent = os.getpid()
+        with open(log_path, "ab") as log:
+            log.write(f"+ {' '.join(cmd)}\n".encode())
+            log.flush()
+            popen = subprocess.Popen(
+                list(cmd),
+                env=dict(env),
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=lambda: _child_setup(parent),  # only prctl and getppid: safe with threads
+            )
+        return cls(popen, log_path)
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    def poll(self) -> int | None:
+        return self._popen.poll()
+
+    def tree(self) -> list[tuple[int, int]]:
+        """torchrun itself and its live descendants, as ``(pid, start time)``."""
+        own = process_stat(self.pid)
+        return ([(self.pid, own[1])] if own else []) + worker_tree(self.pid)
+
+    def stop(self, grace: timedelta) -> int:
+        """SIGTERM torchrun (it stops its workers and keeps the rendezvous open), SIGKILL what is left
+        after ``grace``; returns torchrun's exit code."""
+        tree = self.tree()
+        if self._popen.poll() is None:
+            try:
+                self._popen.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self._popen.wait(timeout=grace.total_seconds())
+            except subprocess.TimeoutExpired:
+                tree += worker_tree(self.pid)
+                logger.warning("torchrun %d ignored SIGTERM for %s; killing its tree", self.pid, grace)
+                _kill_same(tree, signal.SIGKILL)
+                self._popen.wait(timeout=10)
+        # workers live in sessions of their own: make sure none outlives torchrun
+        deadline = time.monotonic() + min(grace.total_seconds(), 5.0)
+        while any(_same(p) for p in tree[1:]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _kill_same(tree[1:], signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while any(_same(p) for p in tree[1:]) and time.monotonic() < deadline:
+            time.sleep(0.02)  # SIGKILL is delivered asynchronously: report only when they are gone
+        code = self._popen.returncode
+        return int(code) if code is not None else -1
+
+    def tail(self, max_chars: int = 3000) -> str:
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                size = fh.tell()
+                fh.seek(max(size - max_chars, 0))
+                text = fh.read().decode(errors="replace")
+        except OSError:
+            return ""
+        lines = text.splitlines()
+        return "\n".join(lines[1:] if size > max_chars and len(lines) > 1 else lines)
+
+
+def _same(proc: tuple[int, int]) -> bool:
+    """The recorded process still runs (same start time; a zombie counts as gone)."""
+    try:
+        raw = Path(f"/proc/{proc[0]}/stat").read_text()
+    except OSError:
+        return False
+    fields = raw[raw.rfind(")") + 2 :].split()
+    return fields[0] != "Z" and int(fields[19]) == proc[1]

@@ -1,0 +1,332 @@
+"""The node agent: registers the node on a lease, runs one stock torchrun per assigned job generation.
+
+The agent talks only to etcd, never to the controller, so it keeps running (and its jobs keep training)
+while controllers restart or change leader. Its loop: read this node's assignments, stop torchruns whose
+assignment vanished or changed generation, start torchruns for new ones, report exits, then wait for
+the next assignment change (an etcd watch) or ``poll_interval``.
+
+Reports (``reports/<job>/<node>``) say ``running`` (with the pid), ``exited`` (with the exit code and the
+tail of the log), ``stopped`` (the agent stopped it) or ``launch_failed``. A generation that exited is
+not started again on this node; only a new assignment (a new generation) starts it.
+
+The node key lives on the agent's lease: a SIGKILLed agent's node vanishes after ``lease_ttl``, and its
+torchruns get SIGTERM at once from the kernel (parent-death signal). A clean stop (SIGTERM to the agent)
+stops the workers and revokes the lease, so the node leaves at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from elastic.etcd import EtcdClient, EtcdError, create_client
+from elastic.etcd.lease import LeaseKeeper
+from service.agent.launcher import TorchrunProcess, rdzv_conf, torchrun_command, worker_env
+from service.core.config import AgentSettings
+from service.core.models import Assignment, NodeInfo, WorkerReport
+from service.core.store import ServiceStore, create_store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AgentError", "NodeAgent", "create_agent"]
+
+
+class AgentError(RuntimeError):
+    """The agent cannot start (its node name is taken by a live agent)."""
+
+
+@dataclass
+class _Running:
+    assignment: Assignment
+    process: TorchrunProcess
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class NodeAgent:
+    """One node's agent; ``run(stop)`` blocks until ``stop`` is set, then stops its workers and leaves."""
+
+    def __init__(self, settings: AgentSettings, client: EtcdClient | None = None) -> None:
+        self.settings = settings
+        self._own_client = client is None
+        self._etcd_config = settings.etcd.config()
+        self.client = client or create_client(self._etcd_config)
+        self.store: ServiceStore = create_store(self.client, settings.prefix)
+        self._password = self._etcd_config.password
+        self.incarnation = uuid.uuid4().hex[:12]
+        self._running: dict[str, _Running] = {}
+        self._finished: set[tuple[str, int]] = set()
+        self._unsent: dict[str, WorkerReport] = {}
+        self._keeper: LeaseKeeper | None = None
+        self._health: ThreadingHTTPServer | None = None
+        self._last_loop = 0.0
+        self._lock = threading.Lock()
+
+    # -- registration --------------------------------------------------------------------------------
+    def _node_info(self) -> NodeInfo:
+        s = self.settings
+        return NodeInfo(
+            name=s.node_name,
+            capacity=s.nproc_per_node,
+            rdzv_host=s.rdzv_host,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            incarnation=self.incarnation,
+            registered_at=_now(),
+            lease_ttl=s.lease_ttl.total_seconds(),
+        )
+
+    def _wait_name_free(self) -> None:
+        key = self.store.keys.node(self.settings.node_name)
+        deadline = time.monotonic() + self.settings.lease_ttl.total_seconds() + 2
+        while True:
+            kv, revision = self.client.get(key)
+            if kv is None:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                holder = json.loads(kv.value) if kv.value.startswith(b"{") else {}
+                raise AgentError(
+                    f"node name {self.settings.node_name!r} is registered by a live agent "
+                    f"(pid {holder.get('pid')} on {holder.get('hostname')})"
+                )
+            logger.info("node name %s still registered (a previous agent?); waiting", self.settings.node_name)
+            self.client.wait_for_event(key, revision + 1, timedelta(seconds=remaining))
+
+    def register(self) -> None:
+        """Claim the node name (waiting out a previous incarnation's lease) and start heartbeats."""
+        self._wait_name_free()
+
+        def attach(lease_id: int) -> None:
+            self.store.register_node(self._node_info(), lease_id)
+
+        self._keeper = LeaseKeeper(self.client, self.settings.lease_ttl, on_new_lease=attach, name="agent")
+        logger.info(
+            "agent %s registered (capacity %d, lease %ss)",
+            self.settings.node_name,
+            self.settings.nproc_per_node,
+            self.settings.lease_ttl.total_seconds(),
+        )
+
+    # -- workers -------------------------------------------------------------------------------------
+    def _report(self, report: WorkerReport) -> None:
+        self._unsent[report.job_id] = report
+        self._flush()
+
+    def _flush(self) -> None:
+        for job_id, report in list(self._unsent.items()):
+            try:
+                self.store.put_report(report)
+                del self._unsent[job_id]
+            except EtcdError as exc:
+                logger.warning("cannot report %s/%s yet: %s", job_id, report.generation, exc)
+                return
+
+    def _launch(self, a: Assignment) -> None:
+        s = self.settings
+        log_path = s.work_dir / "jobs" / a.job_id / f"g{a.generation}" / f"{s.node_name}.log"
+        conf = rdzv_conf(a, s.etcd, self.store.keys.rdzv, self._password)
+        secret = self._password is not None and bool(s.etcd.user)
+        env = worker_env(
+            a,
+            base=os.environ,
+            node_name=s.node_name,
+            progress_key=self.store.keys.progress_of(a.job_id),
+            etcd=s.etcd,
+            extra=s.extra_env,
+            socket_ifname=s.socket_ifname,
+        )
+        if secret:
+            env["PET_RDZV_CONF"] = conf
+        cmd = torchrun_command(
+            a,
+            python=s.python,
+            etcd_endpoints=s.etcd.endpoints,
+            rdzv_host=s.rdzv_host,
+            conf_on_command_line=None if secret else conf,
+        )
+        cwd = a.spec.working_dir or os.getcwd()
+        base = WorkerReport(job_id=a.job_id, node=s.node_name, generation=a.generation, state="running")
+        if not Path(cwd).is_dir():
+            self._finished.add((a.job_id, a.generation))
+            self._report(
+                base.model_copy(
+                    update={"state": "launch_failed", "error": f"working_dir {cwd} does not exist"}
+                )
+            )
+            return
+        try:
+            proc = TorchrunProcess.start(cmd, env, cwd, log_path)
+        except OSError as exc:
+            self._finished.add((a.job_id, a.generation))
+            self._report(
+                base.model_copy(update={"state": "launch_failed", "error": f"cannot start torchrun: {exc}"})
+            )
+            return
+        self._running[a.job_id] = _Running(a, proc)
+        logger.info(
+            "job %s generation %d: torchrun pid %d, log %s", a.job_id, a.generation, proc.pid, log_path
+        )
+        self._report(base.model_copy(update={"pid": proc.pid, "started_at": _now()}))
+
+    def _stop(self, job_id: str, reason: str) -> None:
+        run = self._running.pop(job_id)
+        a = run.assignment
+        logger.info(
+            "job %s generation %d: stopping torchrun pid %d (%s)",
+            job_id,
+            a.generation,
+            run.process.pid,
+            reason,
+        )
+        code = run.process.stop(self.settings.stop_grace)
+        self._finished.add((job_id, a.generation))
+        self._report(
+            WorkerReport(
+                job_id=job_id,
+                node=self.settings.node_name,
+                generation=a.generation,
+                state="stopped",
+                pid=run.process.pid,
+                exit_code=code,
+                finished_at=_now(),
+                error=reason,
+            )
+        )
+
+    def _reap(self) -> None:
+        for job_id, run in list(self._running.items()):
+            code = run.process.poll()
+            if code is None:
+                continue
+            del self._running[job_id]
+            a = run.assignment
+            self._finished.add((job_id, a.generation))
+            logger.info("job %s generation %d: torchrun exited with %d", job_id, a.generation, code)
+            self._report(
+                WorkerReport(
+                    job_id=job_id,
+                    node=self.settings.node_name,
+                    generation=a.generation,
+                    state="exited",
+                    pid=run.process.pid,
+                    exit_code=code,
+                    finished_at=_now(),
+                    error=run.process.tail() if code != 0 else None,
+                )
+            )
+
+    def sync(self, assignments: dict[str, Assignment]) -> None:
+        """Make the running torchruns match ``assignments`` (one pass of the loop, without waiting)."""
+        with self._lock:
+            self._reap()
+            for job_id, run in list(self._running.items()):
+                wanted = assignments.get(job_id)
+                if wanted is None:
+                    self._stop(job_id, "unassigned")
+                elif wanted.generation != run.assignment.generation:
+                    self._stop(job_id, f"replaced by generation {wanted.generation}")
+            for job_id, a in sorted(assignments.items()):
+                if job_id not in self._running and (job_id, a.generation) not in self._finished:
+                    self._launch(a)
+            self._finished = {(j, g) for j, g in self._finished if j in assignments}
+            self._flush()
+
+    # -- loop ----------------------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        """Register, then serve assignments until ``stop`` is set; finally stop workers and leave."""
+        if self._keeper is None:
+            self.register()
+        self._start_health()
+        poll = self.settings.poll_interval
+        prefix = self.store.keys.assignments_of(self.settings.node_name)
+        try:
+            while not stop.is_set():
+                self._last_loop = time.monotonic()
+                try:
+                    assignments, revision = self.store.assignments(self.settings.node_name)
+                    self.sync(assignments)
+                    self.client.wait_for_event(prefix, revision + 1, poll, prefix=True)
+                except EtcdError as exc:
+                    logger.warning(
+                        "agent %s: etcd unavailable (%s); workers keep running", self.settings.node_name, exc
+                    )
+                    with self._lock:
+                        self._reap()
+                    stop.wait(poll.total_seconds())
+        finally:
+            self.shutdown()
+
+    def running_jobs(self) -> dict[str, int]:
+        """job id -> torchrun pid, for the jobs this agent runs now."""
+        with self._lock:
+            return {j: r.process.pid for j, r in self._running.items()}
+
+    def shutdown(self) -> None:
+        """Stop every torchrun (workers keep their rendezvous open), revoke the lease, stop serving."""
+        with self._lock:
+            for job_id in list(self._running):
+                try:
+                    self._stop(job_id, "agent shutting down")
+                except Exception:
+                    logger.exception("stopping job %s failed", job_id)
+        if self._keeper is not None:
+            self._keeper.close(revoke=True)
+            self._keeper = None
+        if self._health is not None:
+            self._health.shutdown()
+            self._health.server_close()
+            self._health = None
+        if self._own_client:
+            self.client.close()
+
+    # -- health endpoint -----------------------------------------------------------------------------
+    def healthy(self) -> tuple[bool, dict[str, object]]:
+        stale = time.monotonic() - self._last_loop > max(self.settings.lease_ttl.total_seconds(), 10)
+        ok = self._keeper is not None and not stale
+        return ok, {
+            "status": "ok" if ok else "unhealthy",
+            "node": self.settings.node_name,
+            "jobs": self.running_jobs(),
+        }
+
+    def _start_health(self) -> None:
+        port = self.settings.health_port
+        if not port or self._health is not None:
+            return
+        agent = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?")[0] != "/healthz":
+                    self.send_error(404)
+                    return
+                ok, body = agent.healthy()
+                data = json.dumps(body).encode()
+                self.send_response(200 if ok else 503)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: object) -> None:
+                logger.debug("health: " + format, *args)
+
+        self._health = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+        threading.Thread(target=self._health.serve_forever, name="agent-health", daemon=True).start()
+        logger.info("agent health endpoint on port %d", port)
+
+
+def create_agent(settings: AgentSettings, client: EtcdClient | None = None) -> NodeAgent:
+    return NodeAgent(settings, client)

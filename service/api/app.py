@@ -1,0 +1,118 @@
+"""The controller's ASGI app: ``create_app(settings)``; the reconcile loop runs for the app's lifetime.
+
+OpenAPI docs are served at ``/docs`` (and ``/openapi.json``). Invalid request bodies get 422 with the
+standard ``detail`` list (each entry's ``loc`` names the field) plus a one-line ``message``; etcd
+trouble during a request gets 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import elastic
+from elastic.etcd import EtcdClient, EtcdError, create_client
+from service.api.routes import jobs, nodes, system
+from service.controller.loop import Controller, create_controller
+from service.controller.metrics import Metrics, create_metrics
+from service.core.config import Settings
+from service.core.store import create_store
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["create_app"]
+
+
+def _one_line(errors: list[dict[str, object]]) -> str:
+    parts = []
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]  # type: ignore[attr-defined]
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+    return "; ".join(parts)
+
+
+class _RequestMetrics:
+    """Counts requests by method, route and status, and times them (a plain ASGI middleware: Starlette's
+    ``BaseHTTPMiddleware`` costs a task and a stream per request, a large share of a status read)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        status = 500
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")  # set by the router in this scope
+            self.metrics.http_requests.labels(scope["method"], route, str(status)).inc()
+            self.metrics.http_seconds.labels(route).observe(time.monotonic() - started)
+
+
+def create_app(settings: Settings, client: EtcdClient | None = None) -> FastAPI:
+    """Build the app; nothing connects until the first request or the app's start-up."""
+    own_client = client is None
+    etcd = client or create_client(settings.etcd.config())
+    store = create_store(etcd, settings.prefix)
+    metrics = create_metrics(store)
+    controller: Controller = create_controller(store, settings, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.tokens is None:
+            logger.warning("no --tokens-file: API authentication is OFF (anyone reaching the port is admin)")
+        if settings.run_controller:
+            controller.start()
+        try:
+            yield
+        finally:
+            controller.stop(resign=True)
+            if own_client:
+                etcd.close()
+
+    app = FastAPI(
+        title="etrain",
+        summary="Fault-tolerant elastic training jobs on stock torchrun",
+        version=elastic.__version__,
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.store = store
+    app.state.metrics = metrics
+    app.state.controller = controller
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = jsonable_encoder(exc.errors())
+        return JSONResponse({"detail": errors, "message": _one_line(errors)}, status_code=422)
+
+    @app.exception_handler(EtcdError)
+    async def _etcd_down(request: Request, exc: EtcdError) -> JSONResponse:
+        logger.warning("%s %s: %s", request.method, request.url.path, exc)
+        return JSONResponse({"detail": f"etcd unavailable: {exc}"}, status_code=503)
+
+    app.add_middleware(_RequestMetrics, metrics=metrics)
+
+    app.include_router(jobs.router)
+    app.include_router(nodes.router)
+    app.include_router(system.router)
+    return app

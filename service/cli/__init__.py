@@ -1,0 +1,1 @@
+"""``etrain``: the command line, the REST client it uses, plain-text rendering, the local demo."""

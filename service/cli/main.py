@@ -1,0 +1,395 @@
+"""``etrain``: run the controller or a node agent, submit and watch jobs, run the local demo.
+
+Every flag can also come from the environment variable named in its help (flags win). Errors are one
+line on stderr; exit codes: 0 ok, 1 the job/command failed, 2 bad settings or etcd unreachable, 3 API
+error (HTTP status shown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+from elastic import compat
+from elastic.etcd import EtcdConnectionError, EtcdError, check_reachable
+from service.cli.client import ApiClient, ApiError, load_job_file
+from service.cli.render import event_line, job_table, job_text, node_table, progress_line
+from service.core.config import AgentSettings, ConfigError, EtcdOptions, Settings, load_tokens
+
+__all__ = ["main"]
+
+_TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+def _first_line(exc: BaseException) -> str:
+    """One line for an etcd failure: gRPC errors carry their useful part in ``details = "..."``."""
+    text = str(exc)
+    found = re.search(r'details = "([^"]*)"', text)
+    head = text.splitlines()[0] if text else type(exc).__name__
+    if found:
+        head = head.split("<_InactiveRpcError")[0].split("<_MultiThreadedRendezvous")[0].rstrip(" :")
+        return f"{head}: {found.group(1)}"
+    return head
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"etrain: {message}", file=sys.stderr)
+    return code
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+# -- server commands -------------------------------------------------------------------------------------
+def _add_etcd_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--etcd",
+        default=_env("ETRAIN_ETCD_ENDPOINTS"),
+        help="etcd endpoints host:port,... (ETRAIN_ETCD_ENDPOINTS)",
+    )
+    p.add_argument(
+        "--etcd-ca-cert", default=_env("ETRAIN_ETCD_CA_CERT"), help="CA bundle (ETRAIN_ETCD_CA_CERT)"
+    )
+    p.add_argument(
+        "--etcd-cert", default=_env("ETRAIN_ETCD_CERT"), help="client certificate (ETRAIN_ETCD_CERT)"
+    )
+    p.add_argument("--etcd-key", default=_env("ETRAIN_ETCD_KEY"), help="client key (ETRAIN_ETCD_KEY)")
+    p.add_argument("--etcd-user", default=_env("ETRAIN_ETCD_USER"), help="etcd user (ETRAIN_ETCD_USER)")
+    p.add_argument(
+        "--etcd-password-file",
+        default=_env("ETRAIN_ETCD_PASSWORD_FILE"),
+        help="file holding the etcd password (ETRAIN_ETCD_PASSWORD_FILE)",
+    )
+    p.add_argument(
+        "--etcd-connect-timeout",
+        type=float,
+        default=float(_env("ETRAIN_ETCD_CONNECT_TIMEOUT", "5") or 5),
+        help="seconds to wait for etcd at start-up (ETRAIN_ETCD_CONNECT_TIMEOUT)",
+    )
+    p.add_argument(
+        "--prefix", default=_env("ETRAIN_PREFIX", "/etrain"), help="etcd key prefix (ETRAIN_PREFIX)"
+    )
+    p.add_argument("--log-level", default=_env("ETRAIN_LOG_LEVEL", "info"), help="(ETRAIN_LOG_LEVEL)")
+
+
+def _etcd_options(args: argparse.Namespace) -> EtcdOptions:
+    if not args.etcd:
+        raise ConfigError("no etcd endpoints: pass --etcd or set ETRAIN_ETCD_ENDPOINTS")
+    return EtcdOptions(
+        endpoints=args.etcd,
+        ca_cert=args.etcd_ca_cert,
+        cert=args.etcd_cert,
+        key=args.etcd_key,
+        user=args.etcd_user,
+        password_file=args.etcd_password_file,
+        connect_timeout=timedelta(seconds=args.etcd_connect_timeout),
+    )
+
+
+def _check_etcd(options: EtcdOptions) -> None:
+    config = options.config()
+    check_reachable(config, timeout=options.connect_timeout)
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.api.app import create_app
+
+    _setup_logging(args.log_level)
+    try:
+        etcd = _etcd_options(args)
+        tokens = load_tokens(args.tokens_file) if args.tokens_file else None
+        settings = Settings(
+            etcd=etcd,
+            prefix=args.prefix,
+            host=args.host,
+            port=args.port,
+            tokens=tokens,
+            checkpoint_root=args.checkpoint_root,
+            leader_ttl=timedelta(seconds=args.leader_ttl),
+        )
+        _check_etcd(etcd)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    except EtcdError as exc:
+        return _fail(f"controller: {_first_line(exc)}")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level.lower(),
+        lifespan="on",
+    )
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from service.agent.node import AgentError, create_agent
+
+    _setup_logging(args.log_level)
+    if not args.node_name:
+        return _fail("agent: --node-name (or ETRAIN_NODE_NAME) is required")
+    try:
+        compat.check_torch()  # the torch its torchrun runs on: refuse a node that could not train
+    except compat.TorchCompatError as exc:
+        return _fail(f"agent: {exc}")
+    try:
+        etcd = _etcd_options(args)
+        settings = AgentSettings(
+            etcd=etcd,
+            node_name=args.node_name,
+            prefix=args.prefix,
+            nproc_per_node=args.nproc_per_node,
+            work_dir=Path(args.work_dir).resolve(),
+            rdzv_host=args.rdzv_host,
+            socket_ifname=args.socket_ifname,
+            health_port=args.health_port,
+            lease_ttl=timedelta(seconds=args.lease_ttl),
+        )
+        _check_etcd(etcd)
+        agent = create_agent(settings)
+        agent.register()
+    except ConfigError as exc:
+        return _fail(str(exc))
+    except (EtcdError, AgentError) as exc:
+        return _fail(f"agent: {_first_line(exc)}")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    agent.run(stop)
+    return 0
+
+
+# -- client commands ---------------------------------------------------------------------------------------
+def _client(args: argparse.Namespace) -> ApiClient:
+    return ApiClient(args.server, args.token)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        job = api.submit(load_job_file(args.file))
+        print(job["id"])
+        if args.follow:
+            return _follow(api, job["id"])
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        jobs = api.jobs(args.state)
+    print(json.dumps(jobs, indent=2) if args.json else job_table(jobs))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        job = api.job(args.id)
+    print(json.dumps(job, indent=2) if args.json else job_text(job))
+    return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        events = api.events(args.id)
+    for e in events:
+        print(json.dumps(e) if args.json else event_line(e))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        job = api.cancel(args.id)
+    print(f"{job['id']}: cancel requested (state {job['state']})")
+    return 0
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        nodes = api.nodes()
+    print(json.dumps(nodes, indent=2) if args.json else node_table(nodes))
+    return 0
+
+
+def _follow(api: ApiClient, job_id: str, interval: float = 1.0, out: Callable[[str], None] = print) -> int:
+    """Print new events and a progress line until the job ends; exit code 0 only if it succeeded."""
+    last_event: str | None = None
+    last_line = ""
+    tty = sys.stdout.isatty()
+    while True:
+        job = api.job(job_id)
+        for e in api.events(job_id, after=last_event):
+            if tty and last_line:
+                sys.stdout.write("\r\033[K")
+            out(event_line(e))
+            last_event = e["id"]
+            last_line = ""
+        line = progress_line(job)
+        if line != last_line:
+            if tty:
+                sys.stdout.write("\r\033[K" + line)
+                sys.stdout.flush()
+            else:
+                out(line)
+            last_line = line
+        if job["state"] in _TERMINAL:
+            if tty:
+                sys.stdout.write("\n")
+            out(job_text(job))
+            return 0 if job["state"] == "succeeded" else 1
+        time.sleep(interval)
+
+
+def cmd_follow(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        return _follow(api, args.id)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from service.cli.demo import run_demo
+
+    return run_demo(Path(args.workdir).resolve(), keep=args.keep)
+
+
+# -- parser --------------------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="etrain", description="Fault-tolerant elastic training service")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def client_cmd(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.add_argument(
+            "--server",
+            default=_env("ETRAIN_SERVER", "http://127.0.0.1:8080"),
+            help="controller URL (ETRAIN_SERVER)",
+        )
+        p.add_argument("--token", default=_env("ETRAIN_TOKEN"), help="API bearer token (ETRAIN_TOKEN)")
+        p.set_defaults(fn=fn)
+        return p
+
+    p = sub.add_parser("controller", help="run the REST controller (one or more replicas)")
+    _add_etcd_flags(p)
+    p.add_argument("--host", default=_env("ETRAIN_HOST", "0.0.0.0"), help="(ETRAIN_HOST)")
+    p.add_argument("--port", type=int, default=int(_env("ETRAIN_PORT", "8080") or 8080), help="(ETRAIN_PORT)")
+    p.add_argument(
+        "--tokens-file",
+        default=_env("ETRAIN_TOKENS_FILE"),
+        help="YAML/JSON {tokens: [{token, role: admin|read, name}]}; none: auth off (ETRAIN_TOKENS_FILE)",
+    )
+    p.add_argument(
+        "--checkpoint-root",
+        default=_env("ETRAIN_CHECKPOINT_ROOT"),
+        help="jobs' checkpoints must lie below this URL; default <root>/<job id> (ETRAIN_CHECKPOINT_ROOT)",
+    )
+    p.add_argument(
+        "--leader-ttl",
+        type=float,
+        default=float(_env("ETRAIN_LEADER_TTL", "5") or 5),
+        help="leader lease TTL, seconds (ETRAIN_LEADER_TTL)",
+    )
+    p.set_defaults(fn=cmd_controller)
+
+    p = sub.add_parser("agent", help="run a node agent (one per node)")
+    _add_etcd_flags(p)
+    p.add_argument(
+        "--node-name", default=_env("ETRAIN_NODE_NAME"), help="unique node name (ETRAIN_NODE_NAME)"
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=int(_env("ETRAIN_NPROC_PER_NODE", "1") or 1),
+        help="worker slots of this node (ETRAIN_NPROC_PER_NODE)",
+    )
+    p.add_argument(
+        "--work-dir",
+        default=_env("ETRAIN_WORK_DIR", "etrain-work"),
+        help="where job logs go (ETRAIN_WORK_DIR)",
+    )
+    p.add_argument(
+        "--rdzv-host",
+        default=_env("ETRAIN_RDZV_HOST"),
+        help="address other nodes reach this node's workers at (ETRAIN_RDZV_HOST)",
+    )
+    p.add_argument(
+        "--socket-ifname",
+        default=_env("ETRAIN_SOCKET_IFNAME"),
+        help="network interface of the workers' collectives: their GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME"
+        " unless the job's env sets them (ETRAIN_SOCKET_IFNAME)",
+    )
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=int(_env("ETRAIN_HEALTH_PORT", "0") or 0),
+        help="serve GET /healthz on this port; 0: off (ETRAIN_HEALTH_PORT)",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=float(_env("ETRAIN_LEASE_TTL", "10") or 10),
+        help="node lease TTL, seconds: how fast a dead node is noticed (ETRAIN_LEASE_TTL)",
+    )
+    p.set_defaults(fn=cmd_agent)
+
+    p = client_cmd("submit", cmd_submit, "submit a job file (YAML/JSON)")
+    p.add_argument("file")
+    p.add_argument("--follow", action="store_true", help="then follow it")
+    p = client_cmd("list", cmd_list, "list jobs")
+    p.add_argument("--state", choices=sorted(["pending", "running", "recovering", *_TERMINAL]))
+    p.add_argument("--json", action="store_true")
+    p = client_cmd("status", cmd_status, "a job's status with its world-size history")
+    p.add_argument("id")
+    p.add_argument("--json", action="store_true")
+    p = client_cmd("follow", cmd_follow, "follow a job's progress and events until it ends")
+    p.add_argument("id")
+    p = client_cmd("cancel", cmd_cancel, "cancel a job")
+    p.add_argument("id")
+    p = client_cmd("events", cmd_events, "a job's events")
+    p.add_argument("id")
+    p.add_argument("--json", action="store_true")
+    p = client_cmd("nodes", cmd_nodes, "live nodes")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("demo", help="local cluster demo: etcd, controller, 3 agents, a job, an agent killed")
+    p.add_argument("--workdir", default=".demo", help="where etcd data, logs and checkpoints go")
+    p.add_argument(
+        "--keep", action="store_true", help="leave the cluster running at the end (Ctrl-C stops it)"
+    )
+    p.set_defaults(fn=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    fn: Callable[[argparse.Namespace], int] = args.fn
+    try:
+        return fn(args)
+    except ApiError as exc:
+        return _fail(str(exc), 3 if exc.status else 2)
+    except EtcdConnectionError as exc:
+        return _fail(_first_line(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

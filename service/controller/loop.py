@@ -1,0 +1,118 @@
+"""The reconcile loop: campaign for leadership, read the cluster, decide (pure), apply (fenced).
+
+Every replica runs a :class:`Controller`; only the elected leader reconciles. The loop wakes on any
+change under the service prefix (an etcd watch from the revision it last read) or every
+``reconcile_interval``, whichever comes first, and never more often than ``_MIN_SPACING``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import datetime, timezone
+
+from elastic.etcd import EtcdError
+from service.controller.leader import LeaderElection, create_election
+from service.controller.metrics import Metrics
+from service.controller.reconcile import reconcile
+from service.core.config import Settings
+from service.core.store import ServiceStore
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Controller", "create_controller"]
+
+_MIN_SPACING = 0.25
+
+
+class Controller:
+    """Runs the reconcile loop in a daemon thread (``start``/``stop``); ``tick`` runs one pass."""
+
+    def __init__(self, store: ServiceStore, settings: Settings, metrics: Metrics | None = None) -> None:
+        self._store = store
+        self._settings = settings
+        self._metrics = metrics
+        self._election: LeaderElection = create_election(
+            store.client, store.keys.leader, settings.replica_id, settings.leader_ttl
+        )
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def election(self) -> LeaderElection:
+        return self._election
+
+    def tick(self, now: datetime | None = None) -> int | None:
+        """One pass if this replica leads: returns the revision read, or None when not leader."""
+        if not self._election.campaign():
+            if self._metrics is not None:
+                self._metrics.is_leader.set(0)
+            return None
+        if self._metrics is not None:
+            self._metrics.is_leader.set(1)
+        started = time.monotonic()
+        fence = self._election.fence
+        if fence is None:
+            return None
+        view = self._store.read_view()
+        plan = reconcile(view, now or datetime.now(timezone.utc), self._settings.reconcile)
+        if not plan.empty:
+            refused = self._store.apply_plan(plan, fence)
+            if refused and self._metrics is not None:
+                self._metrics.refused_updates.inc(refused)
+            for update in plan.updates:
+                for event in update.events:
+                    logger.info("job %s: %s", update.job_id, event.message)
+        if self._metrics is not None:
+            self._metrics.reconcile_seconds.observe(time.monotonic() - started)
+        return view.revision
+
+    def _run(self) -> None:
+        interval = self._settings.reconcile_interval
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                revision = self.tick()
+                if revision is None:
+                    self._election.wait_for_change(min(interval * 2, self._settings.leader_ttl))
+                else:
+                    self._store.client.wait_for_event(
+                        self._store.keys.root + "/", revision + 1, interval, prefix=True
+                    )
+            except EtcdError as exc:
+                if self._metrics is not None:
+                    self._metrics.reconcile_errors.inc()
+                logger.warning("reconcile pass failed: %s", exc)
+                self._stop.wait(interval.total_seconds())
+            except Exception:
+                if self._metrics is not None:
+                    self._metrics.reconcile_errors.inc()
+                logger.exception("reconcile pass crashed; retrying")
+                self._stop.wait(interval.total_seconds())
+            spent = time.monotonic() - began
+            if spent < _MIN_SPACING:
+                self._stop.wait(_MIN_SPACING - spent)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="etrain-reconcile", daemon=True)
+        self._thread.start()
+
+    def stop(self, resign: bool = True) -> None:
+        """Stop the loop; with ``resign`` hand leadership over at once (revoke the lease)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._settings.reconcile_interval.total_seconds() * 3 + 5)
+            self._thread = None
+        if resign:
+            try:
+                self._election.resign()
+            except EtcdError as exc:
+                logger.warning("could not resign leadership: %s", exc)
+
+
+def create_controller(store: ServiceStore, settings: Settings, metrics: Metrics | None = None) -> Controller:
+    return Controller(store, settings, metrics)

@@ -1,0 +1,375 @@
+"""The controller's decisions, as a pure function of what etcd holds and the time.
+
+:func:`reconcile` takes a :class:`ClusterView` (jobs, their status, live nodes, assignments, the agents'
+worker reports, the workers' progress) and returns a :class:`Plan`: per job, the new status, events,
+assignments to write and to delete. The executor (``service.controller.loop``) applies each job's part in
+one fenced etcd transaction. Nothing here reads a clock or does I/O, so every rule is unit-tested.
+
+Per job, in order: terminal jobs only get their leftovers removed; a cancel request wins; progress
+reports update step, world size (and its history), the latest committed checkpoint, and end a
+recovery; a worker success finishes the job (after the other nodes exit, or a grace period); a worker
+failure restarts the job under its failure budget with backoff, crash-loop detection and node blame; a
+lost node leaves the job, which re-forms smaller if it keeps ``min_nodes`` or else is stopped to wait;
+jobs without nodes start (FIFO) when enough eligible nodes are free; finally running jobs below
+``max_nodes`` grow onto the remaining free nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+from service.controller.recovery import blacklisted_nodes, blame_nodes, judge_failure, membership_budget_left
+from service.controller.scheduler import free_capacity, pick_nodes
+from service.core.models import (
+    Assignment,
+    CheckpointInfo,
+    Event,
+    WorldSizeChange,
+    checkpoint_url_within,
+)
+from service.core.states import JobState, Trigger, next_state
+from service.core.view import ClusterView, JobEntry, JobUpdate, Plan, ReconcileConfig
+
+__all__ = ["reconcile"]
+
+
+def _event_id(now: datetime, seq: int) -> str:
+    return f"{int(now.timestamp() * 1_000_000):017d}-c{seq:03d}"
+
+
+class _Decision:
+    """Accumulates one job's changes during a reconcile pass."""
+
+    def __init__(self, entry: JobEntry, view: ClusterView, now: datetime) -> None:
+        self.entry = entry
+        self.record = entry.record
+        self.spec = entry.record.spec
+        self.policy = self.spec.restart_policy
+        self.view = view
+        self.now = now
+        self.st = entry.status.model_copy(deep=True)
+        self.events: list[Event] = []
+        self.assign: dict[str, Assignment] = {}
+        self.unassign: set[str] = set()
+        self.clear_reports = False
+        self.current = {
+            node: a for node, jobs in view.assignments.items() for jid, a in jobs.items() if jid == self.record.id
+        }
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def event(self, kind: str, message: str, **data: Any) -> None:
+        seq = len(self.events)
+        self.events.append(Event(id=_event_id(self.now, seq), time=self.now, type=kind, message=message, data=data))
+
+    def move(self, trigger: Trigger, message: str) -> None:
+        old = self.st.state
+        self.st.state = next_state(old, trigger)
+        self.st.message = message
+        if old != self.st.state:
+            self.event(
+                "state",
+                f"{old.value} -> {self.st.state.value}: {message}",
+                old=old.value,
+                new=self.st.state.value,
+            )
+        if self.st.state.terminal:
+            self.st.finished_at = self.now
+            self.release_all()
+
+    def release_all(self) -> None:
+        self.unassign |= set(self.current)
+        self.assign.clear()
+        self.st.nodes = []
+
+    def place(self, nodes: list[str]) -> None:
+        for node in nodes:
+            self.assign[node] = Assignment(
+                job_id=self.record.id,
+                generation=self.st.generation,
+                spec=self.spec,
+                checkpoint_url=self.record.checkpoint_url,
+                assigned_at=self.now,
+            )
+            self.unassign.discard(node)
+
+    def update(self) -> JobUpdate | None:
+        changed = self.st != self.entry.status
+        if not (changed or self.events or self.assign or self.unassign or self.clear_reports):
+            return None
+        status = None
+        if changed or self.events:
+            self.st.updated_at = self.now
+            status = self.st
+        return JobUpdate(
+            job_id=self.record.id,
+            expected_revision=self.entry.status_revision,
+            status=status,
+            events=self.events,
+            assign=self.assign,
+            unassign=sorted(self.unassign),
+            clear_reports=self.clear_reports,
+        )
+
+
+def _ts(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=timezone.utc)
+
+
+def _observe_progress(d: _Decision) -> None:
+    prog = d.view.progress.get(d.record.id)
+    st = d.st
+    if prog is None:
+        return
+    at = _ts(prog.time)
+    if st.progress_at is not None and at <= st.progress_at:
+        return
+    st.progress_at, st.step, st.total_steps, st.loss = at, prog.step, prog.total_steps, prog.loss
+    if prog.checkpoint_step is not None and (
+        st.checkpoint is None
+        or (st.checkpoint.step, st.checkpoint.path) != (prog.checkpoint_step, prog.checkpoint_path)
+    ):
+        path = prog.checkpoint_path
+        own = d.record.checkpoint_url
+        if path and own and not checkpoint_url_within(path if "://" in path else f"file://{path}", own):
+            d.event("checkpoint_rejected", f"checkpoint {path} is outside the job's prefix {own}", path=path)
+        else:
+            st.checkpoint = CheckpointInfo(step=prog.checkpoint_step, path=path, committed_at=at)
+            d.event(
+                "checkpoint",
+                f"checkpoint committed at step {prog.checkpoint_step}",
+                step=prog.checkpoint_step,
+                path=path,
+            )
+    if prog.generation is not None and prog.generation != st.generation:
+        return  # a late report of an earlier generation
+    if prog.world_size != st.world_size:
+        st.world_size = prog.world_size
+        # The workers say which nodes the round holds: a re-formed round reports before the controller
+        # has seen the lost node's lease expire, while st.nodes still lists it.
+        nodes = list(prog.nodes) if prog.nodes is not None else list(st.nodes)
+        st.world_size_history.append(
+            WorldSizeChange(at=at, world_size=prog.world_size, nodes=nodes, generation=st.generation)
+        )
+        d.event(
+            "world_size",
+            f"world size {prog.world_size} on {', '.join(nodes) or '-'}",
+            world_size=prog.world_size,
+            nodes=nodes,
+        )
+    if prog.restart_count > st.seen_restart_count:
+        st.restarts.in_place += prog.restart_count - st.seen_restart_count
+        st.seen_restart_count = prog.restart_count
+    first = st.generation_first_step
+    if first is None:
+        st.generation_first_step = prog.step
+    elif prog.step > first and not st.generation_progressed:
+        st.generation_progressed = True
+        st.startup_failures = 0
+    if st.state == JobState.RECOVERING and st.nodes and st.disrupted_at is not None and at > st.disrupted_at:
+        st.disrupted_at = None
+        d.move(Trigger.RESUME, f"running on {len(st.nodes)} node(s), world size {prog.world_size}")
+
+
+def _handle_outcomes(d: _Decision, cfg: ReconcileConfig) -> bool:
+    """Success or failure reports of the current generation; True when the job's pass is over."""
+    st = d.st
+    reports = {
+        node: r
+        for node, r in d.view.reports.get(d.record.id, {}).items()
+        if r.generation == st.generation and node in st.nodes
+    }
+    live = [n for n in st.nodes if n in d.view.nodes]
+    succeeded = sorted(n for n, r in reports.items() if r.succeeded)
+    failed = {n: r for n, r in reports.items() if r.failed}
+    if succeeded:
+        if st.success_seen_at is None:
+            st.success_seen_at = d.now
+            d.event("workers_succeeded", f"workers finished on {', '.join(succeeded)}", nodes=succeeded)
+        running = [n for n in live if n not in reports or reports[n].state == "running"]
+        if not running or d.now - st.success_seen_at >= cfg.success_grace:
+            d.move(Trigger.SUCCEED, f"finished at step {st.step}" if st.step is not None else "finished")
+        return True
+    if not failed:
+        return False
+    if st.failure_seen_at is None:
+        st.failure_seen_at = d.now
+    not_failed = [n for n in live if n not in failed]
+    if not_failed and d.now - st.failure_seen_at < cfg.failure_settle:
+        return True  # wait briefly: did the others fail too (job fault) or only these (node fault)?
+    first = min(failed.values(), key=lambda r: r.finished_at or d.now)
+    st.last_error = (
+        f"generation {st.generation} on {first.node}: "
+        + (f"exit code {first.exit_code}" if first.exit_code is not None else first.state)
+        + (f"\n{first.error}" if first.error else "")
+    )
+    d.event(
+        "workers_failed",
+        f"workers failed on {', '.join(sorted(failed))}",
+        nodes=sorted(failed),
+        exit_codes={n: r.exit_code for n, r in failed.items()},
+    )
+    verdict = judge_failure(st, d.policy, blame_nodes(failed, not_failed), d.now)
+    for node in verdict.newly_blacklisted:
+        d.event("node_blacklisted", f"node {node} avoided for {d.policy.blacklist_cooldown}", node=node)
+    st.failure_seen_at = None
+    if verdict.give_up:
+        d.move(Trigger.FAIL, verdict.reason)
+        return True
+    d.release_all()
+    st.backoff_until = d.now + verdict.delay
+    st.disrupted_at = d.now
+    d.move(Trigger.DISRUPT, verdict.reason)
+    return True
+
+
+def _handle_lost_nodes(d: _Decision) -> bool:
+    st = d.st
+    lost = [n for n in st.nodes if n not in d.view.nodes]
+    if not lost:
+        return False
+    for node in lost:
+        st.restarts.membership += 1
+        d.event("node_lost", f"node {node} left (lease expired)", node=node)
+    st.nodes = [n for n in st.nodes if n not in lost]
+    d.unassign |= set(lost)
+    if st.restarts.membership > d.policy.max_membership_changes:
+        d.move(
+            Trigger.FAIL,
+            f"membership budget exhausted: {st.restarts.membership} changes "
+            f"(max_membership_changes={d.policy.max_membership_changes})",
+        )
+        return True
+    st.disrupted_at = d.now
+    if len(st.nodes) >= d.spec.min_nodes:
+        d.move(Trigger.DISRUPT, f"re-forming on {len(st.nodes)} node(s) after losing {', '.join(lost)}")
+    else:
+        kept = len(st.nodes)
+        d.release_all()
+        d.move(Trigger.DISRUPT, f"waiting for nodes: {kept} left, min_nodes={d.spec.min_nodes}")
+    return False
+
+
+def _checkpoint_conflict(d: _Decision, claimed: Mapping[str, str]) -> str | None:
+    """Another started, active job whose checkpoint prefix overlaps this job's (``claimed``: id -> url)."""
+    own = d.record.checkpoint_url
+    if own is None:
+        return None
+    for job_id, url in sorted(claimed.items()):
+        if job_id != d.record.id and (checkpoint_url_within(own, url) or checkpoint_url_within(url, own)):
+            return job_id
+    return None
+
+
+def _try_start(d: _Decision, free: dict[str, int], claimed: dict[str, str]) -> None:
+    st = d.st
+    if st.backoff_until is not None and d.now < st.backoff_until:
+        return
+    conflict = _checkpoint_conflict(d, claimed)
+    if conflict is not None:
+        d.move(Trigger.FAIL, f"checkpoint prefix {d.record.checkpoint_url} is in use by job {conflict}")
+        return
+    avoid = blacklisted_nodes(st, d.now)
+    nodes = pick_nodes(free, d.spec.nproc_per_node, d.spec.max_nodes, exclude=avoid)
+    if len(nodes) < d.spec.min_nodes:
+        st.message = f"waiting for nodes: {len(nodes)} eligible, min_nodes={d.spec.min_nodes}"
+        return
+    st.generation += 1
+    st.nodes = sorted(nodes)
+    st.backoff_until = None
+    st.generation_started_at = d.now
+    st.generation_progressed = False
+    st.generation_first_step = None
+    st.seen_restart_count = 0
+    st.failure_seen_at = st.success_seen_at = st.disrupted_at = None
+    st.started_at = st.started_at or d.now
+    for node in nodes:
+        free[node] -= d.spec.nproc_per_node
+    d.place(st.nodes)
+    if d.record.checkpoint_url is not None:
+        claimed[d.record.id] = d.record.checkpoint_url
+    d.move(Trigger.START, f"generation {st.generation} on {len(nodes)} node(s): {', '.join(st.nodes)}")
+
+
+def _try_grow(d: _Decision, free: dict[str, int]) -> None:
+    st = d.st
+    room = min(d.spec.max_nodes - len(st.nodes), membership_budget_left(st, d.policy))
+    avoid = blacklisted_nodes(st, d.now) | set(st.nodes)
+    nodes = pick_nodes(free, d.spec.nproc_per_node, room, exclude=avoid)
+    if not nodes:
+        return
+    for node in nodes:
+        free[node] -= d.spec.nproc_per_node
+        st.restarts.membership += 1
+        d.event("node_joined", f"node {node} added", node=node)
+    st.nodes = sorted([*st.nodes, *nodes])
+    st.disrupted_at = d.now
+    d.place(nodes)
+    d.move(Trigger.DISRUPT, f"scaling up to {len(st.nodes)} node(s) with {', '.join(nodes)}")
+
+
+def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = None) -> Plan:
+    """Decide what every job needs at ``now`` (see the module docstring)."""
+    cfg = cfg or ReconcileConfig()
+    plan = Plan()
+    entries = sorted(view.jobs.values(), key=lambda e: (e.record.created_at, e.record.id))
+    active = {e.record.id for e in entries if not e.status.state.terminal}
+    pairs = [(node, a) for node, jobs in view.assignments.items() for a in jobs.values()]
+    free = free_capacity(view.nodes, pairs, active)
+    plan.orphans = sorted((node, a.job_id) for node, a in pairs if a.job_id not in view.jobs)
+    claimed = {
+        e.record.id: e.record.checkpoint_url
+        for e in entries
+        if e.record.checkpoint_url is not None and not e.status.state.terminal and e.status.generation > 0
+    }
+    growable: list[_Decision] = []
+    decisions: list[_Decision] = []
+    for entry in entries:
+        d = _Decision(entry, view, now)
+        decisions.append(d)
+        st = d.st
+        if st.state.terminal:
+            d.unassign |= set(d.current)
+            d.clear_reports = bool(view.reports.get(d.record.id))
+            continue
+        # leftovers of earlier generations
+        for node, a in d.current.items():
+            if a.generation != st.generation or node not in st.nodes:
+                d.unassign.add(node)
+                if node in free:
+                    free[node] += a.spec.nproc_per_node
+        if entry.cancel_requested:
+            d.move(Trigger.CANCEL, "cancelled by request")
+            d.clear_reports = bool(view.reports.get(d.record.id))
+            _free_released(d, free)
+            continue
+        _observe_progress(d)
+        if _handle_outcomes(d, cfg) or _handle_lost_nodes(d):
+            _free_released(d, free)
+            continue
+        _free_released(d, free)
+        if st.state == JobState.RECOVERING and st.nodes and st.disrupted_at is not None and st.progress_at is None:
+            if now - st.disrupted_at >= cfg.resume_after:
+                st.disrupted_at = None
+                d.move(Trigger.RESUME, f"running on {len(st.nodes)} node(s) (the job reports no progress)")
+        if not st.nodes and st.state in (JobState.PENDING, JobState.RECOVERING):
+            _try_start(d, free, claimed)
+        elif st.state == JobState.RUNNING and len(st.nodes) < d.spec.max_nodes:
+            growable.append(d)
+    for d in growable:
+        _try_grow(d, free)
+    for d in decisions:
+        upd = d.update()
+        if upd is not None:
+            plan.updates.append(upd)
+    return plan
+
+
+def _free_released(d: _Decision, free: dict[str, int]) -> None:
+    """Give back the capacity of nodes this job just released (current generation only)."""
+    for node in d.unassign:
+        a = d.current.get(node)
+        if a is not None and a.generation == d.entry.status.generation and node in d.entry.status.nodes:
+            if node in free:
+                free[node] += a.spec.nproc_per_node

@@ -1,0 +1,299 @@
+"""The service's state in etcd (through ``elastic.etcd`` only): key layout, (de)serialization, writes.
+
+Layout under the prefix (``/etrain`` by default)::
+
+    leader                     the leader's identity, on the leader's lease (see service.controller.leader)
+    jobs/<id>                  JobRecord: spec, resolved checkpoint URL (written once, by the API)
+    status/<id>                JobStatus (created by the API as pending, then written by the leader only)
+    cancel/<id>                a cancel request (API)
+    events/<id>/<event id>     Event, ordered by id (time)
+    nodes/<name>               NodeInfo, on the agent's lease
+    assign/<node>/<id>         Assignment (leader)
+    reports/<id>/<node>        WorkerReport (agent)
+    progress/<id>              Progress (the job's rank 0, via elastic.progress)
+    rdzv/                      the jobs' torchrun rendezvous (etcd-v3 backend)
+
+Controller writes are fenced: :meth:`ServiceStore.apply` commits one job's update in one transaction that also
+requires the status key's revision to be unchanged and the leader key to be the caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Iterable
+from datetime import datetime
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from elastic.etcd import EtcdClient, KeyValue
+from elastic.progress import Progress
+from service.core.models import Assignment, Event, JobRecord, JobStatus, NodeInfo, WorkerReport
+from service.core.view import ClusterView, JobEntry, JobUpdate, Plan
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["JobExists", "Keys", "ServiceStore", "create_store", "new_event"]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class JobExists(Exception):
+    """A job with this id is already stored."""
+
+
+class Keys:
+    """Key names under one prefix."""
+
+    def __init__(self, prefix: str) -> None:
+        root = "/" + prefix.strip("/")
+        self.root = root
+        self.leader = f"{root}/leader"
+        self.jobs = f"{root}/jobs/"
+        self.status = f"{root}/status/"
+        self.cancel = f"{root}/cancel/"
+        self.events = f"{root}/events/"
+        self.nodes = f"{root}/nodes/"
+        self.assign = f"{root}/assign/"
+        self.reports = f"{root}/reports/"
+        self.progress = f"{root}/progress/"
+        self.rdzv = f"{root}/rdzv"
+
+    def job(self, job_id: str) -> str:
+        return self.jobs + job_id
+
+    def status_of(self, job_id: str) -> str:
+        return self.status + job_id
+
+    def cancel_of(self, job_id: str) -> str:
+        return self.cancel + job_id
+
+    def events_of(self, job_id: str) -> str:
+        return f"{self.events}{job_id}/"
+
+    def node(self, name: str) -> str:
+        return self.nodes + name
+
+    def assignments_of(self, node: str) -> str:
+        return f"{self.assign}{node}/"
+
+    def assignment(self, node: str, job_id: str) -> str:
+        return f"{self.assign}{node}/{job_id}"
+
+    def reports_of(self, job_id: str) -> str:
+        return f"{self.reports}{job_id}/"
+
+    def report(self, job_id: str, node: str) -> str:
+        return f"{self.reports}{job_id}/{node}"
+
+    def progress_of(self, job_id: str) -> str:
+        return self.progress + job_id
+
+
+def new_event(kind: str, message: str, now: datetime, **data: object) -> Event:
+    """An event written outside the reconcile loop (the API): time-ordered id, random suffix."""
+    return Event(
+        id=f"{int(now.timestamp() * 1_000_000):017d}-a{secrets.token_hex(3)}",
+        time=now,
+        type=kind,
+        message=message,
+        data=dict(data),
+    )
+
+
+def _load(model: type[M], kv: KeyValue) -> M | None:
+    try:
+        return model.model_validate_json(kv.value)
+    except ValidationError as exc:
+        logger.warning("ignoring unreadable %s at %s: %s", model.__name__, kv.key, exc.errors()[:1])
+        return None
+
+
+def _dump(model: BaseModel) -> bytes:
+    return model.model_dump_json().encode()
+
+
+def _tail(kv: KeyValue, prefix: str) -> str:
+    return kv.key[len(prefix) :]
+
+
+class ServiceStore:
+    """Reads and writes the service's records; safe to share between threads."""
+
+    def __init__(self, client: EtcdClient, prefix: str = "/etrain") -> None:
+        self.client = client
+        self.keys = Keys(prefix)
+
+    # -- jobs (API side) -----------------------------------------------------------------------------
+    def create_job(self, record: JobRecord, status: JobStatus, event: Event) -> None:
+        """ServiceStore a new job atomically; raises :class:`JobExists` if the id is taken."""
+        k = self.keys
+        ok, _ = self.client.commit(
+            puts=[
+                (k.job(record.id), _dump(record)),
+                (k.status_of(record.id), _dump(status)),
+                (k.events_of(record.id) + event.id, _dump(event)),
+            ],
+            expect=[(k.job(record.id), 0), (k.status_of(record.id), 0)],
+        )
+        if not ok:
+            raise JobExists(record.id)
+
+    def get_job(self, job_id: str) -> JobEntry | None:
+        k = self.keys
+        (rec, st, cancel), _ = self.client.read_prefixes(
+            [k.job(job_id), k.status_of(job_id), k.cancel_of(job_id)]
+        )
+        # exact keys: a prefix read also matches longer ids, keep the exact one
+        rec = [x for x in rec if x.key == k.job(job_id)]
+        st = [x for x in st if x.key == k.status_of(job_id)]
+        cancel = [x for x in cancel if x.key == k.cancel_of(job_id)]
+        if not rec or not st:
+            return None
+        record, status = _load(JobRecord, rec[0]), _load(JobStatus, st[0])
+        if record is None or status is None:
+            return None
+        return JobEntry(record, status, st[0].mod_revision, bool(cancel))
+
+    def list_jobs(self) -> list[JobEntry]:
+        k = self.keys
+        (recs, sts, cancels), _ = self.client.read_prefixes([k.jobs, k.status, k.cancel])
+        return sorted(
+            self._entries(recs, sts, cancels).values(), key=lambda e: (e.record.created_at, e.record.id)
+        )
+
+    def _entries(
+        self, recs: Iterable[KeyValue], sts: Iterable[KeyValue], cancels: Iterable[KeyValue]
+    ) -> dict[str, JobEntry]:
+        k = self.keys
+        statuses = {_tail(kv, k.status): kv for kv in sts}
+        cancelled = {_tail(kv, k.cancel) for kv in cancels}
+        out: dict[str, JobEntry] = {}
+        for kv in recs:
+            job_id = _tail(kv, k.jobs)
+            skv = statuses.get(job_id)
+            record = _load(JobRecord, kv)
+            status = _load(JobStatus, skv) if skv is not None else None
+            if record is None or status is None or skv is None:
+                continue
+            out[job_id] = JobEntry(record, status, skv.mod_revision, job_id in cancelled)
+        return out
+
+    def request_cancel(self, job_id: str, event: Event) -> None:
+        k = self.keys
+        self.client.commit(
+            puts=[
+                (k.cancel_of(job_id), event.model_dump_json().encode()),
+                (k.events_of(job_id) + event.id, _dump(event)),
+            ]
+        )
+
+    def add_event(self, job_id: str, event: Event) -> None:
+        self.client.put(self.keys.events_of(job_id) + event.id, _dump(event))
+
+    def events(self, job_id: str, after: str | None = None, limit: int = 1000) -> list[Event]:
+        prefix = self.keys.events_of(job_id)
+        kvs, _ = self.client.get_prefix(prefix)
+        out = [e for kv in kvs if (after is None or _tail(kv, prefix) > after) and (e := _load(Event, kv))]
+        return out[-limit:] if after is None else out[:limit]
+
+    def progress(self, job_id: str) -> Progress | None:
+        kv, _ = self.client.get(self.keys.progress_of(job_id))
+        return _progress(kv) if kv is not None else None
+
+    # -- nodes ---------------------------------------------------------------------------------------
+    def list_nodes(self) -> tuple[list[NodeInfo], dict[str, list[str]]]:
+        """Live nodes, and the job ids assigned to each node."""
+        k = self.keys
+        (nodes, assigns), _ = self.client.read_prefixes([k.nodes, k.assign])
+        jobs: dict[str, list[str]] = {}
+        for kv in assigns:
+            node, _, job_id = _tail(kv, k.assign).partition("/")
+            jobs.setdefault(node, []).append(job_id)
+        infos = [n for kv in nodes if (n := _load(NodeInfo, kv)) is not None]
+        return sorted(infos, key=lambda n: n.name), jobs
+
+    def register_node(self, info: NodeInfo, lease: int) -> None:
+        self.client.put(self.keys.node(info.name), _dump(info), lease=lease)
+
+    def assignments(self, node: str) -> tuple[dict[str, Assignment], int]:
+        prefix = self.keys.assignments_of(node)
+        kvs, revision = self.client.get_prefix(prefix)
+        out = {_tail(kv, prefix): a for kv in kvs if (a := _load(Assignment, kv)) is not None}
+        return out, revision
+
+    def put_report(self, report: WorkerReport) -> None:
+        self.client.put(self.keys.report(report.job_id, report.node), _dump(report))
+
+    # -- controller ----------------------------------------------------------------------------------
+    def read_view(self) -> ClusterView:
+        """Everything the reconcile loop decides from, read at one revision."""
+        k = self.keys
+        (recs, sts, cancels, nodes, assigns, reports, progress), revision = self.client.read_prefixes(
+            [k.jobs, k.status, k.cancel, k.nodes, k.assign, k.reports, k.progress]
+        )
+        assignments: dict[str, dict[str, Assignment]] = {}
+        for kv in assigns:
+            node, _, job_id = _tail(kv, k.assign).partition("/")
+            a = _load(Assignment, kv)
+            if a is not None:
+                assignments.setdefault(node, {})[job_id] = a
+        by_job: dict[str, dict[str, WorkerReport]] = {}
+        for kv in reports:
+            r = _load(WorkerReport, kv)
+            if r is not None:
+                by_job.setdefault(r.job_id, {})[r.node] = r
+        prog = {_tail(kv, k.progress): p for kv in progress if (p := _progress(kv)) is not None}
+        return ClusterView(
+            jobs=self._entries(recs, sts, cancels),
+            nodes={n.name: n for kv in nodes if (n := _load(NodeInfo, kv)) is not None},
+            assignments=assignments,
+            reports=by_job,
+            progress=prog,
+            revision=revision,
+        )
+
+    def apply(self, update: JobUpdate, fence: tuple[str, int]) -> bool:
+        """Commit one job's update if its status is unchanged and ``fence`` still holds."""
+        k = self.keys
+        puts: list[tuple[str, bytes]] = []
+        if update.status is not None:
+            puts.append((k.status_of(update.job_id), _dump(update.status)))
+        puts += [(k.events_of(update.job_id) + e.id, _dump(e)) for e in update.events]
+        puts += [(k.assignment(node, update.job_id), _dump(a)) for node, a in update.assign.items()]
+        deletes = [k.assignment(node, update.job_id) for node in update.unassign]
+        ok, _ = self.client.commit(
+            puts,
+            deletes,
+            delete_prefixes=[k.reports_of(update.job_id)] if update.clear_reports else [],
+            expect=[(k.status_of(update.job_id), update.expected_revision)],
+            guard=fence,
+        )
+        return ok
+
+    def apply_plan(self, plan: Plan, fence: tuple[str, int]) -> int:
+        """Apply every part of ``plan``; return how many job updates were refused (stale or fenced)."""
+        refused = 0
+        for update in plan.updates:
+            if not self.apply(update, fence):
+                refused += 1
+                logger.info("update of job %s refused (status changed or leadership lost)", update.job_id)
+        if plan.orphans:
+            ok, _ = self.client.commit(
+                deletes=[self.keys.assignment(n, j) for n, j in plan.orphans], guard=fence
+            )
+            refused += 0 if ok else 1
+        return refused
+
+
+def _progress(kv: KeyValue) -> Progress | None:
+    try:
+        return Progress.from_json(kv.value)
+    except (ValueError, TypeError) as exc:
+        logger.warning("ignoring unreadable progress at %s: %s", kv.key, exc)
+        return None
+
+
+def create_store(client: EtcdClient, prefix: str = "/etrain") -> ServiceStore:
+    return ServiceStore(client, prefix)

@@ -1,0 +1,67 @@
+"""The controller's view of the cluster and its plan: what :func:`~service.controller.reconcile.reconcile` reads
+and returns, what the store builds and applies, and the timing rules it decides by.
+
+These types are shared by the controller, the store, the settings and the API (which shows ``JobEntry``), so they
+live here, beside the models, rather than inside the reconciler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from elastic.progress import Progress
+from service.core.models import Assignment, Event, JobRecord, JobStatus, NodeInfo, WorkerReport
+
+__all__ = ["ClusterView", "JobEntry", "JobUpdate", "Plan", "ReconcileConfig"]
+
+
+@dataclass(frozen=True)
+class JobEntry:
+    record: JobRecord
+    status: JobStatus
+    status_revision: int
+    cancel_requested: bool = False
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    jobs: Mapping[str, JobEntry]
+    nodes: Mapping[str, NodeInfo]
+    assignments: Mapping[str, Mapping[str, Assignment]]  # node -> job id -> assignment
+    reports: Mapping[str, Mapping[str, WorkerReport]] = field(default_factory=dict)  # job -> node -> report
+    progress: Mapping[str, Progress] = field(default_factory=dict)
+    revision: int = 0
+
+
+@dataclass(frozen=True)
+class ReconcileConfig:
+    """Timing rules of the controller (not per job)."""
+
+    success_grace: timedelta = timedelta(seconds=30)  # after a node's success, wait this long for others
+    failure_settle: timedelta = timedelta(seconds=3)  # after a failure, wait this long to see who else fails
+    resume_after: timedelta = timedelta(seconds=60)  # jobs that never report progress: assume recovered
+
+
+@dataclass
+class JobUpdate:
+    """One job's share of a plan. ``status`` None: leave the status as it is."""
+
+    job_id: str
+    expected_revision: int
+    status: JobStatus | None
+    events: list[Event] = field(default_factory=list)
+    assign: dict[str, Assignment] = field(default_factory=dict)
+    unassign: list[str] = field(default_factory=list)
+    clear_reports: bool = False
+
+
+@dataclass
+class Plan:
+    updates: list[JobUpdate] = field(default_factory=list)
+    orphans: list[tuple[str, str]] = field(default_factory=list)  # (node, job id) of unknown jobs
+
+    @property
+    def empty(self) -> bool:
+        return not self.updates and not self.orphans

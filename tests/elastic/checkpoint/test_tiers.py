@@ -1,0 +1,186 @@
+"""SnapshotTiers in one process (a gloo group of one): which tier a restore picks, slots, clean-up.
+
+The multi-process behaviour (a restarted worker group and the survivors of a lost node resuming from
+node-local snapshots under real torchrun) is in tests/integration/test_local_snapshots.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic import compat
+from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
+from elastic.checkpoint.state import TrainingState
+from elastic.checkpoint.tiers import LOCAL_OPTIONS, SnapshotTiers, create_snapshot_tiers, local_tier_dir
+from elastic.loop import ElasticConfig
+from elastic.lr import LRPolicy, LRRule
+
+pytestmark = pytest.mark.timeout(60)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def group() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    compat.destroy_process_group()
+
+
+def _state(step: int) -> TrainingState:
+    return TrainingState(step=step, model={"w": torch.full((4,), float(step))}, data_cursor={"position": step})
+
+
+def _tiers(tmp: Path, durable: bool = True) -> SnapshotTiers:
+    manager = create_checkpoint_manager(str(tmp / "durable"), CheckpointOptions()) if durable else None
+    return SnapshotTiers(manager, tmp / "local", 1, CPU)
+
+
+def _save(tiers: SnapshotTiers, step: int, durable: bool) -> None:
+    if durable:
+        assert tiers.durable is not None
+        tiers.durable.save(step, _state(step), blocking=True)
+    else:
+        tiers.save_local(step, lambda: _state(step), overlap_with=None)
+        tiers.close()  # flushes the local write
+
+
+def test_restore_prefers_a_newer_node_local_snapshot_over_the_durable_one(tmp_path: Path) -> None:
+    _save(_tiers(tmp_path), 10, durable=True)
+    _save(_tiers(tmp_path), 13, durable=False)
+    state = _tiers(tmp_path).restore()
+    assert state is not None and state.step == 13
+    assert torch.equal(state.model["w"], torch.full((4,), 13.0))
+
+
+def test_restore_takes_the_durable_snapshot_when_it_is_newer(tmp_path: Path) -> None:
+    _save(_tiers(tmp_path), 7, durable=False)
+    _save(_tiers(tmp_path), 10, durable=True)
+    state = _tiers(tmp_path).restore()
+    assert state is not None and state.step == 10
+
+
+def test_a_corrupt_local_snapshot_falls_back_to_the_durable_one_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _save(_tiers(tmp_path), 10, durable=True)
+    _save(_tiers(tmp_path), 13, durable=False)
+    data = [p for p in (tmp_path / "local").rglob("*") if p.is_file() and "manifest" not in p.name and p.stat().st_size]
+    assert data, list((tmp_path / "local").rglob("*"))
+    raw = bytearray(data[0].read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data[0].write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.tiers"):
+        state = _tiers(tmp_path).restore()
+    assert state is not None and state.step == 10
+    assert "node-local snapshot step 13 is unusable" in caplog.text
+
+
+def test_local_snapshots_alone_resume_a_job_without_durable_storage(tmp_path: Path) -> None:
+    _save(_tiers(tmp_path, durable=False), 3, durable=False)
+    state = _tiers(tmp_path, durable=False).restore()
+    assert state is not None and state.step == 3
+    assert _tiers(tmp_path / "empty", durable=False).restore() is None
+
+
+def test_live_writers_hold_distinct_slots_and_a_dead_writers_slot_is_reused(tmp_path: Path) -> None:
+    first, second = _tiers(tmp_path), _tiers(tmp_path)  # two agents on one host
+    assert first._local is not None and second._local is not None
+    assert Path(first._local.url).name == "slot-0" and Path(second._local.url).name == "slot-1"
+    first.close()  # its worker died: the lock is gone
+    third = _tiers(tmp_path)
+    assert third._local is not None and Path(third._local.url).name == "slot-0"
+    second.close()
+    third.close()
+
+
+def test_after_a_restore_only_slots_nobody_holds_are_deleted(tmp_path: Path) -> None:
+    dead = _tiers(tmp_path)
+    _save(dead, 5, durable=False)  # slot-0, lock released by close
+    live = _tiers(tmp_path)  # takes slot-0 again
+    other = _tiers(tmp_path)  # slot-1, held
+    other.save_local(6, lambda: _state(6), overlap_with=None)
+    assert other._local is not None
+    other._local.wait()
+    stale = tmp_path / "local" / "slot-2"
+    manager = create_checkpoint_manager(str(stale), LOCAL_OPTIONS)
+    manager.save(4, _state(4), blocking=True)
+    manager.close()
+    state = live.restore()
+    assert state is not None and state.step == 6
+    assert not stale.exists()
+    assert (tmp_path / "local" / "slot-1").exists()
+    other.close()
+    live.close()
+
+
+def test_close_of_a_finished_job_deletes_the_node_local_snapshots_and_a_stopped_one_keeps_them(
+    tmp_path: Path,
+) -> None:
+    kept = _tiers(tmp_path)
+    kept.save_local(2, lambda: _state(2), overlap_with=None)
+    kept.close(finished=False)
+    assert any((tmp_path / "local").rglob("manifest*"))
+    done = _tiers(tmp_path)
+    done.close(finished=True)
+    assert not (tmp_path / "local").exists()
+
+
+def test_the_local_tier_is_keyed_by_durable_url_and_job_so_a_new_job_never_resumes_an_old_ones_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = local_tier_dir(tmp_path, "s3://bucket/ck", "job-1")
+    assert a == local_tier_dir(tmp_path, "s3://bucket/ck", "job-1")
+    assert a != local_tier_dir(tmp_path, "s3://bucket/ck", "job-2")  # same URL, a new job
+    assert a != local_tier_dir(tmp_path, "s3://bucket/other", "job-1")
+    monkeypatch.setenv("ETRAIN_LOCAL_SNAPSHOT_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "gen-1")  # the service's job id outlives torchrun generations
+    monkeypatch.setenv("ETRAIN_JOB_ID", "job-1")
+    first = create_snapshot_tiers(None, 1, CPU)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "gen-2")
+    second = create_snapshot_tiers(None, 1, CPU)
+    assert first._dir == second._dir == local_tier_dir(tmp_path, None, "job-1")
+    first.close()
+    second.close()
+
+
+def test_local_every_steps_comes_from_the_environment_and_rejects_junk(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = ElasticConfig(LRPolicy(LRRule.LINEAR, 0.1, 1, 8))
+    monkeypatch.setenv("ETRAIN_LOCAL_SNAPSHOT_EVERY", "2")
+    assert config.resolved_local_every_steps() == 2
+    monkeypatch.setenv("ETRAIN_LOCAL_SNAPSHOT_EVERY", "0")
+    assert config.resolved_local_every_steps() is None
+    monkeypatch.setenv("ETRAIN_LOCAL_SNAPSHOT_EVERY", "often")
+    with pytest.raises(ValueError, match="ETRAIN_LOCAL_SNAPSHOT_EVERY"):
+        config.resolved_local_every_steps()
+    with pytest.raises(ValueError, match="local_every_steps"):
+        SnapshotTiers(None, Path("/nonexistent"), 0, CPU)
+
+
+def test_local_snapshots_come_every_n_steps_and_no_more_often_than_their_cost_allows(tmp_path: Path) -> None:
+    every2 = SnapshotTiers(None, tmp_path / "a", 2, CPU)
+    taken = []
+    for step in range(1, 7):
+        if every2.want_local(step):
+            every2.save_local(step, lambda: _state(1), None)
+            taken.append(step)
+    assert taken == [2, 4, 6]
+    every2.close()
+    capped = SnapshotTiers(None, tmp_path / "b", 1, CPU, max_overhead=0.01)
+
+    def slow() -> TrainingState:
+        time.sleep(0.02)  # a 20 ms capture at a 1 % cap: the next one no sooner than 2 s later
+        return _state(1)
+
+    assert capped.want_local(1)
+    capped.save_local(1, slow, None)
+    assert not capped.want_local(2) and not capped.want_local(50)
+    capped.note_durable(50)
+    assert not capped.want_local(51)
+    capped.close()

@@ -1,0 +1,156 @@
+"""The node agent on a real etcd with real torchrun processes (one-node jobs, plain-Python workers)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from elastic.proctree import descendants
+from elastic.testing.etcd_server import LocalEtcdCluster, free_port
+from service.agent.node import AgentError, NodeAgent, create_agent
+from service.core.config import AgentSettings, EtcdOptions
+from service.core.models import Assignment, JobSpec, WorkerReport
+from tests.service.conftest import wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+_WORKER = """
+import os, sys, time
+mode = sys.argv[1]
+env = os.environ
+print("worker", env["RANK"], env["ETRAIN_JOB_ID"], env["ETRAIN_CHECKPOINT_URL"], flush=True)
+if mode == "fail":
+    print("boom: bad input", file=sys.stderr, flush=True)
+    sys.exit(3)
+if mode == "sleep":
+    time.sleep(300)
+"""
+
+
+def _settings(
+    etcd: LocalEtcdCluster, prefix: str, tmp_path: Path, name: str = "n1", **kw: object
+) -> AgentSettings:
+    base: dict[str, object] = {
+        "etcd": EtcdOptions(etcd.endpoints),
+        "node_name": name,
+        "prefix": prefix,
+        "work_dir": tmp_path / "work",
+        "rdzv_host": "127.0.0.1",
+        "lease_ttl": timedelta(seconds=1),
+        "poll_interval": timedelta(seconds=0.2),
+        "stop_grace": timedelta(seconds=5),
+    }
+    base.update(kw)
+    return AgentSettings(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def running_agent(etcd_server: LocalEtcdCluster, key_prefix: str, tmp_path: Path) -> Iterator[NodeAgent]:
+    agent = create_agent(_settings(etcd_server, key_prefix, tmp_path, health_port=free_port()))
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    wait_until(lambda: agent.healthy()[0])
+    yield agent
+    stop.set()
+    thread.join(timeout=30)
+
+
+def _assign(agent: NodeAgent, tmp_path: Path, mode: str, generation: int = 1) -> Assignment:
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    a = Assignment(
+        job_id="job-1",
+        generation=generation,
+        spec=JobSpec(name="job", entrypoint=str(script), args=[mode], rendezvous={"last_call_timeout": 1}),  # type: ignore[arg-type]
+        checkpoint_url="file:///ck/job-1",
+        assigned_at=datetime.now(timezone.utc),
+    )
+    agent.client.put(
+        agent.store.keys.assignment(agent.settings.node_name, "job-1"), a.model_dump_json().encode()
+    )
+    return a
+
+
+def _report(agent: NodeAgent) -> WorkerReport | None:
+    kv, _ = agent.client.get(agent.store.keys.report("job-1", agent.settings.node_name))
+    return WorkerReport.model_validate_json(kv.value) if kv else None
+
+
+def test_agent_registers_serves_health_and_leaves_on_stop(
+    etcd_server: LocalEtcdCluster, key_prefix: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    agent = create_agent(_settings(etcd_server, key_prefix, tmp_path, nproc_per_node=2, health_port=port))
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    wait_until(lambda: agent.healthy()[0])
+    nodes, _ = agent.store.list_nodes()
+    assert [(n.name, n.capacity, n.rdzv_host) for n in nodes] == [("n1", 2, "127.0.0.1")]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
+        assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok", "node": "n1", "jobs": {}}
+    stop.set()
+    thread.join(timeout=30)
+    assert agent.store.list_nodes()[0] == []
+
+
+def test_a_second_agent_with_a_live_name_is_refused(
+    etcd_server: LocalEtcdCluster, key_prefix: str, tmp_path: Path
+) -> None:
+    first = create_agent(_settings(etcd_server, key_prefix, tmp_path))
+    first.register()
+    try:
+        with pytest.raises(AgentError, match="registered by a live agent"):
+            create_agent(_settings(etcd_server, key_prefix, tmp_path)).register()
+    finally:
+        first.shutdown()
+
+
+def test_agent_runs_torchrun_and_reports_success(running_agent: NodeAgent, tmp_path: Path) -> None:
+    _assign(running_agent, tmp_path, "ok")
+    report = wait_until(lambda: (r := _report(running_agent)) and r.state == "exited" and r, timeout=60)
+    assert isinstance(report, WorkerReport)
+    assert (report.exit_code, report.generation, report.error) == (0, 1, None)
+    log = (tmp_path / "work" / "jobs" / "job-1" / "g1" / "n1.log").read_text()
+    assert "--rdzv-backend=etcd-v3" in log and "worker 0 job-1 file:///ck/job-1" in log
+    # an exited generation is not started again while the assignment stays
+    assert running_agent.running_jobs() == {}
+
+
+def test_agent_reports_failure_with_the_log_tail(running_agent: NodeAgent, tmp_path: Path) -> None:
+    _assign(running_agent, tmp_path, "fail")
+    report = wait_until(lambda: (r := _report(running_agent)) and r.state == "exited" and r, timeout=60)
+    assert isinstance(report, WorkerReport)
+    assert report.exit_code != 0 and report.failed
+    assert "boom: bad input" in (report.error or "")
+
+
+def test_unassigning_stops_torchrun_and_all_its_workers(running_agent: NodeAgent, tmp_path: Path) -> None:
+    _assign(running_agent, tmp_path, "sleep")
+    pid = wait_until(lambda: running_agent.running_jobs().get("job-1"), timeout=30)
+    assert isinstance(pid, int)
+    tree = wait_until(lambda: [p for p, _ in descendants(pid)], timeout=60)  # the worker has started
+    assert isinstance(tree, list)
+    running_agent.client.delete(running_agent.store.keys.assignment("n1", "job-1"))
+    report = wait_until(lambda: (r := _report(running_agent)) and r.state == "stopped" and r, timeout=30)
+    assert isinstance(report, WorkerReport) and report.error == "unassigned"
+    for p in [pid, *tree]:
+        assert not Path(f"/proc/{p}").exists() or "Z" in Path(f"/proc/{p}/stat").read_text().split(")")[1][:3]
+
+
+def test_a_new_generation_replaces_the_running_one(running_agent: NodeAgent, tmp_path: Path) -> None:
+    _assign(running_agent, tmp_path, "sleep", generation=1)
+    first = wait_until(lambda: running_agent.running_jobs().get("job-1"), timeout=30)
+    _assign(running_agent, tmp_path, "sleep", generation=2)
+    second = wait_until(lambda: (p := running_agent.running_jobs().get("job-1")) != first and p, timeout=30)
+    assert second and second != first
+    assert not Path(f"/proc/{first}").exists() or "Z" in Path(f"/proc/{first}/stat").read_text()
+    report = wait_until(lambda: (r := _report(running_agent)) and r.generation == 2 and r, timeout=30)
+    assert isinstance(report, WorkerReport) and report.state == "running"

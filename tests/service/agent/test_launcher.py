@@ -1,0 +1,194 @@
+"""The torchrun command and environment (pure), and stopping real process trees with real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from service.agent.launcher import TorchrunProcess, descendants, rdzv_conf, torchrun_command, worker_env
+from service.core.config import EtcdOptions
+from service.core.models import Assignment, JobSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _assignment(**spec: object) -> Assignment:
+    base: dict[str, object] = {"name": "j", "entrypoint": "train.py", "min_nodes": 2, "max_nodes": 3}
+    base.update(spec)
+    return Assignment(
+        job_id="j-abc",
+        generation=4,
+        spec=JobSpec.model_validate(base),
+        checkpoint_url="file:///ck/j-abc",
+        assigned_at=datetime.now(timezone.utc),
+    )
+
+
+def test_torchrun_command_is_stock_torchrun_with_the_etcd_v3_rendezvous() -> None:
+    a = _assignment(args=["--steps", "5"], nproc_per_node=2, restart_policy={"max_worker_restarts": 7})
+    cmd = torchrun_command(
+        a,
+        python="py",
+        etcd_endpoints="127.0.0.1:1,127.0.0.1:2",
+        rdzv_host="127.0.0.1",
+        conf_on_command_line="key_prefix=/p/rdzv",
+    )
+    assert cmd[:3] == ["py", "-m", "torch.distributed.run"]
+    assert {
+        "--nnodes=2:3",
+        "--nproc-per-node=2",
+        "--rdzv-backend=etcd-v3",
+        "--rdzv-endpoint=127.0.0.1:1,127.0.0.1:2",
+        "--rdzv-id=j-abc-g4",
+        "--max-restarts=7",
+        "--rdzv-conf=key_prefix=/p/rdzv",
+        "--local-addr=127.0.0.1",
+    } <= set(cmd)
+    # warm starts by default: torchrun runs elastic.prefork clients, the node's zygote forks the script
+    assert cmd[-5:] == ["--module", "elastic.prefork", "train.py", "--steps", "5"]
+    module = torchrun_command(
+        _assignment(module=True), python="py", etcd_endpoints="e:1", rdzv_host=None, conf_on_command_line=None
+    )
+    assert module[-4:] == ["--module", "elastic.prefork", "-m", "train.py"]
+    assert not any(c.startswith(("--rdzv-conf", "--local-addr")) for c in module)
+    cold = torchrun_command(_assignment(module=True, warm_start=False), python="py", etcd_endpoints="e:1",
+                            rdzv_host=None, conf_on_command_line=None)  # fmt: skip
+    assert cold[-2:] == ["--module", "train.py"] and "elastic.prefork" not in cold
+    cold_script = torchrun_command(_assignment(warm_start=False), python="py", etcd_endpoints="e:1",
+                                   rdzv_host=None, conf_on_command_line=None)  # fmt: skip
+    assert cold_script[-1] == "train.py" and "--module" not in cold_script
+
+
+def test_rdzv_conf_carries_timeouts_prefix_and_tls_and_a_password_only_with_a_user(tmp_path: Path) -> None:
+    a = _assignment(rendezvous={"last_call_timeout": 1, "join_timeout": 30, "node_ttl": 2})
+    plain = rdzv_conf(a, EtcdOptions("e:1"), "/etrain/rdzv", None)
+    assert plain == "key_prefix=/etrain/rdzv,last_call_timeout=1,join_timeout=30,node_ttl=2,connect_timeout=5"
+    tls = EtcdOptions("e:1", ca_cert="ca.pem", cert="c.pem", key="k.pem", user="u", password_file="pw")
+    conf = dict(kv.split("=", 1) for kv in rdzv_conf(a, tls, "/p", "s3cret").split(","))
+    assert conf["ca_cert"] == str(Path("ca.pem").resolve()) and conf["cert_key"] == str(
+        Path("k.pem").resolve()
+    )
+    assert (conf["user"], conf["password"]) == ("u", "s3cret")
+
+
+def test_worker_env_sets_service_variables_over_user_and_base_values() -> None:
+    a = _assignment(env={"FOO": "1"}, lr_policy={"scaling": "sqrt", "base_lr": 0.5})
+    env = worker_env(
+        a,
+        base={"PATH": "/bin", "ETRAIN_CHECKPOINT_URL": "stale", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"},
+        node_name="n1",
+        progress_key="/etrain/progress/j-abc",
+        etcd=EtcdOptions("127.0.0.1:9"),
+        extra={"BAR": "2"},
+    )
+    assert env["PATH"] == "/bin" and env["FOO"] == "1" and env["BAR"] == "2"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert env["ETRAIN_CHECKPOINT_URL"] == "file:///ck/j-abc"
+    assert (env["ETRAIN_JOB_ID"], env["ETRAIN_GENERATION"], env["ETRAIN_NODE_NAME"]) == ("j-abc", "4", "n1")
+    assert env["ETRAIN_PROGRESS_KEY"] == "/etrain/progress/j-abc"
+    assert env["ETRAIN_ETCD_ENDPOINTS"] == "127.0.0.1:9"
+    assert '"scaling":"sqrt"' in env["ETRAIN_LR_POLICY"]
+    assert env["ETRAIN_LOCAL_SNAPSHOT_EVERY"] == "0"  # off unless the spec asks
+
+
+def test_local_snapshot_every_reaches_the_workers_and_a_negative_one_is_refused() -> None:
+    env = worker_env(_assignment(local_snapshot_every=2), base={"ETRAIN_LOCAL_SNAPSHOT_EVERY": "9"},
+                     node_name="n1", progress_key="/p", etcd=EtcdOptions("e:1"))  # fmt: skip
+    assert env["ETRAIN_LOCAL_SNAPSHOT_EVERY"] == "2"
+    with pytest.raises(ValueError, match="local_snapshot_every"):
+        _assignment(local_snapshot_every=-1)
+
+
+def test_the_nodes_socket_ifname_binds_gloo_and_nccl_unless_the_job_sets_its_own() -> None:
+    def env_of(a: Assignment, ifname: str | None) -> dict[str, str]:
+        base = {"GLOO_SOCKET_IFNAME": "eth9"}
+        etcd = EtcdOptions("e:1")
+        return worker_env(a, base=base, node_name="n1", progress_key="/p", etcd=etcd, socket_ifname=ifname)
+
+    env = env_of(_assignment(), "etrain-eth0")
+    assert (env["GLOO_SOCKET_IFNAME"], env["NCCL_SOCKET_IFNAME"]) == ("etrain-eth0", "etrain-eth0")
+    env = env_of(_assignment(env={"GLOO_SOCKET_IFNAME": "lo"}), "etrain-eth0")
+    assert (env["GLOO_SOCKET_IFNAME"], env["NCCL_SOCKET_IFNAME"]) == ("lo", "etrain-eth0")
+    env = env_of(_assignment(), None)
+    assert env["GLOO_SOCKET_IFNAME"] == "eth9" and "NCCL_SOCKET_IFNAME" not in env
+
+
+_TREE = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    mode = sys.argv[1]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    if mode == "ignore":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(child.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("mode", ["exit", "ignore"])
+def test_stop_ends_the_whole_tree_even_children_in_other_sessions(tmp_path: Path, mode: str) -> None:
+    script = tmp_path / "tree.py"
+    script.write_text(_TREE)
+    log = tmp_path / "log.txt"
+    proc = TorchrunProcess.start([sys.executable, str(script), mode], dict(os.environ), str(tmp_path), log)
+    deadline = time.monotonic() + 20
+    while len(descendants(proc.pid)) < 1 or not log.read_text().strip().splitlines()[1:]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(log.read_text().strip().splitlines()[-1])
+    assert child in [p for p, _ in descendants(proc.pid)]
+    started = time.monotonic()
+    code = proc.stop(timedelta(seconds=1))
+    assert code == (-signal.SIGKILL if mode == "ignore" else -signal.SIGTERM)
+    assert not _alive(proc.pid) and not _alive(child)
+    assert time.monotonic() - started < 8
+    assert "+ " in proc.tail() and str(child) in proc.tail()
+
+
+_FAKE_AGENT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from service.agent.launcher import TorchrunProcess
+    cmd = [sys.executable, "-c", "import time; time.sleep(120)"]
+    p = TorchrunProcess.start(cmd, {}, ".", Path(sys.argv[1]))
+    print(p.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_workers_get_sigterm_when_their_agent_is_sigkilled(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _FAKE_AGENT, str(tmp_path / "w.log")],
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    assert agent.stdout is not None
+    worker = int(agent.stdout.readline())
+    assert _alive(worker)
+    agent.send_signal(signal.SIGKILL)
+    agent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(worker):
+        assert time.monotonic() < deadline, "the worker outlived its agent"
+        time.sleep(0.05)

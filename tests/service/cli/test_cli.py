@@ -1,0 +1,146 @@
+"""The ``etrain`` CLI: start-up errors are one line with exit code 2; client commands against a live API."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from elastic import compat
+from elastic.testing.etcd_server import free_port
+from service.cli.main import _parser, main
+from tests.service.conftest import ADMIN, READER, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+_ROOT = Path(__file__).resolve().parents[3]
+
+
+def _etrain(*args: str, timeout: float = 30) -> tuple[int, str, str, float]:
+    env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+    for name in list(env):
+        if name.startswith("ETRAIN_"):
+            del env[name]
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "service.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started
+
+
+@pytest.mark.parametrize("command", [["controller"], ["agent", "--node-name", "n1"]])
+def test_unreachable_etcd_is_one_line_and_exit_2_within_the_connect_timeout(command: list[str]) -> None:
+    port = free_port()  # nobody listens there
+    code, _out, err, took = _etrain(*command, "--etcd", f"127.0.0.1:{port}", "--etcd-connect-timeout", "1")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and lines[0].startswith("etrain: ")
+    assert took < 15  # 1 s connect timeout plus interpreter start-up
+
+
+def test_bad_tokens_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(yaml.safe_dump({"tokens": [{"token": "x" * 20, "role": "root"}]}))
+    code, _, err, _ = _etrain("controller", "--etcd", "127.0.0.1:1", "--tokens-file", str(tokens))
+    assert code == 2 and err.strip().count("\n") == 0 and "tokens[0].role must be 'admin' or 'read'" in err
+
+
+def test_missing_endpoints_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    code, _, err, _ = _etrain("controller")
+    assert code == 2 and "--etcd" in err
+
+
+def test_client_commands_against_a_live_controller(
+    live_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--server", live_server, "--token", ADMIN]
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump({"name": "cli-job", "entrypoint": "train.py", "min_nodes": 1}))
+    assert main(["submit", str(job_file), *common]) == 0
+    job_id = capsys.readouterr().out.strip()
+    assert job_id.startswith("cli-job-")
+
+    assert main(["list", *common]) == 0
+    listing = capsys.readouterr().out
+    assert listing.splitlines()[0].split()[:3] == ["ID", "STATE", "NODES"] and job_id in listing
+
+    assert main(["status", job_id, "--server", live_server, "--token", READER]) == 0
+    status = capsys.readouterr().out
+    assert f"job        {job_id}  (cli-job)" in status and "world size now -" in status
+
+    assert main(["cancel", job_id, *common]) == 0
+    assert "cancel requested" in capsys.readouterr().out
+    assert main(["follow", job_id, *common]) == 1  # cancelled: not a success
+    followed = capsys.readouterr().out
+    assert "pending -> cancelled" in followed and "state      cancelled" in followed
+
+    assert main(["events", job_id, *common]) == 0
+    events = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in events] == ["submitted", "cancel_requested", "state"]
+
+    assert main(["nodes", *common]) == 0
+    assert capsys.readouterr().out.split() == ["NODE", "CAPACITY", "FREE", "JOBS", "HOST", "REGISTERED"]
+
+
+def test_client_errors_name_the_http_status(
+    live_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["list", "--server", live_server, "--token", "wrong"]) == 3
+    assert "HTTP 401" in capsys.readouterr().err
+    assert main(["status", "nope-1", "--server", live_server, "--token", READER]) == 3
+    assert "HTTP 404" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmin_nodes: 0\n")
+    assert main(["submit", str(bad), "--server", live_server, "--token", ADMIN]) == 3
+    err = capsys.readouterr().err
+    assert "HTTP 422" in err and "min_nodes" in err and "entrypoint" in err
+    assert main(["list", "--server", f"http://127.0.0.1:{free_port()}"]) == 2
+    assert "cannot reach the controller" in capsys.readouterr().err
+
+
+def test_submit_reads_json_too_and_env_supplies_server_and_token(
+    live_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ETRAIN_SERVER", live_server)
+    monkeypatch.setenv("ETRAIN_TOKEN", ADMIN)
+    job_file = tmp_path / "job.json"
+    job_file.write_text('{"name": "json-job", "entrypoint": "t.py"}')
+    assert main(["submit", str(job_file)]) == 0
+    job_id = capsys.readouterr().out.strip()
+    wait_until(lambda: main(["status", job_id]) == 0)
+    assert "json-job" in capsys.readouterr().out
+
+
+def test_agent_socket_ifname_comes_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ETRAIN_SOCKET_IFNAME", raising=False)
+    assert _parser().parse_args(["agent", "--socket-ifname", "ib0"]).socket_ifname == "ib0"
+    assert _parser().parse_args(["agent"]).socket_ifname is None
+    monkeypatch.setenv("ETRAIN_SOCKET_IFNAME", "eth1")
+    assert _parser().parse_args(["agent"]).socket_ifname == "eth1"
+
+
+def test_the_node_agent_on_an_unsupported_torch_refuses_to_start_with_one_line() -> None:
+    prelude = "import torch\ntorch.__version__ = '2.16.0'\n"  # what this interpreter's torch reports
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            prelude
+            + (
+                "from service.cli.main import main\n"
+                "raise SystemExit(main(['agent', '--node-name', 'n1', '--etcd', '127.0.0.1:9']))\n"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"etrain: agent: elastic-train supports {compat.TORCH_REQUIREMENT}; the installed torch is 2.16.0: "
+        f"install a torch in that range (pip install '{compat.TORCH_REQUIREMENT}')"
+    ], proc.stderr

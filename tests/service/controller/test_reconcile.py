@@ -1,0 +1,427 @@
+"""The controller's decisions as a pure function: scheduling, node loss, scale-up, failures, success.
+
+``_Cluster`` is an in-memory implementation of what the store does with a plan (status replaced,
+assignments written and deleted), so multi-step scenarios run tick by tick without etcd.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from elastic.progress import Progress
+from service.controller.reconcile import reconcile
+from service.core.models import Assignment, JobRecord, JobSpec, JobStatus, NodeInfo, WorkerReport
+from service.core.states import JobState
+from service.core.view import ClusterView, JobEntry, Plan, ReconcileConfig
+
+T0 = datetime(2030, 1, 1, tzinfo=timezone.utc)
+CFG = ReconcileConfig(
+    success_grace=timedelta(seconds=10),
+    failure_settle=timedelta(seconds=2),
+    resume_after=timedelta(seconds=30),
+)
+
+
+def _spec(**kw: Any) -> JobSpec:
+    base: dict[str, Any] = {"name": "j", "entrypoint": "train.py", "min_nodes": 2, "max_nodes": 3}
+    base.update(kw)
+    return JobSpec.model_validate(base)
+
+
+def _node(name: str, capacity: int = 1) -> NodeInfo:
+    return NodeInfo(name=name, capacity=capacity, incarnation="x", registered_at=T0)
+
+
+@dataclass
+class _Cluster:
+    """Jobs, nodes, assignments, reports and progress, updated by applying plans like the store does."""
+
+    jobs: dict[str, JobEntry] = field(default_factory=dict)
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)
+    assignments: dict[str, dict[str, Assignment]] = field(default_factory=dict)
+    reports: dict[str, dict[str, WorkerReport]] = field(default_factory=dict)
+    progress: dict[str, Progress] = field(default_factory=dict)
+    events: list[tuple[str, str]] = field(default_factory=list)
+
+    def add_job(
+        self, job_id: str, spec: JobSpec, at: datetime = T0, checkpoint_url: str | None = None
+    ) -> None:
+        rec = JobRecord(id=job_id, spec=spec, created_at=at, checkpoint_url=checkpoint_url)
+        self.jobs[job_id] = JobEntry(rec, JobStatus(created_at=at, updated_at=at), 1)
+
+    def add_nodes(self, *names: str, capacity: int = 1) -> None:
+        for n in names:
+            self.nodes[n] = _node(n, capacity)
+
+    def view(self) -> ClusterView:
+        return ClusterView(self.jobs, self.nodes, self.assignments, self.reports, self.progress)
+
+    def tick(self, now: datetime) -> Plan:
+        plan = reconcile(self.view(), now, CFG)
+        for u in plan.updates:
+            e = self.jobs[u.job_id]
+            assert u.expected_revision == e.status_revision
+            if u.status is not None:
+                self.jobs[u.job_id] = JobEntry(e.record, u.status, e.status_revision + 1, e.cancel_requested)
+            for node, a in u.assign.items():
+                self.assignments.setdefault(node, {})[u.job_id] = a
+            for node in u.unassign:
+                self.assignments.get(node, {}).pop(u.job_id, None)
+            if u.clear_reports:
+                self.reports.pop(u.job_id, None)
+            self.events += [(u.job_id, ev.type) for ev in u.events]
+        for node, job_id in plan.orphans:
+            self.assignments[node].pop(job_id)
+        return plan
+
+    def status(self, job_id: str) -> JobStatus:
+        return self.jobs[job_id].status
+
+    def assigned(self, job_id: str) -> dict[str, int]:
+        return {n: jobs[job_id].generation for n, jobs in self.assignments.items() if job_id in jobs}
+
+    def report(self, job_id: str, node: str, state: str, code: int | None = None, at: datetime = T0) -> None:
+        gen = self.status(job_id).generation
+        self.reports.setdefault(job_id, {})[node] = WorkerReport(
+            job_id=job_id,
+            node=node,
+            generation=gen,
+            state=state,
+            exit_code=code,
+            finished_at=at,  # type: ignore[arg-type]
+        )
+
+    def progress_at(self, job_id: str, at: datetime, step: int, world: int, **kw: Any) -> None:
+        gen = self.status(job_id).generation
+        self.progress[job_id] = Progress(
+            step=step, world_size=world, time=at.timestamp(), generation=gen, **kw
+        )
+
+
+def _s(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def test_world_size_history_lists_the_nodes_the_workers_report_not_the_stale_assignment() -> None:
+    # The demo showed "2  on node-1, node-2, node-3": the re-formed round reported world size 2 before the
+    # controller saw the lost node's lease expire.
+    c = _Cluster()
+    c.add_nodes("a", "b", "c")
+    c.add_job("j1", _spec())
+    c.tick(_s(1))
+    c.progress_at("j1", _s(5), step=10, world=3, nodes=["a", "b", "c"])
+    c.tick(_s(5))
+    c.progress_at("j1", _s(6), step=11, world=2, nodes=["a", "b"])  # "c" still assigned
+    c.tick(_s(6))
+    st = c.status("j1")
+    assert st.nodes == ["a", "b", "c"]
+    assert [(h.world_size, h.nodes) for h in st.world_size_history] == [(3, ["a", "b", "c"]), (2, ["a", "b"])]
+    c.progress_at("j1", _s(7), step=12, world=1)  # a report without nodes (a worker outside the loop)
+    c.tick(_s(7))
+    assert c.status("j1").world_size_history[-1].nodes == ["a", "b", "c"]
+
+
+def test_pending_job_starts_on_up_to_max_nodes_when_min_are_free() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b", "c", "d")
+    c.add_job("j1", _spec())
+    c.tick(_s(1))
+    st = c.status("j1")
+    assert st.state == JobState.RUNNING and st.generation == 1
+    assert st.nodes == ["a", "b", "c"]
+    assert c.assigned("j1") == {"a": 1, "b": 1, "c": 1}
+    assert c.assignments["a"]["j1"].rdzv_id == "j1-g1"
+
+
+def test_pending_job_waits_without_holding_nodes_when_fewer_than_min() -> None:
+    c = _Cluster()
+    c.add_nodes("a")
+    c.add_job("j1", _spec())
+    c.tick(_s(1))
+    st = c.status("j1")
+    assert st.state == JobState.PENDING and st.message == "waiting for nodes: 1 eligible, min_nodes=2"
+    assert c.assigned("j1") == {}
+    c.add_nodes("b")
+    c.tick(_s(2))
+    assert c.status("j1").state == JobState.RUNNING and c.assigned("j1") == {"a": 1, "b": 1}
+
+
+def test_lost_node_leaves_the_job_which_reforms_smaller_then_resumes_on_progress() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b", "c")
+    c.add_job("j1", _spec())
+    c.tick(_s(1))
+    c.progress_at("j1", _s(5), step=10, world=3)
+    c.tick(_s(5))
+    assert [h.world_size for h in c.status("j1").world_size_history] == [3]
+    del c.nodes["c"]
+    c.tick(_s(6))
+    st = c.status("j1")
+    assert st.state == JobState.RECOVERING and st.nodes == ["a", "b"]
+    assert st.restarts.membership == 1 and st.generation == 1  # re-forms in place, same generation
+    assert c.assigned("j1") == {"a": 1, "b": 1}
+    assert ("j1", "node_lost") in c.events
+    c.progress_at("j1", _s(9), step=11, world=2)
+    c.tick(_s(9))
+    st = c.status("j1")
+    assert st.state == JobState.RUNNING and st.world_size == 2
+    assert [(h.world_size, h.nodes) for h in st.world_size_history] == [(3, ["a", "b", "c"]), (2, ["a", "b"])]
+
+
+def test_losing_nodes_below_min_stops_the_job_until_enough_return() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job("j1", _spec(min_nodes=2, max_nodes=2))
+    c.tick(_s(1))
+    del c.nodes["b"]
+    c.tick(_s(2))
+    st = c.status("j1")
+    assert st.state == JobState.RECOVERING and st.nodes == [] and c.assigned("j1") == {}
+    assert "waiting for nodes" in st.message
+    c.add_nodes("b2")
+    c.tick(_s(3))
+    st = c.status("j1")
+    assert st.state == JobState.RUNNING and st.generation == 2 and c.assigned("j1") == {"a": 2, "b2": 2}
+
+
+def test_new_node_scales_a_running_job_up_within_the_membership_budget() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job("j1", _spec(restart_policy={"max_membership_changes": 1}))
+    c.tick(_s(1))
+    c.add_nodes("c", "d")
+    c.tick(_s(2))
+    st = c.status("j1")
+    assert st.nodes == ["a", "b", "c"] and st.restarts.membership == 1
+    assert c.assigned("j1") == {"a": 1, "b": 1, "c": 1}  # same generation: torchrun admits the new node
+    assert st.state == JobState.RECOVERING
+
+
+def test_scale_up_stops_when_membership_budget_is_spent() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job("j1", _spec(restart_policy={"max_membership_changes": 0}))
+    c.tick(_s(1))
+    c.add_nodes("c")
+    c.tick(_s(2))
+    assert c.status("j1").nodes == ["a", "b"]
+
+
+def test_node_loss_beyond_membership_budget_fails_the_job() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b", "c")
+    c.add_job("j1", _spec(min_nodes=1, restart_policy={"max_membership_changes": 0}))
+    c.tick(_s(1))
+    del c.nodes["c"]
+    c.tick(_s(2))
+    st = c.status("j1")
+    assert st.state == JobState.FAILED and "membership budget exhausted" in st.message
+    assert c.assigned("j1") == {}
+
+
+def test_failure_everywhere_restarts_a_new_generation_after_backoff_without_blame() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job("j1", _spec(restart_policy={"backoff_initial": 4, "max_failures": 2}))
+    c.tick(_s(1))
+    c.progress_at("j1", _s(2), step=1, world=2)
+    c.tick(_s(2))
+    c.progress_at("j1", _s(3), step=5, world=2)
+    c.tick(_s(3))
+    c.report("j1", "a", "exited", 1, at=_s(4))
+    c.report("j1", "b", "exited", 1, at=_s(4))
+    c.tick(_s(4))
+    st = c.status("j1")
+    assert st.state == JobState.RECOVERING and st.restarts.failure == 1
+    assert st.backoff_until == _s(8) and st.node_failures == {} and c.assigned("j1") == {}
+    assert "exit code 1" in (st.last_error or "")
+    c.tick(_s(7))
+    assert c.status("j1").generation == 1  # still backing off
+    c.tick(_s(8))
+    st = c.status("j1")
+    assert st.state == JobState.RUNNING and st.generation == 2 and c.assigned("j1") == {"a": 2, "b": 2}
+
+
+def test_failure_on_one_node_waits_to_settle_then_blames_and_blacklists_it() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b", "c")
+    policy = {"backoff_initial": 1, "blacklist_after": 2, "max_failures": 10, "crash_loop_threshold": 10}
+    c.add_job("j1", _spec(restart_policy=policy))
+    t = 1.0
+    for round_ in (1, 2):
+        c.tick(_s(t))
+        c.report("j1", "c", "exited", 1, at=_s(t + 1))
+        c.tick(_s(t + 1))
+        assert c.status("j1").state == JobState.RUNNING  # settling: did the others fail too?
+        c.tick(_s(t + 3))
+        assert c.status("j1").restarts.failure == round_
+        t += 5
+    st = c.status("j1")
+    assert "c" in st.blacklist and ("j1", "node_blacklisted") in c.events
+    c.tick(_s(t))
+    assert c.status("j1").nodes == ["a", "b"]  # c is avoided during its cooldown
+
+
+def test_repeated_failures_before_the_first_step_fail_as_crash_loop() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job(
+        "j1", _spec(restart_policy={"backoff_initial": 1, "max_failures": 10, "crash_loop_threshold": 2})
+    )
+    c.tick(_s(0))
+    for t in (1, 10):
+        c.report("j1", "a", "exited", 2, at=_s(t))
+        c.report("j1", "b", "exited", 2, at=_s(t))
+        c.tick(_s(t))
+        c.tick(_s(t + 5))
+    st = c.status("j1")
+    assert st.state == JobState.FAILED and st.message.startswith("crash loop at start-up")
+    assert st.restarts.failure == 2
+
+
+def test_launch_failure_counts_as_a_failure() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job("j1", _spec(restart_policy={"max_failures": 0}))
+    c.tick(_s(0))
+    c.report("j1", "a", "launch_failed")
+    c.report("j1", "b", "launch_failed")
+    c.tick(_s(1))
+    assert c.status("j1").state == JobState.FAILED
+
+
+def test_success_waits_for_other_nodes_to_exit_or_the_grace_period() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job("j1", _spec())
+    c.tick(_s(0))
+    c.report("j1", "a", "exited", 0)
+    c.report("j1", "b", "running")
+    c.tick(_s(1))
+    assert c.status("j1").state == JobState.RUNNING
+    c.report("j1", "b", "exited", 0)
+    c.tick(_s(2))
+    st = c.status("j1")
+    assert st.state == JobState.SUCCEEDED and st.finished_at == _s(2) and c.assigned("j1") == {}
+    c.tick(_s(3))
+    assert "j1" not in c.reports  # a finished job's reports are cleared
+
+    c.add_job("j2", _spec(), at=_s(4))
+    c.tick(_s(5))
+    c.report("j2", "a", "exited", 0, at=_s(6))
+    c.report("j2", "b", "running")
+    c.tick(_s(6))
+    c.tick(_s(15.9))
+    assert c.status("j2").state == JobState.RUNNING
+    c.tick(_s(16))
+    assert c.status("j2").state == JobState.SUCCEEDED and c.assigned("j2") == {}
+
+
+def test_cancel_request_releases_every_node() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job("j1", _spec())
+    c.tick(_s(0))
+    e = c.jobs["j1"]
+    c.jobs["j1"] = JobEntry(e.record, e.status, e.status_revision, cancel_requested=True)
+    c.tick(_s(1))
+    assert c.status("j1").state == JobState.CANCELLED and c.assigned("j1") == {}
+
+
+def test_older_jobs_get_nodes_first_and_capacity_is_respected() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b", "c")
+    c.add_job("old", _spec(min_nodes=2, max_nodes=2), at=_s(0))
+    c.add_job("new", _spec(min_nodes=2, max_nodes=2), at=_s(1))
+    c.tick(_s(2))
+    assert c.status("old").nodes == ["a", "b"]
+    assert c.status("new").state == JobState.PENDING
+    c.add_nodes("d")
+    c.tick(_s(3))
+    assert c.status("new").nodes == ["c", "d"]
+
+
+def test_nodes_with_room_for_several_jobs_host_them_side_by_side() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b", capacity=4)
+    c.add_job("j1", _spec(nproc_per_node=2, min_nodes=2, max_nodes=2))
+    c.add_job("j2", _spec(nproc_per_node=2, min_nodes=2, max_nodes=2), at=_s(1))
+    c.add_job("j3", _spec(nproc_per_node=1, min_nodes=1, max_nodes=1), at=_s(2))
+    c.tick(_s(3))
+    assert c.status("j1").nodes == ["a", "b"] and c.status("j2").nodes == ["a", "b"]
+    assert c.status("j3").state == JobState.PENDING
+
+
+def test_checkpoint_progress_is_recorded_only_inside_the_jobs_prefix() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job("j1", _spec(), checkpoint_url="file:///ck/j1")
+    c.tick(_s(0))
+    c.progress_at("j1", _s(1), step=10, world=2, checkpoint_step=10, checkpoint_path="/ck/j1/step-10.pt")
+    c.tick(_s(1))
+    ckpt = c.status("j1").checkpoint
+    assert ckpt is not None and (ckpt.step, ckpt.path) == (10, "/ck/j1/step-10.pt")
+    c.progress_at("j1", _s(2), step=20, world=2, checkpoint_step=20, checkpoint_path="/ck/other/step-20.pt")
+    c.tick(_s(2))
+    assert c.status("j1").checkpoint.step == 10  # type: ignore[union-attr]
+    assert ("j1", "checkpoint_rejected") in c.events
+
+
+def test_a_job_cannot_start_on_a_checkpoint_prefix_an_active_job_uses() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b", "c", "d")
+    c.add_job("j1", _spec(min_nodes=2, max_nodes=2), checkpoint_url="file:///ck/shared")
+    c.add_job("j2", _spec(min_nodes=2, max_nodes=2), at=_s(1), checkpoint_url="file:///ck/shared/sub")
+    c.tick(_s(2))
+    assert c.status("j1").state == JobState.RUNNING
+    st = c.status("j2")
+    assert st.state == JobState.FAILED and "in use by job j1" in st.message
+
+
+def test_jobs_that_report_no_progress_are_assumed_recovered_after_a_while() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b", "c")
+    c.add_job("j1", _spec())
+    c.tick(_s(0))
+    del c.nodes["c"]
+    c.tick(_s(1))
+    c.tick(_s(30))
+    assert c.status("j1").state == JobState.RECOVERING
+    c.tick(_s(31))
+    assert c.status("j1").state == JobState.RUNNING
+
+
+def test_worker_restarts_and_late_reports_of_old_generations() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job("j1", _spec())
+    c.tick(_s(0))
+    c.progress_at("j1", _s(1), step=3, world=2, restart_count=2)
+    c.tick(_s(1))
+    assert c.status("j1").restarts.in_place == 2
+    c.progress[("j1")] = Progress(step=4, world_size=7, time=_s(2).timestamp(), generation=0)
+    c.tick(_s(2))
+    st = c.status("j1")
+    assert st.world_size == 2 and st.step == 4  # an old generation's world size is not current
+
+
+def test_leftover_and_orphan_assignments_are_removed() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job("j1", _spec())
+    c.tick(_s(0))
+    stale = c.assignments["a"]["j1"].model_copy(update={"job_id": "gone"})
+    c.assignments["b"]["gone"] = stale
+    plan = c.tick(_s(1))
+    assert plan.orphans == [("b", "gone")]
+    assert "gone" not in c.assignments["b"]
+
+
+def test_nothing_to_do_yields_an_empty_plan() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job("j1", _spec())
+    c.tick(_s(0))
+    assert c.tick(_s(1)).empty
