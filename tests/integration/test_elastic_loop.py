@@ -155,7 +155,9 @@ def test_resizes_4_2_3_keep_lr_policy_exact_and_every_sample_once_per_epoch(
         assert sorted(seen) == list(range(n)), f"epoch {epoch}: a sample was skipped or repeated"
 
 
-def _final_loss(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, seed: int, resize: bool) -> float:
+def _final_loss(
+    tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, seed: int, resize: bool
+) -> float:
     rec = tmp / f"{rule}-{seed}-{'resized' if resize else 'fixed'}"
     run_id = f"conv-{uuid.uuid4().hex[:6]}"
     # No dropout and enough epochs to converge: the comparison is about the resizes, not about noise.

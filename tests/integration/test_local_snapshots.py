@@ -17,7 +17,9 @@ from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
 
 
-def _start(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, local_every: int, nproc: int = 1) -> TorchrunAgent:
+def _start(
+    tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, local_every: int, nproc: int = 1
+) -> TorchrunAgent:
     args = ["--epochs", "2", "--samples", "480", "--batch", "4", "--lr-rule", "linear", "--base-world", "2",
             "--save-every", "1000", "--local-every", str(local_every), "--local-max-overhead", "0",
             "--step-sleep", "0.05",
