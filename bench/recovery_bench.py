@@ -38,7 +38,8 @@ sys.path.insert(0, str(HERE))
 from _stats import summarize  # noqa: E402
 
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port  # noqa: E402
-from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command, wait_until  # noqa: E402
+from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command  # noqa: E402
+from elastic.testing.wait import wait_until  # noqa: E402
 
 WORKER = str(REPO / "elastic" / "testing" / "train_worker.py")
 

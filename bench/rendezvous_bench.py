@@ -38,7 +38,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 from elastic import compat
 from elastic.rendezvous.plugin import create_handler as etcd_create_handler
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
-from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command, wait_until
+from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command
+from elastic.testing.wait import wait_until
 
 os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 

@@ -1,21 +1,24 @@
-"""etcd v3 access for the whole project (the only package that imports the etcd client library)."""
+"""etcd v3 access for the whole project (the only package that imports the etcd client library).
 
-from elastic.etcd.client import (
-    EtcdClient,
-    EtcdConnectionError,
-    EtcdError,
-    KeyValue,
-    check_reachable,
-    create_client,
-)
+:class:`EtcdClient` is the interface; :func:`create_client` makes the real (gRPC) one,
+:class:`MemoryEtcdClient` is an in-memory model of a cluster for unit tests.
+"""
+
+from elastic.etcd.api import EtcdClient, EtcdConnectionError, EtcdError, KeyValue
+from elastic.etcd.client import GrpcEtcdClient, check_reachable, create_client
 from elastic.etcd.config import EtcdConfig, parse_endpoints
+from elastic.etcd.memory import ManualClock, MemoryEtcdClient, MemoryEtcdServer
 
 __all__ = [
     "EtcdClient",
     "EtcdConfig",
     "EtcdConnectionError",
     "EtcdError",
+    "GrpcEtcdClient",
     "KeyValue",
+    "ManualClock",
+    "MemoryEtcdClient",
+    "MemoryEtcdServer",
     "check_reachable",
     "create_client",
     "parse_endpoints",

@@ -1,9 +1,10 @@
-"""The project's only door to etcd v3: a small adapter over ``python3-etcd3`` (imported as ``etcd3``).
+"""The real :class:`~elastic.etcd.api.EtcdClient`: gRPC through ``python3-etcd3`` (imported as ``etcd3``).
 
-Everything else (the rendezvous backend, the store, the service) talks to :class:`EtcdClient`, which
-offers the handful of operations the project needs, each with retry across the configured endpoints
-until a deadline, and turns every third-party failure into :class:`EtcdConnectionError` (naming the
-endpoints) or :class:`EtcdError`.
+This module is the project's only user of the etcd client library, its private parts included (the
+``kvstub``/``channel`` stubs, ``timeout``, ``call_credentials``, ``metadata`` of
+``etcd3.MultiEndpointEtcd3Client``, which ``tests/elastic/etcd/test_etcd3_surface.py`` pins). Each
+operation retries across the configured endpoints until a deadline and turns every third-party failure
+into :class:`EtcdConnectionError` (naming the endpoints) or :class:`EtcdError`.
 
 Blocking waits use an etcd watch stream that starts at a known revision, so no change between a read
 and the wait can be missed, and nothing polls.
@@ -24,30 +25,20 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3 import exceptions as etcd_exc
 
+from elastic.etcd.api import EtcdClient, EtcdConnectionError, EtcdError, KeyValue, prefix_end
 from elastic.etcd.config import EtcdConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EtcdClient", "EtcdConnectionError", "EtcdError", "KeyValue", "create_client"]
-
-
-class EtcdError(Exception):
-    """An etcd request failed for a reason other than connectivity (bad auth, bad request)."""
-
-
-class EtcdConnectionError(EtcdError):
-    """No configured etcd endpoint answered within the deadline."""
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    """One key as read from etcd."""
-
-    key: str
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    lease: int = 0
+__all__ = [
+    "EtcdClient",
+    "EtcdConnectionError",
+    "EtcdError",
+    "GrpcEtcdClient",
+    "KeyValue",
+    "check_reachable",
+    "create_client",
+]
 
 
 @dataclass
@@ -57,15 +48,6 @@ class _Retry:
     last_exc: BaseException | None = field(default=None)
 
 
-def _prefix_end(prefix: str) -> bytes:
-    raw = bytearray(prefix.encode())
-    for i in range(len(raw) - 1, -1, -1):
-        if raw[i] < 0xFF:
-            raw[i] += 1
-            return bytes(raw[: i + 1])
-    return b"\0"
-
-
 def _kv(msg: Any) -> KeyValue:
     return KeyValue(
         key=msg.key.decode(),
@@ -73,6 +55,7 @@ def _kv(msg: Any) -> KeyValue:
         create_revision=int(msg.create_revision),
         mod_revision=int(msg.mod_revision),
         lease=int(msg.lease),
+        version=int(msg.version),
     )
 
 
@@ -94,8 +77,8 @@ _RETRYABLE = (
 )
 
 
-class EtcdClient:
-    """A thread-safe etcd v3 client bound to one cluster (one or more endpoints, with failover).
+class GrpcEtcdClient(EtcdClient):
+    """The real :class:`EtcdClient`: gRPC to one cluster (one or more endpoints, with failover).
 
     Operations retry on connection failures, moving to the next endpoint, until ``config.op_timeout``
     has passed; then they raise :class:`EtcdConnectionError`. Compare-and-swap operations are safe to
@@ -196,8 +179,6 @@ class EtcdClient:
 
     # -- key/value -----------------------------------------------------------------------------------
     def ping(self, timeout: timedelta | None = None) -> int:
-        """Return the cluster's current revision; raises :class:`EtcdConnectionError` if unreachable."""
-
         def op(c: Any) -> int:
             resp = c.get_response("\0")
             return int(resp.header.revision)
@@ -205,8 +186,6 @@ class EtcdClient:
         return int(self._call(op, timeout=timeout))
 
     def get(self, key: str) -> tuple[KeyValue | None, int]:
-        """Return ``(value or None, revision of the read)``."""
-
         def op(c: Any) -> tuple[KeyValue | None, int]:
             resp = c.get_response(key)
             kv = _kv(resp.kvs[0]) if resp.kvs else None
@@ -217,7 +196,7 @@ class EtcdClient:
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         def op(c: Any) -> tuple[list[KeyValue], int]:
-            req = etcdrpc.RangeRequest(key=prefix.encode(), range_end=_prefix_end(prefix))
+            req = etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix))
             resp = c.kvstub.Range(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
             return [_kv(m) for m in resp.kvs], int(resp.header.revision)
 
@@ -226,15 +205,13 @@ class EtcdClient:
 
     def count_prefix(self, prefix: str) -> int:
         def op(c: Any) -> int:
-            req = etcdrpc.RangeRequest(key=prefix.encode(), range_end=_prefix_end(prefix), count_only=True)
+            req = etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix), count_only=True)
             resp = c.kvstub.Range(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
             return int(resp.count)
 
         return int(self._call(op))
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
-        """Write unconditionally; return the new revision."""
-
         def op(c: Any) -> int:
             req = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
             resp = c.kvstub.Put(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
@@ -250,14 +227,6 @@ class EtcdClient:
 
         return bool(self._call(op))
 
-    def delete_prefix(self, prefix: str) -> int:
-        def op(c: Any) -> int:
-            req = etcdrpc.DeleteRangeRequest(key=prefix.encode(), range_end=_prefix_end(prefix))
-            resp = c.kvstub.DeleteRange(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
-            return int(resp.deleted)
-
-        return int(self._call(op))
-
     def compare_and_put(
         self,
         key: str,
@@ -268,14 +237,6 @@ class EtcdClient:
         read_prefix: str | None = None,
         guard: tuple[str, int] | None = None,
     ) -> tuple[bool, KeyValue | None, list[KeyValue], int]:
-        """Put ``value`` only if ``key``'s mod revision equals ``mod_revision`` (0: key must not exist).
-
-        ``guard``, when given as ``(key, create_revision)``, must also hold (a fencing token: the key
-        must still exist with that create revision). In the same transaction, reads ``key`` (after the
-        put, or the current value on failure) and, if ``read_prefix`` is given, every key under it.
-        Returns ``(succeeded, key's value, prefix values, revision)``.
-        """
-
         def op(c: Any) -> tuple[bool, KeyValue | None, list[KeyValue], int]:
             cmp = [
                 etcdrpc.Compare(
@@ -299,7 +260,7 @@ class EtcdClient:
                 reads.append(
                     etcdrpc.RequestOp(
                         request_range=etcdrpc.RangeRequest(
-                            key=read_prefix.encode(), range_end=_prefix_end(read_prefix)
+                            key=read_prefix.encode(), range_end=prefix_end(read_prefix)
                         )
                     )
                 )
@@ -317,13 +278,11 @@ class EtcdClient:
         return result
 
     def get_with_prefix(self, key: str, prefix: str) -> tuple[KeyValue | None, list[KeyValue], int]:
-        """Read ``key`` and every key under ``prefix`` at one revision."""
-
         def op(c: Any) -> tuple[KeyValue | None, list[KeyValue], int]:
             reads = [
                 etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode())),
                 etcdrpc.RequestOp(
-                    request_range=etcdrpc.RangeRequest(key=prefix.encode(), range_end=_prefix_end(prefix))
+                    request_range=etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix))
                 ),
             ]
             req = etcdrpc.TxnRequest(compare=[], success=reads, failure=[])
@@ -336,12 +295,10 @@ class EtcdClient:
         return result
 
     def read_prefixes(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
-        """Read every key under each of ``prefixes`` at one revision (one transaction)."""
-
         def op(c: Any) -> tuple[list[list[KeyValue]], int]:
             reads = [
                 etcdrpc.RequestOp(
-                    request_range=etcdrpc.RangeRequest(key=p.encode(), range_end=_prefix_end(p))
+                    request_range=etcdrpc.RangeRequest(key=p.encode(), range_end=prefix_end(p))
                 )
                 for p in prefixes
             ]
@@ -362,13 +319,6 @@ class EtcdClient:
         expect: Sequence[tuple[str, int]] = (),
         guard: tuple[str, int] | None = None,
     ) -> tuple[bool, int]:
-        """Apply ``puts``, ``deletes`` and ``delete_prefixes`` in one transaction, all or nothing.
-
-        The transaction applies only if every ``(key, mod_revision)`` in ``expect`` holds (0: the key
-        must not exist) and, when ``guard=(key, create_revision)`` is given, that fencing key still
-        exists with that create revision. Returns ``(applied, revision)``. Puts carry no lease.
-        """
-
         def op(c: Any) -> tuple[bool, int]:
             cmp = [
                 etcdrpc.Compare(
@@ -394,7 +344,7 @@ class EtcdClient:
             ]
             ops += [
                 etcdrpc.RequestOp(
-                    request_delete_range=etcdrpc.DeleteRangeRequest(key=p.encode(), range_end=_prefix_end(p))
+                    request_delete_range=etcdrpc.DeleteRangeRequest(key=p.encode(), range_end=prefix_end(p))
                 )
                 for p in delete_prefixes
             ]
@@ -415,8 +365,6 @@ class EtcdClient:
         return int(self._call(op))
 
     def keep_alive_once(self, lease_id: int) -> int:
-        """Refresh a lease once; return its remaining TTL in seconds (<= 0: the lease is gone)."""
-
         def op(c: Any) -> int:
             for resp in c.refresh_lease(lease_id):
                 return int(resp.TTL)
@@ -438,11 +386,7 @@ class EtcdClient:
     def wait_for_event(
         self, key: str, start_revision: int, timeout: timedelta, *, prefix: bool = False
     ) -> bool:
-        """Block until ``key`` (or a key under it, if ``prefix``) changes at or after ``start_revision``.
-
-        Returns True on a change, False when ``timeout`` passes first. A broken watch stream (a member
-        restarting) is re-opened from the same revision, so no event is lost.
-        """
+        # A broken watch stream (a member restarting) is re-opened from the same revision: no event is lost.
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
             remaining = deadline - time.monotonic()
@@ -469,16 +413,14 @@ class EtcdClient:
         *,
         prefix: bool = False,
     ) -> None:
-        """Stream changes of ``key`` (or keys under it) from ``start_revision`` until ``stop`` is set,
-        calling ``on_revision(revision)`` for each batch of events. A broken stream is re-opened from the
-        revision after the last one delivered, so nothing is missed. Runs in the caller's thread."""
+        # A broken stream is re-opened from the revision after the last one delivered.
         next_revision = start_revision
         while not stop.is_set():
             try:
                 c = self._raw()
                 create = etcdrpc.WatchCreateRequest(key=key.encode(), start_revision=next_revision)
                 if prefix:
-                    create.range_end = _prefix_end(key)
+                    create.range_end = prefix_end(key)
 
                 def requests(create: Any = create) -> Iterator[Any]:
                     yield etcdrpc.WatchRequest(create_request=create)
@@ -511,7 +453,7 @@ class EtcdClient:
         c = self._raw()
         create = etcdrpc.WatchCreateRequest(key=key.encode(), start_revision=start_revision)
         if prefix:
-            create.range_end = _prefix_end(key)
+            create.range_end = prefix_end(key)
         done = threading.Event()
 
         def requests() -> Iterator[Any]:
@@ -534,9 +476,9 @@ class EtcdClient:
             stream.cancel()
 
 
-def create_client(config: EtcdConfig) -> EtcdClient:
-    """Create a client; nothing connects until the first request."""
-    return EtcdClient(config)
+def create_client(config: EtcdConfig) -> GrpcEtcdClient:
+    """Create a client of the real cluster; nothing connects until the first request."""
+    return GrpcEtcdClient(config)
 
 
 def check_reachable(config: EtcdConfig, timeout: timedelta | None = None) -> int:

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 
-from elastic.etcd.client import EtcdClient, EtcdError
+from elastic.etcd.api import EtcdClient, EtcdError
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +47,6 @@ class LeaseKeeper:
     def lease_id(self) -> int:
         with self._lock:
             return self._lease_id
-
-    @property
-    def ttl(self) -> timedelta:
-        return self._ttl
 
     def _run(self) -> None:
         interval = max(self._ttl.total_seconds() / 3.0, 0.2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
-from elastic.etcd.client import EtcdClient
+from elastic.etcd.api import EtcdClient
 
 __all__ = ["RevisionWatcher"]
 
@@ -36,11 +36,6 @@ class RevisionWatcher:
             if revision > self._latest:
                 self._latest = revision
                 self._cond.notify_all()
-
-    @property
-    def latest(self) -> int:
-        with self._cond:
-            return self._latest
 
     def wait_beyond(self, revision: int, timeout: timedelta) -> bool:
         with self._cond:

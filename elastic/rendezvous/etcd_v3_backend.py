@@ -44,7 +44,7 @@ from elastic.etcd.watch import RevisionWatcher
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_KEY_PREFIX", "EtcdV3RendezvousBackend", "create_backend"]
+__all__ = ["DEFAULT_KEY_PREFIX", "EtcdV3RendezvousBackend"]
 
 DEFAULT_KEY_PREFIX = "/torchelastic/rdzv"
 _MAGIC = b"ETV3\x01"
@@ -119,10 +119,6 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def state_key(self) -> str:
         """The etcd key holding the framed rendezvous state."""
         return self._state_key
-
-    @property
-    def client(self) -> EtcdClient:
-        return self._client
 
     def state_lease_id(self) -> int:
         """The long lease that state and store keys are attached to (granted on first use)."""
@@ -271,14 +267,3 @@ def _apply_liveness(payload: bytes, alive: set[str]) -> bytes:
         state.deadline = now - timedelta(seconds=1)
         changed = True
     return pickle.dumps(state) if changed else payload
-
-
-def create_backend(
-    client: EtcdClient,
-    run_id: str,
-    key_prefix: str = DEFAULT_KEY_PREFIX,
-    state_ttl: timedelta = timedelta(hours=2),
-    node_ttl: timedelta = timedelta(seconds=2),
-) -> EtcdV3RendezvousBackend:
-    """Create an :class:`EtcdV3RendezvousBackend` (nothing is written until first use)."""
-    return EtcdV3RendezvousBackend(client, run_id, key_prefix, state_ttl, node_ttl)

@@ -21,7 +21,7 @@ from torch.distributed import DistStoreError, Store
 
 from elastic.etcd import EtcdClient, EtcdConnectionError, EtcdError, KeyValue
 
-__all__ = ["EtcdV3Store", "create_store"]
+__all__ = ["EtcdV3Store"]
 
 
 def _to_bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
@@ -182,13 +182,3 @@ class EtcdV3Store(Store):
 
     def has_extended_api(self) -> bool:
         return True
-
-
-def create_store(
-    client: EtcdClient,
-    prefix: str,
-    timeout: timedelta | None = None,
-    lease: Callable[[], int] | None = None,
-) -> EtcdV3Store:
-    """Create an :class:`EtcdV3Store` under ``prefix``."""
-    return EtcdV3Store(client, prefix, timeout, lease)

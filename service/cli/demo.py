@@ -9,22 +9,19 @@ finishes, then prints the world-size history and where the checkpoints are. Ever
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from elastic.testing.etcd_server import LocalEtcdCluster, free_port
-from service.cli.client import ApiClient, ApiError
+from elastic.testing.wait import wait_for
+from service.cli.client import ApiError
 from service.cli.render import event_line, job_text, progress_line
+from service.testing.cluster import LocalServiceCluster
 
 __all__ = ["demo_job_spec", "run_demo", "snapshot_sizes"]
 
@@ -48,94 +45,6 @@ def demo_job_spec(steps: int = 150, step_time: float = 0.1) -> dict[str, Any]:
     }
 
 
-@dataclass
-class _Cluster:
-    workdir: Path
-    etcd: LocalEtcdCluster | None = None
-    controller: subprocess.Popen[bytes] | None = None
-    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    port: int = 0
-
-    @property
-    def logs(self) -> Path:
-        return self.workdir / "logs"
-
-    def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH")) if p)
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        for name in ("ETRAIN_TOKEN", "ETRAIN_TOKENS_FILE", "ETRAIN_PREFIX", "ETRAIN_SERVER"):
-            env.pop(name, None)
-        return env
-
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        self.logs.mkdir(parents=True, exist_ok=True)
-        with open(self.logs / f"{name}.log", "ab") as log:
-            return subprocess.Popen(
-                [sys.executable, "-m", "service.cli", *args],
-                env=self.env(),
-                cwd=str(_REPO),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-    def start(self) -> None:
-        (self.workdir / "etcd").mkdir(parents=True, exist_ok=True)
-        self.etcd = LocalEtcdCluster(1, workdir=self.workdir / "etcd").start()
-        endpoints = self.etcd.endpoints
-        self.port = free_port()
-        self.controller = self._spawn(
-            "controller",
-            [
-                "controller",
-                "--etcd",
-                endpoints,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--checkpoint-root",
-                f"file://{self.workdir / 'checkpoints'}",
-                "--leader-ttl",
-                "3",
-            ],
-        )
-        for node in _NODES:
-            self.agents[node] = self._spawn(
-                node,
-                [
-                    "agent",
-                    "--etcd",
-                    endpoints,
-                    "--node-name",
-                    node,
-                    "--nproc-per-node",
-                    "1",
-                    "--work-dir",
-                    str(self.workdir / "agents" / node),
-                    "--rdzv-host",
-                    "127.0.0.1",
-                    "--lease-ttl",
-                    "3",
-                ],
-            )
-
-    def stop(self) -> None:
-        procs = [p for p in (*self.agents.values(), self.controller) if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        if self.etcd is not None:
-            self.etcd.stop()
-
-
 def snapshot_sizes(ckpt_dir: Path) -> list[tuple[str, int]]:
     """Each entry of a job's checkpoint directory with its size: a snapshot (a directory) counts the bytes
     of every file in it, not its directory entry."""
@@ -148,21 +57,11 @@ def snapshot_sizes(ckpt_dir: Path) -> list[tuple[str, int]]:
     return sizes
 
 
-def _wait(what: str, check: Callable[[], bool], timeout: float, cluster: _Cluster) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        dead = [n for n, p in cluster.agents.items() if p.poll() is not None]
-        if cluster.controller is not None and cluster.controller.poll() is not None:
-            dead.append("controller")
-        if dead:
-            raise RuntimeError(f"{', '.join(dead)} exited early: see {cluster.logs}")
-        try:
-            if check():
-                return
-        except ApiError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"timed out waiting for {what}: see {cluster.logs}")
+def _wait(what: str, check: Callable[[], bool], timeout: float, cluster: LocalServiceCluster) -> None:
+    try:
+        wait_for(lambda: cluster.check_alive() and check(), timeout, 0.5, what=what, retry_on=(ApiError,))
+    except AssertionError:
+        raise RuntimeError(f"timed out waiting for {what}: see {cluster.logs}") from None
 
 
 def _say(text: str) -> None:
@@ -175,15 +74,15 @@ def run_demo(workdir: Path, keep: bool = False, steps: int = 150) -> int:
     for sub in ("etcd", "logs", "agents", "checkpoints"):
         shutil.rmtree(workdir / sub, ignore_errors=True)
     workdir.mkdir(parents=True, exist_ok=True)
-    cluster = _Cluster(workdir)
+    cluster: LocalServiceCluster | None = None
     try:
-        _say(f"starting etcd, the controller and 3 node agents (logs in {cluster.logs})")
-        cluster.start()
-        assert cluster.etcd is not None
-        api = ApiClient(f"http://127.0.0.1:{cluster.port}")
+        _say(f"starting etcd, the controller and 3 node agents (logs in {workdir / 'logs'})")
+        cluster = LocalServiceCluster(workdir, lease_ttl=3.0)
+        api = cluster.start_controller()
+        for node in _NODES:
+            cluster.start_agent(node, nproc_per_node=1)
         print(f"    etcd        {cluster.etcd.endpoints}")
-        print(f"    controller  http://127.0.0.1:{cluster.port}  (API docs: /docs)")
-        _wait("the controller", lambda: api.ready(), 60, cluster)
+        print(f"    controller  {cluster.url}  (API docs: /docs)")
         _wait("3 nodes", lambda: len(api.nodes()) == 3, 60, cluster)
         print(f"    nodes       {', '.join(n['name'] for n in api.nodes())}")
 
@@ -207,10 +106,8 @@ def run_demo(workdir: Path, keep: bool = False, steps: int = 150) -> int:
             ckpt = (job.get("checkpoint") or {}).get("step")
             if victim is None and job["world_size"]["current"] == 3 and ckpt is not None and ckpt >= 20:
                 victim = job["nodes"][-1]
-                proc = cluster.agents[victim]
-                _say(f"killing the agent of {victim} (pid {proc.pid}) with SIGKILL: the node is gone")
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
+                _say(f"killing the agent of {victim} (pid {cluster.agents[victim].pid}) with SIGKILL: the node is gone")
+                cluster.kill_agent(victim)
             if job["state"] in ("succeeded", "failed", "cancelled"):
                 break
             if time.monotonic() - started > 600:
@@ -242,5 +139,6 @@ def run_demo(workdir: Path, keep: bool = False, steps: int = 150) -> int:
         print(f"etrain demo: {exc}", file=sys.stderr)
         return 1
     finally:
-        _say("stopping the cluster")
-        cluster.stop()
+        if cluster is not None:
+            _say("stopping the cluster")
+            cluster.stop()

@@ -27,6 +27,7 @@ from service.core.models import (
     CheckpointInfo,
     Event,
     WorldSizeChange,
+    checkpoint_prefix_owner,
     checkpoint_url_within,
 )
 from service.core.states import JobState, Trigger, next_state
@@ -254,12 +255,7 @@ def _handle_lost_nodes(d: _Decision) -> bool:
 def _checkpoint_conflict(d: _Decision, claimed: Mapping[str, str]) -> str | None:
     """Another started, active job whose checkpoint prefix overlaps this job's (``claimed``: id -> url)."""
     own = d.record.checkpoint_url
-    if own is None:
-        return None
-    for job_id, url in sorted(claimed.items()):
-        if job_id != d.record.id and (checkpoint_url_within(own, url) or checkpoint_url_within(url, own)):
-            return job_id
-    return None
+    return None if own is None else checkpoint_prefix_owner(own, claimed, exclude=d.record.id)
 
 
 def _try_start(d: _Decision, free: dict[str, int], claimed: dict[str, str]) -> None:

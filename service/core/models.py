@@ -7,6 +7,7 @@ ISO 8601 durations (``PT5S``) and written back as seconds.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any, Literal
 from urllib.parse import urlparse
@@ -30,6 +31,7 @@ __all__ = [
     "Restarts",
     "WorkerReport",
     "WorldSizeChange",
+    "checkpoint_prefix_owner",
     "checkpoint_url_within",
 ]
 
@@ -224,6 +226,15 @@ def checkpoint_url_within(url: str, prefix: str) -> bool:
     """True if ``url`` is ``prefix`` or below it (segment-wise, after normalization)."""
     a, b = normalize_checkpoint_url(url), normalize_checkpoint_url(prefix)
     return a == b or a.startswith(b.rstrip("/") + "/")
+
+
+def checkpoint_prefix_owner(url: str, claimed: Mapping[str, str], exclude: str | None = None) -> str | None:
+    """The first job (by id) of ``claimed`` (job id -> checkpoint URL) whose prefix overlaps ``url``: one is
+    within the other. ``exclude``: the asking job's own id. The one overlap rule of submit and reconcile."""
+    for job_id, theirs in sorted(claimed.items()):
+        if job_id != exclude and (checkpoint_url_within(url, theirs) or checkpoint_url_within(theirs, url)):
+            return job_id
+    return None
 
 
 # -- records kept in etcd -----------------------------------------------------------------------------

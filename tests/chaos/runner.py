@@ -57,6 +57,7 @@ import httpx
 
 from elastic.prefork import forked_worker
 from elastic.proctree import descendants, process_stat
+from service.testing.cluster import LocalServiceCluster
 from tests.chaos.checks import (
     ApiHistory,
     check_exactly_once,
@@ -68,7 +69,7 @@ from tests.chaos.checks import (
 from tests.chaos.isolation import run_in_namespaces
 from tests.chaos.model import ChaosConfig, ChaosReport, Fault, FaultKind
 from tests.integration.netns import NetnsTopology, unavailable_reason
-from tests.integration.service_harness import ROOT, ServiceCluster
+from tests.integration.service_harness import ROOT
 
 __all__ = ["ChaosConfig", "ChaosReport", "ChaosRunner", "Fault", "FaultKind", "main", "run_chaos"]
 
@@ -80,7 +81,7 @@ WORKER = ROOT / "elastic" / "testing" / "train_worker.py"
 class _Poller(threading.Thread):
     """Reads the job and its events from the API once a second (whatever controller is up)."""
 
-    def __init__(self, cluster: ServiceCluster, job_id: str, history: ApiHistory) -> None:
+    def __init__(self, cluster: LocalServiceCluster, job_id: str, history: ApiHistory) -> None:
         super().__init__(daemon=True)
         self.cluster, self.job_id, self.history = cluster, job_id, history
         self.stop_event = threading.Event()
@@ -129,7 +130,7 @@ class ChaosRunner:
             self.report.network = f"netns: hub {network.hub} at {network.hub_address}, nodes " + ", ".join(
                 f"{n.name}={n.address}" for n in network.nodes.values()
             )
-        self.cluster = ServiceCluster(workdir, lease_ttl=2.0, etcd_members=3, network=network)
+        self.cluster = LocalServiceCluster(workdir, lease_ttl=2.0, etcd_members=3, network=network)
         self.rec = workdir / "records"
         self.pending: list[tuple[float, str, Callable[[], None]]] = []  # (due, what, action)
         self.down_agents: set[str] = set()

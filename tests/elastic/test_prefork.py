@@ -20,7 +20,7 @@ import pytest
 from elastic.prefork import forked_worker
 from elastic.proctree import process_stat
 from elastic.testing.etcd_server import LocalEtcdCluster
-from elastic.testing.torchrun import wait_until
+from elastic.testing.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,7 +13,8 @@ import torch
 
 from elastic.lr import LRPolicy, LRRule
 from elastic.testing.etcd_server import LocalEtcdCluster
-from elastic.testing.torchrun import TorchrunAgent, torchrun_command, wait_until
+from elastic.testing.torchrun import TorchrunAgent, torchrun_command
+from elastic.testing.wait import wait_until
 
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from elastic.testing.etcd_server import LocalEtcdCluster
-from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command, wait_until
+from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command
+from elastic.testing.wait import wait_until
 
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
 

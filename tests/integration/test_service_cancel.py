@@ -7,27 +7,28 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.service_harness import ServiceCluster, alive, job_spec, wait_for
+from service.testing.cluster import LocalServiceCluster
+from tests.integration.service_harness import alive, job_spec, wait_api
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[ServiceCluster]:
-    c = ServiceCluster(tmp_path)
+def cluster(tmp_path: Path) -> Iterator[LocalServiceCluster]:
+    c = LocalServiceCluster(tmp_path)
     try:
         yield c
     finally:
         c.stop()
 
 
-def test_cancel_stops_all_workers_on_all_nodes(cluster: ServiceCluster) -> None:
+def test_cancel_stops_all_workers_on_all_nodes(cluster: LocalServiceCluster) -> None:
     api = cluster.start_controller()
     for name in ("node-1", "node-2", "node-3"):
         cluster.start_agent(name)
-    wait_for("3 nodes", lambda: len(api.nodes()) == 3, 60)
+    wait_api("3 nodes", lambda: len(api.nodes()) == 3, 60)
     job_id = api.submit(job_spec(100_000, step_time=0.2))["id"]
-    wait_for("training at world size 3", lambda: api.job(job_id)["world_size"]["current"] == 3, 120)
+    wait_api("training at world size 3", lambda: api.job(job_id)["world_size"]["current"] == 3, 120)
 
     procs = cluster.job_processes(job_id)
     torchruns = [r.pid for r in cluster.reports(job_id).values() if r.state == "running"]
@@ -37,8 +38,8 @@ def test_cancel_stops_all_workers_on_all_nodes(cluster: ServiceCluster) -> None:
 
     resp = api.cancel(job_id)
     assert resp["cancel_requested"] is True
-    wait_for("the job to be cancelled", lambda: api.job(job_id)["state"] == "cancelled", 30)
-    wait_for("every torchrun and worker to exit", lambda: not any(alive(p) for p in procs), 30)
+    wait_api("the job to be cancelled", lambda: api.job(job_id)["state"] == "cancelled", 30)
+    wait_api("every torchrun and worker to exit", lambda: not any(alive(p) for p in procs), 30)
 
     reports = cluster.reports(job_id)
     assert reports == {} or all(r.state == "stopped" for r in reports.values())

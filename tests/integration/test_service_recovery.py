@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from elastic.checkpoint import create_checkpoint_manager
-from tests.integration.service_harness import ServiceCluster, job_spec, wait_for
+from service.testing.cluster import LocalServiceCluster
+from tests.integration.service_harness import job_spec, wait_api
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -20,8 +21,8 @@ STEPS = 150
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[ServiceCluster]:
-    c = ServiceCluster(tmp_path)
+def cluster(tmp_path: Path) -> Iterator[LocalServiceCluster]:
+    c = LocalServiceCluster(tmp_path)
     try:
         yield c
     finally:
@@ -29,19 +30,19 @@ def cluster(tmp_path: Path) -> Iterator[ServiceCluster]:
 
 
 def test_job_recovers_from_agent_sigkill_and_controller_restart_then_finishes(
-    cluster: ServiceCluster,
+    cluster: LocalServiceCluster,
 ) -> None:
     api = cluster.start_controller()
     for name in ("node-1", "node-2", "node-3"):
         cluster.start_agent(name)
-    wait_for("3 nodes", lambda: len(api.nodes()) == 3, 60)
+    wait_api("3 nodes", lambda: len(api.nodes()) == 3, 60)
     job_id = api.submit(job_spec(STEPS))["id"]
 
     def at_three_with_checkpoint() -> bool:
         job = api.job(job_id)
         return job["world_size"]["current"] == 3 and (job["checkpoint"]["step"] or 0) >= 10
 
-    wait_for("world size 3 and a checkpoint", at_three_with_checkpoint, 120)
+    wait_api("world size 3 and a checkpoint", at_three_with_checkpoint, 120)
     victim = api.job(job_id)["nodes"][-1]
     cluster.kill_agent(victim)
 
@@ -50,7 +51,7 @@ def test_job_recovers_from_agent_sigkill_and_controller_restart_then_finishes(
         ok = len(job["nodes"]) == 2 and job["world_size"]["current"] == 2 and job["state"] == "running"
         return job if ok else None
 
-    before = wait_for("the job to re-form on 2 nodes", reformed_on_two, 90)
+    before = wait_api("the job to re-form on 2 nodes", reformed_on_two, 90)
     assert victim not in before["nodes"] and before["generation"] == 1  # re-formed in place
     history = before["world_size"]["history"]
     assert [h["world_size"] for h in history][-1] == 2 and victim not in history[-1]["nodes"], history
@@ -68,7 +69,7 @@ def test_job_recovers_from_agent_sigkill_and_controller_restart_then_finishes(
     types = [e["type"] for e in api.events(job_id)]
     assert types[0] == "submitted" and "node_lost" in types
 
-    final = wait_for(
+    final = wait_api(
         "the job to finish", lambda: (j := api.job(job_id))["state"] in ("succeeded", "failed") and j, 150
     )
     assert final["state"] == "succeeded", final["last_error"]

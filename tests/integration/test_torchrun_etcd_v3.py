@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
-from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command, wait_until
+from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command
+from elastic.testing.wait import wait_until
 
 RDZV_CONF = {"last_call_timeout": 1, "join_timeout": 60}
 

@@ -18,7 +18,7 @@ import pytest
 from elastic.etcd import EtcdConfig, create_client
 from elastic.testing.etcd_server import find_etcd_binary, free_port
 from service.cli.client import ApiClient
-from tests.integration.service_harness import wait_for
+from tests.integration.service_harness import wait_api
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -164,12 +164,12 @@ class _Service:
             "2",
         )
         api = ApiClient(f"http://127.0.0.1:{port}")
-        wait_for("the controller", api.ready, 60)
-        wait_for("the node", lambda: len(api.nodes()) == 1, 60)
+        wait_api("the controller", api.ready, 60)
+        wait_api("the node", lambda: len(api.nodes()) == 1, 60)
         script = self.workdir / "worker.py"
         script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
         job = api.submit({"name": "tls", "entrypoint": str(script), "rendezvous": {"last_call_timeout": 1}})
-        done = wait_for(
+        done = wait_api(
             "the job to end", lambda: (j := api.job(job["id"]))["state"] in ("succeeded", "failed") and j, 90
         )
         assert isinstance(done, dict)

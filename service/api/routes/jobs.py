@@ -14,7 +14,14 @@ from service.api.deps import get_metrics, get_settings, get_store
 from service.api.schemas import EventList, JobDetail, JobList, job_detail, job_summary
 from service.controller.metrics import Metrics
 from service.core.config import Settings
-from service.core.models import JobRecord, JobSpec, JobStatus, checkpoint_url_within, normalize_checkpoint_url
+from service.core.models import (
+    JobRecord,
+    JobSpec,
+    JobStatus,
+    checkpoint_prefix_owner,
+    checkpoint_url_within,
+    normalize_checkpoint_url,
+)
 from service.core.states import JobState
 from service.core.store import JobExists, ServiceStore, new_event
 from service.core.view import JobEntry
@@ -71,16 +78,17 @@ def submit_job(
     job_id = f"{spec.name}-{secrets.token_hex(4)}"
     url = _resolve_checkpoint_url(spec, settings.checkpoint_root, job_id)
     if url is not None:
-        for other in store.list_jobs():
-            theirs = other.record.checkpoint_url
-            if other.status.state.terminal or theirs is None:
-                continue
-            if checkpoint_url_within(url, theirs) or checkpoint_url_within(theirs, url):
-                raise HTTPException(
-                    status.HTTP_409_CONFLICT,
-                    detail=f"checkpoint_url {url} overlaps the checkpoint prefix of active job "
-                    f"{other.record.id}",
-                )
+        active = {
+            other.record.id: other.record.checkpoint_url
+            for other in store.list_jobs()
+            if not other.status.state.terminal and other.record.checkpoint_url is not None
+        }
+        owner = checkpoint_prefix_owner(url, active)
+        if owner is not None:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                detail=f"checkpoint_url {url} overlaps the checkpoint prefix of active job {owner}",
+            )
     record = JobRecord(id=job_id, spec=spec, created_at=now, checkpoint_url=url, submitted_by=principal.name)
     job_status = JobStatus(created_at=now, updated_at=now)
     event = new_event("submitted", f"submitted by {principal.name}", now, checkpoint_url=url)

@@ -13,10 +13,10 @@ import pytest
 
 from elastic.proctree import descendants
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
+from elastic.testing.wait import wait_for
 from service.agent.node import AgentError, NodeAgent, create_agent
 from service.core.config import AgentSettings, EtcdOptions
 from service.core.models import Assignment, JobSpec, WorkerReport
-from tests.service.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -56,7 +56,7 @@ def running_agent(etcd_server: LocalEtcdCluster, key_prefix: str, tmp_path: Path
     stop = threading.Event()
     thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
     thread.start()
-    wait_until(lambda: agent.healthy()[0])
+    wait_for(lambda: agent.healthy()[0])
     yield agent
     stop.set()
     thread.join(timeout=30)
@@ -91,7 +91,7 @@ def test_agent_registers_serves_health_and_leaves_on_stop(
     stop = threading.Event()
     thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
     thread.start()
-    wait_until(lambda: agent.healthy()[0])
+    wait_for(lambda: agent.healthy()[0])
     nodes, _ = agent.store.list_nodes()
     assert [(n.name, n.capacity, n.rdzv_host) for n in nodes] == [("n1", 2, "127.0.0.1")]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
@@ -115,7 +115,7 @@ def test_a_second_agent_with_a_live_name_is_refused(
 
 def test_agent_runs_torchrun_and_reports_success(running_agent: NodeAgent, tmp_path: Path) -> None:
     _assign(running_agent, tmp_path, "ok")
-    report = wait_until(lambda: (r := _report(running_agent)) and r.state == "exited" and r, timeout=60)
+    report = wait_for(lambda: (r := _report(running_agent)) and r.state == "exited" and r, timeout=60)
     assert isinstance(report, WorkerReport)
     assert (report.exit_code, report.generation, report.error) == (0, 1, None)
     log = (tmp_path / "work" / "jobs" / "job-1" / "g1" / "n1.log").read_text()
@@ -126,7 +126,7 @@ def test_agent_runs_torchrun_and_reports_success(running_agent: NodeAgent, tmp_p
 
 def test_agent_reports_failure_with_the_log_tail(running_agent: NodeAgent, tmp_path: Path) -> None:
     _assign(running_agent, tmp_path, "fail")
-    report = wait_until(lambda: (r := _report(running_agent)) and r.state == "exited" and r, timeout=60)
+    report = wait_for(lambda: (r := _report(running_agent)) and r.state == "exited" and r, timeout=60)
     assert isinstance(report, WorkerReport)
     assert report.exit_code != 0 and report.failed
     assert "boom: bad input" in (report.error or "")
@@ -134,12 +134,12 @@ def test_agent_reports_failure_with_the_log_tail(running_agent: NodeAgent, tmp_p
 
 def test_unassigning_stops_torchrun_and_all_its_workers(running_agent: NodeAgent, tmp_path: Path) -> None:
     _assign(running_agent, tmp_path, "sleep")
-    pid = wait_until(lambda: running_agent.running_jobs().get("job-1"), timeout=30)
+    pid = wait_for(lambda: running_agent.running_jobs().get("job-1"), timeout=30)
     assert isinstance(pid, int)
-    tree = wait_until(lambda: [p for p, _ in descendants(pid)], timeout=60)  # the worker has started
+    tree = wait_for(lambda: [p for p, _ in descendants(pid)], timeout=60)  # the worker has started
     assert isinstance(tree, list)
     running_agent.client.delete(running_agent.store.keys.assignment("n1", "job-1"))
-    report = wait_until(lambda: (r := _report(running_agent)) and r.state == "stopped" and r, timeout=30)
+    report = wait_for(lambda: (r := _report(running_agent)) and r.state == "stopped" and r, timeout=30)
     assert isinstance(report, WorkerReport) and report.error == "unassigned"
     for p in [pid, *tree]:
         assert not Path(f"/proc/{p}").exists() or "Z" in Path(f"/proc/{p}/stat").read_text().split(")")[1][:3]
@@ -147,10 +147,10 @@ def test_unassigning_stops_torchrun_and_all_its_workers(running_agent: NodeAgent
 
 def test_a_new_generation_replaces_the_running_one(running_agent: NodeAgent, tmp_path: Path) -> None:
     _assign(running_agent, tmp_path, "sleep", generation=1)
-    first = wait_until(lambda: running_agent.running_jobs().get("job-1"), timeout=30)
+    first = wait_for(lambda: running_agent.running_jobs().get("job-1"), timeout=30)
     _assign(running_agent, tmp_path, "sleep", generation=2)
-    second = wait_until(lambda: (p := running_agent.running_jobs().get("job-1")) != first and p, timeout=30)
+    second = wait_for(lambda: (p := running_agent.running_jobs().get("job-1")) != first and p, timeout=30)
     assert second and second != first
     assert not Path(f"/proc/{first}").exists() or "Z" in Path(f"/proc/{first}/stat").read_text()
-    report = wait_until(lambda: (r := _report(running_agent)) and r.generation == 2 and r, timeout=30)
+    report = wait_for(lambda: (r := _report(running_agent)) and r.generation == 2 and r, timeout=30)
     assert isinstance(report, WorkerReport) and report.state == "running"

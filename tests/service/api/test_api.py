@@ -11,10 +11,11 @@ from fastapi.testclient import TestClient
 
 from elastic.etcd import create_client
 from elastic.testing.etcd_server import LocalEtcdCluster
+from elastic.testing.wait import wait_for
 from service.agent.node import create_agent
 from service.api.app import create_app
 from service.core.config import AgentSettings, EtcdOptions, Settings
-from tests.service.conftest import ADMIN, READER, make_settings, wait_until
+from tests.service.conftest import ADMIN, READER, make_settings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,7 +70,7 @@ def test_read_token_can_read(api: TestClient) -> None:
 def test_operational_endpoints_need_no_token(api: TestClient) -> None:
     bare = {"Authorization": ""}
     assert api.get("/healthz", headers=bare).json() == {"status": "ok"}
-    ready = wait_until(lambda: api.get("/readyz", headers=bare).json().get("ready"))
+    ready = wait_for(lambda: api.get("/readyz", headers=bare).json().get("ready"))
     assert ready is True
     body = api.get("/readyz", headers=bare).json()
     assert body["etcd"] == "ok" and body["is_leader"] is True and body["leader"] == body["replica"]
@@ -136,7 +137,7 @@ def test_checkpoint_prefix_of_an_active_job_cannot_be_reused(api: TestClient, se
         resp = api.post("/v1/jobs", json={**SPEC, "checkpoint_url": other})
         assert resp.status_code == 409 and first["id"] in resp.json()["detail"]
     api.post(f"/v1/jobs/{first['id']}/cancel")
-    wait_until(lambda: api.get(f"/v1/jobs/{first['id']}").json()["state"] == "cancelled")
+    wait_for(lambda: api.get(f"/v1/jobs/{first['id']}").json()["state"] == "cancelled")
     assert api.post("/v1/jobs", json={**SPEC, "checkpoint_url": url}).status_code == 201  # free again
 
 
@@ -153,7 +154,7 @@ def test_submit_then_list_and_get_show_the_job(api: TestClient) -> None:
     got = api.get(f"/v1/jobs/{job['id']}").json()
     assert got["spec"] == job["spec"] and got["checkpoint"]["url"] == job["checkpoint"]["url"]
     # no node is registered: the leader keeps it pending and says why
-    msg = wait_until(
+    msg = wait_for(
         lambda: api.get(f"/v1/jobs/{job['id']}").json()["message"].startswith("waiting for nodes")
     )
     assert msg
@@ -184,7 +185,7 @@ def test_cancel_is_applied_by_the_leader_and_recorded_in_events(api: TestClient)
     job = api.post("/v1/jobs", json=SPEC).json()
     resp = api.post(f"/v1/jobs/{job['id']}/cancel")
     assert resp.status_code == 202 and resp.json()["cancel_requested"] is True
-    wait_until(lambda: api.get(f"/v1/jobs/{job['id']}").json()["state"] == "cancelled")
+    wait_for(lambda: api.get(f"/v1/jobs/{job['id']}").json()["state"] == "cancelled")
     again = api.post(f"/v1/jobs/{job['id']}/cancel")
     assert again.status_code == 409 and "already cancelled" in again.json()["detail"]
     events = api.get(f"/v1/jobs/{job['id']}/events").json()["events"]
@@ -214,7 +215,7 @@ def test_nodes_lists_registered_agents_until_they_leave(
         assert [(n["name"], n["capacity"], n["free"], n["jobs"]) for n in nodes] == [("gpu-7", 4, 4, [])]
         job = api.post("/v1/jobs", json={**SPEC, "nproc_per_node": 3}).json()
         # the leader assigns the job to the node (no agent loop runs: nothing is started)
-        wait_until(lambda: api.get("/v1/nodes").json()["nodes"][0]["jobs"] == [job["id"]])
+        wait_for(lambda: api.get("/v1/nodes").json()["nodes"][0]["jobs"] == [job["id"]])
         assert api.get("/v1/nodes").json()["nodes"][0]["free"] == 1
         assert api.get(f"/v1/jobs/{job['id']}").json()["state"] == "running"
     finally:
@@ -230,7 +231,7 @@ def test_metrics_count_requests_and_jobs(api: TestClient) -> None:
     assert 'etrain_http_requests_total{method="GET",route="/v1/jobs/{job_id}",status="404"} 1.0' in text
     assert 'etrain_jobs{state="pending"} 1.0' in text
     assert "etrain_nodes 0.0" in text
-    wait_until(lambda: "etrain_leader 1.0" in api.get("/metrics").text)
+    wait_for(lambda: "etrain_leader 1.0" in api.get("/metrics").text)
 
 
 def test_without_tokens_auth_is_off(etcd_server: LocalEtcdCluster, key_prefix: str) -> None:

@@ -13,8 +13,9 @@ import yaml
 
 from elastic import compat
 from elastic.testing.etcd_server import free_port
+from elastic.testing.wait import wait_for
 from service.cli.main import _parser, main
-from tests.service.conftest import ADMIN, READER, wait_until
+from tests.service.conftest import ADMIN, READER
 
 pytestmark = pytest.mark.timeout(60)
 _ROOT = Path(__file__).resolve().parents[3]
@@ -111,7 +112,7 @@ def test_submit_reads_json_too_and_env_supplies_server_and_token(
     job_file.write_text('{"name": "json-job", "entrypoint": "t.py"}')
     assert main(["submit", str(job_file)]) == 0
     job_id = capsys.readouterr().out.strip()
-    wait_until(lambda: main(["status", job_id]) == 0)
+    wait_for(lambda: main(["status", job_id]) == 0)
     assert "json-job" in capsys.readouterr().out
 
 

@@ -1,0 +1,202 @@
+"""The etcd v3 operations the project needs, as an interface, with the types and errors they use.
+
+:class:`EtcdClient` is what the rest of the project (the rendezvous backend, the store, the service) holds.
+Two implementations keep its contract: :class:`~elastic.etcd.client.GrpcEtcdClient` talks to a real
+cluster through ``python3-etcd3``, :class:`~elastic.etcd.memory.MemoryEtcdClient` models one in memory
+for unit tests. ``tests/elastic/etcd/test_client_contract.py`` runs one suite against both.
+
+Semantics shared by every implementation (they are etcd's own):
+
+* The cluster has one revision counter. Every request that changes something (a put, a delete that
+  deletes, a transaction whose applied branch writes, a lease revoked or expired with keys attached)
+  raises it by exactly one; reads and writes that change nothing leave it. Each read returns the
+  revision it was made at.
+* A key has a *create revision* (when it was last created), a *mod revision* (when it was last written)
+  and a *version* (writes since it was created); a missing key has all three 0.
+* A *prefix* stands for every key that starts with it (``"/a/"`` covers ``"/a/x"`` but not ``"/a"`` or
+  ``"/a0"``). Keys are compared as UTF-8 bytes and returned in that order. Empty keys and prefixes are
+  refused with :class:`EtcdError`.
+* A lease dies when it is revoked or when its TTL passes without a refresh; every key attached to it is
+  deleted then, in one revision. Writing a key without a lease detaches it.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+from elastic.etcd.config import EtcdConfig
+
+__all__ = ["EtcdClient", "EtcdConnectionError", "EtcdError", "KeyValue", "prefix_end"]
+
+
+class EtcdError(Exception):
+    """An etcd request failed for a reason other than connectivity (bad auth, bad request, unknown lease)."""
+
+
+class EtcdConnectionError(EtcdError):
+    """No configured etcd endpoint answered within the deadline."""
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as read from etcd."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int = 0
+    version: int = 0
+
+
+def prefix_end(prefix: str) -> bytes:
+    """The first key after every key that starts with ``prefix`` (etcd's ``range_end`` of a prefix)."""
+    raw = bytearray(prefix.encode())
+    for i in range(len(raw) - 1, -1, -1):
+        if raw[i] < 0xFF:
+            raw[i] += 1
+            return bytes(raw[: i + 1])
+    return b"\0"
+
+
+class EtcdClient(abc.ABC):
+    """A thread-safe client of one etcd v3 cluster.
+
+    Every operation may raise :class:`EtcdConnectionError` (the cluster did not answer within
+    ``config.op_timeout``) or :class:`EtcdError` (the cluster refused the request). ``close()`` releases
+    connections; a closed client connects again on its next request.
+    """
+
+    # -- identity ------------------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def config(self) -> EtcdConfig:
+        """The settings this client was made from (timeouts included)."""
+
+    @property
+    @abc.abstractmethod
+    def endpoints_label(self) -> str:
+        """The endpoints in one line, for error messages."""
+
+    @abc.abstractmethod
+    def ping(self, timeout: timedelta | None = None) -> int:
+        """Return the cluster's current revision; raise :class:`EtcdConnectionError` if no endpoint answers
+        within ``timeout`` (default ``config.op_timeout``)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the connection (idempotent)."""
+
+    # -- reads ---------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def get(self, key: str) -> tuple[KeyValue | None, int]:
+        """Return ``(key's value or None, revision of the read)``."""
+
+    @abc.abstractmethod
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """Return every key under ``prefix`` in key order, and the revision of the read."""
+
+    @abc.abstractmethod
+    def count_prefix(self, prefix: str) -> int:
+        """How many keys are under ``prefix``."""
+
+    @abc.abstractmethod
+    def get_with_prefix(self, key: str, prefix: str) -> tuple[KeyValue | None, list[KeyValue], int]:
+        """Read ``key`` and every key under ``prefix`` at one revision; return both and that revision."""
+
+    @abc.abstractmethod
+    def read_prefixes(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
+        """Read every key under each of ``prefixes`` at one revision: one list per prefix, in order."""
+
+    # -- writes --------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        """Write unconditionally (attached to ``lease`` unless 0); return the new revision.
+
+        Raises :class:`EtcdError` if ``lease`` is not a live lease."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; return whether it existed."""
+
+    @abc.abstractmethod
+    def compare_and_put(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        mod_revision: int,
+        lease: int = 0,
+        read_prefix: str | None = None,
+        guard: tuple[str, int] | None = None,
+    ) -> tuple[bool, KeyValue | None, list[KeyValue], int]:
+        """Put ``value`` only if ``key``'s mod revision equals ``mod_revision`` (0: key must not exist).
+
+        ``guard``, when given as ``(key, create_revision)``, must also hold (a fencing token: the key must
+        still exist with that create revision; ``0`` means it must not exist). In the same transaction,
+        reads ``key`` (after the put, or the current value on failure) and, if ``read_prefix`` is given,
+        every key under it. Returns ``(succeeded, key's value, prefix values, revision)``. Raises
+        :class:`EtcdError` if the put runs and ``lease`` is not a live lease.
+        """
+
+    @abc.abstractmethod
+    def commit(
+        self,
+        puts: Sequence[tuple[str, bytes]] = (),
+        deletes: Sequence[str] = (),
+        *,
+        delete_prefixes: Sequence[str] = (),
+        expect: Sequence[tuple[str, int]] = (),
+        guard: tuple[str, int] | None = None,
+    ) -> tuple[bool, int]:
+        """Apply ``puts``, ``deletes`` and ``delete_prefixes`` in one transaction, all or nothing.
+
+        The transaction applies only if every ``(key, mod_revision)`` in ``expect`` holds (0: the key must
+        not exist) and, when ``guard=(key, create_revision)`` is given, that fencing key still exists with
+        that create revision. Returns ``(applied, revision)``; the revision rises by one only if the
+        transaction changed something. Puts carry no lease.
+        """
+
+    # -- leases --------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def grant_lease(self, ttl: timedelta) -> int:
+        """Grant a lease of ``ttl`` (whole seconds, at least 1; the cluster may raise it to its minimum);
+        return its id (never 0)."""
+
+    @abc.abstractmethod
+    def keep_alive_once(self, lease_id: int) -> int:
+        """Refresh a lease once; return its remaining TTL in seconds (<= 0: the lease is gone)."""
+
+    @abc.abstractmethod
+    def revoke_lease(self, lease_id: int) -> None:
+        """Revoke a lease, deleting its keys; revoking a lease that is gone does nothing."""
+
+    # -- watches -------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def wait_for_event(
+        self, key: str, start_revision: int, timeout: timedelta, *, prefix: bool = False
+    ) -> bool:
+        """Block until ``key`` (or a key under it, if ``prefix``) changes at or after ``start_revision``.
+
+        A change already made at or after ``start_revision`` counts at once; ``start_revision`` 0 means
+        "after now". Returns True on a change, False when ``timeout`` passes first; an unreachable
+        cluster is waited out (a timeout, not an error).
+        """
+
+    @abc.abstractmethod
+    def watch_revisions(
+        self,
+        key: str,
+        start_revision: int,
+        on_revision: Callable[[int], None],
+        stop: threading.Event,
+        *,
+        prefix: bool = False,
+    ) -> None:
+        """Stream changes of ``key`` (or keys under it) from ``start_revision`` until ``stop`` is set,
+        calling ``on_revision(revision)`` with the newest revision of each batch of changes, in increasing
+        order. Nothing is missed across broken connections. Runs in the caller's thread."""

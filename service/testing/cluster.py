@@ -1,0 +1,171 @@
+"""A whole service on one machine: real etcd, the controller and node agents as separate processes.
+
+Processes are started with ``python -m service.cli`` exactly as an operator would, so a caller can
+SIGKILL and restart any of them. ``etrain demo`` and the integration and chaos suites use this one
+harness.
+
+With ``network`` (a :class:`Network`, e.g. the test suite's network-namespace topology) the cluster must
+be built by a process running in the topology's hub namespace: etcd listens on the hub's address, the
+controller on the hub's loopback, and each agent runs in its node's namespace (``ip netns exec``),
+advertising the node's address (``--rdzv-host``, torchrun's ``--local-addr``) and binding its workers'
+collectives to the node's interface (``--socket-ifname``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from elastic.etcd import create_client
+from elastic.proctree import descendants, process_stat
+from elastic.testing.etcd_server import LocalEtcdCluster, free_port
+from elastic.testing.wait import wait_for
+from service.cli.client import ApiClient, ApiError
+from service.core.models import WorkerReport
+from service.core.store import Keys
+
+__all__ = ["REPO", "LocalServiceCluster", "Network", "NetworkNode"]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class NetworkNode(Protocol):
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def ifname(self) -> str: ...
+
+
+class Network(Protocol):
+    """Where the cluster's processes live when they do not all share loopback."""
+
+    @property
+    def hub_address(self) -> str: ...
+
+    @property
+    def nodes(self) -> Mapping[str, NetworkNode]: ...
+
+    def node_prefix(self, name: str) -> list[str]: ...
+
+
+class LocalServiceCluster:
+    """etcd, one controller and any number of agents under ``workdir`` (logs in ``workdir/logs``)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        prefix: str = "/etrain",
+        lease_ttl: float = 2.0,
+        etcd_members: int = 1,
+        network: Network | None = None,
+    ) -> None:
+        self.workdir = workdir
+        self.prefix = prefix
+        self.lease_ttl = lease_ttl
+        self.network = network
+        (workdir / "etcd").mkdir(parents=True, exist_ok=True)
+        host = network.hub_address if network is not None else "127.0.0.1"
+        self.etcd = LocalEtcdCluster(etcd_members, host=host, workdir=workdir / "etcd").start()
+        self.controller: subprocess.Popen[bytes] | None = None
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.url = ""
+        self.keys = Keys(prefix)
+        self.checkpoint_root = workdir / "checkpoints"
+
+    @property
+    def logs(self) -> Path:
+        return self.workdir / "logs"
+
+    def _spawn(self, name: str, args: Sequence[str], prefix: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        # the caller's own service settings (ETRAIN_*: server, token, prefix ...) must not leak in
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETRAIN_")}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        cmd = [*prefix, sys.executable, "-m", "service.cli", *args, "--etcd", self.etcd.endpoints,
+               "--prefix", self.prefix]  # fmt: skip  # `ip netns exec NS` execs: the pid stays the process's
+        with open(self.logs / f"{name}.log", "ab") as log:
+            return subprocess.Popen(cmd, env=env, cwd=str(self.workdir), stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT)  # fmt: skip
+
+    def start_controller(self, ready_timeout: float = 60) -> ApiClient:
+        port = free_port()
+        self.controller = self._spawn(
+            "controller",
+            ["controller", "--host", "127.0.0.1", "--port", str(port), "--leader-ttl", str(self.lease_ttl),
+             "--checkpoint-root", f"file://{self.checkpoint_root}"],
+        )  # fmt: skip
+        self.url = f"http://127.0.0.1:{port}"
+        api = ApiClient(self.url)
+        wait_for(lambda: self.check_alive() and api.ready(), ready_timeout, 0.5, what="the controller to be ready",
+                 retry_on=(ApiError,))  # fmt: skip
+        return api
+
+    def check_alive(self) -> bool:
+        """True while the controller (once started) and every agent not killed on purpose run; else
+        ``RuntimeError`` naming the processes that exited and where their logs are."""
+        dead = [name for name, p in self.agents.items() if p.poll() is not None and p.returncode != -signal.SIGKILL]
+        if self.controller is not None and self.controller.poll() is not None:
+            if self.controller.returncode != -signal.SIGKILL:
+                dead.append("controller")
+        if dead:
+            raise RuntimeError(f"{', '.join(dead)} exited early: see {self.logs}")
+        return True
+
+    def kill_controller(self) -> None:
+        assert self.controller is not None
+        self.controller.send_signal(signal.SIGKILL)
+        self.controller.wait()
+
+    def start_agent(self, name: str, nproc_per_node: int | None = None) -> None:
+        args = ["agent", "--node-name", name, "--work-dir", str(self.workdir / "agents" / name),
+                "--lease-ttl", str(self.lease_ttl)]  # fmt: skip
+        if nproc_per_node is not None:
+            args += ["--nproc-per-node", str(nproc_per_node)]
+        if self.network is None:
+            self.agents[name] = self._spawn(name, [*args, "--rdzv-host", "127.0.0.1"])
+            return
+        node = self.network.nodes[name]
+        args += ["--rdzv-host", node.address, "--socket-ifname", node.ifname]
+        self.agents[name] = self._spawn(name, args, prefix=self.network.node_prefix(name))
+
+    def kill_agent(self, name: str) -> None:
+        proc = self.agents[name]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def reports(self, job_id: str) -> dict[str, WorkerReport]:
+        client = create_client(self.etcd.config())
+        try:
+            kvs, _ = client.get_prefix(self.keys.reports_of(job_id))
+        finally:
+            client.close()
+        return {r.node: r for kv in kvs if (r := WorkerReport.model_validate_json(kv.value))}
+
+    def job_processes(self, job_id: str) -> list[tuple[int, int]]:
+        """``(pid, start time)`` of every torchrun of the job and their workers, from the agents' reports."""
+        procs: list[tuple[int, int]] = []
+        for r in self.reports(job_id).values():
+            if r.state == "running" and r.pid and (st := process_stat(r.pid)) is not None:
+                procs.append((r.pid, st[1]))
+                procs += descendants(r.pid)
+        return procs
+
+    def stop(self) -> None:
+        procs = [p for p in (*self.agents.values(), self.controller) if p is not None]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.etcd.stop()
