@@ -27,21 +27,25 @@ suites on the oldest and newest torch of the range):
 - :func:`destroy_process_group`: not private API, a torch 2.6 deadlock worked around (see there).
 - ``dcp.save``/``async_save``/``load(no_dist=...)``: public, but only since torch 2.7; torch 2.6 infers
   it from whether a process group exists (:func:`dcp_no_dist`).
+- ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``: not private, a knob set for a torch 2.13 hang
+  (:func:`disable_shared_rdzv_store`).
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from datetime import timedelta
 from typing import Any
 
 __all__ = [
+    "DISABLE_SHARED_RDZV_STORE",
     "TORCH_BELOW",
     "TORCH_MIN",
     "TORCH_REQUIREMENT",
@@ -51,6 +55,7 @@ __all__ = [
     "check_torch_version",
     "dcp_no_dist",
     "destroy_process_group",
+    "disable_shared_rdzv_store",
     "fsspec_checkpoint_io",
     "fsspec_dcp_io",
     "handler_backend",
@@ -324,3 +329,25 @@ def destroy_process_group(group: Any = None) -> None:
 
     time.sleep(GLOO_DRAIN)
     dist.destroy_process_group(group)
+
+
+#: torch's switch that keeps the torchrun agent's rendezvous TCPStore from being shared with the workers.
+DISABLE_SHARED_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def disable_shared_rdzv_store(env: MutableMapping[str, str] | None = None, *, override: bool = False) -> None:
+    """Set :data:`DISABLE_SHARED_RDZV_STORE` to ``1`` in ``env`` (default: this process's environment);
+    ``override``: replace a value already there (a ``0``), else keep it.
+
+    torch 2.13 hangs on worker restart when the agent shares its TCPStore with the workers (pytorch#135712);
+    with the switch, the workers' rank 0 hosts each round's TCPStore instead. torch reads it only in the
+    torchrun agent process, in ``DynamicRendezvousHandler`` (``use_agent_store``, which the agent passes to
+    its workers as ``TORCHELASTIC_USE_AGENT_STORE``, and ``next_rendezvous``), both after torchrun has built
+    the handler: so the etcd-v3 plugin, which sets it when torchrun builds its handler, covers every torchrun
+    on that backend, and only a torchrun on another backend (the c10d baselines) needs it set beforehand.
+    """
+    target = os.environ if env is None else env
+    if override:
+        target[DISABLE_SHARED_RDZV_STORE] = "1"
+    else:
+        target.setdefault(DISABLE_SHARED_RDZV_STORE, "1")

@@ -63,8 +63,9 @@ from elastic.checkpoint.api import CheckpointManager
 from elastic.checkpoint.layout import step_dir
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.tiers import create_snapshot_tiers
+from elastic.env import WorkerEnv
 from elastic.lr import LRPolicy, RampState, scaled_lr
-from elastic.progress import ENV_NODE_NAME, create_reporter
+from elastic.progress import create_reporter
 from elastic.sampler import ElasticSampler, split_sizes
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ __all__ = ["ElasticConfig", "ElasticTrainer", "StepInfo"]
 
 @dataclass(frozen=True)
 class ElasticConfig:
-    """Settings of one job's elastic loop (``checkpoint_url`` defaults to ``$ETRAIN_CHECKPOINT_URL``)."""
+    """Settings of one job's elastic loop (``checkpoint_url`` defaults to ``$ETRAIN_CHECKPOINT_URL``, see
+    :mod:`elastic.env`)."""
 
     lr_policy: LRPolicy
     checkpoint_url: str | None = None
@@ -101,17 +103,12 @@ class ElasticConfig:
             raise ValueError(f"local_every_steps must be >= 1 or None, got {self.local_every_steps}")
 
     def resolved_checkpoint_url(self) -> str | None:
-        return self.checkpoint_url or os.environ.get("ETRAIN_CHECKPOINT_URL") or None
+        return self.checkpoint_url or WorkerEnv.from_environ().checkpoint_url
 
     def resolved_local_every_steps(self) -> int | None:
         if self.local_every_steps is not None:
             return self.local_every_steps
-        raw = os.environ.get("ETRAIN_LOCAL_SNAPSHOT_EVERY", "").strip()
-        if raw in ("", "0"):
-            return None
-        if not raw.isdigit():
-            raise ValueError(f"ETRAIN_LOCAL_SNAPSHOT_EVERY must be a number of steps (0: off), got {raw!r}")
-        return int(raw)
+        return WorkerEnv.from_environ().local_snapshot_every or None
 
 
 @dataclass(frozen=True)
@@ -352,9 +349,10 @@ class ElasticTrainer:
         """The service's names of this round's nodes (one all-gather per start), or None outside the service.
 
         The job service sets ``ETRAIN_NODE_NAME`` for every worker of a job, so every rank takes part."""
-        name = os.environ.get(ENV_NODE_NAME)
-        if not name:
+        job = WorkerEnv.from_environ().job
+        if job is None:
             return None
+        name = job.node_name
         names: list[Any] = [None] * self.world_size
         dist.all_gather_object(names, name)
         return sorted({str(n) for n in names})

@@ -21,9 +21,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch.optim import Optimizer
+if TYPE_CHECKING:  # the rules are pure: the job service validates job specs with them, without torch
+    from torch.optim import Optimizer
 
 __all__ = ["LRPolicy", "LRRule", "RampState", "StepPlan"]
 
@@ -55,7 +56,10 @@ class RampState:
 
 @dataclass(frozen=True)
 class LRPolicy:
-    """The job's LR policy and its reference values (stored in every checkpoint)."""
+    """The job's LR policy and its reference values (stored in every checkpoint).
+
+    The one shape of a policy: the job service builds it from a job spec's ``lr_policy`` and hands it to the
+    workers as the JSON of :meth:`reference` in ``ETRAIN_LR_POLICY`` (see :mod:`elastic.env`)."""
 
     rule: LRRule
     base_lr: float

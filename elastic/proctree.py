@@ -1,22 +1,34 @@
 """Process trees from ``/proc`` (Linux): torchrun starts workers in sessions of their own, so a process-group
-signal misses them; whoever stops or kills a torchrun tree walks it here."""
+signal misses them; whoever stops or kills a torchrun tree walks it here. The project's one reader of
+``/proc/<pid>/stat``."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-__all__ = ["descendants", "process_stat"]
+__all__ = ["alive", "descendants", "process_stat"]
 
 
-def process_stat(pid: int) -> tuple[int, int] | None:
-    """``(parent pid, start time in clock ticks)`` of a process, or None if it is gone."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None if it is gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = raw[raw.rfind(")") + 2 :].split()
-    return int(fields[1]), int(fields[19])
+    return raw[raw.rfind(")") + 2 :].split()  # the name may hold spaces and parentheses
+
+
+def process_stat(pid: int) -> tuple[int, int] | None:
+    """``(parent pid, start time in clock ticks)`` of a process, or None if it is gone."""
+    fields = _stat(pid)
+    return (int(fields[1]), int(fields[19])) if fields is not None else None
+
+
+def alive(pid: int, started: int) -> bool:
+    """The process recorded as ``(pid, started)`` still runs: same start time (no reused pid), not a zombie."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z" and int(fields[19]) == started
 
 
 def descendants(root: int) -> list[tuple[int, int]]:

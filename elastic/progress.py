@@ -1,7 +1,7 @@
 """Training progress reported by a job's workers to one etcd key that the job service reads.
 
-The service's node agent sets ``ETRAIN_PROGRESS_KEY`` (and the ``ETRAIN_ETCD_*`` connection variables)
-in each worker's environment; :func:`create_reporter` builds a reporter from them. Outside the service
+The service's node agent sets the progress key and the etcd connection in each worker's environment
+(:class:`elastic.env.WorkerEnv`); :func:`create_reporter` builds a reporter from them. Outside the service
 (plain torchrun, tests) the variables are absent and the reporter does nothing, so training code can
 always call it.
 
@@ -17,40 +17,22 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-from elastic.etcd import EtcdClient, EtcdConfig, EtcdError, create_client
+from elastic.env import WorkerEnv
+from elastic.etcd import EtcdClient, EtcdError, create_client
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ENV_ETCD_CA_CERT",
-    "ENV_ETCD_CERT",
-    "ENV_ETCD_ENDPOINTS",
-    "ENV_ETCD_KEY",
-    "ENV_ETCD_PASSWORD_FILE",
-    "ENV_ETCD_USER",
-    "ENV_NODE_NAME",
-    "ENV_PROGRESS_KEY",
     "EtcdProgressReporter",
     "NullProgressReporter",
     "Progress",
     "ProgressReporter",
     "create_reporter",
-    "etcd_config_from_env",
 ]
-
-ENV_PROGRESS_KEY = "ETRAIN_PROGRESS_KEY"
-ENV_NODE_NAME = "ETRAIN_NODE_NAME"  # the service's name of the worker's node
-ENV_ETCD_ENDPOINTS = "ETRAIN_ETCD_ENDPOINTS"
-ENV_ETCD_CA_CERT = "ETRAIN_ETCD_CA_CERT"
-ENV_ETCD_CERT = "ETRAIN_ETCD_CERT"
-ENV_ETCD_KEY = "ETRAIN_ETCD_KEY"
-ENV_ETCD_USER = "ETRAIN_ETCD_USER"
-ENV_ETCD_PASSWORD_FILE = "ETRAIN_ETCD_PASSWORD_FILE"
 
 
 @dataclass(frozen=True)
@@ -180,43 +162,20 @@ class EtcdProgressReporter(ProgressReporter):
         self._client.close()
 
 
-def etcd_config_from_env(env: Mapping[str, str]) -> EtcdConfig | None:
-    """The etcd settings the agent passes to workers, or None when none are set."""
-    endpoints = env.get(ENV_ETCD_ENDPOINTS)
-    if not endpoints:
-        return None
-    password = None
-    password_file = env.get(ENV_ETCD_PASSWORD_FILE)
-    if password_file:
-        password = Path(password_file).read_text().strip()
-    return EtcdConfig.from_options(
-        endpoints,
-        {
-            "ca_cert": env.get(ENV_ETCD_CA_CERT),
-            "cert": env.get(ENV_ETCD_CERT),
-            "cert_key": env.get(ENV_ETCD_KEY),
-            "user": env.get(ENV_ETCD_USER),
-            "password": password,
-            "op_timeout": "5",
-            "request_timeout": "2",
-        },
-    )
-
-
 def create_reporter(
     env: Mapping[str, str] | None = None, min_interval: timedelta = timedelta(seconds=1)
 ) -> ProgressReporter:
     """A reporter for this worker: writes only on rank 0 and only when the service configured a key."""
     env = os.environ if env is None else env
-    key = env.get(ENV_PROGRESS_KEY)
-    config = etcd_config_from_env(env) if key else None
-    if not key or config is None or int(env.get("RANK", "0")) != 0:
+    worker = WorkerEnv.from_environ(env)
+    if worker.job is None or worker.etcd is None or int(env.get("RANK", "0")) != 0:
         return NullProgressReporter()
-    generation = env.get("ETRAIN_GENERATION")
+    # short timeouts: a report waits for etcd at most this long, never blocking training for longer
+    etcd = replace(worker.etcd, op_timeout=timedelta(seconds=5), request_timeout=timedelta(seconds=2))
     return EtcdProgressReporter(
-        create_client(config),
-        key,
+        create_client(etcd.config()),
+        worker.job.progress_key,
         min_interval=min_interval,
-        generation=int(generation) if generation else None,
+        generation=worker.job.generation,
         restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
     )

@@ -45,6 +45,7 @@ from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.api import CheckpointError, CheckpointManager
 from elastic.checkpoint.manager import FsspecCheckpointManager
 from elastic.checkpoint.state import TrainingState
+from elastic.env import LOCAL_SNAPSHOT_DIR, WorkerEnv
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ _MAX_SLOTS = 64
 
 def default_local_root() -> Path:
     """``$ETRAIN_LOCAL_SNAPSHOT_DIR``, else ``/dev/shm/etrain-<uid>`` (memory), else the temp directory."""
-    configured = os.environ.get("ETRAIN_LOCAL_SNAPSHOT_DIR")
+    configured = os.environ.get(LOCAL_SNAPSHOT_DIR)
     if configured:
         return Path(configured)
     shm = Path("/dev/shm")
@@ -258,6 +259,7 @@ def create_snapshot_tiers(
     """Tiers for a worker started by torchrun; the local tier is on when ``local_every_steps`` is set."""
     local_dir = None
     if local_every_steps is not None:
-        job_id = os.environ.get("ETRAIN_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+        job = WorkerEnv.from_environ().job
+        job_id = job.job_id if job is not None else os.environ.get("TORCHELASTIC_RUN_ID")
         local_dir = local_tier_dir(default_local_root(), durable.url if durable is not None else None, job_id)
     return SnapshotTiers(durable, local_dir, local_every_steps, device, max_overhead)

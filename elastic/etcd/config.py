@@ -1,14 +1,23 @@
-"""Connection settings for an etcd v3 cluster, parsed from endpoint strings and key/value options."""
+"""Connection settings for an etcd v3 cluster: the one way from what a user names to an :class:`EtcdConfig`.
+
+:class:`EtcdOptions` is the connection as named by flags, ``--rdzv-conf`` or the workers' ``ETRAIN_ETCD_*``
+variables (an endpoint list, files, a user); its :meth:`EtcdOptions.config` is the one builder of the
+:class:`EtcdConfig` a client uses, and :func:`read_password_file` the one reader of a password file.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
-__all__ = ["EtcdConfig", "parse_endpoints"]
+__all__ = ["EtcdConfig", "EtcdOptions", "parse_endpoints", "read_password_file"]
 
 _DEFAULT_PORT = 2379
+_REQUEST_TIMEOUT = timedelta(seconds=5)
+_OP_TIMEOUT = timedelta(seconds=30)
+_CONNECT_TIMEOUT = timedelta(seconds=5)
 
 
 def parse_endpoints(spec: str) -> tuple[tuple[str, int], ...]:
@@ -57,9 +66,9 @@ class EtcdConfig:
     cert_key: str | None = None
     user: str | None = None
     password: str | None = None
-    request_timeout: timedelta = timedelta(seconds=5)
-    op_timeout: timedelta = timedelta(seconds=30)
-    connect_timeout: timedelta = timedelta(seconds=5)
+    request_timeout: timedelta = _REQUEST_TIMEOUT
+    op_timeout: timedelta = _OP_TIMEOUT
+    connect_timeout: timedelta = _CONNECT_TIMEOUT
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.cert_key is None):
@@ -72,26 +81,77 @@ class EtcdConfig:
     @classmethod
     def from_options(cls, endpoints: str, options: Mapping[str, str | None] | None = None) -> EtcdConfig:
         """Build from an endpoint list and string options (``ca_cert``, ``cert``, ``cert_key``, ``user``,
-        ``password``, ``request_timeout``, ``op_timeout``, ``connect_timeout`` in seconds)."""
+        ``password``, ``password_file``, ``request_timeout``, ``op_timeout``, ``connect_timeout`` in seconds;
+        a few aliases), through :meth:`EtcdOptions.config`."""
         opts = {k: v for k, v in (options or {}).items() if v not in (None, "")}
 
-        def seconds(name: str, default: float) -> timedelta:
+        def seconds(name: str, default: timedelta) -> timedelta:
             raw = opts.get(name)
             if raw is None:
-                return timedelta(seconds=default)
-            value = float(raw)
-            if value <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {raw!r}")
-            return timedelta(seconds=value)
+                return default
+            try:
+                return timedelta(seconds=float(raw))
+            except ValueError as exc:
+                raise ValueError(f"{name} must be a positive number of seconds, got {raw!r}") from exc
 
-        return cls(
-            endpoints=parse_endpoints(endpoints),
+        return EtcdOptions(
+            endpoints=endpoints,
             ca_cert=opts.get("ca_cert") or opts.get("cacert"),
             cert=opts.get("cert") or opts.get("ssl_cert"),
             cert_key=opts.get("cert_key") or opts.get("ssl_cert_key") or opts.get("key"),
             user=opts.get("user") or opts.get("username"),
             password=opts.get("password"),
-            request_timeout=seconds("request_timeout", 5),
-            op_timeout=seconds("op_timeout", 30),
-            connect_timeout=seconds("connect_timeout", 5),
+            password_file=opts.get("password_file"),
+            request_timeout=seconds("request_timeout", _REQUEST_TIMEOUT),
+            op_timeout=seconds("op_timeout", _OP_TIMEOUT),
+            connect_timeout=seconds("connect_timeout", _CONNECT_TIMEOUT),
+        ).config()
+
+
+def read_password_file(path: str | Path) -> str:
+    """The etcd password kept in ``path``, without surrounding white space (the final newline)."""
+    try:
+        return Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the etcd password file {path}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class EtcdOptions:
+    """An etcd connection as named by its user: endpoints ``"h1:2379,h2:2379"``, the TLS files, a user
+    with a password (given, or kept in ``password_file``), timeouts. Building it reads nothing; the
+    controller, the agents and the workers keep it to hand the same connection on (files, not secrets).
+    """
+
+    endpoints: str
+    ca_cert: str | None = None
+    cert: str | None = None
+    cert_key: str | None = None
+    user: str | None = None
+    password_file: str | None = None
+    password: str | None = None  # given directly (``--rdzv-conf password=``); wins over password_file
+    request_timeout: timedelta = _REQUEST_TIMEOUT
+    op_timeout: timedelta = _OP_TIMEOUT
+    connect_timeout: timedelta = _CONNECT_TIMEOUT
+
+    def config(self) -> EtcdConfig:
+        """The connection: endpoints parsed, the password file read, every setting checked (a ValueError
+        with one line naming what is wrong)."""
+        for name in ("request_timeout", "op_timeout", "connect_timeout"):
+            value: timedelta = getattr(self, name)
+            if value <= timedelta(0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value.total_seconds():g}")
+        password = self.password
+        if password is None and self.password_file:
+            password = read_password_file(self.password_file)
+        return EtcdConfig(
+            endpoints=parse_endpoints(self.endpoints),
+            ca_cert=self.ca_cert or None,
+            cert=self.cert or None,
+            cert_key=self.cert_key or None,
+            user=self.user or None,
+            password=password,
+            request_timeout=self.request_timeout,
+            op_timeout=self.op_timeout,
+            connect_timeout=self.connect_timeout,
         )

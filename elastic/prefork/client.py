@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from elastic.env import PREFORK_CLIENT
 from elastic.prefork.common import FORWARDED, Target, prefork_enabled, recv_message, send_message, socket_path
 from elastic.proctree import process_stat
 
@@ -129,7 +130,7 @@ def _exit_like(status: dict[str, int]) -> int:
 def _run_client(sock: socket.socket, target: Target) -> int:
     request = {
         "target": [target.kind, target.name, list(target.args)],
-        "env": dict(os.environ, ETRAIN_PREFORK_CLIENT=str(os.getpid())),
+        "env": {**os.environ, PREFORK_CLIENT: str(os.getpid())},
         "cwd": os.getcwd(),
         "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
     }

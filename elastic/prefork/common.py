@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elastic.env import PREFORK, PREFORK_DIR
 from elastic.proctree import descendants, process_stat
 
 DEFAULT_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "elastic.loop")
@@ -52,7 +53,7 @@ class Target:
 
 # -- where the zygote of an agent lives ----------------------------------------------------------------
 def _base_dir() -> Path:
-    base = Path(os.environ.get("ETRAIN_PREFORK_DIR") or f"/tmp/etrain-prefork-{os.getuid()}")
+    base = Path(os.environ.get(PREFORK_DIR) or f"/tmp/etrain-prefork-{os.getuid()}")
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     return base
 
@@ -101,7 +102,7 @@ def worker_tree(root: int) -> list[tuple[int, int]]:
 
 def prefork_enabled() -> bool:
     """False when ``ETRAIN_PREFORK=0``: scripts run in the client process, no zygote is started."""
-    return os.environ.get("ETRAIN_PREFORK", "1") != "0"
+    return os.environ.get(PREFORK, "1") != "0"
 
 
 # -- messages: a 4-byte length, then JSON ----------------------------------------------------------------

@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from elastic.env import PREFORK_PRELOAD
 from elastic.prefork.common import DEFAULT_PRELOAD, Target, marker_path, recv_message, send_message
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ _PR_SET_PDEATHSIG = 1
 
 # -- the zygote: one per torchrun agent --------------------------------------------------------------------
 def _preload() -> None:
-    names = os.environ.get("ETRAIN_PREFORK_PRELOAD")
+    names = os.environ.get(PREFORK_PRELOAD)
     for name in names.split(",") if names is not None else DEFAULT_PRELOAD:
         if name.strip():
             try:

@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic import compat
 from elastic.etcd import EtcdConfig, EtcdConnectionError, create_client
+from elastic.etcd.config import EtcdOptions, read_password_file
 from elastic.prefork import prestart
 from elastic.rendezvous.etcd_v3_backend import DEFAULT_KEY_PREFIX, EtcdV3RendezvousBackend
 from elastic.rendezvous.etcd_v3_store import EtcdV3Store
@@ -177,20 +178,24 @@ def _seconds(params: RendezvousParameters, key: str) -> timedelta:
 
 def etcd_config_from_params(params: RendezvousParameters) -> EtcdConfig:
     """The etcd connection settings of a torchrun invocation."""
-    options = {k: _opt(params, k) for k in ("ca_cert", "cert", "cert_key", "user", "password")}
-    password_file = _opt(params, "password_file")
-    if password_file:
-        try:
-            with open(password_file, encoding="utf-8") as f:
-                options["password"] = f.read().strip()
-        except OSError as exc:
-            raise ValueError(f"--rdzv-conf password_file={password_file!r} cannot be read: {exc}") from exc
-    options.update(
-        {k: str(_seconds(params, k).total_seconds()) for k in ("connect_timeout", "request_timeout", "op_timeout")}
-    )
     if not params.endpoint:
         raise ValueError("--rdzv-endpoint is required for the etcd-v3 backend (host:port[,host:port...])")
-    return EtcdConfig.from_options(params.endpoint, options)
+    password_file = _opt(params, "password_file")
+    try:
+        password = read_password_file(password_file) if password_file else _opt(params, "password") or None
+    except ValueError as exc:
+        raise ValueError(f"--rdzv-conf password_file: {exc}") from exc
+    return EtcdOptions(
+        endpoints=params.endpoint,
+        ca_cert=_opt(params, "ca_cert") or None,
+        cert=_opt(params, "cert") or None,
+        cert_key=_opt(params, "cert_key") or None,
+        user=_opt(params, "user") or None,
+        password=password,
+        request_timeout=_seconds(params, "request_timeout"),
+        op_timeout=_seconds(params, "op_timeout"),
+        connect_timeout=_seconds(params, "connect_timeout"),
+    ).config()
 
 
 def _running_under_torchrun_cli() -> bool:
@@ -205,9 +210,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     Fails fast, with one line naming the endpoints, when etcd cannot be reached within
     ``connect_timeout``.
     """
-    # torch 2.13 hangs on worker restart when the agent shares its TCPStore with the workers
-    # (pytorch#135712); the workers' rank 0 hosts the per-round TCPStore instead.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    compat.disable_shared_rdzv_store()  # before torch's agent reads it (see there)
 
     try:
         compat.check_torch()

@@ -19,9 +19,11 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
+from elastic.compat import disable_shared_rdzv_store
+from elastic.env import JobEnv, WorkerEnv
+from elastic.etcd.config import EtcdOptions
 from elastic.prefork import worker_tree
-from elastic.proctree import descendants, process_stat
-from service.core.config import EtcdOptions
+from elastic.proctree import alive, descendants, process_stat
 from service.core.models import Assignment
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ def rdzv_conf(assignment: Assignment, etcd: EtcdOptions, rdzv_prefix: str, passw
     for key, value in (
         ("ca_cert", etcd.ca_cert),
         ("cert", etcd.cert),
-        ("cert_key", etcd.key),
+        ("cert_key", etcd.cert_key),
     ):
         if value:
             conf[key] = str(Path(value).resolve())
@@ -106,7 +108,7 @@ def worker_env(
     socket_ifname: str | None = None,
 ) -> dict[str, str]:
     """torchrun's environment (inherited by the workers): base, extra, the node's collective interface,
-    the spec's env, then the service's.
+    the spec's env, then the service's (:class:`elastic.env.WorkerEnv`, replacing any inherited value).
 
     ``socket_ifname`` (the agent's ``--socket-ifname``) is the network interface the workers' collectives
     bind: it becomes ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``, which a job's own env still overrides.
@@ -114,26 +116,24 @@ def worker_env(
     spec = assignment.spec
     nic = {"GLOO_SOCKET_IFNAME": socket_ifname, "NCCL_SOCKET_IFNAME": socket_ifname} if socket_ifname else {}
     env = {**base, **(extra or {}), **nic, **spec.env}
-    env.update(etcd.worker_env())
-    env.update(
-        {
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            "ETRAIN_JOB_ID": assignment.job_id,
-            "ETRAIN_JOB_NAME": spec.name,
-            "ETRAIN_GENERATION": str(assignment.generation),
-            "ETRAIN_NODE_NAME": node_name,
-            "ETRAIN_PROGRESS_KEY": progress_key,
-            "ETRAIN_LR_POLICY": spec.lr_policy.model_dump_json(),
-            "ETRAIN_MIN_NODES": str(spec.min_nodes),
-            "ETRAIN_MAX_NODES": str(spec.max_nodes),
-            "PYTHONUNBUFFERED": "1",
-        }
+    job = JobEnv(
+        job_id=assignment.job_id,
+        job_name=spec.name,
+        generation=assignment.generation,
+        node_name=node_name,
+        progress_key=progress_key,
+        lr_policy=spec.lr_policy.to_policy(),
+        min_nodes=spec.min_nodes,
+        max_nodes=spec.max_nodes,
     )
-    if assignment.checkpoint_url:
-        env["ETRAIN_CHECKPOINT_URL"] = assignment.checkpoint_url
-    else:
-        env.pop("ETRAIN_CHECKPOINT_URL", None)
-    env["ETRAIN_LOCAL_SNAPSHOT_EVERY"] = str(spec.local_snapshot_every)  # read by elastic.loop; 0: off
+    WorkerEnv(
+        job=job,
+        checkpoint_url=assignment.checkpoint_url,
+        local_snapshot_every=spec.local_snapshot_every,  # read by elastic.loop; 0: off
+        etcd=etcd,
+    ).apply(env)
+    disable_shared_rdzv_store(env, override=True)
+    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
@@ -213,11 +213,11 @@ class TorchrunProcess:
                 self._popen.wait(timeout=10)
         # workers live in sessions of their own: make sure none outlives torchrun
         deadline = time.monotonic() + min(grace.total_seconds(), 5.0)
-        while any(_same(p) for p in tree[1:]) and time.monotonic() < deadline:
+        while any(alive(*p) for p in tree[1:]) and time.monotonic() < deadline:
             time.sleep(0.1)
         _kill_same(tree[1:], signal.SIGKILL)
         deadline = time.monotonic() + 5.0
-        while any(_same(p) for p in tree[1:]) and time.monotonic() < deadline:
+        while any(alive(*p) for p in tree[1:]) and time.monotonic() < deadline:
             time.sleep(0.02)  # SIGKILL is delivered asynchronously: report only when they are gone
         code = self._popen.returncode
         return int(code) if code is not None else -1
@@ -233,13 +233,3 @@ class TorchrunProcess:
             return ""
         lines = text.splitlines()
         return "\n".join(lines[1:] if size > max_chars and len(lines) > 1 else lines)
-
-
-def _same(proc: tuple[int, int]) -> bool:
-    """The recorded process still runs (same start time; a zombie counts as gone)."""
-    try:
-        raw = Path(f"/proc/{proc[0]}/stat").read_text()
-    except OSError:
-        return False
-    fields = raw[raw.rfind(")") + 2 :].split()
-    return fields[0] != "Z" and int(fields[19]) == proc[1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 
 from elastic.etcd import EtcdError
@@ -18,6 +19,7 @@ from service.controller.metrics import Metrics
 from service.controller.reconcile import reconcile
 from service.core.config import Settings
 from service.core.store import ServiceStore
+from service.core.view import Plan, PlanOutcome, WriteFailure
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class Controller:
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._write_failures: dict[str, WriteFailure] = {}  # job id -> etcd refusing its updates
 
     @property
     def election(self) -> LeaderElection:
@@ -55,18 +58,29 @@ class Controller:
         fence = self._election.fence
         if fence is None:
             return None
-        view = self._store.read_view()
+        view = replace(self._store.read_view(), write_failures=dict(self._write_failures))
         plan = reconcile(view, now or datetime.now(timezone.utc), self._settings.reconcile)
         if not plan.empty:
-            refused = self._store.apply_plan(plan, fence)
-            if refused and self._metrics is not None:
-                self._metrics.refused_updates.inc(refused)
+            outcome = self._store.apply_plan(plan, fence)
+            if outcome.refused and self._metrics is not None:
+                self._metrics.refused_updates.inc(outcome.refused)
+            self._count_write_failures(plan, outcome)
             for update in plan.updates:
                 for event in update.events:
                     logger.info("job %s: %s", update.job_id, event.message)
         if self._metrics is not None:
             self._metrics.reconcile_seconds.observe(time.monotonic() - started)
         return view.revision
+
+    def _count_write_failures(self, plan: Plan, outcome: PlanOutcome) -> None:
+        """Consecutive refusals per job (the reconciler fails a job at ``write_failure_limit``)."""
+        for update in plan.updates:
+            message = outcome.failed.get(update.job_id)
+            if message is None:
+                self._write_failures.pop(update.job_id, None)
+            else:
+                before = self._write_failures.get(update.job_id)
+                self._write_failures[update.job_id] = WriteFailure((before.count if before else 0) + 1, message[:500])
 
     def _run(self) -> None:
         interval = self._settings.reconcile_interval

@@ -340,6 +340,11 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
             d.clear_reports = bool(view.reports.get(d.record.id))
             _free_released(d, free)
             continue
+        failure = view.write_failures.get(d.record.id)
+        if failure is not None and failure.count >= cfg.write_failure_limit:
+            d.move(Trigger.FAIL, f"etcd refused this job's updates {failure.count} times: {failure.message}")
+            _free_released(d, free)
+            continue
         _observe_progress(d)
         if _handle_outcomes(d, cfg) or _handle_lost_nodes(d):
             _free_released(d, free)

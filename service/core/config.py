@@ -1,6 +1,8 @@
 """Settings of the controller and of the node agent, built by the CLI (or tests) and passed in.
 
-Nothing here connects anywhere; building settings only reads the files named (tokens, etcd password).
+Nothing here connects anywhere; building settings only reads the tokens file. The etcd connection is an
+:class:`elastic.etcd.config.EtcdOptions` (the library's: the same for controller, agents, torchrun's
+rendezvous and the workers); its ``config()`` reads the password file.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from elastic.etcd import EtcdConfig
+from elastic.etcd.config import EtcdOptions  # the settings' etcd connection (re-exported: one class)
 from service.core.view import ReconcileConfig
 
 logger = logging.getLogger(__name__)
@@ -49,57 +51,6 @@ class TokenEntry:
     token: str
     role: Role
     name: str
-
-
-@dataclass(frozen=True)
-class EtcdOptions:
-    """etcd connection flags shared by the controller and the agents (CLI ``--etcd*``)."""
-
-    endpoints: str
-    ca_cert: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    user: str | None = None
-    password_file: str | None = None
-    connect_timeout: timedelta = timedelta(seconds=5)
-
-    def config(self) -> EtcdConfig:
-        password = None
-        if self.password_file:
-            try:
-                password = Path(self.password_file).read_text().strip()
-            except OSError as exc:
-                raise ConfigError(f"cannot read the etcd password file {self.password_file}: {exc}") from exc
-        if self.user and password is None:
-            raise ConfigError("--etcd-user needs --etcd-password-file")
-        try:
-            return EtcdConfig.from_options(
-                self.endpoints,
-                {
-                    "ca_cert": self.ca_cert,
-                    "cert": self.cert,
-                    "cert_key": self.key,
-                    "user": self.user,
-                    "password": password,
-                    "connect_timeout": str(self.connect_timeout.total_seconds()),
-                },
-            )
-        except ValueError as exc:
-            raise ConfigError(f"etcd settings: {exc}") from exc
-
-    def worker_env(self) -> dict[str, str]:
-        """The ``ETRAIN_ETCD_*`` variables that let a job's workers reach etcd (progress reports)."""
-        env = {"ETRAIN_ETCD_ENDPOINTS": self.endpoints}
-        for name, value in (
-            ("ETRAIN_ETCD_CA_CERT", self.ca_cert),
-            ("ETRAIN_ETCD_CERT", self.cert),
-            ("ETRAIN_ETCD_KEY", self.key),
-            ("ETRAIN_ETCD_USER", self.user),
-            ("ETRAIN_ETCD_PASSWORD_FILE", self.password_file),
-        ):
-            if value:
-                env[name] = str(Path(value).resolve()) if name != "ETRAIN_ETCD_USER" else value
-        return env
 
 
 def _default_replica_id() -> str:

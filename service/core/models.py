@@ -14,6 +14,9 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from elastic.compat import DISABLE_SHARED_RDZV_STORE
+from elastic.lr import LRPolicy as ElasticLRPolicy
+from elastic.lr import LRRule
 from service.core.states import JobState
 
 __all__ = [
@@ -49,7 +52,7 @@ RESERVED_ENV = frozenset(
         "ROLE_RANK",
         "MASTER_ADDR",
         "MASTER_PORT",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        DISABLE_SHARED_RDZV_STORE,
     }
 )
 _RESERVED_ENV_PREFIXES = ("ETRAIN_", "TORCHELASTIC_")
@@ -107,9 +110,15 @@ class RestartPolicy(_Spec):
 
 
 class LRPolicy(_Spec):
-    """How the training loop rescales the learning rate when the world size changes."""
+    """How the training loop rescales the learning rate when the world size changes: a job spec's form of
+    :class:`elastic.lr.LRPolicy`, which :meth:`to_policy` builds (what the workers get).
 
-    scaling: Literal["linear", "sqrt", "none", "fixed-global-batch"] = "linear"
+    The rule's field is named ``scaling`` here and ``rule`` in the library: ``scaling`` is the documented
+    job-spec field, kept in the job records stored in etcd (which refuse unknown fields), while ``rule`` is
+    in the reference every checkpoint stores. This model is the one place that maps the two.
+    """
+
+    scaling: LRRule = Field(default=LRRule.LINEAR, description="the rule: " + ", ".join(r.value for r in LRRule))
     base_lr: float = Field(default=0.1, gt=0, le=1e6)
     base_world_size: int = Field(default=1, ge=1, le=1_000_000, description="world size base_lr is tuned for")
     base_batch_per_worker: int = Field(
@@ -118,6 +127,15 @@ class LRPolicy(_Spec):
     warmup_steps: int = Field(
         default=0, ge=0, le=10_000_000, description="steps to ramp to a new LR after a change"
     )
+
+    def to_policy(self) -> ElasticLRPolicy:
+        return ElasticLRPolicy(
+            rule=self.scaling,
+            base_lr=self.base_lr,
+            base_world_size=self.base_world_size,
+            base_batch_per_worker=self.base_batch_per_worker,
+            warmup_steps=self.warmup_steps,
+        )
 
 
 class RendezvousOptions(_Spec):

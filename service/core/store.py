@@ -27,10 +27,10 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from elastic.etcd import EtcdClient, KeyValue
+from elastic.etcd import EtcdClient, EtcdConnectionError, EtcdError, KeyValue
 from elastic.progress import Progress
 from service.core.models import Assignment, Event, JobRecord, JobStatus, NodeInfo, WorkerReport
-from service.core.view import ClusterView, JobEntry, JobUpdate, Plan
+from service.core.view import ClusterView, JobEntry, JobUpdate, Plan, PlanOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class ServiceStore:
 
     # -- jobs (API side) -----------------------------------------------------------------------------
     def create_job(self, record: JobRecord, status: JobStatus, event: Event) -> None:
-        """ServiceStore a new job atomically; raises :class:`JobExists` if the id is taken."""
+        """Store a new job atomically; raises :class:`JobExists` if the id is taken."""
         k = self.keys
         ok, _ = self.client.commit(
             puts=[
@@ -272,20 +272,34 @@ class ServiceStore:
         )
         return ok
 
-    def apply_plan(self, plan: Plan, fence: tuple[str, int]) -> int:
-        """Apply every part of ``plan``; return how many job updates were refused (stale or fenced)."""
+    def apply_plan(self, plan: Plan, fence: tuple[str, int]) -> PlanOutcome:
+        """Apply every job's part of ``plan``, each in its own transaction: etcd refusing one job's part
+        (too many operations, too large) is that job's failure alone. Unreachable etcd (or lost quorum)
+        raises :class:`EtcdConnectionError`: nothing more can be written this pass."""
         refused = 0
+        failed: dict[str, str] = {}
         for update in plan.updates:
-            if not self.apply(update, fence):
+            try:
+                ok = self.apply(update, fence)
+            except EtcdConnectionError:
+                raise
+            except EtcdError as exc:
+                failed[update.job_id] = str(exc)
+                logger.warning("etcd refused the update of job %s: %s", update.job_id, exc)
+                continue
+            if not ok:
                 refused += 1
                 logger.info("update of job %s refused (status changed or leadership lost)", update.job_id)
-        if plan.orphans:
-            ok, _ = self.client.commit(
-                deletes=[self.keys.assignment(n, j) for n, j in plan.orphans], guard=fence
-            )
+        for node, job_id in plan.orphans:  # one by one: a bad key must not keep the others
+            try:
+                ok, _ = self.client.commit(deletes=[self.keys.assignment(node, job_id)], guard=fence)
+            except EtcdConnectionError:
+                raise
+            except EtcdError as exc:
+                logger.warning("cannot delete the orphaned assignment %s/%s: %s", node, job_id, exc)
+                continue
             refused += 0 if ok else 1
-        return refused
-
+        return PlanOutcome(refused=refused, failed=failed)
 
 def _progress(kv: KeyValue) -> Progress | None:
     try:

@@ -14,7 +14,7 @@ from datetime import timedelta
 from elastic.progress import Progress
 from service.core.models import Assignment, Event, JobRecord, JobStatus, NodeInfo, WorkerReport
 
-__all__ = ["ClusterView", "JobEntry", "JobUpdate", "Plan", "ReconcileConfig"]
+__all__ = ["ClusterView", "JobEntry", "JobUpdate", "Plan", "PlanOutcome", "ReconcileConfig", "WriteFailure"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,15 @@ class JobEntry:
 
 
 @dataclass(frozen=True)
+class WriteFailure:
+    """etcd refused to write a job's part of a plan ``count`` passes in a row (e.g. too many operations or
+    too large a request for one transaction); ``message`` is etcd's answer to the last try."""
+
+    count: int
+    message: str
+
+
+@dataclass(frozen=True)
 class ClusterView:
     jobs: Mapping[str, JobEntry]
     nodes: Mapping[str, NodeInfo]
@@ -33,6 +42,7 @@ class ClusterView:
     reports: Mapping[str, Mapping[str, WorkerReport]] = field(default_factory=dict)  # job -> node -> report
     progress: Mapping[str, Progress] = field(default_factory=dict)
     revision: int = 0
+    write_failures: Mapping[str, WriteFailure] = field(default_factory=dict)  # kept by the controller
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,7 @@ class ReconcileConfig:
     success_grace: timedelta = timedelta(seconds=30)  # after a node's success, wait this long for others
     failure_settle: timedelta = timedelta(seconds=3)  # after a failure, wait this long to see who else fails
     resume_after: timedelta = timedelta(seconds=60)  # jobs that never report progress: assume recovered
+    write_failure_limit: int = 3  # a job whose update etcd refuses this many passes in a row fails
 
 
 @dataclass
@@ -65,3 +76,13 @@ class Plan:
     @property
     def empty(self) -> bool:
         return not self.updates and not self.orphans
+
+
+@dataclass(frozen=True)
+class PlanOutcome:
+    """What applying a plan did: ``refused`` updates (stale status or lost leadership: decided again next
+    pass) and ``failed`` ones (job id -> etcd's refusal of that job's transaction; other jobs' parts were
+    still applied)."""
+
+    refused: int = 0
+    failed: Mapping[str, str] = field(default_factory=dict)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from elastic.testing.torchrun import TorchrunAgent
+from service.testing.cluster import LocalServiceCluster
 
 
 @pytest.fixture
@@ -16,3 +18,13 @@ def agents() -> Iterator[list[TorchrunAgent]]:
     yield started
     for a in started:
         a.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalServiceCluster]:
+    """etcd under ``tmp_path``; the test starts the controller and the agents it needs. All stopped at the end."""
+    c = LocalServiceCluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.stop()

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from service.testing.cluster import LocalServiceCluster
 from tests.integration.service_harness import alive, job_spec, wait_api
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalServiceCluster]:
-    c = LocalServiceCluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def test_cancel_stops_all_workers_on_all_nodes(cluster: LocalServiceCluster) -> None:

@@ -6,9 +6,6 @@ rendezvous, the example job training with gloo on CPU and checkpointing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from elastic.checkpoint import create_checkpoint_manager
@@ -18,15 +15,6 @@ from tests.integration.service_harness import job_spec, wait_api
 pytestmark = pytest.mark.timeout(240)
 
 STEPS = 150
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalServiceCluster]:
-    c = LocalServiceCluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def test_job_recovers_from_agent_sigkill_and_controller_restart_then_finishes(

@@ -1,0 +1,256 @@
+"""The worker environment contract: every ``ETRAIN_*`` variable the project passes to training processes.
+
+The job service's node agent writes :class:`WorkerEnv` into the environment of torchrun (and so of every
+worker) with :meth:`WorkerEnv.apply`; the library reads it back with :meth:`WorkerEnv.from_environ`. Outside
+the service (plain torchrun, tests) :attr:`WorkerEnv.job` is None and a user may set the few variables
+that make sense alone (``ETRAIN_CHECKPOINT_URL``, ``ETRAIN_LOCAL_SNAPSHOT_EVERY``).
+
+Variables, by who sets them:
+
+- the node agent, for a job's workers (all of these or none): :data:`JOB_ID`, :data:`JOB_NAME`,
+  :data:`GENERATION`, :data:`NODE_NAME`, :data:`PROGRESS_KEY`, :data:`LR_POLICY` (JSON of
+  :meth:`elastic.lr.LRPolicy.reference`), :data:`MIN_NODES`, :data:`MAX_NODES`;
+- the node agent, or a user: :data:`CHECKPOINT_URL`, :data:`LOCAL_SNAPSHOT_EVERY` (0: off), and the etcd
+  connection of progress reports :data:`ETCD_ENDPOINTS`, :data:`ETCD_CA_CERT`, :data:`ETCD_CERT`,
+  :data:`ETCD_KEY`, :data:`ETCD_USER`, :data:`ETCD_PASSWORD_FILE` (files, never the password itself; the
+  ``etrain`` CLI reads the same names as defaults of its ``--etcd*`` flags);
+- a user, to tune the library: :data:`LOCAL_SNAPSHOT_DIR` (``elastic.checkpoint.tiers``), :data:`PREFORK`,
+  :data:`PREFORK_PRELOAD`, :data:`PREFORK_DIR` (``elastic.prefork``);
+- ``elastic.prefork`` itself, for the worker it forks: :data:`PREFORK_CLIENT` (the client's pid).
+
+This module imports nothing heavy (no torch, no etcd client): ``elastic.prefork`` reads its names here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+from elastic.lr import LRPolicy
+
+if TYPE_CHECKING:
+    from elastic.etcd.config import EtcdOptions
+
+__all__ = [
+    "AGENT_WRITTEN",
+    "CHECKPOINT_URL",
+    "ETCD_CA_CERT",
+    "ETCD_CERT",
+    "ETCD_ENDPOINTS",
+    "ETCD_KEY",
+    "ETCD_PASSWORD_FILE",
+    "ETCD_USER",
+    "GENERATION",
+    "JOB_ID",
+    "JOB_NAME",
+    "LOCAL_SNAPSHOT_DIR",
+    "LOCAL_SNAPSHOT_EVERY",
+    "LR_POLICY",
+    "MAX_NODES",
+    "MIN_NODES",
+    "NODE_NAME",
+    "PREFORK",
+    "PREFORK_CLIENT",
+    "PREFORK_DIR",
+    "PREFORK_PRELOAD",
+    "PROGRESS_KEY",
+    "JobEnv",
+    "WorkerEnv",
+    "WorkerEnvError",
+    "parse_lr_policy",
+]
+
+# -- the job service's identity of a worker's job (written by the node agent, all or none) ---------------
+JOB_ID = "ETRAIN_JOB_ID"
+JOB_NAME = "ETRAIN_JOB_NAME"
+GENERATION = "ETRAIN_GENERATION"
+NODE_NAME = "ETRAIN_NODE_NAME"  # the service's name of the worker's node (also the agent's --node-name)
+PROGRESS_KEY = "ETRAIN_PROGRESS_KEY"
+LR_POLICY = "ETRAIN_LR_POLICY"
+MIN_NODES = "ETRAIN_MIN_NODES"
+MAX_NODES = "ETRAIN_MAX_NODES"
+# -- written by the node agent, or set by a user ------------------------------------------------------------
+CHECKPOINT_URL = "ETRAIN_CHECKPOINT_URL"
+LOCAL_SNAPSHOT_EVERY = "ETRAIN_LOCAL_SNAPSHOT_EVERY"
+ETCD_ENDPOINTS = "ETRAIN_ETCD_ENDPOINTS"
+ETCD_CA_CERT = "ETRAIN_ETCD_CA_CERT"
+ETCD_CERT = "ETRAIN_ETCD_CERT"
+ETCD_KEY = "ETRAIN_ETCD_KEY"
+ETCD_USER = "ETRAIN_ETCD_USER"
+ETCD_PASSWORD_FILE = "ETRAIN_ETCD_PASSWORD_FILE"
+# -- the library's own settings ---------------------------------------------------------------------------
+LOCAL_SNAPSHOT_DIR = "ETRAIN_LOCAL_SNAPSHOT_DIR"
+PREFORK = "ETRAIN_PREFORK"
+PREFORK_PRELOAD = "ETRAIN_PREFORK_PRELOAD"
+PREFORK_DIR = "ETRAIN_PREFORK_DIR"
+PREFORK_CLIENT = "ETRAIN_PREFORK_CLIENT"
+
+_JOB_VARIABLES = (JOB_ID, JOB_NAME, GENERATION, NODE_NAME, PROGRESS_KEY, LR_POLICY, MIN_NODES, MAX_NODES)
+_ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)
+#: Every variable :meth:`WorkerEnv.apply` owns: inherited values of these never reach the workers.
+AGENT_WRITTEN = frozenset((*_JOB_VARIABLES, CHECKPOINT_URL, LOCAL_SNAPSHOT_EVERY, *_ETCD_VARIABLES))
+
+_T = TypeVar("_T")
+
+
+class WorkerEnvError(ValueError):
+    """A worker environment that breaks the contract; the message is one line naming the variable."""
+
+
+def parse_lr_policy(raw: str) -> LRPolicy:
+    """The LR policy in ``ETRAIN_LR_POLICY``: the JSON of :meth:`LRPolicy.reference` (the one shape the job
+    service writes and checkpoints keep)."""
+    try:
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        return LRPolicy.from_reference(data)
+    except KeyError as exc:
+        raise WorkerEnvError(f"{LR_POLICY} has no {exc.args[0]!r}: {raw!r}") from None
+    except (ValueError, TypeError) as exc:
+        raise WorkerEnvError(f"{LR_POLICY} is not an LR policy ({exc}): {raw!r}") from None
+
+
+def _int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise WorkerEnvError(f"{name} must be a whole number, got {raw!r}") from None
+
+
+def _local_every(raw: str) -> int:
+    if not raw.isdigit():
+        raise WorkerEnvError(f"{LOCAL_SNAPSHOT_EVERY} must be a number of steps (0: off), got {raw!r}")
+    return int(raw)
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """The job service's identity of a worker's job (all of it or none is in the environment)."""
+
+    job_id: str
+    job_name: str
+    generation: int
+    node_name: str  # the service's name of this worker's node
+    progress_key: str  # the etcd key rank 0 reports progress to
+    lr_policy: LRPolicy
+    min_nodes: int
+    max_nodes: int
+
+    def to_environ(self) -> dict[str, str]:
+        return {
+            JOB_ID: self.job_id,
+            JOB_NAME: self.job_name,
+            GENERATION: str(self.generation),
+            NODE_NAME: self.node_name,
+            PROGRESS_KEY: self.progress_key,
+            LR_POLICY: json.dumps(self.lr_policy.reference(), sort_keys=True),
+            MIN_NODES: str(self.min_nodes),
+            MAX_NODES: str(self.max_nodes),
+        }
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> JobEnv | None:
+        present = [name for name in _JOB_VARIABLES if env.get(name)]
+        if not present:
+            return None
+        missing = [name for name in _JOB_VARIABLES if not env.get(name)]
+        if missing:
+            raise WorkerEnvError(
+                f"incomplete job service environment: {', '.join(present)} set but not {', '.join(missing)}"
+            )
+        return cls(
+            job_id=env[JOB_ID],
+            job_name=env[JOB_NAME],
+            generation=_int(GENERATION, env[GENERATION]),
+            node_name=env[NODE_NAME],
+            progress_key=env[PROGRESS_KEY],
+            lr_policy=parse_lr_policy(env[LR_POLICY]),
+            min_nodes=_int(MIN_NODES, env[MIN_NODES]),
+            max_nodes=_int(MAX_NODES, env[MAX_NODES]),
+        )
+
+
+def _etcd_to_environ(etcd: EtcdOptions) -> dict[str, str]:
+    """Files as absolute paths (the workers run in another directory); timeouts and an inline password are
+    not passed: a worker with a user reads its password from the file."""
+    out = {ETCD_ENDPOINTS: etcd.endpoints}
+    for name, path in (
+        (ETCD_CA_CERT, etcd.ca_cert),
+        (ETCD_CERT, etcd.cert),
+        (ETCD_KEY, etcd.cert_key),
+        (ETCD_PASSWORD_FILE, etcd.password_file),
+    ):
+        if path:
+            out[name] = str(Path(path).resolve())
+    if etcd.user:
+        out[ETCD_USER] = etcd.user
+    return out
+
+
+def _etcd_from_environ(env: Mapping[str, str]) -> EtcdOptions | None:
+    from elastic.etcd.config import EtcdOptions  # here: the etcd package imports the etcd client
+
+    endpoints = env.get(ETCD_ENDPOINTS)
+    if not endpoints:
+        extra = [name for name in _ETCD_VARIABLES if env.get(name)]
+        if extra:
+            raise WorkerEnvError(f"{', '.join(extra)} set without {ETCD_ENDPOINTS}")
+        return None
+    return EtcdOptions(
+        endpoints=endpoints,
+        ca_cert=env.get(ETCD_CA_CERT) or None,
+        cert=env.get(ETCD_CERT) or None,
+        cert_key=env.get(ETCD_KEY) or None,
+        user=env.get(ETCD_USER) or None,
+        password_file=env.get(ETCD_PASSWORD_FILE) or None,
+    )
+
+
+def _get(env: Mapping[str, str], name: str, parse: Callable[[str], _T]) -> _T | None:
+    raw = env.get(name, "").strip()
+    return parse(raw) if raw else None
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What the environment tells a worker (see the module docstring). ``etcd``: the connection of progress
+    reports, unresolved (its password file is read by :meth:`EtcdOptions.config`)."""
+
+    job: JobEnv | None = None
+    checkpoint_url: str | None = None
+    local_snapshot_every: int = 0  # node-local snapshots every N steps; 0: off
+    etcd: EtcdOptions | None = None
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> WorkerEnv:
+        """Parse ``env`` (default: this process's); a :class:`WorkerEnvError` names a variable that is
+        missing from the job service's set or holds an invalid value."""
+        env = os.environ if env is None else env
+        return cls(
+            job=JobEnv.from_environ(env),
+            checkpoint_url=env.get(CHECKPOINT_URL) or None,
+            local_snapshot_every=_get(env, LOCAL_SNAPSHOT_EVERY, _local_every) or 0,
+            etcd=_etcd_from_environ(env),
+        )
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables of this worker environment (what :meth:`from_environ` reads back)."""
+        out = self.job.to_environ() if self.job is not None else {}
+        if self.checkpoint_url:
+            out[CHECKPOINT_URL] = self.checkpoint_url
+        out[LOCAL_SNAPSHOT_EVERY] = str(self.local_snapshot_every)
+        if self.etcd is not None:
+            out.update(_etcd_to_environ(self.etcd))
+        return out
+
+    def apply(self, env: MutableMapping[str, str]) -> None:
+        """Write into ``env``, replacing whatever it inherited of :data:`AGENT_WRITTEN`."""
+        for name in AGENT_WRITTEN:
+            env.pop(name, None)
+        env.update(self.to_environ())
+

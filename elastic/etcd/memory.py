@@ -1,0 +1,487 @@
+"""An in-memory model of an etcd v3 cluster, for unit tests that need no etcd binary.
+
+:class:`MemoryEtcdServer` holds one cluster's state: the global revision, every key's create and mod
+revisions and version, leases that expire by a clock, and the history of changes that watches replay.
+:class:`MemoryEtcdClient` is an :class:`~elastic.etcd.api.EtcdClient` of one such server; several clients
+of one server model several processes on one cluster. Requests are etcd's own (ranges, puts, deletes,
+transactions with compares), so the client builds the same transactions as the gRPC client and keeps the
+same contract (``tests/elastic/etcd/test_client_contract.py`` runs one suite against both).
+
+Time: leases expire when the server's ``clock`` (``time.monotonic`` unless given, e.g. a
+:class:`ManualClock` a test advances) passes their deadline; expiry is noticed by every request and by
+every waiter within :data:`TICK` seconds. Wait timeouts are real time. A client can be cut off from the
+cluster (:meth:`MemoryEtcdClient.set_reachable`): its requests then fail at once with
+:class:`~elastic.etcd.api.EtcdConnectionError` and its waits see nothing, while leases keep expiring.
+The model keeps the whole history (no compaction) and does not model auth or cluster membership.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Literal
+
+from elastic.etcd.api import EtcdClient, EtcdConnectionError, EtcdError, KeyValue, prefix_end
+from elastic.etcd.config import EtcdConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TICK", "ManualClock", "MemoryEtcdClient", "MemoryEtcdServer"]
+
+TICK = 0.05
+"""Seconds a waiter sleeps at most before it looks at the clock (lease expiry) and its stop event again."""
+
+
+class ManualClock:
+    """A clock that moves only when told to (``advance``); pass it to :class:`MemoryEtcdServer`."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError("a clock does not go back")
+        with self._lock:
+            self._now += seconds
+
+
+@dataclass(frozen=True)
+class _Cmp:
+    """``key``'s mod (or create) revision equals ``revision`` (0: the key does not exist)."""
+
+    key: bytes
+    target: Literal["mod", "create"]
+    revision: int
+
+
+@dataclass(frozen=True)
+class _Put:
+    key: bytes
+    value: bytes
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class _Delete:
+    key: bytes
+    end: bytes | None = None  # None: just ``key``; b"\0": every key from ``key`` on
+
+
+@dataclass(frozen=True)
+class _Range:
+    key: bytes
+    end: bytes | None = None
+
+
+_Op = _Put | _Delete | _Range
+_Result = list[KeyValue] | int | None  # a range's keys, a delete's count, a put's nothing
+
+
+@dataclass
+class _Entry:
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+
+@dataclass
+class _Lease:
+    ttl: int
+    expires_at: float
+    keys: set[bytes] = field(default_factory=set)
+
+
+def _in_range(k: bytes, key: bytes, end: bytes | None) -> bool:
+    if end is None:
+        return k == key
+    if end == b"\0":
+        return k >= key
+    return key <= k < end
+
+
+def _check_key(key: bytes) -> None:
+    if not key:
+        raise EtcdError("etcdserver: key is not provided")
+
+
+class MemoryEtcdServer:
+    """One modelled cluster, shared by any number of :class:`MemoryEtcdClient` (thread-safe)."""
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, *, name: str = "memory", min_lease_ttl: int = 1
+    ) -> None:
+        self.name = name
+        self._clock = clock
+        self._min_lease_ttl = max(1, min_lease_ttl)
+        self._cond = threading.Condition()
+        self._revision = 1  # a new etcd cluster answers at revision 1
+        self._data: dict[bytes, _Entry] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._lease_ids = itertools.count(0x6D656D0000000001)
+        self._history_revisions: list[int] = []  # one entry per changed key, in revision order
+        self._history_keys: list[bytes] = []
+
+    def client(self, config: EtcdConfig | None = None) -> MemoryEtcdClient:
+        """A new client of this cluster (one per modelled process)."""
+        return MemoryEtcdClient(self, config)
+
+    @property
+    def revision(self) -> int:
+        with self._cond:
+            self._expire_locked()
+            return self._revision
+
+    def lease_ids(self) -> list[int]:
+        """The live leases (after expiring those whose TTL passed)."""
+        with self._cond:
+            self._expire_locked()
+            return sorted(self._leases)
+
+    def expire_leases(self) -> None:
+        """Revoke every lease whose TTL has passed on the clock (every request does this first)."""
+        with self._cond:
+            self._expire_locked()
+
+    # -- key/value -----------------------------------------------------------------------------------
+    def txn(
+        self, compares: Sequence[_Cmp], success: Sequence[_Op], failure: Sequence[_Op] = ()
+    ) -> tuple[bool, list[_Result], int]:
+        """Run one transaction: ``success`` if every compare holds, else ``failure``, atomically.
+
+        Returns ``(compares held, one result per op run, revision after it)``. The revision rises by one
+        if the ops changed something. A put naming a lease that is not live fails the whole transaction
+        with :class:`EtcdError`, before anything is written."""
+        for cmp in compares:
+            _check_key(cmp.key)
+        for op in (*success, *failure):
+            _check_key(op.key)
+        with self._cond:
+            self._expire_locked()
+            ok = all(self._holds(c) for c in compares)
+            ops = success if ok else failure
+            for op in ops:
+                if isinstance(op, _Put) and op.lease and op.lease not in self._leases:
+                    raise EtcdError("etcdserver: requested lease not found")
+            revision = self._revision + 1
+            changed = False
+            results: list[_Result] = []
+            for op in ops:
+                if isinstance(op, _Put):
+                    self._put_locked(op, revision)
+                    changed = True
+                    results.append(None)
+                elif isinstance(op, _Delete):
+                    deleted = self._delete_locked(op.key, op.end, revision)
+                    changed = changed or deleted > 0
+                    results.append(deleted)
+                else:
+                    results.append(self._range_locked(op.key, op.end))
+            if changed:
+                self._revision = revision
+                self._cond.notify_all()
+            return ok, results, self._revision
+
+    def _holds(self, cmp: _Cmp) -> bool:
+        entry = self._data.get(cmp.key)
+        if cmp.target == "mod":
+            actual = entry.mod_revision if entry is not None else 0
+        else:
+            actual = entry.create_revision if entry is not None else 0
+        return actual == cmp.revision
+
+    def _record(self, key: bytes, revision: int) -> None:
+        self._history_revisions.append(revision)
+        self._history_keys.append(key)
+
+    def _put_locked(self, op: _Put, revision: int) -> None:
+        old = self._data.get(op.key)
+        if old is not None and old.lease and old.lease in self._leases:
+            self._leases[old.lease].keys.discard(op.key)
+        self._data[op.key] = _Entry(
+            value=op.value,
+            create_revision=old.create_revision if old is not None else revision,
+            mod_revision=revision,
+            version=old.version + 1 if old is not None else 1,
+            lease=op.lease,
+        )
+        if op.lease:
+            self._leases[op.lease].keys.add(op.key)
+        self._record(op.key, revision)
+
+    def _delete_locked(self, key: bytes, end: bytes | None, revision: int) -> int:
+        doomed = sorted(k for k in self._data if _in_range(k, key, end))
+        for k in doomed:
+            entry = self._data.pop(k)
+            if entry.lease and entry.lease in self._leases:
+                self._leases[entry.lease].keys.discard(k)
+            self._record(k, revision)
+        return len(doomed)
+
+    def _range_locked(self, key: bytes, end: bytes | None) -> list[KeyValue]:
+        return [
+            KeyValue(
+                key=k.decode(),
+                value=e.value,
+                create_revision=e.create_revision,
+                mod_revision=e.mod_revision,
+                lease=e.lease,
+                version=e.version,
+            )
+            for k, e in sorted(self._data.items())
+            if _in_range(k, key, end)
+        ]
+
+    # -- leases --------------------------------------------------------------------------------------
+    def grant_lease(self, ttl: int) -> int:
+        with self._cond:
+            self._expire_locked()
+            lease_id = next(self._lease_ids)
+            seconds = max(ttl, self._min_lease_ttl)
+            self._leases[lease_id] = _Lease(ttl=seconds, expires_at=self._clock() + seconds)
+            return lease_id
+
+    def keep_alive(self, lease_id: int) -> int:
+        """Refresh a lease; its TTL, or 0 if it is gone."""
+        with self._cond:
+            self._expire_locked()
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                return 0
+            lease.expires_at = self._clock() + lease.ttl
+            return lease.ttl
+
+    def revoke_lease(self, lease_id: int) -> None:
+        with self._cond:
+            self._expire_locked()
+            self._revoke_locked(lease_id)
+
+    def _revoke_locked(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None or not lease.keys:
+            return
+        revision = self._revision + 1
+        for k in sorted(lease.keys):
+            del self._data[k]
+            self._record(k, revision)
+        self._revision = revision
+        self._cond.notify_all()
+
+    def _expire_locked(self) -> None:
+        now = self._clock()
+        for lease_id in [i for i, lease in self._leases.items() if lease.expires_at <= now]:
+            logger.debug("memory etcd %s: lease %x expired", self.name, lease_id)
+            self._revoke_locked(lease_id)
+
+    # -- watches -------------------------------------------------------------------------------------
+    def start_revision(self, start_revision: int) -> int:
+        """Where a watch from ``start_revision`` starts: 0 (or less) means the next revision."""
+        return start_revision if start_revision > 0 else self.revision + 1
+
+    def wait_change(self, key: bytes, end: bytes | None, start_revision: int, timeout: float) -> int:
+        """The newest revision >= ``start_revision`` that changed a key in the range, waiting up to
+        ``timeout`` seconds for one; 0 if none came."""
+        _check_key(key)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._expire_locked()
+                first = bisect.bisect_left(self._history_revisions, start_revision)
+                for i in range(len(self._history_revisions) - 1, first - 1, -1):
+                    if _in_range(self._history_keys[i], key, end):
+                        return self._history_revisions[i]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return 0
+                self._cond.wait(min(remaining, TICK))
+
+
+class MemoryEtcdClient(EtcdClient):
+    """An :class:`EtcdClient` of a :class:`MemoryEtcdServer` (a new private one unless given).
+
+    Unlike the gRPC client, a client cut off by :meth:`set_reachable` fails at once instead of retrying
+    until ``config.op_timeout``; its waits still run to their timeout, as the real ones do.
+    """
+
+    def __init__(self, server: MemoryEtcdServer | None = None, config: EtcdConfig | None = None) -> None:
+        self.server = server if server is not None else MemoryEtcdServer()
+        self._config = config if config is not None else EtcdConfig(endpoints=((self.server.name, 0),))
+        self._reachable = threading.Event()
+        self._reachable.set()
+
+    @property
+    def config(self) -> EtcdConfig:
+        return self._config
+
+    @property
+    def endpoints_label(self) -> str:
+        return f"memory://{self.server.name}"
+
+    def set_reachable(self, reachable: bool) -> None:
+        """Cut this client off from the cluster (a partition) or reconnect it."""
+        if reachable:
+            self._reachable.set()
+        else:
+            self._reachable.clear()
+
+    def _check(self) -> None:
+        if not self._reachable.is_set():
+            raise EtcdConnectionError(f"etcd unreachable at {self.endpoints_label} (client cut off)")
+
+    def _txn(
+        self, compares: Sequence[_Cmp], success: Sequence[_Op], failure: Sequence[_Op] = ()
+    ) -> tuple[bool, list[_Result], int]:
+        self._check()
+        return self.server.txn(compares, success, failure)
+
+    @staticmethod
+    def _prefix_range(prefix: str) -> _Range:
+        return _Range(prefix.encode(), prefix_end(prefix))
+
+    def ping(self, timeout: timedelta | None = None) -> int:
+        self._check()
+        return self.server.revision
+
+    def close(self) -> None:
+        """Nothing to release (the server outlives its clients)."""
+
+    # -- reads ---------------------------------------------------------------------------------------
+    def get(self, key: str) -> tuple[KeyValue | None, int]:
+        _, (kvs,), revision = self._txn([], [_Range(key.encode())])
+        assert isinstance(kvs, list)
+        return (kvs[0] if kvs else None), revision
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        _, (kvs,), revision = self._txn([], [self._prefix_range(prefix)])
+        assert isinstance(kvs, list)
+        return kvs, revision
+
+    def count_prefix(self, prefix: str) -> int:
+        return len(self.get_prefix(prefix)[0])
+
+    def get_with_prefix(self, key: str, prefix: str) -> tuple[KeyValue | None, list[KeyValue], int]:
+        _, (cur, under), revision = self._txn([], [_Range(key.encode()), self._prefix_range(prefix)])
+        assert isinstance(cur, list) and isinstance(under, list)
+        return (cur[0] if cur else None), under, revision
+
+    def read_prefixes(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
+        _, results, revision = self._txn([], [self._prefix_range(p) for p in prefixes])
+        return [r for r in results if isinstance(r, list)], revision
+
+    # -- writes --------------------------------------------------------------------------------------
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        return self._txn([], [_Put(key.encode(), value, lease)])[2]
+
+    def delete(self, key: str) -> bool:
+        _, (deleted,), _ = self._txn([], [_Delete(key.encode())])
+        return isinstance(deleted, int) and deleted > 0
+
+    def compare_and_put(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        mod_revision: int,
+        lease: int = 0,
+        read_prefix: str | None = None,
+        guard: tuple[str, int] | None = None,
+    ) -> tuple[bool, KeyValue | None, list[KeyValue], int]:
+        compares = [_Cmp(key.encode(), "mod", mod_revision)]
+        if guard is not None:
+            compares.append(_Cmp(guard[0].encode(), "create", guard[1]))
+        reads: list[_Op] = [_Range(key.encode())]
+        if read_prefix is not None:
+            reads.append(self._prefix_range(read_prefix))
+        ok, results, revision = self._txn(compares, [_Put(key.encode(), value, lease), *reads], reads)
+        ranges = [r for r in results if isinstance(r, list)]
+        cur = ranges[0][0] if ranges[0] else None
+        return ok, cur, (ranges[1] if len(ranges) > 1 else []), revision
+
+    def commit(
+        self,
+        puts: Sequence[tuple[str, bytes]] = (),
+        deletes: Sequence[str] = (),
+        *,
+        delete_prefixes: Sequence[str] = (),
+        expect: Sequence[tuple[str, int]] = (),
+        guard: tuple[str, int] | None = None,
+    ) -> tuple[bool, int]:
+        compares = [_Cmp(k.encode(), "mod", r) for k, r in expect]
+        if guard is not None:
+            compares.append(_Cmp(guard[0].encode(), "create", guard[1]))
+        ops: list[_Op] = [_Put(k.encode(), v) for k, v in puts]
+        ops += [_Delete(k.encode()) for k in deletes]
+        ops += [_Delete(p.encode(), prefix_end(p)) for p in delete_prefixes]
+        ok, _, revision = self._txn(compares, ops)
+        return ok, revision
+
+    # -- leases --------------------------------------------------------------------------------------
+    def grant_lease(self, ttl: timedelta) -> int:
+        self._check()
+        return self.server.grant_lease(max(1, round(ttl.total_seconds())))
+
+    def keep_alive_once(self, lease_id: int) -> int:
+        self._check()
+        return self.server.keep_alive(lease_id)
+
+    def revoke_lease(self, lease_id: int) -> None:
+        self._check()
+        self.server.revoke_lease(lease_id)
+
+    # -- watches -------------------------------------------------------------------------------------
+    def _watch_range(self, key: str, prefix: bool) -> tuple[bytes, bytes | None]:
+        raw = key.encode()
+        _check_key(raw)
+        return raw, (prefix_end(key) if prefix else None)
+
+    def wait_for_event(
+        self, key: str, start_revision: int, timeout: timedelta, *, prefix: bool = False
+    ) -> bool:
+        raw, end = self._watch_range(key, prefix)
+        deadline = time.monotonic() + timeout.total_seconds()
+        start: int | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if not self._reachable.is_set():
+                self._reachable.wait(min(remaining, TICK))
+                continue
+            if start is None:
+                start = self.server.start_revision(start_revision)
+            if self.server.wait_change(raw, end, start, min(remaining, TICK)):
+                return True
+
+    def watch_revisions(
+        self,
+        key: str,
+        start_revision: int,
+        on_revision: Callable[[int], None],
+        stop: threading.Event,
+        *,
+        prefix: bool = False,
+    ) -> None:
+        raw, end = self._watch_range(key, prefix)
+        next_revision: int | None = None
+        while not stop.is_set():
+            if not self._reachable.is_set():
+                stop.wait(TICK)
+                continue
+            if next_revision is None:
+                next_revision = self.server.start_revision(start_revision)
+            newest = self.server.wait_change(raw, end, next_revision, TICK)
+            if newest and not stop.is_set():
+                next_revision = newest + 1
+                on_revision(newest)

@@ -1,0 +1,563 @@
+"""The EtcdClient contract, run against both implementations: gRPC on a real etcd, and the in-memory model.
+
+The real half uses the session's shared etcd (``etcd_server``), so revisions are compared relative to each
+other, never to absolute numbers, and every test keeps to its own key prefix. It is skipped when no etcd
+binary can be found; the memory half never starts one. Lease expiry runs on a :class:`ManualClock` in the
+memory half and on real time (a real etcd raises a 1 s TTL to its 2 s minimum) in the real half.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import pytest
+
+from elastic.etcd import EtcdClient, EtcdConfig, EtcdError, ManualClock, MemoryEtcdServer, create_client
+from elastic.testing.etcd_server import LocalEtcdCluster, find_etcd_binary
+
+pytestmark = pytest.mark.timeout(60)
+
+SHORT = timedelta(seconds=0.3)
+
+
+@dataclass
+class Cluster:
+    """One cluster under test: clients of it, and a way to let lease time pass."""
+
+    kind: str
+    make_client: Callable[[], EtcdClient]
+    advance: Callable[[float], None]
+    clients: list[EtcdClient] = field(default_factory=list)
+
+    def new_client(self) -> EtcdClient:
+        client = self.make_client()
+        self.clients.append(client)
+        return client
+
+
+@pytest.fixture(params=["grpc", "memory"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    if request.param == "grpc":
+        try:
+            find_etcd_binary()
+        except FileNotFoundError as exc:
+            pytest.skip(f"real half needs etcd: {exc}")
+        server: LocalEtcdCluster = request.getfixturevalue("etcd_server")
+        made = Cluster("grpc", lambda: create_client(server.config(op_timeout=5)), time.sleep)
+    else:
+        clock = ManualClock()
+        memory = MemoryEtcdServer(clock)
+        made = Cluster("memory", memory.client, clock.advance)
+    yield made
+    for client in made.clients:
+        client.close()
+
+
+@pytest.fixture
+def client(cluster: Cluster) -> EtcdClient:
+    return cluster.new_client()
+
+
+def eventually(check: Callable[[], bool], timeout: float = 6.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def later(seconds: float, action: Callable[[], object]) -> threading.Timer:
+    timer = threading.Timer(seconds, action)
+    timer.start()
+    return timer
+
+
+# -- identity ----------------------------------------------------------------------------------------
+def test_config_and_endpoints_label_describe_the_cluster(client: EtcdClient) -> None:
+    assert isinstance(client.config, EtcdConfig)
+    assert isinstance(client.endpoints_label, str) and client.endpoints_label
+
+
+def test_ping_returns_the_current_revision(client: EtcdClient, key_prefix: str) -> None:
+    revision = client.put(key_prefix + "/k", b"v")
+    assert client.ping() >= revision
+    assert client.ping(timeout=timedelta(seconds=2)) == client.get(key_prefix + "/k")[1]
+
+
+def test_a_closed_client_serves_its_next_request(client: EtcdClient, key_prefix: str) -> None:
+    client.put(key_prefix + "/k", b"v")
+    client.close()
+    client.close()
+    kv, _ = client.get(key_prefix + "/k")
+    assert kv is not None and kv.value == b"v"
+
+
+# -- revisions ---------------------------------------------------------------------------------------
+def test_put_returns_a_new_revision_that_get_reports_as_create_and_mod_revision(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    before = client.ping()
+    revision = client.put(key_prefix + "/k", b"v1")
+    assert revision == before + 1
+    kv, read_at = client.get(key_prefix + "/k")
+    assert kv is not None
+    assert (kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.version, kv.lease) == (
+        key_prefix + "/k",
+        b"v1",
+        revision,
+        revision,
+        1,
+        0,
+    )
+    assert read_at == revision
+
+
+def test_overwrite_keeps_create_revision_and_raises_mod_revision_and_version(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    first = client.put(key_prefix + "/k", b"v1")
+    second = client.put(key_prefix + "/k", b"v1")  # the same value is still a write
+    kv, _ = client.get(key_prefix + "/k")
+    assert kv is not None
+    assert second == first + 1
+    assert (kv.create_revision, kv.mod_revision, kv.version) == (first, second, 2)
+
+
+def test_get_of_a_missing_key_returns_none_at_the_current_revision(client: EtcdClient, key_prefix: str) -> None:
+    revision = client.put(key_prefix + "/other", b"v")
+    assert client.get(key_prefix + "/missing") == (None, revision)
+
+
+def test_reads_leave_the_revision_unchanged(client: EtcdClient, key_prefix: str) -> None:
+    revision = client.put(key_prefix + "/a", b"1")
+    client.get(key_prefix + "/a")
+    client.get_prefix(key_prefix + "/")
+    client.count_prefix(key_prefix + "/")
+    client.get_with_prefix(key_prefix + "/a", key_prefix + "/")
+    client.read_prefixes([key_prefix + "/", key_prefix + "/b"])
+    assert client.ping() == revision
+
+
+def test_delete_reports_whether_the_key_existed_and_only_a_real_delete_raises_the_revision(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    put_at = client.put(key_prefix + "/k", b"v")
+    assert client.delete(key_prefix + "/k") is True
+    assert client.ping() == put_at + 1
+    assert client.delete(key_prefix + "/k") is False
+    assert client.ping() == put_at + 1
+    assert client.get(key_prefix + "/k")[0] is None
+
+
+def test_a_recreated_key_gets_a_new_create_revision_and_version_one(client: EtcdClient, key_prefix: str) -> None:
+    client.put(key_prefix + "/k", b"1")
+    client.put(key_prefix + "/k", b"2")
+    client.delete(key_prefix + "/k")
+    again = client.put(key_prefix + "/k", b"3")
+    kv, _ = client.get(key_prefix + "/k")
+    assert kv is not None and (kv.create_revision, kv.mod_revision, kv.version) == (again, again, 1)
+
+
+def test_an_empty_key_is_refused_with_etcd_error(client: EtcdClient) -> None:
+    with pytest.raises(EtcdError):
+        client.get("")
+    with pytest.raises(EtcdError):
+        client.put("", b"v")
+
+
+# -- prefixes ----------------------------------------------------------------------------------------
+def test_get_prefix_returns_the_keys_under_the_prefix_in_byte_order(client: EtcdClient, key_prefix: str) -> None:
+    p = key_prefix + "/d/"
+    for name in ("b", "é", "a/x", "a", "Z"):
+        client.put(p + name, name.encode())
+    kvs, revision = client.get_prefix(p)
+    assert [kv.key for kv in kvs] == [p + "Z", p + "a", p + "a/x", p + "b", p + "é"]
+    assert revision == client.ping()
+
+
+def test_a_prefix_ends_at_its_last_byte_plus_one_so_siblings_and_the_bare_prefix_are_outside(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    base = key_prefix + "/a"
+    for key in (base, base + "/x", base + "b", base + "0", key_prefix + "/b", key_prefix + "/a/"):
+        client.put(key, b"v")
+    under_slash = [kv.key for kv in client.get_prefix(base + "/")[0]]
+    assert under_slash == [base + "/", base + "/x"]  # not "/a" itself, not "/a0" ("0" follows "/")
+    under_bare = [kv.key for kv in client.get_prefix(base)[0]]
+    assert under_bare == [base, base + "/", base + "/x", base + "0", base + "b"]
+
+
+def test_count_prefix_counts_only_the_keys_under_the_prefix(client: EtcdClient, key_prefix: str) -> None:
+    for key in ("/c/1", "/c/2", "/c/3/x", "/c0", "/d"):
+        client.put(key_prefix + key, b"v")
+    assert client.count_prefix(key_prefix + "/c/") == 3
+    assert client.count_prefix(key_prefix + "/none/") == 0
+
+
+def test_get_with_prefix_reads_the_key_and_the_prefix_at_one_revision(client: EtcdClient, key_prefix: str) -> None:
+    client.put(key_prefix + "/state", b"s")
+    client.put(key_prefix + "/alive/1", b"")
+    last = client.put(key_prefix + "/alive/2", b"")
+    kv, alive, revision = client.get_with_prefix(key_prefix + "/state", key_prefix + "/alive/")
+    assert kv is not None and kv.value == b"s"
+    assert [a.key for a in alive] == [key_prefix + "/alive/1", key_prefix + "/alive/2"]
+    assert revision == last
+    missing, nothing, _ = client.get_with_prefix(key_prefix + "/nostate", key_prefix + "/none/")
+    assert missing is None and nothing == []
+
+
+def test_read_prefixes_returns_one_list_per_prefix_in_the_order_asked(client: EtcdClient, key_prefix: str) -> None:
+    client.put(key_prefix + "/x/1", b"1")
+    last = client.put(key_prefix + "/y/1", b"2")
+    (ys, empty, xs), revision = client.read_prefixes([key_prefix + "/y/", key_prefix + "/z/", key_prefix + "/x/"])
+    assert [kv.value for kv in ys] == [b"2"] and empty == [] and [kv.value for kv in xs] == [b"1"]
+    assert revision == last
+
+
+# -- compare_and_put ---------------------------------------------------------------------------------
+def test_compare_and_put_with_mod_revision_zero_creates_only_a_missing_key(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    ok, kv, _, revision = client.compare_and_put(key_prefix + "/k", b"first", mod_revision=0)
+    assert ok and kv is not None and kv.value == b"first" and kv.create_revision == revision
+    ok, kv, _, again = client.compare_and_put(key_prefix + "/k", b"second", mod_revision=0)
+    assert not ok and kv is not None and kv.value == b"first"
+    assert again == revision  # a failed comparison writes nothing
+
+
+def test_compare_and_put_fails_on_a_stale_mod_revision_and_returns_the_current_value(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    first = client.put(key_prefix + "/k", b"1")
+    current = client.put(key_prefix + "/k", b"2")
+    ok, kv, _, revision = client.compare_and_put(key_prefix + "/k", b"3", mod_revision=first)
+    assert not ok and kv is not None and (kv.value, kv.mod_revision) == (b"2", current)
+    assert revision == current
+
+
+def test_compare_and_put_on_the_current_mod_revision_writes_and_returns_the_new_value(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    current = client.put(key_prefix + "/k", b"1")
+    ok, kv, _, revision = client.compare_and_put(key_prefix + "/k", b"2", mod_revision=current)
+    assert ok and revision == current + 1
+    assert kv is not None and (kv.value, kv.mod_revision, kv.create_revision, kv.version) == (
+        b"2",
+        revision,
+        current,
+        2,
+    )
+
+
+def test_compare_and_put_reads_the_prefix_in_the_same_transaction(client: EtcdClient, key_prefix: str) -> None:
+    client.put(key_prefix + "/m/a", b"a")
+    ok, _, under, _ = client.compare_and_put(
+        key_prefix + "/m/b", b"b", mod_revision=0, read_prefix=key_prefix + "/m/"
+    )
+    assert ok and [kv.key for kv in under] == [key_prefix + "/m/a", key_prefix + "/m/b"]  # sees its own put
+    ok, _, under, _ = client.compare_and_put(
+        key_prefix + "/m/b", b"c", mod_revision=0, read_prefix=key_prefix + "/m/"
+    )
+    assert not ok and [kv.value for kv in under] == [b"a", b"b"]  # the current values on failure
+
+
+def test_compare_and_put_refuses_a_stale_fencing_guard_and_writes_nothing(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    fence_at = client.put(key_prefix + "/leader", b"a")
+    ok, _, _, _ = client.compare_and_put(
+        key_prefix + "/k", b"1", mod_revision=0, guard=(key_prefix + "/leader", fence_at)
+    )
+    assert ok
+    client.delete(key_prefix + "/leader")
+    client.put(key_prefix + "/leader", b"b")  # recreated: a new create revision
+    kv, _ = client.get(key_prefix + "/k")
+    assert kv is not None
+    ok, cur, _, _ = client.compare_and_put(
+        key_prefix + "/k", b"2", mod_revision=kv.mod_revision, guard=(key_prefix + "/leader", fence_at)
+    )
+    assert not ok and cur is not None and cur.value == b"1"
+
+
+def test_compare_and_put_attaches_the_lease_to_the_key(client: EtcdClient, key_prefix: str) -> None:
+    lease = client.grant_lease(timedelta(seconds=10))
+    ok, kv, _, _ = client.compare_and_put(key_prefix + "/k", b"v", mod_revision=0, lease=lease)
+    assert ok and kv is not None and kv.lease == lease
+    client.revoke_lease(lease)
+    assert client.get(key_prefix + "/k")[0] is None
+
+
+def test_a_put_on_a_gone_lease_is_refused_and_writes_nothing(client: EtcdClient, key_prefix: str) -> None:
+    lease = client.grant_lease(timedelta(seconds=10))
+    client.revoke_lease(lease)
+    before = client.ping()
+    with pytest.raises(EtcdError):
+        client.put(key_prefix + "/k", b"v", lease=lease)
+    with pytest.raises(EtcdError):
+        client.compare_and_put(key_prefix + "/k", b"v", mod_revision=0, lease=lease)
+    assert client.get(key_prefix + "/k") == (None, before)
+
+
+# -- commit ------------------------------------------------------------------------------------------
+def test_commit_applies_puts_deletes_and_prefix_deletes_in_one_revision(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    for key in ("/gone", "/r/1", "/r/2", "/r0"):
+        client.put(key_prefix + key, b"old")
+    before = client.ping()
+    ok, revision = client.commit(
+        [(key_prefix + "/new", b"n"), (key_prefix + "/r0", b"kept")],
+        [key_prefix + "/gone"],
+        delete_prefixes=[key_prefix + "/r/"],
+    )
+    assert ok and revision == before + 1
+    kvs, _ = client.get_prefix(key_prefix + "/")
+    assert {kv.key: (kv.value, kv.mod_revision) for kv in kvs} == {
+        key_prefix + "/new": (b"n", revision),
+        key_prefix + "/r0": (b"kept", revision),
+    }
+
+
+def test_commit_with_a_failed_expectation_applies_nothing_and_keeps_the_revision(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    stale = client.put(key_prefix + "/status", b"1")
+    client.put(key_prefix + "/status", b"2")
+    client.put(key_prefix + "/doomed", b"d")
+    before = client.ping()
+    ok, revision = client.commit(
+        [(key_prefix + "/status", b"3")], [key_prefix + "/doomed"], expect=[(key_prefix + "/status", stale)]
+    )
+    assert (ok, revision) == (False, before)
+    assert [kv.value for kv in client.get_prefix(key_prefix + "/")[0]] == [b"d", b"2"]
+
+
+def test_commit_expecting_revision_zero_requires_the_key_to_be_absent(client: EtcdClient, key_prefix: str) -> None:
+    ok, _ = client.commit([(key_prefix + "/job", b"1")], expect=[(key_prefix + "/job", 0)])
+    assert ok
+    ok, _ = client.commit([(key_prefix + "/job", b"2")], expect=[(key_prefix + "/job", 0)])
+    assert not ok
+    assert client.get(key_prefix + "/job")[0].value == b"1"  # type: ignore[union-attr]
+
+
+def test_commit_guard_fails_once_the_fencing_key_is_deleted_or_recreated(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    fence = (key_prefix + "/leader", client.put(key_prefix + "/leader", b"a"))
+    assert client.commit([(key_prefix + "/x", b"1")], guard=fence)[0]
+    client.put(key_prefix + "/leader", b"a again")  # rewritten, not recreated: the token holds
+    assert client.commit([(key_prefix + "/x", b"2")], guard=fence)[0]
+    client.delete(key_prefix + "/leader")
+    assert not client.commit([(key_prefix + "/x", b"3")], guard=fence)[0]
+    client.put(key_prefix + "/leader", b"b")
+    assert not client.commit([(key_prefix + "/x", b"4")], guard=fence)[0]
+    assert client.get(key_prefix + "/x")[0].value == b"2"  # type: ignore[union-attr]
+
+
+def test_commit_that_changes_nothing_keeps_the_revision(client: EtcdClient, key_prefix: str) -> None:
+    before = client.put(key_prefix + "/k", b"v")
+    assert client.commit(deletes=[key_prefix + "/missing"], delete_prefixes=[key_prefix + "/none/"]) == (
+        True,
+        before,
+    )
+
+
+def test_commit_puts_carry_no_lease_and_so_detach_the_key(client: EtcdClient, key_prefix: str) -> None:
+    lease = client.grant_lease(timedelta(seconds=10))
+    client.put(key_prefix + "/k", b"leased", lease=lease)
+    client.commit([(key_prefix + "/k", b"plain")])
+    client.revoke_lease(lease)
+    kv, _ = client.get(key_prefix + "/k")
+    assert kv is not None and (kv.value, kv.lease) == (b"plain", 0)
+
+
+# -- leases ------------------------------------------------------------------------------------------
+def test_a_granted_lease_has_an_id_and_keep_alive_reports_a_positive_ttl(client: EtcdClient) -> None:
+    lease = client.grant_lease(timedelta(seconds=5))
+    try:
+        assert lease != 0
+        assert 1 <= client.keep_alive_once(lease) <= 5
+    finally:
+        client.revoke_lease(lease)
+
+
+def test_revoking_a_lease_deletes_its_keys_in_one_revision(client: EtcdClient, key_prefix: str) -> None:
+    lease = client.grant_lease(timedelta(seconds=10))
+    client.put(key_prefix + "/a", b"1", lease=lease)
+    before = client.put(key_prefix + "/b", b"2", lease=lease)
+    client.put(key_prefix + "/c", b"3")
+    client.revoke_lease(lease)
+    kvs, revision = client.get_prefix(key_prefix + "/")
+    assert [kv.key for kv in kvs] == [key_prefix + "/c"]
+    assert revision == before + 2  # the unleased put, then one revision for both deletions
+
+
+def test_revoking_a_gone_lease_does_nothing_and_keep_alive_reports_it_gone(client: EtcdClient) -> None:
+    lease = client.grant_lease(timedelta(seconds=10))
+    client.revoke_lease(lease)
+    client.revoke_lease(lease)
+    assert client.keep_alive_once(lease) <= 0
+
+
+def test_putting_without_a_lease_detaches_the_key_from_its_lease(client: EtcdClient, key_prefix: str) -> None:
+    lease = client.grant_lease(timedelta(seconds=10))
+    client.put(key_prefix + "/k", b"leased", lease=lease)
+    client.put(key_prefix + "/k", b"plain")
+    client.revoke_lease(lease)
+    kv, _ = client.get(key_prefix + "/k")
+    assert kv is not None and kv.value == b"plain"
+
+
+def test_an_expired_lease_deletes_its_keys(cluster: Cluster, client: EtcdClient, key_prefix: str) -> None:
+    lease = client.grant_lease(timedelta(seconds=1))
+    client.put(key_prefix + "/k", b"v", lease=lease)
+    client.put(key_prefix + "/plain", b"v")
+    cluster.advance(2.5)  # past any TTL a cluster gives a 1 s request (a real etcd's minimum is 2 s)
+    assert eventually(lambda: client.get(key_prefix + "/k")[0] is None)
+    assert client.get(key_prefix + "/plain")[0] is not None
+    assert client.keep_alive_once(lease) <= 0
+
+
+def test_keep_alive_once_postpones_expiry(cluster: Cluster, client: EtcdClient, key_prefix: str) -> None:
+    lease = client.grant_lease(timedelta(seconds=3))
+    ttl = client.keep_alive_once(lease)
+    client.put(key_prefix + "/k", b"v", lease=lease)
+    cluster.advance(ttl * 0.6)
+    assert client.keep_alive_once(lease) == ttl
+    cluster.advance(ttl * 0.6)  # past the first deadline, within the refreshed one
+    assert client.get(key_prefix + "/k")[0] is not None
+    cluster.advance(ttl * 0.6)
+    assert eventually(lambda: client.get(key_prefix + "/k")[0] is None)
+
+
+# -- watches -----------------------------------------------------------------------------------------
+def test_wait_for_event_wakes_on_a_later_write_before_its_timeout(client: EtcdClient, key_prefix: str) -> None:
+    key = key_prefix + "/k"
+    _, revision = client.get(key)
+    later(0.3, lambda: client.put(key, b"v"))
+    started = time.monotonic()
+    assert client.wait_for_event(key, revision + 1, timedelta(seconds=20)) is True
+    assert time.monotonic() - started < 10
+
+
+def test_wait_for_event_counts_a_change_already_made_at_the_start_revision(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    revision = client.put(key_prefix + "/k", b"v")
+    client.put(key_prefix + "/other", b"v")
+    assert client.wait_for_event(key_prefix + "/k", revision, SHORT) is True
+    assert client.wait_for_event(key_prefix + "/k", revision + 1, SHORT) is False
+
+
+def test_wait_for_event_returns_false_at_its_timeout_when_nothing_changes(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    started = time.monotonic()
+    assert client.wait_for_event(key_prefix + "/quiet", client.ping() + 1, SHORT) is False
+    assert time.monotonic() - started >= SHORT.total_seconds() * 0.9
+
+
+def test_wait_for_event_from_revision_zero_ignores_the_past(client: EtcdClient, key_prefix: str) -> None:
+    client.put(key_prefix + "/k", b"v")
+    assert client.wait_for_event(key_prefix + "/k", 0, SHORT) is False
+
+
+def test_wait_for_event_on_a_prefix_wakes_for_a_key_under_it_but_not_for_a_sibling(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    start = client.ping() + 1
+    client.put(key_prefix + "/w0", b"sibling")
+    assert client.wait_for_event(key_prefix + "/w/", start, SHORT, prefix=True) is False
+    later(0.2, lambda: client.put(key_prefix + "/w/deep/key", b"v"))
+    assert client.wait_for_event(key_prefix + "/w/", start, timedelta(seconds=20), prefix=True) is True
+
+
+def test_wait_for_event_on_one_key_ignores_the_keys_under_it(client: EtcdClient, key_prefix: str) -> None:
+    start = client.ping() + 1
+    client.put(key_prefix + "/k/child", b"v")
+    assert client.wait_for_event(key_prefix + "/k", start, SHORT) is False
+
+
+def test_wait_for_event_wakes_on_a_delete(client: EtcdClient, key_prefix: str) -> None:
+    revision = client.put(key_prefix + "/k", b"v")
+    later(0.2, lambda: client.delete(key_prefix + "/k"))
+    assert client.wait_for_event(key_prefix + "/k", revision + 1, timedelta(seconds=20)) is True
+
+
+def test_wait_for_event_wakes_when_a_lease_expiry_deletes_the_key(
+    cluster: Cluster, client: EtcdClient, key_prefix: str
+) -> None:
+    lease = client.grant_lease(timedelta(seconds=1))
+    revision = client.put(key_prefix + "/k", b"v", lease=lease)
+    if cluster.kind == "memory":
+        later(0.2, lambda: cluster.advance(2.5))  # a waiter notices a clock's move within memory.TICK
+    assert client.wait_for_event(key_prefix + "/k", revision + 1, timedelta(seconds=20)) is True
+    assert client.get(key_prefix + "/k")[0] is None
+
+
+def test_a_second_client_of_the_cluster_sees_the_writes_and_wakes_the_watches_of_the_first(
+    cluster: Cluster, client: EtcdClient, key_prefix: str
+) -> None:
+    other = cluster.new_client()
+    start = client.ping() + 1
+    later(0.2, lambda: other.put(key_prefix + "/k", b"from other"))
+    assert client.wait_for_event(key_prefix + "/k", start, timedelta(seconds=20)) is True
+    assert client.get(key_prefix + "/k")[0].value == b"from other"  # type: ignore[union-attr]
+
+
+class _Revisions:
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, revision: int) -> None:
+        with self.cond:
+            self.seen.append(revision)
+            self.cond.notify_all()
+
+    def wait_for(self, revision: int, timeout: float = 20) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: bool(self.seen) and self.seen[-1] >= revision, timeout)
+
+
+def _watch(client: EtcdClient, key: str, start: int, prefix: bool) -> tuple[_Revisions, threading.Event, threading.Thread]:
+    seen, stop = _Revisions(), threading.Event()
+    thread = threading.Thread(
+        target=client.watch_revisions, args=(key, start, seen, stop), kwargs={"prefix": prefix}, daemon=True
+    )
+    thread.start()
+    return seen, stop, thread
+
+
+def test_watch_revisions_replays_from_its_start_then_reports_new_changes_in_increasing_order(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    first = client.put(key_prefix + "/s/a", b"1")
+    seen, stop, thread = _watch(client, key_prefix + "/s/", first, prefix=True)
+    try:
+        assert seen.wait_for(first)
+        last = 0
+        for i in range(3):
+            last = client.put(key_prefix + f"/s/{i}", b"v")
+        client.put(key_prefix + "/s0", b"sibling")  # outside the prefix
+        assert seen.wait_for(last)
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert seen.seen == sorted(set(seen.seen)) and seen.seen[0] == first and seen.seen[-1] == last
+
+
+def test_watch_revisions_returns_promptly_once_stop_is_set(client: EtcdClient, key_prefix: str) -> None:
+    seen, stop, thread = _watch(client, key_prefix + "/quiet", client.ping() + 1, prefix=False)
+    time.sleep(0.2)
+    started = time.monotonic()
+    stop.set()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and time.monotonic() - started < 5
+    assert seen.seen == []
