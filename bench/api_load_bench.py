@@ -35,6 +35,7 @@ sys.path.insert(0, str(HERE))
 
 from _stats import p95  # noqa: E402
 
+from elastic.env import PREFIX  # noqa: E402
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port  # noqa: E402
 
 TOKEN = "bench-admin-token-0123456789abcdef"
@@ -98,7 +99,7 @@ class Controller:
         self.port = free_port()
         tokens = workdir / "tokens.json"
         tokens.write_text(json.dumps({"tokens": [{"token": TOKEN, "role": "admin", "name": "bench"}]}))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ETRAIN_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}  # no settings of the caller's
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         self.log = workdir / "controller.log"
         with open(self.log, "ab") as log:

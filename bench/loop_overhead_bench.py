@@ -22,6 +22,8 @@ import time
 import uuid
 from pathlib import Path
 
+from elastic import compat
+from elastic.env import LOCAL_SNAPSHOT_DIR, LOCAL_SNAPSHOT_EVERY
 from elastic.testing.etcd_server import LocalEtcdCluster
 
 HERE = Path(__file__).resolve().parent
@@ -39,16 +41,17 @@ def _run(mode: str, etcd: LocalEtcdCluster, steps: int, work: Path, save_every: 
            "--mode", "plain" if mode == "plain" else "elastic", "--steps", str(steps), "--out", str(out)]  # fmt: skip
     # Same checkpoint interval for both: plain DDP saves synchronously from rank 0 with torch.save.
     cmd += ["--checkpoint-url", str(work / f"ck-{uuid.uuid4().hex[:6]}"), "--save-every", str(save_every)]
-    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
-    env.pop("ETRAIN_LOCAL_SNAPSHOT_EVERY", None)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    compat.disable_shared_rdzv_store(env, override=True)  # the --standalone run too: both alike
+    env.pop(LOCAL_SNAPSHOT_EVERY, None)
     if mode == "elastic-local":  # in memory where there is a /dev/shm, as in production
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
-        env.update(ETRAIN_LOCAL_SNAPSHOT_EVERY="1", ETRAIN_LOCAL_SNAPSHOT_DIR=str(shm / f"etrain-ovh-{out.stem}"))
+        env.update({LOCAL_SNAPSHOT_EVERY: "1", LOCAL_SNAPSHOT_DIR: str(shm / f"etrain-ovh-{out.stem}")})
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     finally:
-        if "ETRAIN_LOCAL_SNAPSHOT_DIR" in env:
-            shutil.rmtree(env["ETRAIN_LOCAL_SNAPSHOT_DIR"], ignore_errors=True)
+        if LOCAL_SNAPSHOT_DIR in env:
+            shutil.rmtree(env[LOCAL_SNAPSHOT_DIR], ignore_errors=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     got = json.loads(out.read_text())

@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE))
 
 from _stats import summarize  # noqa: E402
 
+from elastic.env import LOCAL_SNAPSHOT_DIR  # noqa: E402
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port  # noqa: E402
 from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command  # noqa: E402
 from elastic.testing.wait import wait_until  # noqa: E402
@@ -109,7 +110,7 @@ class Job:
             rdzv_conf=self.system.conf, max_restarts=100, script=WORKER, script_args=args,
             prefork=self.system.prefork,
         )  # fmt: skip
-        env = {"LOGLEVEL": "WARNING", "ETRAIN_LOCAL_SNAPSHOT_DIR": str(self.shm)}  # in memory, removed by stop()
+        env = {"LOGLEVEL": "WARNING", LOCAL_SNAPSHOT_DIR: str(self.shm)}  # in memory, removed by stop()
         agent = TorchrunAgent(cmd, self.dir / f"{name}.log", env=env).start()
         self.agents.append(agent)
         return agent

@@ -41,7 +41,7 @@ from elastic.testing.etcd_server import LocalEtcdCluster, free_port
 from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command
 from elastic.testing.wait import wait_until
 
-os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+compat.disable_shared_rdzv_store()  # the c10d handlers built here too: both backends alike
 
 
 def _params(backend: str, endpoint: str, run_id: str, n: int, **conf: Any) -> RendezvousParameters:

@@ -53,6 +53,7 @@ __all__ = [
     "MAX_NODES",
     "MIN_NODES",
     "NODE_NAME",
+    "PREFIX",
     "PREFORK",
     "PREFORK_CLIENT",
     "PREFORK_DIR",
@@ -64,6 +65,8 @@ __all__ = [
     "parse_lr_policy",
 ]
 
+#: Every variable of the project starts with it (the job service reserves it in a job's ``env``).
+PREFIX = "ETRAIN_"
 # -- the job service's identity of a worker's job (written by the node agent, all or none) ---------------
 JOB_ID = "ETRAIN_JOB_ID"
 JOB_NAME = "ETRAIN_JOB_NAME"

@@ -10,9 +10,7 @@ progress (step, world size, loss, committed checkpoint) to the service.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import time
 
 import torch
@@ -20,21 +18,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic import ElasticConfig, ElasticTrainer, LRPolicy
+from elastic import ElasticConfig, ElasticTrainer, LRPolicy, LRRule
+from elastic.env import WorkerEnv
 from elastic.loop import StepInfo
 
 logger = logging.getLogger("demo_job")
 
 
 def _policy(batch: int) -> LRPolicy:
-    spec = json.loads(os.environ.get("ETRAIN_LR_POLICY") or "{}")
-    return LRPolicy(
-        spec.get("scaling", "linear"),
-        float(spec.get("base_lr", 0.02)),
-        int(spec.get("base_world_size", 1)),
-        int(spec.get("base_batch_per_worker", batch)),
-        warmup_steps=int(spec.get("warmup_steps", 0)),
-    )
+    """The job's policy under the service; else (plain torchrun) linear from 0.02 at one worker."""
+    job = WorkerEnv.from_environ().job
+    return job.lr_policy if job is not None else LRPolicy(LRRule.LINEAR, 0.02, 1, batch)
 
 
 def main() -> int:

@@ -56,10 +56,10 @@ class ManualClock:
             self._now += seconds
 
 
+# The requests of a transaction, as etcd has them. A range's ``end`` None means just ``key``, b"\0" every
+# key from ``key`` on; a compare holds if ``key``'s mod (or create) revision is ``revision`` (0: no key).
 @dataclass(frozen=True)
 class _Cmp:
-    """``key``'s mod (or create) revision equals ``revision`` (0: the key does not exist)."""
-
     key: bytes
     target: Literal["mod", "create"]
     revision: int
@@ -75,7 +75,7 @@ class _Put:
 @dataclass(frozen=True)
 class _Delete:
     key: bytes
-    end: bytes | None = None  # None: just ``key``; b"\0": every key from ``key`` on
+    end: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,7 @@ class _Range:
 
 _Op = _Put | _Delete | _Range
 _Result = list[KeyValue] | int | None  # a range's keys, a delete's count, a put's nothing
+_TxnResult = tuple[bool, list[_Result], int]
 
 
 @dataclass
@@ -117,15 +118,43 @@ def _check_key(key: bytes) -> None:
         raise EtcdError("etcdserver: key is not provided")
 
 
+def _check_ops(ops: Sequence[_Op], max_ops: int) -> int:
+    """Refuse what etcd refuses in one branch of a transaction; return the bytes it carries."""
+    if len(ops) > max_ops:
+        raise EtcdError("etcdserver: too many operations in txn request")
+    puts = [op.key for op in ops if isinstance(op, _Put)]
+    if len(set(puts)) < len(puts):
+        raise EtcdError("etcdserver: duplicate key given in txn request")
+    for op in ops:
+        _check_key(op.key)
+        if isinstance(op, _Delete) and any(_in_range(k, op.key, op.end) for k in puts):
+            raise EtcdError("etcdserver: duplicate key given in txn request")
+    return sum(len(op.key) + (len(op.value) if isinstance(op, _Put) else len(op.end or b"")) for op in ops)
+
+
 class MemoryEtcdServer:
-    """One modelled cluster, shared by any number of :class:`MemoryEtcdClient` (thread-safe)."""
+    """One modelled cluster, shared by any number of :class:`MemoryEtcdClient` (thread-safe).
+
+    It refuses what a real cluster refuses: more than ``max_txn_ops`` operations in a branch of a
+    transaction (etcd's ``--max-txn-ops``), a request over ``max_request_bytes`` of keys and values
+    (``--max-request-bytes``), one key put twice or put and deleted in one transaction, an empty key.
+    Leases get at least ``min_lease_ttl`` seconds (a real cluster's minimum depends on its election timeout).
+    """
 
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, *, name: str = "memory", min_lease_ttl: int = 1
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        name: str = "memory",
+        min_lease_ttl: int = 1,
+        max_txn_ops: int = 128,
+        max_request_bytes: int = 1536 * 1024,
     ) -> None:
         self.name = name
         self._clock = clock
         self._min_lease_ttl = max(1, min_lease_ttl)
+        self._max_txn_ops = max_txn_ops
+        self._max_request_bytes = max_request_bytes
         self._cond = threading.Condition()
         self._revision = 1  # a new etcd cluster answers at revision 1
         self._data: dict[bytes, _Entry] = {}
@@ -145,7 +174,6 @@ class MemoryEtcdServer:
             return self._revision
 
     def lease_ids(self) -> list[int]:
-        """The live leases (after expiring those whose TTL passed)."""
         with self._cond:
             self._expire_locked()
             return sorted(self._leases)
@@ -156,18 +184,19 @@ class MemoryEtcdServer:
             self._expire_locked()
 
     # -- key/value -----------------------------------------------------------------------------------
-    def txn(
-        self, compares: Sequence[_Cmp], success: Sequence[_Op], failure: Sequence[_Op] = ()
-    ) -> tuple[bool, list[_Result], int]:
+    def txn(self, compares: Sequence[_Cmp], success: Sequence[_Op], failure: Sequence[_Op] = ()) -> _TxnResult:
         """Run one transaction: ``success`` if every compare holds, else ``failure``, atomically.
 
         Returns ``(compares held, one result per op run, revision after it)``. The revision rises by one
         if the ops changed something. A put naming a lease that is not live fails the whole transaction
-        with :class:`EtcdError`, before anything is written."""
+        with :class:`EtcdError`, before anything is written, as does a request etcd refuses outright."""
+        if len(compares) > self._max_txn_ops:
+            raise EtcdError("etcdserver: too many operations in txn request")
         for cmp in compares:
             _check_key(cmp.key)
-        for op in (*success, *failure):
-            _check_key(op.key)
+        size = _check_ops(success, self._max_txn_ops) + _check_ops(failure, self._max_txn_ops)
+        if size + sum(len(c.key) for c in compares) > self._max_request_bytes:
+            raise EtcdError("etcdserver: request is too large")
         with self._cond:
             self._expire_locked()
             ok = all(self._holds(c) for c in compares)
@@ -340,11 +369,9 @@ class MemoryEtcdClient(EtcdClient):
         if not self._reachable.is_set():
             raise EtcdConnectionError(f"etcd unreachable at {self.endpoints_label} (client cut off)")
 
-    def _txn(
-        self, compares: Sequence[_Cmp], success: Sequence[_Op], failure: Sequence[_Op] = ()
-    ) -> tuple[bool, list[_Result], int]:
+    def _txn(self, cmps: Sequence[_Cmp], ops: Sequence[_Op], failure: Sequence[_Op] = ()) -> _TxnResult:
         self._check()
-        return self.server.txn(compares, success, failure)
+        return self.server.txn(cmps, ops, failure)
 
     @staticmethod
     def _prefix_range(prefix: str) -> _Range:
@@ -354,8 +381,8 @@ class MemoryEtcdClient(EtcdClient):
         self._check()
         return self.server.revision
 
-    def close(self) -> None:
-        """Nothing to release (the server outlives its clients)."""
+    def close(self) -> None:  # nothing to release: the server outlives its clients
+        pass
 
     # -- reads ---------------------------------------------------------------------------------------
     def get(self, key: str) -> tuple[KeyValue | None, int]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic import compat
 from elastic.prefork import worker_tree
 
 WORKER = str(Path(__file__).with_name("allreduce_worker.py"))
@@ -58,7 +59,7 @@ class TorchrunAgent:
 
     def start(self) -> TorchrunAgent:
         env = dict(os.environ)
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        compat.disable_shared_rdzv_store(env)  # for the c10d baselines too: the same setting as etcd-v3
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.update(self.env)

@@ -23,10 +23,12 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Protocol
 
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from elastic.etcd.lease import LeaseKeeper
@@ -37,17 +39,40 @@ from service.core.store import ServiceStore, create_store
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AgentError", "NodeAgent", "create_agent"]
+__all__ = ["AgentError", "Launcher", "NodeAgent", "WorkerProcess", "create_agent"]
 
 
 class AgentError(RuntimeError):
     """The agent cannot start (its node name is taken by a live agent)."""
 
 
+class WorkerProcess(Protocol):
+    """A started torchrun, as the agent handles it (:class:`~service.agent.launcher.TorchrunProcess`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None:
+        """The exit code, or None while it runs."""
+        ...
+
+    def stop(self, grace: timedelta) -> int:
+        """Stop it (SIGTERM, then SIGKILL after ``grace``); return its exit code."""
+        ...
+
+    def tail(self) -> str:
+        """The end of its log."""
+        ...
+
+
+Launcher = Callable[[Sequence[str], Mapping[str, str], str, Path], WorkerProcess]
+"""Starts ``(command, environment, working directory, log path)``; raises ``OSError`` if it cannot."""
+
+
 @dataclass
 class _Running:
     assignment: Assignment
-    process: TorchrunProcess
+    process: WorkerProcess
 
 
 def _now() -> datetime:
@@ -55,10 +80,16 @@ def _now() -> datetime:
 
 
 class NodeAgent:
-    """One node's agent; ``run(stop)`` blocks until ``stop`` is set, then stops its workers and leaves."""
+    """One node's agent; ``run(stop)`` blocks until ``stop`` is set, then stops its workers and leaves.
 
-    def __init__(self, settings: AgentSettings, client: EtcdClient | None = None) -> None:
+    ``launcher`` starts one torchrun (default :meth:`TorchrunProcess.start`); tests pass a fake.
+    """
+
+    def __init__(
+        self, settings: AgentSettings, client: EtcdClient | None = None, *, launcher: Launcher | None = None
+    ) -> None:
         self.settings = settings
+        self._launcher: Launcher = launcher if launcher is not None else TorchrunProcess.start
         self._own_client = client is None
         self._etcd_config = settings.etcd.config()
         self.client = client or create_client(self._etcd_config)
@@ -167,7 +198,7 @@ class NodeAgent:
             )
             return
         try:
-            proc = TorchrunProcess.start(cmd, env, cwd, log_path)
+            proc = self._launcher(cmd, env, cwd, log_path)
         except OSError as exc:
             self._finished.add((a.job_id, a.generation))
             self._report(
@@ -328,5 +359,7 @@ class NodeAgent:
         logger.info("agent health endpoint on port %d", port)
 
 
-def create_agent(settings: AgentSettings, client: EtcdClient | None = None) -> NodeAgent:
-    return NodeAgent(settings, client)
+def create_agent(
+    settings: AgentSettings, client: EtcdClient | None = None, *, launcher: Launcher | None = None
+) -> NodeAgent:
+    return NodeAgent(settings, client, launcher=launcher)

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import elastic
 from elastic.etcd import EtcdClient, EtcdError, create_client
+from service.api.admission import DEFAULT_MAX_BODY_BYTES, Admission
 from service.api.routes import jobs, nodes, system
 from service.controller.loop import Controller, create_controller
 from service.controller.metrics import Metrics, create_metrics
@@ -110,7 +111,8 @@ def create_app(settings: Settings, client: EtcdClient | None = None) -> FastAPI:
         logger.warning("%s %s: %s", request.method, request.url.path, exc)
         return JSONResponse({"detail": f"etcd unavailable: {exc}"}, status_code=503)
 
-    app.add_middleware(_RequestMetrics, metrics=metrics)
+    app.add_middleware(Admission, tokens=settings.tokens, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
+    app.add_middleware(_RequestMetrics, metrics=metrics)  # added last: outermost, it counts refusals too
 
     app.include_router(jobs.router)
     app.include_router(nodes.router)

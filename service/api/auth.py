@@ -17,7 +17,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from service.core.config import Role, TokenEntry
 
-__all__ = ["Principal", "authenticate", "require"]
+__all__ = ["Principal", "authenticate", "bearer_token", "require"]
 
 _bearer = HTTPBearer(auto_error=False, description="a token from the controller's --tokens-file")
 
@@ -44,6 +44,12 @@ def authenticate(tokens: Sequence[TokenEntry] | None, presented: str | None) -> 
     return found
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header (the scheme case-insensitive), else None."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
 def require(role: Role) -> Callable[..., Awaitable[Principal]]:
     """A FastAPI dependency admitting callers with ``role`` (admin satisfies read)."""
 
@@ -51,7 +57,7 @@ def require(role: Role) -> Callable[..., Awaitable[Principal]]:
         request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
     ) -> Principal:
         tokens: Sequence[TokenEntry] | None = request.app.state.settings.tokens
-        presented = credentials.credentials if credentials is not None else None
+        presented = bearer_token(request.headers.get("authorization"))  # (``credentials``: for the docs)
         principal = authenticate(tokens, presented)
         if principal is None:
             raise HTTPException(

@@ -19,21 +19,49 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from elastic import compat
+from elastic import env as contract
 from elastic.etcd import EtcdConnectionError, EtcdError, check_reachable
+from elastic.etcd.config import EtcdOptions
 from service.cli.client import ApiClient, ApiError, load_job_file
 from service.cli.render import event_line, job_table, job_text, node_table, progress_line
-from service.core.config import AgentSettings, ConfigError, EtcdOptions, Settings, load_tokens
+from service.core.config import AgentSettings, ConfigError, Settings, load_tokens
 
 __all__ = ["main"]
 
 _TERMINAL = {"succeeded", "failed", "cancelled"}
 
+# The variables that give flags their defaults: the CLI's own here; the etcd connection and the node name
+# are the names the agent passes to workers (elastic.env), so that one set of variables serves both.
+ENV_ETCD_CONNECT_TIMEOUT = "ETRAIN_ETCD_CONNECT_TIMEOUT"
+ENV_PREFIX = "ETRAIN_PREFIX"
+ENV_LOG_LEVEL = "ETRAIN_LOG_LEVEL"
+ENV_HOST = "ETRAIN_HOST"
+ENV_PORT = "ETRAIN_PORT"
+ENV_TOKENS_FILE = "ETRAIN_TOKENS_FILE"
+ENV_CHECKPOINT_ROOT = "ETRAIN_CHECKPOINT_ROOT"
+ENV_LEADER_TTL = "ETRAIN_LEADER_TTL"
+ENV_NPROC_PER_NODE = "ETRAIN_NPROC_PER_NODE"
+ENV_WORK_DIR = "ETRAIN_WORK_DIR"
+ENV_RDZV_HOST = "ETRAIN_RDZV_HOST"
+ENV_SOCKET_IFNAME = "ETRAIN_SOCKET_IFNAME"
+ENV_HEALTH_PORT = "ETRAIN_HEALTH_PORT"
+ENV_LEASE_TTL = "ETRAIN_LEASE_TTL"
+ENV_SERVER = "ETRAIN_SERVER"
+ENV_TOKEN = "ETRAIN_TOKEN"
+
 
 def _env(name: str, default: str | None = None) -> str | None:
     value = os.environ.get(name)
     return value if value not in (None, "") else default
+
+
+def _add(p: argparse.ArgumentParser, flag: str, var: str, help: str = "", default: str | None = None,
+         **kwargs: Any) -> None:
+    """``flag``, defaulting to ``$var`` (argparse converts a string default with the flag's ``type``)."""
+    p.add_argument(flag, default=_env(var, default), help=f"{help} ({var})".lstrip(), **kwargs)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -62,44 +90,28 @@ def _setup_logging(level: str) -> None:
 
 # -- server commands -------------------------------------------------------------------------------------
 def _add_etcd_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--etcd",
-        default=_env("ETRAIN_ETCD_ENDPOINTS"),
-        help="etcd endpoints host:port,... (ETRAIN_ETCD_ENDPOINTS)",
-    )
-    p.add_argument(
-        "--etcd-ca-cert", default=_env("ETRAIN_ETCD_CA_CERT"), help="CA bundle (ETRAIN_ETCD_CA_CERT)"
-    )
-    p.add_argument(
-        "--etcd-cert", default=_env("ETRAIN_ETCD_CERT"), help="client certificate (ETRAIN_ETCD_CERT)"
-    )
-    p.add_argument("--etcd-key", default=_env("ETRAIN_ETCD_KEY"), help="client key (ETRAIN_ETCD_KEY)")
-    p.add_argument("--etcd-user", default=_env("ETRAIN_ETCD_USER"), help="etcd user (ETRAIN_ETCD_USER)")
-    p.add_argument(
-        "--etcd-password-file",
-        default=_env("ETRAIN_ETCD_PASSWORD_FILE"),
-        help="file holding the etcd password (ETRAIN_ETCD_PASSWORD_FILE)",
-    )
-    p.add_argument(
-        "--etcd-connect-timeout",
-        type=float,
-        default=float(_env("ETRAIN_ETCD_CONNECT_TIMEOUT", "5") or 5),
-        help="seconds to wait for etcd at start-up (ETRAIN_ETCD_CONNECT_TIMEOUT)",
-    )
-    p.add_argument(
-        "--prefix", default=_env("ETRAIN_PREFIX", "/etrain"), help="etcd key prefix (ETRAIN_PREFIX)"
-    )
-    p.add_argument("--log-level", default=_env("ETRAIN_LOG_LEVEL", "info"), help="(ETRAIN_LOG_LEVEL)")
+    _add(p, "--etcd", contract.ETCD_ENDPOINTS, "etcd endpoints host:port,...")
+    _add(p, "--etcd-ca-cert", contract.ETCD_CA_CERT, "CA bundle")
+    _add(p, "--etcd-cert", contract.ETCD_CERT, "client certificate")
+    _add(p, "--etcd-key", contract.ETCD_KEY, "client key")
+    _add(p, "--etcd-user", contract.ETCD_USER, "etcd user")
+    _add(p, "--etcd-password-file", contract.ETCD_PASSWORD_FILE, "file holding the etcd password")
+    _add(p, "--etcd-connect-timeout", ENV_ETCD_CONNECT_TIMEOUT, "seconds to wait for etcd at start-up", "5",
+         type=float)  # fmt: skip
+    _add(p, "--prefix", ENV_PREFIX, "etcd key prefix", "/etrain")
+    _add(p, "--log-level", ENV_LOG_LEVEL, default="info")
 
 
 def _etcd_options(args: argparse.Namespace) -> EtcdOptions:
     if not args.etcd:
-        raise ConfigError("no etcd endpoints: pass --etcd or set ETRAIN_ETCD_ENDPOINTS")
+        raise ConfigError(f"no etcd endpoints: pass --etcd or set {contract.ETCD_ENDPOINTS}")
+    if args.etcd_user and not args.etcd_password_file:
+        raise ConfigError("--etcd-user needs --etcd-password-file")
     return EtcdOptions(
         endpoints=args.etcd,
         ca_cert=args.etcd_ca_cert,
         cert=args.etcd_cert,
-        key=args.etcd_key,
+        cert_key=args.etcd_key,
         user=args.etcd_user,
         password_file=args.etcd_password_file,
         connect_timeout=timedelta(seconds=args.etcd_connect_timeout),
@@ -107,7 +119,10 @@ def _etcd_options(args: argparse.Namespace) -> EtcdOptions:
 
 
 def _check_etcd(options: EtcdOptions) -> None:
-    config = options.config()
+    try:
+        config = options.config()
+    except ValueError as exc:
+        raise ConfigError(f"etcd settings: {exc}") from exc
     check_reachable(config, timeout=options.connect_timeout)
 
 
@@ -149,7 +164,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_level)
     if not args.node_name:
-        return _fail("agent: --node-name (or ETRAIN_NODE_NAME) is required")
+        return _fail(f"agent: --node-name (or {contract.NODE_NAME}) is required")
     try:
         compat.check_torch()  # the torch its torchrun runs on: refuse a node that could not train
     except compat.TorchCompatError as exc:
@@ -278,76 +293,33 @@ def _parser() -> argparse.ArgumentParser:
 
     def client_cmd(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
-        p.add_argument(
-            "--server",
-            default=_env("ETRAIN_SERVER", "http://127.0.0.1:8080"),
-            help="controller URL (ETRAIN_SERVER)",
-        )
-        p.add_argument("--token", default=_env("ETRAIN_TOKEN"), help="API bearer token (ETRAIN_TOKEN)")
+        _add(p, "--server", ENV_SERVER, "controller URL", "http://127.0.0.1:8080")
+        _add(p, "--token", ENV_TOKEN, "API bearer token")
         p.set_defaults(fn=fn)
         return p
 
     p = sub.add_parser("controller", help="run the REST controller (one or more replicas)")
     _add_etcd_flags(p)
-    p.add_argument("--host", default=_env("ETRAIN_HOST", "0.0.0.0"), help="(ETRAIN_HOST)")
-    p.add_argument("--port", type=int, default=int(_env("ETRAIN_PORT", "8080") or 8080), help="(ETRAIN_PORT)")
-    p.add_argument(
-        "--tokens-file",
-        default=_env("ETRAIN_TOKENS_FILE"),
-        help="YAML/JSON {tokens: [{token, role: admin|read, name}]}; none: auth off (ETRAIN_TOKENS_FILE)",
-    )
-    p.add_argument(
-        "--checkpoint-root",
-        default=_env("ETRAIN_CHECKPOINT_ROOT"),
-        help="jobs' checkpoints must lie below this URL; default <root>/<job id> (ETRAIN_CHECKPOINT_ROOT)",
-    )
-    p.add_argument(
-        "--leader-ttl",
-        type=float,
-        default=float(_env("ETRAIN_LEADER_TTL", "5") or 5),
-        help="leader lease TTL, seconds (ETRAIN_LEADER_TTL)",
-    )
+    _add(p, "--host", ENV_HOST, default="0.0.0.0")
+    _add(p, "--port", ENV_PORT, default="8080", type=int)
+    _add(p, "--tokens-file", ENV_TOKENS_FILE,
+         "YAML/JSON {tokens: [{token, role: admin|read, name}]}; none: auth off")  # fmt: skip
+    _add(p, "--checkpoint-root", ENV_CHECKPOINT_ROOT,
+         "jobs' checkpoints must lie below this URL; default <root>/<job id>")  # fmt: skip
+    _add(p, "--leader-ttl", ENV_LEADER_TTL, "leader lease TTL, seconds", "5", type=float)
     p.set_defaults(fn=cmd_controller)
 
     p = sub.add_parser("agent", help="run a node agent (one per node)")
     _add_etcd_flags(p)
-    p.add_argument(
-        "--node-name", default=_env("ETRAIN_NODE_NAME"), help="unique node name (ETRAIN_NODE_NAME)"
-    )
-    p.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=int(_env("ETRAIN_NPROC_PER_NODE", "1") or 1),
-        help="worker slots of this node (ETRAIN_NPROC_PER_NODE)",
-    )
-    p.add_argument(
-        "--work-dir",
-        default=_env("ETRAIN_WORK_DIR", "etrain-work"),
-        help="where job logs go (ETRAIN_WORK_DIR)",
-    )
-    p.add_argument(
-        "--rdzv-host",
-        default=_env("ETRAIN_RDZV_HOST"),
-        help="address other nodes reach this node's workers at (ETRAIN_RDZV_HOST)",
-    )
-    p.add_argument(
-        "--socket-ifname",
-        default=_env("ETRAIN_SOCKET_IFNAME"),
-        help="network interface of the workers' collectives: their GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME"
-        " unless the job's env sets them (ETRAIN_SOCKET_IFNAME)",
-    )
-    p.add_argument(
-        "--health-port",
-        type=int,
-        default=int(_env("ETRAIN_HEALTH_PORT", "0") or 0),
-        help="serve GET /healthz on this port; 0: off (ETRAIN_HEALTH_PORT)",
-    )
-    p.add_argument(
-        "--lease-ttl",
-        type=float,
-        default=float(_env("ETRAIN_LEASE_TTL", "10") or 10),
-        help="node lease TTL, seconds: how fast a dead node is noticed (ETRAIN_LEASE_TTL)",
-    )
+    _add(p, "--node-name", contract.NODE_NAME, "unique node name")
+    _add(p, "--nproc-per-node", ENV_NPROC_PER_NODE, "worker slots of this node", "1", type=int)
+    _add(p, "--work-dir", ENV_WORK_DIR, "where job logs go", "etrain-work")
+    _add(p, "--rdzv-host", ENV_RDZV_HOST, "address other nodes reach this node's workers at")
+    _add(p, "--socket-ifname", ENV_SOCKET_IFNAME, "network interface of the workers' collectives: their "
+         "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless the job's env sets them")  # fmt: skip
+    _add(p, "--health-port", ENV_HEALTH_PORT, "serve GET /healthz on this port; 0: off", "0", type=int)
+    _add(p, "--lease-ttl", ENV_LEASE_TTL, "node lease TTL, seconds: how fast a dead node is noticed", "10",
+         type=float)  # fmt: skip
     p.set_defaults(fn=cmd_agent)
 
     p = client_cmd("submit", cmd_submit, "submit a job file (YAML/JSON)")

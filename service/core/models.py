@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from elastic import env as contract
 from elastic.compat import DISABLE_SHARED_RDZV_STORE
 from elastic.lr import LRPolicy as ElasticLRPolicy
 from elastic.lr import LRRule
@@ -55,7 +56,7 @@ RESERVED_ENV = frozenset(
         DISABLE_SHARED_RDZV_STORE,
     }
 )
-_RESERVED_ENV_PREFIXES = ("ETRAIN_", "TORCHELASTIC_")
+_RESERVED_ENV_PREFIXES = (contract.PREFIX, "TORCHELASTIC_")
 _CHECKPOINT_SCHEMES = ("file", "s3", "gs", "gcs", "az", "abfs", "lustre")
 
 

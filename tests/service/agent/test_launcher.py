@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from elastic.env import WorkerEnv
+from elastic.lr import LRPolicy, LRRule
+from elastic.proctree import alive, process_stat
 from service.agent.launcher import TorchrunProcess, descendants, rdzv_conf, torchrun_command, worker_env
 from service.core.config import EtcdOptions
 from service.core.models import Assignment, JobSpec
@@ -71,7 +74,7 @@ def test_rdzv_conf_carries_timeouts_prefix_and_tls_and_a_password_only_with_a_us
     a = _assignment(rendezvous={"last_call_timeout": 1, "join_timeout": 30, "node_ttl": 2})
     plain = rdzv_conf(a, EtcdOptions("e:1"), "/etrain/rdzv", None)
     assert plain == "key_prefix=/etrain/rdzv,last_call_timeout=1,join_timeout=30,node_ttl=2,connect_timeout=5"
-    tls = EtcdOptions("e:1", ca_cert="ca.pem", cert="c.pem", key="k.pem", user="u", password_file="pw")
+    tls = EtcdOptions("e:1", ca_cert="ca.pem", cert="c.pem", cert_key="k.pem", user="u", password_file="pw")
     conf = dict(kv.split("=", 1) for kv in rdzv_conf(a, tls, "/p", "s3cret").split(","))
     assert conf["ca_cert"] == str(Path("ca.pem").resolve()) and conf["cert_key"] == str(
         Path("k.pem").resolve()
@@ -95,7 +98,9 @@ def test_worker_env_sets_service_variables_over_user_and_base_values() -> None:
     assert (env["ETRAIN_JOB_ID"], env["ETRAIN_GENERATION"], env["ETRAIN_NODE_NAME"]) == ("j-abc", "4", "n1")
     assert env["ETRAIN_PROGRESS_KEY"] == "/etrain/progress/j-abc"
     assert env["ETRAIN_ETCD_ENDPOINTS"] == "127.0.0.1:9"
-    assert '"scaling":"sqrt"' in env["ETRAIN_LR_POLICY"]
+    job = WorkerEnv.from_environ(env).job  # the workers' one parser reads back the spec's policy
+    assert job is not None and job.lr_policy == LRPolicy(LRRule.SQRT, 0.5, 1, 32)
+    assert (job.min_nodes, job.max_nodes, job.job_name) == (2, 3, "j")
     assert env["ETRAIN_LOCAL_SNAPSHOT_EVERY"] == "0"  # off unless the spec asks
 
 
@@ -135,11 +140,8 @@ _TREE = textwrap.dedent(
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    st = process_stat(pid)
+    return st is not None and alive(pid, st[1])
 
 
 @pytest.mark.parametrize("mode", ["exit", "ignore"])
