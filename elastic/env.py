@@ -3,14 +3,15 @@
 The job service's node agent writes :class:`WorkerEnv` into the environment of torchrun (and so of every
 worker) with :meth:`WorkerEnv.apply`; the library reads it back with :meth:`WorkerEnv.from_environ`. Outside
 the service (plain torchrun, tests) :attr:`WorkerEnv.job` is None and a user may set the few variables
-that make sense alone (``ETRAIN_CHECKPOINT_URL``, ``ETRAIN_LOCAL_SNAPSHOT_EVERY``).
+that make sense alone (``ETRAIN_JOB_ID``, ``ETRAIN_CHECKPOINT_URL``, ``ETRAIN_LOCAL_SNAPSHOT_EVERY``).
 
 Variables, by who sets them:
 
-- the node agent, for a job's workers (all of these or none): :data:`JOB_ID`, :data:`JOB_NAME`,
-  :data:`GENERATION`, :data:`NODE_NAME`, :data:`PROGRESS_KEY`, :data:`LR_POLICY` (JSON of
-  :meth:`elastic.lr.LRPolicy.reference`), :data:`MIN_NODES`, :data:`MAX_NODES`;
-- the node agent, or a user: :data:`CHECKPOINT_URL`, :data:`LOCAL_SNAPSHOT_EVERY` (0: off), and the etcd
+- the node agent, for a job's workers (all of these or none): :data:`JOB_NAME`, :data:`GENERATION`,
+  :data:`NODE_NAME`, :data:`PROGRESS_KEY`, :data:`LR_POLICY` (JSON of :meth:`elastic.lr.LRPolicy.reference`),
+  :data:`MIN_NODES`, :data:`MAX_NODES`;
+- the node agent, or a user: :data:`JOB_ID` (the job's identity across torchrun runs: it keys node-local
+  snapshots), :data:`CHECKPOINT_URL`, :data:`LOCAL_SNAPSHOT_EVERY` (0: off), and the etcd
   connection of progress reports :data:`ETCD_ENDPOINTS`, :data:`ETCD_CA_CERT`, :data:`ETCD_CERT`,
   :data:`ETCD_KEY`, :data:`ETCD_USER`, :data:`ETCD_PASSWORD_FILE` (files, never the password itself; the
   ``etrain`` CLI reads the same names as defaults of its ``--etcd*`` flags);
@@ -67,8 +68,7 @@ __all__ = [
 
 #: Every variable of the project starts with it (the job service reserves it in a job's ``env``).
 PREFIX = "ETRAIN_"
-# -- the job service's identity of a worker's job (written by the node agent, all or none) ---------------
-JOB_ID = "ETRAIN_JOB_ID"
+# -- the job service's description of a worker's job (written by the node agent, all or none) ------------
 JOB_NAME = "ETRAIN_JOB_NAME"
 GENERATION = "ETRAIN_GENERATION"
 NODE_NAME = "ETRAIN_NODE_NAME"  # the service's name of the worker's node (also the agent's --node-name)
@@ -77,6 +77,7 @@ LR_POLICY = "ETRAIN_LR_POLICY"
 MIN_NODES = "ETRAIN_MIN_NODES"
 MAX_NODES = "ETRAIN_MAX_NODES"
 # -- written by the node agent, or set by a user ------------------------------------------------------------
+JOB_ID = "ETRAIN_JOB_ID"
 CHECKPOINT_URL = "ETRAIN_CHECKPOINT_URL"
 LOCAL_SNAPSHOT_EVERY = "ETRAIN_LOCAL_SNAPSHOT_EVERY"
 ETCD_ENDPOINTS = "ETRAIN_ETCD_ENDPOINTS"
@@ -92,10 +93,10 @@ PREFORK_PRELOAD = "ETRAIN_PREFORK_PRELOAD"
 PREFORK_DIR = "ETRAIN_PREFORK_DIR"
 PREFORK_CLIENT = "ETRAIN_PREFORK_CLIENT"
 
-_JOB_VARIABLES = (JOB_ID, JOB_NAME, GENERATION, NODE_NAME, PROGRESS_KEY, LR_POLICY, MIN_NODES, MAX_NODES)
+_JOB_VARIABLES = (JOB_NAME, GENERATION, NODE_NAME, PROGRESS_KEY, LR_POLICY, MIN_NODES, MAX_NODES)
 _ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)
 #: Every variable :meth:`WorkerEnv.apply` owns: inherited values of these never reach the workers.
-AGENT_WRITTEN = frozenset((*_JOB_VARIABLES, CHECKPOINT_URL, LOCAL_SNAPSHOT_EVERY, *_ETCD_VARIABLES))
+AGENT_WRITTEN = frozenset((*_JOB_VARIABLES, JOB_ID, CHECKPOINT_URL, LOCAL_SNAPSHOT_EVERY, *_ETCD_VARIABLES))
 
 _T = TypeVar("_T")
 
@@ -133,9 +134,8 @@ def _local_every(raw: str) -> int:
 
 @dataclass(frozen=True)
 class JobEnv:
-    """The job service's identity of a worker's job (all of it or none is in the environment)."""
+    """The job service's description of a worker's job (all of it or none is in the environment)."""
 
-    job_id: str
     job_name: str
     generation: int
     node_name: str  # the service's name of this worker's node
@@ -146,7 +146,6 @@ class JobEnv:
 
     def to_environ(self) -> dict[str, str]:
         return {
-            JOB_ID: self.job_id,
             JOB_NAME: self.job_name,
             GENERATION: str(self.generation),
             NODE_NAME: self.node_name,
@@ -167,7 +166,6 @@ class JobEnv:
                 f"incomplete job service environment: {', '.join(present)} set but not {', '.join(missing)}"
             )
         return cls(
-            job_id=env[JOB_ID],
             job_name=env[JOB_NAME],
             generation=_int(GENERATION, env[GENERATION]),
             node_name=env[NODE_NAME],
@@ -225,6 +223,7 @@ class WorkerEnv:
     reports, unresolved (its password file is read by :meth:`EtcdOptions.config`)."""
 
     job: JobEnv | None = None
+    job_id: str | None = None  # the service's job id (outlives torchrun runs), or a user's
     checkpoint_url: str | None = None
     local_snapshot_every: int = 0  # node-local snapshots every N steps; 0: off
     etcd: EtcdOptions | None = None
@@ -236,6 +235,7 @@ class WorkerEnv:
         env = os.environ if env is None else env
         return cls(
             job=JobEnv.from_environ(env),
+            job_id=env.get(JOB_ID) or None,
             checkpoint_url=env.get(CHECKPOINT_URL) or None,
             local_snapshot_every=_get(env, LOCAL_SNAPSHOT_EVERY, _local_every) or 0,
             etcd=_etcd_from_environ(env),
@@ -244,6 +244,8 @@ class WorkerEnv:
     def to_environ(self) -> dict[str, str]:
         """The variables of this worker environment (what :meth:`from_environ` reads back)."""
         out = self.job.to_environ() if self.job is not None else {}
+        if self.job_id:
+            out[JOB_ID] = self.job_id
         if self.checkpoint_url:
             out[CHECKPOINT_URL] = self.checkpoint_url
         out[LOCAL_SNAPSHOT_EVERY] = str(self.local_snapshot_every)

@@ -259,7 +259,6 @@ def create_snapshot_tiers(
     """Tiers for a worker started by torchrun; the local tier is on when ``local_every_steps`` is set."""
     local_dir = None
     if local_every_steps is not None:
-        job = WorkerEnv.from_environ().job
-        job_id = job.job_id if job is not None else os.environ.get("TORCHELASTIC_RUN_ID")
+        job_id = WorkerEnv.from_environ().job_id or os.environ.get("TORCHELASTIC_RUN_ID")
         local_dir = local_tier_dir(default_local_root(), durable.url if durable is not None else None, job_id)
     return SnapshotTiers(durable, local_dir, local_every_steps, device, max_overhead)

@@ -7,12 +7,11 @@ of one server model several processes on one cluster. Requests are etcd's own (r
 transactions with compares), so the client builds the same transactions as the gRPC client and keeps the
 same contract (``tests/elastic/etcd/test_client_contract.py`` runs one suite against both).
 
-Time: leases expire when the server's ``clock`` (``time.monotonic`` unless given, e.g. a
-:class:`ManualClock` a test advances) passes their deadline; expiry is noticed by every request and by
-every waiter within :data:`TICK` seconds. Wait timeouts are real time. A client can be cut off from the
-cluster (:meth:`MemoryEtcdClient.set_reachable`): its requests then fail at once with
-:class:`~elastic.etcd.api.EtcdConnectionError` and its waits see nothing, while leases keep expiring.
-The model keeps the whole history (no compaction) and does not model auth or cluster membership.
+Leases expire when the server's ``clock`` (``time.monotonic``, or a :class:`ManualClock` a test advances)
+passes their deadline, noticed by every request and by every waiter within :data:`TICK` seconds; wait
+timeouts are real time. A client cut off from the cluster (:meth:`MemoryEtcdClient.set_reachable`) fails
+at once with :class:`~elastic.etcd.api.EtcdConnectionError` and its waits see nothing, while leases keep
+expiring. Not modelled: compaction (the whole history is kept), auth, cluster membership.
 """
 
 from __future__ import annotations
@@ -106,11 +105,7 @@ class _Lease:
 
 
 def _in_range(k: bytes, key: bytes, end: bytes | None) -> bool:
-    if end is None:
-        return k == key
-    if end == b"\0":
-        return k >= key
-    return key <= k < end
+    return k == key if end is None else key <= k and (end == b"\0" or k < end)
 
 
 def _check_key(key: bytes) -> None:
@@ -160,8 +155,7 @@ class MemoryEtcdServer:
         self._data: dict[bytes, _Entry] = {}
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(0x6D656D0000000001)
-        self._history_revisions: list[int] = []  # one entry per changed key, in revision order
-        self._history_keys: list[bytes] = []
+        self._history: list[tuple[int, bytes]] = []  # (revision, key) of every change, in order
 
     def client(self, config: EtcdConfig | None = None) -> MemoryEtcdClient:
         """A new client of this cluster (one per modelled process)."""
@@ -225,15 +219,11 @@ class MemoryEtcdServer:
 
     def _holds(self, cmp: _Cmp) -> bool:
         entry = self._data.get(cmp.key)
-        if cmp.target == "mod":
-            actual = entry.mod_revision if entry is not None else 0
-        else:
-            actual = entry.create_revision if entry is not None else 0
+        actual = 0 if entry is None else entry.mod_revision if cmp.target == "mod" else entry.create_revision
         return actual == cmp.revision
 
     def _record(self, key: bytes, revision: int) -> None:
-        self._history_revisions.append(revision)
-        self._history_keys.append(key)
+        self._history.append((revision, key))
 
     def _put_locked(self, op: _Put, revision: int) -> None:
         old = self._data.get(op.key)
@@ -261,14 +251,7 @@ class MemoryEtcdServer:
 
     def _range_locked(self, key: bytes, end: bytes | None) -> list[KeyValue]:
         return [
-            KeyValue(
-                key=k.decode(),
-                value=e.value,
-                create_revision=e.create_revision,
-                mod_revision=e.mod_revision,
-                lease=e.lease,
-                version=e.version,
-            )
+            KeyValue(k.decode(), e.value, e.create_revision, e.mod_revision, lease=e.lease, version=e.version)
             for k, e in sorted(self._data.items())
             if _in_range(k, key, end)
         ]
@@ -327,10 +310,10 @@ class MemoryEtcdServer:
         with self._cond:
             while True:
                 self._expire_locked()
-                first = bisect.bisect_left(self._history_revisions, start_revision)
-                for i in range(len(self._history_revisions) - 1, first - 1, -1):
-                    if _in_range(self._history_keys[i], key, end):
-                        return self._history_revisions[i]
+                first = bisect.bisect_left(self._history, start_revision, key=lambda change: change[0])
+                for revision, changed in reversed(self._history[first:]):
+                    if _in_range(changed, key, end):
+                        return revision
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return 0
@@ -385,27 +368,27 @@ class MemoryEtcdClient(EtcdClient):
         pass
 
     # -- reads ---------------------------------------------------------------------------------------
+    def _read(self, ranges: Sequence[_Range]) -> tuple[list[list[KeyValue]], int]:
+        _, results, revision = self._txn([], ranges)
+        return [r for r in results if isinstance(r, list)], revision
+
     def get(self, key: str) -> tuple[KeyValue | None, int]:
-        _, (kvs,), revision = self._txn([], [_Range(key.encode())])
-        assert isinstance(kvs, list)
+        (kvs,), revision = self._read([_Range(key.encode())])
         return (kvs[0] if kvs else None), revision
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        _, (kvs,), revision = self._txn([], [self._prefix_range(prefix)])
-        assert isinstance(kvs, list)
+        (kvs,), revision = self._read([self._prefix_range(prefix)])
         return kvs, revision
 
     def count_prefix(self, prefix: str) -> int:
         return len(self.get_prefix(prefix)[0])
 
     def get_with_prefix(self, key: str, prefix: str) -> tuple[KeyValue | None, list[KeyValue], int]:
-        _, (cur, under), revision = self._txn([], [_Range(key.encode()), self._prefix_range(prefix)])
-        assert isinstance(cur, list) and isinstance(under, list)
+        (cur, under), revision = self._read([_Range(key.encode()), self._prefix_range(prefix)])
         return (cur[0] if cur else None), under, revision
 
     def read_prefixes(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
-        _, results, revision = self._txn([], [self._prefix_range(p) for p in prefixes])
-        return [r for r in results if isinstance(r, list)], revision
+        return self._read([self._prefix_range(p) for p in prefixes])
 
     # -- writes --------------------------------------------------------------------------------------
     def put(self, key: str, value: bytes, lease: int = 0) -> int:

@@ -117,7 +117,6 @@ def worker_env(
     nic = {"GLOO_SOCKET_IFNAME": socket_ifname, "NCCL_SOCKET_IFNAME": socket_ifname} if socket_ifname else {}
     env = {**base, **(extra or {}), **nic, **spec.env}
     job = JobEnv(
-        job_id=assignment.job_id,
         job_name=spec.name,
         generation=assignment.generation,
         node_name=node_name,
@@ -128,6 +127,7 @@ def worker_env(
     )
     WorkerEnv(
         job=job,
+        job_id=assignment.job_id,
         checkpoint_url=assignment.checkpoint_url,
         local_snapshot_every=spec.local_snapshot_every,  # read by elastic.loop; 0: off
         etcd=etcd,

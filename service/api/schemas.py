@@ -11,6 +11,8 @@ from service.core.states import JobState
 from service.core.view import JobEntry
 
 __all__ = [
+    "LOG_TAIL_HIDDEN",
+    "REDACTED",
     "BudgetView",
     "CheckpointView",
     "EventList",
@@ -128,17 +130,27 @@ def job_summary(entry: JobEntry) -> JobSummary:
     )
 
 
-def job_detail(entry: JobEntry) -> JobDetail:
+REDACTED = "<redacted>"
+LOG_TAIL_HIDDEN = "(the workers' log tail is shown to admin tokens only)"
+
+
+def job_detail(entry: JobEntry, *, secrets: bool) -> JobDetail:
+    """The job as the API shows it. ``secrets`` False (read tokens): the values of ``spec.env`` (users pass
+    credentials there) and the workers' log tail in ``last_error`` are withheld."""
     st, rec = entry.status, entry.record
     policy = rec.spec.restart_policy
     ckpt = st.checkpoint
+    spec = rec.spec if secrets else rec.spec.model_copy(update={"env": dict.fromkeys(rec.spec.env, REDACTED)})
+    last_error = st.last_error
+    if not secrets and last_error is not None and "\n" in last_error:
+        last_error = last_error.split("\n", 1)[0] + "\n" + LOG_TAIL_HIDDEN
     return JobDetail(
         id=rec.id,
         name=rec.spec.name,
         state=st.state,
         message=st.message,
         cancel_requested=entry.cancel_requested,
-        spec=rec.spec,
+        spec=spec,
         submitted_by=rec.submitted_by,
         created_at=rec.created_at,
         updated_at=st.updated_at,
@@ -167,7 +179,7 @@ def job_detail(entry: JobEntry) -> JobDetail:
         progress=ProgressView(
             step=st.step, total_steps=st.total_steps, loss=st.loss, updated_at=st.progress_at
         ),
-        last_error=st.last_error,
+        last_error=last_error,
         backoff_until=st.backoff_until,
         blacklist=st.blacklist,
     )

@@ -155,3 +155,14 @@ def test_torchrun_on_an_unsupported_torch_stops_with_one_line_and_no_traceback()
         f"install a torch in that range (pip install '{compat.TORCH_REQUIREMENT}')"
     ], proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_shared_rdzv_store_switch_is_set_once_and_kept_unless_overridden() -> None:
+    env: dict[str, str] = {}
+    compat.disable_shared_rdzv_store(env)
+    assert env == {compat.DISABLE_SHARED_RDZV_STORE: "1"}
+    env[compat.DISABLE_SHARED_RDZV_STORE] = "0"
+    compat.disable_shared_rdzv_store(env)
+    assert env[compat.DISABLE_SHARED_RDZV_STORE] == "0"  # a caller's own choice stands
+    compat.disable_shared_rdzv_store(env, override=True)
+    assert env[compat.DISABLE_SHARED_RDZV_STORE] == "1"

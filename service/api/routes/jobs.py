@@ -13,7 +13,7 @@ from service.api.auth import Principal, require_admin, require_read
 from service.api.deps import get_metrics, get_settings, get_store
 from service.api.schemas import EventList, JobDetail, JobList, job_detail, job_summary
 from service.controller.metrics import Metrics
-from service.core.config import Settings
+from service.core.config import Role, Settings
 from service.core.models import (
     JobRecord,
     JobSpec,
@@ -97,7 +97,7 @@ def submit_job(
     except JobExists:  # 32 random bits collided: the client may simply retry
         raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job id {job_id} exists; retry") from None
     metrics.jobs_submitted.inc()
-    return job_detail(JobEntry(record, job_status, 0))
+    return job_detail(JobEntry(record, job_status, 0), secrets=True)
 
 
 @router.get("/jobs", summary="List jobs", dependencies=[Depends(require_read)])
@@ -109,11 +109,14 @@ def list_jobs(
     return JobList(jobs=[job_summary(e) for e in entries if state is None or e.status.state == state])
 
 
-@router.get(
-    "/jobs/{job_id}", summary="Job status", responses=_NOT_FOUND, dependencies=[Depends(require_read)]
-)
-def get_job(job_id: str, store: Annotated[ServiceStore, Depends(get_store)]) -> JobDetail:
-    return job_detail(_get(store, job_id))
+@router.get("/jobs/{job_id}", summary="Job status (read tokens: env values and log tails withheld)",
+            responses=_NOT_FOUND)  # fmt: skip
+def get_job(
+    job_id: str,
+    principal: Annotated[Principal, Depends(require_read)],
+    store: Annotated[ServiceStore, Depends(get_store)],
+) -> JobDetail:
+    return job_detail(_get(store, job_id), secrets=principal.role == Role.ADMIN)
 
 
 @router.post(
@@ -137,7 +140,7 @@ def cancel_job(
         store.request_cancel(
             job_id, new_event("cancel_requested", f"cancel requested by {principal.name}", now)
         )
-    return job_detail(_get(store, job_id))
+    return job_detail(_get(store, job_id), secrets=True)
 
 
 @router.get(

@@ -1,4 +1,5 @@
-"""Unauthenticated operational endpoints: liveness, readiness, Prometheus metrics."""
+"""Operational endpoints: liveness and readiness (no token: probes), Prometheus metrics (a read token when
+authentication is on: the metrics name every active job)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse
 
 from elastic.etcd import EtcdError
+from service.api.auth import require_read
 from service.api.deps import get_controller, get_metrics, get_settings, get_store
 from service.controller.loop import Controller
 from service.controller.metrics import CONTENT_TYPE, Metrics
@@ -49,6 +51,7 @@ def readyz(
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+@router.get("/metrics", summary="Prometheus metrics (a read token)", response_class=Response,
+            dependencies=[Depends(require_read)])  # fmt: skip
 def metrics(m: Annotated[Metrics, Depends(get_metrics)]) -> Response:
     return Response(m.render(), media_type=CONTENT_TYPE)

@@ -376,6 +376,28 @@ def test_commit_puts_carry_no_lease_and_so_detach_the_key(client: EtcdClient, ke
     assert kv is not None and (kv.value, kv.lease) == (b"plain", 0)
 
 
+def test_a_transaction_of_more_than_128_operations_is_refused_whole(client: EtcdClient, key_prefix: str) -> None:
+    before = client.ping()
+    assert client.commit([(key_prefix + f"/n/{i:03d}", b"v") for i in range(128)])[0]
+    with pytest.raises(EtcdError):
+        client.commit([(key_prefix + f"/m/{i:03d}", b"v") for i in range(129)])
+    assert client.count_prefix(key_prefix + "/m/") == 0 and client.ping() == before + 1
+
+
+def test_a_transaction_that_writes_one_key_twice_is_refused(client: EtcdClient, key_prefix: str) -> None:
+    with pytest.raises(EtcdError):
+        client.commit([(key_prefix + "/k", b"1"), (key_prefix + "/k", b"2")])
+    with pytest.raises(EtcdError):
+        client.commit([(key_prefix + "/r/k", b"1")], delete_prefixes=[key_prefix + "/r/"])
+    assert client.count_prefix(key_prefix + "/") == 0
+
+
+def test_a_request_larger_than_the_cluster_accepts_is_refused(client: EtcdClient, key_prefix: str) -> None:
+    with pytest.raises(EtcdError):
+        client.put(key_prefix + "/big", b"x" * (3 * 1024 * 1024))
+    assert client.get(key_prefix + "/big")[0] is None
+
+
 # -- leases ------------------------------------------------------------------------------------------
 def test_a_granted_lease_has_an_id_and_keep_alive_reports_a_positive_ttl(client: EtcdClient) -> None:
     lease = client.grant_lease(timedelta(seconds=5))

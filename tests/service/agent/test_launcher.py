@@ -104,6 +104,19 @@ def test_worker_env_sets_service_variables_over_user_and_base_values() -> None:
     assert env["ETRAIN_LOCAL_SNAPSHOT_EVERY"] == "0"  # off unless the spec asks
 
 
+def test_worker_env_drops_inherited_service_variables_it_does_not_set(tmp_path: Path) -> None:
+    pw = tmp_path / "pw"
+    a = _assignment()
+    base = {"ETRAIN_ETCD_USER": "old", "ETRAIN_ETCD_PASSWORD_FILE": "/old/pw", "ETRAIN_PREFORK": "0"}
+    env = worker_env(a, base=base, node_name="n1", progress_key="/p", etcd=EtcdOptions("e:1"))
+    assert "ETRAIN_ETCD_USER" not in env and "ETRAIN_ETCD_PASSWORD_FILE" not in env
+    assert env["ETRAIN_PREFORK"] == "0"  # the library's own settings pass through
+    etcd = EtcdOptions("e:1", user="u", password_file=str(pw), cert_key="k.pem", cert="c.pem", ca_cert="ca.pem")
+    env = worker_env(a, base=base, node_name="n1", progress_key="/p", etcd=etcd)
+    assert (env["ETRAIN_ETCD_USER"], env["ETRAIN_ETCD_PASSWORD_FILE"]) == ("u", str(pw))
+    assert env["ETRAIN_ETCD_KEY"] == str(Path("k.pem").resolve())  # workers run in another directory
+
+
 def test_local_snapshot_every_reaches_the_workers_and_a_negative_one_is_refused() -> None:
     env = worker_env(_assignment(local_snapshot_every=2), base={"ETRAIN_LOCAL_SNAPSHOT_EVERY": "9"},
                      node_name="n1", progress_key="/p", etcd=EtcdOptions("e:1"))  # fmt: skip

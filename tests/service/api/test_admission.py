@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.api.admission import DEFAULT_MAX_BODY_BYTES
-from tests.service.conftest import ADMIN
+from tests.service.conftest import ADMIN, READER
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,3 +53,19 @@ def test_a_body_within_the_limit_is_admitted(api: TestClient) -> None:
     resp = api.post("/v1/jobs", content=json.dumps(spec), headers={"Authorization": f"Bearer {ADMIN}",
                                                                   "Content-Type": "application/json"})  # fmt: skip
     assert resp.status_code == 201, resp.text
+
+
+def test_read_tokens_see_env_keys_but_not_values_nor_log_tails(api: TestClient) -> None:
+
+    spec = {"name": "s", "entrypoint": "t.py", "env": {"WANDB_API_KEY": "sk-secret-1"}}
+    job = api.post("/v1/jobs", json=spec).json()
+    assert job["spec"]["env"] == {"WANDB_API_KEY": "sk-secret-1"}  # the admin who submitted it
+    seen = api.get(f"/v1/jobs/{job['id']}", headers={"Authorization": f"Bearer {READER}"}).json()
+    assert seen["spec"]["env"] == {"WANDB_API_KEY": "<redacted>"}
+    assert "sk-secret-1" not in json.dumps(api.get("/v1/jobs", headers={"Authorization": f"Bearer {READER}"}).json())
+
+
+def test_metrics_name_jobs_so_they_need_a_read_token(api: TestClient) -> None:
+
+    assert api.get("/metrics", headers=NO_TOKEN).status_code == 401
+    assert api.get("/metrics", headers={"Authorization": f"Bearer {READER}"}).status_code == 200

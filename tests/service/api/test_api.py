@@ -67,7 +67,7 @@ def test_read_token_can_read(api: TestClient) -> None:
         assert _call(api, "GET", path, READER).status_code == 200, path
 
 
-def test_operational_endpoints_need_no_token(api: TestClient) -> None:
+def test_probes_and_docs_need_no_token_metrics_a_read_token(api: TestClient) -> None:
     bare = {"Authorization": ""}
     assert api.get("/healthz", headers=bare).json() == {"status": "ok"}
     ready = wait_for(lambda: api.get("/readyz", headers=bare).json().get("ready"))
@@ -83,7 +83,8 @@ def test_operational_endpoints_need_no_token(api: TestClient) -> None:
         "/v1/jobs/{job_id}/events",
         "/v1/nodes",
     } <= set(paths)
-    metrics = api.get("/metrics", headers=bare)
+    assert api.get("/metrics", headers=bare).status_code == 401  # its labels name the jobs
+    metrics = api.get("/metrics", headers={"Authorization": f"Bearer {READER}"})
     assert metrics.status_code == 200 and "etrain_jobs{" in metrics.text
 
 
