@@ -100,8 +100,18 @@ class CheckpointOptions:
     lustre_striping: bool = True
     lustre_stripe_count: int = 4
     lustre_stripe_size: str = "4M"
+    # HMAC key of this job's manifests (the service gives each job one): only snapshots signed with it are
+    # loaded, listed or counted by retention. None: any manifest whose checksums hold is trusted.
+    signing_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.signing_key, str):  # from a mapping or the environment: hex
+            try:
+                object.__setattr__(self, "signing_key", bytes.fromhex(self.signing_key))
+            except ValueError:
+                raise ValueError("signing_key must be bytes or a hex string") from None
+        if self.signing_key is not None and len(self.signing_key) < 16:
+            raise ValueError("signing_key must have at least 16 bytes")
         if self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
         if self.keep_every is not None and self.keep_every < 1:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import hmac
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,6 +28,7 @@ __all__ = [
     "FileEntry",
     "Manifest",
     "ManifestError",
+    "ManifestSignatureError",
     "SnapshotKind",
     "garbage_step_dirs",
     "listing_problems",
@@ -45,6 +47,10 @@ _TOKEN_RE = re.compile(r"^[0-9a-f]{8,64}$")
 
 class ManifestError(ValueError):
     """A manifest is unreadable, inconsistent, or of an unknown format version."""
+
+
+class ManifestSignatureError(ManifestError):
+    """A well-formed manifest not signed with the reader's key: another writer's snapshot, left alone."""
 
 
 class SnapshotKind(str, enum.Enum):
@@ -92,7 +98,10 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    """What a committed snapshot consists of.  ``to_json`` adds a checksum of the manifest itself."""
+    """What a committed snapshot consists of.  ``to_json`` adds a checksum of the manifest itself and, given
+    a key, an HMAC-SHA256 of it: with the key, ``from_json`` accepts only manifests signed with that key, so
+    whoever can write the storage but does not hold the job's key cannot make the job load their files
+    (the sha256 of every file is in the signed body)."""
 
     step: int
     token: str
@@ -121,15 +130,18 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
-    def to_json(self) -> bytes:
+    def to_json(self, key: bytes | None = None) -> bytes:
         body = self._body()
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
         body["manifest_sha256"] = hashlib.sha256(canonical).hexdigest()
+        if key is not None:
+            body["manifest_hmac"] = hmac.new(key, canonical, hashlib.sha256).hexdigest()
         return json.dumps(body, sort_keys=True, indent=1).encode() + b"\n"
 
     @classmethod
-    def from_json(cls, data: bytes, *, expected_step: int | None = None) -> Manifest:
-        """Parse and check a manifest; any defect raises :class:`ManifestError`."""
+    def from_json(cls, data: bytes, *, expected_step: int | None = None, key: bytes | None = None) -> Manifest:
+        """Parse and check a manifest (with ``key``: and its signature); any defect raises
+        :class:`ManifestError`."""
         try:
             body = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -137,9 +149,15 @@ class Manifest:
         if not isinstance(body, dict):
             raise ManifestError("manifest is not a JSON object")
         claimed = body.pop("manifest_sha256", None)
+        signature = body.pop("manifest_hmac", None)
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
         if claimed != hashlib.sha256(canonical).hexdigest():
             raise ManifestError("manifest checksum mismatch")
+        if key is not None:
+            if not isinstance(signature, str):
+                raise ManifestSignatureError("manifest is not signed (this job's are: not written by this job?)")
+            if not hmac.compare_digest(signature, hmac.new(key, canonical, hashlib.sha256).hexdigest()):
+                raise ManifestSignatureError("manifest signature does not match this job's key (another job's?)")
         if body.get("format_version") != FORMAT_VERSION:
             raise ManifestError(f"unsupported manifest format_version {body.get('format_version')!r}")
         try:

@@ -250,7 +250,7 @@ class FsspecCheckpointManager(CheckpointManager):
     def list_snapshots(self) -> list[SnapshotInfo]:
         return [
             SnapshotInfo(step=e.step, path=self._storage.full_path(step_dir(e.step)), manifest=e.manifest)
-            for e in scan(self._storage)
+            for e in scan(self._storage, self._options.signing_key)
             if e.manifest is not None
         ]
 
@@ -272,7 +272,7 @@ class FsspecCheckpointManager(CheckpointManager):
     def load(self, step: int, template: Mapping[str, Any] | None = None) -> Snapshot:
         self._check_open()
         try:
-            manifest = read_manifest(self._storage, step)
+            manifest = read_manifest(self._storage, step, self._options.signing_key)
         except FileNotFoundError as exc:
             raise CheckpointCorruptError(f"no committed snapshot at step {step} under {self.url}") from exc
         except ManifestError as exc:
@@ -302,7 +302,7 @@ class FsspecCheckpointManager(CheckpointManager):
             self._said_fresh = True
 
     def _newest_loadable(self, template: Mapping[str, Any] | None) -> Snapshot | None:
-        for entry in reversed(scan(self._storage)):
+        for entry in reversed(scan(self._storage, self._options.signing_key)):
             if entry.manifest is None:
                 if entry.problem:
                     self._skip(entry.step, entry.problem)
@@ -318,7 +318,7 @@ class FsspecCheckpointManager(CheckpointManager):
         """Newest manifest whose files verify (sharded layout: rank 0 checks before everyone loads)."""
         from elastic.checkpoint.reader import verify_files
 
-        for entry in reversed(scan(self._storage)):
+        for entry in reversed(scan(self._storage, self._options.signing_key)):
             if entry.manifest is None:
                 if entry.problem:
                     self._skip(entry.step, entry.problem)

@@ -20,6 +20,7 @@ from elastic.checkpoint.layout import (
     FileEntry,
     Manifest,
     ManifestError,
+    ManifestSignatureError,
     SnapshotKind,
     listing_problems,
     manifest_path,
@@ -40,24 +41,28 @@ class ScanEntry:
     step: int
     manifest: Manifest | None
     problem: str | None
+    foreign: bool = False  # a valid manifest signed by another key (or none): not this job's to delete
 
 
-def read_manifest(storage: CheckpointStorage, step: int) -> Manifest:
-    """The manifest of ``step``; ``FileNotFoundError`` if uncommitted, ``ManifestError`` if invalid."""
-    return Manifest.from_json(storage.read_bytes(manifest_path(step)), expected_step=step)
+def read_manifest(storage: CheckpointStorage, step: int, key: bytes | None = None) -> Manifest:
+    """The manifest of ``step``; ``FileNotFoundError`` if uncommitted, ``ManifestError`` if invalid (with
+    ``key``: also if not signed with it)."""
+    return Manifest.from_json(storage.read_bytes(manifest_path(step)), expected_step=step, key=key)
 
 
-def scan(storage: CheckpointStorage) -> list[ScanEntry]:
-    """Every step directory under the root, oldest first."""
+def scan(storage: CheckpointStorage, key: bytes | None = None) -> list[ScanEntry]:
+    """Every step directory under the root, oldest first (``key``: see :func:`read_manifest`)."""
     entries = []
     for name in storage.list_children(""):
         step = parse_step_dir(name)
         if step is None:
             continue
         try:
-            entries.append(ScanEntry(step, read_manifest(storage, step), None))
+            entries.append(ScanEntry(step, read_manifest(storage, step, key), None))
         except FileNotFoundError:
             entries.append(ScanEntry(step, None, None))
+        except ManifestSignatureError as exc:
+            entries.append(ScanEntry(step, None, f"invalid manifest: {exc}", foreign=True))
         except ManifestError as exc:
             entries.append(ScanEntry(step, None, f"invalid manifest: {exc}"))
     return sorted(entries, key=lambda e: e.step)

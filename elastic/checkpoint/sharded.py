@@ -122,7 +122,7 @@ class _Commit:
             meta={"torch": torch.__version__},
         )
         self.events("manifest_begin")
-        self.storage.publish(manifest_path(self.step), manifest.to_json())
+        self.storage.publish(manifest_path(self.step), manifest.to_json(self.options.signing_key))
         self.events("manifest_committed")
         self.manifest = manifest
         finish_commit(self.storage, manifest, self.options, self.timings, self.events)
@@ -316,11 +316,11 @@ class ShardedCheckpointer:
         payload = None
         if self._rank_world()[0] == 0:
             manifest = pick()
-            payload = manifest.to_json() if manifest is not None else None
+            payload = manifest.to_json(self._options.signing_key) if manifest is not None else None
         payload = self._broadcast(payload)
         if payload is None:
             return None
-        return self._dcp_load(Manifest.from_json(payload), template)
+        return self._dcp_load(Manifest.from_json(payload, key=self._options.signing_key), template)
 
     def close(self) -> None:
         self.wait()

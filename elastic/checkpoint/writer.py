@@ -151,7 +151,7 @@ class PackSaveJob:
             self.timings.bytes_written = manifest.total_bytes
             self._event("manifest_begin")
             mark = time.perf_counter()
-            self.storage.publish(manifest_path(self.step), manifest.to_json())
+            self.storage.publish(manifest_path(self.step), manifest.to_json(self.options.signing_key))
         except BaseException:
             with contextlib.suppress(Exception):
                 self.storage.delete_tree(f"{sdir}/{token}")
@@ -204,14 +204,14 @@ def apply_retention(
                 storage.delete_file(f"{sdir}/{name}")
             else:
                 storage.delete_tree(f"{sdir}/{name}")
-    entries = scan(storage)
+    entries = scan(storage, options.signing_key)  # with a key, only this job's signed snapshots count
     committed = [e.step for e in entries if e.manifest is not None]
     doomed = plan_retention(committed, step, options.keep_last, options.keep_every)
     for old in doomed:
         storage.delete_file(manifest_path(old))
         event("snapshot_uncommitted")
         storage.delete_tree(step_dir(old))
-    for old in garbage_step_dirs([e.step for e in entries], committed, step):
+    for old in garbage_step_dirs([e.step for e in entries if not e.foreign], committed, step):
         storage.delete_tree(step_dir(old))
     if doomed:
         logger.info(

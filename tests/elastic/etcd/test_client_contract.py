@@ -1,80 +1,25 @@
 """The EtcdClient contract, run against both implementations: gRPC on a real etcd, and the in-memory model.
 
-The real half uses the session's shared etcd (``etcd_server``), so revisions are compared relative to each
-other, never to absolute numbers, and every test keeps to its own key prefix. It is skipped when no etcd
-binary can be found; the memory half never starts one. Lease expiry runs on a :class:`ManualClock` in the
-memory half and on real time (a real etcd raises a 1 s TTL to its 2 s minimum) in the real half.
+The clusters are ``conftest.py``'s. The real half uses the session's shared etcd, so revisions are compared
+with each other, never with absolute numbers, and every test keeps to its own key prefix. Lease time is a
+:class:`~elastic.etcd.ManualClock` in the memory half, real time (a real etcd raises a 1 s TTL to 2 s) in
+the real half.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import pytest
 
-from elastic.etcd import EtcdClient, EtcdConfig, EtcdError, ManualClock, MemoryEtcdServer, create_client
-from elastic.testing.etcd_server import LocalEtcdCluster, find_etcd_binary
+from elastic.etcd import EtcdClient, EtcdConfig, EtcdError, KeyValue
+from elastic.testing.wait import wait_until
+from tests.elastic.etcd.conftest import Cluster, later, watch_in_thread
 
 pytestmark = pytest.mark.timeout(60)
 
 SHORT = timedelta(seconds=0.3)
-
-
-@dataclass
-class Cluster:
-    """One cluster under test: clients of it, and a way to let lease time pass."""
-
-    kind: str
-    make_client: Callable[[], EtcdClient]
-    advance: Callable[[float], None]
-    clients: list[EtcdClient] = field(default_factory=list)
-
-    def new_client(self) -> EtcdClient:
-        client = self.make_client()
-        self.clients.append(client)
-        return client
-
-
-@pytest.fixture(params=["grpc", "memory"])
-def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    if request.param == "grpc":
-        try:
-            find_etcd_binary()
-        except FileNotFoundError as exc:
-            pytest.skip(f"real half needs etcd: {exc}")
-        server: LocalEtcdCluster = request.getfixturevalue("etcd_server")
-        made = Cluster("grpc", lambda: create_client(server.config(op_timeout=5)), time.sleep)
-    else:
-        clock = ManualClock()
-        memory = MemoryEtcdServer(clock)
-        made = Cluster("memory", memory.client, clock.advance)
-    yield made
-    for client in made.clients:
-        client.close()
-
-
-@pytest.fixture
-def client(cluster: Cluster) -> EtcdClient:
-    return cluster.new_client()
-
-
-def eventually(check: Callable[[], bool], timeout: float = 6.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def later(seconds: float, action: Callable[[], object]) -> threading.Timer:
-    timer = threading.Timer(seconds, action)
-    timer.start()
-    return timer
 
 
 # -- identity ----------------------------------------------------------------------------------------
@@ -106,14 +51,7 @@ def test_put_returns_a_new_revision_that_get_reports_as_create_and_mod_revision(
     assert revision == before + 1
     kv, read_at = client.get(key_prefix + "/k")
     assert kv is not None
-    assert (kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.version, kv.lease) == (
-        key_prefix + "/k",
-        b"v1",
-        revision,
-        revision,
-        1,
-        0,
-    )
+    assert kv == KeyValue(key_prefix + "/k", b"v1", revision, revision, lease=0, version=1)
     assert read_at == revision
 
 
@@ -246,12 +184,7 @@ def test_compare_and_put_on_the_current_mod_revision_writes_and_returns_the_new_
     current = client.put(key_prefix + "/k", b"1")
     ok, kv, _, revision = client.compare_and_put(key_prefix + "/k", b"2", mod_revision=current)
     assert ok and revision == current + 1
-    assert kv is not None and (kv.value, kv.mod_revision, kv.create_revision, kv.version) == (
-        b"2",
-        revision,
-        current,
-        2,
-    )
+    assert kv == KeyValue(key_prefix + "/k", b"2", current, revision, lease=0, version=2)
 
 
 def test_compare_and_put_reads_the_prefix_in_the_same_transaction(client: EtcdClient, key_prefix: str) -> None:
@@ -361,10 +294,8 @@ def test_commit_guard_fails_once_the_fencing_key_is_deleted_or_recreated(
 
 def test_commit_that_changes_nothing_keeps_the_revision(client: EtcdClient, key_prefix: str) -> None:
     before = client.put(key_prefix + "/k", b"v")
-    assert client.commit(deletes=[key_prefix + "/missing"], delete_prefixes=[key_prefix + "/none/"]) == (
-        True,
-        before,
-    )
+    result = client.commit(deletes=[key_prefix + "/missing"], delete_prefixes=[key_prefix + "/none/"])
+    assert result == (True, before)
 
 
 def test_commit_puts_carry_no_lease_and_so_detach_the_key(client: EtcdClient, key_prefix: str) -> None:
@@ -440,7 +371,7 @@ def test_an_expired_lease_deletes_its_keys(cluster: Cluster, client: EtcdClient,
     client.put(key_prefix + "/k", b"v", lease=lease)
     client.put(key_prefix + "/plain", b"v")
     cluster.advance(2.5)  # past any TTL a cluster gives a 1 s request (a real etcd's minimum is 2 s)
-    assert eventually(lambda: client.get(key_prefix + "/k")[0] is None)
+    assert wait_until(lambda: client.get(key_prefix + "/k")[0] is None, timeout=6)
     assert client.get(key_prefix + "/plain")[0] is not None
     assert client.keep_alive_once(lease) <= 0
 
@@ -454,7 +385,7 @@ def test_keep_alive_once_postpones_expiry(cluster: Cluster, client: EtcdClient, 
     cluster.advance(ttl * 0.6)  # past the first deadline, within the refreshed one
     assert client.get(key_prefix + "/k")[0] is not None
     cluster.advance(ttl * 0.6)
-    assert eventually(lambda: client.get(key_prefix + "/k")[0] is None)
+    assert wait_until(lambda: client.get(key_prefix + "/k")[0] is None, timeout=6)
 
 
 # -- watches -----------------------------------------------------------------------------------------
@@ -532,35 +463,11 @@ def test_a_second_client_of_the_cluster_sees_the_writes_and_wakes_the_watches_of
     assert client.get(key_prefix + "/k")[0].value == b"from other"  # type: ignore[union-attr]
 
 
-class _Revisions:
-    def __init__(self) -> None:
-        self.seen: list[int] = []
-        self.cond = threading.Condition()
-
-    def __call__(self, revision: int) -> None:
-        with self.cond:
-            self.seen.append(revision)
-            self.cond.notify_all()
-
-    def wait_for(self, revision: int, timeout: float = 20) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: bool(self.seen) and self.seen[-1] >= revision, timeout)
-
-
-def _watch(client: EtcdClient, key: str, start: int, prefix: bool) -> tuple[_Revisions, threading.Event, threading.Thread]:
-    seen, stop = _Revisions(), threading.Event()
-    thread = threading.Thread(
-        target=client.watch_revisions, args=(key, start, seen, stop), kwargs={"prefix": prefix}, daemon=True
-    )
-    thread.start()
-    return seen, stop, thread
-
-
 def test_watch_revisions_replays_from_its_start_then_reports_new_changes_in_increasing_order(
     client: EtcdClient, key_prefix: str
 ) -> None:
     first = client.put(key_prefix + "/s/a", b"1")
-    seen, stop, thread = _watch(client, key_prefix + "/s/", first, prefix=True)
+    seen, stop, thread = watch_in_thread(client, key_prefix + "/s/", first, prefix=True)
     try:
         assert seen.wait_for(first)
         last = 0
@@ -576,7 +483,7 @@ def test_watch_revisions_replays_from_its_start_then_reports_new_changes_in_incr
 
 
 def test_watch_revisions_returns_promptly_once_stop_is_set(client: EtcdClient, key_prefix: str) -> None:
-    seen, stop, thread = _watch(client, key_prefix + "/quiet", client.ping() + 1, prefix=False)
+    seen, stop, thread = watch_in_thread(client, key_prefix + "/quiet", client.ping() + 1, prefix=False)
     time.sleep(0.2)
     started = time.monotonic()
     stop.set()

@@ -50,7 +50,8 @@ def test_the_library_client_has_the_public_calls_the_gRPC_client_uses(raw_client
     assert callable(etcd3.MultiEndpointEtcd3Client.get_secure_creds)
     params = inspect.signature(etcd3.MultiEndpointEtcd3Client).parameters
     assert {"endpoints", "timeout", "user", "password", "failover"} <= set(params)
-    assert {"host", "port", "secure", "creds", "time_retry", "opts"} <= set(inspect.signature(etcd3.Endpoint).parameters)
+    endpoint_params = inspect.signature(etcd3.Endpoint).parameters
+    assert {"host", "port", "secure", "creds", "time_retry", "opts"} <= set(endpoint_params)
 
 
 def test_the_retryable_library_exceptions_exist() -> None:
