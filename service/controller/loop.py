@@ -68,6 +68,9 @@ class Controller:
             for update in plan.updates:
                 for event in update.events:
                     logger.info("job %s: %s", update.job_id, event.message)
+                if update.purge and update.job_id not in outcome.failed:
+                    logger.info("job %s: deleted with its events (finished longer ago than the retention)",
+                                update.job_id)  # fmt: skip
         if self._metrics is not None:
             self._metrics.reconcile_seconds.observe(time.monotonic() - started)
         return view.revision

@@ -55,6 +55,7 @@ class _Decision:
         self.assign: dict[str, Assignment] = {}
         self.unassign: set[str] = set()
         self.clear_reports = False
+        self.purge = False
         self.current = {
             node: a for node, jobs in view.assignments.items() for jid, a in jobs.items() if jid == self.record.id
         }
@@ -96,6 +97,9 @@ class _Decision:
             self.unassign.discard(node)
 
     def update(self) -> JobUpdate | None:
+        if self.purge:
+            return JobUpdate(job_id=self.record.id, expected_revision=self.entry.status_revision, status=None,
+                             purge=True)  # fmt: skip
         changed = self.st != self.entry.status
         if not (changed or self.events or self.assign or self.unassign or self.clear_reports):
             return None
@@ -118,7 +122,7 @@ def _ts(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=timezone.utc)
 
 
-def _observe_progress(d: _Decision) -> None:
+def _observe_progress(d: _Decision, cfg: ReconcileConfig) -> None:
     prog = d.view.progress.get(d.record.id)
     st = d.st
     if prog is None:
@@ -153,6 +157,7 @@ def _observe_progress(d: _Decision) -> None:
         st.world_size_history.append(
             WorldSizeChange(at=at, world_size=prog.world_size, nodes=nodes, generation=st.generation)
         )
+        del st.world_size_history[: -cfg.history_limit]  # bounded: a status must fit an etcd request
         d.event(
             "world_size",
             f"world size {prog.world_size} on {', '.join(nodes) or '-'}",
@@ -328,6 +333,8 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
         if st.state.terminal:
             d.unassign |= set(d.current)
             d.clear_reports = bool(view.reports.get(d.record.id))
+            finished = st.finished_at or st.updated_at
+            d.purge = not d.current and now - finished >= cfg.terminal_retention
             continue
         # leftovers of earlier generations
         for node, a in d.current.items():
@@ -345,7 +352,7 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
             d.move(Trigger.FAIL, f"etcd refused this job's updates {failure.count} times: {failure.message}")
             _free_released(d, free)
             continue
-        _observe_progress(d)
+        _observe_progress(d, cfg)
         if _handle_outcomes(d, cfg) or _handle_lost_nodes(d):
             _free_released(d, free)
             continue

@@ -257,6 +257,15 @@ class ServiceStore:
     def apply(self, update: JobUpdate, fence: tuple[str, int]) -> bool:
         """Commit one job's update if its status is unchanged and ``fence`` still holds."""
         k = self.keys
+        if update.purge:
+            ok, _ = self.client.commit(
+                deletes=[k.job(update.job_id), k.status_of(update.job_id), k.cancel_of(update.job_id),
+                         k.progress_of(update.job_id)],
+                delete_prefixes=[k.events_of(update.job_id), k.reports_of(update.job_id)],
+                expect=[(k.status_of(update.job_id), update.expected_revision)],
+                guard=fence,
+            )  # fmt: skip
+            return ok
         puts: list[tuple[str, bytes]] = []
         if update.status is not None:
             puts.append((k.status_of(update.job_id), _dump(update.status)))

@@ -53,6 +53,8 @@ class ReconcileConfig:
     failure_settle: timedelta = timedelta(seconds=3)  # after a failure, wait this long to see who else fails
     resume_after: timedelta = timedelta(seconds=60)  # jobs that never report progress: assume recovered
     write_failure_limit: int = 3  # a job whose update etcd refuses this many passes in a row fails
+    terminal_retention: timedelta = timedelta(days=7)  # finished jobs (and their events) are then deleted
+    history_limit: int = 100  # world-size changes kept per job status (the newest)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class JobUpdate:
     assign: dict[str, Assignment] = field(default_factory=dict)
     unassign: list[str] = field(default_factory=list)
     clear_reports: bool = False
+    purge: bool = False  # delete the job with its status, events, reports and progress (retention over)
 
 
 @dataclass

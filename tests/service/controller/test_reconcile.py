@@ -63,6 +63,11 @@ class _Cluster:
         for u in plan.updates:
             e = self.jobs[u.job_id]
             assert u.expected_revision == e.status_revision
+            if u.purge:
+                del self.jobs[u.job_id]
+                self.reports.pop(u.job_id, None)
+                self.progress.pop(u.job_id, None)
+                continue
             if u.status is not None:
                 self.jobs[u.job_id] = JobEntry(e.record, u.status, e.status_revision + 1, e.cancel_requested)
             for node, a in u.assign.items():
@@ -425,3 +430,34 @@ def test_nothing_to_do_yields_an_empty_plan() -> None:
     c.add_job("j1", _spec())
     c.tick(_s(0))
     assert c.tick(_s(1)).empty
+
+
+def test_finished_jobs_are_deleted_once_the_retention_is_over_and_not_before() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job("j1", _spec())
+    c.add_job("j2", _spec(min_nodes=3, max_nodes=3))  # waits for a third node: stays
+    c.tick(_s(0))
+    e = c.jobs["j1"]
+    c.jobs["j1"] = JobEntry(e.record, e.status, e.status_revision, cancel_requested=True)
+    c.tick(_s(1))  # cancelled: assignments released in this pass
+    finished = c.status("j1").finished_at
+    assert finished is not None and c.assigned("j1") == {}
+    retention = CFG.terminal_retention
+    assert not any(u.purge for u in c.tick(finished + retention - timedelta(seconds=1)).updates)
+    plan = c.tick(finished + retention)
+    assert [u.job_id for u in plan.updates if u.purge] == ["j1"]
+    assert set(c.jobs) == {"j2"}
+
+
+def test_world_size_history_keeps_the_newest_changes_up_to_its_limit() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job("j1", _spec())
+    c.tick(_s(0))
+    for i in range(CFG.history_limit + 30):
+        c.progress_at("j1", _s(1 + i), step=i, world=1 + i % 2)
+        c.tick(_s(1 + i))
+    history = c.status("j1").world_size_history
+    assert len(history) == CFG.history_limit
+    assert history[-1].at == _s(CFG.history_limit + 30)  # the last report (its time: 1 + i)
