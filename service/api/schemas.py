@@ -98,6 +98,7 @@ class JobDetail(_View):
 
 class JobList(_View):
     jobs: list[JobSummary]
+    next: str | None = Field(default=None, description="pass as `after` for the next page (None: last page)")
 
 
 class EventList(_View):

@@ -73,9 +73,15 @@ class ApiClient:
         return result
 
     def jobs(self, state: str | None = None) -> list[dict[str, Any]]:
-        params = {"state": state} if state else None
-        result: list[dict[str, Any]] = self._call("GET", "/v1/jobs", params=params)["jobs"]
-        return result
+        """Every job (following the pages), oldest first."""
+        out: list[dict[str, Any]] = []
+        params: dict[str, str] = {"state": state} if state else {}
+        while True:
+            page = self._call("GET", "/v1/jobs", params=params)
+            out += page["jobs"]
+            if not page.get("next"):
+                return out
+            params["after"] = page["next"]
 
     def job(self, job_id: str) -> dict[str, Any]:
         result: dict[str, Any] = self._call("GET", f"/v1/jobs/{job_id}")

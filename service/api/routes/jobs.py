@@ -100,13 +100,23 @@ def submit_job(
     return job_detail(JobEntry(record, job_status, 0), secrets=True)
 
 
-@router.get("/jobs", summary="List jobs", dependencies=[Depends(require_read)])
+@router.get("/jobs", summary="List jobs, oldest first, a page at a time", dependencies=[Depends(require_read)])
 def list_jobs(
     store: Annotated[ServiceStore, Depends(get_store)],
     state: Annotated[JobState | None, Query(description="only jobs in this state")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000, description="jobs per page")] = 200,
+    after: Annotated[str | None, Query(description="the `next` of the previous page")] = None,
 ) -> JobList:
-    entries = store.list_jobs()
-    return JobList(jobs=[job_summary(e) for e in entries if state is None or e.status.state == state])
+    entries = [e for e in store.list_jobs() if state is None or e.status.state == state]
+    if after is not None:
+        entries = [e for e in entries if _cursor(e) > after]
+    page = entries[:limit]
+    return JobList(jobs=[job_summary(e) for e in page], next=_cursor(page[-1]) if len(entries) > limit else None)
+
+
+def _cursor(entry: JobEntry) -> str:
+    """Sorts like the list (creation time, then id): a page boundary that survives deletions."""
+    return f"{entry.record.created_at.astimezone(timezone.utc).strftime('%Y%m%dT%H%M%S.%fZ')}~{entry.record.id}"
 
 
 @router.get("/jobs/{job_id}", summary="Job status (read tokens: env values and log tails withheld)",

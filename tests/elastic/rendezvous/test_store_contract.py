@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed import DistStoreError, HashStore, PrefixStore, Store
 
-from elastic.etcd import EtcdClient, create_client
+from elastic.etcd import EtcdClient, GrpcEtcdClient, create_client
 from elastic.rendezvous.etcd_v3_store import EtcdV3Store
 from elastic.testing.etcd_server import LocalEtcdCluster
 
@@ -144,7 +144,7 @@ def test_etcd_store_get_uses_a_watch_not_polling(etcd_client: EtcdClient, key_pr
     """A reader blocked in get() for 2 s makes O(1) etcd requests, not one per poll interval."""
     calls = {"get": 0}
 
-    class Counting(EtcdClient):
+    class Counting(GrpcEtcdClient):
         def get(self, key: str):  # type: ignore[no-untyped-def]
             calls["get"] += 1
             return super().get(key)

@@ -268,3 +268,18 @@ def test_unused_etcd_options_do_not_connect_at_creation(tmp_path: Path) -> None:
     settings = Settings(etcd=EtcdOptions("127.0.0.1:1"), tokens=None)
     app = create_app(settings)
     assert app.title == "etrain"
+
+
+def test_job_list_pages_follow_each_other_oldest_first(api: TestClient, live_server: str) -> None:
+    from service.cli.client import ApiClient
+
+    ids = [api.post("/v1/jobs", json={**SPEC, "name": f"p{i}"}).json()["id"] for i in range(5)]
+    first = api.get("/v1/jobs", params={"limit": 2}).json()
+    assert [j["id"] for j in first["jobs"]] == ids[:2] and first["next"]
+    second = api.get("/v1/jobs", params={"limit": 2, "after": first["next"]}).json()
+    assert [j["id"] for j in second["jobs"]] == ids[2:4]
+    last = api.get("/v1/jobs", params={"limit": 2, "after": second["next"]}).json()
+    assert [j["id"] for j in last["jobs"]] == ids[4:] and last["next"] is None
+    assert api.get("/v1/jobs", params={"limit": 0}).status_code == 422
+    with ApiClient(live_server, token=ADMIN) as client:  # the CLI's client follows the pages
+        assert [j["id"] for j in client.jobs()] == ids

@@ -55,6 +55,16 @@ def test_missing_endpoints_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert code == 2 and "--etcd" in err
 
 
+def test_bad_etcd_auth_settings_are_one_line_naming_them(tmp_path: Path) -> None:
+    code, _, err, _ = _etrain("controller", "--etcd", "127.0.0.1:1", "--etcd-user", "u")
+    assert code == 2 and err.strip() == "etrain: --etcd-user needs --etcd-password-file"
+    missing = tmp_path / "missing"
+    code, _, err, _ = _etrain("controller", "--etcd", "127.0.0.1:1", "--etcd-user", "u", "--etcd-password-file",
+                              str(missing))  # fmt: skip
+    assert code == 2 and err.strip().count("\n") == 0
+    assert f"etcd settings: cannot read the etcd password file {missing}" in err
+
+
 def test_client_commands_against_a_live_controller(
     live_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
