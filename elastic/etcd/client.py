@@ -89,6 +89,10 @@ class GrpcEtcdClient(EtcdClient):
         self._config = config
         self._lock = threading.RLock()
         self._client: Any = None
+        # Bumped by every reset. Threads share one client (one channel per endpoint); a thread resets only
+        # the generation it saw fail, and an error from a generation already replaced (whose channel another
+        # thread's reset closed under it) is retried, never reported.
+        self._generation = 0
 
     # -- connection ----------------------------------------------------------------------------------
     @property
@@ -125,16 +129,29 @@ class GrpcEtcdClient(EtcdClient):
             failover=True,
         )
 
-    def _raw(self) -> Any:
+    def _raw(self) -> tuple[Any, int]:
+        """The shared client (connecting it if none) and its generation."""
         with self._lock:
             if self._client is None:
                 self._client = self._connect()
-            return self._client
+            return self._client, self._generation
 
-    def _reset(self) -> None:
+    def _replaced(self, generation: int) -> bool:
+        """Whether another thread's reset replaced (and closed) the client of ``generation``."""
         with self._lock:
+            return generation != self._generation
+
+    def _reset(self, generation: int | None = None) -> None:
+        """Drop the client so the next call connects afresh. With ``generation`` (the one the caller saw
+        fail), only if it is still the current one: a client another thread already replaced stays
+        replaced, and a fresh one is not closed under the threads now using it."""
+        with self._lock:
+            if generation is not None and generation != self._generation:
+                return
             client, self._client = self._client, None
+            self._generation += 1
         if client is not None:
+            logger.debug("etcd client to %s reset (generation %d)", self.endpoints_label, self._generation)
             try:
                 client.close()
             except Exception:  # pragma: no cover - best effort
@@ -147,34 +164,42 @@ class GrpcEtcdClient(EtcdClient):
         limit = (timeout or self._config.op_timeout).total_seconds()
         retry = _Retry(deadline=time.monotonic() + limit)
         while True:
+            generation: int | None = None
             try:
-                return fn(self._raw())
+                client, generation = self._raw()
+                return fn(client)
             except _RETRYABLE as exc:
                 retry.last_exc = exc
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
-                if code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.INVALID_ARGUMENT and (
+                if generation is not None and self._replaced(generation):
+                    # Another thread's reset closed the channel under this call ("Channel closed!").
+                    retry.last_exc = exc
+                elif code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.INVALID_ARGUMENT and (
                     "token" in str(exc.details() if hasattr(exc, "details") else exc)
                 )):
                     # The auth token expired: a new client authenticates again.
                     retry.last_exc = exc
-                    self._reset()
+                    self._reset(generation)
                 elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     retry.last_exc = exc
                 else:
                     raise EtcdError(f"etcd at {self.endpoints_label} refused the request: {exc}") from exc
             except Exception as exc:
-                if self._client is None:
+                if generation is None:
                     raise EtcdConnectionError(f"cannot connect to etcd at {self.endpoints_label}: {exc}") from exc
-                raise EtcdError(f"etcd request to {self.endpoints_label} failed: {exc}") from exc
+                if not self._replaced(generation):
+                    raise EtcdError(f"etcd request to {self.endpoints_label} failed: {exc}") from exc
+                # "Cannot invoke RPC on closed channel!": another thread's reset; retry on the new client.
+                retry.last_exc = exc
             retry.attempts += 1
             if time.monotonic() >= retry.deadline:
                 raise EtcdConnectionError(
                     f"etcd unreachable at {self.endpoints_label} after {limit:.1f}s "
                     f"({type(retry.last_exc).__name__})"
                 ) from retry.last_exc
-            if retry.attempts > 1 and retry.attempts % len(self._config.endpoints) == 0:
-                self._reset()
+            if generation is not None and retry.attempts > 1 and retry.attempts % len(self._config.endpoints) == 0:
+                self._reset(generation)
             time.sleep(min(0.05 * retry.attempts, 0.25))
 
     # -- key/value -----------------------------------------------------------------------------------

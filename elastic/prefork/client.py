@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from elastic.env import PREFORK_CLIENT
@@ -74,6 +75,14 @@ def _start_zygote(path: Path, owner: int) -> socket.socket | None:
             return _connect(path)
         time.sleep(0.02)
     return None
+
+
+def on_agent_start(argv: Sequence[str]) -> None:
+    """The ``elastic.agent_start`` hook (:mod:`elastic.rendezvous.agent_hooks`): in a torchrun agent whose
+    workers run through ``elastic.prefork``, start the zygote now, its imports overlapping the rendezvous,
+    instead of when the first worker asks for it."""
+    if "elastic.prefork" in argv:
+        prestart()
 
 
 def prestart(owner: int | None = None) -> None:

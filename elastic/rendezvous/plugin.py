@@ -31,7 +31,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from elastic import compat
 from elastic.etcd import EtcdConfig, EtcdConnectionError, create_client
 from elastic.etcd.config import EtcdOptions, read_password_file
-from elastic.prefork import prestart
+from elastic.rendezvous.agent_hooks import run_agent_start_hooks
 from elastic.rendezvous.etcd_v3_backend import DEFAULT_KEY_PREFIX, EtcdV3RendezvousBackend
 from elastic.rendezvous.etcd_v3_store import EtcdV3Store
 
@@ -234,10 +234,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
             raise SystemExit(f"error: {message}") from exc
         raise RendezvousConnectionError(message) from exc
 
-    if _running_under_torchrun_cli() and "elastic.prefork" in sys.argv:
-        # workers run through elastic.prefork: start this agent's zygote now, its imports overlapping the
-        # rendezvous, instead of when the first worker asks for it
-        prestart()
+    if _running_under_torchrun_cli():
+        run_agent_start_hooks(sys.argv)  # e.g. the prefork zygote (see elastic.rendezvous.agent_hooks)
     backend = EtcdV3RendezvousBackend(
         client,
         params.run_id,

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Any
 
 from elastic import compat
 from elastic.prefork import worker_tree
+from elastic.torchrun_cli import TorchrunCommand, format_rdzv_conf
 
 WORKER = str(Path(__file__).with_name("allreduce_worker.py"))
 
@@ -34,19 +34,21 @@ def torchrun_command(
     monitor_interval: float = 0.1,
     prefork: bool = False,
 ) -> list[str]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-        f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-        f"--max-restarts={max_restarts}", f"--monitor-interval={monitor_interval}",
-        f"--local-addr={local_addr}",
-    ]  # fmt: skip
-    if rdzv_conf:
-        cmd.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in rdzv_conf.items()))
-    if prefork:  # warm starts: the agent's zygote forks each worker (elastic/prefork.py)
-        cmd += ["-m", "elastic.prefork"]
-    return [*cmd, script, *script_args]
-
+    """A test or benchmark agent's torchrun (any rendezvous backend; the test worker by default)."""
+    return TorchrunCommand(
+        rdzv_endpoint=endpoint,
+        run_id=run_id,
+        nnodes=nnodes,
+        entrypoint=script,
+        args=script_args,
+        nproc_per_node=nproc,
+        rdzv_backend=backend,
+        rdzv_conf=format_rdzv_conf(rdzv_conf) if rdzv_conf else None,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        local_addr=local_addr,
+        prefork=prefork,
+    ).argv()
 
 @dataclass
 class TorchrunAgent:

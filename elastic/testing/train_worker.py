@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from elastic import env as worker_env
 from elastic.checkpoint import CheckpointOptions
 from elastic.loop import ElasticConfig, ElasticTrainer, StepInfo
 from elastic.lr import LRPolicy, LRRule
@@ -44,7 +45,7 @@ def make_model(seed: int, dropout: float = 0.1) -> nn.Module:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--checkpoint-url", default=os.environ.get("ETRAIN_CHECKPOINT_URL"))
+    p.add_argument("--checkpoint-url", default=os.environ.get(worker_env.CHECKPOINT_URL))
     p.add_argument("--record", type=Path, required=True)
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--epochs", type=int, default=2)

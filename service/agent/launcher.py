@@ -24,6 +24,7 @@ from elastic.env import JobEnv, WorkerEnv
 from elastic.etcd.config import EtcdOptions
 from elastic.prefork import worker_tree
 from elastic.proctree import alive, descendants, process_stat
+from elastic.torchrun_cli import TorchrunCommand, format_rdzv_conf
 from service.core.models import Assignment
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def rdzv_conf(assignment: Assignment, etcd: EtcdOptions, rdzv_prefix: str, passw
     if etcd.user and password is not None:
         conf["user"] = etcd.user
         conf["password"] = password
-    return ",".join(f"{k}={v}" for k, v in conf.items())
+    return format_rdzv_conf(conf)
 
 
 def torchrun_command(
@@ -72,30 +73,21 @@ def torchrun_command(
     """``python -m torch.distributed.run ...`` for one generation (``conf_on_command_line`` None: the
     rendezvous configuration travels in ``PET_RDZV_CONF``, keeping a password off the command line)."""
     spec = assignment.spec
-    cmd = [
-        python,
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={spec.min_nodes}:{spec.max_nodes}",
-        f"--nproc-per-node={spec.nproc_per_node}",
-        "--rdzv-backend=etcd-v3",
-        f"--rdzv-endpoint={etcd_endpoints}",
-        f"--rdzv-id={assignment.rdzv_id}",
-        f"--max-restarts={spec.restart_policy.max_worker_restarts}",
-        "--monitor-interval=0.5",
-    ]
-    if conf_on_command_line is not None:
-        cmd.append(f"--rdzv-conf={conf_on_command_line}")
-    if rdzv_host:
-        cmd.append(f"--local-addr={rdzv_host}")
-    if spec.warm_start:  # torchrun starts elastic.prefork clients; the node's zygote forks the workers
-        cmd += ["--module", "elastic.prefork"]
-        cmd += ["-m", spec.entrypoint] if spec.module else [spec.entrypoint]
-    else:
-        cmd += ["--module", spec.entrypoint] if spec.module else [spec.entrypoint]
-    cmd.extend(spec.args)
-    return cmd
-
+    return TorchrunCommand(
+        rdzv_endpoint=etcd_endpoints,
+        run_id=assignment.rdzv_id,
+        nnodes=f"{spec.min_nodes}:{spec.max_nodes}",
+        entrypoint=spec.entrypoint,
+        args=spec.args,
+        module=spec.module,
+        nproc_per_node=spec.nproc_per_node,
+        rdzv_conf=conf_on_command_line,
+        max_restarts=spec.restart_policy.max_worker_restarts,
+        monitor_interval=0.5,
+        local_addr=rdzv_host,
+        prefork=spec.warm_start,
+        python=python,
+    ).argv()
 
 def worker_env(
     assignment: Assignment,

@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from elastic import compat
+from elastic import env as worker_env
 from elastic.etcd import create_client
 from elastic.proctree import descendants, process_stat
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
@@ -84,9 +86,9 @@ class LocalServiceCluster:
 
     def _spawn(self, name: str, args: Sequence[str], prefix: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         # the caller's own service settings (ETRAIN_*: server, token, prefix ...) must not leak in
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ETRAIN_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(worker_env.PREFIX)}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        compat.disable_shared_rdzv_store(env, override=True)
         self.logs.mkdir(parents=True, exist_ok=True)
         cmd = [*prefix, sys.executable, "-m", "service.cli", *args, "--etcd", self.etcd.endpoints,
                "--prefix", self.prefix]  # fmt: skip  # `ip netns exec NS` execs: the pid stays the process's

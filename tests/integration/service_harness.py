@@ -1,14 +1,15 @@
 """What the service's integration and chaos tests share beside the cluster itself
-(:class:`service.testing.cluster.LocalServiceCluster`): the test job, API polling, process liveness."""
+(:class:`service.testing.cluster.LocalServiceCluster`): the test job and API polling."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from elastic.testing.wait import wait_for
 from service.testing.cluster import REPO
+
+__all__ = ["DEMO_JOB", "ROOT", "job_spec", "wait_api"]
 
 ROOT = REPO
 DEMO_JOB = ROOT / "examples" / "demo_job.py"
@@ -30,12 +31,3 @@ def job_spec(steps: int, *, step_time: float = 0.1, min_nodes: int = 2, max_node
 def wait_api(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
     """:func:`wait_for` through the API, where errors mean "not yet" (the controller may be restarting)."""
     return wait_for(check, timeout, interval, what=what, retry_on=(Exception,))
-
-
-def alive(proc: tuple[int, int]) -> bool:
-    """The process still runs and is the one recorded (same start time), not a zombie."""
-    try:
-        fields = Path(f"/proc/{proc[0]}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z" and int(fields[19]) == proc[1]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from elastic.proctree import alive
 from service.testing.cluster import LocalServiceCluster
-from tests.integration.service_harness import alive, job_spec, wait_api
+from tests.integration.service_harness import job_spec, wait_api
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -22,12 +23,12 @@ def test_cancel_stops_all_workers_on_all_nodes(cluster: LocalServiceCluster) -> 
     torchruns = [r.pid for r in cluster.reports(job_id).values() if r.state == "running"]
     assert len(torchruns) == 3
     assert len(procs) >= 6, procs  # 3 torchruns, each with at least its worker
-    assert all(alive(p) for p in procs)
+    assert all(alive(*p) for p in procs)
 
     resp = api.cancel(job_id)
     assert resp["cancel_requested"] is True
     wait_api("the job to be cancelled", lambda: api.job(job_id)["state"] == "cancelled", 30)
-    wait_api("every torchrun and worker to exit", lambda: not any(alive(p) for p in procs), 30)
+    wait_api("every torchrun and worker to exit", lambda: not any(alive(*p) for p in procs), 30)
 
     reports = cluster.reports(job_id)
     assert reports == {} or all(r.state == "stopped" for r in reports.values())
