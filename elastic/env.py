@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AGENT_WRITTEN",
+    "CHECKPOINT_KEY",
     "CHECKPOINT_URL",
     "ETCD_CA_CERT",
     "ETCD_CERT",
@@ -79,6 +80,7 @@ MAX_NODES = "ETRAIN_MAX_NODES"
 # -- written by the node agent, or set by a user ------------------------------------------------------------
 JOB_ID = "ETRAIN_JOB_ID"
 CHECKPOINT_URL = "ETRAIN_CHECKPOINT_URL"
+CHECKPOINT_KEY = "ETRAIN_CHECKPOINT_KEY"  # hex HMAC key of the job's snapshot manifests (CheckpointOptions)
 LOCAL_SNAPSHOT_EVERY = "ETRAIN_LOCAL_SNAPSHOT_EVERY"
 ETCD_ENDPOINTS = "ETRAIN_ETCD_ENDPOINTS"
 ETCD_CA_CERT = "ETRAIN_ETCD_CA_CERT"
@@ -96,7 +98,9 @@ PREFORK_CLIENT = "ETRAIN_PREFORK_CLIENT"
 _JOB_VARIABLES = (JOB_NAME, GENERATION, NODE_NAME, PROGRESS_KEY, LR_POLICY, MIN_NODES, MAX_NODES)
 _ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)
 #: Every variable :meth:`WorkerEnv.apply` owns: inherited values of these never reach the workers.
-AGENT_WRITTEN = frozenset((*_JOB_VARIABLES, JOB_ID, CHECKPOINT_URL, LOCAL_SNAPSHOT_EVERY, *_ETCD_VARIABLES))
+AGENT_WRITTEN = frozenset(
+    (*_JOB_VARIABLES, JOB_ID, CHECKPOINT_URL, CHECKPOINT_KEY, LOCAL_SNAPSHOT_EVERY, *_ETCD_VARIABLES)
+)
 
 _T = TypeVar("_T")
 
@@ -212,6 +216,16 @@ def _etcd_from_environ(env: Mapping[str, str]) -> EtcdOptions | None:
     )
 
 
+def _hex_key(raw: str) -> bytes:
+    try:
+        key = bytes.fromhex(raw)
+    except ValueError:
+        raise WorkerEnvError(f"{CHECKPOINT_KEY} must be hex") from None
+    if len(key) < 16:
+        raise WorkerEnvError(f"{CHECKPOINT_KEY} must hold at least 16 bytes")
+    return key
+
+
 def _get(env: Mapping[str, str], name: str, parse: Callable[[str], _T]) -> _T | None:
     raw = env.get(name, "").strip()
     return parse(raw) if raw else None
@@ -227,6 +241,7 @@ class WorkerEnv:
     checkpoint_url: str | None = None
     local_snapshot_every: int = 0  # node-local snapshots every N steps; 0: off
     etcd: EtcdOptions | None = None
+    checkpoint_key: bytes | None = field(default=None, repr=False)  # signs the job's snapshots
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> WorkerEnv:
@@ -239,6 +254,7 @@ class WorkerEnv:
             checkpoint_url=env.get(CHECKPOINT_URL) or None,
             local_snapshot_every=_get(env, LOCAL_SNAPSHOT_EVERY, _local_every) or 0,
             etcd=_etcd_from_environ(env),
+            checkpoint_key=_get(env, CHECKPOINT_KEY, _hex_key),
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -251,6 +267,8 @@ class WorkerEnv:
         out[LOCAL_SNAPSHOT_EVERY] = str(self.local_snapshot_every)
         if self.etcd is not None:
             out.update(_etcd_to_environ(self.etcd))
+        if self.checkpoint_key is not None:
+            out[CHECKPOINT_KEY] = self.checkpoint_key.hex()
         return out
 
     def apply(self, env: MutableMapping[str, str]) -> None:

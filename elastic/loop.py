@@ -42,7 +42,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -213,7 +213,10 @@ class ElasticTrainer:
         if url is None:
             logger.warning("no checkpoint URL: training will not survive a restart")
             return None
-        manager = create_checkpoint_manager(url, self.config.checkpoint_options)
+        options = self.config.checkpoint_options
+        if options.signing_key is None:  # the job service gives each job a key (elastic.env.CHECKPOINT_KEY)
+            options = replace(options, signing_key=WorkerEnv.from_environ().checkpoint_key)
+        manager = create_checkpoint_manager(url, options)
         manager.check_storage()  # one clear line, before any training, if the storage is unusable
         return manager
 

@@ -197,6 +197,11 @@ class CheckpointManager(ABC):
 
     @property
     @abstractmethod
+    def options(self) -> CheckpointOptions:
+        """The options this manager was built with."""
+
+    @property
+    @abstractmethod
     def is_writer(self) -> bool:
         """Whether this process writes replicated snapshots (rank ``writer_rank`` of the saving world, or
         with ``per_node`` the first worker of each node)."""

@@ -35,6 +35,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -99,9 +100,12 @@ class SnapshotTiers:
         self._local: FsspecCheckpointManager | None = None
         self._warned = False
         self.source: str | None = None  # what the last restore resumed from: "node-local", "durable" or None
+        # node-local snapshots are signed like the durable ones: a slot another user or job planted is skipped
+        key = durable.options.signing_key if durable is not None else WorkerEnv.from_environ().checkpoint_key
+        self._options = replace(LOCAL_OPTIONS, signing_key=key)
         if self._writer:
             assert local_dir is not None
-            self._local = create_checkpoint_manager(str(self._claim_slot(local_dir)), LOCAL_OPTIONS)
+            self._local = create_checkpoint_manager(str(self._claim_slot(local_dir)), self._options)
             self._local.check_storage()
 
     # -- slots ---------------------------------------------------------------------------------------
@@ -136,7 +140,7 @@ class SnapshotTiers:
     def _newest_local(self) -> tuple[int, Path | None]:
         best: tuple[int, Path | None] = (-1, None)
         for slot in self._slots():
-            with create_checkpoint_manager(str(slot), LOCAL_OPTIONS) as reader:
+            with create_checkpoint_manager(str(slot), self._options) as reader:
                 step = reader.latest_step()
             if step is not None and step > best[0]:
                 best = (step, slot)
@@ -190,7 +194,7 @@ class SnapshotTiers:
         if dist.get_rank() == src:
             assert slot is not None
             try:
-                with create_checkpoint_manager(str(slot), LOCAL_OPTIONS) as reader:
+                with create_checkpoint_manager(str(slot), self._options) as reader:
                     payload[0] = reader.load(step).state
             except CheckpointError as exc:
                 logger.warning("node-local snapshot step %d is unusable (%s); using a durable one", step, exc)

@@ -129,12 +129,16 @@ class GrpcEtcdClient(EtcdClient):
             failover=True,
         )
 
-    def _raw(self) -> tuple[Any, int]:
-        """The shared client (connecting it if none) and its generation."""
+    def _current(self) -> tuple[Any, int]:
+        """The shared library client (connecting it if none) and its generation."""
         with self._lock:
             if self._client is None:
                 self._client = self._connect()
             return self._client, self._generation
+
+    def _raw(self) -> Any:
+        """The shared library client (connecting it if none)."""
+        return self._current()[0]
 
     def _replaced(self, generation: int) -> bool:
         """Whether another thread's reset replaced (and closed) the client of ``generation``."""
@@ -166,7 +170,7 @@ class GrpcEtcdClient(EtcdClient):
         while True:
             generation: int | None = None
             try:
-                client, generation = self._raw()
+                client, generation = self._current()
                 return fn(client)
             except _RETRYABLE as exc:
                 retry.last_exc = exc
@@ -417,16 +421,23 @@ class GrpcEtcdClient(EtcdClient):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
+            generation: int | None = None
             try:
-                return self._watch_once(key, start_revision, remaining, prefix)
+                c, generation = self._current()
+                return self._watch_once(c, key, start_revision, remaining, prefix)
             except grpc.RpcError as exc:
                 if _is_deadline(exc):
                     continue  # our own timeout (etcd may report it as UNKNOWN): the loop returns False
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                replaced = generation is not None and self._replaced(generation)
+                if not replaced and exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     raise EtcdError(f"watch on etcd at {self.endpoints_label} failed: {exc}") from exc
             except _RETRYABLE:
                 pass
-            self._reset()
+            except ValueError as exc:  # "Cannot invoke RPC on closed channel!"
+                if generation is None or not self._replaced(generation):
+                    raise EtcdError(f"watch on etcd at {self.endpoints_label} failed: {exc}") from exc
+            if generation is not None:
+                self._reset(generation)
             time.sleep(0.1)
 
     def watch_revisions(
@@ -441,8 +452,9 @@ class GrpcEtcdClient(EtcdClient):
         # A broken stream is re-opened from the revision after the last one delivered.
         next_revision = start_revision
         while not stop.is_set():
+            generation: int | None = None
             try:
-                c = self._raw()
+                c, generation = self._current()
                 create = etcdrpc.WatchCreateRequest(key=key.encode(), start_revision=next_revision)
                 if prefix:
                     create.range_end = prefix_end(key)
@@ -470,12 +482,14 @@ class GrpcEtcdClient(EtcdClient):
                 logger.debug("watch on %s broke (%s); re-opening", key, exc.code())
             except _RETRYABLE:
                 pass
+            except ValueError as exc:  # "Cannot invoke RPC on closed channel!": another thread's reset
+                logger.debug("watch on %s broke (%s); re-opening", key, exc)
             if not stop.is_set():
-                self._reset()
+                if generation is not None:
+                    self._reset(generation)
                 stop.wait(0.1)
 
-    def _watch_once(self, key: str, start_revision: int, timeout: float, prefix: bool) -> bool:
-        c = self._raw()
+    def _watch_once(self, c: Any, key: str, start_revision: int, timeout: float, prefix: bool) -> bool:
         create = etcdrpc.WatchCreateRequest(key=key.encode(), start_revision=start_revision)
         if prefix:
             create.range_end = prefix_end(key)

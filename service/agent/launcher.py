@@ -123,6 +123,7 @@ def worker_env(
         checkpoint_url=assignment.checkpoint_url,
         local_snapshot_every=spec.local_snapshot_every,  # read by elastic.loop; 0: off
         etcd=etcd,
+        checkpoint_key=bytes.fromhex(assignment.checkpoint_key) if assignment.checkpoint_key else None,
     ).apply(env)
     disable_shared_rdzv_store(env, override=True)
     env["PYTHONUNBUFFERED"] = "1"

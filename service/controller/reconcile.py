@@ -92,6 +92,7 @@ class _Decision:
                 generation=self.st.generation,
                 spec=self.spec,
                 checkpoint_url=self.record.checkpoint_url,
+                checkpoint_key=self.record.checkpoint_key,
                 assigned_at=self.now,
             )
             self.unassign.discard(node)

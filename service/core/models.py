@@ -21,6 +21,7 @@ from elastic.lr import LRRule
 from service.core.states import JobState
 
 __all__ = [
+    "MAX_NODES_PER_JOB",
     "RESERVED_ENV",
     "Assignment",
     "CheckpointInfo",
@@ -37,6 +38,8 @@ __all__ = [
     "WorldSizeChange",
     "checkpoint_prefix_owner",
     "checkpoint_url_within",
+    "normalize_checkpoint_url",
+    "submit_problems",
 ]
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$"
@@ -57,7 +60,7 @@ RESERVED_ENV = frozenset(
     }
 )
 _RESERVED_ENV_PREFIXES = (contract.PREFIX, "TORCHELASTIC_")
-_CHECKPOINT_SCHEMES = ("file", "s3", "gs", "gcs", "az", "abfs", "lustre")
+_CHECKPOINT_SCHEMES = ("file", "s3", "gs", "gcs", "az", "abfs")
 
 
 class _Spec(BaseModel):
@@ -224,8 +227,33 @@ class JobSpec(_Spec):
         return normalize_checkpoint_url(value)
 
 
+# etcd applies at most 128 operations per transaction; a pass may release a job's old nodes and assign as many
+# new ones (plus its status and events) in one: 2 x 60 + 8 stays below.
+MAX_NODES_PER_JOB = 60
+# etcd refuses requests over 1.5 MiB; every assignment carries the spec, so the spec times max_nodes must fit
+_ASSIGNMENTS_BUDGET = 1 << 20
+_ASSIGNMENT_OVERHEAD = 512
+
+
+def submit_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    """``(field, message)`` for what a new job may not ask although the model accepts it (stored jobs keep
+    loading): limits the controller's etcd transactions must honour. Empty: the job can be scheduled."""
+    problems = []
+    if spec.max_nodes > MAX_NODES_PER_JOB:
+        problems.append(("max_nodes", f"at most {MAX_NODES_PER_JOB} nodes per job (etcd's 128 operations "
+                                      "per transaction)"))  # fmt: skip
+    size = len(spec.model_dump_json())
+    nodes = min(spec.max_nodes, MAX_NODES_PER_JOB)
+    if nodes * (size + _ASSIGNMENT_OVERHEAD) > _ASSIGNMENTS_BUDGET:
+        problems.append(("env", f"the spec is {size} bytes; with max_nodes={spec.max_nodes} its assignments "
+                                f"would exceed {_ASSIGNMENTS_BUDGET} bytes in one etcd transaction: shrink env "
+                                "and args, or max_nodes"))  # fmt: skip
+    return problems
+
+
 def normalize_checkpoint_url(value: str) -> str:
-    """``/a/b/`` -> ``file:///a/b``; checks the scheme and refuses ``..`` segments."""
+    """``/a/b/`` -> ``file:///a/b``; checks the scheme, refuses ``..`` segments and a ``file://`` URL naming
+    another host, and (``file://``) collapses ``//`` and ``.`` segments as POSIX does."""
     url = value.strip()
     if url.startswith("/"):
         url = "file://" + url
@@ -233,18 +261,37 @@ def normalize_checkpoint_url(value: str) -> str:
     if parsed.scheme not in _CHECKPOINT_SCHEMES:
         raise ValueError(
             f"must be an absolute path or a URL with one of the schemes {', '.join(_CHECKPOINT_SCHEMES)}"
-        )
-    if parsed.scheme in ("file", "lustre") and not parsed.path.startswith("/"):
-        raise ValueError("a file:// URL needs an absolute path (file:///...)")
+            + (" (a Lustre file system is a mounted path: give the path or file:///...)"
+               if parsed.scheme == "lustre" else "")
+        )  # fmt: skip
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"a file:// URL names a path on every node, not host {parsed.netloc!r}: file:///...")
+        if not parsed.path.startswith("/"):
+            raise ValueError("a file:// URL needs an absolute path (file:///...)")
     if ".." in parsed.path.split("/"):
         raise ValueError("must not contain '..' segments")
+    if parsed.scheme == "file":
+        return "file://" + (_canonical_path(parsed.path) or "/")
     return url.rstrip("/") or url
 
 
+def _canonical_path(path: str) -> str:
+    """``/a//b/./c/`` -> ``/a/b/c``: empty and ``.`` segments dropped (``..`` is refused before)."""
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    return "/" + "/".join(parts) if parts else ""
+
+
 def checkpoint_url_within(url: str, prefix: str) -> bool:
-    """True if ``url`` is ``prefix`` or below it (segment-wise, after normalization)."""
-    a, b = normalize_checkpoint_url(url), normalize_checkpoint_url(prefix)
+    """True if ``url`` is ``prefix`` or below it (segment-wise, after normalization; for every scheme empty
+    and ``.`` path segments are ignored here, so that spellings of one location never pass for two)."""
+    a, b = _comparable(url), _comparable(prefix)
     return a == b or a.startswith(b.rstrip("/") + "/")
+
+
+def _comparable(url: str) -> str:
+    parsed = urlparse(normalize_checkpoint_url(url))
+    return f"{parsed.scheme}://{parsed.netloc.lower()}{_canonical_path(parsed.path)}"
 
 
 def checkpoint_prefix_owner(url: str, claimed: Mapping[str, str], exclude: str | None = None) -> str | None:
@@ -271,6 +318,9 @@ class JobRecord(_Record):
         default=None, description="resolved: the spec's, or the default prefix"
     )
     submitted_by: str | None = None
+    # hex HMAC key of the job's snapshot manifests, made at submit: only this job's workers get it (never
+    # shown by the API), so nothing another job writes under this prefix is ever loaded by this one
+    checkpoint_key: str | None = Field(default=None, repr=False)
 
 
 class WorldSizeChange(_Record):
@@ -358,6 +408,7 @@ class Assignment(_Record):
     generation: int
     spec: JobSpec
     checkpoint_url: str | None = None
+    checkpoint_key: str | None = Field(default=None, repr=False, description="hex: signs the job's snapshots")
     assigned_at: datetime
 
     @property

@@ -34,7 +34,8 @@ def _full(tmp_path: Path) -> WorkerEnv:
         user="train",
         password_file=str(tmp_path / "pw"),
     )
-    return WorkerEnv(job=_JOB, job_id="j-1", checkpoint_url="file:///ck/j-1", local_snapshot_every=2, etcd=etcd)
+    return WorkerEnv(job=_JOB, job_id="j-1", checkpoint_url="file:///ck/j-1", local_snapshot_every=2, etcd=etcd,
+                     checkpoint_key=bytes(range(32)))
 
 
 def test_what_the_writer_writes_the_parser_reads_back(tmp_path: Path) -> None:
@@ -105,3 +106,10 @@ def test_a_missing_or_invalid_value_is_one_error_naming_the_variable(environ: di
     with pytest.raises(WorkerEnvError, match=message) as info:
         WorkerEnv.from_environ(environ)
     assert "\n" not in str(info.value)
+
+
+def test_a_checkpoint_key_that_is_not_hex_or_too_short_is_named() -> None:
+    with pytest.raises(WorkerEnvError, match="ETRAIN_CHECKPOINT_KEY must be hex"):
+        WorkerEnv.from_environ({contract.CHECKPOINT_KEY: "zz"})
+    with pytest.raises(WorkerEnvError, match="at least 16 bytes"):
+        WorkerEnv.from_environ({contract.CHECKPOINT_KEY: "abcd"})

@@ -6,6 +6,8 @@ rendezvous, the example job training with gloo on CPU and checkpointing.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from elastic.checkpoint import create_checkpoint_manager
@@ -69,3 +71,6 @@ def test_job_recovers_from_agent_sigkill_and_controller_restart_then_finishes(
     assert final["checkpoint"]["url"] == f"file://{ckpt_dir}"
     snapshot = create_checkpoint_manager(str(ckpt_dir)).load_latest()  # verified (sizes, sha256)
     assert snapshot is not None and snapshot.step == STEPS
+    # signed with the job's own key, which the API never shows
+    assert all("manifest_hmac" in json.loads(m.read_text()) for m in ckpt_dir.glob("step-*/manifest.json"))
+    assert "checkpoint_key" not in json.dumps(final) and "checkpoint_key" not in json.dumps(api.events(job_id))

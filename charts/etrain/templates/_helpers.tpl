@@ -77,6 +77,77 @@ app.kubernetes.io/component: {{ .component }}
 {{- if .Values.etcd.external.endpoints }}true{{ end }}
 {{- end }}
 
+{{/* True (non-empty) when the in-cluster etcd runs with mutual TLS (etcd.tls.enabled). */}}
+{{- define "etrain.etcd.inClusterTls" -}}
+{{- if and (not (include "etrain.etcd.isExternal" .)) .Values.etcd.tls.enabled }}true{{ end }}
+{{- end }}
+
+{{/* URL scheme of the in-cluster etcd's client and peer URLs. */}}
+{{- define "etrain.etcd.scheme" -}}
+{{- ternary "https" "http" (not (empty (include "etrain.etcd.inClusterTls" .))) }}
+{{- end }}
+
+{{/* Secret with the in-cluster members' ca.crt, tls.crt, tls.key (server and peer certificate). */}}
+{{- define "etrain.etcd.serverTlsSecret" -}}
+{{- default (printf "%s-etcd-server-tls" (include "etrain.fullname" .)) .Values.etcd.tls.existingSecret }}
+{{- end }}
+
+{{/* Secret with the client certificate (ca.crt, tls.crt, tls.key) of the controller and agents. */}}
+{{- define "etrain.etcd.clientTlsSecret" -}}
+{{- if include "etrain.etcd.isExternal" . }}
+{{- .Values.etcd.external.tls.existingSecret }}
+{{- else if .Values.etcd.tls.existingClientSecret }}
+{{- .Values.etcd.tls.existingClientSecret }}
+{{- else if .Values.etcd.tls.existingSecret }}
+{{- .Values.etcd.tls.existingSecret }}
+{{- else }}
+{{- printf "%s-etcd-client-tls" (include "etrain.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* True (non-empty) when the controller and agents talk TLS to etcd (in-cluster or external). */}}
+{{- define "etrain.etcd.clientUsesTls" -}}
+{{- if include "etrain.etcd.isExternal" . }}
+{{- if .Values.etcd.external.tls.enabled }}true{{ end }}
+{{- else }}
+{{- include "etrain.etcd.inClusterTls" . }}
+{{- end }}
+{{- end }}
+
+{{/* True (non-empty) when they also present a client certificate. */}}
+{{- define "etrain.etcd.clientPresentsCert" -}}
+{{- if include "etrain.etcd.isExternal" . }}
+{{- if and .Values.etcd.external.tls.enabled .Values.etcd.external.tls.clientCertificate }}true{{ end }}
+{{- else }}
+{{- include "etrain.etcd.inClusterTls" . }}
+{{- end }}
+{{- end }}
+
+{{/* Subject alternative names of the generated etcd server certificate, as a JSON list: every member's
+     DNS name (FQDN and the shorter forms), wildcards of the headless Service, the client Service in all
+     its forms, localhost, and etcd.tls.extraSANs. */}}
+{{- define "etrain.etcd.tlsSANs" -}}
+{{- $fullname := include "etrain.etcd.fullname" . }}
+{{- $headless := include "etrain.etcd.headless" . }}
+{{- $ns := .Release.Namespace }}
+{{- $domain := .Values.clusterDomain }}
+{{- $sans := list "localhost" }}
+{{- range $i := until (int .Values.etcd.replicas) }}
+{{- $sans = append $sans (printf "%s-%d.%s.%s.svc.%s" $fullname $i $headless $ns $domain) }}
+{{- $sans = append $sans (printf "%s-%d.%s.%s.svc" $fullname $i $headless $ns) }}
+{{- $sans = append $sans (printf "%s-%d.%s" $fullname $i $headless) }}
+{{- end }}
+{{- $sans = append $sans (printf "*.%s.%s.svc.%s" $headless $ns $domain) }}
+{{- $sans = append $sans (printf "*.%s.%s.svc" $headless $ns) }}
+{{- range list $fullname (printf "%s.%s" $fullname $ns) (printf "%s.%s.svc" $fullname $ns) (printf "%s.%s.svc.%s" $fullname $ns $domain) }}
+{{- $sans = append $sans . }}
+{{- end }}
+{{- range .Values.etcd.tls.extraSANs }}
+{{- $sans = append $sans . }}
+{{- end }}
+{{- toJson (uniq $sans) }}
+{{- end }}
+
 {{/* DNS name of in-cluster etcd member $i: call with (dict "ctx" $ "i" 0). */}}
 {{- define "etrain.etcd.memberHost" -}}
 {{- printf "%s-%d.%s.%s.svc.%s" (include "etrain.etcd.fullname" .ctx) (int .i) (include "etrain.etcd.headless" .ctx) .ctx.Release.Namespace .ctx.Values.clusterDomain }}
@@ -90,7 +161,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- $ctx := . }}
 {{- $hosts := list }}
 {{- range $i := until (int .Values.etcd.replicas) }}
-{{- $hosts = append $hosts (printf "%s:%d" (include "etrain.etcd.memberHost" (dict "ctx" $ctx "i" $i)) (int $ctx.Values.etcd.clientPort)) }}
+{{- $hosts = append $hosts (printf "%s://%s:%d" (include "etrain.etcd.scheme" $ctx) (include "etrain.etcd.memberHost" (dict "ctx" $ctx "i" $i)) (int $ctx.Values.etcd.clientPort)) }}
 {{- end }}
 {{- join "," $hosts }}
 {{- end }}
@@ -101,7 +172,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- $ctx := . }}
 {{- $members := list }}
 {{- range $i := until (int .Values.etcd.replicas) }}
-{{- $members = append $members (printf "%s-%d=http://%s:%d" (include "etrain.etcd.fullname" $ctx) $i (include "etrain.etcd.memberHost" (dict "ctx" $ctx "i" $i)) (int $ctx.Values.etcd.peerPort)) }}
+{{- $members = append $members (printf "%s-%d=%s://%s:%d" (include "etrain.etcd.fullname" $ctx) $i (include "etrain.etcd.scheme" $ctx) (include "etrain.etcd.memberHost" (dict "ctx" $ctx "i" $i)) (int $ctx.Values.etcd.peerPort)) }}
 {{- end }}
 {{- join "," $members }}
 {{- end }}
@@ -109,6 +180,37 @@ app.kubernetes.io/component: {{ .component }}
 {{/* Name of the Secret holding the API tokens file. */}}
 {{- define "etrain.auth.secretName" -}}
 {{- default (printf "%s-auth" (include "etrain.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
+{{/* True (non-empty) when the chart writes the tokens Secret (from auth.tokens or generated). */}}
+{{- define "etrain.auth.chartManaged" -}}
+{{- if and .Values.auth.enabled (not .Values.auth.existingSecret) }}true{{ end }}
+{{- end }}
+
+{{/* The chart-managed tokens, as JSON {"generated": bool, "tokens": [...]}: auth.tokens when given, else an
+     admin and a read token generated with randAlphaNum, reused from the release's existing Secret (lookup)
+     so that `helm upgrade` keeps them. Memoized in the root context: the Secret and the controller's
+     checksum annotation see the same tokens within one render. */}}
+{{- define "etrain.auth.tokens" -}}
+{{- if not (hasKey . "etrainAuthTokens") }}
+{{- $out := dict "generated" false "tokens" .Values.auth.tokens }}
+{{- if not .Values.auth.tokens }}
+{{- $admin := randAlphaNum 40 }}
+{{- $read := randAlphaNum 40 }}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "etrain.auth.secretName" .) }}
+{{- if and $existing (index ($existing.metadata.annotations | default dict) "etrain.io/generated-tokens") }}
+{{- $data := $existing.data | default dict }}
+{{- if and (index $data "admin-token") (index $data "read-token") }}
+{{- $admin = index $data "admin-token" | b64dec }}
+{{- $read = index $data "read-token" | b64dec }}
+{{- end }}
+{{- end }}
+{{- $_ := set $out "generated" true }}
+{{- $_ := set $out "tokens" (list (dict "name" "admin" "role" "admin" "token" $admin) (dict "name" "read" "role" "read" "token" $read)) }}
+{{- end }}
+{{- $_ := set . "etrainAuthTokens" (toJson $out) }}
+{{- end }}
+{{- index . "etrainAuthTokens" }}
 {{- end }}
 
 {{/* Name of the checkpoint volume's claim. */}}
@@ -137,19 +239,17 @@ app.kubernetes.io/component: {{ .component }}
   value: "1"
 - name: HOME
   value: /tmp
-{{- if include "etrain.etcd.isExternal" . }}
-{{- with .Values.etcd.external.tls }}
-{{- if .enabled }}
+{{- if include "etrain.etcd.clientUsesTls" . }}
 - name: ETRAIN_ETCD_CA_CERT
   value: /etc/etrain/etcd-tls/ca.crt
-{{- if .clientCertificate }}
+{{- if include "etrain.etcd.clientPresentsCert" . }}
 - name: ETRAIN_ETCD_CERT
   value: /etc/etrain/etcd-tls/tls.crt
 - name: ETRAIN_ETCD_KEY
   value: /etc/etrain/etcd-tls/tls.key
 {{- end }}
 {{- end }}
-{{- end }}
+{{- if include "etrain.etcd.isExternal" . }}
 {{- if .Values.etcd.external.auth.username }}
 - name: ETRAIN_ETCD_USER
   value: {{ .Values.etcd.external.auth.username | quote }}
@@ -202,12 +302,12 @@ app.kubernetes.io/component: {{ .component }}
 - name: shared
   mountPath: {{ .Values.storage.mountPath }}
 {{- end }}
-{{- if include "etrain.etcd.isExternal" . }}
-{{- if .Values.etcd.external.tls.enabled }}
+{{- if include "etrain.etcd.clientUsesTls" . }}
 - name: etcd-tls
   mountPath: /etc/etrain/etcd-tls
   readOnly: true
 {{- end }}
+{{- if include "etrain.etcd.isExternal" . }}
 {{- if .Values.etcd.external.auth.username }}
 - name: etcd-auth
   mountPath: /etc/etrain/etcd-auth
@@ -225,22 +325,22 @@ app.kubernetes.io/component: {{ .component }}
   persistentVolumeClaim:
     claimName: {{ include "etrain.storage.claimName" . }}
 {{- end }}
-{{- if include "etrain.etcd.isExternal" . }}
-{{- if .Values.etcd.external.tls.enabled }}
+{{- if include "etrain.etcd.clientUsesTls" . }}
 - name: etcd-tls
   secret:
-    secretName: {{ .Values.etcd.external.tls.existingSecret }}
+    secretName: {{ include "etrain.etcd.clientTlsSecret" . }}
     defaultMode: 0440
     items:
       - key: ca.crt
         path: ca.crt
-      {{- if .Values.etcd.external.tls.clientCertificate }}
+      {{- if include "etrain.etcd.clientPresentsCert" . }}
       - key: tls.crt
         path: tls.crt
       - key: tls.key
         path: tls.key
       {{- end }}
 {{- end }}
+{{- if include "etrain.etcd.isExternal" . }}
 {{- if .Values.etcd.external.auth.username }}
 - name: etcd-auth
   secret:

@@ -51,7 +51,22 @@ line by design; the chart's tests therefore render with each values file.)
 {{- if eq (mod (int $v.etcd.replicas) 2) 0 }}
 {{- fail (printf "etrain: etcd.replicas must be odd (1, 3, 5, ...), got %d: an even member count tolerates no more failures than the odd count below it." (int $v.etcd.replicas)) }}
 {{- end }}
+{{- if and (not $v.etcd.tls.enabled) (not $v.etcd.tls.allowInsecure) }}
+{{- fail "etrain: etcd.tls.enabled=false needs etcd.tls.allowInsecure=true: without TLS any pod that reaches etcd's client port can read and write every key, including the work agents run. Keep etcd.tls.enabled=true, or confirm with etcd.tls.allowInsecure=true." }}
+{{- end }}
+{{- if and (not $v.etcd.tls.enabled) (or $v.etcd.tls.existingSecret $v.etcd.tls.existingClientSecret $v.etcd.tls.extraSANs) }}
+{{- fail "etrain: etcd.tls.existingSecret, etcd.tls.existingClientSecret and etcd.tls.extraSANs need etcd.tls.enabled=true." }}
+{{- end }}
+{{- if and $v.etcd.tls.existingClientSecret (not $v.etcd.tls.existingSecret) }}
+{{- fail "etrain: etcd.tls.existingClientSecret needs etcd.tls.existingSecret: a client certificate from your CA cannot be checked by members whose certificates the chart generates with its own CA." }}
+{{- end }}
+{{- if and $v.etcd.tls.existingSecret $v.etcd.tls.extraSANs }}
+{{- fail "etrain: etcd.tls.extraSANs applies to the generated certificate only: with etcd.tls.existingSecret, put the names in that certificate." }}
+{{- end }}
 {{- else }}
+{{- if or $v.etcd.tls.existingSecret $v.etcd.tls.existingClientSecret $v.etcd.tls.extraSANs }}
+{{- fail "etrain: etcd.tls.* configures the in-cluster etcd, which etcd.external.endpoints replaces: use etcd.external.tls for your own etcd." }}
+{{- end }}
 {{- if and $v.etcd.external.tls.enabled (not $v.etcd.external.tls.existingSecret) }}
 {{- fail "etrain: etcd.external.tls.enabled=true needs etcd.external.tls.existingSecret (a Secret with ca.crt, and tls.crt/tls.key for client certificates)." }}
 {{- end }}
@@ -60,13 +75,27 @@ line by design; the chart's tests therefore render with each values file.)
 {{- end }}
 {{- end }}
 
-{{- /* API authentication */}}
+{{- /* API authentication (tokens are generated when neither existingSecret nor tokens is set) */}}
 {{- if $v.auth.enabled }}
-{{- if and (not $v.auth.existingSecret) (not $v.auth.tokens) }}
-{{- fail "etrain: auth.enabled=true needs tokens: set auth.existingSecret (a Secret with a tokens.yaml key) or list auth.tokens." }}
-{{- end }}
 {{- if and $v.auth.existingSecret $v.auth.tokens }}
 {{- fail "etrain: auth.existingSecret and auth.tokens exclude each other: keep tokens in one place." }}
+{{- end }}
+{{- else }}
+{{- if not $v.auth.allowInsecure }}
+{{- fail "etrain: auth.enabled=false needs auth.allowInsecure=true: without tokens anyone who reaches the controller API can submit jobs, i.e. run code on every agent node. Keep auth.enabled=true (the chart generates tokens when none are given), or confirm with auth.allowInsecure=true." }}
+{{- end }}
+{{- if or $v.auth.existingSecret $v.auth.tokens }}
+{{- fail "etrain: auth.existingSecret or auth.tokens is set but auth.enabled=false: the tokens would be ignored. Set auth.enabled=true, or remove them." }}
+{{- end }}
+{{- end }}
+
+{{- /* network policies */}}
+{{- if $v.networkPolicy.enabled }}
+{{- if and $v.agent.hostNetwork (not $v.networkPolicy.nodeCIDRs) }}
+{{- fail "etrain: agent.hostNetwork=true with networkPolicy.enabled=true needs networkPolicy.nodeCIDRs: host-network agents connect from node addresses, which no pod selector matches, so etcd and the other agents would refuse them. List the nodes' CIDRs, or set networkPolicy.enabled=false." }}
+{{- end }}
+{{- if and (ne $v.controller.service.type "ClusterIP") (not $v.networkPolicy.controller.extraFrom) }}
+{{- fail (printf "etrain: controller.service.type=%s with networkPolicy.enabled=true needs networkPolicy.controller.extraFrom: the NetworkPolicy admits only in-cluster clients, so the %s would not reach the API. Add the clients, e.g. [{ipBlock: {cidr: 0.0.0.0/0}}], or set networkPolicy.enabled=false." $v.controller.service.type $v.controller.service.type) }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -21,6 +21,7 @@ from service.core.models import (
     checkpoint_prefix_owner,
     checkpoint_url_within,
     normalize_checkpoint_url,
+    submit_problems,
 )
 from service.core.states import JobState
 from service.core.store import JobExists, ServiceStore, new_event
@@ -74,6 +75,11 @@ def submit_job(
     settings: Annotated[Settings, Depends(get_settings)],
     metrics: Annotated[Metrics, Depends(get_metrics)],
 ) -> JobDetail:
+    problems = submit_problems(spec)
+    if problems:
+        raise RequestValidationError(
+            [{"type": "value_error", "loc": ("body", field), "msg": msg, "input": None} for field, msg in problems]
+        )
     now = datetime.now(timezone.utc)
     job_id = f"{spec.name}-{secrets.token_hex(4)}"
     url = _resolve_checkpoint_url(spec, settings.checkpoint_root, job_id)
@@ -89,7 +95,8 @@ def submit_job(
                 status.HTTP_409_CONFLICT,
                 detail=f"checkpoint_url {url} overlaps the checkpoint prefix of active job {owner}",
             )
-    record = JobRecord(id=job_id, spec=spec, created_at=now, checkpoint_url=url, submitted_by=principal.name)
+    record = JobRecord(id=job_id, spec=spec, created_at=now, checkpoint_url=url, submitted_by=principal.name,
+                       checkpoint_key=secrets.token_hex(32))  # fmt: skip
     job_status = JobStatus(created_at=now, updated_at=now)
     event = new_event("submitted", f"submitted by {principal.name}", now, checkpoint_url=url)
     try:

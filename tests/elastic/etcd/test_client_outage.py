@@ -61,7 +61,7 @@ def _fire(client: EtcdClient, prefix: str) -> tuple[list[Outcome], list[threadin
             error: BaseException | None = None
             try:
                 ops[(n + i) % len(ops)]()
-            except BaseException as exc:  # noqa: BLE001 - recorded and asserted on
+            except BaseException as exc:  # recorded and asserted on
                 error = exc
             with lock:
                 outcomes.append(Outcome(started, time.monotonic(), error))

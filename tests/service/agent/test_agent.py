@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
+import time
+import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import pytest
 from elastic.proctree import descendants
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
 from elastic.testing.wait import wait_for
+from service.agent.launcher import TorchrunProcess
 from service.agent.node import AgentError, NodeAgent, create_agent
 from service.core.config import AgentSettings, EtcdOptions
 from service.core.models import Assignment, JobSpec, WorkerReport
@@ -95,7 +99,12 @@ def test_agent_registers_serves_health_and_leaves_on_stop(
     nodes, _ = agent.store.list_nodes()
     assert [(n.name, n.capacity, n.rdzv_host) for n in nodes] == [("n1", 2, "127.0.0.1")]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
-        assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok", "node": "n1", "jobs": {}}
+        assert resp.status == 200 and json.loads(resp.read()) == {
+            "status": "ok",
+            "node": "n1",
+            "jobs": 0,
+            "stopping": 0,
+        }
     stop.set()
     thread.join(timeout=30)
     assert agent.store.list_nodes()[0] == []
@@ -154,3 +163,65 @@ def test_a_new_generation_replaces_the_running_one(running_agent: NodeAgent, tmp
     assert not Path(f"/proc/{first}").exists() or "Z" in Path(f"/proc/{first}/stat").read_text()
     report = wait_for(lambda: (r := _report(running_agent)) and r.generation == 2 and r, timeout=30)
     assert isinstance(report, WorkerReport) and report.state == "running"
+
+
+_IGNORES_SIGTERM = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ignoring SIGTERM", flush=True)
+time.sleep(300)
+"""
+
+
+def _start_stubborn(cmd: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path) -> TorchrunProcess:
+    """A launcher whose "torchrun" is a real process that ignores SIGTERM: the agent has to wait out its
+    stop grace, then SIGKILL it."""
+    return TorchrunProcess.start([sys.executable, "-c", _IGNORES_SIGTERM], env, cwd, log_path)
+
+
+def _get_health(port: int) -> tuple[float, int, dict[str, object]]:
+    """One GET /healthz with a 1 s limit: (seconds taken, HTTP status, body)."""
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as resp:
+            status, body = resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, json.loads(exc.read())
+    return time.monotonic() - started, status, body
+
+
+@pytest.mark.timeout(120)
+def test_healthz_answers_within_a_second_and_stays_ok_while_a_torchrun_ignoring_sigterm_is_stopped(
+    etcd_server: LocalEtcdCluster, key_prefix: str, tmp_path: Path
+) -> None:
+    # The stop lasts past the agent's staleness limit (10 s): the chart's liveness probe (3 x 10 s) must
+    # not see a slow or failing /healthz while the agent waits out the grace, or it kills the agent's pod.
+    port = free_port()
+    settings = _settings(etcd_server, key_prefix, tmp_path, health_port=port, stop_grace=timedelta(seconds=12))
+    agent = create_agent(settings, launcher=_start_stubborn)
+    stop = threading.Event()
+    thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: agent.healthy()[0])
+        _assign(agent, tmp_path, "sleep")
+        log = tmp_path / "work" / "jobs" / "job-1" / "g1" / "n1.log"
+        wait_for(lambda: log.exists() and "ignoring SIGTERM" in log.read_text(), timeout=30)
+        assert _get_health(port)[1:] == (200, {"status": "ok", "node": "n1", "jobs": 1, "stopping": 0})
+        agent.client.delete(agent.store.keys.assignment("n1", "job-1"))
+        unassigned = time.monotonic()
+        answers: list[tuple[float, float, int, dict[str, object]]] = []
+        while (report := _report(agent)) is None or report.state != "stopped":
+            assert time.monotonic() - unassigned < 40, "the stubborn torchrun was never stopped"
+            took, status, body = _get_health(port)
+            answers.append((round(time.monotonic() - unassigned, 1), round(took, 2), status, body))
+            time.sleep(0.25)
+        stopped_after = time.monotonic() - unassigned
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert stopped_after >= 11, f"the stop took {stopped_after:.1f}s: the process did not ignore SIGTERM"
+    assert all(took < 1 and status == 200 for _, took, status, _ in answers), answers
+    during = [body for at, _, _, body in answers if 1 < at < 11]
+    assert during and all(body == {"status": "ok", "node": "n1", "jobs": 0, "stopping": 1} for body in during)
+    assert any(at > 10.5 for at, _, _, _ in answers)  # polled past the staleness limit

@@ -102,6 +102,10 @@ def test_worker_env_sets_service_variables_over_user_and_base_values() -> None:
     assert job is not None and job.lr_policy == LRPolicy(LRRule.SQRT, 0.5, 1, 32)
     assert (job.min_nodes, job.max_nodes, job.job_name) == (2, 3, "j")
     assert env["ETRAIN_LOCAL_SNAPSHOT_EVERY"] == "0"  # off unless the spec asks
+    assert "ETRAIN_CHECKPOINT_KEY" not in env  # an assignment without a key (made before keys existed)
+    keyed = worker_env(a.model_copy(update={"checkpoint_key": "ab" * 32}), base={}, node_name="n1",
+                       progress_key="/p", etcd=EtcdOptions("e:1"))  # fmt: skip
+    assert WorkerEnv.from_environ(keyed).checkpoint_key == bytes.fromhex("ab" * 32)
 
 
 def test_worker_env_drops_inherited_service_variables_it_does_not_set(tmp_path: Path) -> None:

@@ -3,11 +3,14 @@ stops for given assignments, and what it reports (no torchrun, no etcd binary)."
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -29,11 +32,17 @@ class FakeProcess:
         self.generation = generation
         self.exit_code: int | None = None
         self.stopped = False
+        self.stopping = threading.Event()  # set when a stop begins
+        self.release: threading.Event | None = None  # when set up, a stop lasts until this is set
+
 
     def poll(self) -> int | None:
         return self.exit_code
 
     def stop(self, grace: timedelta) -> int:
+        self.stopping.set()
+        if self.release is not None:
+            assert self.release.wait(20), "the test never released a slow stop"
         self.stopped = True
         if self.exit_code is None:
             self.exit_code = -15
@@ -49,6 +58,7 @@ class FakeLauncher:
     def __init__(self) -> None:
         self.processes: list[FakeProcess] = []
         self.refuse = False
+        self.slow_stops: threading.Event | None = None  # when set up, every stop waits for this event
         self._lock = threading.Lock()
 
     def __call__(self, cmd: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path) -> FakeProcess:
@@ -57,6 +67,7 @@ class FakeLauncher:
         job_id, generation = log_path.parent.parent.name, int(log_path.parent.name.removeprefix("g"))
         with self._lock:
             proc = FakeProcess(1000 + len(self.processes), job_id, generation)
+            proc.release = self.slow_stops
             self.processes.append(proc)
         return proc
 
@@ -249,3 +260,71 @@ def test_the_loop_follows_assignments_written_to_etcd(
         thread.join(timeout=10)
     assert not thread.is_alive()
     assert agent.store.list_nodes()[0] == []
+
+
+T = TypeVar("T")
+
+
+def _answer_within(seconds: float, call: Callable[[], T]) -> tuple[T | None, float]:
+    """``call()`` in a thread: its result (None if it did not return in ``seconds``) and how long it took."""
+    box: list[T] = []
+    started = time.monotonic()
+    thread = threading.Thread(target=lambda: box.append(call()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return (box[0] if box else None), time.monotonic() - started
+
+
+def test_health_and_running_jobs_answer_at_once_while_a_generation_is_being_stopped(
+    agent: NodeAgent, launcher: FakeLauncher, tmp_path: Path
+) -> None:
+    agent.register()
+    launcher.slow_stops = threading.Event()
+    agent.sync({"job-1": _a(tmp_path), "job-2": _a(tmp_path, "job-2")})
+    stopper = threading.Thread(target=agent.sync, args=({"job-2": _a(tmp_path, "job-2")},), daemon=True)
+    stopper.start()
+    try:
+        assert launcher.processes[0].stopping.wait(5)
+        health, took = _answer_within(1.0, agent.healthy)
+        assert health is not None, f"healthy() blocked for {took:.1f}s behind a stopping torchrun"
+        # a stop in progress is work of the loop: the agent is healthy, not stale
+        assert health == (True, {"status": "ok", "node": "n1", "jobs": 1, "stopping": 1})
+        jobs, took = _answer_within(1.0, agent.running_jobs)
+        assert jobs == {"job-2": 1001}, f"running_jobs() gave {jobs} after {took:.1f}s"
+    finally:
+        launcher.slow_stops.set()
+        stopper.join(10)
+    assert not stopper.is_alive()
+    assert launcher.stopped == [("job-1", 1)]
+    assert agent.healthy() == (True, {"status": "ok", "node": "n1", "jobs": 1, "stopping": 0})
+    report = _report(agent)
+    assert report is not None and (report.state, report.error) == ("stopped", "unassigned")
+
+
+def test_a_new_generation_starts_only_after_the_slowly_stopping_one_has_stopped(
+    agent: NodeAgent, launcher: FakeLauncher, tmp_path: Path
+) -> None:
+    launcher.slow_stops = threading.Event()
+    agent.sync({"job-1": _a(tmp_path, generation=1)})
+    stopper = threading.Thread(target=agent.sync, args=({"job-1": _a(tmp_path, generation=2)},), daemon=True)
+    stopper.start()
+    try:
+        assert launcher.processes[0].stopping.wait(5)
+        time.sleep(0.2)
+        jobs, took = _answer_within(1.0, agent.running_jobs)
+        assert launcher.started == [("job-1", 1)] and jobs == {}, f"running_jobs() gave {jobs} after {took:.1f}s"
+    finally:
+        launcher.slow_stops.set()
+        stopper.join(10)
+    assert launcher.started == [("job-1", 1), ("job-1", 2)] and agent.running_jobs() == {"job-1": 1001}
+
+
+def test_health_reports_how_many_jobs_run_but_never_their_ids(
+    agent: NodeAgent, launcher: FakeLauncher, tmp_path: Path
+) -> None:
+    agent.register()
+    agent.sync({"secret-job-a": _a(tmp_path, "secret-job-a"), "secret-job-b": _a(tmp_path, "secret-job-b")})
+    ok, body = agent.healthy()
+    assert body["jobs"] == 2 and body["stopping"] == 0
+    text = json.dumps(body)
+    assert "secret-job" not in text and "1000" not in text and "1001" not in text

@@ -155,9 +155,7 @@ def test_submit_then_list_and_get_show_the_job(api: TestClient) -> None:
     got = api.get(f"/v1/jobs/{job['id']}").json()
     assert got["spec"] == job["spec"] and got["checkpoint"]["url"] == job["checkpoint"]["url"]
     # no node is registered: the leader keeps it pending and says why
-    msg = wait_for(
-        lambda: api.get(f"/v1/jobs/{job['id']}").json()["message"].startswith("waiting for nodes")
-    )
+    msg = wait_for(lambda: api.get(f"/v1/jobs/{job['id']}").json()["message"].startswith("waiting for nodes"))
     assert msg
     assert api.get("/v1/jobs", params={"state": "running"}).json()["jobs"] == []
     assert len(api.get("/v1/jobs", params={"state": "pending"}).json()["jobs"]) == 1
@@ -197,9 +195,7 @@ def test_cancel_is_applied_by_the_leader_and_recorded_in_events(api: TestClient)
     assert [e["id"] for e in later] == [e["id"] for e in events[1:]]
 
 
-def test_nodes_lists_registered_agents_until_they_leave(
-    api: TestClient, settings: Settings, tmp_path: Path
-) -> None:
+def test_nodes_lists_registered_agents_until_they_leave(api: TestClient, settings: Settings, tmp_path: Path) -> None:
     agent = create_agent(
         AgentSettings(
             etcd=settings.etcd,
@@ -283,3 +279,40 @@ def test_job_list_pages_follow_each_other_oldest_first(api: TestClient, live_ser
     assert api.get("/v1/jobs", params={"limit": 0}).status_code == 422
     with ApiClient(live_server, token=ADMIN) as client:  # the CLI's client follows the pages
         assert [j["id"] for j in client.jobs()] == ids
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        ({"min_nodes": 1, "max_nodes": 61}, "max_nodes", "at most 60 nodes"),
+        ({"max_nodes": 8, "env": {"BLOB": "x" * 250_000}}, "env", "would exceed"),
+    ],
+)
+def test_a_job_etcd_could_not_schedule_is_refused_at_submit(
+    api: TestClient, change: dict[str, Any], field: str, words: str
+) -> None:
+    resp = api.post("/v1/jobs", json={**SPEC, **change})
+    assert resp.status_code == 422, resp.text
+    (err,) = resp.json()["detail"]
+    assert err["loc"] == ["body", field] and words in err["msg"]
+    assert api.get("/v1/jobs").json()["jobs"] == []
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("lustre:///scratch/ckpt", "mounted path"),
+        ("file://otherhost/ckpt", "not host"),
+    ],
+)
+def test_checkpoint_urls_that_no_worker_could_use_are_refused_at_submit(api: TestClient, url: str, words: str) -> None:
+    resp = api.post("/v1/jobs", json={**SPEC, "checkpoint_url": url})
+    assert resp.status_code == 422 and words in resp.json()["message"]
+
+
+def test_spellings_of_an_active_jobs_checkpoint_prefix_are_the_same_prefix(api: TestClient, settings: Settings) -> None:
+    root = str(settings.checkpoint_root)
+    assert api.post("/v1/jobs", json={**SPEC, "checkpoint_url": f"{root}/a"}).status_code == 201
+    for other in (f"{root}//a", f"{root}/./a", f"{root}/a/", f"{root}/a//b"):
+        resp = api.post("/v1/jobs", json={**SPEC, "checkpoint_url": other})
+        assert resp.status_code == 409, (other, resp.text)
