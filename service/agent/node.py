@@ -97,11 +97,16 @@ class NodeAgent:
         self._password = self._etcd_config.password
         self.incarnation = uuid.uuid4().hex[:12]
         self._running: dict[str, _Running] = {}
+        self._stopping: dict[str, _Running] = {}  # taken out of _running, stop() in progress
         self._finished: set[tuple[str, int]] = set()
         self._unsent: dict[str, WorkerReport] = {}
         self._keeper: LeaseKeeper | None = None
         self._health: ThreadingHTTPServer | None = None
         self._last_loop = 0.0
+        # _work serializes what the loop does (sync, reaping, shutdown), slow parts included: stopping a
+        # torchrun (up to stop_grace and a kill) and etcd requests. _lock only guards the tables that
+        # /healthz and running_jobs() read, and is never held across anything slow.
+        self._work = threading.Lock()
         self._lock = threading.Lock()
 
     # -- registration --------------------------------------------------------------------------------
@@ -205,14 +210,19 @@ class NodeAgent:
                 base.model_copy(update={"state": "launch_failed", "error": f"cannot start torchrun: {exc}"})
             )
             return
-        self._running[a.job_id] = _Running(a, proc)
+        with self._lock:
+            self._running[a.job_id] = _Running(a, proc)
         logger.info(
             "job %s generation %d: torchrun pid %d, log %s", a.job_id, a.generation, proc.pid, log_path
         )
         self._report(base.model_copy(update={"pid": proc.pid, "started_at": _now()}))
 
     def _stop(self, job_id: str, reason: str) -> None:
-        run = self._running.pop(job_id)
+        """Stop one torchrun; the caller holds ``_work``. Waiting for it happens without ``_lock``, so
+        /healthz answers (and counts it as stopping) meanwhile."""
+        with self._lock:
+            run = self._running.pop(job_id)
+            self._stopping[job_id] = run
         a = run.assignment
         logger.info(
             "job %s generation %d: stopping torchrun pid %d (%s)",
@@ -221,7 +231,12 @@ class NodeAgent:
             run.process.pid,
             reason,
         )
-        code = run.process.stop(self.settings.stop_grace)
+        try:
+            code = run.process.stop(self.settings.stop_grace)
+        finally:
+            self._last_loop = time.monotonic()  # the loop was busy, not stuck
+            with self._lock:
+                del self._stopping[job_id]
         self._finished.add((job_id, a.generation))
         self._report(
             WorkerReport(
@@ -241,7 +256,8 @@ class NodeAgent:
             code = run.process.poll()
             if code is None:
                 continue
-            del self._running[job_id]
+            with self._lock:
+                del self._running[job_id]
             a = run.assignment
             self._finished.add((job_id, a.generation))
             logger.info("job %s generation %d: torchrun exited with %d", job_id, a.generation, code)
@@ -260,7 +276,7 @@ class NodeAgent:
 
     def sync(self, assignments: dict[str, Assignment]) -> None:
         """Make the running torchruns match ``assignments`` (one pass of the loop, without waiting)."""
-        with self._lock:
+        with self._work:
             self._reap()
             for job_id, run in list(self._running.items()):
                 wanted = assignments.get(job_id)
@@ -293,7 +309,7 @@ class NodeAgent:
                     logger.warning(
                         "agent %s: etcd unavailable (%s); workers keep running", self.settings.node_name, exc
                     )
-                    with self._lock:
+                    with self._work:
                         self._reap()
                     stop.wait(poll.total_seconds())
         finally:
@@ -306,7 +322,7 @@ class NodeAgent:
 
     def shutdown(self) -> None:
         """Stop every torchrun (workers keep their rendezvous open), revoke the lease, stop serving."""
-        with self._lock:
+        with self._work:
             for job_id in list(self._running):
                 try:
                     self._stop(job_id, "agent shutting down")
@@ -324,12 +340,19 @@ class NodeAgent:
 
     # -- health endpoint -----------------------------------------------------------------------------
     def healthy(self) -> tuple[bool, dict[str, object]]:
+        """(ok, body) for /healthz: never waits for the loop's work (a torchrun being stopped, etcd).
+
+        The body counts jobs, never names them: the port answers anyone who can reach it. A loop busy
+        stopping a torchrun is not stale (a stop is bounded by ``stop_grace`` and a kill)."""
+        with self._lock:
+            running, stopping = len(self._running), len(self._stopping)
         stale = time.monotonic() - self._last_loop > max(self.settings.lease_ttl.total_seconds(), 10)
-        ok = self._keeper is not None and not stale
+        ok = self._keeper is not None and (stopping > 0 or not stale)
         return ok, {
             "status": "ok" if ok else "unhealthy",
             "node": self.settings.node_name,
-            "jobs": self.running_jobs(),
+            "jobs": running,
+            "stopping": stopping,
         }
 
     def _start_health(self) -> None:

@@ -8,6 +8,7 @@ error (HTTP status shown).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from elastic.etcd.config import EtcdOptions
 from service.cli.client import ApiClient, ApiError, load_job_file
 from service.cli.render import event_line, job_table, job_text, node_table, progress_line
 from service.core.config import AgentSettings, ConfigError, Settings, load_tokens
+from service.core.view import ReconcileConfig
 
 __all__ = ["main"]
 
@@ -51,6 +53,9 @@ ENV_HEALTH_PORT = "ETRAIN_HEALTH_PORT"
 ENV_LEASE_TTL = "ETRAIN_LEASE_TTL"
 ENV_SERVER = "ETRAIN_SERVER"
 ENV_TOKEN = "ETRAIN_TOKEN"
+ENV_TOKEN_FILE = "ETRAIN_TOKEN_FILE"
+ENV_INSECURE = "ETRAIN_INSECURE"
+ENV_JOB_RETENTION = "ETRAIN_JOB_RETENTION"
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -126,6 +131,19 @@ def _check_etcd(options: EtcdOptions) -> None:
     check_reachable(config, timeout=options.connect_timeout)
 
 
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _truthy(value: object) -> bool:
+    return value is True or str(value).lower() in ("1", "true", "yes")
+
+
 def cmd_controller(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -135,6 +153,13 @@ def cmd_controller(args: argparse.Namespace) -> int:
     try:
         etcd = _etcd_options(args)
         tokens = load_tokens(args.tokens_file) if args.tokens_file else None
+        if tokens is None and not _loopback(args.host) and not _truthy(args.insecure):
+            raise ConfigError(
+                f"refusing to serve the API on {args.host} without --tokens-file: anyone reaching the port would "
+                "be admin (give --tokens-file, bind a loopback --host, or pass --insecure)"
+            )
+        if args.job_retention <= 0:
+            raise ConfigError("--job-retention must be > 0 seconds")
         settings = Settings(
             etcd=etcd,
             prefix=args.prefix,
@@ -143,6 +168,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
             tokens=tokens,
             checkpoint_root=args.checkpoint_root,
             leader_ttl=timedelta(seconds=args.leader_ttl),
+            reconcile=ReconcileConfig(terminal_retention=timedelta(seconds=args.job_retention)),
         )
         _check_etcd(etcd)
     except ConfigError as exc:
@@ -198,7 +224,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 # -- client commands ---------------------------------------------------------------------------------------
 def _client(args: argparse.Namespace) -> ApiClient:
-    return ApiClient(args.server, args.token)
+    token = _env(ENV_TOKEN)
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the token file {args.token_file}: {exc.strerror or exc}") from exc
+    return ApiClient(args.server, token)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -287,6 +319,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # -- parser --------------------------------------------------------------------------------------------------
+class _NoTokenOnCommandLine(argparse.Action):
+    """``--token`` is refused: a token on the command line is in every process listing."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        parser.error(f"--token puts the token in the process list: set {ENV_TOKEN} or use --token-file")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="etrain", description="Fault-tolerant elastic training service")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -294,7 +333,8 @@ def _parser() -> argparse.ArgumentParser:
     def client_cmd(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
         _add(p, "--server", ENV_SERVER, "controller URL", "http://127.0.0.1:8080")
-        _add(p, "--token", ENV_TOKEN, "API bearer token")
+        _add(p, "--token-file", ENV_TOKEN_FILE, f"file holding the API bearer token (or set {ENV_TOKEN})")
+        p.add_argument("--token", action=_NoTokenOnCommandLine, help=argparse.SUPPRESS)
         p.set_defaults(fn=fn)
         return p
 
@@ -307,6 +347,11 @@ def _parser() -> argparse.ArgumentParser:
     _add(p, "--checkpoint-root", ENV_CHECKPOINT_ROOT,
          "jobs' checkpoints must lie below this URL; default <root>/<job id>")  # fmt: skip
     _add(p, "--leader-ttl", ENV_LEADER_TTL, "leader lease TTL, seconds", "5", type=float)
+    _add(p, "--job-retention", ENV_JOB_RETENTION, "finished jobs (with their events) are deleted this many seconds "
+         "after they end", str(7 * 24 * 3600), type=float)  # fmt: skip
+    p.add_argument("--insecure", action="store_true", default=_env(ENV_INSECURE, "") or False,
+                   help=f"serve a non-loopback --host without --tokens-file: anyone reaching it is admin "
+                   f"({ENV_INSECURE})")  # fmt: skip
     p.set_defaults(fn=cmd_controller)
 
     p = sub.add_parser("agent", help="run a node agent (one per node)")
@@ -359,6 +404,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(exc), 3 if exc.status else 2)
     except EtcdConnectionError as exc:
         return _fail(_first_line(exc))
+    except ConfigError as exc:
+        return _fail(str(exc))
     except KeyboardInterrupt:
         return 130
 

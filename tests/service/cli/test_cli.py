@@ -33,7 +33,7 @@ def _etrain(*args: str, timeout: float = 30) -> tuple[int, str, str, float]:
     return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started
 
 
-@pytest.mark.parametrize("command", [["controller"], ["agent", "--node-name", "n1"]])
+@pytest.mark.parametrize("command", [["controller", "--host", "127.0.0.1"], ["agent", "--node-name", "n1"]])
 def test_unreachable_etcd_is_one_line_and_exit_2_within_the_connect_timeout(command: list[str]) -> None:
     port = free_port()  # nobody listens there
     code, _out, err, took = _etrain(*command, "--etcd", f"127.0.0.1:{port}", "--etcd-connect-timeout", "1")
@@ -59,16 +59,41 @@ def test_bad_etcd_auth_settings_are_one_line_naming_them(tmp_path: Path) -> None
     code, _, err, _ = _etrain("controller", "--etcd", "127.0.0.1:1", "--etcd-user", "u")
     assert code == 2 and err.strip() == "etrain: --etcd-user needs --etcd-password-file"
     missing = tmp_path / "missing"
-    code, _, err, _ = _etrain("controller", "--etcd", "127.0.0.1:1", "--etcd-user", "u", "--etcd-password-file",
-                              str(missing))  # fmt: skip
+    code, _, err, _ = _etrain("controller", "--host", "127.0.0.1", "--etcd", "127.0.0.1:1", "--etcd-user", "u",
+                              "--etcd-password-file", str(missing))  # fmt: skip
     assert code == 2 and err.strip().count("\n") == 0
     assert f"etcd settings: cannot read the etcd password file {missing}" in err
+
+
+def _token_file(tmp_path: Path, token: str) -> list[str]:
+    path = tmp_path / f"token-{token}"
+    path.write_text(token + "\n")
+    return ["--token-file", str(path)]
+
+
+def test_a_token_on_the_command_line_is_refused_and_the_environment_serves(
+    live_server: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["list", "--server", live_server, "--token", ADMIN])
+    assert exit_.value.code == 2 and "process list" in capsys.readouterr().err
+    monkeypatch.setenv("ETRAIN_TOKEN", READER)
+    assert main(["list", "--server", live_server]) == 0
+
+
+def test_controller_refuses_an_open_api_on_a_non_loopback_address_unless_told_insecure() -> None:
+    port = str(free_port())
+    code, _, err, _ = _etrain("controller", "--etcd", f"127.0.0.1:{port}", "--host", "0.0.0.0")
+    assert code == 2 and "refusing to serve the API on 0.0.0.0 without --tokens-file" in err
+    code, _, err, _ = _etrain("controller", "--etcd", f"127.0.0.1:{port}", "--host", "0.0.0.0", "--insecure",
+                              "--etcd-connect-timeout", "0.5")  # fmt: skip
+    assert code == 2 and "refusing" not in err and "etcd" in err  # past the check: etcd is what is missing
 
 
 def test_client_commands_against_a_live_controller(
     live_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    common = ["--server", live_server, "--token", ADMIN]
+    common = ["--server", live_server, *_token_file(tmp_path, ADMIN)]
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump({"name": "cli-job", "entrypoint": "train.py", "min_nodes": 1}))
     assert main(["submit", str(job_file), *common]) == 0
@@ -79,7 +104,7 @@ def test_client_commands_against_a_live_controller(
     listing = capsys.readouterr().out
     assert listing.splitlines()[0].split()[:3] == ["ID", "STATE", "NODES"] and job_id in listing
 
-    assert main(["status", job_id, "--server", live_server, "--token", READER]) == 0
+    assert main(["status", job_id, "--server", live_server, *_token_file(tmp_path, READER)]) == 0
     status = capsys.readouterr().out
     assert f"job        {job_id}  (cli-job)" in status and "world size now -" in status
 
@@ -100,13 +125,13 @@ def test_client_commands_against_a_live_controller(
 def test_client_errors_name_the_http_status(
     live_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["list", "--server", live_server, "--token", "wrong"]) == 3
+    assert main(["list", "--server", live_server, *_token_file(tmp_path, "wrong")]) == 3
     assert "HTTP 401" in capsys.readouterr().err
-    assert main(["status", "nope-1", "--server", live_server, "--token", READER]) == 3
+    assert main(["status", "nope-1", "--server", live_server, *_token_file(tmp_path, READER)]) == 3
     assert "HTTP 404" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmin_nodes: 0\n")
-    assert main(["submit", str(bad), "--server", live_server, "--token", ADMIN]) == 3
+    assert main(["submit", str(bad), "--server", live_server, *_token_file(tmp_path, ADMIN)]) == 3
     err = capsys.readouterr().err
     assert "HTTP 422" in err and "min_nodes" in err and "entrypoint" in err
     assert main(["list", "--server", f"http://127.0.0.1:{free_port()}"]) == 2
