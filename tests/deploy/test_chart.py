@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from tests.deploy import manifests as mf
+from tests.deploy import rendered as rd
 from tests.deploy.conftest import CHART_DIR, CI_VALUES, NAMESPACE, RELEASE, load_values
 
 pytestmark = pytest.mark.timeout(120)
@@ -517,26 +518,6 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 # --- the rendered commands start the real service --------------------------------------------------------
 
 
-def _expand(env: list[dict[str, Any]], overrides: dict[str, str], fields: dict[str, str]) -> dict[str, str]:
-    """A container's env as the kubelet builds it: downward-API fields filled in, `$(VAR)` expanded from
-    variables defined earlier in the list; secret references are left out."""
-    out: dict[str, str] = {}
-    for item in env:
-        name = item["name"]
-        if name in overrides:
-            value = overrides[name]
-        elif "value" in item:
-            value = re.sub(
-                r"\$\(([A-Za-z_]\w*)\)", lambda m: out.get(m.group(1), m.group(0)), str(item["value"])
-            )
-        elif "fieldRef" in item.get("valueFrom", {}):
-            value = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
-        else:
-            continue
-        out[name] = value
-    return out
-
-
 def _service_cli_available() -> bool:
     import importlib.util
 
@@ -548,40 +529,19 @@ def _service_cli_available() -> bool:
     not _service_cli_available(), reason="the service CLI (service/cli/main.py) is not in this tree"
 )
 def test_rendered_controller_command_serves_readyz_for_the_helm_test_script(
-    chart: helm.Chart, etcd_server: Any, tmp_path: Path
+    chart: helm.Chart, tmp_path: Path
 ) -> None:
-    """The controller container's command and env, as rendered, start the real controller against a real
-    etcd; the `helm test` pod's script then passes against it."""
-    import os
-
+    """The controller container's command and env, as rendered, start the real controller against the
+    rendered etcd (mutual TLS, certificates from the rendered Secrets, tokens file from the auth Secret);
+    the `helm test` pod's script then passes against it."""
     from elastic.testing.etcd_server import free_port
 
-    objects = render(chart, by_name("auth"))
-    container = mf.container(mf.one(objects, "Deployment"), "controller")
+    objects = render(chart, by_name("auth") | {"etcd": {"replicas": 1, "tls": {"extraSANs": ["127.0.0.1"]}}})
+    etcd = rd.RenderedEtcd(objects, tmp_path / "etcd").start()
     port = free_port()
-    env = _expand(
-        container["env"],
-        {
-            "ETRAIN_ETCD_ENDPOINTS": etcd_server.endpoints,
-            "ETRAIN_HOST": "127.0.0.1",
-            "ETRAIN_PORT": str(port),
-            "ETRAIN_TOKENS_FILE": str(tmp_path / "tokens.yaml"),
-            "HOME": str(tmp_path),
-        },
-        {},
-    )
-    tokens = yaml.safe_load(mf.one(objects, "Secret", "-auth").obj["stringData"]["tokens.yaml"])
-    (tmp_path / "tokens.yaml").write_text(yaml.safe_dump(tokens))
-    assert container["command"][0] == "etrain"
-    argv = [
-        sys.executable,
-        "-c",
-        "import sys; from service.cli.main import main; sys.exit(main())",
-        *container["command"][1:],
-    ]
-    repo = str(CHART_DIR.parents[1])
-    full_env = {**os.environ, **env, "PYTHONPATH": repo}
-    proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deploy = mf.one(objects, "Deployment")
+    overrides = {"ETRAIN_HOST": "127.0.0.1", "ETRAIN_PORT": str(port)}
+    proc = rd.etrain_process(objects, deploy, "controller", etcd, tmp_path, overrides)
     try:
         script = mf.container(mf.one(objects, "Pod"), "readyz")["command"][2]
         check = subprocess.run(
@@ -590,65 +550,44 @@ def test_rendered_controller_command_serves_readyz_for_the_helm_test_script(
             text=True,
             timeout=60,
         )
-        assert check.returncode == 0, (check.stdout, proc.poll())
+        assert check.returncode == 0, (check.stdout, proc.poll(), (tmp_path / "controller.log").read_text())
         assert "HTTP 200" in check.stdout
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        rd.stop(proc, 15)
+        etcd.stop()
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(
     not _service_cli_available(), reason="the service CLI (service/cli/main.py) is not in this tree"
 )
-def test_rendered_agent_command_starts_an_agent_that_answers_healthz(
-    chart: helm.Chart, etcd_server: Any, tmp_path: Path
-) -> None:
+def test_rendered_agent_command_starts_an_agent_that_answers_healthz(chart: helm.Chart, tmp_path: Path) -> None:
     """The agent container's command and env (downward-API fields and `$(VAR)` expanded as the kubelet
-    does) start the real agent against a real etcd, and its health port answers."""
-    import os
-
+    does) start the real agent against the rendered etcd (mutual TLS), and its health port answers."""
     from elastic.testing.etcd_server import free_port
 
-    container = mf.container(mf.one(render(chart, by_name("s3")), "StatefulSet", "-agent"), "agent")
+    objects = render(chart, by_name("s3") | {"etcd": {"replicas": 1, "tls": {"extraSANs": ["127.0.0.1"]}}})
+    etcd = rd.RenderedEtcd(objects, tmp_path / "etcd").start()
+    agents = mf.one(objects, "StatefulSet", "-agent")
     port = free_port()
-    env = _expand(
-        container["env"],
-        {
-            "ETRAIN_ETCD_ENDPOINTS": etcd_server.endpoints,
-            "ETRAIN_PREFIX": f"/deploy-test/{port}",
-            "ETRAIN_HEALTH_PORT": str(port),
-            "ETRAIN_WORK_DIR": str(tmp_path / "work"),
-            "HOME": str(tmp_path),
-        },
-        {"metadata.name": "demo-etrain-agent-0", "status.podIP": "127.0.0.1", "spec.nodeName": "node-a"},
-    )
+    fields = {"metadata.name": "demo-etrain-agent-0", "status.podIP": "127.0.0.1", "spec.nodeName": "node-a"}
+    overrides = {
+        "ETRAIN_PREFIX": f"/deploy-test/{port}",
+        "ETRAIN_HEALTH_PORT": str(port),
+        "ETRAIN_WORK_DIR": str(tmp_path / "work"),
+    }
+    env = rd.expand_env(mf.container(agents, "agent")["env"], overrides, fields)
     assert env["ETRAIN_NODE_NAME"] == "demo-etrain-agent-0" and env["ETRAIN_RDZV_HOST"] == "127.0.0.1"
-    argv = [
-        sys.executable,
-        "-c",
-        "import sys; from service.cli.main import main; sys.exit(main())",
-        *container["command"][1:],
-    ]
-    full_env = {**os.environ, **env, "PYTHONPATH": str(CHART_DIR.parents[1])}
-    proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = rd.etrain_process(objects, agents, "agent", etcd, tmp_path, overrides, fields)
     try:
-        script = mf.container(mf.one(render(chart, by_name("s3")), "Pod"), "readyz")["command"][2]
+        script = mf.container(mf.one(objects, "Pod"), "readyz")["command"][2]
         check = subprocess.run(
             [sys.executable, "-c", script, f"http://127.0.0.1:{port}/healthz", "45"],
             capture_output=True,
             text=True,
             timeout=60,
         )
-        assert check.returncode == 0, (check.stdout, proc.poll())
+        assert check.returncode == 0, (check.stdout, proc.poll(), (tmp_path / "agent.log").read_text())
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        rd.stop(proc, 30)
+        etcd.stop()

@@ -23,8 +23,15 @@ def test_endpoint_list_and_timeouts_are_parsed() -> None:
 def test_password_file_is_read_and_trimmed(tmp_path: Path) -> None:
     secret = tmp_path / "pw"
     secret.write_text("s3cret\n")
-    cfg = etcd_config_from_params(_params("h:2379", user="train", password_file=str(secret)))
+    cfg = etcd_config_from_params(_params("h:2379", user="train", password_file=str(secret), ca_cert="/ca.pem"))
     assert (cfg.user, cfg.password) == ("train", "s3cret")
+
+
+def test_a_password_without_tls_is_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret\n")
+    with pytest.raises(ValueError, match="need TLS"):
+        etcd_config_from_params(_params("h:2379", user="train", password_file=str(secret)))
 
 
 def test_unreadable_password_file_names_the_option(tmp_path: Path) -> None:

@@ -63,6 +63,11 @@ def test_bad_etcd_auth_settings_are_one_line_naming_them(tmp_path: Path) -> None
                               "--etcd-password-file", str(missing))  # fmt: skip
     assert code == 2 and err.strip().count("\n") == 0
     assert f"etcd settings: cannot read the etcd password file {missing}" in err
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\n")
+    code, _, err, _ = _etrain("controller", "--host", "127.0.0.1", "--etcd", "127.0.0.1:1", "--etcd-user", "u",
+                              "--etcd-password-file", str(pw))  # fmt: skip
+    assert code == 2 and "need TLS" in err and "s3cret" not in err
 
 
 def _token_file(tmp_path: Path, token: str) -> list[str]:
