@@ -214,8 +214,11 @@ class ElasticTrainer:
             logger.warning("no checkpoint URL: training will not survive a restart")
             return None
         options = self.config.checkpoint_options
+        worker = WorkerEnv.from_environ()
         if options.signing_key is None:  # the job service gives each job a key (elastic.env.CHECKPOINT_KEY)
-            options = replace(options, signing_key=WorkerEnv.from_environ().checkpoint_key)
+            options = replace(options, signing_key=worker.checkpoint_key)
+        if options.generation is None and worker.job is not None:  # fencing of an old generation's saves
+            options = replace(options, generation=worker.job.generation)
         manager = create_checkpoint_manager(url, options)
         manager.check_storage()  # one clear line, before any training, if the storage is unusable
         return manager

@@ -6,6 +6,7 @@ Entry point: :func:`create_checkpoint_manager`; see docs/checkpoints.md.
 from elastic.checkpoint.api import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointFencedError,
     CheckpointLoadError,
     CheckpointManager,
     CheckpointOptions,
@@ -34,6 +35,7 @@ from elastic.checkpoint.state import (
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointFencedError",
     "CheckpointLoadError",
     "CheckpointManager",
     "CheckpointOptions",

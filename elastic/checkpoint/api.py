@@ -54,6 +54,11 @@ class CheckpointWriteError(CheckpointError):
     """A save failed; for a background save this is raised by the next ``save``/``wait``/``close``."""
 
 
+class CheckpointFencedError(CheckpointWriteError):
+    """A save of job generation *g* was refused: a newer generation has committed under the same root (this
+    process belongs to a generation the job has moved on from; it must stop, not overwrite or delete)."""
+
+
 class CheckpointCorruptError(CheckpointError):
     """A snapshot failed verification (missing file, size or sha256 mismatch, bad manifest)."""
 
@@ -103,6 +108,9 @@ class CheckpointOptions:
     # HMAC key of this job's manifests (the service gives each job one): only snapshots signed with it are
     # loaded, listed or counted by retention. None: any manifest whose checksums hold is trusted.
     signing_key: bytes | None = field(default=None, repr=False)
+    # the job generation saving (the service's, from ETRAIN_GENERATION): recorded in every manifest; a save is
+    # refused once a newer generation has committed under the root. None: no fencing.
+    generation: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.signing_key, str):  # from a mapping or the environment: hex

@@ -24,6 +24,7 @@ import torch
 from elastic.checkpoint.api import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointFencedError,
     CheckpointManager,
     CheckpointOptions,
     CheckpointWriteError,
@@ -204,6 +205,8 @@ class FsspecCheckpointManager(CheckpointManager):
     def _run_job(self, job: PackSaveJob, started: float) -> Manifest:
         try:
             manifest = job.run()
+        except CheckpointFencedError:
+            raise  # as it is: the caller must tell "fenced off" from a storage failure
         except CheckpointError as exc:
             raise CheckpointWriteError(
                 f"saving checkpoint step {job.step} to {self.url} failed: {exc}"

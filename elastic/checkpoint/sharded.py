@@ -41,7 +41,7 @@ from elastic.checkpoint.api import (
 from elastic.checkpoint.layout import FileEntry, Manifest, SnapshotKind, manifest_path, step_dir
 from elastic.checkpoint.reader import verify_files
 from elastic.checkpoint.storage import CheckpointStorage, FsspecStorage, LocalStorage
-from elastic.checkpoint.writer import SaveTimings, finish_commit, new_token
+from elastic.checkpoint.writer import SaveTimings, check_fence, finish_commit, generation_meta, new_token
 from elastic.compat import dcp_no_dist, fsspec_checkpoint_io, fsspec_dcp_io
 
 __all__ = ["ShardedCheckpointer"]
@@ -119,9 +119,10 @@ class _Commit:
             created_unix=time.time(),
             world_size=self.world,
             writer_rank=0,
-            meta={"torch": torch.__version__},
+            meta={"torch": torch.__version__, **generation_meta(self.options)},
         )
         self.events("manifest_begin")
+        check_fence(self.storage, self.options, self.step)
         self.storage.publish(manifest_path(self.step), manifest.to_json(self.options.signing_key))
         self.events("manifest_committed")
         self.manifest = manifest

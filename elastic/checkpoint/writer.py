@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from elastic.checkpoint.api import CheckpointCorruptError, CheckpointOptions, EventHook
+from elastic.checkpoint.api import CheckpointCorruptError, CheckpointFencedError, CheckpointOptions, EventHook
 from elastic.checkpoint.codec import SKELETON_NAME, TENSORS_NAME, FlatState, encode_skeleton, write_tensors
 from elastic.checkpoint.layout import (
     MANIFEST_NAME,
@@ -145,12 +145,13 @@ class PackSaveJob:
                 created_unix=time.time(),
                 world_size=self.world_size,
                 writer_rank=self.writer_rank,
-                meta={"torch": torch.__version__, **self.meta},
+                meta={"torch": torch.__version__, **self.meta, **generation_meta(self.options)},
             )
             self.timings.data_s = time.perf_counter() - started
             self.timings.bytes_written = manifest.total_bytes
             self._event("manifest_begin")
             mark = time.perf_counter()
+            check_fence(self.storage, self.options, self.step)
             self.storage.publish(manifest_path(self.step), manifest.to_json(self.options.signing_key))
         except BaseException:
             with contextlib.suppress(Exception):
@@ -160,6 +161,29 @@ class PackSaveJob:
         self._event("manifest_committed")
         finish_commit(self.storage, manifest, self.options, self.timings, self._event)
         return manifest
+
+
+GENERATION_META = "generation"
+
+
+def generation_meta(options: CheckpointOptions) -> dict[str, str]:
+    """What a manifest records of the saving generation (nothing without one)."""
+    return {} if options.generation is None else {GENERATION_META: str(options.generation)}
+
+
+def check_fence(storage: CheckpointStorage, options: CheckpointOptions, step: int) -> None:
+    """Refuse (:class:`CheckpointFencedError`) a commit by generation *g* when a snapshot of a newer generation
+    is committed under the root: a zombie of an old generation (cut off from the service, still saving on its
+    way out) must not replace or delete what the job's current generation wrote."""
+    if options.generation is None:
+        return
+    for entry in scan(storage, options.signing_key):
+        theirs = entry.manifest.meta.get(GENERATION_META) if entry.manifest is not None else None
+        if theirs is not None and theirs.isdigit() and int(theirs) > options.generation:
+            raise CheckpointFencedError(
+                f"save of step {step} by job generation {options.generation} refused: generation {theirs} "
+                f"committed step {entry.step} under {storage.url}"
+            )
 
 
 def finish_commit(
@@ -198,7 +222,10 @@ def apply_retention(
     """
     step = manifest.step
     sdir = step_dir(step)
-    for name in storage.list_children(sdir):  # earlier attempts at this step, stale manifest temp files
+    # Earlier attempts at this step and stale manifest temp files go now, unless generations share the root
+    # (the service's jobs): then another generation may be writing this very step, and its attempt is only
+    # removed with the whole step directory, by a later retention.
+    for name in storage.list_children(sdir) if options.generation is None else ():
         if name not in (MANIFEST_NAME, manifest.token):
             if "." in name:
                 storage.delete_file(f"{sdir}/{name}")

@@ -29,26 +29,32 @@ def secret_data(objects: list[mf.Manifest], name: str) -> dict[str, bytes]:
     return out
 
 
+def mounted_secret_keys(workload: mf.Manifest, container: dict[str, Any]) -> dict[str, tuple[str, str, int]]:
+    """Container file path -> (Secret name, key, file mode) for the container's Secret volume mounts; only
+    the items each volume selects, as the kubelet projects them."""
+    volumes = {v["name"]: v for v in mf.pod_spec(workload).get("volumes", [])}
+    out: dict[str, tuple[str, str, int]] = {}
+    for mount in container.get("volumeMounts", []):
+        secret = (volumes.get(mount["name"]) or {}).get("secret")
+        if secret:
+            for item in secret["items"]:
+                mode = int(secret.get("defaultMode", 0o644))
+                out[f"{mount['mountPath']}/{item['path']}"] = (secret["secretName"], item["key"], mode)
+    return out
+
+
 def write_mounted_secrets(
     objects: list[mf.Manifest], workload: mf.Manifest, container: dict[str, Any], root: Path
 ) -> dict[str, str]:
-    """Write the files that the container's Secret volumes would hold under ``root``, with the volume's
-    mode; returns container path -> local path. Only items the volume selects are written, as the kubelet
-    does."""
-    volumes = {v["name"]: v for v in mf.pod_spec(workload).get("volumes", [])}
+    """Write the files that the container's Secret volumes would hold under ``root``; returns container
+    path -> local path."""
     out: dict[str, str] = {}
-    for mount in container.get("volumeMounts", []):
-        secret = (volumes.get(mount["name"]) or {}).get("secret")
-        if not secret:
-            continue
-        data = secret_data(objects, secret["secretName"])
-        local = root / mount["name"]
-        local.mkdir(parents=True, exist_ok=True)
-        for item in secret["items"]:
-            path = local / item["path"]
-            path.write_bytes(data[item["key"]])
-            path.chmod(int(secret.get("defaultMode", 0o644)) & 0o700)  # one user here: owner bits only
-            out[f"{mount['mountPath']}/{item['path']}"] = str(path)
+    for path, (secret, key, mode) in mounted_secret_keys(workload, container).items():
+        local = root / path.lstrip("/")
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_bytes(secret_data(objects, secret)[key])
+        local.chmod(mode & 0o700)  # one user here: the owner bits of the volume's mode
+        out[path] = str(local)
     return out
 
 

@@ -134,8 +134,8 @@ def test_in_cluster_etcd_members_bootstrap_one_cluster(chart: helm.Chart) -> Non
     members = dict(item.split("=", 1) for item in initial.split("=", 1)[1].split(","))
     assert sorted(members) == [f"{sts.name}-{i}" for i in range(5)]
     headless = sts.obj["spec"]["serviceName"]
-    for name, url in members.items():
-        assert url == f"http://{name}.{headless}.{NAMESPACE}.svc.cluster.local:2380"
+    for name, url in members.items():  # peers talk TLS by default (etcd.tls.enabled)
+        assert url == f"https://{name}.{headless}.{NAMESPACE}.svc.cluster.local:2380"
     svc = next(m for m in mf.find(objects, "Service") if m.name == headless)
     assert svc.obj["spec"]["publishNotReadyAddresses"] is True
     assert mf.one(objects, "PodDisruptionBudget", "-etcd").obj["spec"]["minAvailable"] == 3
@@ -143,7 +143,7 @@ def test_in_cluster_etcd_members_bootstrap_one_cluster(chart: helm.Chart) -> Non
         "ETRAIN_ETCD_ENDPOINTS"
     ]
     assert endpoints.split(",") == [
-        f"{name}.{headless}.{NAMESPACE}.svc.cluster.local:2379" for name in members
+        f"https://{name}.{headless}.{NAMESPACE}.svc.cluster.local:2379" for name in members
     ]
     claims = sts.obj["spec"]["volumeClaimTemplates"]
     assert claims[0]["spec"]["accessModes"] == ["ReadWriteOnce"]
@@ -175,7 +175,8 @@ def test_external_etcd_replaces_the_in_cluster_one_and_mounts_tls_and_password(c
         {
             "apiGroups": [""],
             "resources": ["secrets"],
-            "resourceNames": ["etrain-etcd-client-tls", "etrain-etcd-password"],
+            # the generated API tokens (auth is on by default) and the external etcd's credentials
+            "resourceNames": ["demo-etrain-auth", "etrain-etcd-client-tls", "etrain-etcd-password"],
             "verbs": ["get"],
         }
     ]
@@ -265,9 +266,9 @@ def test_auth_tokens_reach_the_controller_as_its_tokens_file(chart: helm.Chart) 
     backend = ingress.obj["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
     assert backend == {"name": mf.one(objects, "Service", "-controller").name, "port": {"name": "http"}}
     assert ingress.obj["spec"]["tls"][0]["secretName"] == "etrain-tls"
-    # no auth: no Secret, no tokens file
-    plain = render(chart, by_name("lustre-pvc"))
-    assert mf.find(plain, "Secret") == []
+    # auth explicitly off: no Secret, no tokens file
+    plain = render(chart, _merge(by_name("lustre-pvc"), {"auth": {"enabled": False, "allowInsecure": True}}))
+    assert mf.find(plain, "Secret", "-auth") == []
     assert "ETRAIN_TOKENS_FILE" not in mf.env_of(mf.container(mf.one(plain, "Deployment"), "controller"))
 
 
@@ -358,7 +359,58 @@ _FAILS = [
         "etrain: agent.hostNetwork=true needs agent.rdzvHost=podIP",
         id="hostnetwork-dns",
     ),
-    pytest.param({"auth": {"enabled": True}}, "etrain: auth.enabled=true needs tokens", id="auth-no-tokens"),
+    pytest.param(
+        {"auth": {"existingSecret": "tok", "tokens": [{"name": "a", "role": "read", "token": "t" * 16}]}},
+        "etrain: auth.existingSecret and auth.tokens exclude each other",
+        id="auth-tokens-twice",
+    ),
+    pytest.param(
+        {"auth": {"enabled": False}},
+        "etrain: auth.enabled=false needs auth.allowInsecure=true",
+        id="auth-off-unconfirmed",
+    ),
+    pytest.param(
+        {"auth": {"enabled": False, "allowInsecure": True, "existingSecret": "tok"}},
+        "etrain: auth.existingSecret or auth.tokens is set but auth.enabled=false",
+        id="auth-off-with-tokens",
+    ),
+    pytest.param(
+        {"etcd": {"tls": {"enabled": False}}},
+        "etrain: etcd.tls.enabled=false needs etcd.tls.allowInsecure=true",
+        id="etcd-plain-unconfirmed",
+    ),
+    pytest.param(
+        {"etcd": {"tls": {"enabled": False, "allowInsecure": True, "existingSecret": "etcd-tls"}}},
+        "etrain: etcd.tls.existingSecret, etcd.tls.existingClientSecret and etcd.tls.extraSANs need "
+        "etcd.tls.enabled=true",
+        id="etcd-plain-with-certificates",
+    ),
+    pytest.param(
+        {"etcd": {"tls": {"existingClientSecret": "etcd-client"}}},
+        "etrain: etcd.tls.existingClientSecret needs etcd.tls.existingSecret",
+        id="etcd-client-cert-without-server-cert",
+    ),
+    pytest.param(
+        {"etcd": {"tls": {"existingSecret": "etcd-tls", "extraSANs": ["127.0.0.1"]}}},
+        "etrain: etcd.tls.extraSANs applies to the generated certificate only",
+        id="etcd-extra-sans-with-own-certificate",
+    ),
+    pytest.param(
+        {"etcd": {"external": {"endpoints": ["etcd:2379"]}, "tls": {"existingSecret": "etcd-tls"}}},
+        "etrain: etcd.tls.* configures the in-cluster etcd, which etcd.external.endpoints replaces",
+        id="etcd-tls-with-external-etcd",
+    ),
+    pytest.param(
+        {"agent": {"hostNetwork": True}},
+        "etrain: agent.hostNetwork=true with networkPolicy.enabled=true needs networkPolicy.nodeCIDRs",
+        id="hostnetwork-without-node-cidrs",
+    ),
+    pytest.param(
+        {"controller": {"service": {"type": "LoadBalancer"}}},
+        "etrain: controller.service.type=LoadBalancer with networkPolicy.enabled=true needs "
+        "networkPolicy.controller.extraFrom",
+        id="loadbalancer-without-policy-peers",
+    ),
     pytest.param(
         {"etcd": {"external": {"endpoints": ["etcd:2379"], "tls": {"enabled": True}}}},
         "etrain: etcd.external.tls.enabled=true needs etcd.external.tls.existingSecret",
