@@ -20,6 +20,7 @@ check is what gets checked (and refused), never followed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from pathlib import Path
@@ -67,16 +68,12 @@ def _open_child(parent_fd: int, parent: Path, name: str) -> tuple[int, os.stat_r
     """``name`` in ``parent`` opened as a directory without following a symlink, with its ``fstat``."""
     try:
         fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
-    except OSError:
-        try:
-            st = os.lstat(name, dir_fd=parent_fd)
-        except FileNotFoundError:
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
-        except OSError:
-            st = None  # type: ignore[assignment]
-        if st is not None and (stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode)):
-            raise UnsafeDirectoryError(parent / name, st, "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory") from None
-        raise
+        st = os.lstat(name, dir_fd=parent_fd)
+        why = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise UnsafeDirectoryError(parent / name, st, why) from None
     return fd, os.fstat(fd)
 
 
@@ -90,13 +87,10 @@ def private_dir(path: Path | str, create: bool = True) -> Path:
     if absolute == Path(absolute.anchor):
         raise UnsafeDirectoryError(absolute, os.lstat(absolute), "the root directory")
     existing, missing = absolute.parent, [absolute.name]
-    while not os.path.lexists(existing):  # a dangling symlink counts as there: it is refused below
+    while not os.path.lexists(existing):
         missing.insert(0, existing.name)
         existing = existing.parent
-    if os.path.islink(existing):  # a symlink above the leaf: the directory it leads to is what is checked
-        existing = Path(os.path.realpath(existing))
-    else:
-        existing = Path(os.path.realpath(existing))
+    existing = Path(os.path.realpath(existing))  # symlinks above the leaf: where they lead is what is checked
     # every directory from / down to the deepest one that exists, top-down, so none can be swapped under us
     for depth in range(1, len(existing.parts) + 1):
         component = Path(*existing.parts[:depth])

@@ -23,10 +23,16 @@ Contract of :class:`SnapshotTiers` (replicated, DDP-style state only: any node's
   never write the same directory, and a restarted worker finds what its dead predecessor wrote. After a
   restore, the data of slots nobody holds is deleted (it is no newer than what was restored).
 - ``close(finished=True)`` deletes this node's local tier (the job is done: nothing is left in memory).
+- Privacy: the tier's directory is a private one (:func:`elastic.runtime_dir.private_dir`: created 0700,
+  owned by us, no symlink, nothing above it that another user controls) and its files are written 0600. A
+  directory that fails those checks (e.g. ``/dev/shm/etrain-<uid>`` pre-created by another user, who could
+  plant a slot with a huge step there) turns the local tier off on that node, with a warning naming the
+  path, its owner and mode; training goes on with durable snapshots.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -34,7 +40,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -46,7 +52,9 @@ from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.api import CheckpointError, CheckpointManager
 from elastic.checkpoint.manager import FsspecCheckpointManager
 from elastic.checkpoint.state import TrainingState
+from elastic.checkpoint.storage import BinaryWriter, LocalStorage
 from elastic.env import LOCAL_SNAPSHOT_DIR, WorkerEnv
+from elastic.runtime_dir import private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +72,27 @@ def default_local_root() -> Path:
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
     return base / f"etrain-{os.getuid()}"
+
+
+class _PrivateStorage(LocalStorage):
+    """:class:`LocalStorage` whose files are 0600 and directories 0700 whatever the umask (all of it lives in
+    a private directory already: this keeps a copy or a loosened parent from exposing the state)."""
+
+    def _makedirs(self, path: Path) -> None:
+        missing = []
+        probe = path
+        while not probe.exists():
+            missing.append(probe)
+            probe = probe.parent
+        super()._makedirs(path)
+        for directory in missing:
+            os.chmod(directory, 0o700)
+
+    @contextlib.contextmanager
+    def open_write(self, rel: str) -> Iterator[BinaryWriter]:
+        with super().open_write(rel) as out:
+            os.chmod(self._path(rel), 0o600)  # before the first byte is written
+            yield out
 
 
 def local_tier_dir(root: Path, durable_url: str | None, job_id: str | None) -> Path:
@@ -105,14 +134,21 @@ class SnapshotTiers:
         self._options = replace(LOCAL_OPTIONS, signing_key=key)
         if self._writer:
             assert local_dir is not None
-            self._local = create_checkpoint_manager(str(self._claim_slot(local_dir)), self._options)
-            self._local.check_storage()
+            try:
+                slot = self._claim_slot(local_dir)
+            except OSError as exc:  # refused as unsafe (UnsafeDirectoryError), or not creatable
+                logger.warning("node-local snapshots off on this node (durable ones go on): %s", exc)
+                self._dir, self._writer = None, False
+            else:
+                storage = _PrivateStorage(slot, url=str(slot))
+                self._local = create_checkpoint_manager(str(slot), self._options, storage=storage)
+                self._local.check_storage()
 
     # -- slots ---------------------------------------------------------------------------------------
     def _claim_slot(self, root: Path) -> Path:
-        root.mkdir(parents=True, exist_ok=True)
+        private_dir(root)
         for i in range(_MAX_SLOTS):
-            fd = os.open(root / f"slot-{i}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(root / f"slot-{i}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -16,7 +16,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from elastic.env import PREFORK_CLIENT
-from elastic.prefork.common import FORWARDED, Target, prefork_enabled, recv_message, send_message, socket_path
+from elastic.prefork.common import (
+    FORWARDED,
+    MessageTooLarge,
+    Target,
+    encode_message,
+    prefork_enabled,
+    recv_message,
+    send_message,
+    socket_path,
+)
 from elastic.proctree import process_stat
 
 logger = logging.getLogger(__name__)
@@ -90,7 +99,11 @@ def prestart(owner: int | None = None) -> None:
     that its imports overlap the rendezvous instead of delaying the first worker. Does nothing if
     ``ETRAIN_PREFORK=0`` or if one runs already. Safe in a multi-threaded process (no fork here)."""
     owner = os.getpid() if owner is None else owner
-    path = socket_path(owner) if prefork_enabled() else None
+    try:
+        path = socket_path(owner) if prefork_enabled() else None
+    except OSError as exc:  # e.g. a directory another user could control: workers will start cold
+        logger.warning("elastic.prefork: no zygote for agent %d: %s", owner, exc)
+        return
     if path is None:
         return
     sock = _connect(path)
@@ -136,13 +149,17 @@ def _exit_like(status: dict[str, int]) -> int:
     return status["exit"]
 
 
-def _run_client(sock: socket.socket, target: Target) -> int:
-    request = {
+def _request(target: Target) -> bytes:
+    """The request frame for ``target``: raises :class:`MessageTooLarge` (the zygote would refuse it)."""
+    return encode_message({
         "target": [target.kind, target.name, list(target.args)],
         "env": {**os.environ, PREFORK_CLIENT: str(os.getpid())},
         "cwd": os.getcwd(),
         "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
-    }
+    })  # fmt: skip
+
+
+def _run_client(sock: socket.socket, request: bytes) -> int:
     child: list[int] = []
     pending: list[int] = []
 
@@ -175,12 +192,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(Path(argv[1]), int(argv[2]))
     target = Target.parse(argv)
-    path = socket_path(os.getppid()) if prefork_enabled() else None
+    try:
+        path = socket_path(os.getppid()) if prefork_enabled() else None
+        request = _request(target) if path is not None else b""
+    except (OSError, MessageTooLarge) as exc:  # a runtime dir another user could control; a huge environment
+        print(f"elastic.prefork: {exc}; running cold", file=sys.stderr, flush=True)
+        path = None
     if path is not None:
         sock = _connect(path) or _start_zygote(path, os.getppid())
         if sock is not None:
             with sock:
-                return _run_client(sock, target)
+                return _run_client(sock, request)
         print(f"elastic.prefork: no zygote (see {path.with_suffix('.log')}); running cold", file=sys.stderr)
     target.run()
     return 0

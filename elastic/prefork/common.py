@@ -15,11 +15,13 @@ from typing import Any
 
 from elastic.env import PREFORK, PREFORK_DIR
 from elastic.proctree import descendants, process_stat
+from elastic.runtime_dir import private_dir
 
 DEFAULT_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "elastic.loop")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT)  # fmt: skip
 _HEADER = struct.Struct("!I")
+MAX_MESSAGE = 4 << 20  # bytes of JSON: an environment and argv fit in 2 MiB (ARG_MAX) before exec would refuse them
 
 
 @dataclass(frozen=True)
@@ -52,30 +54,30 @@ class Target:
 
 
 # -- where the zygote of an agent lives ----------------------------------------------------------------
-def _base_dir() -> Path:
-    base = Path(os.environ.get(PREFORK_DIR) or f"/tmp/etrain-prefork-{os.getuid()}")
-    base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return base
+def _base_dir(create: bool = True) -> Path:
+    """``$ETRAIN_PREFORK_DIR`` or ``/tmp/etrain-prefork-<uid>``, a private directory (created 0700; one that
+    another user could own, replace or read is refused with :class:`elastic.runtime_dir.UnsafeDirectoryError`:
+    clients send their environment, secrets included, to the socket found there)."""
+    return private_dir(Path(os.environ.get(PREFORK_DIR) or f"/tmp/etrain-prefork-{os.getuid()}"), create)
 
 
 def socket_path(owner: int) -> Path | None:
-    """The zygote socket of the torchrun agent ``owner`` (None if that process is gone)."""
+    """The zygote socket of the torchrun agent ``owner`` (None if that process is gone). Raises
+    :class:`elastic.runtime_dir.UnsafeDirectoryError` (an ``OSError``) if the directory is not private."""
     st = process_stat(owner)
     if st is None:
         return None
     return _base_dir() / f"{owner}-{st[1]}.sock"
 
 
-def marker_path(client_pid: int) -> Path:
-    folder = _base_dir() / "clients"
-    folder.mkdir(exist_ok=True)
-    return folder / str(client_pid)
+def marker_path(client_pid: int, create: bool = True) -> Path:
+    return private_dir(_base_dir(create) / "clients", create) / str(client_pid)
 
 
 def _forked(client_pid: int) -> tuple[int, int] | None:
     """``(pid, start time)`` of the live child a client process runs its script in, else None."""
-    try:
-        child = int(marker_path(client_pid).read_text())
+    try:  # only from a private directory: a planted marker would have us signal any process
+        child = int(marker_path(client_pid, create=False).read_text())
     except (OSError, ValueError):
         return None
     st = process_stat(child)
@@ -105,10 +107,31 @@ def prefork_enabled() -> bool:
     return os.environ.get(PREFORK, "1") != "0"
 
 
-# -- messages: a 4-byte length, then JSON ----------------------------------------------------------------
-def send_message(sock: socket.socket, obj: dict[str, Any], fds: list[int] | None = None) -> None:
+# -- messages: a 4-byte length, then JSON (at most MAX_MESSAGE bytes) ---------------------------------------
+HEADER_SIZE = _HEADER.size
+
+
+class MessageTooLarge(ValueError):
+    """A message over :data:`MAX_MESSAGE` bytes (the zygote refuses those)."""
+
+
+def message_length(header: bytes | bytearray) -> int:
+    """The length a message's header announces."""
+    (length,) = _HEADER.unpack(header[: _HEADER.size])
+    return int(length)
+
+
+def encode_message(obj: dict[str, Any]) -> bytes:
+    """The frame of ``obj``: raises :class:`MessageTooLarge` over :data:`MAX_MESSAGE` bytes."""
     data = json.dumps(obj).encode()
-    frame = _HEADER.pack(len(data)) + data
+    if len(data) > MAX_MESSAGE:
+        raise MessageTooLarge(f"a {len(data)}-byte message is over the prefork limit of {MAX_MESSAGE} bytes")
+    return _HEADER.pack(len(data)) + data
+
+
+def send_message(sock: socket.socket, obj: dict[str, Any] | bytes, fds: list[int] | None = None) -> None:
+    """Send ``obj`` (or a frame of :func:`encode_message`), with ``fds`` attached to its first byte."""
+    frame = obj if isinstance(obj, bytes) else encode_message(obj)
     if fds:
         sent = socket.send_fds(sock, [frame], fds)
         sock.sendall(frame[sent:])
@@ -134,6 +157,8 @@ def recv_message(sock: socket.socket, with_fds: bool = False) -> tuple[dict[str,
     else:
         data = b""
     data = _recv_exact(sock, _HEADER.size, data)
-    (length,) = _HEADER.unpack(data[: _HEADER.size])
+    length = message_length(data)
+    if length > MAX_MESSAGE:
+        raise MessageTooLarge(f"a {length}-byte message is over the prefork limit of {MAX_MESSAGE} bytes")
     body = _recv_exact(sock, _HEADER.size + length, data)
     return json.loads(body[_HEADER.size :]), fds

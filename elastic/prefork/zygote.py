@@ -1,5 +1,10 @@
 """The zygote: one per torchrun agent. It imports the heavy modules once, then forks a worker for each client
-that connects, watches client, worker and agent, and reports each worker's exit status to its client."""
+that connects, watches client, worker and agent, and reports each worker's exit status to its client.
+
+It stays single-threaded (it forks: a fork of a multi-threaded process may inherit a lock some other thread
+held) and one selector loop serves everything; no client can stall it: requests are read without blocking,
+as their bytes come, each within :data:`REQUEST_DEADLINE_S` of its connection and at most
+:data:`~elastic.prefork.common.MAX_MESSAGE` bytes long, else that connection is dropped with a log line."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import contextlib
 import ctypes
 import importlib
 import io
+import json
 import logging
 import os
 import random
@@ -17,16 +23,50 @@ import socket
 import struct
 import sys
 import threading
+import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from elastic.env import PREFORK_PRELOAD
-from elastic.prefork.common import DEFAULT_PRELOAD, Target, marker_path, recv_message, send_message
+from elastic.prefork.common import (
+    DEFAULT_PRELOAD,
+    HEADER_SIZE,
+    MAX_MESSAGE,
+    Target,
+    marker_path,
+    message_length,
+    send_message,
+)
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+REQUEST_DEADLINE_S = 10.0  # from connect to the last byte of the request (a client sends it at once)
+_CREDS = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+
+
+@dataclass
+class _Pending:
+    """A connection whose request is still coming in."""
+
+    conn: socket.socket
+    client_pid: int
+    deadline: float
+    data: bytearray = field(default_factory=bytearray)
+    fds: list[int] = field(default_factory=list)
+
+    def drop(self, sel: selectors.BaseSelector, pending: dict[int, _Pending], why: str | None) -> None:
+        if why is not None:
+            logger.warning("dropping the connection of pid %d: %s", self.client_pid, why)
+        pending.pop(self.conn.fileno(), None)
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(self.conn)
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.conn.close()
 
 
 # -- the zygote: one per torchrun agent --------------------------------------------------------------------
@@ -54,28 +94,39 @@ def serve(path: Path, owner: int) -> int:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     listener.bind(str(tmp))
     listener.listen(64)
+    listener.setblocking(False)
     os.rename(tmp, path)  # clients see the socket only once the modules are loaded
     logger.info("zygote %d for agent %d ready at %s", os.getpid(), owner, path)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, ("listen", None))
     sel.register(owner_fd, selectors.EVENT_READ, ("owner", None))
     children: dict[int, tuple[socket.socket, int, int]] = {}  # pid -> (client connection, pidfd, client pid)
+    pending: dict[int, _Pending] = {}  # connection fd -> its request so far
     try:
         while True:
-            for key, _ in sel.select():
+            soonest = min((p.deadline for p in pending.values()), default=None)
+            timeout = None if soonest is None else max(0.0, soonest - time.monotonic())
+            for key, _ in sel.select(timeout):
                 what, data = key.data
                 if what == "owner":
                     return 0
                 if what == "listen":
-                    _accept(listener, sel, children)
-                elif what == "client":  # EOF (or stray bytes): the client is gone; so must its child be
+                    _accept(listener, sel, pending)
+                elif what == "request":
+                    request = _read_request(data, sel, pending)
+                    if request is not None:
+                        _start(data, request, sel, children)
+                elif what == "client":  # EOF: the client is gone; so must its child be (stray bytes: dropped)
                     pid = data
                     with contextlib.suppress(OSError):
-                        if pid in children and not children[pid][0].recv(1, socket.MSG_PEEK):
+                        if pid in children and not children[pid][0].recv(4096):
                             sel.unregister(children[pid][0])
                             os.kill(pid, signal.SIGKILL)
                 elif what == "child":
                     _reap(data, sel, children)
+            now = time.monotonic()
+            for late in [p for p in pending.values() if p.deadline <= now]:
+                late.drop(sel, pending, f"no complete request within {REQUEST_DEADLINE_S:g} s")
     finally:
         for pid, (_, _, client_pid) in children.items():
             with contextlib.suppress(OSError):
@@ -86,30 +137,72 @@ def serve(path: Path, owner: int) -> int:
                 leftover.unlink()
 
 
-def _accept(listener: socket.socket, sel: selectors.BaseSelector, children: dict[int, Any]) -> None:
-    conn, _ = listener.accept()
-    conn.settimeout(10)
+def _accept(listener: socket.socket, sel: selectors.BaseSelector, pending: dict[int, _Pending]) -> None:
     try:
-        request, fds = recv_message(conn, with_fds=True)
-    except (OSError, EOFError, ValueError):
-        conn.close()
+        conn, _ = listener.accept()
+    except (BlockingIOError, InterruptedError, ConnectionAbortedError):
         return
-    if len(fds) != 3:
-        for fd in fds:
-            os.close(fd)
-        conn.close()
-        return
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    client_pid = struct.unpack("3i", creds)[0]
+    conn.setblocking(False)
+    client_pid = _CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))[0]
+    request = _Pending(conn, client_pid, time.monotonic() + REQUEST_DEADLINE_S)
+    pending[conn.fileno()] = request
+    sel.register(conn, selectors.EVENT_READ, ("request", request))
+
+
+def _read_request(p: _Pending, sel: selectors.BaseSelector, pending: dict[int, _Pending]) -> dict[str, Any] | None:
+    """Read what has come of ``p``'s request, never more than it announced; the request once it is complete
+    (the connection is then no longer pending), else None (more to come, or dropped)."""
+    length = message_length(p.data) if len(p.data) >= HEADER_SIZE else None
+    want = HEADER_SIZE - len(p.data) if length is None else HEADER_SIZE + length - len(p.data)
+    try:
+        chunk, fds, _, _ = socket.recv_fds(p.conn, min(want, 1 << 16), 3)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as exc:
+        p.drop(sel, pending, str(exc))
+        return None
+    p.fds.extend(fds)
+    if not chunk:  # closed (a probe of prestart() does that at once): nothing to say
+        p.drop(sel, pending, None if not p.data else f"closed after {len(p.data)} bytes of a request")
+        return None
+    p.data += chunk
+    if length is None and len(p.data) == HEADER_SIZE:
+        length = message_length(p.data)
+        if length > MAX_MESSAGE:
+            p.drop(sel, pending, f"refusing a {length}-byte request (limit {MAX_MESSAGE} bytes)")
+            return None
+    if length is None or len(p.data) < HEADER_SIZE + length:
+        return None
+    try:
+        request = json.loads(bytes(p.data[HEADER_SIZE:]))
+        if not isinstance(request, dict):
+            raise ValueError("not an object")
+    except ValueError as exc:
+        p.drop(sel, pending, f"unreadable request ({exc})")
+        return None
+    if len(p.fds) != 3:
+        p.drop(sel, pending, f"{len(p.fds)} descriptors instead of stdin, stdout and stderr")
+        return None
+    pending.pop(p.conn.fileno())
+    sel.unregister(p.conn)
+    return request
+
+
+def _start(p: _Pending, request: dict[str, Any], sel: selectors.BaseSelector, children: dict[int, Any]) -> None:
+    """Fork the worker ``request`` asks for (here, in the zygote's only thread) and watch it and its client."""
+    conn, fds, client_pid = p.conn, p.fds, p.client_pid
+    conn.setblocking(True)  # from here on only small replies are sent to it
     pid = os.fork()
     if pid == 0:
         _child(request, fds, keep=conn)  # never returns
-    marker_path(client_pid).write_text(str(pid))
+    try:
+        marker_path(client_pid).write_text(str(pid))
+    except OSError as exc:  # forked_worker() will not know this worker; it runs all the same
+        logger.warning("no marker for the worker %d of client %d: %s", pid, client_pid, exc)
     for fd in fds:
         os.close(fd)
     pidfd = os.pidfd_open(pid)
     children[pid] = (conn, pidfd, client_pid)
-    conn.settimeout(None)
     with contextlib.suppress(OSError):
         send_message(conn, {"pid": pid})
     sel.register(conn, selectors.EVENT_READ, ("client", pid))

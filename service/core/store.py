@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
+import time
 from collections.abc import Iterable
 from datetime import datetime
 from typing import TypeVar
@@ -29,7 +31,15 @@ from pydantic import BaseModel, ValidationError
 
 from elastic.etcd import EtcdClient, EtcdConnectionError, EtcdError, KeyValue
 from elastic.progress import Progress
-from service.core.models import Assignment, Event, JobRecord, JobStatus, NodeInfo, WorkerReport
+from service.core.models import (
+    Assignment,
+    Event,
+    JobRecord,
+    JobStatus,
+    NodeInfo,
+    WorkerReport,
+    normalize_checkpoint_url,
+)
 from service.core.view import ClusterView, JobEntry, JobUpdate, Plan, PlanOutcome
 
 logger = logging.getLogger(__name__)
@@ -200,7 +210,7 @@ class ServiceStore:
 
     def progress(self, job_id: str) -> Progress | None:
         kv, _ = self.client.get(self.keys.progress_of(job_id))
-        return _progress(kv) if kv is not None else None
+        return _progress(kv, job_id) if kv is not None else None
 
     # -- nodes ---------------------------------------------------------------------------------------
     def list_nodes(self) -> tuple[list[NodeInfo], dict[str, list[str]]]:
@@ -244,7 +254,7 @@ class ServiceStore:
             r = _load(WorkerReport, kv)
             if r is not None:
                 by_job.setdefault(r.job_id, {})[r.node] = r
-        prog = {_tail(kv, k.progress): p for kv in progress if (p := _progress(kv)) is not None}
+        prog = {job: p for kv in progress if (p := _progress(kv, job := _tail(kv, k.progress))) is not None}
         return ClusterView(
             jobs=self._entries(recs, sts, cancels),
             nodes={n.name: n for kv in nodes if (n := _load(NodeInfo, kv)) is not None},
@@ -310,12 +320,41 @@ class ServiceStore:
             refused += 0 if ok else 1
         return PlanOutcome(refused=refused, failed=failed)
 
-def _progress(kv: KeyValue) -> Progress | None:
+#: a job's unreadable progress is warned about at most once per this many seconds (the pass reads it each tick)
+_BAD_PROGRESS_WARN_EVERY = 60.0
+_bad_progress_warned: dict[str, float] = {}  # progress key -> time.monotonic() of its last warning
+_bad_progress_lock = threading.Lock()
+
+
+def _progress(kv: KeyValue, job_id: str) -> Progress | None:
+    """The job's progress report, or None when the value is not a valid one: anything at all may be there
+    (any job's rank 0 writes its key), and it must be that job's problem alone, never the reconcile pass's.
+    Besides :meth:`Progress.from_json`'s checks, the checkpoint path must parse as the controller reads it."""
     try:
-        return Progress.from_json(kv.value)
-    except (ValueError, TypeError) as exc:
-        logger.warning("ignoring unreadable progress at %s: %s", kv.key, exc)
+        progress = Progress.from_json(kv.value)
+        path = progress.checkpoint_path
+        if path:
+            normalize_checkpoint_url(path if "://" in path else f"file://{path}")
+    except ValueError as exc:  # InvalidProgressError, or the checkpoint URL's
+        _warn_bad_progress(job_id, kv, exc)
         return None
+    return progress
+
+
+def _warn_bad_progress(job_id: str, kv: KeyValue, exc: ValueError) -> None:
+    now = time.monotonic()
+    with _bad_progress_lock:
+        last = _bad_progress_warned.get(kv.key)
+        if last is not None and now - last < _BAD_PROGRESS_WARN_EVERY:
+            return
+        if len(_bad_progress_warned) >= 10_000:  # bounded: forget jobs not warned about lately
+            for old in [k for k, t in _bad_progress_warned.items() if now - t >= _BAD_PROGRESS_WARN_EVERY]:
+                del _bad_progress_warned[old]
+        _bad_progress_warned[kv.key] = now
+    logger.warning(
+        "job %s: ignoring its invalid progress report at %s (revision %d), as if it reported none: %s "
+        "(not repeated for %.0fs)", job_id, kv.key, kv.mod_revision, str(exc)[:300], _BAD_PROGRESS_WARN_EVERY,
+    )  # fmt: skip
 
 
 def create_store(client: EtcdClient, prefix: str = "/etrain") -> ServiceStore:

@@ -50,8 +50,8 @@ def write_mounted_secrets(
     path -> local path."""
     out: dict[str, str] = {}
     for path, (secret, key, mode) in mounted_secret_keys(workload, container).items():
-        local = root / path.lstrip("/")
-        local.parent.mkdir(parents=True, exist_ok=True)
+        local = root / path.strip("/").replace("/", "_")
+        root.mkdir(parents=True, exist_ok=True)
         local.write_bytes(secret_data(objects, secret)[key])
         local.chmod(mode & 0o700)  # one user here: the owner bits of the volume's mode
         out[path] = str(local)
@@ -105,6 +105,7 @@ class RenderedEtcd:
         from elastic.testing.etcd_server import find_etcd_binary
 
         assert self.container["command"] == ["/usr/local/bin/etcd"]
+        self.workdir.mkdir(parents=True, exist_ok=True)
         files = write_mounted_secrets(self.objects, self.sts, self.container, self.workdir / "files")
         for member in self.members:
             with open(self.workdir / f"{member}.log", "ab") as log:
@@ -129,7 +130,7 @@ class RenderedEtcd:
         while True:
             for proc in self.procs:
                 if proc.poll() is not None:
-                    raise AssertionError(f"an etcd member exited: {self.logs()}")
+                    raise AssertionError(f"an etcd member exited: {self.logs()[-4000:]}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as resp:
                     if json.loads(resp.read()).get("health") == "true":
@@ -137,11 +138,11 @@ class RenderedEtcd:
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise AssertionError(f"{member} not ready at {url}: {self.logs()}")
+                raise AssertionError(f"{member} not ready at {url}: {self.logs()[-4000:]}")
             time.sleep(0.2)
 
     def logs(self) -> str:
-        return "\n".join(p.read_text(errors="replace")[-2000:] for p in sorted(self.workdir.glob("*.log")))
+        return "\n".join(p.read_text(errors="replace") for p in sorted(self.workdir.glob("*.log")))
 
     def stop(self) -> None:
         for proc in self.procs:

@@ -5,8 +5,12 @@ rendered) on loopback: a client without a certificate is refused, the rendered c
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import ipaddress
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +171,7 @@ def test_explicit_opt_outs_render_the_insecure_setup_and_say_so(chart: helm.Char
     env = mf.env_of(_controller(objects))
     assert not {"ETRAIN_TOKENS_FILE", "ETRAIN_ETCD_CA_CERT", "ETRAIN_ETCD_CERT", "ETRAIN_ETCD_KEY"} & set(env)
     assert all(e.startswith("http://") for e in env["ETRAIN_ETCD_ENDPOINTS"].split(","))
+    assert env["ETRAIN_INSECURE"] == "1"  # the controller refuses an open API on 0.0.0.0 otherwise
     args = mf.container(mf.one(objects, "StatefulSet", "-etcd"), "etcd")["args"]
     assert not [a for a in args if "https" in a or a.startswith(("--cert", "--key", "--trusted", "--peer", "--client"))]
     notes = chart.render(_merge(STORAGE, values), name=RELEASE, namespace=NAMESPACE)["etrain/templates/NOTES.txt"]
@@ -299,12 +304,15 @@ def test_rendered_etcd_refuses_clients_without_a_certificate_and_the_rendered_co
         # no client certificate: the TLS handshake is refused; plain HTTP is refused as well
         for options in ({"ca_cert": ca}, {}):
             plain = endpoints.replace("https://", "") if not options else endpoints
-            client = create_client(EtcdConfig.from_options(plain, {**options, "op_timeout": "3"}))
+            client = create_client(EtcdConfig.from_options(plain, {**options, "op_timeout": "2"}))
             try:
                 with pytest.raises(EtcdError):
                     client.put("/etrain/assign/node-a/planted", b"run me")
             finally:
                 client.close()
+        logs = etcd.logs()
+        assert "client didn't provide a certificate" in logs  # refused by --client-cert-auth
+        assert "first record does not look like a TLS handshake" in logs  # plain HTTP refused
         # the rendered controller without its client certificate stops with one line (exit 2) ...
         no_cert = {"ETRAIN_ETCD_CERT": "", "ETRAIN_ETCD_KEY": "", "ETRAIN_ETCD_CONNECT_TIMEOUT": "3"}
         log = tmp_path / "refused.log"
@@ -330,11 +338,18 @@ def test_rendered_etcd_refuses_clients_without_a_certificate_and_the_rendered_co
         etcd.stop()
 
 
-def test_rendered_plain_etcd_opt_out_still_runs(chart: helm.Chart, tmp_path: Path) -> None:
-    """The documented opt-out (etcd.tls.enabled=false) renders members that start and serve plain HTTP."""
+@needs_cli
+def test_rendered_opt_outs_run_plain_etcd_and_an_open_controller(chart: helm.Chart, tmp_path: Path) -> None:
+    """The documented opt-outs (auth and etcd TLS off, both confirmed) render members that serve plain
+    HTTP and a controller that starts on the rendered all-interfaces address without tokens."""
     from elastic.etcd import EtcdConfig, create_client
+    from elastic.testing.etcd_server import free_port
+    from service.cli.client import ApiClient
+    from tests.integration.service_harness import wait_api
 
-    objects = render(chart, {"etcd": {"replicas": 1, "tls": {"enabled": False, "allowInsecure": True}}})
+    no_auth = {"auth": {"enabled": False, "allowInsecure": True}}
+    plain_etcd = {"etcd": {"replicas": 1, "tls": {"enabled": False, "allowInsecure": True}}}
+    objects = render(chart, no_auth, plain_etcd)
     etcd = rd.RenderedEtcd(objects, tmp_path / "etcd").start()
     try:
         endpoints = etcd.localize(rd.expand_env(_controller(objects)["env"], {}, {})["ETRAIN_ETCD_ENDPOINTS"])
@@ -344,5 +359,103 @@ def test_rendered_plain_etcd_opt_out_still_runs(chart: helm.Chart, tmp_path: Pat
             client.ping()
         finally:
             client.close()
+        port = free_port()
+        deploy = mf.one(objects, "Deployment")
+        proc = rd.etrain_process(objects, deploy, "controller", etcd, tmp_path, {"ETRAIN_PORT": str(port)})
+        try:
+            assert rd.expand_env(_controller(objects)["env"], {}, {})["ETRAIN_HOST"] == "0.0.0.0"
+            api = ApiClient(f"http://127.0.0.1:{port}")
+            wait_api("the controller", api.ready, 60)
+            assert api.jobs() == []  # no token needed
+        finally:
+            rd.stop(proc, 15)
     finally:
         etcd.stop()
+
+
+# --- helm upgrade keeps what the chart generated ----------------------------------------------------------
+
+
+class _SecretStore(BaseHTTPRequestHandler):
+    """The part of a Kubernetes API server that Helm's `lookup` of a Secret uses: discovery of the core
+    group and GET of Secrets by name, answered from ``secrets`` (404 otherwise)."""
+
+    secrets: dict[str, dict[str, Any]] = {}
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0]
+        prefix = f"/api/v1/namespaces/{NAMESPACE}/secrets/"
+        body: dict[str, Any] | None = None
+        if path == "/api/v1":
+            secrets = {"name": "secrets", "singularName": "secret", "namespaced": True, "kind": "Secret"}
+            body = {"kind": "APIResourceList", "groupVersion": "v1", "resources": [{**secrets, "verbs": ["get"]}]}
+        elif path.startswith(prefix):
+            body = self.secrets.get(path[len(prefix) :])
+        data = json.dumps(body or {"kind": "Status", "apiVersion": "v1", "code": 404, "reason": "NotFound"})
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(data.encode())
+
+
+def _stored(m: mf.Manifest) -> dict[str, Any]:
+    """A rendered Secret as the API server returns it: stringData folded into base64 data."""
+    obj = json.loads(json.dumps(m.obj))
+    data = obj.setdefault("data", {})
+    for key, value in obj.pop("stringData", {}).items():
+        data[key] = base64.b64encode(str(value).encode()).decode()
+    return obj
+
+
+def test_helm_upgrade_keeps_generated_tokens_and_certificates(chart: helm.Chart) -> None:
+    """Install, then upgrade against a loopback API server holding the installed Secrets: `lookup` finds
+    them, so tokens, CA and certificates stay (and the controller's checksum, so no restart); changing the
+    certificate's names re-signs only the server certificate, with the same CA."""
+    x509 = pytest.importorskip("cryptography.x509")
+    store = type("Store", (_SecretStore,), {"secrets": {}})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), store)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kubeconfig = yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
+            "users": [{"name": "u", "user": {"token": "t"}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u", "namespace": NAMESPACE}}],
+            "current-context": "c",
+        }
+    )
+    try:
+        with helm.Config(namespace=NAMESPACE, kubeconfig_content=kubeconfig) as cfg:
+
+            def release(values: dict[str, Any], **kind: bool) -> list[mf.Manifest]:
+                rendered = cfg.render(chart, _merge(STORAGE, values), name=RELEASE, namespace=NAMESPACE, **kind)
+                return mf.split(rendered)
+
+            installed = release({}, is_install=True)
+            store.secrets.update({m.name: _stored(m) for m in mf.find(installed, "Secret")})
+            upgraded = release({}, is_upgrade=True)
+            renamed = release({"etcd": {"tls": {"extraSANs": ["etcd.example.org"]}}}, is_upgrade=True)
+    finally:
+        server.shutdown()
+
+    def keys(objects: list[mf.Manifest], suffix: str) -> dict[str, bytes]:
+        return rd.secret_data(objects, mf.one(objects, "Secret", suffix).name)
+
+    def checksum(objects: list[mf.Manifest]) -> str:
+        return str(mf.one(objects, "Deployment").obj["spec"]["template"]["metadata"]["annotations"]["checksum/auth"])
+
+    assert keys(upgraded, "-auth") == keys(installed, "-auth")
+    assert checksum(upgraded) == checksum(installed)
+    assert keys(upgraded, "-etcd-server-tls") == keys(installed, "-etcd-server-tls")
+    assert keys(upgraded, "-etcd-client-tls") == keys(installed, "-etcd-client-tls")
+    old, new = keys(installed, "-etcd-server-tls"), keys(renamed, "-etcd-server-tls")
+    assert (new["ca.crt"], new["ca.key"]) == (old["ca.crt"], old["ca.key"]) and new["tls.crt"] != old["tls.crt"]
+    cert = x509.load_pem_x509_certificate(new["tls.crt"])
+    cert.verify_directly_issued_by(x509.load_pem_x509_certificate(old["ca.crt"]))
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "etcd.example.org" in sans.get_values_for_type(x509.DNSName)
+    assert keys(renamed, "-etcd-client-tls") == keys(installed, "-etcd-client-tls")

@@ -7,6 +7,9 @@ import json
 import os
 import shutil
 import signal
+import socket
+import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -193,3 +196,101 @@ def test_workers_die_with_their_agent_even_when_only_the_agent_is_killed(env: di
         assert wait_until(lambda: not _zygotes(env), 5)
     finally:
         owner.kill()
+
+
+# -- the runtime directory must be private: else no zygote, the worker starts cold ---------------------------
+def _unsafe_prefork_dir(kind: str, short: Path) -> Path:
+    if kind == "symlink":  # to a private dir of ours, even: whoever could plant it could re-point it
+        (short / "real").mkdir(mode=0o700)
+        (short / "link").symlink_to(short / "real")
+        return short / "link"
+    if kind == "other-owner":
+        if os.geteuid() != 0:
+            pytest.skip("giving a directory to another uid needs root")
+        os.chown(short, 65534, 65534)  # mode 0700: only the owner is wrong
+    else:
+        os.chmod(short, int(kind.removeprefix("mode-"), 8))
+    return short
+
+
+@pytest.mark.parametrize("kind", ["mode-0777", "mode-0755", "other-owner", "symlink"])
+def test_a_prefork_dir_another_user_could_control_is_refused_and_the_worker_starts_cold_with_a_warning(
+    env: dict[str, str], tmp_path: Path, kind: str
+) -> None:
+    short = Path(env["ETRAIN_PREFORK_DIR"])
+    before = os.lstat(short)
+    unsafe = _unsafe_prefork_dir(kind, short)
+    env = dict(env, ETRAIN_PREFORK_DIR=str(unsafe))
+    run = subprocess.run(["bash", "-c", f"{CLIENT}; echo rc=$?"], cwd=tmp_path / "work", env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "rc=0" in run.stdout and "stdout reaches the client's stdout" in run.stdout, run.stderr
+    (record,) = _records(env)
+    assert not record["warm"]  # it ran in the client: nobody else's socket got its environment
+    assert f"refusing runtime directory {unsafe} (" in run.stderr and "running cold" in run.stderr, run.stderr
+    mode = stat.S_IMODE(os.lstat(unsafe).st_mode)
+    assert f"mode 0o{mode:03o}" in run.stderr and f"owned by uid {os.lstat(unsafe).st_uid}" in run.stderr
+    assert sorted(p.name for p in short.iterdir()) == (["link", "real"] if kind == "symlink" else [])
+    assert not list((short / "real").iterdir()) if kind == "symlink" else True
+    assert not _zygotes(env)
+    os.chown(short, before.st_uid, before.st_gid)
+
+
+# -- one client cannot stall the zygote ----------------------------------------------------------------------
+def _closed_by_peer(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:  # closed with what we sent still unread
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_client_that_sends_nothing_or_a_4_gib_length_prefix_does_not_stall_other_worker_starts(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    owner = subprocess.Popen(["bash", "-c", f"{CLIENT}; echo first=$?; read go; {CLIENT}; echo second=$?; sleep 60"],
+                             cwd=tmp_path / "work", env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    assert owner.stdin is not None
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    huge = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        assert wait_until(lambda: len(_records(env)) == 1, 60)
+        (path,) = Path(env["ETRAIN_PREFORK_DIR"]).glob("*.sock")
+        silent.connect(str(path))  # connects and never sends a byte
+        huge.connect(str(path))
+        huge.sendall(struct.pack("!I", 2**32 - 1) + b'{"target": ')  # 4 GiB announced, 11 bytes sent
+        time.sleep(0.5)  # the zygote has both by now
+        started = time.monotonic()
+        owner.stdin.write("go\n")
+        owner.stdin.flush()
+        assert wait_until(lambda: len(_records(env)) == 2, 40)
+        took = time.monotonic() - started
+        first, second = _records(env)
+        assert took < 4, f"a warm start took {took:.1f} s behind two stalled clients"
+        assert second["warm"] and second["ppid"] == first["ppid"]  # the same zygote served it
+        assert _closed_by_peer(huge, 5)  # refused at once, by its header
+        log = path.with_suffix(".log").read_text()
+        assert "refusing a 4294967295-byte request (limit 4194304 bytes)" in log, log
+        assert _closed_by_peer(silent, 20)  # dropped at the per-request deadline
+        assert "no complete request within" in path.with_suffix(".log").read_text()
+    finally:
+        silent.close()
+        huge.close()
+        owner.kill()
+        owner.communicate(timeout=10)
+    assert wait_until(lambda: not _zygotes(env), 10)
+
+
+def test_a_request_over_the_size_cap_starts_the_worker_cold_with_a_warning_instead_of_failing_it(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    # 1 MB of undecodable bytes in the environment is 6 MB of JSON ("\udcff" each): over the zygote's cap
+    big = {f"BIG{i}".encode(): b"\xff" * 100_000 for i in range(10)}
+    benv: dict[bytes, bytes] = {**{k.encode(): v.encode() for k, v in env.items()}, **big}
+    run = subprocess.run(["bash", "-c", f"{CLIENT}; echo rc=$?"], cwd=tmp_path / "work", env=benv,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "rc=0" in run.stdout, run.stderr
+    (record,) = _records(env)
+    assert not record["warm"] and "over the prefork limit" in run.stderr and "running cold" in run.stderr, run.stderr

@@ -7,6 +7,8 @@ node-local snapshots under real torchrun) is in tests/integration/test_local_sna
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,3 +186,78 @@ def test_local_snapshots_come_every_n_steps_and_no_more_often_than_their_cost_al
     capped.note_durable(50)
     assert not capped.want_local(51)
     capped.close()
+
+
+# -- the local tier's directory is private (a planted or readable one turns the tier off) -------------------
+NOBODY = 65534
+
+
+def _plant(slot: Path, step: int) -> None:
+    """What another local user could leave in a directory they can write: a slot with a huge step."""
+    manager = create_checkpoint_manager(str(slot), LOCAL_OPTIONS)
+    manager.save(step, _state(step), blocking=True)
+    manager.close()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o755])
+def test_a_local_tier_dir_others_can_write_or_read_turns_the_local_tier_off_and_durable_snapshots_go_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: int
+) -> None:
+    local = tmp_path / "local"
+    local.mkdir()
+    os.chmod(local, mode)
+    _plant(local / "slot-9", 10**9)  # would be resumed from, and make retention delete the real slots
+    _save(_tiers(tmp_path), 10, durable=True)
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.tiers"):
+        tiers = _tiers(tmp_path)
+    assert f"refusing runtime directory {local}" in caplog.text and f"mode 0o{mode:03o}" in caplog.text
+    assert "node-local snapshots off" in caplog.text
+    state = tiers.restore()
+    assert state is not None and state.step == 10 and tiers.source == "durable"
+    assert not tiers.want_local(11)
+    tiers.save_local(11, lambda: _state(11), overlap_with=None)  # a no-op, not an error
+    tiers.close(finished=True)
+    assert (local / "slot-9").exists() and stat.S_IMODE(local.stat().st_mode) == mode  # nothing of theirs touched
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another uid needs root")
+def test_a_local_tier_dir_owned_by_another_user_turns_the_local_tier_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "shm"  # as /dev/shm/etrain-<uid> pre-created by someone else
+    root.mkdir(mode=0o700)
+    os.chown(root, NOBODY, NOBODY)
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.tiers"):
+        tiers = SnapshotTiers(None, root / "job", 1, CPU)
+    assert f"owned by uid {NOBODY}" in caplog.text and tiers._local is None
+    assert not (root / "job").exists()
+    tiers.close()
+
+
+def test_a_symlinked_local_tier_dir_turns_the_local_tier_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    (tmp_path / "local").symlink_to(tmp_path / "elsewhere")
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.tiers"):
+        tiers = _tiers(tmp_path)
+    assert "a symlink" in caplog.text and tiers._local is None
+    assert not list((tmp_path / "elsewhere").iterdir())
+    tiers.close()
+
+
+def test_node_local_snapshot_files_are_0600_and_their_dirs_0700_under_the_usual_umask(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = os.umask(0o022)
+    try:
+        monkeypatch.setenv("ETRAIN_LOCAL_SNAPSHOT_DIR", str(tmp_path / "fresh" / "root"))
+        tiers = create_snapshot_tiers(None, 1, CPU)
+        tiers.save_local(3, lambda: _state(3), overlap_with=None)
+        tiers.close()
+    finally:
+        os.umask(old)
+    made = list((tmp_path / "fresh").rglob("*"))
+    files = [p for p in made if p.is_file()]
+    assert any("manifest" in p.name for p in files) and len(files) > 2, made
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {p.name: "0o600" for p in files}
+    dirs = [tmp_path / "fresh", *(p for p in made if p.is_dir())]
+    assert {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in dirs} == {str(p): "0o700" for p in dirs}
