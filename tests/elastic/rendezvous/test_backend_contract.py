@@ -15,7 +15,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
-from elastic.etcd import EtcdClient, EtcdConfig, create_client
+from elastic.etcd import EtcdClient, EtcdConfig, MemoryEtcdServer, create_client
 from elastic.rendezvous.etcd_v3_backend import EtcdV3RendezvousBackend
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
 
@@ -24,15 +24,17 @@ pytestmark = pytest.mark.timeout(60)
 BackendFactory = Callable[[str], RendezvousBackend]
 
 
-@pytest.fixture(params=["etcd-v3", "c10d-reference"])
-def make_backend(
-    request: pytest.FixtureRequest, etcd_client: EtcdClient, key_prefix: str
-) -> Iterator[BackendFactory]:
-    if request.param == "etcd-v3":
+@pytest.fixture(params=["etcd-v3", "etcd-v3-memory", "c10d-reference"])
+def make_backend(request: pytest.FixtureRequest, key_prefix: str) -> Iterator[BackendFactory]:
+    if request.param.startswith("etcd-v3"):
         made: list[EtcdV3RendezvousBackend] = []
+        # the real etcd, and the in-memory model of it (no etcd binary needed): one contract for both
+        client: EtcdClient = (
+            request.getfixturevalue("etcd_client") if request.param == "etcd-v3" else MemoryEtcdServer().client()
+        )
 
         def etcd_factory(run_id: str) -> RendezvousBackend:
-            b = EtcdV3RendezvousBackend(etcd_client, run_id, key_prefix=key_prefix)
+            b = EtcdV3RendezvousBackend(client, run_id, key_prefix=key_prefix)
             made.append(b)
             return b
 
