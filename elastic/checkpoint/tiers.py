@@ -65,7 +65,8 @@ _MAX_SLOTS = 64
 
 
 def default_local_root() -> Path:
-    """``$ETRAIN_LOCAL_SNAPSHOT_DIR``, else ``/dev/shm/etrain-<uid>`` (memory), else the temp directory."""
+    """``$ETRAIN_LOCAL_SNAPSHOT_DIR``, else ``/dev/shm/etrain-<uid>`` (memory), else the temp directory. A local
+    tier below it is used only if it is private (see the module docstring)."""
     configured = os.environ.get(LOCAL_SNAPSHOT_DIR)
     if configured:
         return Path(configured)

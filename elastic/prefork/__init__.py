@@ -29,6 +29,14 @@ worker of a torchrun agent), and Python's hash seed is the zygote's. Interpreter
 ``atexit`` handlers and joins non-daemon threads, then exits without running object finalisers. With
 ``ETRAIN_PREFORK=0``, or if the zygote cannot be started, the script runs in the client process itself
 (a cold start, with a warning in the second case).
+
+Trust: the socket lives in ``$ETRAIN_PREFORK_DIR`` or ``/tmp/etrain-prefork-<uid>``, which must be a private
+directory (:func:`elastic.runtime_dir.private_dir`: created 0700; one another user owns, a symlink, or one
+group or others may use is refused and the worker starts cold, with a warning naming its owner and mode),
+since each client sends its environment there. The zygote reads requests without blocking (one selector
+loop, single-threaded since it forks), each at most :data:`~elastic.prefork.common.MAX_MESSAGE` bytes and
+complete within :data:`~elastic.prefork.zygote.REQUEST_DEADLINE_S`, so no client can stall another's start;
+a request over the cap makes its client start cold instead.
 """
 
 from elastic.prefork.client import main, prestart

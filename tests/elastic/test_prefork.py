@@ -123,7 +123,7 @@ def test_signals_reach_the_worker_and_a_killed_client_takes_its_worker_along(
         client = int(subprocess.check_output(["pgrep", "-P", str(owner.pid), "-f", "elastic.prefork"]).split()[0])
         assert wait_until(lambda: forked_worker(client) is not None, 10)
         worker = forked_worker(client)
-        assert worker == _records(env)[0]["pid"] and worker != client
+        assert worker is not None and worker == _records(env)[0]["pid"] and worker != client
         os.kill(client, signal.SIGTERM)  # torchrun stopping its workers: the script's handler runs
         assert wait_until(lambda: Path(env["OUT"] + ".term").exists(), 10)
         assert wait_until(lambda: process_stat(worker) is None, 10)
