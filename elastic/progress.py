@@ -453,7 +453,7 @@ def create_reporter(
     worker = WorkerEnv.from_environ(env)
     if worker.job is None or worker.etcd is None or int(env.get("RANK", "0")) != 0:
         return NullProgressReporter()
-    # short timeouts: a report waits for etcd at most this long, never blocking training for longer
+    # short timeouts: they bound one write attempt of the writer thread (report() never waits for etcd)
     etcd = replace(worker.etcd, op_timeout=timedelta(seconds=5), request_timeout=timedelta(seconds=2))
     return EtcdProgressReporter(
         create_client(etcd.config()),

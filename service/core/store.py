@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -114,10 +114,54 @@ def new_event(kind: str, message: str, now: datetime, **data: object) -> Event:
 
 def _load(model: type[M], kv: KeyValue) -> M | None:
     try:
-        return model.model_validate_json(kv.value)
+        record = model.model_validate_json(kv.value)
     except ValidationError as exc:
         logger.warning("ignoring unreadable %s at %s: %s", model.__name__, kv.key, exc.errors()[:1])
         return None
+    problem = _unusable(record)
+    if problem is not None:
+        logger.warning("ignoring unreadable %s at %s: %s", model.__name__, kv.key, problem)
+        return None
+    return record
+
+
+_INT64 = 1 << 63
+
+
+def _unusable(record: BaseModel) -> str | None:
+    """What makes a validated record unusable, or None. Every time the service writes is in UTC (one without a
+    time zone cannot be compared with the controller's clock; one beyond year 1-9999 in UTC cannot be shown)
+    and every integer fits 64 bits (metrics are floats; a larger one overflows). Walked without recursion:
+    ``Event.data`` may nest deeply."""
+    stack: list[object] = [record]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, BaseModel):
+            stack.extend(value.__dict__.values())
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif isinstance(value, datetime):
+            if value.utcoffset() is None:
+                return f"time {value.isoformat()} has no time zone"
+            try:
+                value.astimezone(timezone.utc)
+            except OverflowError:
+                return f"time {value.isoformat()} is out of range in UTC"
+        elif isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
+            return f"integer {str(value)[:20]}... does not fit 64 bits"
+    return None
+
+
+def _at_own_key(kv: KeyValue, named: str, by_key: str) -> bool:
+    """Whether a record names what its key does: one under another job's (or node's) key must not act for the
+    job (node) it names, e.g. a failure report under job A's key restarting job B."""
+    if named == by_key:
+        return True
+    logger.warning("ignoring the record at %s: it names %r", kv.key, named[:100])
+    return False
 
 
 def _dump(model: BaseModel) -> bytes:
@@ -185,7 +229,7 @@ class ServiceStore:
             skv = statuses.get(job_id)
             record = _load(JobRecord, kv)
             status = _load(JobStatus, skv) if skv is not None else None
-            if record is None or status is None or skv is None:
+            if record is None or status is None or skv is None or not _at_own_key(kv, record.id, job_id):
                 continue
             out[job_id] = JobEntry(record, status, skv.mod_revision, job_id in cancelled)
         return out
@@ -247,17 +291,18 @@ class ServiceStore:
         for kv in assigns:
             node, _, job_id = _tail(kv, k.assign).partition("/")
             a = _load(Assignment, kv)
-            if a is not None:
+            if a is not None and _at_own_key(kv, a.job_id, job_id):
                 assignments.setdefault(node, {})[job_id] = a
         by_job: dict[str, dict[str, WorkerReport]] = {}
         for kv in reports:
             r = _load(WorkerReport, kv)
-            if r is not None:
+            if r is not None and _at_own_key(kv, f"{r.job_id}/{r.node}", _tail(kv, k.reports)):
                 by_job.setdefault(r.job_id, {})[r.node] = r
         prog = {job: p for kv in progress if (p := _progress(kv, job := _tail(kv, k.progress))) is not None}
+        live = {n.name: n for kv in nodes if (n := _load(NodeInfo, kv)) and _at_own_key(kv, n.name, _tail(kv, k.nodes))}
         return ClusterView(
             jobs=self._entries(recs, sts, cancels),
-            nodes={n.name: n for kv in nodes if (n := _load(NodeInfo, kv)) is not None},
+            nodes=live,
             assignments=assignments,
             reports=by_job,
             progress=prog,
@@ -320,6 +365,7 @@ class ServiceStore:
             refused += 0 if ok else 1
         return PlanOutcome(refused=refused, failed=failed)
 
+
 #: a job's unreadable progress is warned about at most once per this many seconds (the pass reads it each tick)
 _BAD_PROGRESS_WARN_EVERY = 60.0
 _bad_progress_warned: dict[str, float] = {}  # progress key -> time.monotonic() of its last warning
@@ -355,6 +401,16 @@ def _warn_bad_progress(job_id: str, kv: KeyValue, exc: ValueError) -> None:
         "job %s: ignoring its invalid progress report at %s (revision %d), as if it reported none: %s "
         "(not repeated for %.0fs)", job_id, kv.key, kv.mod_revision, str(exc)[:300], _BAD_PROGRESS_WARN_EVERY,
     )  # fmt: skip
+
+
+def identities_prefix(keys: Keys) -> str:
+    """``<prefix>/identities/``: the leader's record of each job's own etcd user (its password included; see
+    ``service.controller.identities``). Control-plane only: a job's user cannot read it."""
+    return f"{keys.root}/identities/"
+
+
+def identity_key(keys: Keys, job_id: str) -> str:
+    return identities_prefix(keys) + job_id
 
 
 def create_store(client: EtcdClient, prefix: str = "/etrain") -> ServiceStore:
