@@ -18,6 +18,9 @@ Semantics shared by every implementation (they are etcd's own):
   refused with :class:`EtcdError`.
 * A lease dies when it is revoked or when its TTL passes without a refresh; every key attached to it is
   deleted then, in one revision. Writing a key without a lease detaches it.
+* Users and roles (etcd's role-based access control) live beside the keys, not in them: managing them
+  changes no revision. etcd allows it to anyone while auth is disabled, and to users with the ``root``
+  role once it is enabled; a user's permissions are the union of its roles' :class:`RolePermission`.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
 from elastic.etcd.config import EtcdConfig
 
-__all__ = ["EtcdClient", "EtcdConnectionError", "EtcdError", "KeyValue", "prefix_end"]
+__all__ = ["EtcdClient", "EtcdConnectionError", "EtcdError", "KeyValue", "Permission", "RolePermission", "prefix_end"]
 
 
 class EtcdError(Exception):
@@ -51,6 +55,18 @@ class KeyValue:
     mod_revision: int
     lease: int = 0
     version: int = 0
+
+
+Permission = Literal["read", "write", "readwrite"]
+
+
+@dataclass(frozen=True)
+class RolePermission:
+    """What a role may do (``perm``) on ``key`` alone, or with ``prefix`` on every key under it."""
+
+    key: str
+    perm: Permission
+    prefix: bool = False
 
 
 def prefix_end(prefix: str) -> bytes:
@@ -200,3 +216,43 @@ class EtcdClient(abc.ABC):
         """Stream changes of ``key`` (or keys under it) from ``start_revision`` until ``stop`` is set,
         calling ``on_revision(revision)`` with the newest revision of each batch of changes, in increasing
         order. Nothing is missed across broken connections. Runs in the caller's thread."""
+
+    # -- users and roles (etcd auth) -----------------------------------------------------------------
+    @abc.abstractmethod
+    def user_add(self, name: str, password: str) -> bool:
+        """Create a user with ``password``; False (and nothing changed) if the user exists already."""
+
+    @abc.abstractmethod
+    def user_change_password(self, name: str, password: str) -> None:
+        """Set an existing user's password; raises :class:`EtcdError` if there is no such user."""
+
+    @abc.abstractmethod
+    def user_delete(self, name: str) -> bool:
+        """Delete a user (its tokens stop working at once); False if there was no such user."""
+
+    @abc.abstractmethod
+    def user_list(self) -> list[str]:
+        """Every user's name, sorted."""
+
+    @abc.abstractmethod
+    def user_grant_role(self, user: str, role: str) -> None:
+        """Give ``user`` the role ``role`` (again: nothing changes); raises :class:`EtcdError` if either
+        is missing."""
+
+    @abc.abstractmethod
+    def role_add(self, name: str) -> bool:
+        """Create a role without permissions; False (and nothing changed) if the role exists already."""
+
+    @abc.abstractmethod
+    def role_delete(self, name: str) -> bool:
+        """Delete a role (its users lose its permissions); False if there was no such role."""
+
+    @abc.abstractmethod
+    def role_grant_permission(self, role: str, permission: RolePermission) -> None:
+        """Let ``role`` do ``permission`` (granting one range again replaces its ``perm``); raises
+        :class:`EtcdError` if there is no such role."""
+
+    @abc.abstractmethod
+    def role_permissions(self, role: str) -> list[RolePermission]:
+        """The permissions of ``role``, by key (ranges other than one key or a prefix are left out);
+        raises :class:`EtcdError` if there is no such role."""

@@ -11,7 +11,8 @@ Leases expire when the server's ``clock`` (``time.monotonic``, or a :class:`Manu
 passes their deadline, noticed by every request and by every waiter within :data:`TICK` seconds; wait
 timeouts are real time. A client cut off from the cluster (:meth:`MemoryEtcdClient.set_reachable`) fails
 at once with :class:`~elastic.etcd.api.EtcdConnectionError` and its waits see nothing, while leases keep
-expiring. Not modelled: compaction (the whole history is kept), auth, cluster membership.
+expiring. Users and roles are kept (:class:`MemoryAuth`) but not enforced: every client may do anything.
+Not modelled: compaction (the whole history is kept), permission checks, cluster membership.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
 
-from elastic.etcd.api import EtcdClient, EtcdConnectionError, EtcdError, KeyValue, prefix_end
+from elastic.etcd.api import EtcdClient, EtcdConnectionError, EtcdError, KeyValue, RolePermission, prefix_end
 from elastic.etcd.config import EtcdConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TICK", "ManualClock", "MemoryEtcdClient", "MemoryEtcdServer"]
+__all__ = ["TICK", "ManualClock", "MemoryAuth", "MemoryEtcdClient", "MemoryEtcdServer"]
 
 TICK = 0.05
 """Seconds a waiter sleeps at most before it looks at the clock (lease expiry) and its stop event again."""
@@ -127,6 +128,90 @@ def _check_ops(ops: Sequence[_Op], max_ops: int) -> int:
     return sum(len(op.key) + (len(op.value) if isinstance(op, _Put) else len(op.end or b"")) for op in ops)
 
 
+class MemoryAuth:
+    """A modelled cluster's users and roles (etcd's answers, never its checks); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users: dict[str, tuple[str, set[str]]] = {}  # name -> (password, roles)
+        self._roles: dict[str, dict[tuple[str, bool], RolePermission]] = {}  # name -> (key, prefix) -> grant
+
+    def password(self, user: str) -> str | None:
+        """The user's password (a test's view), None if there is no such user."""
+        with self._lock:
+            entry = self._users.get(user)
+            return entry[0] if entry else None
+
+    def roles_of(self, user: str) -> set[str]:
+        with self._lock:
+            entry = self._users.get(user)
+            return set(entry[1]) if entry else set()
+
+    def user_add(self, name: str, password: str) -> bool:
+        if not name:
+            raise EtcdError("etcdserver: user name is empty")
+        with self._lock:
+            if name in self._users:
+                return False
+            self._users[name] = (password, set())
+            return True
+
+    def user_change_password(self, name: str, password: str) -> None:
+        with self._lock:
+            if name not in self._users:
+                raise EtcdError("etcdserver: user name not found")
+            self._users[name] = (password, self._users[name][1])
+
+    def user_delete(self, name: str) -> bool:
+        with self._lock:
+            return self._users.pop(name, None) is not None
+
+    def user_list(self) -> list[str]:
+        with self._lock:
+            return sorted(self._users)
+
+    def user_grant_role(self, user: str, role: str) -> None:
+        with self._lock:
+            if user not in self._users:
+                raise EtcdError("etcdserver: user name not found")
+            if role not in self._roles:
+                raise EtcdError("etcdserver: role name not found")
+            self._users[user][1].add(role)
+
+    def role_add(self, name: str) -> bool:
+        if not name:
+            raise EtcdError("etcdserver: role name is empty")
+        with self._lock:
+            if name in self._roles:
+                return False
+            self._roles[name] = {}
+            return True
+
+    def role_delete(self, name: str) -> bool:
+        with self._lock:
+            if self._roles.pop(name, None) is None:
+                return False
+            for _, roles in self._users.values():
+                roles.discard(name)
+            return True
+
+    def role_grant_permission(self, role: str, permission: RolePermission) -> None:
+        if not permission.key:
+            raise EtcdError("an empty key cannot be granted")
+        with self._lock:
+            grants = self._roles.get(role)
+            if grants is None:
+                raise EtcdError("etcdserver: role name not found")
+            grants[(permission.key, permission.prefix)] = permission
+
+    def role_permissions(self, role: str) -> list[RolePermission]:
+        with self._lock:
+            grants = self._roles.get(role)
+            if grants is None:
+                raise EtcdError("etcdserver: role name not found")
+            return [grants[k] for k in sorted(grants)]
+
+
 class MemoryEtcdServer:
     """One modelled cluster, shared by any number of :class:`MemoryEtcdClient` (thread-safe).
 
@@ -156,6 +241,7 @@ class MemoryEtcdServer:
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(0x6D656D0000000001)
         self._history: list[tuple[int, bytes]] = []  # (revision, key) of every change, in order
+        self.auth = MemoryAuth()
 
     def client(self, config: EtcdConfig | None = None) -> MemoryEtcdClient:
         """A new client of this cluster (one per modelled process)."""
@@ -495,3 +581,40 @@ class MemoryEtcdClient(EtcdClient):
             if newest and not stop.is_set():
                 next_revision = newest + 1
                 on_revision(newest)
+
+    # -- users and roles -------------------------------------------------------------------------------
+    def user_add(self, name: str, password: str) -> bool:
+        self._check()
+        return self.server.auth.user_add(name, password)
+
+    def user_change_password(self, name: str, password: str) -> None:
+        self._check()
+        self.server.auth.user_change_password(name, password)
+
+    def user_delete(self, name: str) -> bool:
+        self._check()
+        return self.server.auth.user_delete(name)
+
+    def user_list(self) -> list[str]:
+        self._check()
+        return self.server.auth.user_list()
+
+    def user_grant_role(self, user: str, role: str) -> None:
+        self._check()
+        self.server.auth.user_grant_role(user, role)
+
+    def role_add(self, name: str) -> bool:
+        self._check()
+        return self.server.auth.role_add(name)
+
+    def role_delete(self, name: str) -> bool:
+        self._check()
+        return self.server.auth.role_delete(name)
+
+    def role_grant_permission(self, role: str, permission: RolePermission) -> None:
+        self._check()
+        self.server.auth.role_grant_permission(role, permission)
+
+    def role_permissions(self, role: str) -> list[RolePermission]:
+        self._check()
+        return self.server.auth.role_permissions(role)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,7 +30,16 @@ from service.core.models import Assignment
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TorchrunProcess", "descendants", "rdzv_conf", "torchrun_command", "worker_env"]
+__all__ = [
+    "JobIdentityError",
+    "TorchrunProcess",
+    "descendants",
+    "job_etcd",
+    "rdzv_conf",
+    "torchrun_command",
+    "worker_env",
+    "write_secret",
+]
 
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -39,8 +49,47 @@ def _secs(value: timedelta) -> str:
     return f"{value.total_seconds():g}"
 
 
-def rdzv_conf(assignment: Assignment, etcd: EtcdOptions, rdzv_prefix: str, password: str | None) -> str:
-    """The ``--rdzv-conf`` string of the job's ``etcd-v3`` rendezvous (``key=value,...``)."""
+class JobIdentityError(ValueError):
+    """The agent cannot give a job an etcd identity that is not the control plane's."""
+
+
+def job_etcd(control: EtcdOptions, assignment: Assignment, password_file: Path | None) -> EtcdOptions:
+    """The etcd connection a job's torchrun and workers get: the agent's endpoints, TLS files and timeouts,
+    with the job's own user (its password in ``password_file``) and never the agent's user or password.
+
+    An assignment without a user of its own gets no user at all when the agent has none either (the control
+    plane uses no etcd password: jobs share its identity, see docs/service.md); when the agent has one it
+    is refused (:class:`JobIdentityError`) rather than handed over.
+    """
+    if assignment.etcd_user:
+        if password_file is None:
+            raise JobIdentityError(f"job {assignment.job_id}: no password file for its etcd user")
+        return replace(control, user=assignment.etcd_user, password_file=str(password_file), password=None)
+    if control.user:
+        raise JobIdentityError(
+            f"the assignment of job {assignment.job_id} carries no etcd user of its own, and this agent's etcd "
+            "user is a control-plane one: refusing to hand it to the job (is the controller older than the "
+            "agent, or its etcd user without the root role it needs to make job users?)"
+        )
+    return replace(control, password_file=None, password=None)
+
+
+def write_secret(path: Path, secret: str) -> None:
+    """Write ``secret`` to ``path``, readable by this user only (0600), replacing any earlier file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # a file left by a crash keeps its mode: set it
+        os.write(fd, secret.encode() + b"\n")
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def rdzv_conf(assignment: Assignment, etcd: EtcdOptions, rdzv_prefix: str) -> str:
+    """The ``--rdzv-conf`` string of the job's ``etcd-v3`` rendezvous (``key=value,...``): files and a user,
+    never a password (``etcd`` is the job's connection, :func:`job_etcd`), so it may go on the command line."""
     r = assignment.spec.rendezvous
     conf = {
         "key_prefix": rdzv_prefix,
@@ -53,12 +102,12 @@ def rdzv_conf(assignment: Assignment, etcd: EtcdOptions, rdzv_prefix: str, passw
         ("ca_cert", etcd.ca_cert),
         ("cert", etcd.cert),
         ("cert_key", etcd.cert_key),
+        ("password_file", etcd.password_file if etcd.user else None),
     ):
         if value:
             conf[key] = str(Path(value).resolve())
-    if etcd.user and password is not None:
+    if etcd.user:
         conf["user"] = etcd.user
-        conf["password"] = password
     return format_rdzv_conf(conf)
 
 
@@ -70,8 +119,8 @@ def torchrun_command(
     rdzv_host: str | None,
     conf_on_command_line: str | None,
 ) -> list[str]:
-    """``python -m torch.distributed.run ...`` for one generation (``conf_on_command_line`` None: the
-    rendezvous configuration travels in ``PET_RDZV_CONF``, keeping a password off the command line)."""
+    """``python -m torch.distributed.run ...`` for one generation (``conf_on_command_line`` None: no
+    ``--rdzv-conf``; torchrun then reads ``PET_RDZV_CONF`` if its environment has one)."""
     spec = assignment.spec
     return TorchrunCommand(
         rdzv_endpoint=etcd_endpoints,

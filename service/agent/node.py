@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,8 +31,17 @@ from pathlib import Path
 from typing import Protocol
 
 from elastic.etcd import EtcdClient, EtcdError, create_client
+from elastic.etcd.config import EtcdOptions
 from elastic.etcd.lease import LeaseKeeper
-from service.agent.launcher import TorchrunProcess, rdzv_conf, torchrun_command, worker_env
+from service.agent.launcher import (
+    JobIdentityError,
+    TorchrunProcess,
+    job_etcd,
+    rdzv_conf,
+    torchrun_command,
+    worker_env,
+    write_secret,
+)
 from service.core.config import AgentSettings
 from service.core.models import Assignment, NodeInfo, WorkerReport
 from service.core.store import ServiceStore, create_store
@@ -94,7 +103,7 @@ class NodeAgent:
         self._etcd_config = settings.etcd.config()
         self.client = client or create_client(self._etcd_config)
         self.store: ServiceStore = create_store(self.client, settings.prefix)
-        self._password = self._etcd_config.password
+        self._secrets: set[str] = set()  # jobs whose etcd password file this agent wrote
         self.incarnation = uuid.uuid4().hex[:12]
         self._running: dict[str, _Running] = {}
         self._stopping: dict[str, _Running] = {}  # taken out of _running, stop() in progress
@@ -169,31 +178,54 @@ class NodeAgent:
                 logger.warning("cannot report %s/%s yet: %s", job_id, report.generation, exc)
                 return
 
+    def _secret_path(self, job_id: str) -> Path:
+        return self.settings.work_dir / "jobs" / job_id / "etcd-password"
+
+    def _job_etcd(self, a: Assignment) -> EtcdOptions:
+        """The job's own etcd connection (:func:`job_etcd`), its password written to a 0600 file first."""
+        password_file = None
+        if a.etcd_user and a.etcd_password:
+            password_file = self._secret_path(a.job_id).resolve()
+            write_secret(password_file, a.etcd_password)
+            self._secrets.add(a.job_id)
+        return job_etcd(self.settings.etcd, a, password_file)
+
+    def _forget_secrets(self, assigned: Iterable[str]) -> None:
+        """Delete the password files of jobs no longer assigned to this node."""
+        for job_id in self._secrets - set(assigned):
+            self._secrets.discard(job_id)
+            try:
+                self._secret_path(job_id).unlink(missing_ok=True)
+            except OSError as exc:
+                logger.warning("cannot delete the etcd password file of job %s: %s", job_id, exc)
+
     def _launch(self, a: Assignment) -> None:
         s = self.settings
         log_path = s.work_dir / "jobs" / a.job_id / f"g{a.generation}" / f"{s.node_name}.log"
-        conf = rdzv_conf(a, s.etcd, self.store.keys.rdzv, self._password)
-        secret = self._password is not None and bool(s.etcd.user)
+        base = WorkerReport(job_id=a.job_id, node=s.node_name, generation=a.generation, state="running")
+        try:
+            etcd = self._job_etcd(a)
+        except (JobIdentityError, OSError) as exc:
+            self._finished.add((a.job_id, a.generation))
+            self._report(base.model_copy(update={"state": "launch_failed", "error": f"etcd identity: {exc}"}))
+            return
         env = worker_env(
             a,
             base=os.environ,
             node_name=s.node_name,
             progress_key=self.store.keys.progress_of(a.job_id),
-            etcd=s.etcd,
+            etcd=etcd,
             extra=s.extra_env,
             socket_ifname=s.socket_ifname,
         )
-        if secret:
-            env["PET_RDZV_CONF"] = conf
         cmd = torchrun_command(
             a,
             python=s.python,
             etcd_endpoints=s.etcd.endpoints,
             rdzv_host=s.rdzv_host,
-            conf_on_command_line=None if secret else conf,
+            conf_on_command_line=rdzv_conf(a, etcd, self.store.keys.rdzv),
         )
         cwd = a.spec.working_dir or os.getcwd()
-        base = WorkerReport(job_id=a.job_id, node=s.node_name, generation=a.generation, state="running")
         if not Path(cwd).is_dir():
             self._finished.add((a.job_id, a.generation))
             self._report(
@@ -288,6 +320,7 @@ class NodeAgent:
                 if job_id not in self._running and (job_id, a.generation) not in self._finished:
                     self._launch(a)
             self._finished = {(j, g) for j, g in self._finished if j in assignments}
+            self._forget_secrets(assignments)
             self._flush()
 
     # -- loop ----------------------------------------------------------------------------------------
@@ -328,6 +361,7 @@ class NodeAgent:
                     self._stop(job_id, "agent shutting down")
                 except Exception:
                     logger.exception("stopping job %s failed", job_id)
+            self._forget_secrets(())
         if self._keeper is not None:
             self._keeper.close(revoke=True)
             self._keeper = None

@@ -14,6 +14,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 
 from elastic.etcd import EtcdError
+from service.controller.identities import SHARED_IDENTITY_WARNING, JobIdentities, password_auth
 from service.controller.leader import LeaderElection, create_election
 from service.controller.metrics import Metrics
 from service.controller.reconcile import reconcile
@@ -41,6 +42,8 @@ class Controller:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._write_failures: dict[str, WriteFailure] = {}  # job id -> etcd refusing its updates
+        # each job's own etcd user, when the control plane authenticates with a password (else None)
+        self._identities = JobIdentities(store) if password_auth(store.client) else None
 
     @property
     def election(self) -> LeaderElection:
@@ -59,7 +62,10 @@ class Controller:
         if fence is None:
             return None
         view = replace(self._store.read_view(), write_failures=dict(self._write_failures))
-        plan = reconcile(view, now or datetime.now(timezone.utc), self._settings.reconcile)
+        now = now or datetime.now(timezone.utc)
+        plan = reconcile(view, now, self._settings.reconcile)
+        if self._identities is not None:
+            plan = self._identities.prepare(view, plan, fence, now)
         if not plan.empty:
             outcome = self._store.apply_plan(plan, fence)
             if outcome.refused and self._metrics is not None:
@@ -114,6 +120,10 @@ class Controller:
     def start(self) -> None:
         if self._thread is not None:
             return
+        if self._identities is None:
+            logger.warning(SHARED_IDENTITY_WARNING)
+        else:
+            self._identities.check()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="etrain-reconcile", daemon=True)
         self._thread.start()

@@ -410,6 +410,11 @@ class Assignment(_Record):
     checkpoint_url: str | None = None
     checkpoint_key: str | None = Field(default=None, repr=False, description="hex: signs the job's snapshots")
     assigned_at: datetime
+    # the job's own etcd user (service.controller.identities), made by the leader when the control plane
+    # authenticates to etcd with a password: torchrun's rendezvous and the workers use it, never the
+    # control plane's user. None: the control plane uses no etcd password (jobs share its identity).
+    etcd_user: str | None = None
+    etcd_password: str | None = Field(default=None, repr=False)
 
     @property
     def rdzv_id(self) -> str:

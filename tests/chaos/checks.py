@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from elastic.checkpoint import CheckpointError, create_checkpoint_manager
+from elastic.checkpoint import CheckpointError, CheckpointOptions, create_checkpoint_manager
 from elastic.testing.torchrun import read_jsonl
 
 Record = dict[str, Any]
@@ -98,28 +98,96 @@ def check_replicas_identical(rec: Path) -> list[str]:
     return problems
 
 
-def check_resumed_snapshots_verify(records: list[Record], checkpoint_url: str) -> tuple[list[str], int]:
+def check_resumed_snapshots_verify(
+    records: list[Record],
+    checkpoint_url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    skip: Iterable[int] = (),
+) -> tuple[list[str], int]:
     """Every snapshot an attempt resumed from still verifies (checksums) and holds that step: what was
     loaded was a complete, committed snapshot, never a torn one. Returns the problems and how many
     resume points were checked. Attempts that resumed from a node-local snapshot are not re-checked here
     (keep_last=1 has replaced it since); the worker verified its sha256 on load, and a wrong state would
     fail the exactly-once and identical-replica checks."""
-    local = {r["attempt"] for r in records if r.get("resumed_from") == "node-local"}
-    points = sorted({s for a, s in resume_points(records).items() if s > 0 and a not in local})
+    points = sorted(set(durable_resume_points(records)) - set(skip))
     problems: list[str] = []
-    manager = create_checkpoint_manager(checkpoint_url)
+    manager = create_checkpoint_manager(checkpoint_url, CheckpointOptions(storage_options=dict(storage_options or {})))
     try:
         for step in points:
-            try:
-                snap = manager.load(step)
-            except CheckpointError as exc:
-                problems.append(f"resumed from step {step}, whose snapshot does not verify: {exc}")
-                continue
-            if snap.step != step:
-                problems.append(f"snapshot of step {step} holds step {snap.step}")
+            problems += verify_snapshot(manager, step, f"resumed from step {step}, whose snapshot")
     finally:
         manager.close()
     return problems, len(points)
+
+
+def durable_resume_points(records: Iterable[Record]) -> dict[int, str]:
+    """The steps attempts resumed from out of the durable store (step -> the first such attempt); not those
+    that started fresh or resumed from a node-local snapshot."""
+    records = list(records)
+    local = {r["attempt"] for r in records if r.get("resumed_from") == "node-local"}
+    out: dict[int, str] = {}
+    for attempt, step in resume_points(records).items():
+        if step > 0 and attempt not in local:
+            out.setdefault(step, attempt)
+    return out
+
+
+def verify_snapshot(manager: Any, step: int, what: str) -> list[str]:
+    """Load snapshot ``step`` (checksums verified on the way): the problems, empty if it is whole."""
+    try:
+        snap = manager.load(step)
+    except CheckpointError as exc:
+        return [f"{what} does not verify: {exc}"]
+    if snap.step != step:
+        return [f"{what} holds step {snap.step}"]
+    return []
+
+
+def training_impact(records: list[Record], began: float, until: float, lookback: float = 30.0) -> dict[str, Any]:
+    """What a disturbance that began at ``began`` cost the training job up to ``until`` (unix times; the
+    caller gives the end of the disturbance plus a margin, or when the job had settled after it, whichever
+    is later), from its records:
+
+    - ``new_groups``: worker groups (attempts) whose first step came in ``[began, until]`` - each one a
+      restart of training (``restarted``);
+    - ``redone_steps``: steps those groups did again (committed before by an earlier group);
+    - ``lost_s``: how much longer the effective trajectory took from its last step before ``began`` to its
+      first step after ``until`` than that many steps take at the pace of the ``lookback`` seconds before
+      (``step_s``: their time over their number, saves included); ``window_s`` that time, ``lost_pct`` the
+      share of it that was lost. None where too few steps surround the window.
+    """
+    first_t: dict[str, float] = {}
+    first_step: dict[str, int] = {}
+    for r in records:
+        a = r["attempt"]
+        if a not in first_t or r["t"] < first_t[a]:
+            first_t[a] = r["t"]
+        first_step[a] = min(first_step.get(a, r["step"]), r["step"])
+    new = sorted((first_t[a], a) for a in first_t if began <= first_t[a] <= until)
+    redone = 0
+    for t0, a in new:
+        before = max((r["step"] for r in records if r["t"] < t0 and r["attempt"] != a), default=0)
+        redone += max(0, before - (first_step[a] - 1))
+    out: dict[str, Any] = {"restarted": bool(new), "new_groups": len(new), "redone_steps": redone,
+                           "lost_s": None, "window_s": None, "lost_pct": None, "step_s": None}  # fmt: skip
+    # rank 0 of the effective trajectory: when each step was (last) committed, and by which group
+    eff = {step: next((r for r in rs if r["rank"] == 0), rs[0]) for step, rs in effective(records).items()}
+    steps = sorted(eff)
+    before = [s for s in steps if eff[s]["t"] < began]
+    after = [s for s in steps if eff[s]["t"] >= until]
+    if not before or not after:
+        return out
+    s_a, s_b = before[-1], after[0]
+    # the pace before: the steps of s_a's group in the lookback (a group's restart is not its pace)
+    pre = [s for s in before if eff[s]["t"] >= began - lookback and eff[s]["attempt"] == eff[s_a]["attempt"]]
+    if len(pre) < 10 or eff[pre[-1]]["t"] - eff[pre[0]]["t"] < 3.0:
+        return out
+    pace = (eff[pre[-1]]["t"] - eff[pre[0]]["t"]) / (pre[-1] - pre[0])
+    window = eff[s_b]["t"] - eff[s_a]["t"]
+    lost = window - (s_b - s_a) * pace  # may come out a little negative: the pace varies
+    out.update(lost_s=round(lost, 3), window_s=round(window, 3), lost_pct=round(100 * lost / window, 2),
+               step_s=round(pace, 4))  # fmt: skip
+    return out
 
 
 def check_partitions_dropped_and_rejoined(

@@ -24,6 +24,17 @@ class FaultKind(str, Enum):
     CONTROLLER_RESTART = "controller_restart"
     ETCD_MEMBER_LOSS = "etcd_member_loss"
     NETWORK_PARTITION = "network_partition"
+    ETCD_OUTAGE = "etcd_outage"
+    STORAGE_OUTAGE = "storage_outage"
+    TWO_JOBS = "two_jobs"
+
+
+#: kinds that need the job steady on every node first (nothing pending, no node disturbed), so that what
+#: follows them can be attributed to them; the runner measures their impact on training
+QUIET_KINDS = (FaultKind.ETCD_OUTAGE, FaultKind.STORAGE_OUTAGE, FaultKind.TWO_JOBS)
+#: how long (s) one of them may keep the job training before the next fault, at most: they last longer than
+#: the others (a 10 s outage and its recovery; a second job's whole life), so the job needs more steps
+LONG_KINDS_S = {FaultKind.ETCD_OUTAGE: 15.0, FaultKind.STORAGE_OUTAGE: 25.0, FaultKind.TWO_JOBS: 40.0}
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,13 @@ class ChaosConfig:
     step_sleep: float = 0.1
     local_every: int = 0  # the job spec's local_snapshot_every (node-local snapshots; 0: off)
     settle_timeout: timedelta = timedelta(seconds=240)
+    outage_s: float = 10.0  # length of an etcd_outage and of a storage_outage
+    s3_keep_last: int = 6  # the job's keep_last on S3 (each commit reads every kept manifest, see runner)
+
+    @property
+    def on_s3(self) -> bool:
+        """The job's checkpoints live on the S3 server (behind the runner's proxy), not in a directory."""
+        return FaultKind.STORAGE_OUTAGE in self.kinds
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (seconds for timedeltas, names for kinds); :meth:`from_dict` reads it back."""
@@ -72,6 +90,11 @@ class ChaosConfig:
         # 975-1080 steps measured), so each further one gets 3x. What is left over is an idle tail.
         slots = 6 * min(self.faults + 2, 10) + 3 * max(self.faults + 2 - 10, 0)
         need = slots * self.steps_between + 2 * self.steps_per_epoch
+        # The long kinds keep the job training for their length: at most 1/step_sleep steps a second,
+        # about a third of that measured (steps, saves to S3 and the workers' other work on 2 loaded cores).
+        rounds = math.ceil(self.faults / max(len(self.kinds), 1))
+        long_s = sum(LONG_KINDS_S.get(k, 0.0) for k in self.kinds) * rounds
+        need += math.ceil(long_s * 0.3 / max(self.step_sleep, 0.01))
         return max(2, math.ceil(need / self.steps_per_epoch))
 
 
@@ -82,6 +105,9 @@ class Fault:
     at: float
     step_at: int
     settle_s: float | None = None
+    ended: float | None = None  # unix time: the outage ended, or the second job reached its end state
+    detail: str = ""  # what happened (the second job's state and last_error, the snapshot kept ...)
+    impact: dict[str, Any] | None = None  # on the training job (quiet kinds): see checks.training_impact
 
 
 @dataclass
@@ -139,8 +165,33 @@ class ChaosReport:
             med = f"{statistics.median(ok):6.1f}" if ok else "     —"
             top = f"{max(ok):6.1f}" if ok else "     —"
             lines.append(f"  {kind:20s} {len(settle):5d}   {med} / {top}")
+        impacts = [(i, f) for i, f in enumerate(self.faults, 1) if f.impact]
+        if impacts:
+            lines.append("impact on training [restart: a new worker group or generation; time lost: over the"
+                         " window from the fault until 5 s after its end or the job settled, against the"
+                         " steps' pace before it]")  # fmt: skip
+        for i, f in impacts:
+            lines.append(f"  #{i:<3d}{f.kind:17s} at step {f.step_at:5d}: {describe_impact(f.impact or {})}")
+            if f.detail:
+                lines.append(f"       {f.detail}")
         for name, problems in self.checks.items():
             lines.append(f"check {name}: {'ok' if not problems else 'FAILED: ' + '; '.join(problems[:5])}")
         lines += [f"note: {n}" for n in self.notes]
         lines.append("PASSED" if self.passed else "FAILED")
         return "\n".join(lines)
+
+
+def describe_impact(impact: dict[str, Any]) -> str:
+    """One line of :func:`tests.chaos.checks.training_impact`'s measures."""
+    gen = impact.get("generation_delta")
+    restart = "yes" if impact.get("restarted") else "no"
+    parts = [f"restart {restart} ({impact.get('new_groups', 0)} new worker groups"
+             + (f", generation +{gen})" if gen is not None else ")"),
+             f"{impact.get('redone_steps', 0)} steps done twice"]  # fmt: skip
+    lost, window, pct = impact.get("lost_s"), impact.get("window_s"), impact.get("lost_pct")
+    if lost is not None and window is not None and pct is not None:
+        parts.append(f"time lost {lost:.1f} s = {pct:.1f} % of the steps' time over {window:.1f} s"
+                     f" (pace {impact.get('step_s', 0) * 1000:.0f} ms/step)")  # fmt: skip
+    else:
+        parts.append("time lost: not measured (too few steps around the fault)")
+    return ", ".join(parts)

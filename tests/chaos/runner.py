@@ -13,7 +13,20 @@ when the last one hit. Faults:
 - ``controller_restart``: SIGKILL of the controller, a new one started at once;
 - ``etcd_member_loss``: SIGKILL of one of the three etcd members, restarted 3-8 s later;
 - ``network_partition``: one node cut off for 3-8 s (nftables drops everything in and out of its
-  namespace except loopback), then healed; its leases expire, the others re-form, it rejoins.
+  namespace except loopback), then healed; its leases expire, the others re-form, it rejoins;
+- ``etcd_outage``: every etcd member SIGKILLed, all restarted with their data 10 s later;
+- ``storage_outage``: the S3 store of the job's checkpoints gone for 10 s, from the moment a snapshot's
+  data upload begins (a save in flight; ``tests/chaos/storage.py``);
+- ``two_jobs``: a second, malformed job submitted beside the training job (its script fails at once on
+  a bad argument); it crash-loops and must end ``failed`` with a ``last_error``.
+
+The last three wait for a steady job (nothing pending, no node disturbed, a worker group on every node),
+and the runner measures what they cost the training job (``impact``: new worker groups, steps done twice,
+time lost against the pace before; ``checks.training_impact``). With ``storage_outage`` among the kinds
+the job's checkpoints live on a real S3-compatible server (moto) behind the runner's proxy, with
+``keep_last`` 6 (each commit reads every kept manifest), and the runner verifies every snapshot a group
+resumed from at once, before retention removes it; otherwise they live in a directory, all kept, and are
+verified at the end. With ``two_jobs`` among the kinds each node has two worker slots.
 
 With ``network_partition`` among the kinds (the default) each node runs in a network namespace of its
 own, and etcd, the controller and this runner in a hub namespace joined to the nodes by a bridge
@@ -26,8 +39,11 @@ Pass: the job succeeds; training resumes after every fault (within ``settle_time
 the final group holds identical parameters; in the effective
 trajectory every step is committed once and every sample is seen exactly once per epoch; nothing the API
 once showed of the job (record, events, counters) disappears or goes back; every snapshot a group resumed
-from verifies. The run stops by itself: at ``time_limit`` at the latest, everything is torn down
-(processes, and namespaces with their links, also on Ctrl-C or SIGTERM).
+from verifies; the newest snapshot committed before a storage outage verifies after it, and no group
+resumed from an older one after it; the malformed second job ends ``failed`` with a ``last_error`` while
+the training job starts no new worker group and no new generation. The run stops by itself: at
+``time_limit`` at the latest, everything is torn down (processes, and namespaces with their links, also on
+Ctrl-C or SIGTERM).
 
     python -m tests.chaos.runner --faults 50 --seed 1 [--time-limit 2400] [--no-netns] [--json out.json]
 """
@@ -55,8 +71,13 @@ from typing import Any
 
 import httpx
 
+from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.prefork import forked_worker
 from elastic.proctree import descendants, process_stat
+from elastic.testing.etcd_server import free_port
+from elastic.testing.s3_server import LocalS3Server
+from elastic.testing.wait import wait_for
+from service.cli.client import ApiClient, ApiError
 from service.testing.cluster import LocalServiceCluster
 from tests.chaos.checks import (
     ApiHistory,
@@ -64,10 +85,15 @@ from tests.chaos.checks import (
     check_partitions_dropped_and_rejoined,
     check_replicas_identical,
     check_resumed_snapshots_verify,
+    durable_resume_points,
     read_records,
+    resume_points,
+    training_impact,
+    verify_snapshot,
 )
 from tests.chaos.isolation import run_in_namespaces
-from tests.chaos.model import ChaosConfig, ChaosReport, Fault, FaultKind
+from tests.chaos.model import QUIET_KINDS, ChaosConfig, ChaosReport, Fault, FaultKind
+from tests.chaos.storage import StoreProxy
 from tests.integration.netns import NetnsTopology, unavailable_reason
 from tests.integration.service_harness import ROOT
 
@@ -76,6 +102,64 @@ __all__ = ["ChaosConfig", "ChaosReport", "ChaosRunner", "Fault", "FaultKind", "m
 logger = logging.getLogger(__name__)
 
 WORKER = ROOT / "elastic" / "testing" / "train_worker.py"
+BUCKET = "ckpt-chaos"
+TAIL_S = 5.0  # a quiet fault's impact is measured until this long after its end
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class _Cluster(LocalServiceCluster):
+    """The harness, with the controller's checkpoint root given as a URL (the S3 bucket, or the directory)."""
+
+    def __init__(self, workdir: Path, checkpoint_root_url: str | None = None, **kwargs: Any) -> None:
+        super().__init__(workdir, **kwargs)
+        self.checkpoint_root_url = checkpoint_root_url or f"file://{self.checkpoint_root}"
+
+    def start_controller(self, ready_timeout: float = 60) -> ApiClient:
+        port = free_port()
+        self.controller = self._spawn(
+            "controller",
+            ["controller", "--host", "127.0.0.1", "--port", str(port), "--leader-ttl", str(self.lease_ttl),
+             "--checkpoint-root", self.checkpoint_root_url],
+        )  # fmt: skip
+        self.url = f"http://127.0.0.1:{port}"
+        api = ApiClient(self.url)
+        wait_for(lambda: self.check_alive() and api.ready(), ready_timeout, 0.5, what="the controller to be ready",
+                 retry_on=(ApiError,))  # fmt: skip
+        return api
+
+
+class _ResumeVerifier(threading.Thread):
+    """Verifies each snapshot a worker group resumed from as soon as the group's first step is recorded: on
+    S3 the job keeps few snapshots, and retention removes one a few saves later."""
+
+    def __init__(self, rec: Path, url: str, storage_options: dict[str, Any]) -> None:
+        super().__init__(daemon=True, name="resume-verifier")
+        self.rec = rec
+        self.manager = create_checkpoint_manager(url, CheckpointOptions(storage_options=storage_options))
+        self.checked: dict[int, list[str]] = {}
+        self.stop_event = threading.Event()
+        self._lock = threading.Lock()
+
+    def check_new(self) -> None:
+        with self._lock:
+            for step in sorted(set(durable_resume_points(read_records(self.rec))) - set(self.checked)):
+                self.checked[step] = verify_snapshot(self.manager, step, f"resumed from step {step}: its snapshot")
+
+    def run(self) -> None:
+        while not self.stop_event.wait(0.5):
+            try:
+                self.check_new()
+            except Exception as exc:  # a record half-written, ...: the next round reads them again
+                logger.debug("chaos: resume verifier: %r", exc)
+
+    def finish(self) -> tuple[list[str], int]:
+        self.stop_event.set()
+        self.join(timeout=30)
+        try:
+            self.check_new()
+        finally:
+            self.manager.close()
+        return [p for problems in self.checked.values() for p in problems], len(self.checked)
 
 
 class _Poller(threading.Thread):
@@ -130,7 +214,19 @@ class ChaosRunner:
             self.report.network = f"netns: hub {network.hub} at {network.hub_address}, nodes " + ", ".join(
                 f"{n.name}={n.address}" for n in network.nodes.values()
             )
-        self.cluster = LocalServiceCluster(workdir, lease_ttl=2.0, etcd_members=3, network=network)
+        root = f"s3://{BUCKET}" if config.on_s3 else None
+        self.cluster = _Cluster(workdir, root, lease_ttl=2.0, etcd_members=3, network=network)
+        self.slots = 2 if FaultKind.TWO_JOBS in config.kinds else None  # room for a second job on each node
+        self.s3: LocalS3Server | None = None
+        self.proxy: StoreProxy | None = None
+        self.verifier: _ResumeVerifier | None = None
+        self.poller: _Poller | None = None
+        self.outage_began: float | None = None  # unix times of the outage in progress (etcd or storage)
+        self.outage_ended: float | None = None
+        self.storage_cuts: list[tuple[float, int | None]] = []  # (when, newest committed step then)
+        self.storage_problems: list[str] = []
+        self.second_jobs: list[tuple[Fault, str]] = []
+        self.second_problems: list[str] = []
         self.rec = workdir / "records"
         self.pending: list[tuple[float, str, Callable[[], None]]] = []  # (due, what, action)
         self.down_agents: set[str] = set()
@@ -152,11 +248,18 @@ class ChaosRunner:
         env = {"OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
         if self.network is None:
             env["GLOO_SOCKET_IFNAME"] = "lo"  # in namespaces the agents give their node's interface
+        extra: dict[str, Any] = {}
+        if self.proxy is not None:  # fsspec hands FSSPEC_S3_* to s3fs: the workers reach S3 through the proxy
+            env.update(FSSPEC_S3_ENDPOINT_URL=self.proxy.endpoint_url, FSSPEC_S3_KEY="testing",
+                       FSSPEC_S3_SECRET="testing", AWS_EC2_METADATA_DISABLED="true")  # fmt: skip
+            args[args.index("--keep-last") + 1] = str(c.s3_keep_last)
+            extra["checkpoint_url"] = f"s3://{BUCKET}/main"
         return {
             "name": "chaos",
             "entrypoint": str(WORKER),
             "args": args,
             "env": env,
+            **extra,
             "min_nodes": 1,
             "max_nodes": c.nodes,
             "rendezvous": {"last_call_timeout": 1},
@@ -166,6 +269,25 @@ class ChaosRunner:
                 "max_worker_restarts": 100, "crash_loop_threshold": 1000, "blacklist_after": 1000,
             },
         }
+
+    def malformed_spec(self) -> dict[str, Any]:
+        """A second job whose script exits at once (argparse: ``--epochs`` is not a number), on one node,
+        restarted in place once per generation; two generations failing before a step: a crash loop."""
+        env = {"OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
+        if self.network is None:
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        return {
+            "name": "malformed",
+            "entrypoint": str(WORKER),
+            "args": ["--record", str(self.workdir / "malformed"), "--epochs", "not-a-number"],
+            "env": env,
+            "min_nodes": 1,
+            "max_nodes": 1,
+            "restart_policy": {
+                "backoff_initial": 1, "backoff_max": 2, "max_failures": 3, "max_worker_restarts": 1,
+                "crash_loop_threshold": 2,
+            },
+        }  # fmt: skip
 
     def max_step(self, after: float = 0.0) -> int:
         return max((r["step"] for r in read_records(self.rec) if r["t"] > after), default=0)
@@ -209,7 +331,7 @@ class ChaosRunner:
             time.sleep(0.1)
 
     def _restart_agent(self, name: str) -> None:
-        self.cluster.start_agent(name)
+        self.cluster.start_agent(name, self.slots)
         self.down_agents.discard(name)
 
     # -- targets -------------------------------------------------------------------------------------
@@ -302,7 +424,154 @@ class ChaosRunner:
 
             self.later(rng.uniform(3, 8), f"restart etcd member {index}", back)
             return f"etcd member {index}"
+        if kind == FaultKind.ETCD_OUTAGE:
+            return self._etcd_outage()
+        if kind == FaultKind.STORAGE_OUTAGE:
+            return self._storage_outage()
+        if kind == FaultKind.TWO_JOBS:
+            return self._second_job()
         raise ValueError(kind)
+
+    # -- the quiet kinds -----------------------------------------------------------------------------
+    def _quiet(self) -> bool:
+        """Nothing pending, no node or etcd member disturbed, and the newest worker group, on every node,
+        has trained for 3 s: what follows can be put down to the next fault."""
+        if self.pending or self.down_agents or self.stopped_agents or self.partitioned or self.down_members:
+            return False
+        records = read_records(self.rec)
+        if not records:
+            return False
+        newest = max(records, key=lambda r: r["t"])
+        ts = [r["t"] for r in records if r["attempt"] == newest["attempt"]]
+        return newest["world"] == self.config.nodes and max(ts) - min(ts) >= 3.0
+
+    def _generation(self) -> int | None:
+        if self.poller is None:
+            return None
+        self.poller.poll_once()
+        job = self.poller.last_job
+        return int(job["generation"]) if job and "generation" in job else None
+
+    def _end_outage(self) -> None:
+        self.outage_ended = time.time()
+
+    def _etcd_outage(self) -> str | None:
+        if self.down_members:
+            return None
+        members = list(range(len(self.cluster.etcd.members)))
+        self.outage_began = time.time()
+        for index in members:
+            self.cluster.etcd.stop_member(index)
+        self.down_members.update(members)
+
+        def back() -> None:
+            for index in members:
+                self.cluster.etcd.start_member(index)
+            self.down_members.clear()
+            self._end_outage()
+
+        self.later(self.config.outage_s, "restart every etcd member", back)
+        return f"all {len(members)} etcd members (SIGKILL) for {self.config.outage_s:.0f} s"
+
+    def _start_store(self) -> None:
+        """moto on loopback, the proxy where the workers can reach it (the hub's address in namespaces)."""
+        self.cluster.logs.mkdir(parents=True, exist_ok=True)
+        self.s3 = LocalS3Server(log_path=self.cluster.logs / "moto.log").start()
+        self.s3.create_bucket(BUCKET)
+        host = self.network.hub_address if self.network is not None else "127.0.0.1"
+        self.proxy = StoreProxy(host, free_port(host), (self.s3.host, self.s3.port)).start()
+
+    def _store_manager(self) -> Any:
+        assert self.s3 is not None
+        options = CheckpointOptions(storage_options=self.s3.storage_options())
+        return create_checkpoint_manager(f"s3://{BUCKET}/main", options)
+
+    def _storage_outage(self) -> str | None:
+        proxy = self.proxy
+        assert proxy is not None, "storage_outage needs the job on S3 (ChaosConfig.on_s3)"
+        proxy.arm()
+        if not self.wait("a save in flight", proxy.cut_event.is_set, 10):
+            proxy.cut("between saves: no snapshot upload began within 10 s")
+        self.outage_began = time.time()
+        manager = self._store_manager()  # straight to moto, not through the proxy
+        try:
+            newest = manager.latest_step()
+        finally:
+            manager.close()
+        self.storage_cuts.append((self.outage_began, newest))
+
+        def back() -> None:
+            assert self.proxy is not None
+            self.proxy.start()
+            self._end_outage()
+            if newest is None:
+                return
+            manager = self._store_manager()
+            try:
+                what = f"step {newest}, the newest snapshot committed before the storage outage,"
+                self.storage_problems += verify_snapshot(manager, newest, what)
+            finally:
+                manager.close()
+
+        self.later(self.config.outage_s, "the S3 endpoint back", back)
+        return (f"S3 endpoint {proxy.endpoint_url} for {self.config.outage_s:.0f} s, cut {proxy.cut_reason};"
+                f" newest committed snapshot then: step {newest}")  # fmt: skip
+
+    def _second_job(self) -> str | None:
+        try:
+            with ApiClient(self.cluster.url) as api:
+                job = api.submit(self.malformed_spec())
+        except ApiError as exc:
+            logger.warning("chaos: cannot submit the second job: %s", exc)
+            return None
+        return f"job {job['id']} (malformed: --epochs not-a-number)"
+
+    def _second_job_end(self, fault: Fault, job_id: str) -> None:
+        """Wait for the malformed job to end; it must end failed, with a last_error."""
+        final: dict[str, Any] = {}
+
+        def ended() -> bool:
+            try:
+                with ApiClient(self.cluster.url, timeout=5) as api:
+                    final.update(api.job(job_id))
+            except ApiError:
+                return False
+            return final.get("state") in TERMINAL
+
+        if not self.wait(f"job {job_id} to end", ended, 180):
+            self.second_problems.append(f"job {job_id} did not end within 180 s: {final.get('state')}")
+            return
+        fault.ended = time.time()
+        error = (final.get("last_error") or "").strip()
+        lines = error.splitlines()
+        cause = [line.strip() for line in lines if "error:" in line]  # the script's own message (argparse)
+        fault.detail = f"job {job_id} ended {final.get('state')}, last_error: " + (
+            " ... ".join([lines[0].strip(), *cause[-1:]]) if lines else "none")  # fmt: skip
+        if final.get("state") != "failed":
+            self.second_problems.append(f"job {job_id} ended {final.get('state')}, not failed")
+        if "not-a-number" not in error:
+            self.second_problems.append(f"job {job_id}'s last_error does not show the script's error: {error!r}")
+
+    def _settle(self, fault: Fault, kind: FaultKind, total: int) -> bool:
+        """Wait until the job has trained ``steps_between`` steps past the fault (past the end of an outage;
+        and a second job must have ended too)."""
+        c = self.config
+        timeout = c.settle_timeout.total_seconds()
+        after, step = fault.at, fault.step_at
+        if kind in (FaultKind.ETCD_OUTAGE, FaultKind.STORAGE_OUTAGE):
+            if not self.wait("the end of the outage", lambda: self.outage_ended is not None, c.outage_s + 60):
+                return False
+            assert self.outage_ended is not None
+            fault.ended = after = self.outage_ended
+            step = self.max_step()
+        goal = min(total, step + c.steps_between)
+        if not self.wait(f"the job to get past step {goal}", functools.partial(self._past, after, goal), timeout):
+            return False
+        if kind == FaultKind.TWO_JOBS:
+            job_id = fault.target.split()[1]
+            self.second_jobs.append((fault, job_id))
+            self._second_job_end(fault, job_id)
+        return True
 
     def _stop_agent_for(self, name: str, seconds: float) -> None:
         pid = self.cluster.agents[name].pid
@@ -338,14 +607,19 @@ class ChaosRunner:
         history = ApiHistory()
         poller: _Poller | None = None
         try:
+            if c.on_s3:
+                self._start_store()
             api = self.cluster.start_controller()
             for i in range(1, c.nodes + 1):
-                self.cluster.start_agent(f"node-{i}")
+                self.cluster.start_agent(f"node-{i}", self.slots)
             if not self.wait("the nodes", lambda: len(api.nodes()) == c.nodes, 60):
                 raise RuntimeError("the node agents never registered")
             self.job_id = report.job_id = api.submit(self.job_spec())["id"]
-            poller = _Poller(self.cluster, self.job_id, history)
+            poller = self.poller = _Poller(self.cluster, self.job_id, history)
             poller.start()
+            if self.s3 is not None:
+                self.verifier = _ResumeVerifier(self.rec, f"s3://{BUCKET}/main", self.s3.storage_options())
+                self.verifier.start()
             total = c.epochs * c.steps_per_epoch
             if not self.wait("training to start", lambda: self.max_step() >= c.steps_between, 180):
                 raise RuntimeError("the job never trained")
@@ -354,22 +628,27 @@ class ChaosRunner:
                     report.notes.append(f"the job neared its end after {len(report.faults)} faults")
                     break
                 kind = self.next_kind()
+                if kind in QUIET_KINDS and not self.wait(f"a steady job before {kind.value}", self._quiet, 90):
+                    report.notes.append(f"{kind.value} hit a job that was not steady after 90 s")
                 step_at, at = self.max_step(), time.time()
+                generation = self._generation() if kind in QUIET_KINDS else None
+                self.outage_began = self.outage_ended = None
                 target = self.inject(kind)
                 if target is None:
                     self._order.insert(0, kind)  # try it again later
                     self.pause(1.0)
                     continue
+                at = self.outage_began or at  # a storage outage begins when the upload it waited for does
                 fault = Fault(kind.value, target, at, step_at)
                 report.faults.append(fault)
                 logger.info("chaos: fault %d: %s on %s at step %d", len(report.faults), kind.value, target, step_at)
-                goal = min(total, step_at + c.steps_between)
-                if self.wait(
-                    f"the job to get past step {goal}",
-                    functools.partial(self._past, at, goal),
-                    c.settle_timeout.total_seconds(),
-                ):
+                if self._settle(fault, kind, total):
                     fault.settle_s = time.time() - at
+                    if kind in QUIET_KINDS and fault.ended is not None:
+                        self.pause(max(0.0, fault.ended + TAIL_S + 1 - time.time()))
+                        now = self._generation()
+                        delta = None if now is None or generation is None else now - generation
+                        fault.impact = {"generation_delta": delta}
                 else:
                     report.stalls.append(
                         f"fault {len(report.faults)} ({kind.value} on {target} at step {step_at}): no progress"
@@ -393,12 +672,18 @@ class ChaosRunner:
         finally:
             if poller is not None:
                 poller.stop_event.set()
+            if self.verifier is not None:
+                self.verifier.stop_event.set()
             for _, _, action in self.pending:  # leave nothing stopped behind
                 try:
                     action()
                 except Exception:
                     pass
             self.cluster.stop()
+            if self.proxy is not None:
+                self.proxy.stop()
+            if self.s3 is not None:
+                self.s3.stop()
             report.duration_s = time.monotonic() - started
         return report
 
@@ -419,8 +704,40 @@ class ChaosRunner:
         def snapshots() -> list[str]:
             if not checkpoint_url:
                 return ["the job reported no checkpoint url"]
+            if self.verifier is not None:  # on S3: checked as they came, before retention removed them
+                problems, report.resume_points_verified = self.verifier.finish()
+                return problems
             problems, report.resume_points_verified = check_resumed_snapshots_verify(records, checkpoint_url)
             return problems
+
+        def storage_outages() -> list[str]:
+            problems = list(self.storage_problems)
+            starts = {a: min(r["t"] for r in records if r["attempt"] == a) for a in {r["attempt"] for r in records}}
+            for cut, newest in self.storage_cuts:
+                for attempt, step in resume_points(records).items():
+                    if newest is not None and starts[attempt] > cut and step < newest:
+                        problems.append(f"a group resumed from step {step} after the storage outage at"
+                                        f" {cut:.1f}, though step {newest} was committed before it")  # fmt: skip
+            return problems
+
+        def second_jobs() -> list[str]:
+            problems = list(self.second_problems)
+            for fault, job_id in self.second_jobs:
+                impact = fault.impact or {}
+                if impact.get("new_groups"):
+                    problems.append(f"the training job started {impact['new_groups']} worker group(s) while"
+                                    f" job {job_id} ran")  # fmt: skip
+                if impact.get("generation_delta"):
+                    problems.append(f"the training job's generation went up by {impact['generation_delta']}"
+                                    f" while job {job_id} ran")  # fmt: skip
+            return problems
+
+        for fault in report.faults:  # the quiet kinds' cost to the training job, from all its records
+            if fault.impact is not None and fault.ended is not None:
+                until = max(fault.ended + TAIL_S, fault.at + (fault.settle_s or 0.0))
+                impact = {**training_impact(records, fault.at, until), **fault.impact}
+                impact["restarted"] = bool(impact["new_groups"] or impact.get("generation_delta"))
+                fault.impact = impact
 
         guarded("job completed", lambda: [] if report.job_state == "succeeded" else [f"job {report.job_state}"])
         guarded("training resumed after every fault", lambda: list(report.stalls))
@@ -429,6 +746,10 @@ class ChaosRunner:
         guarded("replicas identical", lambda: check_replicas_identical(self.rec))
         guarded("no job record or event lost", lambda: list(history.problems))
         guarded("no torn checkpoint loaded", snapshots)
+        if self.storage_cuts:
+            guarded("no committed snapshot lost in a storage outage", storage_outages)
+        if self.second_jobs or self.second_problems:
+            guarded("malformed second job failed, training job unaffected", second_jobs)
         if self.partitions:
             cuts = [(p.node, p.began, p.healed) for p in self.partitions]
             events = list(history.events.values())

@@ -14,7 +14,9 @@ from tests.chaos.checks import (
     check_exactly_once,
     check_partitions_dropped_and_rejoined,
     check_replicas_identical,
+    durable_resume_points,
     effective,
+    training_impact,
 )
 
 
@@ -91,3 +93,36 @@ def test_a_partitioned_node_must_be_dropped_after_the_cut_and_join_again_after_t
     done = [*events, ev(310, "workers_succeeded", "n1")]
     assert check_partitions_dropped_and_rejoined([("n3", 299.0, 305.0)], done) == []
     assert check_partitions_dropped_and_rejoined([("n3", 299.0, None)], events) == []
+
+
+def _steps(attempt: str, steps: range, t0: float, dt: float) -> list[dict[str, Any]]:
+    return [{"step": s, "epoch": 0, "rank": 0, "world": 1, "attempt": attempt, "t": t0 + i * dt, "indices": [s]}
+            for i, s in enumerate(steps)]  # fmt: skip
+
+
+def test_training_impact_counts_a_restart_the_steps_done_twice_and_the_time_lost() -> None:
+    # 0.1 s a step; at t=10 (step 100 done) the group dies having committed up to 103; a new group resumes
+    # from 99 at t=15 and goes on at the same pace
+    records = _steps("a", range(1, 104), 0.1, 0.1) + _steps("b", range(100, 300), 15.0, 0.1)
+    impact = training_impact(records, began=10.05, until=20.0)
+    assert impact["restarted"] and impact["new_groups"] == 1 and impact["redone_steps"] == 4
+    # steps 100-103 were done again: the effective trajectory runs from step 99 (t=9.9) to the first step at or
+    # after t=20 (step 150, t=20.0): 51 steps in 10.1 s, of which 5 s were lost
+    assert impact["step_s"] == 0.1 and impact["window_s"] == 10.1 and impact["lost_s"] == 5.0
+    assert impact["lost_pct"] == 49.5
+
+
+def test_training_impact_of_a_disturbance_training_ran_through_is_nil() -> None:
+    records = _steps("a", range(1, 400), 0.0, 0.1)
+    impact = training_impact(records, began=20.0, until=30.0)
+    assert not impact["restarted"] and impact["redone_steps"] == 0
+    assert abs(impact["lost_s"]) < 1e-6 and abs(impact["lost_pct"]) < 1e-6
+    # too little training before it: no pace, no time measured (the restart count still is)
+    assert training_impact(records, began=0.5, until=5.0)["lost_s"] is None
+
+
+def test_durable_resume_points_leave_out_fresh_starts_and_node_local_resumes() -> None:
+    records = _steps("a", range(1, 10), 0.0, 0.1) + _steps("b", range(7, 12), 2.0, 0.1)
+    records += [{**r, "resumed_from": "node-local"} for r in _steps("c", range(11, 14), 3.0, 0.1)]
+    records += _steps("d", range(7, 9), 4.0, 0.1)
+    assert durable_resume_points(records) == {6: "b"}

@@ -109,8 +109,9 @@ def api_target(api_mode: str, etcd_server: LocalEtcdCluster, key_prefix: str, tm
     lease = register_nodes(store, capacity=1024) if controller_on else None
     headers = {} if api_mode == "noauth" else {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     try:
-        yield schemathesis.openapi.from_asgi("/openapi.json", app), ApiTarget(
-            api_mode, headers, store, app.state.controller
+        yield (
+            schemathesis.openapi.from_asgi("/openapi.json", app),
+            ApiTarget(api_mode, headers, store, app.state.controller),
         )
         if controller_on:
             _check_controller_run(app, store, f"api[{api_mode}]")

@@ -28,8 +28,8 @@ def _explains(body: Any) -> bool:
     return isinstance(detail, list) and bool(detail) and all(isinstance(d, dict) and d.get("msg") for d in detail)
 
 
-def _check(case: Any, api: ApiTarget) -> None:
-    count_case(f"api[{api.mode}]{'-long' if LONG_EXAMPLES else ''}")
+def _check(case: Any, api: ApiTarget, run: str) -> None:
+    count_case(f"{run}[{api.mode}]")
     response = case.call(headers=api.headers)
     where = f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:300]}"
     assert response.status_code < 500, where
@@ -58,7 +58,7 @@ def _check(case: Any, api: ApiTarget) -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 def test_generated_requests_never_get_5xx_and_every_4xx_carries_a_message(case: Any, api: ApiTarget) -> None:
     """Three modes (``api_mode``): tokens on, authentication off, and tokens on with the reconcile loop running."""
-    _check(case, api)
+    _check(case, api, "api")
 
 
 @pytest.mark.slow
@@ -68,7 +68,7 @@ def test_generated_requests_never_get_5xx_and_every_4xx_carries_a_message(case: 
 def test_long_run_generated_requests_never_get_5xx(case: Any, api: ApiTarget) -> None:
     """The long form (``-m slow``; ``ETRAIN_FUZZ_EXAMPLES`` examples per operation, default 150: over 1000 cases
     per mode)."""
-    _check(case, api)
+    _check(case, api, "api-long")
 
 
 def test_spec_with_min_nodes_above_the_default_max_nodes_is_refused_naming_max_nodes() -> None:
@@ -77,3 +77,16 @@ def test_spec_with_min_nodes_above_the_default_max_nodes_is_refused_naming_max_n
     with pytest.raises(ValidationError) as info:
         JobSpec.model_validate({"name": "a", "entrypoint": "train.py", "min_nodes": 2})
     assert [e["loc"] for e in info.value.errors()] == [("max_nodes",)]
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="found by the API fuzz test; the fix belongs in service/core/models.py (RestartPolicy.backoff_max "
+    "needs validate_default=True, as JobSpec.max_nodes has), outside this change",
+)
+def test_spec_with_backoff_initial_above_the_default_backoff_max_is_refused_naming_backoff_max() -> None:
+    # Found by the fuzz test above: such a spec is accepted (201), then fails validation when read back from
+    # etcd ("backoff_max: must be at least backoff_initial"), so the job answers 404 and is never scheduled.
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate({"name": "a", "entrypoint": "train.py", "restart_policy": {"backoff_initial": 200}})
+    assert [e["loc"] for e in info.value.errors()] == [("restart_policy", "backoff_max")]

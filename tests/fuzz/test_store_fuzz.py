@@ -62,10 +62,21 @@ def _records() -> dict[str, Any]:
         "events": event,
         "nodes": NodeInfo(name=VICTIM_NODE, capacity=4, incarnation="x", registered_at=T0),
         "assign": Assignment(job_id=VICTIM, generation=1, spec=spec, assigned_at=T0),
-        "reports": WorkerReport(job_id=VICTIM, node="n1", generation=1, state="exited", exit_code=1,
-                                started_at=T0, finished_at=T0),  # fmt: skip
-        "progress": json.loads(Progress(step=5, world_size=1, time=T0.timestamp(), generation=1, nodes=["n1"],
-                                        loss=0.5, checkpoint_step=4, checkpoint_path="/ckpt/victim/4").to_json()),
+        "reports": WorkerReport(
+            job_id=VICTIM, node="n1", generation=1, state="exited", exit_code=1, started_at=T0, finished_at=T0
+        ),
+        "progress": json.loads(
+            Progress(
+                step=5,
+                world_size=1,
+                time=T0.timestamp(),
+                generation=1,
+                nodes=["n1"],
+                loss=0.5,
+                checkpoint_step=4,
+                checkpoint_path="/ckpt/victim/4",
+            ).to_json()
+        ),
         "rdzv": {"round": 1},
     }
 
@@ -124,8 +135,28 @@ def one_field_wrong(draw: st.DrawFn, family: str) -> bytes:
     elif action == "add":
         target[draw(st.text(max_size=8))] = draw(JSON_VALUES)
     else:
-        target[key] = draw(st.one_of(JSON_VALUES, TIMES, IDS, HUGE, SPECIAL_FLOATS))
+        target[key] = draw(st.one_of(wrong_like(target.get(key)), JSON_VALUES, TIMES, IDS, HUGE, SPECIAL_FLOATS))
     return _dumps(record)
+
+
+def wrong_like(value: Any) -> st.SearchStrategy[Any]:
+    """Values wrong in the way a field of this kind is likely to be: a time without a zone or out of range, an
+    integer beyond 64 bits, a non-finite float, an id of another job or node, a list or map of such."""
+    if isinstance(value, bool):
+        return st.sampled_from([None, 0, 1, 2, "true", "yes", []])
+    if isinstance(value, int):
+        return st.one_of(HUGE, st.integers(), SPECIAL_FLOATS, st.sampled_from([-1, 0, 1.5, "1", True]))
+    if isinstance(value, float):
+        return st.one_of(HUGE, SPECIAL_FLOATS, st.floats())
+    if isinstance(value, str) and value[:2] in ("19", "20"):  # a time
+        return st.one_of(TIMES, HUGE, SPECIAL_FLOATS)
+    if isinstance(value, str):
+        return st.one_of(IDS, st.text(max_size=30), st.sampled_from(["file://host/x", "s3://", "/a/../b", "/"]))
+    if isinstance(value, list):
+        return st.lists(st.one_of(IDS, TIMES, HUGE), max_size=4)
+    if isinstance(value, dict):
+        return st.dictionaries(IDS, st.one_of(TIMES, HUGE, SPECIAL_FLOATS, IDS), max_size=3)
+    return st.one_of(TIMES, HUGE, IDS)
 
 
 def garbage(family: str) -> st.SearchStrategy[bytes]:
@@ -134,8 +165,25 @@ def garbage(family: str) -> st.SearchStrategy[bytes]:
         st.binary(max_size=50).map(lambda b: b'{"step": "' + b + b'\xff\xfe"}'),  # invalid UTF-8 inside JSON
         st.binary(min_size=1, max_size=50).map(lambda b: b"\xc3\x28" + b),  # invalid UTF-8
         JSON_VALUES.map(_dumps),  # JSON of any (mostly wrong) type
-        st.sampled_from([b"", b" ", b"null", b"{}", b"[]", b"0", b'""', b"NaN", b"Infinity", b"-Infinity",
-                         b"1e999999", b"9" * 5000, b"{", b'{"a":1', b"\x00"]),  # fmt: skip
+        st.sampled_from(
+            [
+                b"",
+                b" ",
+                b"null",
+                b"{}",
+                b"[]",
+                b"0",
+                b'""',
+                b"NaN",
+                b"Infinity",
+                b"-Infinity",
+                b"1e999999",
+                b"9" * 5000,
+                b"{",
+                b'{"a":1',
+                b"\x00",
+            ]
+        ),
         st.builds(_nested, st.sampled_from([10, 200, 1000, 5000, 20000]), st.sampled_from(["list", "dict"])),
         one_field_wrong(family),
         one_field_wrong(family),
@@ -179,7 +227,7 @@ class Trial:
         store.client.put(key, value.replace(BYSTANDER.encode(), bystander.encode()))
         where = f"{family} {key} = {value[:300]!r}"
 
-        # scheduled: the first pass starts the bystander on a live node
+        # scheduled: the first pass starts the bystander on a live node; the next leaves it running there
         assert h.controller.tick() is not None, where
         self.read_endpoints(bystander, where)
         entry = store.get_job(bystander)
@@ -188,6 +236,10 @@ class Trial:
         for node in entry.status.nodes:
             assigned, _ = store.assignments(node)
             assert bystander in assigned and assigned[bystander].generation == 1, (where, node, assigned)
+        assert h.controller.tick() is not None, where
+        again = store.get_job(bystander)
+        assert again is not None and again.status.state == JobState.RUNNING, (where, again)
+        assert (again.status.generation, again.status.nodes) == (1, entry.status.nodes), (where, again.status)
 
         # cancelled: the API takes the request, the next pass applies it and releases the nodes
         response = h.post(f"/v1/jobs/{bystander}/cancel", ADMIN_TOKEN)
@@ -195,7 +247,8 @@ class Trial:
         assert h.controller.tick() is not None, where
         entry = store.get_job(bystander)
         assert entry is not None and entry.status.state == JobState.CANCELLED, (where, entry)
-        self.read_endpoints(bystander, where)
+        response = h.get(f"/v1/jobs/{bystander}")
+        assert response.status_code == 200 and response.json()["state"] == "cancelled", (where, response.text)
         assert not any(bystander in store.assignments(n)[0] for n in ("n1", "n2", VICTIM_NODE)), where
 
         # deleted: finished jobs are kept 0 s here, so the next pass deletes it with its events
@@ -206,12 +259,14 @@ class Trial:
     def read_endpoints(self, bystander: str, where: str) -> None:
         h = self.h
         for path in ("/v1/jobs", f"/v1/jobs/{bystander}", f"/v1/jobs/{VICTIM}", f"/v1/jobs/{VICTIM}/events",
-                     "/v1/nodes", "/metrics", "/v1/jobs?state=running"):  # fmt: skip
+                     "/v1/nodes", "/metrics", "/v1/jobs?limit=1",
+                     "/v1/jobs?after=0"):  # fmt: skip
             response = h.get(path)
             assert response.status_code < 500, (where, path, response.status_code, response.text[:500])
-        listed = h.get("/v1/jobs").json()["jobs"]
-        assert bystander in [j["id"] for j in listed], (where, listed)
-        assert h.get(f"/v1/jobs/{bystander}").status_code == 200, where
+        listed = [j["id"] for j in h.get("/v1/jobs").json()["jobs"]]
+        assert listed.count(bystander) == 1, (where, listed)
+        shown = h.get(f"/v1/jobs/{bystander}")
+        assert shown.status_code == 200 and shown.json()["spec"]["name"] == "bystander", (where, shown.text)
 
 
 def _event(now: datetime) -> Event:

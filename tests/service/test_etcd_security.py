@@ -6,18 +6,25 @@ an agent run as ``etrain`` processes and a one-node job runs through torchrun's 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
-from elastic.etcd import EtcdConfig, create_client
+from elastic.etcd import EtcdClient, EtcdConfig, EtcdError, create_client
 from elastic.testing.etcd_server import find_etcd_binary, free_port
 from service.cli.client import ApiClient
+from service.controller.identities import JobIdentities
+from service.core.models import Assignment, JobRecord, JobSpec, JobStatus
+from service.core.states import JobState
+from service.core.store import ServiceStore, identity_key
+from service.core.view import ClusterView, JobEntry, JobUpdate, Plan
 from tests.integration.service_harness import wait_api
 
 pytestmark = [
@@ -146,7 +153,7 @@ class _Service:
         self.procs.append(proc)
         return proc
 
-    def run_one_node_job(self) -> dict[str, object]:
+    def run_one_node_job(self, script_text: str | None = None) -> dict[str, object]:
         port = free_port()
         self.etrain(
             "controller", "controller", "--host", "127.0.0.1", "--port", str(port), "--leader-ttl", "2"
@@ -167,7 +174,9 @@ class _Service:
         wait_api("the controller", api.ready, 60)
         wait_api("the node", lambda: len(api.nodes()) == 1, 60)
         script = self.workdir / "worker.py"
-        script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+        script.write_text(
+            script_text or "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
+        )
         job = api.submit({"name": "tls", "entrypoint": str(script), "rendezvous": {"last_call_timeout": 1}})
         done = wait_api(
             "the job to end", lambda: (j := api.job(job["id"]))["state"] in ("succeeded", "failed") and j, 90
@@ -252,3 +261,156 @@ def test_job_runs_with_etcd_user_and_password_and_a_wrong_password_is_refused(
     assert job["state"] == "succeeded", job["last_error"]
     log = next((tmp_path / "work" / "jobs").glob("*/g1/n1.log")).read_text()
     assert "s3cret-pw" not in log.splitlines()[0]  # the password is not on torchrun's command line
+
+
+# -- each job's own etcd user --------------------------------------------------------------------------
+_ROOT_PW = "s3cret-pw"
+
+
+def _enable_auth(endpoint: str, certs: Path) -> None:
+    """``root`` with a password, then etcd auth on (as an operator would)."""
+    ctl = ["etcdctl", f"--endpoints=https://{endpoint}", "--cacert", str(certs / "ca.pem")]
+    env = {**os.environ, "ETCDCTL_API": "3"}
+    subprocess.run([*ctl, "user", "add", f"root:{_ROOT_PW}"], check=True, capture_output=True, env=env, timeout=30)
+    subprocess.run([*ctl, "auth", "enable"], check=True, capture_output=True, env=env, timeout=30)
+
+
+def _client(endpoint: str, certs: Path, user: str, password: str) -> EtcdClient:
+    options = {"ca_cert": str(certs / "ca.pem"), "user": user, "password": password, "op_timeout": "5"}
+    return create_client(EtcdConfig.from_options(endpoint, options))
+
+
+def _pass(**states: JobState) -> tuple[ClusterView, Plan]:
+    """A view of these jobs (id -> state) and a plan that assigns node n1 to each one not terminal."""
+    now = datetime.now(timezone.utc)
+    spec = JobSpec(name="j", entrypoint="t.py")
+    view = ClusterView(
+        jobs={j: JobEntry(JobRecord(id=j, spec=spec, created_at=now),
+                          JobStatus(state=st, created_at=now, updated_at=now), 1) for j, st in states.items()},
+        nodes={},
+        assignments={},
+    )  # fmt: skip
+    plan = Plan(updates=[
+        JobUpdate(j, 1, None, assign={"n1": Assignment(job_id=j, generation=1, spec=spec, assigned_at=now)})
+        for j, st in states.items() if not st.terminal
+    ])  # fmt: skip
+    return view, plan
+
+
+@pytest.mark.parametrize("tls_etcd", [False], indirect=True)
+def test_a_jobs_etcd_user_reaches_its_own_rendezvous_and_progress_but_nothing_of_the_control_plane(
+    tls_etcd: str, certs: Path
+) -> None:
+    _enable_auth(tls_etcd, certs)
+    root = _client(tls_etcd, certs, "root", _ROOT_PW)
+    store = ServiceStore(root, "/etrain")
+    keys = store.keys
+    root.put(keys.leader, b"me")
+    leader, _ = root.get(keys.leader)
+    assert leader is not None
+    fence = (keys.leader, leader.create_revision)
+    identities = JobIdentities(store)
+    view, plan = _pass(**{"job-a1": JobState.PENDING, "job-b2": JobState.PENDING})
+    creds = {}
+    for update in identities.prepare(view, plan, fence, datetime.now(timezone.utc)).updates:
+        a = update.assign["n1"]
+        assert a.etcd_user is not None and a.etcd_password is not None
+        creds[a.job_id] = (a.etcd_user, a.etcd_password)
+    job = _client(tls_etcd, certs, *creds["job-a1"])
+    try:
+        # allowed: the reachability check, its rendezvous (any generation) with leases and watches, its progress
+        job.ping()
+        state = f"{keys.rdzv}/job-a1-g1/rdzv/state"
+        lease = job.grant_lease(timedelta(seconds=10))
+        ok, _, _, _ = job.compare_and_put(state, b"s", mod_revision=0, lease=lease,
+                                          read_prefix=f"{keys.rdzv}/job-a1-g1/rdzv/alive/")  # fmt: skip
+        assert ok and job.keep_alive_once(lease) > 0
+        revision = job.put(f"{keys.rdzv}/job-a1-g7/store/k", b"v")
+        assert job.wait_for_event(f"{keys.rdzv}/job-a1-g7/", revision, timedelta(seconds=5), prefix=True)
+        assert job.get_with_prefix(state, f"{keys.rdzv}/job-a1-g1/")[0] is not None
+        job.revoke_lease(lease)
+        assert job.get(state)[0] is None
+        job.put(keys.progress_of("job-a1"), b'{"step": 1, "world_size": 1, "time": 0}')
+        assert job.get(keys.progress_of("job-a1"))[0] is not None
+        # refused: the control plane's keys and the other job's
+        refused = [
+            lambda: job.put(keys.assignment("n1", "job-a1"), b"{}"),
+            lambda: job.put(keys.progress_of("job-b2"), b"{}"),
+            lambda: job.put(keys.status_of("job-a1"), b"{}"),
+            lambda: job.put(keys.leader, b"me"),
+            lambda: job.delete(keys.leader),
+            lambda: job.get_prefix(keys.jobs),
+            lambda: job.get(keys.assignment("n1", "job-a1")),
+            lambda: job.get(identity_key(keys, "job-a1")),
+            lambda: job.put(f"{keys.rdzv}/job-b2-g1/rdzv/state", b"x"),
+            lambda: job.get_prefix(keys.rdzv + "/"),
+        ]
+        for i, attempt in enumerate(refused):
+            with pytest.raises(EtcdError, match="permission denied"):
+                attempt()
+                pytest.fail(f"attempt {i} was allowed")
+        # the job ends: its user goes, and with it the job's access
+        view, plan = _pass(**{"job-a1": JobState.SUCCEEDED, "job-b2": JobState.RUNNING})
+        identities.prepare(view, plan, fence, datetime.now(timezone.utc))
+        assert "etrain-job-job-a1" not in root.user_list() and "etrain-job-job-b2" in root.user_list()
+        with pytest.raises(EtcdError):
+            job.put(keys.progress_of("job-a1"), b"{}")
+    finally:
+        job.close()
+        root.close()
+
+
+_DUMP_ENV = """
+import json, os, sys
+from elastic.env import WorkerEnv
+from elastic.etcd import EtcdError, create_client
+from elastic.progress import create_reporter
+worker = WorkerEnv.from_environ()
+client = create_client(worker.etcd.config())
+try:
+    client.get_prefix(worker.job.progress_key.rsplit("/progress/", 1)[0] + "/jobs/")
+    jobs = "read"
+except EtcdError as exc:
+    jobs = str(exc)
+reporter = create_reporter()
+reporter.report(7, world_size=1, total_steps=7, force=True)
+reporter.close()
+with open(sys.argv[1], "w") as fh:
+    json.dump({"env": dict(os.environ), "jobs": jobs}, fh)
+"""
+
+
+@pytest.mark.parametrize("tls_etcd", [False], indirect=True)
+def test_a_job_runs_as_its_own_etcd_user_without_the_control_planes_credentials_and_the_user_goes_after(
+    tls_etcd: str, certs: Path, tmp_path: Path
+) -> None:
+    _enable_auth(tls_etcd, certs)
+    (tmp_path / "pw").write_text(_ROOT_PW + "\n")
+    flags = ["--etcd-ca-cert", str(certs / "ca.pem"), "--etcd-user", "root", "--etcd-password-file",
+             str(tmp_path / "pw")]  # fmt: skip
+    service = _Service(tmp_path, tls_etcd, flags)
+    dump = tmp_path / "worker-env.json"
+    try:
+        job = service.run_one_node_job(_DUMP_ENV.replace("sys.argv[1]", repr(str(dump))))
+    finally:
+        service.stop()
+    assert job["state"] == "succeeded", job["last_error"]
+    progress = job["progress"]
+    assert isinstance(progress, dict) and progress["step"] == 7  # reported under the job's own user
+    seen = json.loads(dump.read_text())
+    env: dict[str, str] = seen["env"]
+    user = f"etrain-job-{job['id']}"
+    assert env["ETRAIN_ETCD_USER"] == user
+    secret = Path(env["ETRAIN_ETCD_PASSWORD_FILE"])
+    assert secret.parent.name == job["id"] and not secret.exists()  # deleted when the job left the node
+    assert {k: v for k, v in env.items() if _ROOT_PW in v or str(tmp_path / "pw") in v} == {}
+    assert "root" not in [v for k, v in env.items() if k.startswith("ETRAIN_ETCD")]
+    assert "user=root" not in env.get("PET_RDZV_CONF", "")
+    assert "permission denied" in seen["jobs"]  # the job cannot read the control plane's jobs/
+    command = next((tmp_path / "work" / "jobs").glob("*/g1/n1.log")).read_text().splitlines()[0]
+    assert f"user={user}" in command and "user=root" not in command and _ROOT_PW not in command
+    root = _client(tls_etcd, certs, "root", _ROOT_PW)
+    try:
+        assert not [u for u in root.user_list() if u.startswith("etrain-job-")]
+    finally:
+        root.close()

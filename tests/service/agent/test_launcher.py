@@ -8,17 +8,29 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
 from elastic.env import WorkerEnv
+from elastic.etcd import MemoryEtcdClient
 from elastic.lr import LRPolicy, LRRule
 from elastic.proctree import alive, process_stat
-from service.agent.launcher import TorchrunProcess, descendants, rdzv_conf, torchrun_command, worker_env
-from service.core.config import EtcdOptions
-from service.core.models import Assignment, JobSpec
+from service.agent.launcher import (
+    JobIdentityError,
+    TorchrunProcess,
+    descendants,
+    job_etcd,
+    rdzv_conf,
+    torchrun_command,
+    worker_env,
+    write_secret,
+)
+from service.agent.node import NodeAgent
+from service.core.config import AgentSettings, EtcdOptions
+from service.core.models import Assignment, JobSpec, WorkerReport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,16 +82,123 @@ def test_torchrun_command_is_stock_torchrun_with_the_etcd_v3_rendezvous() -> Non
     assert cold_script[-1] == "train.py" and "--module" not in cold_script
 
 
-def test_rdzv_conf_carries_timeouts_prefix_and_tls_and_a_password_only_with_a_user(tmp_path: Path) -> None:
+def test_rdzv_conf_carries_timeouts_prefix_tls_and_a_users_password_file_but_never_a_password(
+    tmp_path: Path,
+) -> None:
     a = _assignment(rendezvous={"last_call_timeout": 1, "join_timeout": 30, "node_ttl": 2})
-    plain = rdzv_conf(a, EtcdOptions("e:1"), "/etrain/rdzv", None)
+    plain = rdzv_conf(a, EtcdOptions("e:1"), "/etrain/rdzv")
     assert plain == "key_prefix=/etrain/rdzv,last_call_timeout=1,join_timeout=30,node_ttl=2,connect_timeout=5"
-    tls = EtcdOptions("e:1", ca_cert="ca.pem", cert="c.pem", cert_key="k.pem", user="u", password_file="pw")
-    conf = dict(kv.split("=", 1) for kv in rdzv_conf(a, tls, "/p", "s3cret").split(","))
+    tls = EtcdOptions("e:1", ca_cert="ca.pem", cert="c.pem", cert_key="k.pem", user="u", password_file="pw",
+                      password="s3cret")  # fmt: skip
+    text = rdzv_conf(a, tls, "/p")
+    conf = dict(kv.split("=", 1) for kv in text.split(","))
     assert conf["ca_cert"] == str(Path("ca.pem").resolve()) and conf["cert_key"] == str(
         Path("k.pem").resolve()
     )
-    assert (conf["user"], conf["password"]) == ("u", "s3cret")
+    assert (conf["user"], conf["password_file"]) == ("u", str(Path("pw").resolve()))
+    assert "password" not in conf and "s3cret" not in text
+
+
+# -- the job's own etcd identity ---------------------------------------------------------------------
+_AGENT_ETCD = EtcdOptions("e:1", ca_cert="ca.pem", cert="c.pem", cert_key="k.pem", user="root",
+                          password_file="/secrets/root-pw")  # fmt: skip
+
+
+def _with_identity(a: Assignment) -> Assignment:
+    return a.model_copy(update={"etcd_user": "etrain-job-j-abc", "etcd_password": "job-pw"})
+
+
+def test_job_etcd_gives_the_job_its_own_user_and_password_file_and_keeps_only_the_agents_tls_files(
+    tmp_path: Path,
+) -> None:
+    etcd = job_etcd(_AGENT_ETCD, _with_identity(_assignment()), tmp_path / "pw")
+    assert (etcd.user, etcd.password_file, etcd.password) == ("etrain-job-j-abc", str(tmp_path / "pw"), None)
+    assert (etcd.endpoints, etcd.ca_cert, etcd.cert, etcd.cert_key) == ("e:1", "ca.pem", "c.pem", "k.pem")
+    env = worker_env(_assignment(), base={"ETRAIN_ETCD_PASSWORD_FILE": "/secrets/root-pw"}, node_name="n1",
+                     progress_key="/p", etcd=etcd)  # fmt: skip
+    assert (env["ETRAIN_ETCD_USER"], env["ETRAIN_ETCD_PASSWORD_FILE"]) == ("etrain-job-j-abc", str(tmp_path / "pw"))
+    assert "root" not in env.values() and "/secrets/root-pw" not in env.values()
+
+
+def test_job_etcd_refuses_to_hand_a_job_the_agents_etcd_user_when_the_assignment_has_none() -> None:
+    with pytest.raises(JobIdentityError, match="refusing to hand it to the job"):
+        job_etcd(_AGENT_ETCD, _assignment(), None)
+    with pytest.raises(JobIdentityError, match="no password file"):
+        job_etcd(_AGENT_ETCD, _with_identity(_assignment()), None)
+
+
+def test_job_etcd_without_etcd_auth_shares_the_agents_connection_without_any_password() -> None:
+    certs_only = EtcdOptions("e:1", ca_cert="ca.pem", cert="c.pem", cert_key="k.pem", password_file="stale")
+    etcd = job_etcd(certs_only, _assignment(), None)
+    assert etcd == EtcdOptions("e:1", ca_cert="ca.pem", cert="c.pem", cert_key="k.pem")
+
+
+def test_write_secret_makes_a_file_only_its_owner_reads_even_over_a_looser_one(tmp_path: Path) -> None:
+    path = tmp_path / "jobs" / "j" / "etcd-password"
+    path.parent.mkdir(parents=True)
+    path.write_text("old")
+    path.chmod(0o644)
+    write_secret(path, "new-pw")
+    assert path.read_text() == "new-pw\n" and path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in path.parent.iterdir()] == ["etcd-password"]
+
+
+class _Proc:
+    pid = 4242
+
+    def poll(self) -> int | None:
+        return None
+
+    def stop(self, grace: timedelta) -> int:
+        return -15
+
+    def tail(self) -> str:
+        return ""
+
+
+def _agent(tmp_path: Path, etcd: EtcdOptions) -> tuple[NodeAgent, list[tuple[list[str], dict[str, str]]]]:
+    launched: list[tuple[list[str], dict[str, str]]] = []
+
+    def launcher(cmd: Sequence[str], env: Mapping[str, str], cwd: str, log: Path) -> _Proc:
+        launched.append((list(cmd), dict(env)))
+        return _Proc()
+
+    settings = AgentSettings(etcd=etcd, node_name="n1", work_dir=tmp_path / "work", python="py")
+    return NodeAgent(settings, MemoryEtcdClient(), launcher=launcher), launched
+
+
+def test_the_agent_gives_torchrun_and_workers_the_jobs_etcd_user_and_a_0600_password_file_never_its_own(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "root-pw").write_text("control-plane-pw\n")
+    etcd = EtcdOptions("e:1", ca_cert="ca.pem", user="root", password_file=str(tmp_path / "root-pw"))
+    agent, launched = _agent(tmp_path, etcd)
+    agent.sync({"j-abc": _with_identity(_assignment())})
+    [(cmd, env)] = launched
+    secret = (tmp_path / "work" / "jobs" / "j-abc" / "etcd-password").resolve()
+    assert secret.read_text() == "job-pw\n" and secret.stat().st_mode & 0o777 == 0o600
+    conf = dict(kv.split("=", 1) for kv in next(c for c in cmd if c.startswith("--rdzv-conf="))[12:].split(","))
+    assert (conf["user"], conf["password_file"]) == ("etrain-job-j-abc", str(secret))
+    assert (env["ETRAIN_ETCD_USER"], env["ETRAIN_ETCD_PASSWORD_FILE"]) == ("etrain-job-j-abc", str(secret))
+    everything = " ".join(cmd) + " ".join(f"{k}={v}" for k, v in env.items())
+    assert "control-plane-pw" not in everything and "job-pw" not in everything
+    assert str(tmp_path / "root-pw") not in everything and "user=root" not in everything
+    agent.sync({})  # unassigned: torchrun stopped, the password file deleted
+    assert not secret.exists()
+
+
+def test_an_agent_with_an_etcd_user_refuses_to_launch_a_job_that_has_no_identity_of_its_own(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "root-pw").write_text("control-plane-pw\n")
+    etcd = EtcdOptions("e:1", ca_cert="ca.pem", user="root", password_file=str(tmp_path / "root-pw"))
+    agent, launched = _agent(tmp_path, etcd)
+    agent.sync({"j-abc": _assignment()})
+    assert launched == []
+    kv, _ = agent.client.get(agent.store.keys.report("j-abc", "n1"))
+    assert kv is not None
+    report = WorkerReport.model_validate_json(kv.value)
+    assert report.state == "launch_failed" and "refusing to hand it to the job" in (report.error or "")
 
 
 def test_worker_env_sets_service_variables_over_user_and_base_values() -> None:
