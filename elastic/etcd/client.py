@@ -68,6 +68,9 @@ def _kv(msg: Any) -> KeyValue:
     )
 
 
+_AUTH_OLD_REVISION = "revision of auth store is old"
+
+
 def _is_deadline(exc: grpc.RpcError) -> bool:
     """The call's own timeout passed. A watch stream cut by its deadline may also end with status UNKNOWN
     and the details "context deadline exceeded" (seen with etcd 3.x): that is a timeout, not a failure."""
@@ -206,6 +209,12 @@ class GrpcEtcdClient(EtcdClient):
                     retry.last_exc = exc
                     self._reset(generation)
                 elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    retry.last_exc = exc
+                elif code == grpc.StatusCode.INVALID_ARGUMENT and _AUTH_OLD_REVISION in str(
+                    exc.details() if hasattr(exc, "details") else exc
+                ):
+                    # A user or role changed while the request was in flight: etcd refused it unapplied (the
+                    # Go client retries this too). Jobs' users come and go, so this happens under load.
                     retry.last_exc = exc
                 else:
                     raise EtcdError(f"etcd at {self.endpoints_label} refused the request: {exc}") from exc
