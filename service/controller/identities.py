@@ -6,9 +6,9 @@ every other job's state, the assignments and the leader key. Instead the leader 
 job's first assignment is written, an etcd user ``etrain-job-<job id>`` with a random password and a role of
 the same name granted:
 
-* ``readwrite`` on every key under ``<prefix>/rdzv/<job id>-g``: the torchrun rendezvous of all the job's
+* ``readwrite`` on every key under ``<prefix>.rdzv/<job id>-g``: the torchrun rendezvous of all the job's
   generations (run ids are ``<job id>-g<generation>``; the ``etcd-v3`` backend keeps a run's state and store
-  under ``<key_prefix>/<run id>/``, and the agents pass ``key_prefix=<prefix>/rdzv``);
+  under ``<key_prefix>/<run id>/``, and the agents pass ``key_prefix=<prefix>.rdzv``);
 * ``readwrite`` on ``<prefix>/progress/<job id>`` (rank 0's reports);
 * ``read`` on the key ``"\\0"``, which the etcd client reads to check that etcd answers (nothing is kept
   there).

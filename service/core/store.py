@@ -11,7 +11,10 @@ Layout under the prefix (``/etrain`` by default)::
     assign/<node>/<id>         Assignment (leader)
     reports/<id>/<node>        WorkerReport (agent)
     progress/<id>              Progress (the job's rank 0, via elastic.progress)
-    rdzv/                      the jobs' torchrun rendezvous (etcd-v3 backend)
+    identities/<id>            the job's own etcd user (service.controller.identities)
+
+and beside it, ``<prefix>.rdzv/<job id>-g<generation>/``: the jobs' torchrun rendezvous (etcd-v3 backend), kept
+out of ``<prefix>/`` so that its traffic does not wake the reconcile loop.
 
 Controller writes are fenced: :meth:`ServiceStore.apply` commits one job's update in one transaction that also
 requires the status key's revision to be unchanged and the leader key to be the caller's.
@@ -68,7 +71,9 @@ class Keys:
         self.assign = f"{root}/assign/"
         self.reports = f"{root}/reports/"
         self.progress = f"{root}/progress/"
-        self.rdzv = f"{root}/rdzv"
+        # beside the service's keys, not under them: the reconcile loop watches ``<root>/`` and torchrun's
+        # rendezvous traffic (heartbeats, store keys) must not wake it; a grant on ``<root>`` covers both
+        self.rdzv = f"{root}.rdzv"
 
     def job(self, job_id: str) -> str:
         return self.jobs + job_id

@@ -109,7 +109,7 @@ def test_a_jobs_role_covers_the_rendezvous_of_its_generations_and_its_progress_k
     for generation in (1, 2, 17):  # where the etcd-v3 backend keeps the run that the agent names
         backend = EtcdV3RendezvousBackend(MemoryEtcdClient(), f"j-1a2b-g{generation}", key_prefix=keys.rdzv)
         assert backend.key_base.startswith(rdzv.key) and backend.state_key.startswith(rdzv.key)
-    for other in ("/etrain/rdzv/j-1a2bc-g1/rdzv/state", "/etrain/rdzv/j-1a2-g1/rdzv/state", "/etrain/progress/j-1a2bc"):
+    for other in ("/etrain.rdzv/j-1a2bc-g1/rdzv/state", "/etrain.rdzv/j-1a2-g1/rdzv/state", "/etrain/progress/j-1a2bc"):
         assert not other.startswith(rdzv.key) and other != progress.key
 
 
