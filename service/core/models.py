@@ -91,7 +91,11 @@ class RestartPolicy(_Spec):
     backoff_initial: timedelta = Field(
         default=timedelta(seconds=2), description="first restart delay (doubles)"
     )
-    backoff_max: timedelta = Field(default=timedelta(seconds=120), description="restart delay cap")
+    # validate_default: a spec giving only backoff_initial above the default cap must be refused here, not stored
+    # and then be unreadable (found by the API fuzzer: such a job answered 201, then 404 for ever)
+    backoff_max: timedelta = Field(
+        default=timedelta(seconds=120), description="restart delay cap", validate_default=True
+    )
     crash_loop_threshold: int = Field(
         default=3, ge=1, le=1000, description="consecutive generations failing before their first step: fail"
     )

@@ -79,11 +79,6 @@ def test_spec_with_min_nodes_above_the_default_max_nodes_is_refused_naming_max_n
     assert [e["loc"] for e in info.value.errors()] == [("max_nodes",)]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="found by the API fuzz test; the fix belongs in service/core/models.py (RestartPolicy.backoff_max "
-    "needs validate_default=True, as JobSpec.max_nodes has), outside this change",
-)
 def test_spec_with_backoff_initial_above_the_default_backoff_max_is_refused_naming_backoff_max() -> None:
     # Found by the fuzz test above: such a spec is accepted (201), then fails validation when read back from
     # etcd ("backoff_max: must be at least backoff_initial"), so the job answers 404 and is never scheduled.
