@@ -270,7 +270,9 @@ class ServiceStore:
         for kv in assigns:
             node, _, job_id = _tail(kv, k.assign).partition("/")
             jobs.setdefault(node, []).append(job_id)
-        infos = [n for kv in nodes if (n := _load(NodeInfo, kv)) is not None]
+        infos = [
+            n for kv in nodes if (n := _load(NodeInfo, kv)) is not None and _at_own_key(kv, n.name, _tail(kv, k.nodes))
+        ]
         return sorted(infos, key=lambda n: n.name), jobs
 
     def register_node(self, info: NodeInfo, lease: int) -> None:
