@@ -630,6 +630,9 @@ class ChaosRunner:
                 kind = self.next_kind()
                 if kind in QUIET_KINDS and not self.wait(f"a steady job before {kind.value}", self._quiet, 90):
                     report.notes.append(f"{kind.value} hit a job that was not steady after 90 s")
+                if self.max_step() >= total - c.steps_between:  # it trained on while we waited
+                    report.notes.append(f"the job neared its end after {len(report.faults)} faults")
+                    break
                 step_at, at = self.max_step(), time.time()
                 generation = self._generation() if kind in QUIET_KINDS else None
                 self.outage_began = self.outage_ended = None
