@@ -53,7 +53,9 @@ from torch.utils.data import default_collate
 
 from elastic import compat
 from elastic.checkpoint import (
+    CheckpointFencedError,
     CheckpointOptions,
+    CheckpointWriteError,
     PreemptionWatcher,
     capture_training_state,
     create_checkpoint_manager,
@@ -95,8 +97,12 @@ class ElasticConfig:
     # after SIGTERM, how long to reach the step boundary before exiting without the final save (None: wait)
     stop_timeout: timedelta | None = timedelta(seconds=10)
     total_steps: int | None = None  # only for progress reports to the job service
+    # a failed save (storage away) is reported and the next one tried; saves failing for longer stop training
+    save_failure_grace: timedelta = timedelta(minutes=5)
 
     def __post_init__(self) -> None:
+        if self.save_failure_grace < timedelta(0):
+            raise ValueError(f"save_failure_grace must be >= 0, got {self.save_failure_grace}")
         if self.local_max_overhead is not None and not 0 < self.local_max_overhead < 1:
             raise ValueError(f"local_max_overhead must be in (0, 1) or None, got {self.local_max_overhead}")
         if self.local_every_steps is not None and self.local_every_steps < 1:
@@ -177,6 +183,7 @@ class ElasticTrainer:
             self.step, world_size=self.world_size, total_steps=config.total_steps, nodes=self._round_nodes(), force=True
         )
         self._last_save_time = time.monotonic()
+        self._failing_since: float | None = None  # when saves began to fail (none failing: None)
         self._loss_sum = 0.0
         self._loss_count = 0
         self._scale = 1.0
@@ -378,8 +385,10 @@ class ElasticTrainer:
         committed: dict[str, Any] = {}
         pending = self._pending_checkpoint
         if pending is not None and self._manager is not None and not self._manager.in_flight:
-            committed = {"checkpoint_step": pending, "checkpoint_path": f"{self._manager.url}/{step_dir(pending)}"}
             self._pending_checkpoint = None
+            # a failed save is not reported as committed (rank 0 not writing replicated state: it cannot know)
+            if self._manager.last_committed_step == pending or not self._manager.is_writer:
+                committed = {"checkpoint_step": pending, "checkpoint_path": f"{self._manager.url}/{step_dir(pending)}"}
         self._progress.report(
             self.step, world_size=self.world_size, loss=loss, total_steps=self.config.total_steps,
             lr=lr, epoch=self.sampler.epoch, force=bool(committed), **committed,
@@ -443,7 +452,27 @@ class ElasticTrainer:
         state = self._capture()
         # The optimizer's tensors are copied by the writer thread while the next forward/backward runs;
         # the next optimizer.step() waits for that copy (see CheckpointManager.save).
-        self._manager.save(self.step, state, blocking=blocking, overlap_with=None if blocking else self.optimizer)
+        overlap = None if blocking else self.optimizer
+        try:
+            self._manager.save(self.step, state, blocking=blocking, overlap_with=overlap)
+            self._failing_since = None  # the previous save (if any) committed: the manager raises its failure here
+        except CheckpointFencedError:
+            raise  # this generation has been replaced: stop, never write again
+        except CheckpointWriteError as exc:
+            # The previous background save failed (or this blocking one). Committed snapshots are intact, so
+            # training goes on and this step is saved instead, until saves have failed for save_failure_grace.
+            now = time.monotonic()
+            self._failing_since = self._failing_since if self._failing_since is not None else now
+            failing = now - self._failing_since
+            if failing > self.config.save_failure_grace.total_seconds():
+                raise
+            grace = self.config.save_failure_grace.total_seconds()
+            logger.warning("checkpoint save failed (failing for %.0f s, giving up after %.0f s): %s; saving step %d "
+                           "instead", failing, grace, exc, self.step)  # fmt: skip
+            if blocking:
+                self._manager.save(self.step, state, blocking=True)  # its failure stops the worker
+            else:
+                self._manager.save(self.step, state, blocking=False, overlap_with=overlap)
         self._last_save_time = time.monotonic()
         self._pending_checkpoint = self.step
 

@@ -244,6 +244,11 @@ class CheckpointManager(ABC):
     def in_flight(self) -> bool:
         """Whether a background save is still running."""
 
+    @property
+    @abstractmethod
+    def last_committed_step(self) -> int | None:
+        """The step of the newest save by this manager that committed (None: none yet, or not a writer)."""
+
     @abstractmethod
     def load_latest(self, template: Mapping[str, Any] | None = None) -> Snapshot | None:
         """The newest verified snapshot, or ``None``; ``template`` is needed by the sharded layout."""

@@ -90,6 +90,7 @@ class FsspecCheckpointManager(CheckpointManager):
         self._stager = Stager()
         self._executor: ThreadPoolExecutor | None = None
         self._future: Future[Manifest] | None = None
+        self._last_committed: int | None = None
         self._lock = threading.RLock()
         self._closed = False
         self._said_fresh = False
@@ -218,6 +219,7 @@ class FsspecCheckpointManager(CheckpointManager):
         finally:
             job.flat.staged.set()  # never leave an optimizer waiting on a failed save
         self.last_timings = job.timings
+        self._last_committed = job.step
         logger.info(
             "checkpoint step %d committed at %s (%.1f MiB, %.2fs)",
             job.step,
@@ -226,6 +228,12 @@ class FsspecCheckpointManager(CheckpointManager):
             time.perf_counter() - started,
         )
         return manifest
+
+    @property
+    def last_committed_step(self) -> int | None:
+        if self._sharded is not None:
+            return self._sharded.last_committed_step
+        return self._last_committed
 
     @property
     def in_flight(self) -> bool:

@@ -176,6 +176,7 @@ class ShardedCheckpointer:
         self._events: EventHook = events or (lambda _name: None)
         self._group: Any = None
         self._future: Any = None
+        self.last_committed_step: int | None = None  # on the coordinator (rank 0), where the commit happens
         self._step: int | None = None
 
     # -- process group --------------------------------------------------------------------------------
@@ -250,6 +251,7 @@ class ShardedCheckpointer:
 
     def _log_commit(self, step: int, commit: _Commit) -> None:
         if commit.manifest is not None:
+            self.last_committed_step = step
             logger.info(
                 "sharded checkpoint step %d committed at %s (%.1f MiB)",
                 step,
