@@ -223,7 +223,7 @@ class NodeAgent:
             python=s.python,
             etcd_endpoints=s.etcd.endpoints,
             rdzv_host=s.rdzv_host,
-            conf_on_command_line=rdzv_conf(a, etcd, self.store.keys.rdzv),
+            conf_on_command_line=rdzv_conf(a, etcd, a.rdzv_prefix or self.store.keys.legacy_rdzv),
         )
         cwd = a.spec.working_dir or os.getcwd()
         if not Path(cwd).is_dir():

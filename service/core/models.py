@@ -413,6 +413,9 @@ class Assignment(_Record):
     spec: JobSpec
     checkpoint_url: str | None = None
     checkpoint_key: str | None = Field(default=None, repr=False, description="hex: signs the job's snapshots")
+    # where the generation's torchrun rendezvous lives: chosen by the controller (one value for all the nodes of a
+    # generation, whatever version each agent runs); None (an older controller): the agent's legacy default
+    rdzv_prefix: str | None = None
     assigned_at: datetime
     # the job's own etcd user (service.controller.identities), made by the leader when the control plane
     # authenticates to etcd with a password: torchrun's rendezvous and the workers use it, never the

@@ -74,6 +74,7 @@ class Keys:
         # beside the service's keys, not under them: the reconcile loop watches ``<root>/`` and torchrun's
         # rendezvous traffic (heartbeats, store keys) must not wake it; a grant on ``<root>`` covers both
         self.rdzv = f"{root}.rdzv"
+        self.legacy_rdzv = f"{root}/rdzv"  # before the rendezvous moved out: assignments that name no prefix
 
     def job(self, job_id: str) -> str:
         return self.jobs + job_id
@@ -332,7 +333,11 @@ class ServiceStore:
         if update.status is not None:
             puts.append((k.status_of(update.job_id), _dump(update.status)))
         puts += [(k.events_of(update.job_id) + e.id, _dump(e)) for e in update.events]
-        puts += [(k.assignment(node, update.job_id), _dump(a)) for node, a in update.assign.items()]
+        stamped = {  # every node of a generation meets under the prefix the controller names
+            node: a if a.rdzv_prefix else a.model_copy(update={"rdzv_prefix": k.rdzv})
+            for node, a in update.assign.items()
+        }
+        puts += [(k.assignment(node, update.job_id), _dump(a)) for node, a in stamped.items()]
         deletes = [k.assignment(node, update.job_id) for node in update.unassign]
         ok, _ = self.client.commit(
             puts,

@@ -57,6 +57,7 @@ class FakeLauncher:
 
     def __init__(self) -> None:
         self.processes: list[FakeProcess] = []
+        self.commands: list[list[str]] = []
         self.refuse = False
         self.slow_stops: threading.Event | None = None  # when set up, every stop waits for this event
         self._lock = threading.Lock()
@@ -67,6 +68,7 @@ class FakeLauncher:
         job_id, generation = log_path.parent.parent.name, int(log_path.parent.name.removeprefix("g"))
         with self._lock:
             proc = FakeProcess(1000 + len(self.processes), job_id, generation)
+            self.commands.append(list(cmd))
             proc.release = self.slow_stops
             self.processes.append(proc)
         return proc
@@ -328,3 +330,14 @@ def test_health_reports_how_many_jobs_run_but_never_their_ids(
     assert body["jobs"] == 2 and body["stopping"] == 0
     text = json.dumps(body)
     assert "secret-job" not in text and "1000" not in text and "1001" not in text
+
+
+def test_torchrun_meets_under_the_rendezvous_prefix_the_assignment_names_else_the_legacy_one(
+    agent: NodeAgent, launcher: FakeLauncher, tmp_path: Path
+) -> None:
+    # Agents of two versions in one generation must meet in one rendezvous: the controller names the prefix
+    # (a chaos run split a job in two when agents computed it themselves across an upgrade).
+    agent.sync({"job-1": _a(tmp_path).model_copy(update={"rdzv_prefix": "/t.rdzv"})})
+    agent.sync({"job-2": _a(tmp_path, "job-2")})
+    confs = [next(c for c in cmd if c.startswith("--rdzv-conf=")) for cmd in launcher.commands]
+    assert "key_prefix=/t.rdzv," in confs[0] and "key_prefix=/t/rdzv," in confs[1]

@@ -162,6 +162,8 @@ def test_apply_writes_status_events_and_assignments_while_the_fence_holds(store:
     assert store.get_job("j-1").status.state == JobState.RUNNING  # type: ignore[union-attr]
     assert [e.id for e in store.events("j-1")][-1] == "100"
     assert "j-1" in store.assignments("n1")[0]
+    # the controller names the generation's rendezvous prefix: one for every node, whatever each agent runs
+    assert store.assignments("n1")[0]["j-1"].rdzv_prefix == store.keys.rdzv
 
 
 def test_apply_is_refused_when_the_status_changed_since_it_was_read(store: ServiceStore) -> None:
