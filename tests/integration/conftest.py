@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from elastic.testing.torchrun import TorchrunAgent
-from service.testing.cluster import LocalServiceCluster
+
+if TYPE_CHECKING:  # the torch compatibility runs install the library without the service's extras
+    from service.testing.cluster import LocalServiceCluster
 
 
 @pytest.fixture
@@ -23,6 +26,8 @@ def agents() -> Iterator[list[TorchrunAgent]]:
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalServiceCluster]:
     """etcd under ``tmp_path``; the test starts the controller and the agents it needs. All stopped at the end."""
+    from service.testing.cluster import LocalServiceCluster
+
     c = LocalServiceCluster(tmp_path)
     try:
         yield c
