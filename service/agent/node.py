@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from elastic.etcd.config import EtcdOptions
@@ -270,18 +270,15 @@ class NodeAgent:
             with self._lock:
                 del self._stopping[job_id]
         self._finished.add((job_id, a.generation))
-        self._report(
-            WorkerReport(
-                job_id=job_id,
-                node=self.settings.node_name,
-                generation=a.generation,
-                state="stopped",
-                pid=run.process.pid,
-                exit_code=code,
-                finished_at=_now(),
-                error=reason,
-            )
-        )
+        self._report(self._final_report(run, "stopped", code, reason))
+
+    def _final_report(
+        self, run: _Running, state: Literal["exited", "stopped"], code: int | None, error: str | None
+    ) -> WorkerReport:
+        """What a generation that has ended (by itself, or stopped by this agent) is reported as."""
+        a = run.assignment
+        return WorkerReport(job_id=a.job_id, node=self.settings.node_name, generation=a.generation, state=state,
+                            pid=run.process.pid, exit_code=code, finished_at=_now(), error=error)  # fmt: skip
 
     def _reap(self) -> None:
         for job_id, run in list(self._running.items()):
@@ -293,18 +290,7 @@ class NodeAgent:
             a = run.assignment
             self._finished.add((job_id, a.generation))
             logger.info("job %s generation %d: torchrun exited with %d", job_id, a.generation, code)
-            self._report(
-                WorkerReport(
-                    job_id=job_id,
-                    node=self.settings.node_name,
-                    generation=a.generation,
-                    state="exited",
-                    pid=run.process.pid,
-                    exit_code=code,
-                    finished_at=_now(),
-                    error=run.process.tail() if code != 0 else None,
-                )
-            )
+            self._report(self._final_report(run, "exited", code, run.process.tail() if code != 0 else None))
 
     def sync(self, assignments: dict[str, Assignment]) -> None:
         """Make the running torchruns match ``assignments`` (one pass of the loop, without waiting)."""

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -25,15 +24,6 @@ class Outcome:
     started: float
     finished: float
     error: BaseException | None
-
-
-@pytest.fixture
-def own_etcd(tmp_path: Path) -> Iterator[LocalEtcdCluster]:
-    """A one-member etcd of this test's own: the tests stop it."""
-    cluster = LocalEtcdCluster(1, workdir=tmp_path / "etcd")
-    cluster.start()
-    yield cluster
-    cluster.stop()
 
 
 def _operations(client: EtcdClient, prefix: str, thread: int) -> list[Callable[[], object]]:
@@ -72,14 +62,14 @@ def _fire(client: EtcdClient, prefix: str) -> tuple[list[Outcome], list[threadin
     return outcomes, threads
 
 
-def test_concurrent_calls_ride_out_an_etcd_restart_shorter_than_op_timeout(own_etcd: LocalEtcdCluster) -> None:
-    client = create_client(own_etcd.config(op_timeout=6, request_timeout=2))
+def test_concurrent_calls_ride_out_an_etcd_restart_shorter_than_op_timeout(etcd_member: LocalEtcdCluster) -> None:
+    client = create_client(etcd_member.config(op_timeout=6, request_timeout=2))
     try:
         client.put("/outage/warm", b"1")  # the shared channel is connected before etcd goes away
-        own_etcd.stop_member(0)
+        etcd_member.stop_member(0)
         outcomes, threads = _fire(client, "/outage")
         time.sleep(2)
-        own_etcd.start_member(0)
+        etcd_member.start_member(0)
         back = time.monotonic()
         for t in threads:
             t.join(timeout=30)
@@ -94,13 +84,13 @@ def test_concurrent_calls_ride_out_an_etcd_restart_shorter_than_op_timeout(own_e
 
 
 def test_with_etcd_down_each_concurrent_call_fails_with_connection_error_only_at_its_op_timeout(
-    own_etcd: LocalEtcdCluster,
+    etcd_member: LocalEtcdCluster,
 ) -> None:
     op_timeout = 3.0
-    client = create_client(own_etcd.config(op_timeout=op_timeout, request_timeout=1))
+    client = create_client(etcd_member.config(op_timeout=op_timeout, request_timeout=1))
     try:
         client.put("/outage/warm", b"1")
-        own_etcd.stop_member(0)
+        etcd_member.stop_member(0)
         outcomes, threads = _fire(client, "/outage")
         for t in threads:
             t.join(timeout=60)
