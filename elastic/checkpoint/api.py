@@ -102,6 +102,13 @@ class CheckpointOptions:
     verify_after_write: bool = True
     weights_only: bool = True
     chunk_bytes: int = 8 * _MIB
+    # tensor data is written as files of this size (each with its own sha256 in the manifest), by io_threads
+    # threads in parallel; loads and verification read them in parallel too (None: sized to the machine)
+    segment_bytes: int = 256 * _MIB
+    io_threads: int | None = None
+    # page-locked host memory kept for staging CUDA tensors (reused from save to save); beyond it, or when
+    # pinning fails, staging uses ordinary memory (slower device-to-host copies, logged once). 0: never pin
+    pinned_staging_bytes: int = 16 * 1024 * _MIB
     lustre_striping: bool = True
     lustre_stripe_count: int = 4
     lustre_stripe_size: str = "4M"
@@ -128,6 +135,12 @@ class CheckpointOptions:
             raise ValueError(f"writer_rank must be >= 0, got {self.writer_rank}")
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
+        if self.segment_bytes < self.chunk_bytes:
+            raise ValueError(f"segment_bytes must be >= chunk_bytes ({self.chunk_bytes}), got {self.segment_bytes}")
+        if self.io_threads is not None and not 1 <= self.io_threads <= 64:
+            raise ValueError(f"io_threads must be in 1..64 or None, got {self.io_threads}")
+        if self.pinned_staging_bytes < 0:
+            raise ValueError(f"pinned_staging_bytes must be >= 0, got {self.pinned_staging_bytes}")
         if self.lustre_stripe_count < -1 or self.lustre_stripe_count == 0:
             raise ValueError(
                 f"lustre_stripe_count must be -1 (all OSTs) or >= 1, got {self.lustre_stripe_count}"

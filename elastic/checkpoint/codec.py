@@ -15,27 +15,25 @@ plain strided ones (sparse, quantized, subclasses) are kept inside the skeleton 
 
 from __future__ import annotations
 
-import copy
 import io
 import sys
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from elastic.checkpoint.storage import BinaryWriter
+
+if TYPE_CHECKING:
+    from elastic.checkpoint.staging import FlatState
 
 __all__ = [
     "PACK_FORMAT",
     "SKELETON_NAME",
     "TENSORS_NAME",
     "TENSOR_REF_KEY",
-    "FlatState",
     "PackDecodeError",
-    "Stager",
     "decode_pack",
     "encode_skeleton",
     "tensor_layout",
@@ -52,121 +50,6 @@ _ZEROS = bytes(_ALIGN)
 
 class PackDecodeError(ValueError):
     """Verified bytes that do not decode into a state (format mismatch, disallowed types)."""
-
-
-@dataclass
-class FlatState:
-    """A state split into its structure (``skeleton``) and the tensors it references, in order.
-
-    ``pending`` tensors are still the live sources: ``finish_staging`` (run by the writer thread) copies
-    them into staging buffers and then sets ``staged``.
-    """
-
-    skeleton: Any
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    pending: list[int] = field(default_factory=list)
-    staged: threading.Event = field(default_factory=threading.Event)
-    stager: Stager | None = None
-
-    def finish_staging(self) -> None:
-        """Copy the deferred tensors; ``staged`` is set afterwards even if copying fails."""
-        try:
-            if self.pending and self.stager is not None:
-                for index in self.pending:
-                    self.tensors[index] = self.stager._copy(index, self.tensors[index])
-            self.pending = []
-        finally:
-            self.staged.set()
-
-    @property
-    def tensor_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-
-def _packable(t: torch.Tensor) -> bool:
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_quantized
-
-
-class Stager:
-    """Splits a state into skeleton + tensors; with ``copy`` the tensors are copied into CPU buffers.
-
-    The buffers are kept and reused by the next ``flatten`` whose tensors have the same shapes and dtypes
-    (allocating and faulting in fresh memory costs far more than the copy itself).  A caller must not
-    flatten again while a previous result is still being written (the manager keeps one save in flight).
-    """
-
-    def __init__(self, reuse_buffers: bool = True) -> None:
-        self._reuse = reuse_buffers
-        self._buffers: list[torch.Tensor | None] = []
-
-    def flatten(
-        self, state: Any, *, copy: bool, defer: Callable[[torch.Tensor], bool] | None = None
-    ) -> FlatState:
-        """Split ``state``; with ``copy``, tensors are copied now, except those ``defer`` selects, which
-        are left for ``FlatState.finish_staging`` (the caller then must not change them until ``staged``)."""
-        flat = FlatState(skeleton=None, stager=self)
-        memo: dict[int, int] = {}
-        sources: list[torch.Tensor] = []
-
-        def visit(obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor) and _packable(obj):
-                index = memo.get(id(obj))
-                if index is None:
-                    index = len(sources)
-                    memo[id(obj)] = index
-                    sources.append(obj)
-                return {TENSOR_REF_KEY: index}
-            if type(obj) in (dict, OrderedDict):
-                out = type(obj)()
-                for key, value in obj.items():
-                    out[key] = visit(value)
-                return out
-            if type(obj) is list:
-                return [visit(v) for v in obj]
-            if type(obj) is tuple:
-                return tuple(visit(v) for v in obj)
-            if isinstance(obj, torch.Tensor):
-                return obj.detach().to("cpu", copy=True) if copy else obj
-            return _copy_leaf(obj) if copy else obj
-
-        flat.skeleton = visit(state)
-        if not copy:
-            flat.tensors = [_as_cpu(t) for t in sources]
-        else:
-            del self._buffers[len(sources) :]
-            for index, src in enumerate(sources):
-                if defer is not None and defer(src):
-                    flat.tensors.append(src)
-                    flat.pending.append(index)
-                else:
-                    flat.tensors.append(self._copy(index, src))
-        if not flat.pending:
-            flat.staged.set()
-        return flat
-
-    def _copy(self, index: int, src: torch.Tensor) -> torch.Tensor:
-        src = src.detach()
-        while len(self._buffers) <= index:
-            self._buffers.append(None)
-        buf = self._buffers[index] if self._reuse else None
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu")
-            self._buffers[index] = buf
-        buf.copy_(src)
-        return buf
-
-    def release(self) -> None:
-        self._buffers.clear()
-
-
-def _copy_leaf(obj: Any) -> Any:
-    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
-        return obj
-    return copy.deepcopy(obj)
-
-
-def _as_cpu(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu").contiguous().resolve_conj().resolve_neg()
 
 
 def tensor_layout(tensors: list[torch.Tensor]) -> tuple[list[dict[str, Any]], int]:
@@ -244,18 +127,14 @@ def decode_pack(skeleton_bytes: bytes, tensor_buffer: bytearray, *, weights_only
     try:
         bundle = torch.load(io.BytesIO(skeleton_bytes), map_location="cpu", weights_only=weights_only)
     except Exception as exc:
-        hint = (
-            " (set CheckpointOptions(weights_only=False) if you trust this storage)" if weights_only else ""
-        )
+        hint = " (set CheckpointOptions(weights_only=False) if you trust this storage)" if weights_only else ""
         raise PackDecodeError(f"skeleton does not load{hint}: {' '.join(str(exc).split())[:400]}") from exc
     if not isinstance(bundle, dict) or bundle.get("format") != PACK_FORMAT:
         raise PackDecodeError(f"skeleton is not in format {PACK_FORMAT}")
     if bundle.get("byteorder") != sys.byteorder:
         raise PackDecodeError(f"snapshot was written on a {bundle.get('byteorder')}-endian machine")
     if bundle["tensors_bytes"] != len(tensor_buffer):
-        raise PackDecodeError(
-            f"tensors.bin has {len(tensor_buffer)} bytes, skeleton says {bundle['tensors_bytes']}"
-        )
+        raise PackDecodeError(f"tensors.bin has {len(tensor_buffer)} bytes, skeleton says {bundle['tensors_bytes']}")
     tensors: list[torch.Tensor] = []
     for entry in bundle["tensors"]:
         dtype = getattr(torch, entry["dtype"], None)
@@ -264,9 +143,7 @@ def decode_pack(skeleton_bytes: bytes, tensor_buffer: bytearray, *, weights_only
         if entry["nbytes"] == 0:
             tensors.append(torch.empty(entry["shape"], dtype=dtype))
             continue
-        raw = torch.frombuffer(
-            tensor_buffer, dtype=torch.uint8, count=entry["nbytes"], offset=entry["offset"]
-        )
+        raw = torch.frombuffer(tensor_buffer, dtype=torch.uint8, count=entry["nbytes"], offset=entry["offset"])
         tensors.append(raw.view(dtype).reshape(entry["shape"]))
 
     def rebuild(obj: Any) -> Any:

@@ -33,9 +33,9 @@ from elastic.checkpoint.api import (
     SnapshotInfo,
     StateLayout,
 )
-from elastic.checkpoint.codec import Stager
 from elastic.checkpoint.layout import Manifest, ManifestError, step_dir, writer_rank_for
 from elastic.checkpoint.reader import read_manifest, read_pack, scan
+from elastic.checkpoint.staging import Stager
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import (
     CheckpointStorage,

@@ -1,7 +1,7 @@
 """One save of replicated state: data, then the manifest (commit), then verification and retention.
 
 Runs in the caller (blocking save) or in the manager's writer thread (background save); either way it
-only reads the :class:`~elastic.checkpoint.codec.FlatState` it was given, which the caller must not touch
+only reads the :class:`~elastic.checkpoint.staging.FlatState` it was given, which the caller must not touch
 until the job is done.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from elastic.checkpoint.api import CheckpointCorruptError, CheckpointFencedError, CheckpointOptions, EventHook
-from elastic.checkpoint.codec import SKELETON_NAME, TENSORS_NAME, FlatState, encode_skeleton, write_tensors
+from elastic.checkpoint.codec import SKELETON_NAME, TENSORS_NAME, encode_skeleton, write_tensors
 from elastic.checkpoint.layout import (
     MANIFEST_NAME,
     FileEntry,
@@ -32,6 +32,7 @@ from elastic.checkpoint.layout import (
     step_dir,
 )
 from elastic.checkpoint.reader import scan, verify_files
+from elastic.checkpoint.staging import FlatState
 from elastic.checkpoint.storage import CheckpointStorage
 
 __all__ = ["PackSaveJob", "SaveTimings", "apply_retention", "new_token"]
