@@ -1,47 +1,102 @@
-"""Worker for loop_overhead_bench.py: the char transformer trained by plain DDP or by the ElasticTrainer."""
+"""Worker for loop_overhead_bench.py: one model trained by plain DDP or by the ElasticTrainer.
+
+``--model char``: the char transformer of the examples (CPU, gloo).  ``--model mlp``: an MLP + AdamW whose
+state is ``--state-gib`` GiB (bench/_workload.py), fed with index batches that select rows of a table kept
+on the device (so that building a batch costs nothing next to a GPU step).  On ``--device cuda`` the process
+group is NCCL and the model lives on ``LOCAL_RANK``'s GPU.  Both modes read the loss once per step (a
+host sync, as any loop that logs its loss does).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from common import DATA, CharDataset, TinyTransformer
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "examples"))
+sys.path.insert(0, str(HERE))
+from _workload import GiB, Workload  # noqa: E402
+from common import DATA, CharDataset, TinyTransformer  # noqa: E402
 
-from elastic import ElasticConfig, ElasticTrainer, LRPolicy
+from elastic import ElasticConfig, ElasticTrainer, LRPolicy  # noqa: E402
+
+
+class Indices(Dataset[int]):
+    """Sample ``i`` is just ``i``: the MLP's input is row ``i % rows`` of a table on the device."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def build(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Any, Any]:
+    """(model on the device, dataset, loss of one batch)."""
+    if args.model == "char":
+        dataset = CharDataset(DATA / "tiny_shakespeare.txt")
+        model = TinyTransformer(len(dataset.chars)).to(device)
+
+        def char_loss(batch: Any) -> torch.Tensor:
+            x, y = (t.to(device, non_blocking=True) for t in batch)
+            logits = model(x)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+        return model, dataset, char_loss
+    workload = Workload(int(args.state_gib * GiB), device, "adamw", batch=args.batch)
+    table = torch.randn(256, workload.width, device=device)
+    mlp = workload.model
+
+    def mlp_loss(batch: Any) -> torch.Tensor:
+        rows = table[batch.to(device, non_blocking=True) % table.shape[0]]
+        return mlp(rows).pow(2).mean()
+
+    return mlp, Indices(10_000_000), mlp_loss
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["plain", "elastic"], required=True)
+    p.add_argument("--model", choices=["char", "mlp"], default="char")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--state-gib", type=float, default=1.5)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--checkpoint-url", default=None)
-    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=100, help="0: no checkpoints")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()  # ElasticTrainer.close() leaves the process group: remember who writes
-    dataset = CharDataset(DATA / "tiny_shakespeare.txt")
-    model = DDP(TinyTransformer(len(dataset.chars)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, dataset, loss_of = build(args, device)
+    model = DDP(model, device_ids=[device.index] if cuda else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3 if args.model == "char" else 1e-5)
     times: list[float] = []
     cpu: list[float] = []
-
-    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    save_every = args.save_every if args.checkpoint_url else 0
 
     if args.mode == "plain":
         sampler = DistributedSampler(dataset, seed=0)
@@ -49,11 +104,13 @@ def main() -> None:
         epoch = 0
         while len(times) < args.steps:
             sampler.set_epoch(epoch)
-            for x, y in loader:
+            for batch in loader:
                 optimizer.zero_grad()
-                loss_of(x, y).backward()
+                loss = loss_of(batch)
+                loss.backward()
                 optimizer.step()
-                if args.checkpoint_url and (len(times) + 1) % args.save_every == 0 and rank == 0:
+                float(loss)
+                if save_every and (len(times) + 1) % save_every == 0 and rank == 0:
                     # the tutorial way: a synchronous torch.save from rank 0, then move on
                     Path(args.checkpoint_url).mkdir(parents=True, exist_ok=True)
                     state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}
@@ -64,11 +121,13 @@ def main() -> None:
                     break
             epoch += 1
     else:
-        policy = LRPolicy("linear", 1e-3, dist.get_world_size(), args.batch)
-        config = ElasticConfig(policy, args.checkpoint_url, save_every_steps=args.save_every, progress_every=0)
+        policy = LRPolicy("linear", optimizer.param_groups[0]["lr"], dist.get_world_size(), args.batch)
+        config = ElasticConfig(
+            policy, args.checkpoint_url, save_every_steps=save_every or None, progress_every=0
+        )
         trainer = ElasticTrainer(model, optimizer, dataset, config)
-        for x, y in trainer.batches(epochs=100):
-            trainer.backward(loss_of(x, y))
+        for batch in trainer.batches(epochs=100):
+            trainer.backward(loss_of(batch))
             if len(times) < trainer.step:  # one optimizer step completed inside batches()
                 times.append(time.perf_counter())
                 cpu.append(time.process_time())
