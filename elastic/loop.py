@@ -22,8 +22,14 @@ for gradient accumulation), scales the loss so the gradient is the exact mean ov
 the LR policy's factor (with its warmup ramp after a resize) around ``optimizer.step()``, steps the LR
 scheduler, advances the data cursor, saves snapshots on a step/time schedule (asynchronously; optionally also
 node-local ones in memory, see ``elastic/checkpoint/tiers.py``), logs progress averaged over workers, and
-on SIGTERM saves
-synchronously at the step boundary and stops.
+on SIGTERM saves synchronously at the step boundary and stops.
+
+A snapshot that falls due while the previous one is still being written does not stall the loop (with
+``when_writer_busy="defer"``, the default): it is taken at the first step boundary at which the writer is
+free, holding the newest state then, while the fixed multiples of ``save_every_steps`` go on (one falling due
+while one is pending is counted as skipped). The decisions are :mod:`elastic.snapshot_schedule`'s, on flags
+every rank agrees on in the all-reduce each step already does; counters in :attr:`ElasticTrainer.snapshot_stats`.
+A snapshot still pending when the job ends (``close(finished=True)``) is taken there, synchronously.
 
 A SIGTERM'd worker that cannot reach the step boundary within ``stop_timeout`` (at least three times the
 slowest of the last steps) is blocked in a collective with a peer that vanished without closing its
@@ -42,8 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
-from datetime import timedelta
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -54,7 +59,6 @@ from torch.utils.data import default_collate
 from elastic import compat
 from elastic.checkpoint import (
     CheckpointFencedError,
-    CheckpointOptions,
     CheckpointWriteError,
     PreemptionWatcher,
     capture_training_state,
@@ -64,74 +68,24 @@ from elastic.checkpoint import (
 from elastic.checkpoint.api import CheckpointManager
 from elastic.checkpoint.layout import step_dir
 from elastic.checkpoint.state import TrainingState
+from elastic.checkpoint.storage import CheckpointStorage
 from elastic.checkpoint.tiers import create_snapshot_tiers
 from elastic.env import WorkerEnv
+from elastic.loop_config import ElasticConfig, StepInfo
 from elastic.lr import LRPolicy, RampState, scaled_lr
 from elastic.progress import create_reporter
 from elastic.sampler import ElasticSampler, split_sizes
+from elastic.snapshot_schedule import Boundary, SnapshotSchedule, SnapshotStats, WriterBusy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ElasticConfig", "ElasticTrainer", "StepInfo"]
-
-
-@dataclass(frozen=True)
-class ElasticConfig:
-    """Settings of one job's elastic loop (``checkpoint_url`` defaults to ``$ETRAIN_CHECKPOINT_URL``, see
-    :mod:`elastic.env`)."""
-
-    lr_policy: LRPolicy
-    checkpoint_url: str | None = None
-    checkpoint_options: CheckpointOptions = field(default_factory=CheckpointOptions)
-    save_every_steps: int | None = 50
-    save_every: timedelta | None = None
-    # node-local snapshots in memory (see elastic/checkpoint/tiers.py); None: $ETRAIN_LOCAL_SNAPSHOT_EVERY, else off
-    local_every_steps: int | None = None
-    # ... spaced out so that their measured cost stays under this fraction of training time (None: no cap)
-    local_max_overhead: float | None = 0.05
-    seed: int = 0
-    shuffle: bool = True
-    backend: str | None = None  # None: nccl with CUDA, else gloo
-    progress_every: int = 10
-    timeout: timedelta = timedelta(minutes=10)
-    # after SIGTERM, how long to reach the step boundary before exiting without the final save (None: wait)
-    stop_timeout: timedelta | None = timedelta(seconds=10)
-    total_steps: int | None = None  # only for progress reports to the job service
-    # a failed save (storage away) is reported and the next one tried; saves failing for longer stop training
-    save_failure_grace: timedelta = timedelta(minutes=5)
-
-    def __post_init__(self) -> None:
-        if self.save_failure_grace < timedelta(0):
-            raise ValueError(f"save_failure_grace must be >= 0, got {self.save_failure_grace}")
-        if self.local_max_overhead is not None and not 0 < self.local_max_overhead < 1:
-            raise ValueError(f"local_max_overhead must be in (0, 1) or None, got {self.local_max_overhead}")
-        if self.local_every_steps is not None and self.local_every_steps < 1:
-            raise ValueError(f"local_every_steps must be >= 1 or None, got {self.local_every_steps}")
-
-    def resolved_checkpoint_url(self) -> str | None:
-        return self.checkpoint_url or WorkerEnv.from_environ().checkpoint_url
-
-    def resolved_local_every_steps(self) -> int | None:
-        if self.local_every_steps is not None:
-            return self.local_every_steps
-        return WorkerEnv.from_environ().local_snapshot_every or None
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """One committed optimizer step, as seen by this rank (for progress hooks and sample accounting)."""
-
-    step: int
-    epoch: int
-    rank: int
-    world_size: int
-    indices: Sequence[int]
-    lr: float
-    loss: float | None
+__all__ = ["ElasticConfig", "ElasticTrainer", "SnapshotStats", "StepInfo", "WriterBusy"]
 
 
 class ElasticTrainer:
-    """See the module docstring. The optimizer must be created with ``lr = lr_policy.base_lr``."""
+    """See the module docstring. The optimizer must be created with ``lr = lr_policy.base_lr``.
+    ``checkpoint_storage`` replaces the storage built from the checkpoint URL (a wrapper of our own
+    :class:`~elastic.checkpoint.storage.CheckpointStorage`; its URL is used when the config names none)."""
 
     def __init__(
         self,
@@ -143,12 +97,14 @@ class ElasticTrainer:
         scheduler: Any = None,
         collate_fn: Callable[[list[Any]], Any] = default_collate,
         on_step: Callable[[StepInfo], None] | None = None,
+        checkpoint_storage: CheckpointStorage | None = None,
     ) -> None:
         compat.check_torch_version()
         self.config = config
         self._dataset = dataset
         self._collate = collate_fn
         self._on_step = on_step
+        self._storage = checkpoint_storage
         self.optimizer = optimizer
         self.scheduler = scheduler
         self._init_process_group()
@@ -182,7 +138,9 @@ class ElasticTrainer:
         self._progress.report(
             self.step, world_size=self.world_size, total_steps=config.total_steps, nodes=self._round_nodes(), force=True
         )
-        self._last_save_time = time.monotonic()
+        self._schedule = SnapshotSchedule(
+            config.save_every_steps, config.save_every, config.when_writer_busy, clock=time.monotonic()
+        )
         self._failing_since: float | None = None  # when saves began to fail (none failing: None)
         self._loss_sum = 0.0
         self._loss_count = 0
@@ -216,7 +174,7 @@ class ElasticTrainer:
         return torch.device("cpu")
 
     def _open_checkpoints(self) -> CheckpointManager | None:
-        url = self.config.resolved_checkpoint_url()
+        url = self.config.resolved_checkpoint_url() or (self._storage.url if self._storage is not None else None)
         if url is None:
             logger.warning("no checkpoint URL: training will not survive a restart")
             return None
@@ -226,7 +184,7 @@ class ElasticTrainer:
             options = replace(options, signing_key=worker.checkpoint_key)
         if options.generation is None and worker.job is not None:  # fencing of an old generation's saves
             options = replace(options, generation=worker.job.generation)
-        manager = create_checkpoint_manager(url, options)
+        manager = create_checkpoint_manager(url, options, storage=self._storage)
         manager.check_storage()  # one clear line, before any training, if the storage is unusable
         return manager
 
@@ -392,6 +350,7 @@ class ElasticTrainer:
         self._progress.report(
             self.step, world_size=self.world_size, loss=loss, total_steps=self.config.total_steps,
             lr=lr, epoch=self.sampler.epoch, force=bool(committed), **committed,
+            **self.snapshot_stats.progress_fields(),
         )  # fmt: skip
 
     def average(self, values: dict[str, float]) -> dict[str, float]:
@@ -403,18 +362,18 @@ class ElasticTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _maybe_save(self, epoch_done: bool = False) -> None:
-        every = self.config.save_every_steps
-        due = epoch_done or (every is not None and self.step % every == 0)
-        # Every rank, every step: agree on a time-based save and on a SIGTERM seen by any rank. Doing this
-        # collective unconditionally keeps all ranks' collectives in the same order.
-        interval = self.config.save_every
-        time_due = interval is not None and time.monotonic() - self._last_save_time >= interval.total_seconds()
+        # Every rank, every step: agree on a time-based save, a SIGTERM seen by any rank, a node-local snapshot
+        # and whether any rank's checkpoint writer is still busy (non-writers report 0). Doing this collective
+        # unconditionally keeps all ranks' collectives in the same order, and their snapshot decisions equal.
+        now = time.monotonic()
         signalled = self._preemption.requested
         local_due = self.rank == 0 and self._tiers.want_local(self.step)  # rank 0's measurements decide
-        flags = torch.tensor([int(time_due), int(signalled), int(local_due)], device=self.device)
+        busy = self._manager is not None and self._manager.in_flight
+        mine = [self._schedule.time_due(now), signalled, local_due, busy]
+        flags = torch.tensor([int(f) for f in mine], device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        due = due or bool(flags[0])
-        if bool(flags[1]):
+        time_due, anyone_signalled, local, busy = (bool(f) for f in flags.tolist())
+        if anyone_signalled:
             # SIGTERM: a preemption notice, or torchrun restarting the group (it signals workers first).
             # Everyone saves this step synchronously (no step is lost); the signalled ranks then exit,
             # the others carry on and resume from this snapshot when the group re-forms.
@@ -426,10 +385,18 @@ class ElasticTrainer:
                 if self._manager is not None:
                     self._manager.close()
                 raise SystemExit(143)
-        elif due:
+            return
+        self._schedule, decision = self._schedule.decide(Boundary(self.step, now, epoch_done, time_due, busy))
+        if decision.warning is not None and self.rank == 0:
+            logger.warning("%s", decision.warning)
+        if not decision.take and (decision.deferred or decision.skipped):
+            logger.debug("snapshot due at step %d %s: the writer is still saving step %s", self.step,
+                         "deferred" if decision.deferred else "merged into the pending one (skipped)",
+                         self._schedule.stats.last_saved_step)  # fmt: skip
+        if decision.take:
             self.save(blocking=False)
             self._tiers.note_durable(self.step)
-        elif bool(flags[2]):
+        elif local:
             self._tiers.save_local(self.step, self._capture, overlap_with=self.optimizer)
 
     def _capture(self) -> TrainingState:
@@ -473,8 +440,13 @@ class ElasticTrainer:
                 self._manager.save(self.step, state, blocking=True)  # its failure stops the worker
             else:
                 self._manager.save(self.step, state, blocking=False, overlap_with=overlap)
-        self._last_save_time = time.monotonic()
+        self._schedule = self._schedule.started(self.step, time.monotonic(), background=not blocking)
         self._pending_checkpoint = self.step
+
+    @property
+    def snapshot_stats(self) -> SnapshotStats:
+        """Durable snapshots saved, deferred (writer busy) and skipped so far (the same on every rank)."""
+        return self._schedule.stats
 
     @property
     def resumed_from(self) -> str | None:
@@ -487,7 +459,12 @@ class ElasticTrainer:
 
     def close(self, finished: bool = True) -> None:
         """Flush the in-flight save (raising its error) and leave the process group. ``finished``: the job
-        is done, so this node's in-memory snapshots are deleted (kept after a preemption stop)."""
+        is done, so this node's in-memory snapshots are deleted (kept after a preemption stop), and a deferred
+        snapshot still pending is taken now, synchronously, of the state at this call (a collective then)."""
+        pending = self._schedule.stats.pending_since
+        if finished and not self._stopped and pending is not None and self._manager is not None:
+            logger.info("taking the snapshot pending since step %d at step %d before closing", pending, self.step)
+            self.save(blocking=True)
         self._boundary_after_signal.set()
         self._preemption.uninstall()
         self._tiers.close(finished=finished and not self._stopped)

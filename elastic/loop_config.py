@@ -1,0 +1,77 @@
+"""The settings of the elastic loop (:class:`ElasticConfig`) and what it tells a step hook (:class:`StepInfo`).
+
+Both are re-exported by :mod:`elastic.loop`, where :class:`~elastic.loop.ElasticTrainer` uses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from elastic.checkpoint.api import CheckpointOptions
+from elastic.env import WorkerEnv
+from elastic.lr import LRPolicy
+from elastic.snapshot_schedule import SnapshotSchedule, WriterBusy, writer_busy
+
+__all__ = ["ElasticConfig", "StepInfo"]
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """Settings of one job's elastic loop (``checkpoint_url`` defaults to ``$ETRAIN_CHECKPOINT_URL``, see
+    :mod:`elastic.env`)."""
+
+    lr_policy: LRPolicy
+    checkpoint_url: str | None = None
+    checkpoint_options: CheckpointOptions = field(default_factory=CheckpointOptions)
+    save_every_steps: int | None = 50
+    save_every: timedelta | None = None
+    # a snapshot due while the last one is still being written: "defer" it to when the writer is free, or
+    # "wait" for the writer (the loop stalls); see elastic/snapshot_schedule.py
+    when_writer_busy: WriterBusy = WriterBusy.DEFER
+    # node-local snapshots in memory (see elastic/checkpoint/tiers.py); None: $ETRAIN_LOCAL_SNAPSHOT_EVERY, else off
+    local_every_steps: int | None = None
+    # ... spaced out so that their measured cost stays under this fraction of training time (None: no cap)
+    local_max_overhead: float | None = 0.05
+    seed: int = 0
+    shuffle: bool = True
+    backend: str | None = None  # None: nccl with CUDA, else gloo
+    progress_every: int = 10
+    timeout: timedelta = timedelta(minutes=10)
+    # after SIGTERM, how long to reach the step boundary before exiting without the final save (None: wait)
+    stop_timeout: timedelta | None = timedelta(seconds=10)
+    total_steps: int | None = None  # only for progress reports to the job service
+    # a failed save (storage away) is reported and the next one tried; saves failing for longer stop training
+    save_failure_grace: timedelta = timedelta(minutes=5)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "when_writer_busy", writer_busy(self.when_writer_busy))
+        SnapshotSchedule(self.save_every_steps, self.save_every, self.when_writer_busy)  # validates them
+        if self.save_failure_grace < timedelta(0):
+            raise ValueError(f"save_failure_grace must be >= 0, got {self.save_failure_grace}")
+        if self.local_max_overhead is not None and not 0 < self.local_max_overhead < 1:
+            raise ValueError(f"local_max_overhead must be in (0, 1) or None, got {self.local_max_overhead}")
+        if self.local_every_steps is not None and self.local_every_steps < 1:
+            raise ValueError(f"local_every_steps must be >= 1 or None, got {self.local_every_steps}")
+
+    def resolved_checkpoint_url(self) -> str | None:
+        return self.checkpoint_url or WorkerEnv.from_environ().checkpoint_url
+
+    def resolved_local_every_steps(self) -> int | None:
+        if self.local_every_steps is not None:
+            return self.local_every_steps
+        return WorkerEnv.from_environ().local_snapshot_every or None
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One committed optimizer step, as seen by this rank (for progress hooks and sample accounting)."""
+
+    step: int
+    epoch: int
+    rank: int
+    world_size: int
+    indices: Sequence[int]
+    lr: float
+    loss: float | None
