@@ -80,6 +80,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--checkpoint-url", default=None)
     p.add_argument("--save-every", type=int, default=100, help="0: no checkpoints")
+    p.add_argument("--when-writer-busy", choices=["defer", "wait"], default="defer")
     args = p.parse_args()
     cuda = args.device == "cuda"
     if cuda:
@@ -123,7 +124,11 @@ def main() -> None:
     else:
         policy = LRPolicy("linear", optimizer.param_groups[0]["lr"], dist.get_world_size(), args.batch)
         config = ElasticConfig(
-            policy, args.checkpoint_url, save_every_steps=save_every or None, progress_every=0
+            policy,
+            args.checkpoint_url,
+            save_every_steps=save_every or None,
+            progress_every=0,
+            when_writer_busy=args.when_writer_busy,
         )
         trainer = ElasticTrainer(model, optimizer, dataset, config)
         for batch in trainer.batches(epochs=100):

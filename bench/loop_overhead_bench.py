@@ -5,7 +5,9 @@ synchronous torch.save from rank 0, at the same checkpoint interval, interleaved
 On CPU (default): the char transformer, 2 workers, gloo, a snapshot every 100 steps; goal: ratio >= 0.98.
 Reports wall-clock steps/s and steps per CPU-second of rank 0 (the latter is robust to other load on the
 machine). ``--with-local`` adds a third system per round: the elastic loop with a node-local snapshot every
-step (elastic/checkpoint/tiers.py), to price it.
+step (elastic/checkpoint/tiers.py), to price it. ``--with-wait`` adds the elastic loop with
+``when_writer_busy="wait"`` (a snapshot falling due while the previous one is written waits for it: the loop's
+behaviour before deferral), to show what deferral buys.
 
 On ``--device cuda``: an MLP + AdamW with ``--state-gib`` GiB of state (default 1.5), one worker (NCCL), and
 the checkpoint intervals of ``--save-every`` (default ``0,50,10``; 0 = no checkpoints), so that each system's
@@ -29,6 +31,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from elastic import compat
 from elastic.env import LOCAL_SNAPSHOT_DIR, LOCAL_SNAPSHOT_EVERY
@@ -49,6 +52,7 @@ def _run(
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={args.nproc}", *rdzv,
            str(WORKER), "--mode", "plain" if mode == "plain" else "elastic", "--steps", str(args.steps),
+           "--when-writer-busy", "wait" if mode == "elastic-wait" else "defer",
            "--out", str(out), "--model", args.model, "--device", args.device, "--state-gib", str(args.state_gib),
            "--batch", str(args.batch), "--warmup", str(args.warmup)]  # fmt: skip
     # Same checkpoint interval for both: plain DDP saves synchronously from rank 0 with torch.save.
@@ -85,6 +89,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=None, help="workers (default: 2 on cpu, 1 on cuda)")
     parser.add_argument("--json", type=Path, default=HERE / "results" / "loop_overhead.json")
     parser.add_argument("--with-local", action="store_true", help="also the elastic loop + node-local snapshots")
+    parser.add_argument("--with-wait", action="store_true", help="also the elastic loop with when_writer_busy=wait")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     args.model = "mlp" if cuda else "char"
@@ -94,7 +99,8 @@ def main() -> None:
     args.nproc = args.nproc or (1 if cuda else 2)
     intervals = [int(k) for k in (args.save_every or ("0,50,10" if cuda else "100")).split(",")]
     work = Path(tempfile.mkdtemp(prefix="overhead-"))
-    modes = ("plain", "elastic", "elastic-local") if args.with_local else ("plain", "elastic")
+    extra = [m for m, wanted in (("elastic-local", args.with_local), ("elastic-wait", args.with_wait)) if wanted]
+    modes = ("plain", "elastic", *extra)
     rates: dict[tuple[str, int], list[float]] = {(m, k): [] for m in modes for k in intervals}
     cpu_rates: dict[tuple[str, int], list[float]] = {(m, k): [] for m in modes for k in intervals}
     with LocalEtcdCluster(1, workdir=work / "etcd") as etcd:
@@ -110,7 +116,7 @@ def main() -> None:
     med = statistics.median
     by_interval = {}
     for every in intervals:
-        row = {f"{m}_steps_per_s": rates[m, every] for m in modes}
+        row: dict[str, Any] = {f"{m}_steps_per_s": rates[m, every] for m in modes}
         row |= {f"{m}_steps_per_cpu_s": cpu_rates[m, every] for m in modes}
         row["ratio_median"] = med(rates["elastic", every]) / med(rates["plain", every])
         if 0 in intervals:
@@ -120,8 +126,9 @@ def main() -> None:
         line = (f"snapshot every {every or '-':>4} steps: plain DDP median {plain:.2f} steps/s, "
                 f"elastic median {elastic:.2f} steps/s, ratio {row['ratio_median']:.3f}")  # fmt: skip
         if 0 in intervals and every:
-            line += (f"; of the same system without checkpoints: plain {row['plain_fraction_of_no_checkpoint']:.3f}, "
-                     f"elastic {row['elastic_fraction_of_no_checkpoint']:.3f}")  # fmt: skip
+            line += "; of the same system without checkpoints: " + ", ".join(
+                f"{m} {row[f'{m}_fraction_of_no_checkpoint']:.3f}" for m in modes
+            )
         print(line)
     main_every = next((k for k in intervals if k), intervals[0])
     first = by_interval[str(main_every)]
