@@ -174,7 +174,8 @@ class SnapshotInfo:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A verified, loaded snapshot: ``state`` is the mapping given to ``save`` (tensors on CPU)."""
+    """A verified, loaded snapshot: ``state`` is the mapping given to ``save`` (tensors on CPU, or on the
+    device the load asked for)."""
 
     step: int
     state: Mapping[str, Any]
@@ -197,8 +198,9 @@ class CheckpointManager(ABC):
     Contract:
     - ``check_storage()`` proves at start-up that the root is usable (write, read back, delete) and
       raises :class:`CheckpointStorageError` with one line otherwise.
-    - ``save(step, state, blocking=False)`` returns once the state is copied to CPU memory; the write
-      runs in the background.  At most one save is in flight: a new save first waits for the previous
+    - ``save(step, state, blocking=False)`` returns once the state is copied to CPU memory (CUDA tensors:
+      once their copies are queued and the current stream is ordered after them); the write runs in the
+      background.  At most one save is in flight: a new save first waits for the previous
       one and raises its error (:class:`CheckpointWriteError`) instead of starting.  With
       ``overlap_with=optimizer`` it returns before copying that optimizer's tensors (see ``save``).
       ``blocking=True`` returns once the snapshot is committed.  With the replicated layout only
@@ -242,10 +244,15 @@ class CheckpointManager(ABC):
     ) -> None:
         """Snapshot ``state`` (a mapping or a ``TrainingState``) at ``step``.
 
+        The snapshot holds the values at the time of the call.  CUDA tensors are copied to pinned host
+        buffers on a copy stream: ``save`` returns once the copies are queued (no host synchronization) and
+        later work on the current stream is ordered after them.
+
         ``overlap_with`` (background saves of replicated state): the parameters and state of this
-        optimizer are copied by the writer thread, overlapping the next forward/backward, and the
-        optimizer's next ``step()`` waits until they are copied.  Only valid if nothing else changes
-        them in between; all other tensors are copied before ``save`` returns.
+        optimizer are copied while the next forward/backward runs (CUDA: on the copy stream; CPU: by the
+        writer thread), and the optimizer's next ``step()`` is ordered after that copy (CUDA: the stream
+        waits, GPU-side; CPU: the host waits).  Only valid if nothing else changes them in between; all
+        other tensors are copied (or, on CUDA, ordered before any later work) before ``save`` returns.
         """
 
     @abstractmethod
@@ -263,12 +270,21 @@ class CheckpointManager(ABC):
         """The step of the newest save by this manager that committed (None: none yet, or not a writer)."""
 
     @abstractmethod
-    def load_latest(self, template: Mapping[str, Any] | None = None) -> Snapshot | None:
-        """The newest verified snapshot, or ``None``; ``template`` is needed by the sharded layout."""
+    def load_latest(
+        self, template: Mapping[str, Any] | None = None, *, device: torch.device | str | None = None
+    ) -> Snapshot | None:
+        """The newest verified snapshot, or ``None``; ``template`` is needed by the sharded layout.
+
+        ``device`` (replicated layout): where the restored tensors live; a CUDA device is loaded straight
+        into device memory.  ``None`` (the default): CPU.
+        """
 
     @abstractmethod
-    def load(self, step: int, template: Mapping[str, Any] | None = None) -> Snapshot:
-        """The snapshot at ``step``; raises :class:`CheckpointCorruptError` if missing or invalid."""
+    def load(
+        self, step: int, template: Mapping[str, Any] | None = None, *, device: torch.device | str | None = None
+    ) -> Snapshot:
+        """The snapshot at ``step``; raises :class:`CheckpointCorruptError` if missing or invalid.  ``device``
+        as for :meth:`load_latest`."""
 
     @abstractmethod
     def list_snapshots(self) -> list[SnapshotInfo]:

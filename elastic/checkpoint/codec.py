@@ -1,16 +1,17 @@
-"""Encoding of replicated state: a small ``skeleton.pt`` plus raw tensor bytes in ``tensors.bin``.
+"""Encoding of replicated state: a small ``skeleton.pt`` plus the raw tensor bytes in segment files.
 
 Why not one ``torch.save`` file: ``torch.save`` into a Python stream copies each storage into a Python
 ``bytes`` object and computes a CRC32 with the GIL held, so a background writer thread would stall the
 training thread for most of the write.  Here the structure (dicts, lists, numbers, strings, tensor
 references) still goes through ``torch.save``/``torch.load(weights_only=True)``, but tensor data is written
-straight from the tensors' memory in large chunks (``os.write`` and ``hashlib`` release the GIL), hashed in
-the same pass, and read back with one sequential read into a single buffer that the restored tensors view.
+straight from the tensors' memory in large chunks (``os.write`` and ``hashlib`` release the GIL) as one
+64-byte aligned byte stream, cut into segment files (see :mod:`elastic.checkpoint.segments`), and read back
+into a single buffer that the restored tensors view.
 
-Tensors are restored on CPU, contiguous, with the saved dtype, shape and bytes (bit-identical); tensors
-that appear several times in the state (tied weights) are restored as one tensor.  Tensors other than
-plain strided ones (sparse, quantized, subclasses) are kept inside the skeleton and go through
-``torch.save`` as they are.
+Tensors are restored with the saved dtype, shape and bytes (bit-identical), contiguous, on the device of
+that buffer (CPU unless the loader reads into a device); tensors that appear several times in the state
+(tied weights) are restored as one tensor.  Tensors other than plain strided ones (sparse, quantized,
+subclasses) are kept inside the skeleton and go through ``torch.save`` as they are (restored on CPU).
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from __future__ import annotations
 import io
 import sys
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from elastic.checkpoint.storage import BinaryWriter
+from elastic.checkpoint.segments import LEGACY_TENSORS_NAME, Segment, segment_extents, split_chunks
 
 if TYPE_CHECKING:
     from elastic.checkpoint.staging import FlatState
@@ -36,13 +37,13 @@ __all__ = [
     "PackDecodeError",
     "decode_pack",
     "encode_skeleton",
+    "segment_chunks",
     "tensor_layout",
-    "write_tensors",
 ]
 
 PACK_FORMAT = "elastic-pack/1"
 SKELETON_NAME = "skeleton.pt"
-TENSORS_NAME = "tensors.bin"
+TENSORS_NAME = LEGACY_TENSORS_NAME  # the single data file of snapshots written before segments
 TENSOR_REF_KEY = "__elastic_tensor__"  # reserved dict key marking a tensor reference in the skeleton
 _ALIGN = 64
 _ZEROS = bytes(_ALIGN)
@@ -89,41 +90,39 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 
-def write_tensors(
-    flat: FlatState,
-    out: BinaryWriter,
-    update: Callable[[memoryview], None],
+def segment_chunks(
+    tensors: Sequence[torch.Tensor],
+    table: Sequence[Mapping[str, Any]],
+    segment: Segment,
     chunk_bytes: int,
-    on_chunk: Callable[[], None] | None = None,
-) -> int:
-    """Write the tensors' bytes in layout order; ``update`` sees every byte written.  Returns the size."""
-    written = 0
-
-    def emit(data: memoryview) -> None:
-        nonlocal written
-        update(data)
-        out.write(data)
-        written += len(data)
-        if on_chunk is not None:
-            on_chunk()
-
-    table, total = tensor_layout(flat.tensors)
-    for entry, t in zip(table, flat.tensors, strict=True):
-        pad = entry["offset"] - written
-        if pad:
-            emit(memoryview(_ZEROS)[:pad])
-        if entry["nbytes"] == 0:
+) -> Iterator[memoryview]:
+    """The bytes of ``segment`` of the packed stream, as views of the tensors' memory (no copies) and of
+    zero padding, each at most ``chunk_bytes``.  ``table`` is ``tensor_layout(tensors)[0]``; the tensors
+    must be contiguous CPU tensors and stay unchanged while the views are used."""
+    views: dict[int, memoryview] = {}
+    for extent in split_chunks(segment_extents(table, segment), chunk_bytes):
+        if extent.tensor is None:
+            yield memoryview(_ZEROS)[: extent.length]
             continue
-        view = _byte_view(t)
-        for start in range(0, len(view), chunk_bytes):
-            emit(view[start : start + chunk_bytes])
-    if written != total:
-        raise AssertionError(f"tensor pack wrote {written} bytes, layout says {total}")
-    return written
+        view = views.get(extent.tensor)
+        if view is None:
+            view = views[extent.tensor] = _byte_view(tensors[extent.tensor])
+        yield view[extent.offset : extent.offset + extent.length]
 
 
-def decode_pack(skeleton_bytes: bytes, tensor_buffer: bytearray, *, weights_only: bool = True) -> Any:
-    """Rebuild the state from verified bytes; tensors are views into ``tensor_buffer``."""
+def _slice(buffer: torch.Tensor, host: Any, offset: int, nbytes: int) -> torch.Tensor:
+    """Bytes ``[offset, offset + nbytes)`` of ``buffer``.  On CPU a tensor with a storage of its own over that
+    memory (``host`` is ``buffer``'s numpy view): torch functions such as ``torch.set_rng_state`` ignore a
+    storage offset, and ``torch.save`` of one restored tensor must not write the whole buffer.  On other
+    devices a view (there is no ``frombuffer`` for device memory)."""
+    if host is None:
+        return buffer[offset : offset + nbytes]
+    return torch.frombuffer(host, dtype=torch.uint8, count=nbytes, offset=offset)
+
+
+def decode_pack(skeleton_bytes: bytes, tensor_buffer: torch.Tensor, *, weights_only: bool = True) -> Any:
+    """Rebuild the state from verified bytes; tensors are views into ``tensor_buffer`` (the tensor stream as
+    a 1-D uint8 tensor, on any device), so they live on its device."""
     try:
         bundle = torch.load(io.BytesIO(skeleton_bytes), map_location="cpu", weights_only=weights_only)
     except Exception as exc:
@@ -133,17 +132,22 @@ def decode_pack(skeleton_bytes: bytes, tensor_buffer: bytearray, *, weights_only
         raise PackDecodeError(f"skeleton is not in format {PACK_FORMAT}")
     if bundle.get("byteorder") != sys.byteorder:
         raise PackDecodeError(f"snapshot was written on a {bundle.get('byteorder')}-endian machine")
-    if bundle["tensors_bytes"] != len(tensor_buffer):
-        raise PackDecodeError(f"tensors.bin has {len(tensor_buffer)} bytes, skeleton says {bundle['tensors_bytes']}")
+    if bundle["tensors_bytes"] != tensor_buffer.numel():
+        raise PackDecodeError(
+            f"tensor data has {tensor_buffer.numel()} bytes, skeleton says {bundle['tensors_bytes']}"
+        )
+    host = tensor_buffer.numpy() if tensor_buffer.device.type == "cpu" and tensor_buffer.numel() else None
     tensors: list[torch.Tensor] = []
     for entry in bundle["tensors"]:
         dtype = getattr(torch, entry["dtype"], None)
         if not isinstance(dtype, torch.dtype):
             raise PackDecodeError(f"unknown dtype {entry['dtype']!r}")
         if entry["nbytes"] == 0:
-            tensors.append(torch.empty(entry["shape"], dtype=dtype))
+            tensors.append(torch.empty(entry["shape"], dtype=dtype, device=tensor_buffer.device))
             continue
-        raw = torch.frombuffer(tensor_buffer, dtype=torch.uint8, count=entry["nbytes"], offset=entry["offset"])
+        if entry["offset"] % _ALIGN or entry["offset"] + entry["nbytes"] > tensor_buffer.numel():
+            raise PackDecodeError(f"tensor at offset {entry['offset']} ({entry['nbytes']} bytes) is outside the data")
+        raw = _slice(tensor_buffer, host, entry["offset"], entry["nbytes"])
         tensors.append(raw.view(dtype).reshape(entry["shape"]))
 
     def rebuild(obj: Any) -> Any:

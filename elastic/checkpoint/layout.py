@@ -4,7 +4,7 @@ Layout under the root (``/`` separated, relative paths)::
 
     step-000000001200/manifest.json          the commit point (written last)
     step-000000001200/<token>/skeleton.pt    data of one save attempt (token = unique per attempt)
-    step-000000001200/<token>/tensors.bin
+    step-000000001200/<token>/tensors-00000.bin, tensors-00001.bin, ...   (older snapshots: tensors.bin)
 
 A save attempt writes only inside its own ``<token>/`` directory, so an attempt that dies half-way can
 never damage a committed snapshot, even one of the same step; committing replaces ``manifest.json``
@@ -56,7 +56,7 @@ class ManifestSignatureError(ManifestError):
 class SnapshotKind(str, enum.Enum):
     """How the data files of a snapshot are encoded."""
 
-    PACK = "pack"  # replicated state: skeleton.pt + tensors.bin (see elastic/checkpoint/codec.py)
+    PACK = "pack"  # replicated state: skeleton.pt + tensor segments (see codec.py, segments.py)
     DCP = "dcp"  # sharded state: torch.distributed.checkpoint files + .metadata
 
 

@@ -4,7 +4,12 @@ Background saves run in one writer *thread*, not a process.  Measured on 2 cores
 save (``os.write``/socket sends and ``hashlib.sha256`` over multi-MiB chunks) release the GIL, so a thread
 does not hold the training loop back, while a process would need the state shipped through shared memory
 and a start-up of its own (and ``spawn`` re-imports the user's training script).  The training thread
-blocks only for copying the tensors into reused CPU buffers (see ``Stager``).
+blocks only for copying the tensors into reused CPU buffers (see ``Stager``); CUDA tensors are only queued for
+copying into reused pinned buffers on a copy stream, and the training stream is ordered after those copies
+with CUDA events (GPU-side) instead of the host waiting for them.  With ``overlap_with=optimizer`` the
+optimizer's own tensors are copied while the next forward/backward runs, and a pre-step hook (the *fence*)
+orders ``optimizer.step()`` after their copy: on CUDA by making the current stream wait for an event, for CPU
+tensors (copied by the writer thread) by waiting on the host.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from elastic.checkpoint.api import (
 )
 from elastic.checkpoint.layout import Manifest, ManifestError, step_dir, writer_rank_for
 from elastic.checkpoint.reader import read_manifest, read_pack, scan
-from elastic.checkpoint.staging import Stager
+from elastic.checkpoint.staging import FlatState, Stager
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import (
     CheckpointStorage,
@@ -87,7 +92,7 @@ class FsspecCheckpointManager(CheckpointManager):
         self._options = options
         self._events = events
         storage.events = events
-        self._stager = Stager()
+        self._stager = Stager(pinned_limit_bytes=options.pinned_staging_bytes)
         self._executor: ThreadPoolExecutor | None = None
         self._future: Future[Manifest] | None = None
         self._last_committed: int | None = None
@@ -98,7 +103,8 @@ class FsspecCheckpointManager(CheckpointManager):
         self.last_timings = SaveTimings()
         self.last_blocking_s = 0.0
         self.last_fence_wait_s = 0.0
-        self._staged: threading.Event | None = None
+        # the optimizer the last overlapped save deferred copies for, and that save's staged state
+        self._fence_target: tuple[weakref.ref[torch.optim.Optimizer], FlatState] | None = None
         self._fences: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
         self._exit_hook = _make_exit_hook(weakref.ref(self))
         atexit.register(self._exit_hook)
@@ -143,10 +149,13 @@ class FsspecCheckpointManager(CheckpointManager):
         blocking: bool = False,
         overlap_with: torch.optim.Optimizer | None = None,
     ) -> None:
-        """See :class:`CheckpointManager`.  With ``overlap_with``, tensors sharing storage with the
-        optimizer's parameters or state are copied by the writer thread; an optimizer pre-step hook makes
-        its next ``step()`` wait for that copy.  Other tensors (buffers such as BatchNorm statistics, RNG
-        states, ...) are still copied before returning."""
+        """See :class:`CheckpointManager`.  CUDA tensors are queued for copying on a copy stream (see
+        ``Stager``): save returns without waiting for the device, and the current stream is ordered after
+        the copies.  With ``overlap_with``, tensors sharing storage with the optimizer's parameters or state
+        are copied after the others (CUDA: queued last; CPU: by the writer thread), and an optimizer pre-step
+        hook orders its next ``step()`` after that copy (CUDA: GPU-side; CPU: the host waits).  Other tensors
+        (buffers such as BatchNorm statistics, RNG states, ...) are copied, or ordered before the next
+        forward, before returning."""
         self._check_open()
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
@@ -158,6 +167,7 @@ class FsspecCheckpointManager(CheckpointManager):
             return
         with self._lock:
             self.wait()
+            self._fence_target = None
             if not self.is_writer:
                 return
             started = time.perf_counter()
@@ -170,7 +180,8 @@ class FsspecCheckpointManager(CheckpointManager):
                     return t.numel() > 0 and t.untyped_storage().data_ptr() in owned
 
             flat = self._stager.flatten(mapping, copy=not blocking, defer=defer)
-            self._staged = flat.staged
+            if overlap_with is not None and defer is not None:
+                self._fence_target = (weakref.ref(overlap_with), flat)
             rank, world = current_rank_and_world()
             job = PackSaveJob(
                 storage=self._storage,
@@ -187,7 +198,11 @@ class FsspecCheckpointManager(CheckpointManager):
                 return
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-            self._future = self._executor.submit(self._run_job, job, started)
+            try:
+                self._future = self._executor.submit(self._run_job, job, started)
+            except BaseException:
+                flat.staged.set()  # nothing will copy the deferred tensors: do not hold the optimizer
+                raise
             self.last_blocking_s = time.perf_counter() - started
             logger.debug("checkpoint step %d staged in %.3fs", step, self.last_blocking_s)
 
@@ -195,12 +210,15 @@ class FsspecCheckpointManager(CheckpointManager):
         if optimizer not in self._fences:
             self._fences[optimizer] = optimizer.register_step_pre_hook(self._fence)
 
-    def _fence(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        """Optimizer pre-step hook: wait until the deferred copy of the last save is done."""
-        staged = self._staged
-        if staged is not None and not staged.is_set():
-            mark = time.perf_counter()
-            staged.wait()
+    def _fence(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """Optimizer pre-step hook: order this step after the deferred copies of the last overlapped save of
+        this optimizer's tensors: the current CUDA stream waits for their events (the host does not), and the
+        host waits for the writer thread's copies of CPU tensors.  ``last_fence_wait_s``: host time spent."""
+        target = self._fence_target
+        if target is None or target[0]() is not optimizer:
+            return
+        mark = time.perf_counter()
+        if target[1].fence():
             self.last_fence_wait_s = time.perf_counter() - mark
 
     def _run_job(self, job: PackSaveJob, started: float) -> Manifest:
@@ -217,7 +235,12 @@ class FsspecCheckpointManager(CheckpointManager):
                 f"saving checkpoint step {job.step} to {self.url} failed: {describe_storage_failure(exc)}"
             ) from exc
         finally:
-            job.flat.staged.set()  # never leave an optimizer waiting on a failed save
+            # never leave an optimizer waiting on a failed save (CUDA events complete whatever happens here);
+            # once the copies are done (or abandoned) the fence has nothing left to order
+            job.flat.staged.set()
+            target = self._fence_target
+            if target is not None and target[1] is job.flat:
+                self._fence_target = None
         self.last_timings = job.timings
         self._last_committed = job.step
         logger.info(
@@ -269,7 +292,9 @@ class FsspecCheckpointManager(CheckpointManager):
         snapshots = self.list_snapshots()
         return snapshots[-1].step if snapshots else None
 
-    def _load_manifest(self, manifest: Manifest, template: Mapping[str, Any] | None) -> Snapshot:
+    def _load_manifest(
+        self, manifest: Manifest, template: Mapping[str, Any] | None, device: torch.device | str | None = None
+    ) -> Snapshot:
         if self._options.layout == StateLayout.SHARDED:
             return self._sharded_saver().load(manifest, template)
         state = read_pack(
@@ -277,11 +302,22 @@ class FsspecCheckpointManager(CheckpointManager):
             manifest,
             weights_only=self._options.weights_only,
             chunk_bytes=self._options.chunk_bytes,
+            io_threads=self._options.io_threads,
+            device=device,
         )
         return Snapshot(step=manifest.step, state=state, manifest=manifest, url=self.url)
 
-    def load(self, step: int, template: Mapping[str, Any] | None = None) -> Snapshot:
+    def _check_device(self, device: torch.device | str | None) -> None:
+        if device is not None and self._options.layout == StateLayout.SHARDED:
+            raise ValueError("device applies to the replicated layout (sharded state loads into its template)")
+
+    def load(
+        self, step: int, template: Mapping[str, Any] | None = None, *, device: torch.device | str | None = None
+    ) -> Snapshot:
+        """See :class:`CheckpointManager`; ``device`` (replicated layout): where the tensors are restored
+        (CUDA: read through pinned buffers straight into device memory; ``None``: CPU)."""
         self._check_open()
+        self._check_device(device)
         try:
             manifest = read_manifest(self._storage, step, self._options.signing_key)
         except FileNotFoundError as exc:
@@ -289,15 +325,19 @@ class FsspecCheckpointManager(CheckpointManager):
         except ManifestError as exc:
             raise CheckpointCorruptError(f"snapshot step {step} under {self.url}: {exc}") from exc
         try:
-            return self._load_manifest(manifest, template)
+            return self._load_manifest(manifest, template, device)
         except CheckpointCorruptError as exc:
             raise CheckpointCorruptError(f"snapshot step {step} under {self.url} is corrupt: {exc}") from exc
 
-    def load_latest(self, template: Mapping[str, Any] | None = None) -> Snapshot | None:
+    def load_latest(
+        self, template: Mapping[str, Any] | None = None, *, device: torch.device | str | None = None
+    ) -> Snapshot | None:
+        """See :class:`CheckpointManager`; ``device`` as for :meth:`load`."""
         self._check_open()
+        self._check_device(device)
         if self._options.layout == StateLayout.SHARDED:
             return self._sharded_saver().load_latest(template, self._newest_verified_manifest)
-        return self._newest_loadable(template)
+        return self._newest_loadable(template, device)
 
     def _skip(self, step: int, why: str) -> None:
         logger.warning(
@@ -312,14 +352,16 @@ class FsspecCheckpointManager(CheckpointManager):
             logger.warning("no valid checkpoint under %s; starting fresh", self.url)
             self._said_fresh = True
 
-    def _newest_loadable(self, template: Mapping[str, Any] | None) -> Snapshot | None:
+    def _newest_loadable(
+        self, template: Mapping[str, Any] | None, device: torch.device | str | None = None
+    ) -> Snapshot | None:
         for entry in reversed(scan(self._storage, self._options.signing_key)):
             if entry.manifest is None:
                 if entry.problem:
                     self._skip(entry.step, entry.problem)
                 continue
             try:
-                return self._load_manifest(entry.manifest, template)
+                return self._load_manifest(entry.manifest, template, device)
             except CheckpointCorruptError as exc:
                 self._skip(entry.step, str(exc))
         self._none_found()
@@ -335,7 +377,9 @@ class FsspecCheckpointManager(CheckpointManager):
                     self._skip(entry.step, entry.problem)
                 continue
             try:
-                verify_files(self._storage, entry.manifest, self._options.chunk_bytes)
+                verify_files(
+                    self._storage, entry.manifest, self._options.chunk_bytes, io_threads=self._options.io_threads
+                )
                 return entry.manifest
             except CheckpointCorruptError as exc:
                 self._skip(entry.step, str(exc))

@@ -2,20 +2,27 @@
 
 A step directory counts only if its ``manifest.json`` parses and checks out; one without a manifest is a
 save that never committed and is silently ignored.  Verification compares sizes from one listing first
-(cheap, catches truncation and missing files), then sha256 while reading (catches changed bytes).
+(cheap, catches truncation and missing files), then sha256 while reading (catches changed bytes).  Files
+are read in parallel on an :class:`~elastic.checkpoint.parallel_io.IoPool`, each by one task in chunks that
+are hashed as they arrive; a pack snapshot's tensor files land in one buffer, in host memory or, through
+small pinned host buffers, straight in a CUDA device's memory (:mod:`elastic.checkpoint.file_reads`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import functools
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from elastic.checkpoint.api import CheckpointCorruptError, CheckpointLoadError
-from elastic.checkpoint.codec import SKELETON_NAME, TENSORS_NAME, PackDecodeError, decode_pack
+from elastic.checkpoint.codec import SKELETON_NAME, PackDecodeError, decode_pack
+from elastic.checkpoint.file_reads import DeviceSink, HostSink, ScratchSink, Sink, read_file
 from elastic.checkpoint.layout import (
     FileEntry,
     Manifest,
@@ -27,6 +34,8 @@ from elastic.checkpoint.layout import (
     parse_step_dir,
     step_dir,
 )
+from elastic.checkpoint.parallel_io import IoPool, io_thread_count
+from elastic.checkpoint.segments import tensor_file_order
 from elastic.checkpoint.storage import CheckpointStorage
 
 __all__ = ["ScanEntry", "read_manifest", "read_pack", "scan", "verify_files"]
@@ -74,32 +83,6 @@ def _check_sizes(storage: CheckpointStorage, manifest: Manifest) -> None:
         raise CheckpointCorruptError("; ".join(problems))
 
 
-def _read_into(
-    storage: CheckpointStorage, manifest: Manifest, entry: FileEntry, chunk_bytes: int, keep: bool
-) -> bytearray:
-    """Read one file, hashing it; the bytes are kept only when ``keep``."""
-    hasher = hashlib.sha256()
-    size = entry.size
-    buf = bytearray(size if keep else min(size, chunk_bytes))
-    view = memoryview(buf)
-    done = 0
-    rel = f"{step_dir(manifest.step)}/{entry.path}"
-    with storage.open_read(rel) as f:
-        while done < size:
-            want = min(chunk_bytes, size - done)
-            target = view[done : done + want] if keep else view[:want]
-            got = f.readinto(target)
-            if not got:
-                raise CheckpointCorruptError(f"{entry.path} ended after {done} of {size} bytes")
-            hasher.update(target[:got])
-            done += got
-        if f.read(1):
-            raise CheckpointCorruptError(f"{entry.path} is longer than {size} bytes")
-    if hasher.hexdigest() != entry.sha256:
-        raise CheckpointCorruptError(f"sha256 mismatch in {entry.path}")
-    return buf
-
-
 @contextlib.contextmanager
 def _missing_is_corrupt() -> Iterator[None]:
     try:
@@ -108,30 +91,118 @@ def _missing_is_corrupt() -> Iterator[None]:
         raise CheckpointCorruptError(f"a file is missing: {exc}") from exc
 
 
-def verify_files(storage: CheckpointStorage, manifest: Manifest, chunk_bytes: int = 8 << 20) -> None:
-    """Raise :class:`CheckpointCorruptError` unless every file has its manifest size and sha256."""
+@contextlib.contextmanager
+def _pool_for(pool: IoPool | None, io_threads: int | None) -> Iterator[IoPool]:
+    """``pool``, or a pool of ``io_threads`` (``None``: sized to the machine) closed on exit."""
+    if pool is not None:
+        yield pool
+        return
+    with IoPool(io_thread_count(io_threads)) as own:
+        yield own
+
+
+def verify_files(
+    storage: CheckpointStorage,
+    manifest: Manifest,
+    chunk_bytes: int = 8 << 20,
+    *,
+    pool: IoPool | None = None,
+    io_threads: int | None = None,
+) -> None:
+    """Raise :class:`CheckpointCorruptError` unless every file has its manifest size and sha256.
+
+    Sizes come from one listing; then every file is re-hashed, in parallel on ``pool`` (``None``: a pool of
+    ``io_threads`` for this call); the first mismatch stops the rest.
+    """
     with _missing_is_corrupt():
         _check_sizes(storage, manifest)
-        for entry in manifest.files:
-            _read_into(storage, manifest, entry, chunk_bytes, keep=False)
+        sdir = step_dir(manifest.step)
+        tasks = [
+            lambda stop, e=entry: read_file(
+                storage, f"{sdir}/{e.path}", e, ScratchSink(e.size, chunk_bytes), chunk_bytes, stop
+            )
+            for entry in manifest.files
+        ]
+        with _pool_for(pool, io_threads) as run_on:
+            run_on.run_all(tasks)
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    resolved = torch.device("cpu" if device is None else device)
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"cannot load a snapshot into {resolved}: CUDA is not available")
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 def read_pack(
-    storage: CheckpointStorage, manifest: Manifest, *, weights_only: bool, chunk_bytes: int = 8 << 20
+    storage: CheckpointStorage,
+    manifest: Manifest,
+    *,
+    weights_only: bool,
+    chunk_bytes: int = 8 << 20,
+    pool: IoPool | None = None,
+    io_threads: int | None = None,
+    device: torch.device | str | None = None,
 ) -> Any:
-    """Verify and decode a replicated (pack) snapshot in one read of each file."""
+    """Verify and decode a replicated (pack) snapshot, reading each file once, all files in parallel.
+
+    The tensor files (segments in order, or the single ``tensors.bin`` of older snapshots) are read into one
+    buffer that the restored tensors view: host memory for ``device`` ``None``/CPU; for a CUDA ``device``
+    each task reads its chunks into two pinned host buffers in turn and copies them asynchronously into one
+    device buffer, so the tensors come back on that device without a full host copy; any other device gets
+    the host buffer copied over.  Tensors kept inside the skeleton (sparse, quantized) stay on CPU.
+    Raises :class:`CheckpointCorruptError` (missing or changed files, manifest without tensor data) or
+    :class:`CheckpointLoadError` (verified bytes that do not decode).
+    """
     if manifest.kind != SnapshotKind.PACK:
         raise CheckpointLoadError(f"snapshot step {manifest.step} is of kind {manifest.kind.value}, not pack")
     by_name = {entry.path.rsplit("/", 1)[-1]: entry for entry in manifest.files}
-    missing = {SKELETON_NAME, TENSORS_NAME} - set(by_name)
-    if missing:
-        raise CheckpointCorruptError(f"manifest lacks {', '.join(sorted(missing))}")
+    if SKELETON_NAME not in by_name:
+        raise CheckpointCorruptError(f"manifest lacks {SKELETON_NAME}")
+    try:
+        data_files = [by_name[name] for name in tensor_file_order(by_name)]
+    except ValueError as exc:
+        raise CheckpointCorruptError(str(exc)) from exc
+    target = _resolve_device(device)
+    total = sum(entry.size for entry in data_files)
+    sdir = step_dir(manifest.step)
+    skeleton_entry = by_name[SKELETON_NAME]
+    skeleton = bytearray(skeleton_entry.size)
     with _missing_is_corrupt():
         _check_sizes(storage, manifest)
-        skeleton = _read_into(storage, manifest, by_name[SKELETON_NAME], chunk_bytes, True)
-        tensors = _read_into(storage, manifest, by_name[TENSORS_NAME], chunk_bytes, True)
+        if target.type == "cuda":
+            buffer = torch.empty(total, dtype=torch.uint8, device=target)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(target))  # the allocation's stream: copies wait for it
+
+            def sink(offset: int, size: int) -> Sink:
+                return DeviceSink(buffer, offset, size, chunk_bytes, ready)
+
+        else:
+            buffer = torch.empty(total, dtype=torch.uint8)
+            host = buffer.numpy().data if total else memoryview(bytearray())
+
+            def sink(offset: int, size: int) -> Sink:
+                return HostSink(host[offset : offset + size])
+
+        def read_into(entry: FileEntry, make_sink: Callable[[], Sink]) -> Callable[[threading.Event], None]:
+            # the sink is made when the task starts: pinned buffers exist only for the files being read
+            return lambda stop: read_file(storage, f"{sdir}/{entry.path}", entry, make_sink(), chunk_bytes, stop)
+
+        tasks = [read_into(skeleton_entry, lambda: HostSink(memoryview(skeleton)))]
+        offset = 0
+        for entry in data_files:
+            tasks.append(read_into(entry, functools.partial(sink, offset, entry.size)))
+            offset += entry.size
+        with _pool_for(pool, io_threads) as run_on:
+            run_on.run_all(tasks)
+    if target.type not in ("cpu", "cuda"):
+        buffer = buffer.to(target)
     try:
-        return decode_pack(bytes(skeleton), tensors, weights_only=weights_only)
+        return decode_pack(bytes(skeleton), buffer, weights_only=weights_only)
     except PackDecodeError as exc:
         raise CheckpointLoadError(
             f"snapshot step {manifest.step} is intact but does not decode: {exc}"

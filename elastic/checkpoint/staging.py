@@ -1,12 +1,24 @@
 """Staging: taking a consistent copy of a state's tensors so that training can go on while it is written.
 
 :meth:`Stager.flatten` splits a state into its structure (the skeleton) and its tensors, and copies the
-tensors into buffers that are kept and reused from one save to the next.
+tensors into host buffers that are kept and reused from one save to the next (same index, shape and dtype).
+
+- CPU tensors go into ordinary (pageable) buffers: at once, or, for those ``defer`` selects, in the writer
+  thread (:meth:`FlatState.finish_staging`); the optimizer fence then waits for that on the host (``staged``).
+- CUDA tensors go into page-locked (pinned) buffers, ``pinned_limit_bytes`` of them at most, by
+  ``non_blocking`` copies on one copy stream per device, ordered after the work already queued on the current
+  stream and tracked by CUDA events.  Nothing waits on the host: tensors not deferred are copied first and the
+  current stream waits (GPU-side) for them at once, so the next forward cannot change them (BatchNorm
+  statistics) before they are copied; deferred tensors (the optimizer's) are copied after, under the next
+  forward/backward, and :meth:`FlatState.fence` orders the optimizer's step after them (GPU-side too).  The
+  writer thread synchronizes on the events before it reads a byte.  Beyond the cap, or once pinning has
+  failed, CUDA tensors are staged in pageable memory, whose copies block the host (one warning says so).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -19,13 +31,17 @@ from elastic.checkpoint.codec import TENSOR_REF_KEY
 
 __all__ = ["FlatState", "Stager"]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class FlatState:
     """A state split into its structure (``skeleton``) and the tensors it references, in order.
 
-    ``pending`` tensors are still the live sources: ``finish_staging`` (run by the writer thread) copies
-    them into staging buffers and then sets ``staged``.
+    ``pending`` tensors are still the live (CPU) sources: ``finish_staging`` (run by the writer thread)
+    copies them into staging buffers and then sets ``staged``.  Staging buffers of CUDA tensors are being
+    filled by the device until ``finish_staging`` has synchronized on ``copy_events`` (the last copy of each
+    device); ``fence_events`` mark the end of the deferred device copies (what the optimizer fence waits for).
     """
 
     skeleton: Any
@@ -33,9 +49,13 @@ class FlatState:
     pending: list[int] = field(default_factory=list)
     staged: threading.Event = field(default_factory=threading.Event)
     stager: Stager | None = None
+    copy_events: dict[int, Any] = field(default_factory=dict)  # device index -> torch.cuda.Event
+    fence_events: dict[int, Any] = field(default_factory=dict)
+    device_copies_done: bool = False
 
     def finish_staging(self) -> None:
-        """Copy the deferred tensors; ``staged`` is set afterwards even if copying fails."""
+        """Before any byte is read (writer thread): copy the deferred CPU tensors and set ``staged`` (even if
+        copying fails), then wait until the device-to-host copies have landed."""
         try:
             if self.pending and self.stager is not None:
                 for index in self.pending:
@@ -43,6 +63,24 @@ class FlatState:
             self.pending = []
         finally:
             self.staged.set()
+        for device, event in self.copy_events.items():
+            with torch.cuda.device(device):  # this thread may not have used CUDA yet
+                event.synchronize()
+        self.device_copies_done = True
+
+    def fence(self) -> bool:
+        """Order what comes next (the optimizer's step) after the deferred copies: on the GPU for CUDA
+        tensors (the current stream waits for their events; the host does not), on the host for CPU ones.
+        Returns whether there was anything to wait for."""
+        acted = False
+        if self.fence_events and not self.device_copies_done:
+            for device, event in self.fence_events.items():
+                torch.cuda.current_stream(device).wait_event(event)
+            acted = True
+        if not self.staged.is_set():
+            self.staged.wait()
+            acted = True
+        return acted
 
     @property
     def tensor_bytes(self) -> int:
@@ -53,21 +91,53 @@ def _packable(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_quantized
 
 
-class Stager:
-    """Splits a state into skeleton + tensors; with ``copy`` the tensors are copied into CPU buffers.
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
-    The buffers are kept and reused by the next ``flatten`` whose tensors have the same shapes and dtypes
-    (allocating and faulting in fresh memory costs far more than the copy itself).  A caller must not
-    flatten again while a previous result is still being written (the manager keeps one save in flight).
+
+def _pinned_cost(nbytes: int) -> int:
+    """Page-locked bytes torch's caching host allocator holds for a block of ``nbytes`` (rounded up to a power
+    of two by default)."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+@dataclass
+class _Buffer:
+    tensor: torch.Tensor
+    pinned: bool
+
+
+class Stager:
+    """Splits a state into skeleton + tensors and copies the tensors into reused host buffers.
+
+    A buffer is reused by the next ``flatten`` whose tensor at the same index has the same shape and dtype
+    (allocating and faulting in fresh memory, let alone pinning it, costs far more than the copy itself).
+    ``pinned_limit_bytes`` caps the page-locked memory held for CUDA tensors (0: never pin).  A caller must
+    not flatten again while a previous result is still being written (the manager keeps one save in flight).
     """
 
-    def __init__(self, reuse_buffers: bool = True) -> None:
+    def __init__(self, reuse_buffers: bool = True, pinned_limit_bytes: int = 0) -> None:
         self._reuse = reuse_buffers
-        self._buffers: list[torch.Tensor | None] = []
+        self._pinned_limit = pinned_limit_bytes
+        self._buffers: list[_Buffer | None] = []
+        self._pinned_held = 0
+        self._pin_error: str | None = None  # pinning failed once: never tried again
+        self._warned = False
+        self._streams: dict[int, Any] = {}  # device index -> torch.cuda.Stream for device-to-host copies
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked memory held by the staging buffers (as torch's allocator rounds it)."""
+        return self._pinned_held
 
     def flatten(self, state: Any, *, copy: bool, defer: Callable[[torch.Tensor], bool] | None = None) -> FlatState:
-        """Split ``state``; with ``copy``, tensors are copied now, except those ``defer`` selects, which
-        are left for ``FlatState.finish_staging`` (the caller then must not change them until ``staged``)."""
+        """Split ``state``.  With ``copy``, CPU tensors are copied now, except those ``defer`` selects (but
+        scalars), which are left for ``FlatState.finish_staging`` (the caller then must not change them until
+        ``staged``).
+        CUDA tensors are always staged through the device copy streams (see the module docstring); with
+        ``copy`` the current stream is made to wait for those ``defer`` does not select, and
+        ``FlatState.fence`` orders later work after the others.  Without ``copy`` (a blocking save) CPU
+        tensors are referenced as they are, and nothing but ``finish_staging`` waits for the device copies."""
         flat = FlatState(skeleton=None, stager=self)
         memo: dict[int, int] = {}
         sources: list[torch.Tensor] = []
@@ -94,33 +164,184 @@ class Stager:
             return _copy_leaf(obj) if copy else obj
 
         flat.skeleton = visit(state)
-        if not copy:
-            flat.tensors = [_as_cpu(t) for t in sources]
-        else:
-            del self._buffers[len(sources) :]
-            for index, src in enumerate(sources):
-                if defer is not None and defer(src):
-                    flat.tensors.append(src)
-                    flat.pending.append(index)
-                else:
-                    flat.tensors.append(self._copy(index, src))
+        self._trim(len(sources))
+        early: list[int] = []  # CUDA tensors copied first, fenced at once
+        late: list[int] = []  # CUDA tensors ``defer`` selects, fenced at the optimizer's step
+        copy_now: list[int] = []
+        for index, src in enumerate(sources):
+            deferred = copy and defer is not None and defer(src)
+            flat.tensors.append(src)  # replaced by its staging buffer below, or by finish_staging
+            if _on_cuda(src):
+                (late if deferred else early).append(index)
+            elif not copy:
+                flat.tensors[index] = _as_cpu(src)
+            elif deferred and src.numel() > 1:  # scalars (Adam's CPU step counts) now: a fence need not wait
+                flat.pending.append(index)
+            else:
+                copy_now.append(index)
+        if early or late:
+            self._stage_cuda(flat, sources, early, late, order_now=copy)
+        for index in copy_now:  # host copies run while the device copies are under way
+            flat.tensors[index] = self._copy(index, sources[index])
         if not flat.pending:
             flat.staged.set()
         return flat
 
+    # -- host (CPU) tensors ---------------------------------------------------------------------------
     def _copy(self, index: int, src: torch.Tensor) -> torch.Tensor:
         src = src.detach()
+        slot = self._slot(index)
+        if slot is None or not self._fits(slot, src):
+            slot = self._put(index, torch.empty(src.shape, dtype=src.dtype, device="cpu"), pinned=False)
+        slot.tensor.copy_(src)
+        return slot.tensor
+
+    # -- CUDA tensors ---------------------------------------------------------------------------------
+    def _stage_cuda(
+        self, flat: FlatState, sources: list[torch.Tensor], early: list[int], late: list[int], *, order_now: bool
+    ) -> None:
+        buffers = self._device_buffers(sources, early + late)
+        waited: set[int] = set()
+        for group, deferred in ((early, False), (late, True)):
+            if not group:
+                continue
+            events = self._issue(sources, group, buffers, waited)
+            flat.copy_events.update(events)  # per device, the later event covers the earlier (one stream)
+            if deferred:
+                flat.fence_events = events
+            elif order_now:
+                for device, event in events.items():  # the next forward must not change them before copied
+                    torch.cuda.current_stream(device).wait_event(event)
+        for index, buf in buffers.items():
+            flat.tensors[index] = buf.tensor
+
+    def _issue(
+        self, sources: list[torch.Tensor], group: list[int], buffers: dict[int, _Buffer], waited: set[int]
+    ) -> dict[int, Any]:
+        """Queue the copies of ``group`` on each device's copy stream; return one event per device after them."""
+        by_device: dict[int, list[int]] = {}
+        for index in group:
+            by_device.setdefault(_device_index(sources[index]), []).append(index)
+        events: dict[int, Any] = {}
+        for device, indices in by_device.items():
+            stream = self._copy_stream(device)
+            with torch.cuda.device(device):
+                if device not in waited:  # the copies see every write queued before save
+                    stream.wait_stream(torch.cuda.current_stream(device))
+                    waited.add(device)
+                with torch.cuda.stream(stream):
+                    for index in indices:
+                        src, buf = sources[index].detach(), buffers[index]
+                        if src.numel() == 0:
+                            continue
+                        src.record_stream(stream)  # a source freed meanwhile is not reused before the copy
+                        if src.is_conj() or src.is_neg():  # copy_ would fix these bits on the host, too early
+                            src = src.resolve_conj().resolve_neg()
+                        buf.tensor.copy_(src, non_blocking=buf.pinned)  # pageable: blocks until copied
+                event = torch.cuda.Event(blocking=True)  # the writer's synchronize() sleeps, it does not spin
+                event.record(stream)
+            events[device] = event
+        return events
+
+    def _copy_stream(self, device: int) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def _device_buffers(self, sources: list[torch.Tensor], indices: list[int]) -> dict[int, _Buffer]:
+        """Staging buffers for CUDA tensors: pinned within the cap, pageable beyond it or if pinning fails."""
+        out: dict[int, _Buffer] = {}
+        pageable = 0
+        for index in indices:
+            src = sources[index]
+            slot = self._slot(index)
+            if slot is None or not self._fits(slot, src):
+                self._drop(index)  # its pinned bytes no longer count against the cap
+                pinned = self._pin(src)
+                if pinned is not None:
+                    slot = self._put(index, pinned, pinned=True)
+                else:
+                    slot = self._put(index, torch.empty(src.shape, dtype=src.dtype, device="cpu"), pinned=False)
+            if not slot.pinned:
+                pageable += _nbytes(src)
+            out[index] = slot
+        if pageable and self._pinned_limit > 0 and not self._warned:
+            self._warned = True
+            total = sum(_nbytes(sources[i]) for i in indices)
+            why = (
+                f"pinning host memory failed ({self._pin_error})"
+                if self._pin_error is not None
+                else f"CheckpointOptions.pinned_staging_bytes={_size(self._pinned_limit)} is reached "
+                f"({_size(self._pinned_held)} held)"
+            )
+            logger.warning(
+                "checkpoint staging: %s; %s of the %s of CUDA tensors are staged in pageable memory, whose "
+                "device-to-host copies are synchronous and several times slower (save blocks for them)",
+                why,
+                _size(pageable),
+                _size(total),
+            )
+        return out
+
+    def _pin(self, src: torch.Tensor) -> torch.Tensor | None:
+        """A pinned buffer for ``src`` if the cap allows it and pinning works, else None."""
+        cost = _pinned_cost(_nbytes(src))
+        if cost == 0 or self._pin_error is not None or self._pinned_held + cost > self._pinned_limit:
+            return None
+        try:
+            tensor = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one; so is "no CUDA driver"
+            self._pin_error = " ".join(str(exc).split())[:200]
+            return None
+        self._pinned_held += cost
+        return tensor
+
+    # -- buffer slots ---------------------------------------------------------------------------------
+    def _fits(self, slot: _Buffer, src: torch.Tensor) -> bool:
+        return self._reuse and slot.tensor.shape == src.shape and slot.tensor.dtype == src.dtype
+
+    def _slot(self, index: int) -> _Buffer | None:
+        return self._buffers[index] if index < len(self._buffers) else None
+
+    def _drop(self, index: int) -> None:
+        old = self._slot(index)
+        if old is not None:
+            if old.pinned:
+                self._pinned_held -= _pinned_cost(_nbytes(old.tensor))
+            self._buffers[index] = None
+
+    def _put(self, index: int, tensor: torch.Tensor, *, pinned: bool) -> _Buffer:
+        self._drop(index)
         while len(self._buffers) <= index:
             self._buffers.append(None)
-        buf = self._buffers[index] if self._reuse else None
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu")
-            self._buffers[index] = buf
-        buf.copy_(src)
-        return buf
+        slot = self._buffers[index] = _Buffer(tensor, pinned)
+        return slot
+
+    def _trim(self, count: int) -> None:
+        for index in range(count, len(self._buffers)):
+            self._drop(index)
+        del self._buffers[count:]
 
     def release(self) -> None:
-        self._buffers.clear()
+        """Drop every buffer (pinned ones go back to torch's host allocator cache)."""
+        self._trim(0)
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def _device_index(t: torch.Tensor) -> int:
+    index = t.device.index
+    return torch.cuda.current_device() if index is None else index
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
 
 
 def _copy_leaf(obj: Any) -> Any:

@@ -183,13 +183,16 @@ def _gather_rng(local: dict[str, Any], world: int, process_group: Any) -> dict[i
 
 
 def restore_rng_state(rng: Mapping[str, Any]) -> None:
-    """Set every RNG from a :func:`capture_rng_state` result (CUDA only when the device count matches)."""
-    torch.set_rng_state(rng["torch"])
+    """Set every RNG from a :func:`capture_rng_state` result (CUDA only when the device count matches).
+
+    The state tensors may live on any device (a snapshot loaded with ``device="cuda"``): they are copied to
+    CPU, where torch's RNG setters want them."""
+    torch.set_rng_state(rng["torch"].cpu())
     np_state = rng["numpy"]
     np.random.set_state(
         (
             np_state["kind"],
-            np_state["keys"].numpy().astype(np.uint32),
+            np_state["keys"].cpu().numpy().astype(np.uint32),
             np_state["pos"],
             np_state["has_gauss"],
             np_state["cached_gaussian"],
@@ -200,7 +203,7 @@ def restore_rng_state(rng: Mapping[str, Any]) -> None:
     cuda = rng.get("cuda")
     if cuda and torch.cuda.is_available():
         if len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
+            torch.cuda.set_rng_state_all([c.cpu() for c in cuda])
         else:
             logger.info(
                 "CUDA RNG not restored: %d device states saved, %d devices here",

@@ -3,24 +3,31 @@
 Runs in the caller (blocking save) or in the manager's writer thread (background save); either way it
 only reads the :class:`~elastic.checkpoint.staging.FlatState` it was given, which the caller must not touch
 until the job is done.
+
+The data files are written in parallel on an :class:`~elastic.checkpoint.parallel_io.IoPool`: the skeleton,
+and the tensor stream cut into segment files (see :mod:`elastic.checkpoint.segments`).  Each segment is
+written in chunks straight from the staged tensors' memory through ``storage.open_write`` (fsync'd on
+POSIX; its own multipart upload on S3) while a sibling task hashes the same memory, so writing and sha256
+overlap even for a state of one segment, without reading anything back.  The first failure stops the
+other tasks, all of them end, and only then is the attempt directory deleted and the error raised.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
-import queue
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from elastic.checkpoint.api import CheckpointCorruptError, CheckpointFencedError, CheckpointOptions, EventHook
-from elastic.checkpoint.codec import SKELETON_NAME, TENSORS_NAME, encode_skeleton, write_tensors
+from elastic.checkpoint.codec import SKELETON_NAME, encode_skeleton, segment_chunks, tensor_layout
 from elastic.checkpoint.layout import (
     MANIFEST_NAME,
     FileEntry,
@@ -31,52 +38,15 @@ from elastic.checkpoint.layout import (
     plan_retention,
     step_dir,
 )
+from elastic.checkpoint.parallel_io import IoPool, check_stop, io_thread_count
 from elastic.checkpoint.reader import scan, verify_files
+from elastic.checkpoint.segments import plan_segments
 from elastic.checkpoint.staging import FlatState
 from elastic.checkpoint.storage import CheckpointStorage
 
 __all__ = ["PackSaveJob", "SaveTimings", "apply_retention", "new_token"]
 
 logger = logging.getLogger(__name__)
-
-
-class _PipelinedHasher:
-    """sha256 of a stream of chunks, computed in a helper thread while the caller writes the same chunks.
-
-    ``hashlib`` and ``os.write`` both release the GIL on large buffers, so hashing overlaps with writing
-    instead of adding to it.  Chunks are views (no copies); they must stay unchanged until ``hexdigest``.
-    """
-
-    def __init__(self) -> None:
-        self._hasher = hashlib.sha256()
-        self._queue: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="checkpoint-sha256", daemon=True)
-        self._thread.start()
-        self._digest: str | None = None
-
-    def _run(self) -> None:
-        while (chunk := self._queue.get()) is not None:
-            self._hasher.update(chunk)
-
-    def update(self, chunk: memoryview) -> None:
-        self._queue.put(chunk)
-
-    def _finish(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-
-    def hexdigest(self) -> str:
-        if self._digest is None:
-            self._finish()
-            self._digest = self._hasher.hexdigest()
-        return self._digest
-
-    def __enter__(self) -> _PipelinedHasher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._finish()
 
 
 def new_token() -> str:
@@ -94,8 +64,19 @@ class SaveTimings:
     bytes_written: int = 0
 
 
+def _sha256(source: Callable[[], Iterable[memoryview]], stop: threading.Event) -> str:
+    hasher = hashlib.sha256()
+    for chunk in source():
+        check_stop(stop)
+        hasher.update(chunk)
+    return hasher.hexdigest()
+
+
 @dataclass
 class PackSaveJob:
+    """One save of a flattened replicated state.  ``pool``: the manager's I/O threads; ``None`` makes a
+    pool of ``options.io_threads`` for this save alone (closed when it ends)."""
+
     storage: CheckpointStorage
     step: int
     flat: FlatState
@@ -105,25 +86,57 @@ class PackSaveJob:
     events: EventHook | None = None
     meta: Mapping[str, str] = field(default_factory=dict)
     timings: SaveTimings = field(default_factory=SaveTimings)
+    pool: IoPool | None = None
 
     def _event(self, name: str) -> None:
         if self.events is not None:
             self.events(name)
 
-    def _write_file(self, rel: str, payload: bytes | FlatState) -> FileEntry:
-        with _PipelinedHasher() as hasher, self.storage.open_write(f"{step_dir(self.step)}/{rel}") as out:
-            if isinstance(payload, bytes):
-                hasher.update(memoryview(payload))
-                out.write(payload)
-                size = len(payload)
-            else:
-                size = write_tensors(
-                    payload, out, hasher.update, self.options.chunk_bytes, lambda: self._event("data_chunk")
-                )
+    def _write(self, rel: str, source: Callable[[], Iterable[memoryview]], stop: threading.Event) -> int:
+        """Write the chunks of ``source()`` as file ``rel`` (under the step directory); its size once durable."""
+        size = 0
+        with self.storage.open_write(f"{step_dir(self.step)}/{rel}") as out:
+            for chunk in source():
+                check_stop(stop)
+                out.write(chunk)
+                size += len(chunk)
+                self._event("data_chunk")
         self._event("data_file_closed")
-        return FileEntry(path=rel, size=size, sha256=hasher.hexdigest())
+        return size
+
+    def _write_data(self, pool: IoPool, token: str) -> tuple[FileEntry, ...]:
+        """Write the skeleton and every segment in parallel; their manifest entries, skeleton first."""
+        tensors = self.flat.tensors
+        table, total = tensor_layout(tensors)
+        skeleton = memoryview(encode_skeleton(self.flat))
+        chunk = self.options.chunk_bytes
+        # (file name, its size, a fresh iterator over its bytes), in manifest order
+        files: list[tuple[str, int, Callable[[], Iterable[memoryview]]]] = [
+            (SKELETON_NAME, len(skeleton), functools.partial(iter, (skeleton,)))
+        ]
+        for seg in plan_segments(total, self.options.segment_bytes):
+            files.append((seg.name, seg.size, functools.partial(segment_chunks, tensors, table, seg, chunk)))
+        tasks: list[Callable[[threading.Event], int | str]] = []
+        for name, _size, source in files:  # a file's writer and hasher side by side: they run together
+            tasks.append(functools.partial(self._write, f"{token}/{name}", source))
+            tasks.append(functools.partial(_sha256, source))
+        results = pool.run_all(tasks)
+        entries = []
+        for index, (name, size, _source) in enumerate(files):
+            written, digest = results[2 * index], results[2 * index + 1]
+            if written != size or not isinstance(digest, str):
+                raise AssertionError(f"{name}: wrote {written!r} bytes of {size}, sha256 {digest!r}")
+            entries.append(FileEntry(f"{token}/{name}", size, digest))
+        return tuple(entries)
 
     def run(self) -> Manifest:
+        with contextlib.ExitStack() as stack:
+            pool = self.pool
+            if pool is None:
+                pool = stack.enter_context(IoPool(io_thread_count(self.options.io_threads)))
+            return self._run(pool)
+
+    def _run(self, pool: IoPool) -> Manifest:
         token = new_token()
         sdir = step_dir(self.step)
         self._event("staging_begin")
@@ -133,10 +146,7 @@ class PackSaveJob:
         self.storage.make_dirs(f"{sdir}/{token}")
         try:
             self._event("data_begin")
-            entries = (
-                self._write_file(f"{token}/{SKELETON_NAME}", encode_skeleton(self.flat)),
-                self._write_file(f"{token}/{TENSORS_NAME}", self.flat),
-            )
+            entries = self._write_data(pool, token)
             self._event("data_done")
             manifest = Manifest(
                 step=self.step,
@@ -160,7 +170,7 @@ class PackSaveJob:
             raise
         self.timings.commit_s = time.perf_counter() - mark
         self._event("manifest_committed")
-        finish_commit(self.storage, manifest, self.options, self.timings, self._event)
+        finish_commit(self.storage, manifest, self.options, self.timings, self._event, pool=pool)
         return manifest
 
 
@@ -193,12 +203,15 @@ def finish_commit(
     options: CheckpointOptions,
     timings: SaveTimings,
     event: EventHook,
+    *,
+    pool: IoPool | None = None,
 ) -> None:
-    """After a commit: verify the new snapshot (if configured), then apply retention."""
+    """After a commit: verify the new snapshot (if configured; on ``pool``, else on a pool of
+    ``options.io_threads`` for the verification), then apply retention."""
     if options.verify_after_write:
         mark = time.perf_counter()
         try:
-            verify_files(storage, manifest, options.chunk_bytes)
+            verify_files(storage, manifest, options.chunk_bytes, pool=pool, io_threads=options.io_threads)
         except CheckpointCorruptError as exc:
             raise CheckpointCorruptError(
                 f"snapshot step {manifest.step} failed verification right after writing ({exc}); "

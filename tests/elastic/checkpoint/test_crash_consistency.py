@@ -84,15 +84,15 @@ def _shape(state: object) -> tuple[int, int]:
 LOCAL_POINTS = [
     ("save_begin:1", 1),  # nothing written yet
     ("data_begin:1", 1),  # attempt directory exists, empty
-    ("data_chunk:1", 1),  # first MiB of tensors.bin written
-    ("data_chunk:7", 1),  # mid-file
+    ("data_chunk:1", 1),  # first chunk of data written (the skeleton or 1 MiB of tensors-00000.bin)
+    ("data_chunk:7", 1),  # mid-segment
     ("data_done:1", 1),  # all data durable, no manifest
     ("publish_tmp_written:1", 1),  # manifest written to its temp name, not renamed
     ("manifest_committed:1", 2),  # committed, not yet verified nor cleaned up
     ("snapshot_uncommitted:1", 2),  # retention removed step 1's manifest, its data still there
 ]
 S3_POINTS = [
-    ("data_chunk:7", 1),  # multipart upload of tensors.bin in progress (one 5 MiB part sent)
+    ("data_chunk:7", 1),  # multipart upload of tensors-00000.bin in progress (one 5 MiB part sent)
     ("manifest_begin:1", 1),  # data objects complete, manifest PUT not sent
     ("manifest_committed:1", 2),
 ]

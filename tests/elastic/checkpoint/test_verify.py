@@ -21,7 +21,7 @@ def save_steps(url: str, steps: list[int], **options: object) -> None:
             mgr.save(step, make_state(step, **SMALL))
 
 
-def data_file(root: Path, step: int, name: str = "tensors.bin") -> Path:
+def data_file(root: Path, step: int, name: str = "tensors-00000.bin") -> Path:
     (path,) = (root / step_dir(step)).glob(f"*/{name}")
     return path
 
