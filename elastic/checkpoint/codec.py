@@ -120,9 +120,25 @@ def _slice(buffer: torch.Tensor, host: Any, offset: int, nbytes: int) -> torch.T
     return torch.frombuffer(host, dtype=torch.uint8, count=nbytes, offset=offset)
 
 
+def _scalars_to_cpu(tensors: list[torch.Tensor]) -> None:
+    """Put the 0-dimensional tensors of a state loaded into a device back on CPU, with one copy: torch keeps an
+    optimizer's step counters there (unless it is fused or capturable), and one on a GPU would make every
+    step read it back; ``load_state_dict`` moves any other scalar where its parameter lives anyway."""
+    scalars = [i for i, t in enumerate(tensors) if t.dim() == 0]
+    if not scalars:
+        return
+    raw = [tensors[i].reshape(1).view(torch.uint8) for i in scalars]
+    host = torch.cat(raw).cpu()
+    at = 0
+    for i, r in zip(scalars, raw, strict=True):
+        tensors[i] = host[at : at + r.numel()].clone().view(tensors[i].dtype).reshape(())
+        at += r.numel()
+
+
 def decode_pack(skeleton_bytes: bytes, tensor_buffer: torch.Tensor, *, weights_only: bool = True) -> Any:
     """Rebuild the state from verified bytes; tensors are views into ``tensor_buffer`` (the tensor stream as
-    a 1-D uint8 tensor, on any device), so they live on its device."""
+    a 1-D uint8 tensor, on any device), so they live on its device, except 0-dimensional ones (see
+    :func:`_scalars_to_cpu`)."""
     try:
         bundle = torch.load(io.BytesIO(skeleton_bytes), map_location="cpu", weights_only=weights_only)
     except Exception as exc:
@@ -149,6 +165,8 @@ def decode_pack(skeleton_bytes: bytes, tensor_buffer: torch.Tensor, *, weights_o
             raise PackDecodeError(f"tensor at offset {entry['offset']} ({entry['nbytes']} bytes) is outside the data")
         raw = _slice(tensor_buffer, host, entry["offset"], entry["nbytes"])
         tensors.append(raw.view(dtype).reshape(entry["shape"]))
+    if host is None:
+        _scalars_to_cpu(tensors)
 
     def rebuild(obj: Any) -> Any:
         if type(obj) in (dict, OrderedDict):

@@ -218,13 +218,14 @@ class SnapshotTiers:
         """Rank 0 picks the newest durable snapshot that verifies, so every rank loads the same one."""
         if self.durable is None:
             return None
-        snapshot = self.durable.load_latest() if rank == 0 else None
+        # straight into this rank's device (parallel reads through pinned buffers on CUDA)
+        snapshot = self.durable.load_latest(device=self._device) if rank == 0 else None
         chosen = torch.tensor([-1 if snapshot is None else snapshot.step], device=self._device)
         dist.broadcast(chosen, 0)
         step = int(chosen.item())
         if step < 0:
             return None
-        return (snapshot if snapshot is not None else self.durable.load(step)).training_state()
+        return (snapshot if snapshot is not None else self.durable.load(step, device=self._device)).training_state()
 
     def _broadcast_local(self, src: int, step: int, slot: Path | None) -> TrainingState | None:
         payload: list[Any] = [None]
