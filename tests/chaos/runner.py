@@ -101,6 +101,10 @@ __all__ = ["ChaosConfig", "ChaosReport", "ChaosRunner", "Fault", "FaultKind", "m
 
 logger = logging.getLogger(__name__)
 
+#: after a deferred action (SIGCONT, a restart, a heal), how long its consequences (a lease that expired while
+#: the node was stopped, a re-formation) may take to show, at most; see ``ChaosRunner._quiet``
+AFTER_ACTION_S = 5.0
+
 WORKER = ROOT / "elastic" / "testing" / "train_worker.py"
 BUCKET = "ckpt-chaos"
 TAIL_S = 5.0  # a quiet fault's impact is measured until this long after its end
@@ -229,6 +233,7 @@ class ChaosRunner:
         self.second_problems: list[str] = []
         self.rec = workdir / "records"
         self.pending: list[tuple[float, str, Callable[[], None]]] = []  # (due, what, action)
+        self.last_action_at = 0.0  # time.time() of the last deferred action (SIGCONT, restart, heal) run
         self.down_agents: set[str] = set()
         self.partitioned: set[str] = set()
         self.stopped_agents: set[str] = set()
@@ -303,6 +308,7 @@ class ChaosRunner:
         for _, what, action in due:
             logger.info("chaos: %s", what)
             action()
+            self.last_action_at = time.time()
         for name, proc in self.cluster.agents.items():
             if name not in self.down_agents and proc.poll() is not None:
                 logger.warning("chaos: agent %s exited (%s); starting it again", name, proc.returncode)
@@ -435,7 +441,13 @@ class ChaosRunner:
     # -- the quiet kinds -----------------------------------------------------------------------------
     def _quiet(self) -> bool:
         """Nothing pending, no node or etcd member disturbed, and the newest worker group, on every node,
-        has trained for 3 s: what follows can be put down to the next fault."""
+        is training now and has trained for 3 s, counted from ``AFTER_ACTION_S`` after the last deferred
+        action at the earliest: what follows can be put down to the next fault.
+
+        Why after the action: a node stopped for longer than its lease (``torchrun_stop``, ``agent_stop``) is
+        dropped while stopped, but the group re-forms only after SIGCONT, seconds later, while the old group
+        still trains; a fault injected in between (a second job) would be blamed for that re-formation. Why
+        "now": between the old group's last step and the new group's first, the newest records are old."""
         if self.pending or self.down_agents or self.stopped_agents or self.partitioned or self.down_members:
             return False
         records = read_records(self.rec)
@@ -443,7 +455,9 @@ class ChaosRunner:
             return False
         newest = max(records, key=lambda r: r["t"])
         ts = [r["t"] for r in records if r["attempt"] == newest["attempt"]]
-        return newest["world"] == self.config.nodes and max(ts) - min(ts) >= 3.0
+        since = max(min(ts), self.last_action_at + AFTER_ACTION_S)
+        fresh = time.time() - newest["t"] < 1.0
+        return fresh and newest["world"] == self.config.nodes and max(ts) - since >= 3.0
 
     def _generation(self) -> int | None:
         if self.poller is None:
