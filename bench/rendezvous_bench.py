@@ -36,6 +36,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as torch_create_handler
 
 from elastic import compat
+from elastic.rendezvous.etcd_v3_handler import EtcdV3RendezvousHandler
 from elastic.rendezvous.plugin import create_handler as etcd_create_handler
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
 from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command
@@ -53,14 +54,15 @@ def _params(backend: str, endpoint: str, run_id: str, n: int, **conf: Any) -> Re
 _KEEP: list[object] = []
 
 
+_C10D_BACKENDS: dict[int, C10dRendezvousBackend] = {}
+
+
 def _participants(handler: RendezvousHandler) -> int:
-    """How many participants the shared state holds (read through the handler's own backend)."""
-    backend = compat.handler_backend(handler)
-    got = backend.get_state()
-    if got is None:
-        return 0
-    payload = got[0]
-    return len(pickle.loads(payload).participants)
+    """How many participants have joined the first round so far."""
+    if isinstance(handler, EtcdV3RendezvousHandler):
+        return handler.joined(0)
+    got = _C10D_BACKENDS[id(handler)].get_state()
+    return 0 if got is None else len(pickle.loads(got[0]).participants)
 
 
 def _rendezvous_once(make: Callable[[int], RendezvousHandler], n: int, staggered: bool) -> dict[str, float]:
@@ -94,11 +96,10 @@ def _rendezvous_once(make: Callable[[int], RendezvousHandler], n: int, staggered
     for t in threads:
         t.join()
     for h in handlers:
-        backend = getattr(h, "_etcd_backend", None)
-        if backend is not None:
-            backend.close()
-    for h in handlers:
-        h._stop_heartbeats()  # type: ignore[attr-defined]  # the bench is done with them
+        if isinstance(h, EtcdV3RendezvousHandler):
+            h.release()
+        else:
+            h._stop_heartbeats()  # type: ignore[attr-defined]  # the bench is done with torch's handler
     _KEEP.extend(handlers)  # torch's handler finalizer must not run in its own timer thread
     if errors:
         raise RuntimeError(f"rendezvous of {n} failed: {errors[0]!r}")
@@ -125,7 +126,9 @@ def bench_rendezvous(sizes: list[int], trials: int, etcd: LocalEtcdCluster) -> l
                     def make(i: int, run_id: str = run_id, n: int = n, port: int = port) -> RendezvousHandler:
                         store = TCPStore("127.0.0.1", port, is_master=False)
                         backend_ = C10dRendezvousBackend(store, run_id)
-                        return torch_create_handler(store, backend_, _params("c10d", f"127.0.0.1:{port}", run_id, n))
+                        h = torch_create_handler(store, backend_, _params("c10d", f"127.0.0.1:{port}", run_id, n))
+                        _C10D_BACKENDS[id(h)] = backend_
+                        return h
 
                     samples.append(_rendezvous_once(make, n, staggered))
                     _KEEP.append(host)  # type: ignore[arg-type]

@@ -1,29 +1,21 @@
 """The supported torch range, and the one home of everything this project takes from torch's private API.
 
-torch's rendezvous handler has no public hooks for what the ``etcd-v3`` backend changes (waiting on a
-watch instead of polling, liveness from leases), so a few private names are used. Each is reached only
-through a function here, and :func:`check_torch` verifies all of them at start-up: on a torch outside
-:data:`TORCH_REQUIREMENT`, or one whose private layout differs, the agent or worker stops with one line
-saying what is wrong instead of training with a silently degraded rendezvous.
+The ``etcd-v3`` rendezvous implements torch's public ``RendezvousHandler`` itself (it no longer subclasses
+torch's ``DynamicRendezvousHandler`` or touches its private state). The few private or version-dependent
+names left are each reached only through a function here, and :func:`check_torch` verifies the
+rendezvous' needs at start-up: on a torch outside :data:`TORCH_REQUIREMENT`, or one whose API differs, the
+agent or worker stops with one line saying what is wrong.
 
 What is used, and since which torch it holds (``tests/elastic/test_compat.py`` checks each one on the
 installed torch; ``scripts/compat.sh`` runs that and the rendezvous, store, loop, prefork and checkpoint
 suites on the oldest and newest torch of the range):
 
-- ``dynamic_rendezvous._delay``: the module function the op executor sleeps in between polls (1 s) while
-  a node waits for others; :func:`patch_rendezvous_delay` replaces it.
-- ``_RendezvousState`` (the pickled state: ``round``, ``complete``, ``deadline``, ``closed``,
-  ``participants``, ``last_heartbeats``) and ``_NodeDesc`` (``addr``, ``pid``): the liveness view rewrites
-  heartbeats and the last-call deadline in it.
-- ``DynamicRendezvousHandler._state_holder`` (its ``state`` and ``_last_sync_time``) and ``_this_node``.
-- ``DynamicRendezvousHandler.from_backend(keep_alive_interval=..., keep_alive_max_attempt=...)``: public,
-  but only since torch 2.7; :func:`handler_from_backend` builds the same handler on older torch.
 - ``torch.distributed.checkpoint`` ``FsspecReader``/``FsspecWriter``: public since torch 2.15, from the
   private ``_fsspec_filesystem`` module before (:func:`fsspec_checkpoint_io`).
 - ``FsspecReader``/``FsspecWriter(path, **storage_options)``: torch 2.6 takes no storage options and builds
   its file system from the URL alone, so :func:`fsspec_dcp_io` rebuilds it (its private ``fs.fs``).
-- ``DynamicRendezvousHandler._stop_heartbeats`` and torch 2.6's agent closing the rendezvous when a
-  signal stops it (:func:`shutdown_on_death_signal`).
+- torch 2.6's agent closing the rendezvous when a signal stops it (:func:`shutdown_on_death_signal`).
+- ``RendezvousStoreInfo.build(local_addr=...)``: public, but not on torch 2.6 (:func:`rendezvous_store_info`).
 - :func:`destroy_process_group`: not private API, a torch 2.6 deadlock worked around (see there).
 - ``dcp.save``/``async_save``/``load(no_dist=...)``: public, but only since torch 2.7; torch 2.6 infers
   it from whether a process group exists (:func:`dcp_no_dist`).
@@ -38,10 +30,8 @@ import inspect
 import os
 import re
 import sys
-import threading
 import time
 from collections.abc import Callable, MutableMapping
-from datetime import timedelta
 from typing import Any
 
 __all__ = [
@@ -58,16 +48,10 @@ __all__ = [
     "disable_shared_rdzv_store",
     "fsspec_checkpoint_io",
     "fsspec_dcp_io",
-    "handler_backend",
-    "handler_from_backend",
-    "handler_node",
-    "handler_state",
-    "invalidate_cached_state",
     "parse_version",
-    "patch_rendezvous_delay",
     "private_api_problems",
+    "rendezvous_store_info",
     "shutdown_on_death_signal",
-    "stop_heartbeats",
 ]
 
 #: The oldest supported torch (major, minor), and the first unsupported one. ``pyproject.toml`` states the
@@ -75,13 +59,6 @@ __all__ = [
 TORCH_MIN = (2, 6)
 TORCH_BELOW = (2, 16)
 TORCH_REQUIREMENT = f"torch>={TORCH_MIN[0]}.{TORCH_MIN[1]},<{TORCH_BELOW[0]}.{TORCH_BELOW[1]}"
-
-#: Fields of torch's ``_RendezvousState`` that the liveness view reads or rewrites.
-STATE_FIELDS = ("round", "complete", "deadline", "closed", "participants", "last_heartbeats")
-#: Instance attributes of torch's handler and state holder that the handler subclass reads.
-HANDLER_FIELDS = ("_this_node", "_state_holder", "_settings")
-HANDLER_METHODS = ("_stop_heartbeats",)
-STATE_HOLDER_FIELDS = ("_last_sync_time", "_state", "_backend")
 
 
 class TorchCompatError(RuntimeError):
@@ -100,50 +77,44 @@ def parse_version(version: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def _dynamic_rendezvous() -> Any:
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    return dynamic_rendezvous
-
-
-def _annotations(cls: type) -> set[str]:
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        names.update(getattr(klass, "__annotations__", {}))
-    return names
-
-
 def private_api_problems() -> list[str]:
-    """What of torch's private API, as this module uses it, the installed torch lacks (empty: all there)."""
+    """What the rendezvous needs of torch that the installed torch lacks (empty: all there).
+
+    Only public API is used now (``RendezvousHandler``, ``RendezvousInfo``, ``RendezvousStoreInfo.build``);
+    this checks their shape, so that a torch that changed them is refused at start-up with one line.
+    """
     problems: list[str] = []
     try:
-        dr = _dynamic_rendezvous()
+        from torch.distributed.elastic.rendezvous import RendezvousHandler, api
     except ImportError as exc:  # pragma: no cover - torch without torch.distributed
         return [f"torch.distributed.elastic cannot be imported ({exc})"]
-    if not callable(getattr(dr, "_delay", None)):
-        problems.append("dynamic_rendezvous._delay (the wait between polls)")
-    state_cls = getattr(dr, "_RendezvousState", None)
-    if state_cls is None:
-        problems.append("dynamic_rendezvous._RendezvousState")
-    else:
-        missing = [f for f in STATE_FIELDS if f not in _annotations(state_cls)]
-        if missing:
-            problems.append(f"_RendezvousState fields {', '.join(missing)}")
-    node_cls = getattr(dr, "_NodeDesc", None)
-    if node_cls is None or not {"addr", "pid"} <= _annotations(node_cls):
-        problems.append("dynamic_rendezvous._NodeDesc (addr, pid)")
-    missing = [f for f in HANDLER_FIELDS if f not in _annotations(dr.DynamicRendezvousHandler)]
+    info = getattr(api, "RendezvousInfo", None)
+    if info is None or list(inspect.signature(info).parameters)[:4] != [
+        "store", "rank", "world_size", "bootstrap_store_info",
+    ]:  # fmt: skip
+        problems.append("rendezvous.api.RendezvousInfo(store, rank, world_size, bootstrap_store_info)")
+    store_info = getattr(api, "RendezvousStoreInfo", None)
+    if store_info is None or not callable(getattr(store_info, "build", None)):
+        problems.append("rendezvous.api.RendezvousStoreInfo.build")
+    missing = [
+        m
+        for m in ("next_rendezvous", "num_nodes_waiting", "set_closed", "is_closed", "shutdown", "get_run_id")
+        if not callable(getattr(RendezvousHandler, m, None))
+    ]
     if missing:
-        problems.append(f"DynamicRendezvousHandler attributes {', '.join(missing)}")
-    missing = [m for m in HANDLER_METHODS if not callable(getattr(dr.DynamicRendezvousHandler, m, None))]
-    if missing:
-        problems.append(f"DynamicRendezvousHandler methods {', '.join(missing)}")
-    holder_cls = getattr(dr, "_BackendRendezvousStateHolder", None)
-    if holder_cls is None or not set(STATE_HOLDER_FIELDS) <= _annotations(holder_cls):
-        problems.append(f"dynamic_rendezvous._BackendRendezvousStateHolder ({', '.join(STATE_HOLDER_FIELDS)})")
-    if not _from_backend_takes_keep_alive(dr) and not hasattr(dr.DynamicRendezvousHandler, "_node_desc_generator"):
-        problems.append("DynamicRendezvousHandler._node_desc_generator (handlers on torch < 2.7)")
+        problems.append(f"RendezvousHandler methods {', '.join(missing)}")
     return problems
+
+
+def rendezvous_store_info(rank: int, store: Any, local_addr: str) -> Any:
+    """``RendezvousStoreInfo.build(rank, store, local_addr=...)``: rank 0 publishes its address and a free
+    port in the round's store, every rank reads them. torch before 2.7 takes no ``local_addr`` (rank 0
+    then publishes its FQDN)."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    if "local_addr" in inspect.signature(RendezvousStoreInfo.build).parameters:
+        return RendezvousStoreInfo.build(rank, store, local_addr=local_addr)
+    return RendezvousStoreInfo.build(rank, store)  # type: ignore[call-arg]  # torch 2.6
 
 
 def check_torch_version(version: str | None = None) -> None:
@@ -171,53 +142,7 @@ def check_torch(version: str | None = None) -> None:
         )
 
 
-# -- the wait between polls ---------------------------------------------------------------------------
-DelayFunction = Callable[..., None]
-_patch_lock = threading.Lock()
-
-
-def patch_rendezvous_delay(make: Callable[[DelayFunction], DelayFunction]) -> None:
-    """Replace ``dynamic_rendezvous._delay`` by ``make(original)``, once per process (later calls do nothing).
-
-    torch's ``_DistributedRendezvousOpExecutor`` calls ``_delay(seconds=1)`` when a node must wait for
-    others, and ``_delay(seconds=(low, high))`` for random back-offs.
-    """
-    dr = _dynamic_rendezvous()
-    with _patch_lock:
-        if getattr(dr._delay, "_etrain_patched", False):
-            return
-        replacement = make(dr._delay)
-        replacement._etrain_patched = True  # type: ignore[attr-defined]
-        dr._delay = replacement
-
-
-# -- handler internals --------------------------------------------------------------------------------
-def handler_state(handler: Any) -> Any:
-    """The handler's cached ``_RendezvousState``."""
-    return handler._state_holder.state
-
-
-def handler_node(handler: Any) -> Any:
-    """The handler's own ``_NodeDesc`` (``addr``, ``pid``, ``local_id``)."""
-    return handler._this_node
-
-
-def handler_backend(handler: Any) -> Any:
-    """The ``RendezvousBackend`` behind a torch ``DynamicRendezvousHandler``."""
-    return handler._state_holder._backend
-
-
-def invalidate_cached_state(handler: Any) -> None:
-    """Make the handler's next ``sync`` read the state from the backend instead of its cache."""
-    holder = handler._state_holder
-    holder._last_sync_time = float("-inf")
-
-
-def stop_heartbeats(handler: Any) -> None:
-    """Stop the handler's keep-alive timer (what ``shutdown`` does before closing the rendezvous)."""
-    handler._stop_heartbeats()
-
-
+# -- agent internals ----------------------------------------------------------------------------------
 def shutdown_on_death_signal() -> bool:
     """Whether the caller runs while torch's agent handles a death signal (SIGTERM, SIGINT, ...).
 
@@ -230,55 +155,6 @@ def shutdown_on_death_signal() -> bool:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     return isinstance(sys.exc_info()[1], SignalException)
-
-
-def _from_backend_takes_keep_alive(dr: Any) -> bool:
-    return "keep_alive_interval" in inspect.signature(dr.DynamicRendezvousHandler.from_backend).parameters
-
-
-def handler_from_backend(
-    cls: Any,
-    run_id: str,
-    store: Any,
-    backend: Any,
-    min_nodes: int,
-    max_nodes: int,
-    local_addr: str | None,
-    timeout: Any,
-    *,
-    keep_alive_interval: timedelta,
-    keep_alive_max_attempt: int,
-) -> Any:
-    """``cls.from_backend(...)`` with the keep-alive settings, on every supported torch.
-
-    torch >= 2.7 takes them as arguments (whole seconds); torch 2.6 hard-codes 5 s x 3, so the handler is
-    built the way its ``from_backend`` builds it, with the settings replaced.
-    """
-    interval = max(1, round(keep_alive_interval.total_seconds()))  # torch counts whole seconds
-    dr = _dynamic_rendezvous()
-    if _from_backend_takes_keep_alive(dr):
-        return cls.from_backend(
-            run_id,
-            store,
-            backend,
-            min_nodes,
-            max_nodes,
-            local_addr,
-            timeout,
-            keep_alive_interval=interval,
-            keep_alive_max_attempt=keep_alive_max_attempt,
-        )
-    node = cls._node_desc_generator.generate(local_addr)
-    settings = dr.RendezvousSettings(
-        run_id,
-        min_nodes,
-        max_nodes,
-        timeout or dr.RendezvousTimeout(),
-        keep_alive_interval=timedelta(seconds=interval),
-        keep_alive_max_attempt=keep_alive_max_attempt,
-    )
-    state_holder = dr._BackendRendezvousStateHolder(backend, settings)
-    return cls(node, settings, backend.name, store, state_holder)
 
 
 # -- torch.distributed.checkpoint on fsspec -----------------------------------------------------------

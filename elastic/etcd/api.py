@@ -30,9 +30,12 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from elastic.etcd.config import EtcdConfig
+
+if TYPE_CHECKING:  # txn.py imports KeyValue from here
+    from elastic.etcd.txn import Compare, TxnOp, TxnResult
 
 __all__ = ["EtcdClient", "EtcdConnectionError", "EtcdError", "KeyValue", "Permission", "RolePermission", "prefix_end"]
 
@@ -175,6 +178,18 @@ class EtcdClient(abc.ABC):
         not exist) and, when ``guard=(key, create_revision)`` is given, that fencing key still exists with
         that create revision. Returns ``(applied, revision)``; the revision rises by one only if the
         transaction changed something. Puts carry no lease.
+        """
+
+    @abc.abstractmethod
+    def txn(self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()) -> TxnResult:
+        """Run one etcd transaction: ``success`` if every compare in ``compare`` holds, else ``failure``.
+
+        The ops of the branch that runs apply atomically, in order (see :mod:`elastic.etcd.txn` for the
+        compares, range compares included). Returns whether the compares held, the revision after the
+        transaction (one more than before only if the branch wrote something) and one result per op of
+        that branch. Raises :class:`EtcdError` if a put of the branch names a lease that is not live, or
+        when etcd refuses the request (more than 128 compares or ops in a branch, one key put twice or
+        put and deleted, an empty key); then nothing is applied.
         """
 
     # -- leases --------------------------------------------------------------------------------------

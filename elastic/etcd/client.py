@@ -26,6 +26,8 @@ from etcd3 import etcdrpc
 from etcd3 import exceptions as etcd_exc
 from etcd3.etcdrpc import auth_pb2
 
+from elastic.etcd._grpc_txn import key_value as _kv
+from elastic.etcd._grpc_txn import txn_request, txn_result
 from elastic.etcd.api import (
     EtcdClient,
     EtcdConnectionError,
@@ -36,6 +38,7 @@ from elastic.etcd.api import (
     prefix_end,
 )
 from elastic.etcd.config import EtcdConfig
+from elastic.etcd.txn import Compare, TxnOp, TxnResult
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +58,6 @@ class _Retry:
     deadline: float
     attempts: int = 0
     last_exc: BaseException | None = field(default=None)
-
-
-def _kv(msg: Any) -> KeyValue:
-    return KeyValue(
-        key=msg.key.decode(),
-        value=bytes(msg.value),
-        create_revision=int(msg.create_revision),
-        mod_revision=int(msg.mod_revision),
-        lease=int(msg.lease),
-        version=int(msg.version),
-    )
 
 
 _AUTH_OLD_REVISION = "revision of auth store is old"
@@ -411,6 +403,18 @@ class GrpcEtcdClient(EtcdClient):
             return bool(resp.succeeded), int(resp.header.revision)
 
         result: tuple[bool, int] = self._call(op)
+        return result
+
+    def txn(self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()) -> TxnResult:
+        # Retried like every request: a caller whose compares do not fail on its own earlier success (a
+        # transaction that writes unconditionally) may see it applied twice after a lost answer.
+        req = txn_request(compare, success, failure)
+
+        def op(c: Any) -> TxnResult:
+            resp = c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+            return txn_result(resp)
+
+        result: TxnResult = self._call(op)
         return result
 
     # -- leases --------------------------------------------------------------------------------------

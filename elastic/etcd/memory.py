@@ -3,9 +3,10 @@
 :class:`MemoryEtcdServer` holds one cluster's state: the global revision, every key's create and mod
 revisions and version, leases that expire by a clock, and the history of changes that watches replay.
 :class:`MemoryEtcdClient` is an :class:`~elastic.etcd.api.EtcdClient` of one such server; several clients
-of one server model several processes on one cluster. Requests are etcd's own (ranges, puts, deletes,
-transactions with compares), so the client builds the same transactions as the gRPC client and keeps the
-same contract (``tests/elastic/etcd/test_client_contract.py`` runs one suite against both).
+of one server model several processes on one cluster. Every key/value request is one etcd transaction of
+:mod:`elastic.etcd.txn` parts (compares, range compares included, then puts, deletes and gets), run by
+:meth:`MemoryEtcdServer.txn` with etcd's rules, so the client keeps the gRPC client's contract
+(``tests/elastic/etcd/test_client_contract.py`` runs one suite against both).
 
 Leases expire when the server's ``clock`` (``time.monotonic``, or a :class:`ManualClock` a test advances)
 passes their deadline, noticed by every request and by every waiter within :data:`TICK` seconds; wait
@@ -23,12 +24,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Literal
 
 from elastic.etcd.api import EtcdClient, EtcdConnectionError, EtcdError, KeyValue, RolePermission, prefix_end
 from elastic.etcd.config import EtcdConfig
+from elastic.etcd.txn import (
+    Compare,
+    CompareOp,
+    CompareTarget,
+    DeleteOp,
+    GetOp,
+    GetResult,
+    PutOp,
+    TxnOp,
+    TxnResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,39 +67,6 @@ class ManualClock:
             self._now += seconds
 
 
-# The requests of a transaction, as etcd has them. A range's ``end`` None means just ``key``, b"\0" every
-# key from ``key`` on; a compare holds if ``key``'s mod (or create) revision is ``revision`` (0: no key).
-@dataclass(frozen=True)
-class _Cmp:
-    key: bytes
-    target: Literal["mod", "create"]
-    revision: int
-
-
-@dataclass(frozen=True)
-class _Put:
-    key: bytes
-    value: bytes
-    lease: int = 0
-
-
-@dataclass(frozen=True)
-class _Delete:
-    key: bytes
-    end: bytes | None = None
-
-
-@dataclass(frozen=True)
-class _Range:
-    key: bytes
-    end: bytes | None = None
-
-
-_Op = _Put | _Delete | _Range
-_Result = list[KeyValue] | int | None  # a range's keys, a delete's count, a put's nothing
-_TxnResult = tuple[bool, list[_Result], int]
-
-
 @dataclass
 class _Entry:
     value: bytes
@@ -105,8 +83,32 @@ class _Lease:
     keys: set[bytes] = field(default_factory=set)
 
 
+# A range as etcd has it: ``end`` None means just ``key``, b"\0" every key from ``key`` on.
+def _span(key: str, prefix: bool) -> tuple[bytes, bytes | None]:
+    return key.encode(), (prefix_end(key) if prefix else None)
+
+
 def _in_range(k: bytes, key: bytes, end: bytes | None) -> bool:
     return k == key if end is None else key <= k and (end == b"\0" or k < end)
+
+
+def _satisfies(cmp: Compare, entry: _Entry) -> bool:
+    """Whether one key (a missing one as an all-zero ``entry``) satisfies ``cmp`` (etcd's compareKV)."""
+    if isinstance(cmp.value, bytes):  # a VALUE compare (Compare checks that the types match)
+        sign = (entry.value > cmp.value) - (entry.value < cmp.value)
+    else:
+        revisions = {
+            CompareTarget.CREATE: entry.create_revision,
+            CompareTarget.MOD: entry.mod_revision,
+            CompareTarget.VERSION: entry.version,
+        }
+        actual = revisions[cmp.target]
+        sign = (actual > cmp.value) - (actual < cmp.value)
+    if cmp.op == CompareOp.EQUAL:
+        return sign == 0
+    if cmp.op == CompareOp.NOT_EQUAL:
+        return sign != 0
+    return sign < 0 if cmp.op == CompareOp.LESS else sign > 0
 
 
 def _check_key(key: bytes) -> None:
@@ -114,18 +116,21 @@ def _check_key(key: bytes) -> None:
         raise EtcdError("etcdserver: key is not provided")
 
 
-def _check_ops(ops: Sequence[_Op], max_ops: int) -> int:
+def _check_ops(ops: Sequence[TxnOp], max_ops: int) -> int:
     """Refuse what etcd refuses in one branch of a transaction; return the bytes it carries."""
     if len(ops) > max_ops:
         raise EtcdError("etcdserver: too many operations in txn request")
-    puts = [op.key for op in ops if isinstance(op, _Put)]
+    puts = [op.key.encode() for op in ops if isinstance(op, PutOp)]
     if len(set(puts)) < len(puts):
         raise EtcdError("etcdserver: duplicate key given in txn request")
+    size = 0
     for op in ops:
-        _check_key(op.key)
-        if isinstance(op, _Delete) and any(_in_range(k, op.key, op.end) for k in puts):
+        key, end = _span(op.key, not isinstance(op, PutOp) and op.prefix)
+        _check_key(key)
+        if isinstance(op, DeleteOp) and any(_in_range(k, key, end) for k in puts):
             raise EtcdError("etcdserver: duplicate key given in txn request")
-    return sum(len(op.key) + (len(op.value) if isinstance(op, _Put) else len(op.end or b"")) for op in ops)
+        size += len(key) + (len(op.value) if isinstance(op, PutOp) else len(end or b""))
+    return size
 
 
 class MemoryAuth:
@@ -264,58 +269,68 @@ class MemoryEtcdServer:
             self._expire_locked()
 
     # -- key/value -----------------------------------------------------------------------------------
-    def txn(self, compares: Sequence[_Cmp], success: Sequence[_Op], failure: Sequence[_Op] = ()) -> _TxnResult:
+    def txn(self, compares: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()) -> TxnResult:
         """Run one transaction: ``success`` if every compare holds, else ``failure``, atomically.
 
-        Returns ``(compares held, one result per op run, revision after it)``. The revision rises by one
-        if the ops changed something. A put naming a lease that is not live fails the whole transaction
-        with :class:`EtcdError`, before anything is written, as does a request etcd refuses outright."""
+        The revision rises by one if the ops changed something. A put naming a lease that is not live
+        fails the whole transaction with :class:`EtcdError`, before anything is written, as does a request
+        etcd refuses outright."""
         if len(compares) > self._max_txn_ops:
             raise EtcdError("etcdserver: too many operations in txn request")
         for cmp in compares:
-            _check_key(cmp.key)
+            _check_key(cmp.key.encode())
         size = _check_ops(success, self._max_txn_ops) + _check_ops(failure, self._max_txn_ops)
-        if size + sum(len(c.key) for c in compares) > self._max_request_bytes:
+        if size + sum(len(c.key.encode()) for c in compares) > self._max_request_bytes:
             raise EtcdError("etcdserver: request is too large")
         with self._cond:
             self._expire_locked()
             ok = all(self._holds(c) for c in compares)
             ops = success if ok else failure
             for op in ops:
-                if isinstance(op, _Put) and op.lease and op.lease not in self._leases:
+                if isinstance(op, PutOp) and op.lease and op.lease not in self._leases:
                     raise EtcdError("etcdserver: requested lease not found")
             revision = self._revision + 1
             changed = False
-            results: list[_Result] = []
+            results: list[GetResult | int | None] = []
             for op in ops:
-                if isinstance(op, _Put):
+                if isinstance(op, PutOp):
                     self._put_locked(op, revision)
                     changed = True
                     results.append(None)
-                elif isinstance(op, _Delete):
-                    deleted = self._delete_locked(op.key, op.end, revision)
+                elif isinstance(op, DeleteOp):
+                    deleted = self._delete_locked(*_span(op.key, op.prefix), revision)
                     changed = changed or deleted > 0
                     results.append(deleted)
                 else:
-                    results.append(self._range_locked(op.key, op.end))
+                    results.append(self._get_locked(op))
             if changed:
                 self._revision = revision
                 self._cond.notify_all()
-            return ok, results, self._revision
+            return TxnResult(ok, self._revision, tuple(results))
 
-    def _holds(self, cmp: _Cmp) -> bool:
-        entry = self._data.get(cmp.key)
-        actual = 0 if entry is None else entry.mod_revision if cmp.target == "mod" else entry.create_revision
-        return actual == cmp.revision
+    def _holds(self, cmp: Compare) -> bool:
+        """etcd's applyCompare: every key in the range satisfies ``cmp``; an empty range is compared as one
+        all-zero key, except that a VALUE compare on it fails."""
+        key, end = _span(cmp.key, cmp.prefix)
+        if end is None:
+            entries = [self._data[key]] if key in self._data else []
+        else:
+            entries = [e for k, e in self._data.items() if _in_range(k, key, end)]
+        if not entries:
+            if cmp.target == CompareTarget.VALUE:
+                return False
+            entries = [_Entry(value=b"", create_revision=0, mod_revision=0, version=0, lease=0)]
+        return all(_satisfies(cmp, e) for e in entries)
 
     def _record(self, key: bytes, revision: int) -> None:
         self._history.append((revision, key))
 
-    def _put_locked(self, op: _Put, revision: int) -> None:
-        old = self._data.get(op.key)
+    def _put_locked(self, op: PutOp, revision: int) -> None:
+        key = op.key.encode()
+        old = self._data.get(key)
         if old is not None and old.lease and old.lease in self._leases:
-            self._leases[old.lease].keys.discard(op.key)
-        self._data[op.key] = _Entry(
+            self._leases[old.lease].keys.discard(key)
+        self._data[key] = _Entry(
             value=op.value,
             create_revision=old.create_revision if old is not None else revision,
             mod_revision=revision,
@@ -323,8 +338,8 @@ class MemoryEtcdServer:
             lease=op.lease,
         )
         if op.lease:
-            self._leases[op.lease].keys.add(op.key)
-        self._record(op.key, revision)
+            self._leases[op.lease].keys.add(key)
+        self._record(key, revision)
 
     def _delete_locked(self, key: bytes, end: bytes | None, revision: int) -> int:
         doomed = sorted(k for k in self._data if _in_range(k, key, end))
@@ -341,6 +356,17 @@ class MemoryEtcdServer:
             for k, e in sorted(self._data.items())
             if _in_range(k, key, end)
         ]
+
+    def _get_locked(self, op: GetOp) -> GetResult:
+        kvs = self._range_locked(*_span(op.key, op.prefix))
+        count = len(kvs)
+        if op.count_only:
+            kvs = []
+        elif op.limit > 0:
+            kvs = kvs[: op.limit]
+        if op.keys_only:
+            kvs = [replace(kv, value=b"") for kv in kvs]
+        return GetResult(tuple(kvs), count)
 
     # -- leases --------------------------------------------------------------------------------------
     def grant_lease(self, ttl: int) -> int:
@@ -438,13 +464,9 @@ class MemoryEtcdClient(EtcdClient):
         if not self._reachable.is_set():
             raise EtcdConnectionError(f"etcd unreachable at {self.endpoints_label} (client cut off)")
 
-    def _txn(self, cmps: Sequence[_Cmp], ops: Sequence[_Op], failure: Sequence[_Op] = ()) -> _TxnResult:
+    def _txn(self, cmps: Sequence[Compare], ops: Sequence[TxnOp], failure: Sequence[TxnOp] = ()) -> TxnResult:
         self._check()
         return self.server.txn(cmps, ops, failure)
-
-    @staticmethod
-    def _prefix_range(prefix: str) -> _Range:
-        return _Range(prefix.encode(), prefix_end(prefix))
 
     def ping(self, timeout: timedelta | None = None) -> int:
         self._check()
@@ -454,34 +476,34 @@ class MemoryEtcdClient(EtcdClient):
         pass
 
     # -- reads ---------------------------------------------------------------------------------------
-    def _read(self, ranges: Sequence[_Range]) -> tuple[list[list[KeyValue]], int]:
-        _, results, revision = self._txn([], ranges)
-        return [r for r in results if isinstance(r, list)], revision
+    def _read(self, gets: Sequence[GetOp]) -> tuple[list[list[KeyValue]], int]:
+        result = self._txn([], gets)
+        return [list(result.get(i).kvs) for i in range(len(gets))], result.revision
 
     def get(self, key: str) -> tuple[KeyValue | None, int]:
-        (kvs,), revision = self._read([_Range(key.encode())])
+        (kvs,), revision = self._read([GetOp(key)])
         return (kvs[0] if kvs else None), revision
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        (kvs,), revision = self._read([self._prefix_range(prefix)])
+        (kvs,), revision = self._read([GetOp(prefix, prefix=True)])
         return kvs, revision
 
     def count_prefix(self, prefix: str) -> int:
-        return len(self.get_prefix(prefix)[0])
+        return self._txn([], [GetOp(prefix, prefix=True, count_only=True)]).get(0).count
 
     def get_with_prefix(self, key: str, prefix: str) -> tuple[KeyValue | None, list[KeyValue], int]:
-        (cur, under), revision = self._read([_Range(key.encode()), self._prefix_range(prefix)])
+        (cur, under), revision = self._read([GetOp(key), GetOp(prefix, prefix=True)])
         return (cur[0] if cur else None), under, revision
 
     def read_prefixes(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
-        return self._read([self._prefix_range(p) for p in prefixes])
+        return self._read([GetOp(p, prefix=True) for p in prefixes])
 
     # -- writes --------------------------------------------------------------------------------------
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
-        return self._txn([], [_Put(key.encode(), value, lease)])[2]
+        return self._txn([], [PutOp(key, value, lease)]).revision
 
     def delete(self, key: str) -> bool:
-        _, (deleted,), _ = self._txn([], [_Delete(key.encode())])
+        deleted = self._txn([], [DeleteOp(key)]).results[0]
         return isinstance(deleted, int) and deleted > 0
 
     def compare_and_put(
@@ -494,16 +516,16 @@ class MemoryEtcdClient(EtcdClient):
         read_prefix: str | None = None,
         guard: tuple[str, int] | None = None,
     ) -> tuple[bool, KeyValue | None, list[KeyValue], int]:
-        compares = [_Cmp(key.encode(), "mod", mod_revision)]
+        compares = [Compare(key, CompareTarget.MOD, CompareOp.EQUAL, mod_revision)]
         if guard is not None:
-            compares.append(_Cmp(guard[0].encode(), "create", guard[1]))
-        reads: list[_Op] = [_Range(key.encode())]
+            compares.append(Compare(guard[0], CompareTarget.CREATE, CompareOp.EQUAL, guard[1]))
+        reads = [GetOp(key)]
         if read_prefix is not None:
-            reads.append(self._prefix_range(read_prefix))
-        ok, results, revision = self._txn(compares, [_Put(key.encode(), value, lease), *reads], reads)
-        ranges = [r for r in results if isinstance(r, list)]
+            reads.append(GetOp(read_prefix, prefix=True))
+        result = self._txn(compares, [PutOp(key, value, lease), *reads], reads)
+        ranges = [r.kvs for r in result.results if isinstance(r, GetResult)]
         cur = ranges[0][0] if ranges[0] else None
-        return ok, cur, (ranges[1] if len(ranges) > 1 else []), revision
+        return result.succeeded, cur, (list(ranges[1]) if len(ranges) > 1 else []), result.revision
 
     def commit(
         self,
@@ -514,14 +536,17 @@ class MemoryEtcdClient(EtcdClient):
         expect: Sequence[tuple[str, int]] = (),
         guard: tuple[str, int] | None = None,
     ) -> tuple[bool, int]:
-        compares = [_Cmp(k.encode(), "mod", r) for k, r in expect]
+        compares = [Compare(k, CompareTarget.MOD, CompareOp.EQUAL, r) for k, r in expect]
         if guard is not None:
-            compares.append(_Cmp(guard[0].encode(), "create", guard[1]))
-        ops: list[_Op] = [_Put(k.encode(), v) for k, v in puts]
-        ops += [_Delete(k.encode()) for k in deletes]
-        ops += [_Delete(p.encode(), prefix_end(p)) for p in delete_prefixes]
-        ok, _, revision = self._txn(compares, ops)
-        return ok, revision
+            compares.append(Compare(guard[0], CompareTarget.CREATE, CompareOp.EQUAL, guard[1]))
+        ops: list[TxnOp] = [PutOp(k, v) for k, v in puts]
+        ops += [DeleteOp(k) for k in deletes]
+        ops += [DeleteOp(p, prefix=True) for p in delete_prefixes]
+        result = self._txn(compares, ops)
+        return result.succeeded, result.revision
+
+    def txn(self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()) -> TxnResult:
+        return self._txn(compare, success, failure)
 
     # -- leases --------------------------------------------------------------------------------------
     def grant_lease(self, ttl: timedelta) -> int:

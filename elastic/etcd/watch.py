@@ -13,19 +13,20 @@ __all__ = ["RevisionWatcher"]
 class RevisionWatcher:
     """Tracks the newest revision at which a key under ``prefix`` changed.
 
+    With ``is_prefix=False`` only the key ``prefix`` itself is watched.
     ``wait_beyond(revision, timeout)`` returns True as soon as a change newer than ``revision`` has been
     seen (at once if one already has), False after ``timeout``. The watch stream runs in a daemon thread
     and re-opens itself from the last delivered revision when it breaks.
     """
 
-    def __init__(self, client: EtcdClient, prefix: str, start_revision: int) -> None:
+    def __init__(self, client: EtcdClient, prefix: str, start_revision: int, *, is_prefix: bool = True) -> None:
         self._latest = start_revision - 1
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=client.watch_revisions,
             args=(prefix, start_revision, self._on_revision, self._stop),
-            kwargs={"prefix": True},
+            kwargs={"prefix": is_prefix},
             name=f"etcd-watch:{prefix}",
             daemon=True,
         )
@@ -36,6 +37,12 @@ class RevisionWatcher:
             if revision > self._latest:
                 self._latest = revision
                 self._cond.notify_all()
+
+    @property
+    def latest(self) -> int:
+        """The newest revision at which a watched key changed (``start_revision - 1`` before any)."""
+        with self._cond:
+            return self._latest
 
     def wait_beyond(self, revision: int, timeout: timedelta) -> bool:
         with self._cond:

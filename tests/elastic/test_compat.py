@@ -6,16 +6,13 @@ the oldest and the newest torch of the range; CI runs it on both.
 
 from __future__ import annotations
 
-import pickle
 import re
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 from elastic import compat
 
@@ -56,63 +53,20 @@ def test_parse_version_reads_local_and_dev_builds() -> None:
         compat.parse_version("nightly")
 
 
-def test_rendezvous_state_layout_round_trips_through_pickle_with_the_fields_we_rewrite() -> None:
-    state = dynamic_rendezvous._RendezvousState()
-    node = dynamic_rendezvous._NodeDesc("127.0.0.1", 42, 0)
-    state.participants[node] = 0
-    state.last_heartbeats[node] = state.deadline = None  # type: ignore[assignment]
-    copy = pickle.loads(pickle.dumps(state))
-    for field in compat.STATE_FIELDS:
-        assert hasattr(copy, field), field
-    assert [(n.addr, n.pid) for n in copy.participants] == [("127.0.0.1", 42)]
-
-
-def test_the_delay_patch_wraps_torchs_function_once_and_passes_other_calls_through() -> None:
-    code = """
-from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
-from elastic import compat
-calls = []
-def make(original):
-    def delay(seconds):
-        calls.append(seconds)
-        original(seconds)
-    return delay
-compat.patch_rendezvous_delay(make)
-first = dr._delay
-compat.patch_rendezvous_delay(make)
-assert dr._delay is first, "patched twice"
-dr._delay(seconds=(0, 0.01))
-print(calls)
-"""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[(0, 0.01)]"
-
-
-def test_handler_from_backend_applies_the_keep_alive_settings_on_this_torch() -> None:
-    from elastic.rendezvous.plugin import EtcdV3RendezvousHandler
-
-    class Backend(dynamic_rendezvous.RendezvousBackend):
-        name = "test"
-
-        def get_state(self) -> None:
-            return None
-
-        def set_state(self, state: bytes, token: object = None) -> None:
-            return None
-
+def test_the_rendezvous_store_info_is_built_on_this_torch() -> None:
     store = torch.distributed.HashStore()
-    handler = compat.handler_from_backend(
-        EtcdV3RendezvousHandler, "run", store, Backend(), 1, 2, "127.0.0.1",
-        dynamic_rendezvous.RendezvousTimeout(),
-        keep_alive_interval=timedelta(seconds=2), keep_alive_max_attempt=4,
-    )  # fmt: skip
-    assert isinstance(handler, EtcdV3RendezvousHandler)
-    assert handler._settings.keep_alive_interval == timedelta(seconds=2)
-    assert handler._settings.keep_alive_max_attempt == 4
-    assert compat.handler_node(handler).addr == "127.0.0.1"
-    assert compat.handler_state(handler).round == 0
-    compat.invalidate_cached_state(handler)
+    info = compat.rendezvous_store_info(0, store, "127.0.0.1")
+    assert info.master_port > 0 and info.master_addr
+    assert compat.rendezvous_store_info(1, store, "127.0.0.2").master_port == info.master_port
+
+
+def test_the_etcd_v3_handler_implements_every_abstract_method_of_torchs_handler() -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+    from elastic.rendezvous.etcd_v3_handler import EtcdV3RendezvousHandler
+
+    assert issubclass(EtcdV3RendezvousHandler, RendezvousHandler)
+    assert not getattr(EtcdV3RendezvousHandler, "__abstractmethods__", frozenset())
 
 
 def test_dcp_fsspec_reader_and_writer_are_found() -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd import EtcdClient, EtcdConfig, EtcdError, create_client
+from elastic.rendezvous.etcd_v3_handler import EtcdV3RendezvousHandler, HandlerSettings
+from elastic.rendezvous.protocol import RendezvousKeys, RoundRules
 from elastic.testing.etcd_server import find_etcd_binary, free_port
 from service.cli.client import ApiClient
 from service.controller.identities import JobIdentities
@@ -330,6 +332,13 @@ def test_a_jobs_etcd_user_reaches_its_own_rendezvous_and_progress_but_nothing_of
         assert job.get_with_prefix(state, f"{keys.rdzv}/job-a1-g1/")[0] is not None
         job.revoke_lease(lease)
         assert job.get(state)[0] is None
+        # the rendezvous itself, as torchrun runs it with the job's credentials (range compares included)
+        settings = HandlerSettings(rules=RoundRules(1, 1, timedelta(seconds=1)))
+        handler = EtcdV3RendezvousHandler(job, "job-a1-g3", RendezvousKeys.of(keys.rdzv, "job-a1-g3"), settings)
+        try:
+            assert handler.next_rendezvous().world_size == 1
+        finally:
+            handler.release()
         job.put(keys.progress_of("job-a1"), b'{"step": 1, "world_size": 1, "time": 0}')
         assert job.get(keys.progress_of("job-a1"))[0] is not None
         # refused: the control plane's keys and the other job's

@@ -12,7 +12,7 @@ import pytest
 
 from elastic.etcd import EtcdConfig, EtcdError, MemoryEtcdClient, MemoryEtcdServer
 from elastic.etcd.api import RolePermission
-from elastic.rendezvous.etcd_v3_backend import EtcdV3RendezvousBackend
+from elastic.rendezvous.protocol import RendezvousKeys
 from service.controller.identities import (
     USER_PREFIX,
     IdentityRecord,
@@ -107,8 +107,8 @@ def test_a_jobs_role_covers_the_rendezvous_of_its_generations_and_its_progress_k
     assert (progress, ping) == (RolePermission("/etrain/progress/j-1a2b", "readwrite"), RolePermission("\0", "read"))
     assert rdzv.prefix and rdzv.perm == "readwrite"
     for generation in (1, 2, 17):  # where the etcd-v3 backend keeps the run that the agent names
-        backend = EtcdV3RendezvousBackend(MemoryEtcdClient(), f"j-1a2b-g{generation}", key_prefix=keys.rdzv)
-        assert backend.key_base.startswith(rdzv.key) and backend.state_key.startswith(rdzv.key)
+        layout = RendezvousKeys.of(keys.rdzv, f"j-1a2b-g{generation}")
+        assert all(k.startswith(rdzv.key) for k in (layout.base, layout.assign(3), layout.store, layout.closed))
     for other in ("/etrain.rdzv/j-1a2bc-g1/rdzv/state", "/etrain.rdzv/j-1a2-g1/rdzv/state", "/etrain/progress/j-1a2bc"):
         assert not other.startswith(rdzv.key) and other != progress.key
 

@@ -9,11 +9,26 @@ the real half.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
 
-from elastic.etcd import EtcdClient, EtcdConfig, EtcdError, KeyValue
+from elastic.etcd import (
+    Compare,
+    CompareOp,
+    CompareTarget,
+    DeleteOp,
+    EtcdClient,
+    EtcdConfig,
+    EtcdError,
+    GetOp,
+    GetResult,
+    KeyValue,
+    PutOp,
+    TxnOp,
+    TxnResult,
+)
 from elastic.etcd.api import RolePermission
 from elastic.testing.wait import wait_until
 from tests.elastic.etcd.conftest import Cluster, later, watch_in_thread
@@ -328,6 +343,202 @@ def test_a_request_larger_than_the_cluster_accepts_is_refused(client: EtcdClient
     with pytest.raises(EtcdError):
         client.put(key_prefix + "/big", b"x" * (3 * 1024 * 1024))
     assert client.get(key_prefix + "/big")[0] is None
+
+
+# -- txn ---------------------------------------------------------------------------------------------
+CREATE, MOD, VERSION, VALUE = CompareTarget.CREATE, CompareTarget.MOD, CompareTarget.VERSION, CompareTarget.VALUE
+EQ, NE, LT, GT = CompareOp.EQUAL, CompareOp.NOT_EQUAL, CompareOp.LESS, CompareOp.GREATER
+
+
+def test_txn_creates_a_key_only_if_absent_and_the_failure_branch_reads_the_winner(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    key = key_prefix + "/k"
+    absent = [Compare(key, CREATE, EQ, 0)]
+    first = client.txn(absent, [PutOp(key, b"1")], [GetOp(key)])
+    assert first.succeeded and first.results == (None,)
+    second = client.txn(absent, [PutOp(key, b"2")], [GetOp(key)])
+    assert not second.succeeded and second.revision == first.revision
+    assert second.get(0) == GetResult((KeyValue(key, b"1", first.revision, first.revision, version=1),), 1)
+    with pytest.raises(TypeError):
+        first.get(0)  # a put's result is no GetResult
+    deleted = client.txn([Compare(key, VALUE, EQ, b"1"), Compare(key, VERSION, EQ, 1)], [DeleteOp(key)])
+    assert deleted.succeeded and deleted.results == (1,) and deleted.revision == first.revision + 1
+
+
+def test_a_compare_on_a_missing_key_or_an_empty_prefix_sees_one_zero_key_and_no_value(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    prefix = key_prefix + "/empty/"
+    client.put(key_prefix + "/empty", b"bare")  # neither the bare prefix nor a sibling is under it
+    client.put(key_prefix + "/empty0", b"sibling")
+
+    def holds(target: CompareTarget, op: CompareOp, value: int | bytes, key: str = prefix) -> bool:
+        return client.txn([Compare(key, target, op, value, prefix=key == prefix)], []).succeeded
+
+    for key in (prefix, key_prefix + "/missing"):
+        assert holds(CREATE, EQ, 0, key) and holds(MOD, EQ, 0, key) and holds(VERSION, EQ, 0, key)
+        assert holds(MOD, LT, 1, key) and holds(CREATE, NE, 5, key)
+        assert not holds(MOD, GT, 0, key) and not holds(CREATE, NE, 0, key)
+        assert not holds(VALUE, EQ, b"", key) and not holds(VALUE, NE, b"", key)  # no value to compare
+
+
+def test_a_range_compare_must_hold_for_every_key_under_the_prefix(client: EtcdClient, key_prefix: str) -> None:
+    prefix = key_prefix + "/r/"
+    first = client.put(prefix + "a", b"1")
+    last = client.put(prefix + "b", b"2")
+    client.put(key_prefix + "/r0", b"x")  # a sibling written later is outside the range
+    quiet = [Compare(prefix, MOD, LT, last + 1, prefix=True)]  # nothing under the prefix written after `last`
+
+    def holds(target: CompareTarget, op: CompareOp, value: int | bytes) -> bool:
+        return client.txn([Compare(prefix, target, op, value, prefix=True)], []).succeeded
+
+    assert client.txn(quiet, []).succeeded
+    assert holds(VERSION, EQ, 1) and holds(CREATE, GT, first - 1) and not holds(CREATE, GT, first)
+    assert holds(VALUE, GT, b"0") and not holds(VALUE, EQ, b"1")
+    rewritten = client.put(prefix + "a", b"3")
+    outcome = client.txn(quiet, [PutOp(prefix + "c", b"never")], [GetOp(prefix, prefix=True, count_only=True)])
+    assert not outcome.succeeded and outcome.revision == rewritten and outcome.get(0).count == 2
+    assert not holds(VERSION, EQ, 1) and holds(MOD, GT, first) and holds(MOD, LT, rewritten + 1)
+    assert client.txn([Compare(prefix, MOD, LT, rewritten + 1, prefix=True)], []).succeeded
+
+
+def test_txn_get_ops_count_only_keys_only_and_limit_report_the_total_count(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    prefix = key_prefix + "/g/"
+    for name in ("c", "a", "b"):
+        client.put(prefix + name, b"v-" + name.encode())
+    before = client.ping()
+    result = client.txn(
+        [],
+        [
+            GetOp(prefix, prefix=True),
+            GetOp(prefix, prefix=True, count_only=True),
+            GetOp(prefix, prefix=True, keys_only=True),
+            GetOp(prefix, prefix=True, limit=2),
+            GetOp(prefix, prefix=True, keys_only=True, limit=1),
+            GetOp(prefix + "a"),
+            GetOp(prefix + "missing"),
+        ],
+    )
+    assert result.succeeded and result.revision == before and len(result.results) == 7
+    full, counted, keys, limited, first_key, one, none = (result.get(i) for i in range(7))
+    names = [prefix + "a", prefix + "b", prefix + "c"]
+    assert [kv.key for kv in full.kvs] == names and full.count == 3
+    assert [kv.value for kv in full.kvs] == [b"v-a", b"v-b", b"v-c"]
+    assert counted == GetResult((), 3)
+    assert keys.count == 3 and keys.kvs == tuple(replace(kv, value=b"") for kv in full.kvs)
+    assert limited == GetResult(full.kvs[:2], 3)
+    assert first_key == GetResult((replace(full.kvs[0], value=b""),), 3)
+    assert one == GetResult(full.kvs[:1], 1)
+    assert none == GetResult((), 0)
+
+
+def test_txn_ops_apply_in_order_and_delete_ops_return_how_many_keys_they_deleted(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    for key in ("/d/1", "/d/2", "/d/3", "/single", "/d0"):
+        client.put(key_prefix + key, b"old")
+    before = client.ping()
+    result = client.txn(
+        [],
+        [
+            DeleteOp(key_prefix + "/d/", prefix=True),
+            DeleteOp(key_prefix + "/single"),
+            DeleteOp(key_prefix + "/missing"),
+            DeleteOp(key_prefix + "/none/", prefix=True),
+            PutOp(key_prefix + "/new", b"n"),
+            GetOp(key_prefix + "/", prefix=True),
+        ],
+    )
+    assert result.succeeded and result.revision == before + 1
+    assert result.results[:5] == (3, 1, 0, 0, None)
+    assert [(kv.key, kv.mod_revision) for kv in result.get(5).kvs] == [
+        (key_prefix + "/d0", before),
+        (key_prefix + "/new", before + 1),  # the read sees the branch's earlier put
+    ]
+
+
+def test_txn_raises_the_revision_by_one_only_when_the_branch_that_ran_wrote(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    key, other, doomed = key_prefix + "/k", key_prefix + "/other", key_prefix + "/doomed"
+    client.put(doomed, b"d")
+    before = client.put(key, b"v")
+    assert client.txn([], []) == TxnResult(True, before, ())
+    reads = client.txn([], [GetOp(key), DeleteOp(key_prefix + "/missing"), DeleteOp(key_prefix + "/no/", prefix=True)])
+    assert reads.revision == before and reads.results[1:] == (0, 0)
+    failed = client.txn([Compare(key, MOD, NE, before)], [PutOp(key, b"x")], [GetOp(key)])
+    assert not failed.succeeded and failed.revision == before and failed.get(0).kvs[0].value == b"v"
+    wrote = client.txn([Compare(key, MOD, EQ, before)], [PutOp(key, b"w"), PutOp(other, b"w"), DeleteOp(doomed)])
+    assert wrote == TxnResult(True, before + 1, (None, None, 1))
+    kvs, _ = client.get_prefix(key_prefix + "/")
+    assert {kv.key: (kv.value, kv.mod_revision) for kv in kvs} == {key: (b"w", before + 1), other: (b"w", before + 1)}
+    fallback = client.txn([Compare(key, VALUE, EQ, b"nope")], [], [PutOp(key, b"f")])  # the failure branch writes
+    assert fallback == TxnResult(False, before + 2, (None,))
+
+
+def test_a_txn_put_needs_a_live_lease_in_the_branch_that_runs_and_attaches_it(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    key, other = key_prefix + "/k", key_prefix + "/other"
+    gone = client.grant_lease(timedelta(seconds=10))
+    client.revoke_lease(gone)
+    before = client.ping()
+    with pytest.raises(EtcdError):
+        client.txn([], [PutOp(key, b"v", lease=gone)])
+    with pytest.raises(EtcdError):  # checked before anything of the branch is written
+        client.txn([Compare(key, CREATE, NE, 0)], [], [PutOp(other, b"v"), PutOp(key, b"v", lease=gone)])
+    assert client.get_prefix(key_prefix + "/") == ([], before)
+    live = client.grant_lease(timedelta(seconds=10))
+    result = client.txn([Compare(key, CREATE, EQ, 0)], [PutOp(key, b"v", lease=live)], [PutOp(key, b"x", lease=gone)])
+    assert result.succeeded and result.revision == before + 1
+    kv, _ = client.get(key)
+    assert kv is not None and (kv.value, kv.lease) == (b"v", live)
+    client.revoke_lease(live)
+    assert client.get(key)[0] is None
+
+
+def test_a_txn_of_more_than_128_compares_or_ops_in_either_branch_is_refused(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    key = key_prefix + "/k"
+    before = client.ping()
+    many = [PutOp(key_prefix + f"/n/{i:03d}", b"v") for i in range(128)]
+    assert client.txn([Compare(key, CREATE, EQ, 0)] * 128, many, [GetOp(key)] * 128).revision == before + 1
+    too_many = [PutOp(key_prefix + f"/m/{i:03d}", b"v") for i in range(129)]
+    for compare, success, failure in (
+        ([], too_many, []),
+        ([Compare(key, CREATE, EQ, 0)] * 129, [PutOp(key, b"v")], []),
+        ([], [PutOp(key, b"v")], [GetOp(key)] * 129),  # even in the branch that does not run
+    ):
+        with pytest.raises(EtcdError):
+            client.txn(compare, success, failure)
+    assert client.count_prefix(key_prefix + "/m/") == 0 and client.ping() == before + 1
+
+
+def test_a_txn_refuses_an_empty_key_and_a_key_both_put_and_deleted(client: EtcdClient, key_prefix: str) -> None:
+    cases: list[tuple[list[Compare], list[TxnOp]]] = [
+        ([Compare("", CREATE, EQ, 0)], []),
+        ([], [GetOp("")]),
+        ([], [PutOp(key_prefix + "/r/k", b"v"), DeleteOp(key_prefix + "/r/", prefix=True)]),
+        ([], [PutOp(key_prefix + "/k", b"1"), PutOp(key_prefix + "/k", b"2")]),
+    ]
+    for compare, ops in cases:
+        with pytest.raises(EtcdError):
+            client.txn(compare, ops)
+    assert client.count_prefix(key_prefix + "/") == 0
+
+
+def test_a_compare_checks_its_value_type_and_takes_its_target_and_op_as_strings() -> None:
+    assert Compare("/k", "mod", "<", 3) == Compare("/k", MOD, LT, 3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        Compare("/k", MOD, EQ, b"3")
+    with pytest.raises(TypeError):
+        Compare("/k", VALUE, EQ, 3)
+    with pytest.raises(ValueError):
+        Compare("/k", "lease", EQ, 3)  # type: ignore[arg-type]
 
 
 # -- leases ------------------------------------------------------------------------------------------

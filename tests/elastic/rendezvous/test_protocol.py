@@ -1,0 +1,113 @@
+"""The rendezvous protocol's pure decisions: when a round closes, who is in it, who watches whom, and when
+the members of a running round re-form."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elastic.rendezvous.protocol import (
+    Assignment,
+    CloseNow,
+    FormingView,
+    NextRoundView,
+    RendezvousKeys,
+    RoundRules,
+    WaitUntil,
+    close_decision,
+    select_members,
+    waiting_reason,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+RULES = RoundRules(min_nodes=2, max_nodes=4, last_call=timedelta(seconds=10))
+NOTHING = NextRoundView(closer=False, wake=False, assigned=False, closed=False)
+
+
+def test_a_round_closes_at_once_when_max_nodes_joined() -> None:
+    assert isinstance(close_decision(FormingView(0, 4, 9, last_growth=100.0), 100.0, RULES), CloseNow)
+
+
+def test_a_round_below_min_nodes_waits_without_a_deadline() -> None:
+    assert close_decision(FormingView(3, 1, 1, last_growth=None), 100.0, RULES) == WaitUntil(None)
+
+
+def test_the_first_round_waits_last_call_after_the_latest_join_even_when_all_live_agents_joined() -> None:
+    assert close_decision(FormingView(0, 2, 2, last_growth=100.0), 105.0, RULES) == WaitUntil(110.0)
+    assert isinstance(close_decision(FormingView(0, 2, 2, last_growth=100.0), 110.0, RULES), CloseNow)
+
+
+def test_a_re_formed_round_holding_every_live_agent_closes_at_once() -> None:
+    assert isinstance(close_decision(FormingView(5, 3, 3, last_growth=100.0), 100.0, RULES), CloseNow)
+
+
+def test_a_re_formed_round_waits_for_a_live_agent_not_yet_joined() -> None:
+    assert close_decision(FormingView(5, 3, 4, last_growth=100.0), 101.0, RULES) == WaitUntil(110.0)
+
+
+def test_members_are_the_first_max_nodes_to_join_ranked_by_node_id() -> None:
+    joins = [("d", 14), ("a", 13), ("c", 11), ("b", 12), ("e", 15)]
+    assert select_members(joins, 3) == ("a", "b", "c")
+    assert select_members(joins, 10) == ("a", "b", "c", "d", "e")
+
+
+@given(st.lists(st.text(min_size=1, max_size=5), min_size=2, max_size=30, unique=True))
+def test_every_member_is_watched_by_exactly_one_other(nodes: list[str]) -> None:
+    a = Assignment(1, tuple(sorted(nodes)), fence=7)
+    watched = [a.successor(n) for n in a.members]
+    assert sorted(w for w in watched if w is not None) == sorted(a.members)
+    assert all(w != n for n, w in zip(a.members, watched, strict=True))
+
+
+def test_a_round_of_one_watches_nobody() -> None:
+    assert Assignment(0, ("a",), fence=1).successor("a") is None
+
+
+def test_an_assignment_round_trips_and_ranks_are_positions() -> None:
+    a = Assignment(3, ("n1", "n2", "n3"), fence=42)
+    b = Assignment.decode(a.encode())
+    assert b == a
+    assert [b.rank(n) for n in ("n1", "n2", "n3", "x")] == [0, 1, 2, None]
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b'{"round": 1}', b'{"round": "x", "members": [], "fence": 1}', b"[]"])
+def test_a_malformed_assignment_is_a_clear_error(raw: bytes) -> None:
+    with pytest.raises(ValueError, match="malformed rendezvous assignment"):
+        Assignment.decode(raw)
+
+
+def test_a_node_waiting_counts_only_while_the_round_has_room() -> None:
+    waiting = NextRoundView(closer=True, wake=False, assigned=False, closed=False)
+    assert waiting_reason(3, 4, waiting, successor_lost=False) is not None
+    assert waiting_reason(4, 4, waiting, successor_lost=False) is None  # a full round: the node is a spare
+
+
+def test_a_lost_or_leaving_member_always_re_forms_the_round_even_a_full_one() -> None:
+    assert waiting_reason(4, 4, NOTHING, successor_lost=True) is not None
+    assert waiting_reason(4, 4, NextRoundView(closer=True, wake=True, assigned=False, closed=False), False) is not None
+    assert waiting_reason(4, 4, NextRoundView(closer=False, wake=False, assigned=True, closed=False), False) is not None
+
+
+def test_nothing_re_forms_a_closed_rendezvous_or_a_quiet_one() -> None:
+    assert waiting_reason(2, 4, NOTHING, successor_lost=False) is None
+    assert waiting_reason(2, 4, NextRoundView(True, True, True, closed=True), successor_lost=True) is None
+
+
+def test_the_layout_keeps_runs_apart_and_refuses_a_bad_run_id() -> None:
+    a, b = RendezvousKeys.of("/p/", "job-1"), RendezvousKeys.of("/p", "job-12")
+    assert a.base == "/p/job-1/" and not b.base.startswith(a.base)
+    assert a.join_key(3, "n").startswith(a.joins(3)) and not a.joins(1).startswith(a.joins(10)[:-1] + "/")
+    for bad in ("", "a/b"):
+        with pytest.raises(ValueError):
+            RendezvousKeys.of("/p", bad)
+
+
+def test_rules_refuse_an_impossible_range() -> None:
+    with pytest.raises(ValueError):
+        RoundRules(3, 2, timedelta(seconds=1))
+    with pytest.raises(ValueError):
+        RoundRules(0, 2, timedelta(seconds=1))
