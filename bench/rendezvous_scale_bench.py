@@ -120,6 +120,8 @@ def _worker(
         out["counts"] = counting.snapshot()
         out["read_bytes"], out["written_bytes"] = counting.read_bytes, counting.written_bytes
     results.put(out)
+    results.close()
+    results.join_thread()  # flushed before the hard exit below
     os._exit(0)  # the handlers' threads and leases go with the process, as with a killed job
 
 

@@ -115,6 +115,7 @@ class _Outcome:
     assignment: Assignment
     next_round: NextRoundView | None
     revision: int
+    head_revision: int  # the revision that assigned the round (it wrote the head too)
 
 
 def _next_round_view(keys: RendezvousKeys, round_: int, present: set[str], closed: bool) -> NextRoundView:
@@ -202,6 +203,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._rounds_watch: RevisionWatcher | None = None
         self._member: _Membership | None = None
         self._last_round: int | None = None
+        self._head_revision = 0  # the head's mod revision as of the newest round this node saw assigned
         self._released = False
         self._store = EtcdV3Store(client, keys.store, timeout=settings.store_timeout, lease=self.state_lease_id)
 
@@ -278,12 +280,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         logger.info("node %s joins the next round of rendezvous %s", self._node, self._run_id)
         previous = self._leave_round()
         lease = self._node_lease_id()
-        if previous is not None and self._rounds_watch is not None:
-            round_, spare = previous + 1, False  # the join transaction moves on if that one formed already
-        else:
-            round_, spare = self._first_round()
+        # Where to join: after the round this node left, or (new to the run) round 0 while none is assigned.
+        # The join transaction is fenced on the head it expects; if a round formed since, it learns the
+        # newest and joins the one after it.
+        round_ = previous + 1 if previous is not None else 0
+        spare = False
         while True:
-            outcome = self._join_and_wait(round_, previous, lease, None if spare else deadline)
+            outcome = self._join_and_wait(round_, previous, lease, deadline, spare)
             assignment = outcome.assignment
             rank = assignment.rank(self._node)
             if rank is not None:
@@ -307,22 +310,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         bootstrap = compat.rendezvous_store_info(rank, store, self._addr)
         return RendezvousInfo(store, rank, world, bootstrap)
 
-    def _first_round(self) -> tuple[int, bool]:
-        """Where a node new to the run joins: after the newest assigned round; and whether as a spare
-        (that round is full: like torch's redundancy list, it then waits without ``join_timeout``)."""
-        head = self._txn([], [GetOp(self._keys.head), GetOp(self._keys.closed)])
-        if head.get(1).kvs:
-            raise RendezvousClosedError()
-        self._ensure_rounds_watch(head.revision + 1)
-        if not head.get(0).kvs:
-            return 0, False
-        newest = _head(head.get(0).kvs[0].value)
-        return newest.round + 1, newest.size >= self._rules.max_nodes
-
-    def _join_and_wait(self, round_: int, previous: int | None, lease: int, deadline: float | None) -> _Outcome:
+    def _join_and_wait(self, round_: int, previous: int | None, lease: int, deadline: float, spare: bool) -> _Outcome:
         """Join ``round_`` (or the first later one still forming) and return the round's assignment.
-        ``deadline`` None: a spare, waiting for room without a time limit."""
+
+        A spare (this node was left out of a full round, or the run's newest round is full as it arrives)
+        waits for room without ``join_timeout``, like torch's redundancy list."""
         keys = self._keys
+        head_rev = self._head_revision if previous is not None else 0
         while True:
             value = json.dumps({"addr": self._addr, "pid": os.getpid()}).encode()
             ops: list[TxnOp] = [PutOp(keys.join_key(round_, self._node), value, lease=lease)]
@@ -334,25 +328,35 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 ]
             ops.append(GetOp(keys.closer(round_)))
             res = self._txn(
-                [_absent(keys.assign(round_)), _absent(keys.closed)],
+                [_cmp(keys.head, CompareTarget.MOD, head_rev), _absent(keys.closed)],
                 ops,
-                [GetOp(keys.closed), GetOp(keys.head)],
+                [GetOp(keys.closed, keys_only=True), GetOp(keys.head)],
             )
             if res.succeeded:
                 break
             if res.get(0).kvs:
                 raise RendezvousClosedError()
-            newest = _head(res.get(1).kvs[0].value).round if res.get(1).kvs else -1
-            round_ = max(round_ + 1, newest + 1)  # that round formed already: try the next still forming
+            if not res.get(1).kvs:
+                head_rev, round_ = 0, max(round_, 0)  # the head expired with an abandoned run
+                continue
+            head_kv = res.get(1).kvs[0]
+            newest = _head(head_kv.value)
+            head_rev, round_ = head_kv.mod_revision, max(round_, newest.round + 1)
+            if previous is None and newest.size >= self._rules.max_nodes:
+                spare = True
+        self._ensure_rounds_watch(res.revision + 1)
+        if spare:
+            logger.info("node %s waits as a spare for round %d (the newest round is full)", self._node, round_)
+        wait_until: float | None = None if spare else deadline
         self._last_round = round_
         closer_present = bool(res.get(len(ops) - 1).kvs)
         seen = res.revision
         while True:
             if not closer_present:
-                outcome = self._try_to_close(round_, deadline)
+                outcome = self._try_to_close(round_, wait_until)
                 if outcome is not None:
                     return outcome
-            remaining = _SAFETY_POLL if deadline is None else deadline - time.monotonic()
+            remaining = _SAFETY_POLL if wait_until is None else wait_until - time.monotonic()
             if remaining <= 0:
                 self._abandon(round_)
                 raise RendezvousTimeoutError(
@@ -377,7 +381,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if keys.assign(round_) in found:
                 following = {kv.key for kv in res.get(2).kvs}
                 nxt = _next_round_view(keys, round_ + 1, following, closed=False)
-                return _Outcome(self._decode(found[keys.assign(round_)].value), nxt, res.revision)
+                kv = found[keys.assign(round_)]
+                return _Outcome(self._decode(kv.value), nxt, res.revision, kv.mod_revision)
             closer_present = keys.closer(round_) in found
 
     # -- the closer ----------------------------------------------------------------------------------
@@ -414,7 +419,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     self._abandon(round_)
                     raise RendezvousClosedError()
                 if res.get(2).kvs:
-                    return _Outcome(self._decode(res.get(2).kvs[0].value), None, res.revision)
+                    kv = res.get(2).kvs[0]
+                    return _Outcome(self._decode(kv.value), None, res.revision, kv.mod_revision)
                 closer = res.get(3).kvs
                 if not closer or closer[0].create_revision != claimed_at:
                     return None  # this node's lease lapsed and another took over
@@ -474,11 +480,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if not res.succeeded:
             return None
         following = {kv.key for kv in res.get(len(ops)).kvs}
-        return _Outcome(assignment, _next_round_view(keys, round_ + 1, following, closed=False), res.revision)
+        nxt = _next_round_view(keys, round_ + 1, following, closed=False)
+        return _Outcome(assignment, nxt, res.revision, res.revision)
 
     # -- membership ----------------------------------------------------------------------------------
     def _become_member(self, outcome: _Outcome) -> None:
         assignment = outcome.assignment
+        self._head_revision = outcome.head_revision
         successor = assignment.successor(self._node)
         watch = None
         if successor is not None:
