@@ -59,6 +59,7 @@ from elastic.rendezvous.protocol import (
     RendezvousKeys,
     RoundRules,
     close_decision,
+    previous_round_full,
     select_members,
     waiting_reason,
 )
@@ -403,7 +404,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         keys = self._keys
         watcher = RevisionWatcher(self._client, keys.rdzv, claimed_at + 1)
         try:
-            last_joined, last_growth, last_wake = 0, None, 0.0
+            last_joined, last_growth, last_wake, was_full = 0, None, 0.0, False
             while True:
                 res = self._txn(
                     [],
@@ -413,6 +414,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                         GetOp(keys.assign(round_)),
                         GetOp(keys.closer(round_)),
                         GetOp(keys.closed),
+                        GetOp(keys.head),
+                        GetOp(keys.joins(round_ - 1), prefix=True, count_only=True),
                     ],
                 )
                 if res.get(4).kvs:
@@ -425,11 +428,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 if not closer or closer[0].create_revision != claimed_at:
                     return None  # this node's lease lapsed and another took over
                 joined, alive = res.get(0).count, res.get(1).count
+                head = _head(res.get(5).kvs[0].value) if res.get(5).kvs else None
+                full = previous_round_full(head, round_, res.get(6).count, self._rules)
                 now = time.monotonic()
-                if joined > last_joined and joined >= self._rules.min_nodes:
-                    last_growth = now
-                last_joined = joined
-                decision = close_decision(FormingView(round_, joined, alive, last_growth), now, self._rules)
+                if (joined > last_joined or was_full) and joined >= self._rules.min_nodes:
+                    last_growth = now  # the last call runs from the latest join, or from when room appeared
+                last_joined, was_full = joined, full
+                view = FormingView(round_, joined, alive, last_growth, previous_full=full)
+                decision = close_decision(view, now, self._rules)
                 if isinstance(decision, CloseNow):
                     outcome = self._commit(round_, claimed_at)
                     if outcome is not None:

@@ -34,6 +34,7 @@ __all__ = [
     "RoundRules",
     "WaitUntil",
     "close_decision",
+    "previous_round_full",
     "select_members",
     "waiting_reason",
 ]
@@ -125,6 +126,9 @@ class FormingView:
     joined: int
     alive: int
     last_growth: float | None
+    #: the previous round runs full with all its members: the joiners are spares (torch's redundancy list)
+    #: and wait until a member leaves or dies, however many they are
+    previous_full: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,8 @@ class WaitUntil:
 
 def close_decision(view: FormingView, now: float, rules: RoundRules) -> CloseNow | WaitUntil:
     """Whether the closer completes the round now."""
+    if view.previous_full:
+        return WaitUntil(None)
     if view.joined >= rules.max_nodes:
         return CloseNow(f"{view.joined} joined, max_nodes={rules.max_nodes}")
     if view.joined < rules.min_nodes:
@@ -152,6 +158,14 @@ def close_decision(view: FormingView, now: float, rules: RoundRules) -> CloseNow
     if now >= deadline:
         return CloseNow(f"{view.joined} joined, last call of {rules.last_call.total_seconds():g}s passed")
     return WaitUntil(deadline)
+
+
+def previous_round_full(head: Head | None, round_: int, previous_joined: int, rules: RoundRules) -> bool:
+    """Whether round ``round_ - 1`` is the newest, has ``max_nodes`` members and none has left it (a member
+    that leaves or dies takes its join key with it)."""
+    if head is None or head.round != round_ - 1:
+        return False
+    return head.size >= rules.max_nodes and previous_joined >= head.size
 
 
 def select_members(joins: Sequence[tuple[str, int]], max_nodes: int) -> tuple[str, ...]:

@@ -255,3 +255,31 @@ def test_a_burst_of_joiners_costs_each_a_constant_number_of_etcd_requests(
         for h in handlers:
             h.release()
         counting.inner.close()
+
+
+def test_spares_of_a_full_running_round_do_not_form_a_round_of_their_own() -> None:
+    # min_nodes=1: a lone spare reaches min_nodes, yet must wait while the full round runs (torch's
+    # redundancy list), instead of forming a round that would make the running one re-form, every round.
+    memory = MemoryEtcdServer()
+    keys = RendezvousKeys.of("/t", "lone-spare")
+    settings = HandlerSettings(rules=RoundRules(1, 2, timedelta(seconds=0.5)))
+    a, b, c = (
+        EtcdV3RendezvousHandler(memory.client(), "lone-spare", keys, settings, local_addr=f"10.0.1.{i}")
+        for i in range(3)
+    )
+    try:
+        assert {j.result(10).world_size for j in [_Joiner(a), _Joiner(b)]} == {2}
+        rounds = (a.round, b.round)
+        spare = _Joiner(c)
+        time.sleep(3)  # several last calls
+        assert spare.thread.is_alive(), "the spare formed a round of its own"
+        assert a.num_nodes_waiting() == b.num_nodes_waiting() == 0
+        assert (a.round, b.round) == rounds
+
+        b.release()  # a member dies: the survivor and the spare form the next round
+        _until(lambda: a.num_nodes_waiting() > 0, 10, "the survivor seeing the loss")
+        assert a.next_rendezvous().world_size == 2
+        assert spare.result(10).world_size == 2
+    finally:
+        for h in (a, b, c):
+            h.release()

@@ -13,11 +13,13 @@ from elastic.rendezvous.protocol import (
     Assignment,
     CloseNow,
     FormingView,
+    Head,
     NextRoundView,
     RendezvousKeys,
     RoundRules,
     WaitUntil,
     close_decision,
+    previous_round_full,
     select_members,
     waiting_reason,
 )
@@ -49,6 +51,20 @@ def test_a_re_formed_round_waits_for_a_live_agent_not_yet_joined() -> None:
     assert close_decision(FormingView(5, 3, 4, last_growth=100.0), 101.0, RULES) == WaitUntil(110.0)
 
 
+def test_spares_of_a_full_running_round_never_close_a_round_of_their_own() -> None:
+    blocked = FormingView(6, 9, 9, last_growth=0.0, previous_full=True)
+    assert close_decision(blocked, 1000.0, RULES) == WaitUntil(None)
+
+
+def test_the_previous_round_blocks_only_while_it_is_the_newest_full_and_complete() -> None:
+    full = Head(round=5, size=4)
+    assert previous_round_full(full, 6, previous_joined=4, rules=RULES)
+    assert not previous_round_full(full, 6, previous_joined=3, rules=RULES)  # a member left or died
+    assert not previous_round_full(Head(5, 3), 6, previous_joined=3, rules=RULES)  # room for a joiner
+    assert not previous_round_full(full, 7, previous_joined=4, rules=RULES)  # not the previous round
+    assert not previous_round_full(None, 0, previous_joined=0, rules=RULES)
+
+
 def test_members_are_the_first_max_nodes_to_join_ranked_by_node_id() -> None:
     joins = [("d", 14), ("a", 13), ("c", 11), ("b", 12), ("e", 15)]
     assert select_members(joins, 3) == ("a", "b", "c")
@@ -65,6 +81,12 @@ def test_every_member_is_watched_by_exactly_one_other(nodes: list[str]) -> None:
 
 def test_a_round_of_one_watches_nobody() -> None:
     assert Assignment(0, ("a",), fence=1).successor("a") is None
+
+
+def test_the_head_round_trips_and_a_malformed_one_is_a_clear_error() -> None:
+    assert Head.decode(Head(12, 1024).encode()) == Head(12, 1024)
+    with pytest.raises(ValueError, match="malformed rendezvous head"):
+        Head.decode(b"12")
 
 
 def test_an_assignment_round_trips_and_ranks_are_positions() -> None:
