@@ -87,6 +87,7 @@ def create_app(settings: Settings, client: EtcdClient | None = None) -> FastAPI:
             yield
         finally:
             controller.stop(resign=True)
+            metrics.close()
             if own_client:
                 etcd.close()
 

@@ -3,6 +3,10 @@
 Every replica runs a :class:`Controller`; only the elected leader reconciles. The loop wakes on any
 change under the service prefix (an etcd watch from the revision it last read) or every
 ``reconcile_interval``, whichever comes first, and never more often than ``_MIN_SPACING``.
+
+The leader keeps its view of the cluster between passes (:class:`~service.core.view_cache.ViewCache`): a
+full read when it becomes leader (and after a failed pass), then each pass reads only what changed, and the
+view it hands to :func:`reconcile` is the same as a full read at that revision.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import time
 from dataclasses import replace
 from datetime import datetime, timezone
 
-from elastic.etcd import EtcdError
+from elastic.etcd import EtcdError, KeyValue
 from service.controller.identities import SHARED_IDENTITY_WARNING, JobIdentities, password_auth
 from service.controller.leader import LeaderElection, create_election
 from service.controller.metrics import Metrics
@@ -21,6 +25,7 @@ from service.controller.reconcile import reconcile
 from service.core.config import Settings
 from service.core.store import ServiceStore
 from service.core.view import Plan, PlanOutcome, WriteFailure
+from service.core.view_cache import ViewCache
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,13 @@ class Controller:
         self._write_failures: dict[str, WriteFailure] = {}  # job id -> etcd refusing its updates
         # each job's own etcd user, when the control plane authenticates with a password (else None)
         self._identities = JobIdentities(store) if password_auth(store.client) else None
+        self._cache: ViewCache | None = None  # the leader's view, kept between passes
+        self._cache_fence: tuple[str, int] | None = None  # the leadership it was read under
+
+    def _drop_cache(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
 
     @property
     def election(self) -> LeaderElection:
@@ -54,20 +66,37 @@ class Controller:
         if not self._election.campaign():
             if self._metrics is not None:
                 self._metrics.is_leader.set(0)
+            self._drop_cache()
             return None
         if self._metrics is not None:
             self._metrics.is_leader.set(1)
         started = time.monotonic()
         fence = self._election.fence
         if fence is None:
+            self._drop_cache()
             return None
-        view = replace(self._store.read_view(), write_failures=dict(self._write_failures))
+        cache = self._cache
+        if cache is None:
+            cache = self._cache = ViewCache(self._store.client, self._store.keys)
+        if fence != self._cache_fence:  # (newly) leader: whatever was cached, read everything again
+            cache.reset()
+            self._cache_fence = fence
+        try:
+            return self._pass(cache, fence, now, started)
+        except BaseException:
+            cache.reset()  # a pass that failed half-way: the next one reads everything
+            raise
+
+    def _pass(self, cache: ViewCache, fence: tuple[str, int], now: datetime | None, started: float) -> int:
+        view = replace(cache.read(), write_failures=dict(self._write_failures))
         now = now or datetime.now(timezone.utc)
         plan = reconcile(view, now, self._settings.reconcile)
         if self._identities is not None:
             plan = self._identities.prepare(view, plan, fence, now)
         if not plan.empty:
-            outcome = self._store.apply_plan(plan, fence)
+            written: list[KeyValue] = []
+            outcome = self._store.apply_plan(plan, fence, written)
+            cache.written(written)
             if outcome.refused and self._metrics is not None:
                 self._metrics.refused_updates.inc(outcome.refused)
             self._count_write_failures(plan, outcome)
@@ -134,6 +163,7 @@ class Controller:
         if self._thread is not None:
             self._thread.join(timeout=self._settings.reconcile_interval.total_seconds() * 3 + 5)
             self._thread = None
+        self._drop_cache()
         if resign:
             try:
                 self._election.resign()

@@ -7,6 +7,7 @@ scrape time by :class:`_ServiceStoreCollector`, so every replica reports the sam
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -14,8 +15,11 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from elastic.etcd import EtcdError
+from service.core.models import NodeInfo
 from service.core.states import JobState
 from service.core.store import ServiceStore
+from service.core.view import JobEntry
+from service.core.view_cache import ViewCache
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +29,36 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _ServiceStoreCollector(Collector):
+    """Jobs and nodes as etcd holds them at scrape time, read incrementally (the jobs, statuses and nodes
+    that changed since the last scrape: :class:`ViewCache`), so a scrape costs the changes, not the history."""
+
     def __init__(self, store: ServiceStore) -> None:
         self._store = store
+        self._lock = threading.Lock()
+        self._cache: ViewCache | None = None
+
+    def _read(self) -> tuple[list[JobEntry], list[NodeInfo]]:
+        k = self._store.keys
+        with self._lock:
+            if self._cache is None:
+                self._cache = ViewCache(self._store.client, k, prefixes=[k.jobs, k.status, k.cancel, k.nodes])
+            try:
+                view = self._cache.read()
+            except BaseException:
+                self._cache.reset()
+                raise
+        jobs = sorted(view.jobs.values(), key=lambda e: (e.record.created_at, e.record.id))
+        return jobs, list(view.nodes.values())
+
+    def close(self) -> None:
+        with self._lock:
+            if self._cache is not None:
+                self._cache.close()
+                self._cache = None
 
     def collect(self) -> Iterator[Metric]:
         try:
-            jobs = self._store.list_jobs()
-            nodes, _ = self._store.list_nodes()
+            jobs, nodes = self._read()
         except EtcdError as exc:
             logger.warning("metrics: cannot read etcd: %s", exc)
             return
@@ -92,12 +119,19 @@ class Metrics:
             "etrain_refused_updates", "Job updates refused by etcd (stale or fenced)", registry=self.registry
         )
         self.is_leader = Gauge("etrain_leader", "1 if this replica is the leader", registry=self.registry)
+        self._collector: _ServiceStoreCollector | None = None
         self.jobs_submitted = Counter(
             "etrain_jobs_submitted", "Jobs accepted by this replica", registry=self.registry
         )
 
     def attach(self, store: ServiceStore) -> None:
-        self.registry.register(_ServiceStoreCollector(store))
+        self._collector = _ServiceStoreCollector(store)
+        self.registry.register(self._collector)
+
+    def close(self) -> None:
+        """Stop the watches the job and node figures are kept with (they start again at the next scrape)."""
+        if self._collector is not None:
+            self._collector.close()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -26,6 +26,7 @@ from service.core.models import (
     Assignment,
     CheckpointInfo,
     Event,
+    JobStatus,
     WorldSizeChange,
     checkpoint_prefix_owner,
     checkpoint_url_within,
@@ -43,22 +44,20 @@ def _event_id(now: datetime, seq: int) -> str:
 class _Decision:
     """Accumulates one job's changes during a reconcile pass."""
 
-    def __init__(self, entry: JobEntry, view: ClusterView, now: datetime) -> None:
+    def __init__(self, entry: JobEntry, view: ClusterView, now: datetime, current: dict[str, Assignment]) -> None:
         self.entry = entry
         self.record = entry.record
         self.spec = entry.record.spec
         self.policy = self.spec.restart_policy
         self.view = view
         self.now = now
-        self.st = entry.status.model_copy(deep=True)
+        self.st = _copy_status(entry.status)
         self.events: list[Event] = []
         self.assign: dict[str, Assignment] = {}
         self.unassign: set[str] = set()
         self.clear_reports = False
         self.purge = False
-        self.current = {
-            node: a for node, jobs in view.assignments.items() for jid, a in jobs.items() if jid == self.record.id
-        }
+        self.current = current  # node -> this job's assignment there
 
     # -- helpers -------------------------------------------------------------------------------------
     def event(self, kind: str, message: str, **data: Any) -> None:
@@ -117,6 +116,33 @@ class _Decision:
             unassign=sorted(self.unassign),
             clear_reports=self.clear_reports,
         )
+
+
+def _copy_status(status: JobStatus) -> JobStatus:
+    """A copy the pass may change: what it changes in place (lists, dicts, ``restarts``) copied, the rest shared
+    (a deep copy of every status, its world-size history included, was most of a pass at scale)."""
+    return status.model_copy(update={
+        "nodes": list(status.nodes),
+        "world_size_history": list(status.world_size_history),  # appended to; the changes themselves never
+        "restarts": status.restarts.model_copy(),
+        "node_failures": dict(status.node_failures),
+        "blacklist": dict(status.blacklist),
+    })  # fmt: skip
+
+
+def _finished_job(entry: JobEntry, view: ClusterView, now: datetime, current: Mapping[str, Assignment],
+                  cfg: ReconcileConfig) -> JobUpdate | None:  # fmt: skip
+    """A terminal job's update: remove its leftovers (assignments, reports), or after the retention delete it.
+    Its status never changes, so nothing is copied: finished jobs cost little however many are kept."""
+    st = entry.status
+    clear_reports = bool(view.reports.get(entry.record.id))
+    finished = st.finished_at or st.updated_at
+    if not current and now - finished >= cfg.terminal_retention:
+        return JobUpdate(job_id=entry.record.id, expected_revision=entry.status_revision, status=None, purge=True)
+    if not (current or clear_reports):
+        return None
+    return JobUpdate(job_id=entry.record.id, expected_revision=entry.status_revision, status=None,
+                     unassign=sorted(current), clear_reports=clear_reports)  # fmt: skip
 
 
 def _ts(seconds: float) -> datetime:
@@ -325,18 +351,21 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
         for e in entries
         if e.record.checkpoint_url is not None and not e.status.state.terminal and e.status.generation > 0
     }
+    by_job: dict[str, dict[str, Assignment]] = {}  # job id -> node -> assignment
+    for node, a in pairs:
+        by_job.setdefault(a.job_id, {})[node] = a
     growable: list[_Decision] = []
-    decisions: list[_Decision] = []
+    decisions: list[_Decision | JobUpdate] = []
     for entry in entries:
-        d = _Decision(entry, view, now)
+        current = by_job.get(entry.record.id, {})
+        if entry.status.state.terminal:
+            done = _finished_job(entry, view, now, current, cfg)
+            if done is not None:
+                decisions.append(done)
+            continue
+        d = _Decision(entry, view, now, current)
         decisions.append(d)
         st = d.st
-        if st.state.terminal:
-            d.unassign |= set(d.current)
-            d.clear_reports = bool(view.reports.get(d.record.id))
-            finished = st.finished_at or st.updated_at
-            d.purge = not d.current and now - finished >= cfg.terminal_retention
-            continue
         # leftovers of earlier generations
         for node, a in d.current.items():
             if a.generation != st.generation or node not in st.nodes:
@@ -368,8 +397,8 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
             growable.append(d)
     for d in growable:
         _try_grow(d, free)
-    for d in decisions:
-        upd = d.update()
+    for decided in decisions:
+        upd = decided if isinstance(decided, JobUpdate) else decided.update()
         if upd is not None:
             plan.updates.append(upd)
     return plan

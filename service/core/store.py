@@ -25,86 +25,25 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-import time
 from collections.abc import Iterable
-from datetime import datetime, timezone
-from typing import TypeVar
-
-from pydantic import BaseModel, ValidationError
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 
 from elastic.etcd import EtcdClient, EtcdConnectionError, EtcdError, KeyValue
 from elastic.progress import Progress
-from service.core.models import (
-    Assignment,
-    Event,
-    JobRecord,
-    JobStatus,
-    NodeInfo,
-    WorkerReport,
-    normalize_checkpoint_url,
-)
+from service.core.keys import Keys, at_own_key, dump, load, load_progress, tail
+from service.core.models import Assignment, Event, JobRecord, JobStatus, NodeInfo, WorkerReport
 from service.core.view import ClusterView, JobEntry, JobUpdate, Plan, PlanOutcome
+from service.core.view_state import ViewState
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["JobExists", "Keys", "ServiceStore", "create_store", "new_event"]
 
-M = TypeVar("M", bound=BaseModel)
-
+_APPLY_THREADS = 8  # job transactions of one plan in flight at once
 
 class JobExists(Exception):
     """A job with this id is already stored."""
-
-
-class Keys:
-    """Key names under one prefix."""
-
-    def __init__(self, prefix: str) -> None:
-        root = "/" + prefix.strip("/")
-        self.root = root
-        self.leader = f"{root}/leader"
-        self.jobs = f"{root}/jobs/"
-        self.status = f"{root}/status/"
-        self.cancel = f"{root}/cancel/"
-        self.events = f"{root}/events/"
-        self.nodes = f"{root}/nodes/"
-        self.assign = f"{root}/assign/"
-        self.reports = f"{root}/reports/"
-        self.progress = f"{root}/progress/"
-        # beside the service's keys, not under them: the reconcile loop watches ``<root>/`` and torchrun's
-        # rendezvous traffic (heartbeats, store keys) must not wake it; a grant on ``<root>`` covers both
-        self.rdzv = f"{root}.rdzv"
-        self.legacy_rdzv = f"{root}/rdzv"  # before the rendezvous moved out: assignments that name no prefix
-
-    def job(self, job_id: str) -> str:
-        return self.jobs + job_id
-
-    def status_of(self, job_id: str) -> str:
-        return self.status + job_id
-
-    def cancel_of(self, job_id: str) -> str:
-        return self.cancel + job_id
-
-    def events_of(self, job_id: str) -> str:
-        return f"{self.events}{job_id}/"
-
-    def node(self, name: str) -> str:
-        return self.nodes + name
-
-    def assignments_of(self, node: str) -> str:
-        return f"{self.assign}{node}/"
-
-    def assignment(self, node: str, job_id: str) -> str:
-        return f"{self.assign}{node}/{job_id}"
-
-    def reports_of(self, job_id: str) -> str:
-        return f"{self.reports}{job_id}/"
-
-    def report(self, job_id: str, node: str) -> str:
-        return f"{self.reports}{job_id}/{node}"
-
-    def progress_of(self, job_id: str) -> str:
-        return self.progress + job_id
 
 
 def new_event(kind: str, message: str, now: datetime, **data: object) -> Event:
@@ -118,72 +57,14 @@ def new_event(kind: str, message: str, now: datetime, **data: object) -> Event:
     )
 
 
-def _load(model: type[M], kv: KeyValue) -> M | None:
-    try:
-        record = model.model_validate_json(kv.value)
-    except ValidationError as exc:
-        logger.warning("ignoring unreadable %s at %s: %s", model.__name__, kv.key, exc.errors()[:1])
-        return None
-    problem = _unusable(record)
-    if problem is not None:
-        logger.warning("ignoring unreadable %s at %s: %s", model.__name__, kv.key, problem)
-        return None
-    return record
-
-
-_INT64 = 1 << 63
-
-
-def _unusable(record: BaseModel) -> str | None:
-    """What makes a validated record unusable, or None. Every time the service writes is in UTC (one without a
-    time zone cannot be compared with the controller's clock; one beyond year 1-9999 in UTC cannot be shown)
-    and every integer fits 64 bits (metrics are floats; a larger one overflows). Walked without recursion:
-    ``Event.data`` may nest deeply."""
-    stack: list[object] = [record]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, BaseModel):
-            stack.extend(value.__dict__.values())
-        elif isinstance(value, dict):
-            stack.extend(value.keys())
-            stack.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            stack.extend(value)
-        elif isinstance(value, datetime):
-            if value.utcoffset() is None:
-                return f"time {value.isoformat()} has no time zone"
-            try:
-                value.astimezone(timezone.utc)
-            except OverflowError:
-                return f"time {value.isoformat()} is out of range in UTC"
-        elif isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
-            return f"integer {str(value)[:20]}... does not fit 64 bits"
-    return None
-
-
-def _at_own_key(kv: KeyValue, named: str, by_key: str) -> bool:
-    """Whether a record names what its key does: one under another job's (or node's) key must not act for the
-    job (node) it names, e.g. a failure report under job A's key restarting job B."""
-    if named == by_key:
-        return True
-    logger.warning("ignoring the record at %s: it names %r", kv.key, named[:100])
-    return False
-
-
-def _dump(model: BaseModel) -> bytes:
-    return model.model_dump_json().encode()
-
-
-def _tail(kv: KeyValue, prefix: str) -> str:
-    return kv.key[len(prefix) :]
-
-
 class ServiceStore:
     """Reads and writes the service's records; safe to share between threads."""
 
     def __init__(self, client: EtcdClient, prefix: str = "/etrain") -> None:
         self.client = client
         self.keys = Keys(prefix)
+        self._pool: ThreadPoolExecutor | None = None  # apply_plan's senders, made at the first plan
+        self._pool_lock = threading.Lock()
 
     # -- jobs (API side) -----------------------------------------------------------------------------
     def create_job(self, record: JobRecord, status: JobStatus, event: Event) -> None:
@@ -191,9 +72,9 @@ class ServiceStore:
         k = self.keys
         ok, _ = self.client.commit(
             puts=[
-                (k.job(record.id), _dump(record)),
-                (k.status_of(record.id), _dump(status)),
-                (k.events_of(record.id) + event.id, _dump(event)),
+                (k.job(record.id), dump(record)),
+                (k.status_of(record.id), dump(status)),
+                (k.events_of(record.id) + event.id, dump(event)),
             ],
             expect=[(k.job(record.id), 0), (k.status_of(record.id), 0)],
         )
@@ -211,7 +92,7 @@ class ServiceStore:
         cancel = [x for x in cancel if x.key == k.cancel_of(job_id)]
         if not rec or not st:
             return None
-        record, status = _load(JobRecord, rec[0]), _load(JobStatus, st[0])
+        record, status = load(JobRecord, rec[0]), load(JobStatus, st[0])
         if record is None or status is None:
             return None
         return JobEntry(record, status, st[0].mod_revision, bool(cancel))
@@ -227,15 +108,15 @@ class ServiceStore:
         self, recs: Iterable[KeyValue], sts: Iterable[KeyValue], cancels: Iterable[KeyValue]
     ) -> dict[str, JobEntry]:
         k = self.keys
-        statuses = {_tail(kv, k.status): kv for kv in sts}
-        cancelled = {_tail(kv, k.cancel) for kv in cancels}
+        statuses = {tail(kv, k.status): kv for kv in sts}
+        cancelled = {tail(kv, k.cancel) for kv in cancels}
         out: dict[str, JobEntry] = {}
         for kv in recs:
-            job_id = _tail(kv, k.jobs)
+            job_id = tail(kv, k.jobs)
             skv = statuses.get(job_id)
-            record = _load(JobRecord, kv)
-            status = _load(JobStatus, skv) if skv is not None else None
-            if record is None or status is None or skv is None or not _at_own_key(kv, record.id, job_id):
+            record = load(JobRecord, kv)
+            status = load(JobStatus, skv) if skv is not None else None
+            if record is None or status is None or skv is None or not at_own_key(kv, record.id, job_id):
                 continue
             out[job_id] = JobEntry(record, status, skv.mod_revision, job_id in cancelled)
         return out
@@ -245,22 +126,22 @@ class ServiceStore:
         self.client.commit(
             puts=[
                 (k.cancel_of(job_id), event.model_dump_json().encode()),
-                (k.events_of(job_id) + event.id, _dump(event)),
+                (k.events_of(job_id) + event.id, dump(event)),
             ]
         )
 
     def add_event(self, job_id: str, event: Event) -> None:
-        self.client.put(self.keys.events_of(job_id) + event.id, _dump(event))
+        self.client.put(self.keys.events_of(job_id) + event.id, dump(event))
 
     def events(self, job_id: str, after: str | None = None, limit: int = 1000) -> list[Event]:
         prefix = self.keys.events_of(job_id)
         kvs, _ = self.client.get_prefix(prefix)
-        out = [e for kv in kvs if (after is None or _tail(kv, prefix) > after) and (e := _load(Event, kv))]
+        out = [e for kv in kvs if (after is None or tail(kv, prefix) > after) and (e := load(Event, kv))]
         return out[-limit:] if after is None else out[:limit]
 
     def progress(self, job_id: str) -> Progress | None:
         kv, _ = self.client.get(self.keys.progress_of(job_id))
-        return _progress(kv, job_id) if kv is not None else None
+        return load_progress(kv, job_id) if kv is not None else None
 
     # -- nodes ---------------------------------------------------------------------------------------
     def list_nodes(self) -> tuple[list[NodeInfo], dict[str, list[str]]]:
@@ -269,56 +150,39 @@ class ServiceStore:
         (nodes, assigns), _ = self.client.read_prefixes([k.nodes, k.assign])
         jobs: dict[str, list[str]] = {}
         for kv in assigns:
-            node, _, job_id = _tail(kv, k.assign).partition("/")
+            node, _, job_id = tail(kv, k.assign).partition("/")
             jobs.setdefault(node, []).append(job_id)
         infos = [
-            n for kv in nodes if (n := _load(NodeInfo, kv)) is not None and _at_own_key(kv, n.name, _tail(kv, k.nodes))
+            n for kv in nodes if (n := load(NodeInfo, kv)) is not None and at_own_key(kv, n.name, tail(kv, k.nodes))
         ]
         return sorted(infos, key=lambda n: n.name), jobs
 
     def register_node(self, info: NodeInfo, lease: int) -> None:
-        self.client.put(self.keys.node(info.name), _dump(info), lease=lease)
+        self.client.put(self.keys.node(info.name), dump(info), lease=lease)
 
     def assignments(self, node: str) -> tuple[dict[str, Assignment], int]:
         prefix = self.keys.assignments_of(node)
         kvs, revision = self.client.get_prefix(prefix)
-        out = {_tail(kv, prefix): a for kv in kvs if (a := _load(Assignment, kv)) is not None}
+        out = {tail(kv, prefix): a for kv in kvs if (a := load(Assignment, kv)) is not None}
         return out, revision
 
     def put_report(self, report: WorkerReport) -> None:
-        self.client.put(self.keys.report(report.job_id, report.node), _dump(report))
+        self.client.put(self.keys.report(report.job_id, report.node), dump(report))
 
     # -- controller ----------------------------------------------------------------------------------
     def read_view(self) -> ClusterView:
-        """Everything the reconcile loop decides from, read at one revision."""
-        k = self.keys
-        (recs, sts, cancels, nodes, assigns, reports, progress), revision = self.client.read_prefixes(
-            [k.jobs, k.status, k.cancel, k.nodes, k.assign, k.reports, k.progress]
-        )
-        assignments: dict[str, dict[str, Assignment]] = {}
-        for kv in assigns:
-            node, _, job_id = _tail(kv, k.assign).partition("/")
-            a = _load(Assignment, kv)
-            if a is not None and _at_own_key(kv, a.job_id, job_id):
-                assignments.setdefault(node, {})[job_id] = a
-        by_job: dict[str, dict[str, WorkerReport]] = {}
-        for kv in reports:
-            r = _load(WorkerReport, kv)
-            if r is not None and _at_own_key(kv, f"{r.job_id}/{r.node}", _tail(kv, k.reports)):
-                by_job.setdefault(r.job_id, {})[r.node] = r
-        prog = {job: p for kv in progress if (p := _progress(kv, job := _tail(kv, k.progress))) is not None}
-        live = {n.name: n for kv in nodes if (n := _load(NodeInfo, kv)) and _at_own_key(kv, n.name, _tail(kv, k.nodes))}
-        return ClusterView(
-            jobs=self._entries(recs, sts, cancels),
-            nodes=live,
-            assignments=assignments,
-            reports=by_job,
-            progress=prog,
-            revision=revision,
-        )
+        """Everything the reconcile loop decides from, read at one revision (the leader keeps it between
+        passes instead: ``service.core.view_cache``; both build it with :class:`ViewState`)."""
+        lists, revision = self.client.read_prefixes(ViewState.prefixes(self.keys))
+        state = ViewState(self.keys, revision)
+        for kvs in lists:
+            for kv in kvs:
+                state.put(kv)
+        return state.view()
 
-    def apply(self, update: JobUpdate, fence: tuple[str, int]) -> bool:
-        """Commit one job's update if its status is unchanged and ``fence`` still holds."""
+    def apply(self, update: JobUpdate, fence: tuple[str, int], written: list[KeyValue] | None = None) -> bool:
+        """Commit one job's update if its status is unchanged and ``fence`` still holds; with ``written``, add
+        to it each key put, with its value and the revision of the write as its ``mod_revision``."""
         k = self.keys
         if update.purge:
             ok, _ = self.client.commit(
@@ -331,37 +195,59 @@ class ServiceStore:
             return ok
         puts: list[tuple[str, bytes]] = []
         if update.status is not None:
-            puts.append((k.status_of(update.job_id), _dump(update.status)))
-        puts += [(k.events_of(update.job_id) + e.id, _dump(e)) for e in update.events]
+            puts.append((k.status_of(update.job_id), dump(update.status)))
+        puts += [(k.events_of(update.job_id) + e.id, dump(e)) for e in update.events]
         stamped = {  # every node of a generation meets under the prefix the controller names
             node: a if a.rdzv_prefix else a.model_copy(update={"rdzv_prefix": k.rdzv})
             for node, a in update.assign.items()
         }
-        puts += [(k.assignment(node, update.job_id), _dump(a)) for node, a in stamped.items()]
+        puts += [(k.assignment(node, update.job_id), dump(a)) for node, a in stamped.items()]
         deletes = [k.assignment(node, update.job_id) for node in update.unassign]
-        ok, _ = self.client.commit(
+        ok, revision = self.client.commit(
             puts,
             deletes,
             delete_prefixes=[k.reports_of(update.job_id)] if update.clear_reports else [],
             expect=[(k.status_of(update.job_id), update.expected_revision)],
             guard=fence,
         )
+        if ok and written is not None:
+            written += [KeyValue(key, value, 0, revision) for key, value in puts]
         return ok
 
-    def apply_plan(self, plan: Plan, fence: tuple[str, int]) -> PlanOutcome:
+    def _apply_one(self, update: JobUpdate, fence: tuple[str, int]) -> tuple[bool, str | None, list[KeyValue]]:
+        """``(applied, etcd's refusal or None, what was written)``; raises :class:`EtcdConnectionError`."""
+        mine: list[KeyValue] = []
+        try:
+            return self.apply(update, fence, mine), None, mine
+        except EtcdConnectionError:
+            raise
+        except EtcdError as exc:
+            return False, str(exc), []
+
+    def apply_plan(self, plan: Plan, fence: tuple[str, int], written: list[KeyValue] | None = None) -> PlanOutcome:
         """Apply every job's part of ``plan``, each in its own transaction: etcd refusing one job's part
         (too many operations, too large) is that job's failure alone. Unreachable etcd (or lost quorum)
-        raises :class:`EtcdConnectionError`: nothing more can be written this pass."""
+        raises :class:`EtcdConnectionError`: nothing more can be written this pass.
+
+        The jobs' transactions (disjoint keys) are sent ``_APPLY_THREADS`` at a time: one after the other, a
+        pass that updates a few hundred jobs spent most of its time waiting for each answer in turn."""
         refused = 0
         failed: dict[str, str] = {}
-        for update in plan.updates:
-            try:
-                ok = self.apply(update, fence)
-            except EtcdConnectionError:
-                raise
-            except EtcdError as exc:
-                failed[update.job_id] = str(exc)
-                logger.warning("etcd refused the update of job %s: %s", update.job_id, exc)
+        updates = plan.updates
+        if len(updates) > 1:
+            with self._pool_lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(_APPLY_THREADS, thread_name_prefix="etrain-apply")
+                pool = self._pool
+            results = list(pool.map(lambda u: self._apply_one(u, fence), updates))
+        else:
+            results = [self._apply_one(u, fence) for u in updates]
+        for update, (ok, error, kvs) in zip(updates, results, strict=True):
+            if written is not None:
+                written += kvs
+            if error is not None:
+                failed[update.job_id] = error
+                logger.warning("etcd refused the update of job %s: %s", update.job_id, error)
                 continue
             if not ok:
                 refused += 1
@@ -376,43 +262,6 @@ class ServiceStore:
                 continue
             refused += 0 if ok else 1
         return PlanOutcome(refused=refused, failed=failed)
-
-
-#: a job's unreadable progress is warned about at most once per this many seconds (the pass reads it each tick)
-_BAD_PROGRESS_WARN_EVERY = 60.0
-_bad_progress_warned: dict[str, float] = {}  # progress key -> time.monotonic() of its last warning
-_bad_progress_lock = threading.Lock()
-
-
-def _progress(kv: KeyValue, job_id: str) -> Progress | None:
-    """The job's progress report, or None when the value is not a valid one: anything at all may be there
-    (any job's rank 0 writes its key), and it must be that job's problem alone, never the reconcile pass's.
-    Besides :meth:`Progress.from_json`'s checks, the checkpoint path must parse as the controller reads it."""
-    try:
-        progress = Progress.from_json(kv.value)
-        path = progress.checkpoint_path
-        if path:
-            normalize_checkpoint_url(path if "://" in path else f"file://{path}")
-    except ValueError as exc:  # InvalidProgressError, or the checkpoint URL's
-        _warn_bad_progress(job_id, kv, exc)
-        return None
-    return progress
-
-
-def _warn_bad_progress(job_id: str, kv: KeyValue, exc: ValueError) -> None:
-    now = time.monotonic()
-    with _bad_progress_lock:
-        last = _bad_progress_warned.get(kv.key)
-        if last is not None and now - last < _BAD_PROGRESS_WARN_EVERY:
-            return
-        if len(_bad_progress_warned) >= 10_000:  # bounded: forget jobs not warned about lately
-            for old in [k for k, t in _bad_progress_warned.items() if now - t >= _BAD_PROGRESS_WARN_EVERY]:
-                del _bad_progress_warned[old]
-        _bad_progress_warned[kv.key] = now
-    logger.warning(
-        "job %s: ignoring its invalid progress report at %s (revision %d), as if it reported none: %s "
-        "(not repeated for %.0fs)", job_id, kv.key, kv.mod_revision, str(exc)[:300], _BAD_PROGRESS_WARN_EVERY,
-    )  # fmt: skip
 
 
 def identities_prefix(keys: Keys) -> str:
