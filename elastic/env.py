@@ -276,4 +276,3 @@ class WorkerEnv:
         for name in AGENT_WRITTEN:
             env.pop(name, None)
         env.update(self.to_environ())
-

@@ -142,13 +142,9 @@ class CheckpointOptions:
         if self.pinned_staging_bytes < 0:
             raise ValueError(f"pinned_staging_bytes must be >= 0, got {self.pinned_staging_bytes}")
         if self.lustre_stripe_count < -1 or self.lustre_stripe_count == 0:
-            raise ValueError(
-                f"lustre_stripe_count must be -1 (all OSTs) or >= 1, got {self.lustre_stripe_count}"
-            )
+            raise ValueError(f"lustre_stripe_count must be -1 (all OSTs) or >= 1, got {self.lustre_stripe_count}")
         if not re.fullmatch(r"[1-9][0-9]*[KkMmGg]?", self.lustre_stripe_size):
-            raise ValueError(
-                f"lustre_stripe_size must look like 1048576, 4M or 1G, got {self.lustre_stripe_size!r}"
-            )
+            raise ValueError(f"lustre_stripe_size must look like 1048576, 4M or 1G, got {self.lustre_stripe_size!r}")
         object.__setattr__(self, "layout", StateLayout(self.layout))
         if self.per_node and self.layout == StateLayout.SHARDED:
             raise ValueError("per_node applies to the replicated layout (each rank of a sharded state writes its part)")

@@ -149,9 +149,7 @@ def decode_pack(skeleton_bytes: bytes, tensor_buffer: torch.Tensor, *, weights_o
     if bundle.get("byteorder") != sys.byteorder:
         raise PackDecodeError(f"snapshot was written on a {bundle.get('byteorder')}-endian machine")
     if bundle["tensors_bytes"] != tensor_buffer.numel():
-        raise PackDecodeError(
-            f"tensor data has {tensor_buffer.numel()} bytes, skeleton says {bundle['tensors_bytes']}"
-        )
+        raise PackDecodeError(f"tensor data has {tensor_buffer.numel()} bytes, skeleton says {bundle['tensors_bytes']}")
     host = tensor_buffer.numpy() if tensor_buffer.device.type == "cpu" and tensor_buffer.numel() else None
     tensors: list[torch.Tensor] = []
     for entry in bundle["tensors"]:

@@ -166,8 +166,7 @@ class Manifest:
                 token=str(body["token"]),
                 kind=SnapshotKind(body["kind"]),
                 files=tuple(
-                    FileEntry(path=str(f["path"]), size=int(f["size"]), sha256=str(f["sha256"]))
-                    for f in body["files"]
+                    FileEntry(path=str(f["path"]), size=int(f["size"]), sha256=str(f["sha256"])) for f in body["files"]
                 ),
                 created_unix=float(body["created_unix"]),
                 world_size=int(body["world_size"]),
@@ -232,9 +231,7 @@ def plan_retention(
     return sorted(s for s in older if s not in keep)
 
 
-def garbage_step_dirs(
-    step_dirs: Sequence[int], committed_steps: Iterable[int], just_written: int
-) -> list[int]:
+def garbage_step_dirs(step_dirs: Sequence[int], committed_steps: Iterable[int], just_written: int) -> list[int]:
     """Step directories without a valid manifest that are older than ``just_written`` (dead attempts)."""
     committed = set(committed_steps)
     return sorted(s for s in set(step_dirs) if s < just_written and s not in committed)

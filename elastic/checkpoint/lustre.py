@@ -34,9 +34,7 @@ def apply_striping(directory: str | Path, stripe_count: int, stripe_size: str) -
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        logger.warning(
-            "lfs setstripe on %s failed to run (%s); the default Lustre layout stays", directory, exc
-        )
+        logger.warning("lfs setstripe on %s failed to run (%s); the default Lustre layout stays", directory, exc)
         return False
     if proc.returncode != 0:
         detail = (proc.stderr or proc.stdout).strip().replace("\n", " ")

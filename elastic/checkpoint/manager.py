@@ -68,9 +68,7 @@ def _optimizer_storages(optimizer: torch.optim.Optimizer) -> set[int]:
     """Storage addresses of everything ``optimizer.step()`` writes: its parameters and state tensors."""
     owned = {p.untyped_storage().data_ptr() for group in optimizer.param_groups for p in group["params"]}
     for per_param in optimizer.state.values():
-        owned.update(
-            v.untyped_storage().data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor)
-        )
+        owned.update(v.untyped_storage().data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
     return owned
 
 
@@ -85,9 +83,7 @@ def _as_mapping(state: Mapping[str, Any] | Any) -> Mapping[str, Any]:
 class FsspecCheckpointManager(CheckpointManager):
     """:class:`CheckpointManager` for replicated (pack) and sharded (DCP) state on one storage root."""
 
-    def __init__(
-        self, storage: CheckpointStorage, options: CheckpointOptions, events: EventHook | None = None
-    ) -> None:
+    def __init__(self, storage: CheckpointStorage, options: CheckpointOptions, events: EventHook | None = None) -> None:
         self._storage = storage
         self._options = options
         self._events = events
@@ -227,9 +223,7 @@ class FsspecCheckpointManager(CheckpointManager):
         except CheckpointFencedError:
             raise  # as it is: the caller must tell "fenced off" from a storage failure
         except CheckpointError as exc:
-            raise CheckpointWriteError(
-                f"saving checkpoint step {job.step} to {self.url} failed: {exc}"
-            ) from exc
+            raise CheckpointWriteError(f"saving checkpoint step {job.step} to {self.url} failed: {exc}") from exc
         except Exception as exc:
             raise CheckpointWriteError(
                 f"saving checkpoint step {job.step} to {self.url} failed: {describe_storage_failure(exc)}"

@@ -113,9 +113,7 @@ class IoPool:
             if self._closed:
                 raise RuntimeError(f"{self._name} pool is closed")
             while len(self._workers) < min(wanted, self._threads):
-                worker = threading.Thread(
-                    target=self._work, name=f"{self._name}-{len(self._workers)}", daemon=True
-                )
+                worker = threading.Thread(target=self._work, name=f"{self._name}-{len(self._workers)}", daemon=True)
                 worker.start()
                 self._workers.append(worker)
 

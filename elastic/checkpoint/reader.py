@@ -204,6 +204,4 @@ def read_pack(
     try:
         return decode_pack(bytes(skeleton), buffer, weights_only=weights_only)
     except PackDecodeError as exc:
-        raise CheckpointLoadError(
-            f"snapshot step {manifest.step} is intact but does not decode: {exc}"
-        ) from exc
+        raise CheckpointLoadError(f"snapshot step {manifest.step} is intact but does not decode: {exc}") from exc

@@ -72,8 +72,7 @@ def plan_segments(total: int, segment_bytes: int) -> list[Segment]:
     if total == 0:
         return [Segment(0, 0, 0)]
     return [
-        Segment(i, start, min(start + segment_bytes, total))
-        for i, start in enumerate(range(0, total, segment_bytes))
+        Segment(i, start, min(start + segment_bytes, total)) for i, start in enumerate(range(0, total, segment_bytes))
     ]
 
 

@@ -71,9 +71,7 @@ class TrainingState:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainingState:
         if values.get("format") != STATE_FORMAT:
-            raise ValueError(
-                f"not a training state (format {values.get('format')!r}, expected {STATE_FORMAT})"
-            )
+            raise ValueError(f"not a training state (format {values.get('format')!r}, expected {STATE_FORMAT})")
         return cls(
             step=int(values["step"]),
             model=values["model"],

@@ -189,9 +189,7 @@ def _fsync_dir(path: Path) -> None:
 class LocalStorage(CheckpointStorage):
     """A POSIX directory (local disk, NFS, Lustre): fsync'd files and directories, rename to commit."""
 
-    def __init__(
-        self, root: str | Path, stripe: StripeSettings | None = None, url: str | None = None
-    ) -> None:
+    def __init__(self, root: str | Path, stripe: StripeSettings | None = None, url: str | None = None) -> None:
         self._root = Path(root).absolute()
         self._url = url or str(self._root)
         self._stripe = stripe

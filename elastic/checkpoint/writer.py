@@ -255,7 +255,5 @@ def apply_retention(
     for old in garbage_step_dirs([e.step for e in entries if not e.foreign], committed, step):
         storage.delete_tree(step_dir(old))
     if doomed:
-        logger.info(
-            "checkpoint retention removed step(s) %s under %s", ", ".join(map(str, doomed)), storage.url
-        )
+        logger.info("checkpoint retention removed step(s) %s under %s", ", ".join(map(str, doomed)), storage.url)
     return doomed

@@ -208,9 +208,7 @@ class EtcdClient(abc.ABC):
 
     # -- watches -------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def wait_for_event(
-        self, key: str, start_revision: int, timeout: timedelta, *, prefix: bool = False
-    ) -> bool:
+    def wait_for_event(self, key: str, start_revision: int, timeout: timedelta, *, prefix: bool = False) -> bool:
         """Block until ``key`` (or a key under it, if ``prefix``) changes at or after ``start_revision``.
 
         A change already made at or after ``start_revision`` counts at once; ``start_revision`` 0 means

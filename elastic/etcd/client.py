@@ -194,9 +194,10 @@ class GrpcEtcdClient(EtcdClient):
                 if generation is not None and self._replaced(generation):
                     # Another thread's reset closed the channel under this call ("Channel closed!").
                     retry.last_exc = exc
-                elif code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.INVALID_ARGUMENT and (
-                    "token" in str(exc.details() if hasattr(exc, "details") else exc)
-                )):
+                elif code == grpc.StatusCode.UNAUTHENTICATED or (
+                    code == grpc.StatusCode.INVALID_ARGUMENT
+                    and ("token" in str(exc.details() if hasattr(exc, "details") else exc))
+                ):
                     # The auth token expired: a new client authenticates again.
                     retry.last_exc = exc
                     self._reset(generation)
@@ -220,8 +221,7 @@ class GrpcEtcdClient(EtcdClient):
             retry.attempts += 1
             if time.monotonic() >= retry.deadline:
                 raise EtcdConnectionError(
-                    f"etcd unreachable at {self.endpoints_label} after {limit:.1f}s "
-                    f"({type(retry.last_exc).__name__})"
+                    f"etcd unreachable at {self.endpoints_label} after {limit:.1f}s ({type(retry.last_exc).__name__})"
                 ) from retry.last_exc
             if generation is not None and retry.attempts > 1 and retry.attempts % len(self._config.endpoints) == 0:
                 self._reset(generation)
@@ -309,14 +309,10 @@ class GrpcEtcdClient(EtcdClient):
             if read_prefix is not None:
                 reads.append(
                     etcdrpc.RequestOp(
-                        request_range=etcdrpc.RangeRequest(
-                            key=read_prefix.encode(), range_end=prefix_end(read_prefix)
-                        )
+                        request_range=etcdrpc.RangeRequest(key=read_prefix.encode(), range_end=prefix_end(read_prefix))
                     )
                 )
-            put = etcdrpc.RequestOp(
-                request_put=etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
-            )
+            put = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease))
             req = etcdrpc.TxnRequest(compare=cmp, success=[put, *reads], failure=reads)
             resp = c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
             ranges = [r.response_range for r in resp.responses if r.WhichOneof("response") == "response_range"]
@@ -347,9 +343,7 @@ class GrpcEtcdClient(EtcdClient):
     def read_prefixes(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
         def op(c: Any) -> tuple[list[list[KeyValue]], int]:
             reads = [
-                etcdrpc.RequestOp(
-                    request_range=etcdrpc.RangeRequest(key=p.encode(), range_end=prefix_end(p))
-                )
+                etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=p.encode(), range_end=prefix_end(p)))
                 for p in prefixes
             ]
             req = etcdrpc.TxnRequest(compare=[], success=reads, failure=[])
@@ -385,13 +379,8 @@ class GrpcEtcdClient(EtcdClient):
                         create_revision=guard[1],
                     )
                 )
-            ops = [
-                etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=k.encode(), value=v)) for k, v in puts
-            ]
-            ops += [
-                etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=k.encode()))
-                for k in deletes
-            ]
+            ops = [etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=k.encode(), value=v)) for k, v in puts]
+            ops += [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=k.encode())) for k in deletes]
             ops += [
                 etcdrpc.RequestOp(
                     request_delete_range=etcdrpc.DeleteRangeRequest(key=p.encode(), range_end=prefix_end(p))
@@ -445,9 +434,7 @@ class GrpcEtcdClient(EtcdClient):
         self._call(op, timeout=self._config.request_timeout)
 
     # -- watches -------------------------------------------------------------------------------------
-    def wait_for_event(
-        self, key: str, start_revision: int, timeout: timedelta, *, prefix: bool = False
-    ) -> bool:
+    def wait_for_event(self, key: str, start_revision: int, timeout: timedelta, *, prefix: bool = False) -> bool:
         # A broken watch stream (a member restarting) is re-opened from the same revision: no event is lost.
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
@@ -547,7 +534,6 @@ class GrpcEtcdClient(EtcdClient):
             done.set()
             stream.cancel()
 
-
     # -- users and roles (etcd auth) -----------------------------------------------------------------
     # A request retried after a lost answer meets its own effect ("already exists", "not found"): that is
     # the answer the first try would have had, so these calls are safe to retry.
@@ -621,5 +607,3 @@ def check_reachable(config: EtcdConfig, timeout: timedelta | None = None) -> int
         return client.ping(timeout=timeout or config.connect_timeout)
     finally:
         client.close()
-
-

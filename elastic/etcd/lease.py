@@ -68,6 +68,15 @@ class LeaseKeeper:
         if self._on_new_lease is not None:
             self._on_new_lease(new_id)
 
+    def replace_lost(self, lost_id: int) -> int:
+        """etcd said ``lost_id`` is gone (a request attaching a key to it failed): grant a new lease now,
+        unless the keep-alive thread already has, and return the current id."""
+        with self._lock:
+            current = self._lease_id
+        if current == lost_id and not self._stop.is_set():
+            self._regrant()
+        return self.lease_id
+
     def close(self, revoke: bool = True) -> None:
         """Stop refreshing; with ``revoke`` (default) delete the lease and its keys now."""
         if self._stop.is_set():

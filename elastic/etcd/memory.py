@@ -567,9 +567,7 @@ class MemoryEtcdClient(EtcdClient):
         _check_key(raw)
         return raw, (prefix_end(key) if prefix else None)
 
-    def wait_for_event(
-        self, key: str, start_revision: int, timeout: timedelta, *, prefix: bool = False
-    ) -> bool:
+    def wait_for_event(self, key: str, start_revision: int, timeout: timedelta, *, prefix: bool = False) -> bool:
         raw, end = self._watch_range(key, prefix)
         deadline = time.monotonic() + timeout.total_seconds()
         start: int | None = None

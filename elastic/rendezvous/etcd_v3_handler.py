@@ -134,6 +134,12 @@ def _cmp(
     return Compare(key, target, op, value, prefix=prefix)
 
 
+def _translate(exc: EtcdError) -> RendezvousConnectionError:
+    if isinstance(exc, EtcdConnectionError):
+        return RendezvousConnectionError(f"The connection to etcd has failed: {exc}")
+    return RendezvousConnectionError(f"etcd rejected a rendezvous request: {exc}")
+
+
 def _absent(key: str) -> Compare:
     return _cmp(key, CompareTarget.CREATE, 0)
 
@@ -266,6 +272,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 logger.info("registered %s with a %gs lease", key, self._settings.node_ttl.total_seconds())
             return self._node_lease.lease_id
 
+    def _replace_node_lease(self, lost: int) -> int:
+        with self._lock:
+            keeper = self._node_lease
+        if keeper is None:
+            return self._node_lease_id()
+        lease: int = self._wrap(lambda: keeper.replace_lost(lost))
+        logger.warning("node %s: its lease %x was gone; joining on a new one (%x)", self._node, lost, lease)
+        return lease
+
     def state_lease_id(self) -> int:
         """The long lease that rounds, the head and the store hang on (abandoned state expires by itself)."""
         with self._lock:
@@ -318,6 +333,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         waits for room without ``join_timeout``, like torch's redundancy list."""
         keys = self._keys
         head_rev = self._head_revision if previous is not None else 0
+        lease_retries = 3
         while True:
             value = json.dumps({"addr": self._addr, "pid": os.getpid()}).encode()
             ops: list[TxnOp] = [PutOp(keys.join_key(round_, self._node), value, lease=lease)]
@@ -328,11 +344,19 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     PutOp(keys.wake(previous + 1), self._node.encode(), lease=self.state_lease_id()),
                 ]
             ops.append(GetOp(keys.closer(round_)))
-            res = self._txn(
-                [_cmp(keys.head, CompareTarget.MOD, head_rev), _absent(keys.closed)],
-                ops,
-                [GetOp(keys.closed, keys_only=True), GetOp(keys.head)],
-            )
+            try:
+                res = self._client.txn(
+                    [_cmp(keys.head, CompareTarget.MOD, head_rev), _absent(keys.closed)],
+                    ops,
+                    [GetOp(keys.closed, keys_only=True), GetOp(keys.head)],
+                )
+            except EtcdError as exc:
+                if "lease not found" not in str(exc) or lease_retries == 0:
+                    raise _translate(exc) from exc
+                # the node lease lapsed (etcd overloaded or unreachable for node_ttl): a new one, and again
+                lease_retries -= 1
+                lease = self._replace_node_lease(lease)
+                continue
             if res.succeeded:
                 break
             if res.get(0).kvs:
@@ -618,7 +642,5 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _wrap(self, fn: Any) -> Any:
         try:
             return fn()
-        except EtcdConnectionError as exc:
-            raise RendezvousConnectionError(f"The connection to etcd has failed: {exc}") from exc
         except EtcdError as exc:
-            raise RendezvousConnectionError(f"etcd rejected a rendezvous request: {exc}") from exc
+            raise _translate(exc) from exc

@@ -51,8 +51,18 @@ def main(argv: list[str] | None = None) -> int:
     t = torch.tensor([start], dtype=torch.int64)
     dist.broadcast(t, 0)
     step = int(t.item())
-    _append(out / "events.jsonl", {"event": "start", "t": time.time(), "rank": rank, "world": world,
-                                   "restart": restart, "pid": os.getpid(), "step": step})
+    _append(
+        out / "events.jsonl",
+        {
+            "event": "start",
+            "t": time.time(),
+            "rank": rank,
+            "world": world,
+            "restart": restart,
+            "pid": os.getpid(),
+            "step": step,
+        },
+    )
     expected = world * (world + 1) / 2
     while step < args.steps:
         x = torch.tensor([float(rank + 1)])
@@ -65,8 +75,19 @@ def main(argv: list[str] | None = None) -> int:
             tmp = out / f"step.tmp{os.getpid()}"
             tmp.write_text(str(step))
             os.replace(tmp, step_file)
-        _append(out / "steps.jsonl", {"t": time.time(), "step": step, "rank": rank, "world": world,
-                                      "restart": restart, "node": node, "pid": os.getpid(), "sum": x.item()})
+        _append(
+            out / "steps.jsonl",
+            {
+                "t": time.time(),
+                "step": step,
+                "rank": rank,
+                "world": world,
+                "restart": restart,
+                "node": node,
+                "pid": os.getpid(),
+                "sum": x.item(),
+            },
+        )
         time.sleep(args.step_time)
     dist.barrier()
     if rank == 0:

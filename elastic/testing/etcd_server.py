@@ -139,9 +139,7 @@ class LocalEtcdCluster:
     def start_member(self, index: int) -> None:
         m = self.members[index]
         log = open(m.log_path, "ab")
-        m.process = subprocess.Popen(
-            self._command(m), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        m.process = subprocess.Popen(self._command(m), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
 
     def start(self, timeout: timedelta = timedelta(seconds=30)) -> LocalEtcdCluster:

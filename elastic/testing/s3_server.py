@@ -31,9 +31,7 @@ def _free_port(host: str) -> int:
 class LocalS3Server:
     """``python -m moto.server`` on a loopback ``host`` and a free port; ``start()`` waits for it."""
 
-    def __init__(
-        self, host: str = "127.0.0.1", port: int | None = None, log_path: Path | None = None
-    ) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, log_path: Path | None = None) -> None:
         if not host.startswith("127."):
             raise ValueError("the local S3 server only binds loopback addresses (127.0.0.0/8)")
         self.host = host

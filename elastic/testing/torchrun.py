@@ -50,6 +50,7 @@ def torchrun_command(
         prefork=prefork,
     ).argv()
 
+
 @dataclass
 class TorchrunAgent:
     """One torchrun agent and its workers, in a process group of their own."""

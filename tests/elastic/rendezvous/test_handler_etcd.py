@@ -283,3 +283,21 @@ def test_spares_of_a_full_running_round_do_not_form_a_round_of_their_own() -> No
     finally:
         for h in (a, b, c):
             h.release()
+
+
+def test_a_node_whose_lease_lapsed_before_it_joins_joins_on_a_new_one() -> None:
+    # etcd overloaded or out of reach for node_ttl: the lease is gone when the join transaction attaches to it.
+    memory = MemoryEtcdServer()
+    client = memory.client()
+    keys = RendezvousKeys.of("/t", "lapsed")
+    h = EtcdV3RendezvousHandler(client, "lapsed", keys, HandlerSettings(rules=RoundRules(1, 1, timedelta(seconds=1))))
+    try:
+        h.register()
+        (alive,) = client.get_prefix(keys.alive)[0]
+        client.revoke_lease(alive.lease)
+        assert h.next_rendezvous().world_size == 1
+        kv = client.get(keys.join_key(0, h.node_id))[0]
+        assert kv is not None and kv.lease not in (0, alive.lease)
+        assert client.get(keys.alive_key(h.node_id))[0] is not None  # announced again on the new lease
+    finally:
+        h.release()
