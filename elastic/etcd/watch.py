@@ -7,7 +7,7 @@ from datetime import timedelta
 
 from elastic.etcd.api import EtcdClient
 
-__all__ = ["RevisionWatcher"]
+__all__ = ["SHARED_WATCHERS", "RevisionWatcher", "SharedWatchers"]
 
 
 class RevisionWatcher:
@@ -21,6 +21,7 @@ class RevisionWatcher:
 
     def __init__(self, client: EtcdClient, prefix: str, start_revision: int, *, is_prefix: bool = True) -> None:
         self._latest = start_revision - 1
+        self.start_revision = start_revision
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -52,3 +53,45 @@ class RevisionWatcher:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
+
+
+class SharedWatchers:
+    """Reference-counted :class:`RevisionWatcher` objects, one per (client, prefix): handlers of one process
+    that watch the same prefix (several simulated agents) share one stream instead of opening one each.
+
+    ``acquire`` returns a watcher that has seen every change from ``start_revision`` on (an existing one
+    started earlier qualifies: revisions are absolute); ``release`` closes it after its last user.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watchers: dict[tuple[int, str], tuple[RevisionWatcher, int]] = {}
+
+    def acquire(self, client: EtcdClient, prefix: str, start_revision: int) -> RevisionWatcher:
+        key = (id(client), prefix)
+        with self._lock:
+            found = self._watchers.get(key)
+            if found is not None and found[0].start_revision <= start_revision:
+                self._watchers[key] = (found[0], found[1] + 1)
+                return found[0]
+            watcher = RevisionWatcher(client, prefix, start_revision)
+            if found is None:
+                self._watchers[key] = (watcher, 1)
+            return watcher
+
+    def release(self, client: EtcdClient, prefix: str, watcher: RevisionWatcher) -> None:
+        key = (id(client), prefix)
+        with self._lock:
+            found = self._watchers.get(key)
+            if found is None or found[0] is not watcher:
+                watcher.close()  # not shared
+                return
+            if found[1] > 1:
+                self._watchers[key] = (watcher, found[1] - 1)
+                return
+            del self._watchers[key]
+        watcher.close()
+
+
+#: The process's shared watchers.
+SHARED_WATCHERS = SharedWatchers()

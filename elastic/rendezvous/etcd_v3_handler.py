@@ -48,7 +48,7 @@ from elastic.etcd import (
     TxnResult,
 )
 from elastic.etcd.lease import LeaseKeeper
-from elastic.etcd.watch import RevisionWatcher
+from elastic.etcd.watch import SHARED_WATCHERS, RevisionWatcher
 from elastic.rendezvous.etcd_v3_store import EtcdV3Store
 from elastic.rendezvous.protocol import (
     Assignment,
@@ -617,7 +617,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if member is not None:
             member.close()
         if watch is not None:
-            watch.close()
+            SHARED_WATCHERS.release(self._client, self._keys.rounds, watch)
         if node is not None:
             node.close()
         if state is not None:
@@ -627,7 +627,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def _ensure_rounds_watch(self, start_revision: int) -> None:
         with self._lock:
             if self._rounds_watch is None:
-                self._rounds_watch = RevisionWatcher(self._client, self._keys.rounds, start_revision)
+                self._rounds_watch = SHARED_WATCHERS.acquire(self._client, self._keys.rounds, start_revision)
                 atexit.register(self.release)
 
     def _decode(self, raw: bytes) -> Assignment:
