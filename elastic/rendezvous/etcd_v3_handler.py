@@ -28,7 +28,6 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousHandler,
-    RendezvousStateError,
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo
@@ -36,11 +35,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousInfo
 from elastic import compat
 from elastic.etcd import (
     Compare,
-    CompareOp,
     CompareTarget,
     DeleteOp,
     EtcdClient,
-    EtcdConnectionError,
     EtcdError,
     GetOp,
     PutOp,
@@ -49,19 +46,27 @@ from elastic.etcd import (
 )
 from elastic.etcd.lease import LeaseKeeper
 from elastic.etcd.watch import SHARED_WATCHERS, RevisionWatcher
+from elastic.rendezvous.closer import SAFETY_POLL, RoundCloser
 from elastic.rendezvous.etcd_v3_store import EtcdV3Store
 from elastic.rendezvous.protocol import (
     Assignment,
-    CloseNow,
-    FormingView,
-    Head,
     NextRoundView,
     RendezvousKeys,
     RoundRules,
-    close_decision,
-    previous_round_full,
-    select_members,
     waiting_reason,
+)
+from elastic.rendezvous.round_state import (
+    LeaseRefresher,
+    Membership,
+    Outcome,
+    absent,
+    compare,
+    decode_assignment,
+    next_round_view,
+    parse_head,
+    translate,
+    txn,
+    wrapped,
 )
 
 logger = logging.getLogger(__name__)
@@ -69,8 +74,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["EtcdV3RendezvousHandler", "HandlerSettings"]
 
 _LOCAL_IDS = itertools.count()
-#: The longest a waiter goes without reading the round's keys, should a watch event be missed.
-_SAFETY_POLL = 5.0
 
 
 @dataclass(frozen=True)
@@ -81,96 +84,6 @@ class HandlerSettings:
     join_timeout: timedelta = timedelta(seconds=600)
     store_timeout: timedelta = timedelta(seconds=300)
     min_wake_interval: timedelta = timedelta(seconds=0.05)
-
-
-@dataclass
-class _Membership:
-    """This node's place in a completed round, and what it has seen of the next one."""
-
-    assignment: Assignment
-    successor: RevisionWatcher | None
-    refresher: _LeaseRefresher | None
-    next_seen: int
-    next_round: NextRoundView
-    wake_sent: bool = False
-    reported: str | None = None
-
-    @property
-    def round(self) -> int:
-        return self.assignment.round
-
-    def successor_lost(self) -> bool:
-        return self.successor is not None and self.successor.latest > self.assignment.fence
-
-    def close(self) -> None:
-        if self.successor is not None:
-            self.successor.close()
-        if self.refresher is not None:
-            self.refresher.close()
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    """A round's assignment, and what was seen of the next round in the same read (None: not read)."""
-
-    assignment: Assignment
-    next_round: NextRoundView | None
-    revision: int
-    head_revision: int  # the revision that assigned the round (it wrote the head too)
-
-
-def _next_round_view(keys: RendezvousKeys, round_: int, present: set[str], closed: bool) -> NextRoundView:
-    return NextRoundView(
-        closer=keys.closer(round_) in present,
-        wake=keys.wake(round_) in present,
-        assigned=keys.assign(round_) in present,
-        closed=closed,
-    )
-
-
-def _cmp(
-    key: str, target: CompareTarget, value: int, *, op: CompareOp = CompareOp.EQUAL, prefix: bool = False
-) -> Compare:
-    return Compare(key, target, op, value, prefix=prefix)
-
-
-def _translate(exc: EtcdError) -> RendezvousConnectionError:
-    if isinstance(exc, EtcdConnectionError):
-        return RendezvousConnectionError(f"The connection to etcd has failed: {exc}")
-    return RendezvousConnectionError(f"etcd rejected a rendezvous request: {exc}")
-
-
-def _absent(key: str) -> Compare:
-    return _cmp(key, CompareTarget.CREATE, 0)
-
-
-def _head(raw: bytes) -> Head:
-    try:
-        return Head.decode(raw)
-    except ValueError as exc:
-        raise RendezvousStateError(f"the rendezvous in etcd is corrupt: {exc}") from exc
-
-
-class _LeaseRefresher:
-    """Keeps a lease that another process granted alive (the round's keys outlive their closer)."""
-
-    def __init__(self, client: EtcdClient, lease_id: int, interval: float) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(client, lease_id, interval), name="rdzv-round-lease", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, client: EtcdClient, lease_id: int, interval: float) -> None:
-        while not self._stop.wait(interval):
-            try:
-                if client.keep_alive_once(lease_id) <= 0:
-                    return  # gone: the next round writes its keys on a new lease
-            except EtcdError:
-                logger.debug("could not refresh the round's lease %x", lease_id, exc_info=True)
-
-    def close(self) -> None:
-        self._stop.set()
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):
@@ -208,10 +121,18 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._node_lease: LeaseKeeper | None = None
         self._state_lease: LeaseKeeper | None = None
         self._rounds_watch: RevisionWatcher | None = None
-        self._member: _Membership | None = None
+        self._member: Membership | None = None
         self._last_round: int | None = None
         self._head_revision = 0  # the head's mod revision as of the newest round this node saw assigned
         self._released = False
+        self._closer = RoundCloser(
+            client,
+            run_id,
+            keys,
+            self._rules,
+            min_wake_interval=settings.min_wake_interval,
+            state_lease=self.state_lease_id,
+        )
         self._store = EtcdV3Store(client, keys.store, timeout=settings.store_timeout, lease=self.state_lease_id)
 
     # -- identity ------------------------------------------------------------------------------------
@@ -326,7 +247,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         bootstrap = compat.rendezvous_store_info(rank, store, self._addr)
         return RendezvousInfo(store, rank, world, bootstrap)
 
-    def _join_and_wait(self, round_: int, previous: int | None, lease: int, deadline: float, spare: bool) -> _Outcome:
+    def _join_and_wait(self, round_: int, previous: int | None, lease: int, deadline: float, spare: bool) -> Outcome:
         """Join ``round_`` (or the first later one still forming) and return the round's assignment.
 
         A spare (this node was left out of a full round, or the run's newest round is full as it arrives)
@@ -346,13 +267,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             ops.append(GetOp(keys.closer(round_)))
             try:
                 res = self._client.txn(
-                    [_cmp(keys.head, CompareTarget.MOD, head_rev), _absent(keys.closed)],
+                    [compare(keys.head, CompareTarget.MOD, head_rev), absent(keys.closed)],
                     ops,
                     [GetOp(keys.closed, keys_only=True), GetOp(keys.head)],
                 )
             except EtcdError as exc:
                 if "lease not found" not in str(exc) or lease_retries == 0:
-                    raise _translate(exc) from exc
+                    raise translate(exc) from exc
                 # the node lease lapsed (etcd overloaded or unreachable for node_ttl): a new one, and again
                 lease_retries -= 1
                 lease = self._replace_node_lease(lease)
@@ -365,7 +286,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 head_rev, round_ = 0, max(round_, 0)  # the head expired with an abandoned run
                 continue
             head_kv = res.get(1).kvs[0]
-            newest = _head(head_kv.value)
+            newest = parse_head(head_kv.value)
             head_rev, round_ = head_kv.mod_revision, max(round_, newest.round + 1)
             if previous is None and newest.size >= self._rules.max_nodes:
                 spare = True
@@ -381,7 +302,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 outcome = self._try_to_close(round_, wait_until)
                 if outcome is not None:
                     return outcome
-            remaining = _SAFETY_POLL if wait_until is None else wait_until - time.monotonic()
+            remaining = SAFETY_POLL if wait_until is None else wait_until - time.monotonic()
             if remaining <= 0:
                 self._abandon(round_)
                 raise RendezvousTimeoutError(
@@ -389,7 +310,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     f"{self._settings.join_timeout.total_seconds():g}s (join_timeout)"
                 )
             assert self._rounds_watch is not None
-            self._rounds_watch.wait_beyond(seen, timedelta(seconds=min(remaining, _SAFETY_POLL)))
+            self._rounds_watch.wait_beyond(seen, timedelta(seconds=min(remaining, SAFETY_POLL)))
             res = self._txn(
                 [],
                 [
@@ -405,116 +326,31 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             found = {kv.key: kv for kv in res.get(0).kvs}
             if keys.assign(round_) in found:
                 following = {kv.key for kv in res.get(2).kvs}
-                nxt = _next_round_view(keys, round_ + 1, following, closed=False)
+                nxt = next_round_view(keys, round_ + 1, following, closed=False)
                 kv = found[keys.assign(round_)]
-                return _Outcome(self._decode(kv.value), nxt, res.revision, kv.mod_revision)
+                return Outcome(self._decode(kv.value), nxt, res.revision, kv.mod_revision)
             closer_present = keys.closer(round_) in found
 
     # -- the closer ----------------------------------------------------------------------------------
-    def _try_to_close(self, round_: int, deadline: float | None) -> _Outcome | None:
+    def _try_to_close(self, round_: int, deadline: float | None) -> Outcome | None:
         """Claim the closer's key of ``round_``; if claimed, complete the round (or hand it over)."""
         keys = self._keys
         claim = self._txn(
-            [_absent(keys.closer(round_)), _absent(keys.assign(round_))],
+            [absent(keys.closer(round_)), absent(keys.assign(round_))],
             [PutOp(keys.closer(round_), self._node.encode(), lease=self._node_lease_id())],
             [],
         )
         if not claim.succeeded:
             return None
         logger.debug("node %s closes round %d", self._node, round_)
-        return self._close_round(round_, claim.revision, deadline)
-
-    def _close_round(self, round_: int, claimed_at: int, deadline: float | None) -> _Outcome | None:
-        keys = self._keys
-        watcher = RevisionWatcher(self._client, keys.rdzv, claimed_at + 1)
         try:
-            last_joined, last_growth, last_wake, was_full = 0, None, 0.0, False
-            while True:
-                res = self._txn(
-                    [],
-                    [
-                        GetOp(keys.joins(round_), prefix=True, count_only=True),
-                        GetOp(keys.alive, prefix=True, count_only=True),
-                        GetOp(keys.assign(round_)),
-                        GetOp(keys.closer(round_)),
-                        GetOp(keys.closed),
-                        GetOp(keys.head),
-                        GetOp(keys.joins(round_ - 1), prefix=True, count_only=True),
-                    ],
-                )
-                if res.get(4).kvs:
-                    self._abandon(round_)
-                    raise RendezvousClosedError()
-                if res.get(2).kvs:
-                    kv = res.get(2).kvs[0]
-                    return _Outcome(self._decode(kv.value), None, res.revision, kv.mod_revision)
-                closer = res.get(3).kvs
-                if not closer or closer[0].create_revision != claimed_at:
-                    return None  # this node's lease lapsed and another took over
-                joined, alive = res.get(0).count, res.get(1).count
-                head = _head(res.get(5).kvs[0].value) if res.get(5).kvs else None
-                full = previous_round_full(head, round_, res.get(6).count, self._rules)
-                now = time.monotonic()
-                if (joined > last_joined or was_full) and joined >= self._rules.min_nodes:
-                    last_growth = now  # the last call runs from the latest join, or from when room appeared
-                last_joined, was_full = joined, full
-                view = FormingView(round_, joined, alive, last_growth, previous_full=full)
-                decision = close_decision(view, now, self._rules)
-                if isinstance(decision, CloseNow):
-                    outcome = self._commit(round_, claimed_at)
-                    if outcome is not None:
-                        logger.info("round %d of %s complete: %s", round_, self._run_id, decision.reason)
-                        return outcome
-                    continue  # a join or a close slipped in: read again
-                if deadline is not None and now >= deadline:
-                    return None  # the caller raises the timeout
-                wait = _SAFETY_POLL if deadline is None else min(deadline - now, _SAFETY_POLL)
-                if decision.deadline is not None:
-                    wait = min(wait, max(decision.deadline - now, 0.0))
-                spacing = last_wake + self._settings.min_wake_interval.total_seconds() - time.monotonic()
-                if spacing > 0:
-                    time.sleep(spacing)  # with many joining, batch their joins into one read
-                watcher.wait_beyond(res.revision, timedelta(seconds=wait))
-                last_wake = time.monotonic()
-        finally:
-            watcher.close()
-
-    def _commit(self, round_: int, claimed_at: int) -> _Outcome | None:
-        """Assign ranks to the round's joiners in one transaction, fenced: it applies only if no join came
-        after the read, this node still holds the closer's key and the round is not assigned."""
-        keys = self._keys
-        read = self._txn([], [GetOp(keys.joins(round_), prefix=True)])
-        prefix = keys.joins(round_)
-        joins = [(kv.key[len(prefix) :], kv.create_revision) for kv in read.get(0).kvs]
-        members = select_members(joins, self._rules.max_nodes)
-        if len(members) < self._rules.min_nodes:
-            return None
-        state = self.state_lease_id()
-        assignment = Assignment(round_, members, fence=read.revision, lease=state)
-        ops: list[TxnOp] = [
-            PutOp(keys.assign(round_), assignment.encode(), lease=state),
-            PutOp(keys.head, Head(round_, len(members)).encode(), lease=state),
-        ]
-        if round_ >= 2:  # two rounds back nobody is left: drop them
-            ops += [DeleteOp(keys.round(round_ - 2), prefix=True), DeleteOp(keys.joins(round_ - 2), prefix=True)]
-        res = self._txn(
-            [
-                _absent(keys.assign(round_)),
-                _absent(keys.closed),
-                _cmp(keys.closer(round_), CompareTarget.CREATE, claimed_at),
-                _cmp(prefix, CompareTarget.MOD, read.revision + 1, op=CompareOp.LESS, prefix=True),
-            ],
-            [*ops, GetOp(keys.round(round_ + 1), prefix=True, keys_only=True)],
-            [],
-        )
-        if not res.succeeded:
-            return None
-        following = {kv.key for kv in res.get(len(ops)).kvs}
-        nxt = _next_round_view(keys, round_ + 1, following, closed=False)
-        return _Outcome(assignment, nxt, res.revision, res.revision)
+            return self._closer.close(round_, claim.revision, deadline)
+        except RendezvousClosedError:
+            self._abandon(round_)
+            raise
 
     # -- membership ----------------------------------------------------------------------------------
-    def _become_member(self, outcome: _Outcome) -> None:
+    def _become_member(self, outcome: Outcome) -> None:
         assignment = outcome.assignment
         self._head_revision = outcome.head_revision
         successor = assignment.successor(self._node)
@@ -525,8 +361,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         refresher = None
         if assignment.lease:
             interval = max(self._settings.state_ttl.total_seconds() / 3, 1.0)
-            refresher = _LeaseRefresher(self._client, assignment.lease, interval)
-        self._member = _Membership(
+            refresher = LeaseRefresher(self._client, assignment.lease, interval)
+        self._member = Membership(
             assignment=assignment,
             successor=watch,
             refresher=refresher,
@@ -536,11 +372,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if outcome.next_round is None:
             self._refresh_next_round(self._member)
 
-    def _refresh_next_round(self, member: _Membership) -> None:
+    def _refresh_next_round(self, member: Membership) -> None:
         keys, nxt = self._keys, member.round + 1
         res = self._txn([], [GetOp(keys.round(nxt), prefix=True, keys_only=True), GetOp(keys.closed, keys_only=True)])
         member.next_seen = res.revision
-        member.next_round = _next_round_view(keys, nxt, {kv.key for kv in res.get(0).kvs}, bool(res.get(1).kvs))
+        member.next_round = next_round_view(keys, nxt, {kv.key for kv in res.get(0).kvs}, bool(res.get(1).kvs))
 
     def num_nodes_waiting(self) -> int:
         """1 when this node's round should re-form (see :func:`protocol.waiting_reason`), else 0.
@@ -631,16 +467,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 atexit.register(self.release)
 
     def _decode(self, raw: bytes) -> Assignment:
-        try:
-            return Assignment.decode(raw)
-        except ValueError as exc:
-            raise RendezvousStateError(f"rendezvous {self._run_id}: {exc}") from exc
+        return decode_assignment(self._run_id, raw)
 
-    def _txn(self, compare: list[Compare], success: list[TxnOp], failure: list[TxnOp] | None = None) -> TxnResult:
-        return self._wrap(lambda: self._client.txn(compare, success, failure or []))
+    def _txn(self, compares: list[Compare], success: list[TxnOp], failure: list[TxnOp] | None = None) -> TxnResult:
+        return txn(self._client, compares, success, failure or [])
 
     def _wrap(self, fn: Any) -> Any:
-        try:
-            return fn()
-        except EtcdError as exc:
-            raise _translate(exc) from exc
+        return wrapped(fn)
