@@ -7,7 +7,6 @@ threads of one process, told apart by their loopback addresses.
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -30,6 +29,7 @@ from elastic.rendezvous.etcd_v3_handler import EtcdV3RendezvousHandler, HandlerS
 from elastic.rendezvous.plugin import create_handler
 from elastic.rendezvous.protocol import RendezvousKeys, RoundRules
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
+from tests.elastic.rendezvous.joiners import Joiner, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,39 +94,9 @@ def _run_id() -> str:
     return f"c-{uuid.uuid4().hex[:8]}"
 
 
-class _Joiner:
-    """``next_rendezvous`` in a thread; ``result()`` returns the RendezvousInfo or raises its error."""
-
-    def __init__(self, handler: RendezvousHandler) -> None:
-        self.out: dict[str, Any] = {}
-        self.thread = threading.Thread(target=self._run, args=(handler,), daemon=True)
-        self.thread.start()
-
-    def _run(self, handler: RendezvousHandler) -> None:
-        try:
-            self.out["info"] = handler.next_rendezvous()
-        except Exception as exc:
-            self.out["error"] = exc
-
-    def result(self, timeout: float = 60) -> Any:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "next_rendezvous did not return"
-        if "error" in self.out:
-            raise self.out["error"]
-        return self.out["info"]
-
-
 def _form(handlers: list[RendezvousHandler]) -> list[Any]:
-    joiners = [_Joiner(h) for h in handlers]
+    joiners = [Joiner(h) for h in handlers]
     return [j.result() for j in joiners]
-
-
-def _until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, f"{what} did not happen within {timeout}s"
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def test_nodes_up_to_max_form_one_world_with_distinct_ranks_and_one_master(make: Make) -> None:
@@ -148,8 +118,8 @@ def test_a_round_completes_at_min_nodes_after_last_call_and_a_late_node_is_let_i
     assert [i.world_size for i in _form([a, b])] == [2, 2]
     assert time.monotonic() - started >= LAST_CALL * 0.9  # waited the last call for a third node
 
-    late = _Joiner(make(run, 2, 3, "127.0.0.3"))
-    _until(lambda: a.num_nodes_waiting() > 0 and b.num_nodes_waiting() > 0, 15, "the members seeing the late node")
+    late = Joiner(make(run, 2, 3, "127.0.0.3"))
+    until(lambda: a.num_nodes_waiting() > 0 and b.num_nodes_waiting() > 0, 15, "the members seeing the late node")
     infos = [*_form([a, b]), late.result()]
     assert sorted(i.rank for i in infos) == [0, 1, 2]
     assert {i.world_size for i in infos} == {3}
@@ -160,8 +130,8 @@ def test_a_member_that_rejoins_makes_the_others_re_form(make: Make) -> None:
     a, b = make(run, 2, 2, "127.0.0.1"), make(run, 2, 2, "127.0.0.2")
     _form([a, b])
     assert a.num_nodes_waiting() == 0
-    again = _Joiner(b)  # b's workers failed: its agent re-rendezvouses
-    _until(lambda: a.num_nodes_waiting() > 0, 15, "the member seeing the other rejoin")
+    again = Joiner(b)  # b's workers failed: its agent re-rendezvouses
+    until(lambda: a.num_nodes_waiting() > 0, 15, "the member seeing the other rejoin")
     assert {_form([a])[0].world_size, again.result().world_size} == {2}
 
 
@@ -169,7 +139,7 @@ def test_a_spare_beyond_max_nodes_is_not_counted_as_waiting(make: Make) -> None:
     run = _run_id()
     a, b = make(run, 2, 2, "127.0.0.1"), make(run, 2, 2, "127.0.0.2")
     _form([a, b])
-    spare = _Joiner(make(run, 2, 2, "127.0.0.3"))
+    spare = Joiner(make(run, 2, 2, "127.0.0.3"))
     time.sleep(2.5)
     assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0
     assert spare.thread.is_alive()  # still waiting for room
@@ -177,7 +147,7 @@ def test_a_spare_beyond_max_nodes_is_not_counted_as_waiting(make: Make) -> None:
 
 def test_closing_fails_waiting_and_later_joins_and_is_seen_by_all(make: Make) -> None:
     run = _run_id()
-    waiting = _Joiner(make(run, 2, 2, "127.0.0.1"))
+    waiting = Joiner(make(run, 2, 2, "127.0.0.1"))
     time.sleep(0.5)
     other = make(run, 2, 2, "127.0.0.2")
     assert not other.is_closed()

@@ -11,12 +11,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -28,6 +26,7 @@ from elastic.rendezvous.plugin import DEFAULT_KEY_PREFIX, create_handler
 from elastic.rendezvous.protocol import RendezvousKeys, RoundRules
 from elastic.testing.counting_etcd import CountingEtcdClient
 from elastic.testing.etcd_server import LocalEtcdCluster
+from tests.elastic.rendezvous.joiners import Joiner, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,27 +54,6 @@ def _handler(
     return handler
 
 
-class _Joiner:
-    def __init__(self, handler: EtcdV3RendezvousHandler) -> None:
-        self.out: dict[str, Any] = {}
-        self.thread = threading.Thread(target=self._run, args=(handler,), daemon=True)
-        self.thread.start()
-
-    def _run(self, handler: EtcdV3RendezvousHandler) -> None:
-        try:
-            self.out["info"] = handler.next_rendezvous()
-        except Exception as exc:
-            self.out["error"] = exc
-        self.out["done"] = time.monotonic()
-
-    def result(self, timeout: float = 60) -> Any:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "next_rendezvous did not return"
-        if "error" in self.out:
-            raise self.out["error"]
-        return self.out["info"]
-
-
 def _member_process(endpoints: str, run_id: str, addr: str, nodes: tuple[int, int]) -> subprocess.Popen[str]:
     """A handler in a process of its own that joins and then lives until killed."""
     code = textwrap.dedent(f"""
@@ -93,23 +71,15 @@ def _member_process(endpoints: str, run_id: str, addr: str, nodes: tuple[int, in
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
 
 
-def _until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, f"{what} did not happen within {timeout}s"
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
 def test_a_full_round_completes_on_the_watch_a_fraction_of_a_second_after_the_last_join(
     etcd_server: LocalEtcdCluster, made: list[EtcdV3RendezvousHandler]
 ) -> None:
     run = f"w-{uuid.uuid4().hex[:6]}"
-    early = [_Joiner(_handler(made, etcd_server.endpoints, run, f"127.0.0.{i}", (3, 3))) for i in (1, 2)]
+    early = [Joiner(_handler(made, etcd_server.endpoints, run, f"127.0.0.{i}", (3, 3))) for i in (1, 2)]
     time.sleep(1.5)  # the two wait for the third (no polling to wait out)
     last = _handler(made, etcd_server.endpoints, run, "127.0.0.3", (3, 3))
     joined_at = time.monotonic()
-    joiners = [*early, _Joiner(last)]
+    joiners = [*early, Joiner(last)]
     assert {j.result().world_size for j in joiners} == {3}
     slowest = max(j.out["done"] for j in joiners) - joined_at
     assert slowest < 0.5, f"all ranks known {slowest:.2f}s after the last join"
@@ -125,14 +95,14 @@ def test_a_killed_member_is_noticed_within_its_lease_ttl_and_the_survivor_re_for
     try:
         assert proc.stdout is not None
         node = proc.stdout.readline().split()[1]
-        _until(lambda: client.get(keys.join_key(0, node))[0] is not None, 30, "the other member joining")
+        until(lambda: client.get(keys.join_key(0, node))[0] is not None, 30, "the other member joining")
         a = _handler(made, etcd_server.endpoints, run, "127.0.0.1", (1, 2))
         assert a.next_rendezvous().world_size == 2
         assert proc.stdout.readline().split()[2] == "2"
         assert a.num_nodes_waiting() == 0
         proc.send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        noticed = _until(lambda: a.num_nodes_waiting() > 0, NODE_TTL + 5, "the survivor noticing the loss")
+        noticed = until(lambda: a.num_nodes_waiting() > 0, NODE_TTL + 5, "the survivor noticing the loss")
         info = a.next_rendezvous()
         reformed = time.monotonic() - killed
         assert info.world_size == 1 and info.rank == 0
@@ -154,11 +124,11 @@ def test_a_closer_killed_while_its_round_forms_is_taken_over(
     try:
         assert proc.stdout is not None
         node = proc.stdout.readline().split()[1]
-        _until(lambda: client.get(keys.closer(0))[0] is not None, 30, "the first joiner taking the closer's key")
+        until(lambda: client.get(keys.closer(0))[0] is not None, 30, "the first joiner taking the closer's key")
         kv = client.get(keys.closer(0))[0]
         assert kv is not None and kv.value.decode() == node
         proc.send_signal(signal.SIGKILL)
-        joiners = [_Joiner(_handler(made, etcd_server.endpoints, run, f"127.0.0.{i}", (3, 3))) for i in (1, 2, 3)]
+        joiners = [Joiner(_handler(made, etcd_server.endpoints, run, f"127.0.0.{i}", (3, 3))) for i in (1, 2, 3)]
         infos = [j.result(30) for j in joiners]
         assert sorted(i.rank for i in infos) == [0, 1, 2] and {i.world_size for i in infos} == {3}
     finally:
@@ -183,8 +153,8 @@ def test_joiners_beyond_max_nodes_become_spares_that_wait_past_join_timeout_and_
     ]
     joiners = []
     for h in handlers:
-        joiners.append(_Joiner(h))
-        _until(lambda h=h: client.get(keys.join_key(0, h.node_id))[0] is not None, 10, "the join")
+        joiners.append(Joiner(h))
+        until(lambda h=h: client.get(keys.join_key(0, h.node_id))[0] is not None, 10, "the join")
     try:
         phantom.close()
         infos = [joiners[i].result(10) for i in (0, 1)]
@@ -194,9 +164,9 @@ def test_joiners_beyond_max_nodes_become_spares_that_wait_past_join_timeout_and_
         assert handlers[0].num_nodes_waiting() == handlers[1].num_nodes_waiting() == 0
         assert client.get(keys.join_key(1, handlers[2].node_id))[0] is not None
 
-        again = _Joiner(handlers[1])  # a member's workers failed: it re-joins, the other follows
-        _until(lambda: handlers[0].num_nodes_waiting() > 0, 10, "the member seeing the other leave")
-        last = _Joiner(handlers[0])
+        again = Joiner(handlers[1])  # a member's workers failed: it re-joins, the other follows
+        until(lambda: handlers[0].num_nodes_waiting() > 0, 10, "the member seeing the other leave")
+        last = Joiner(handlers[0])
         assert {again.result(10).world_size, joiners[2].result(10).world_size} == {2}
         assert last.thread.is_alive(), "the member that came last is now the spare"
     finally:
@@ -213,13 +183,13 @@ def test_a_node_stopped_by_a_signal_leaves_the_rendezvous_open_for_the_others(
 
     run = f"s-{uuid.uuid4().hex[:6]}"
     a, b = (_handler(made, etcd_server.endpoints, run, f"127.0.0.{i}", (1, 2)) for i in (1, 2))
-    assert {j.result().world_size for j in [_Joiner(a), _Joiner(b)]} == {2}
+    assert {j.result().world_size for j in [Joiner(a), Joiner(b)]} == {2}
     try:
         raise SignalException("got signal: 15", sigval=signal.SIGTERM)
     except SignalException:
         assert b.shutdown()
     assert not a.is_closed()
-    _until(lambda: a.num_nodes_waiting() > 0, 5, "the survivor seeing the stopped node go")
+    until(lambda: a.num_nodes_waiting() > 0, 5, "the survivor seeing the stopped node go")
     assert a.next_rendezvous().world_size == 1
     assert a.shutdown()  # an ordinary shutdown (the job is over) still closes it
     assert a.is_closed()
@@ -239,7 +209,7 @@ def test_a_burst_of_joiners_costs_each_a_constant_number_of_etcd_requests(
             h.register()  # the agents start (a lease and an alive key each), then join at once
         counting.reset()
         started = time.monotonic()
-        joiners = [_Joiner(h) for h in handlers]
+        joiners = [Joiner(h) for h in handlers]
         infos = [j.result(60) for j in joiners]
         elapsed = time.monotonic() - started
         counts = counting.snapshot()
@@ -268,16 +238,16 @@ def test_spares_of_a_full_running_round_do_not_form_a_round_of_their_own() -> No
         for i in range(3)
     )
     try:
-        assert {j.result(10).world_size for j in [_Joiner(a), _Joiner(b)]} == {2}
+        assert {j.result(10).world_size for j in [Joiner(a), Joiner(b)]} == {2}
         rounds = (a.round, b.round)
-        spare = _Joiner(c)
+        spare = Joiner(c)
         time.sleep(3)  # several last calls
         assert spare.thread.is_alive(), "the spare formed a round of its own"
         assert a.num_nodes_waiting() == b.num_nodes_waiting() == 0
         assert (a.round, b.round) == rounds
 
         b.release()  # a member dies: the survivor and the spare form the next round
-        _until(lambda: a.num_nodes_waiting() > 0, 10, "the survivor seeing the loss")
+        until(lambda: a.num_nodes_waiting() > 0, 10, "the survivor seeing the loss")
         assert a.next_rendezvous().world_size == 2
         assert spare.result(10).world_size == 2
     finally:
