@@ -1,7 +1,8 @@
 """torchrun's ``RendezvousHandler`` on etcd v3: one key per joiner, one closer per round, O(N) work.
 
 The protocol and its etcd layout are in :mod:`elastic.rendezvous.protocol` (pure decisions) and
-docs/rendezvous.md. This module does the I/O: leases, the join and close transactions, the watches.
+docs/rendezvous.md. This module does the participant's I/O: leases, the join and claim transactions,
+waiting, membership, the watches; :mod:`elastic.rendezvous.closer` does the closer's.
 
 Per participant and round: one join transaction, one read when the round's assignment appears, one watch
 on its successor in rank order, and one read when a node asks for the next round: a constant, whatever N.
