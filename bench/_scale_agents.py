@@ -33,6 +33,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
+from api_load_bench import http_get
 
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from elastic.etcd.config import EtcdConfig
@@ -138,7 +139,7 @@ class Agents:
             kvs, revision = self.client.get_prefix(prefix)
             seen: dict[tuple[str, str], int] = {}
             for kv in kvs:
-                node, _, job = kv.key[len(prefix):].partition("/")
+                node, _, job = kv.key[len(prefix) :].partition("/")
                 seen[(node, job)] = Assignment.model_validate_json(kv.value).generation
             with self.lock:
                 live = set(self.leases)
@@ -231,18 +232,6 @@ def run_agents(args: argparse.Namespace) -> None:
 
 
 # -- API load --------------------------------------------------------------------------------------------
-async def _http_get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> int:
-    writer.write(request)
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    await reader.readexactly(length)
-    return int(head.split(b" ", 2)[1])
-
-
 async def _api_load(args: argparse.Namespace) -> dict[str, object]:
     ids = json.loads(Path(args.job_ids).read_text())
     host, port = "127.0.0.1", args.port
@@ -262,7 +251,7 @@ async def _api_load(args: argparse.Namespace) -> dict[str, object]:
         try:
             while time.perf_counter() < until:
                 started = time.perf_counter()
-                code = await _http_get(reader, writer, request(f"/v1/jobs/{rng.choice(ids)}"))
+                code = await http_get(reader, writer, request(f"/v1/jobs/{rng.choice(ids)}"))
                 status_lat.append(time.perf_counter() - started)
                 if code != 200:
                     bad.append(code)
@@ -274,7 +263,7 @@ async def _api_load(args: argparse.Namespace) -> dict[str, object]:
         try:
             while time.perf_counter() < until:
                 started = time.perf_counter()
-                code = await _http_get(reader, writer, request("/metrics"))
+                code = await http_get(reader, writer, request("/metrics"))
                 metrics_lat.append(time.perf_counter() - started)
                 if code != 200:
                     bad.append(code)

@@ -46,21 +46,26 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
 
 
+async def http_get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> int:
+    """Send one HTTP/1.1 request on a kept-alive connection, read the whole answer, return its status."""
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    await reader.readexactly(length)
+    return int(head.split(b" ", 2)[1])
+
+
 async def _connection(host: str, port: int, request: bytes, until: float, lat: list[float],
                       bad: list[int]) -> None:  # fmt: skip
     reader, writer = await asyncio.open_connection(host, port)
     try:
         while time.perf_counter() < until:
             start = time.perf_counter()
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            status = int(head.split(b" ", 2)[1])
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            await reader.readexactly(length)
+            status = await http_get(reader, writer, request)
             lat.append(time.perf_counter() - start)
             if status != 200:
                 bad.append(status)

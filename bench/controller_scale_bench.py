@@ -48,9 +48,9 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
-from _counting_etcd import CountingClient, CountingClientBase  # noqa: E402
 
 from elastic.etcd import create_client  # noqa: E402
+from elastic.testing.counting_etcd import CountingEtcdClient  # noqa: E402
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port  # noqa: E402
 from service.api.app import create_app  # noqa: E402
 from service.controller.loop import Controller  # noqa: E402
@@ -77,10 +77,15 @@ def _summary(values: list[float], scale: float = 1.0) -> dict[str, Any]:
             "max": max(values) * scale, "mean": statistics.fmean(values) * scale}  # fmt: skip
 
 
+def _applying() -> bool:
+    """A thread the controller hands a plan's transactions to: its requests belong to the pass."""
+    return threading.current_thread().name.startswith("etrain-apply")
+
+
 class PassRecorder:
     """Wraps ``Controller.tick``: times each pass and counts its etcd traffic."""
 
-    def __init__(self, controller: Controller, client: CountingClientBase, profile: bool = False) -> None:
+    def __init__(self, controller: Controller, client: CountingEtcdClient, profile: bool = False) -> None:
         self.profile = cProfile.Profile() if profile else None
         self.passes: list[dict[str, Any]] = []
         self.failures: list[str] = []  # passes that raised (the loop logs them and retries)
@@ -89,7 +94,7 @@ class PassRecorder:
         inner = controller.tick
 
         def tick(now: datetime | None = None) -> int | None:
-            with client.record() as tally:
+            with client.record(also=_applying) as tally:
                 started = time.perf_counter()
                 try:
                     if self.profile is not None and self.phase == "steady":
@@ -162,7 +167,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         line = agents.stdout.readline()
         print(f"{args.nodes} simulated nodes registered ({line.strip()} s)", flush=True)
 
-        client = CountingClient(create_client(etcd.config()))
+        client = CountingEtcdClient(create_client(etcd.config()))
         settings = Settings(etcd=EtcdOptions(etcd.endpoints), prefix=PREFIX, host="127.0.0.1",
                             tokens=(TokenEntry(TOKEN, Role.ADMIN, "bench"),))  # fmt: skip
         app = create_app(settings, client=client)
