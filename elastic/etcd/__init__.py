@@ -5,7 +5,7 @@
 general transaction of the :mod:`elastic.etcd.txn` parts (re-exported here).
 """
 
-from elastic.etcd.api import EtcdClient, EtcdConnectionError, EtcdError, KeyValue
+from elastic.etcd.api import EtcdClient, EtcdConnectionError, EtcdError, EtcdLeaseNotFoundError, KeyValue
 from elastic.etcd.client import GrpcEtcdClient, check_reachable, create_client
 from elastic.etcd.config import EtcdConfig, parse_endpoints
 from elastic.etcd.memory import ManualClock, MemoryEtcdClient, MemoryEtcdServer
@@ -30,6 +30,7 @@ __all__ = [
     "EtcdConfig",
     "EtcdConnectionError",
     "EtcdError",
+    "EtcdLeaseNotFoundError",
     "GetOp",
     "GetResult",
     "GrpcEtcdClient",

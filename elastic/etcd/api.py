@@ -37,7 +37,16 @@ from elastic.etcd.config import EtcdConfig
 if TYPE_CHECKING:  # txn.py imports KeyValue from here
     from elastic.etcd.txn import Compare, TxnOp, TxnResult
 
-__all__ = ["EtcdClient", "EtcdConnectionError", "EtcdError", "KeyValue", "Permission", "RolePermission", "prefix_end"]
+__all__ = [
+    "EtcdClient",
+    "EtcdConnectionError",
+    "EtcdError",
+    "EtcdLeaseNotFoundError",
+    "KeyValue",
+    "Permission",
+    "RolePermission",
+    "prefix_end",
+]
 
 
 class EtcdError(Exception):
@@ -46,6 +55,10 @@ class EtcdError(Exception):
 
 class EtcdConnectionError(EtcdError):
     """No configured etcd endpoint answered within the deadline."""
+
+
+class EtcdLeaseNotFoundError(EtcdError):
+    """A write named a lease that is not live (it expired or was revoked): the request was not applied."""
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from elastic.etcd.api import (
     EtcdClient,
     EtcdConnectionError,
     EtcdError,
+    EtcdLeaseNotFoundError,
     KeyValue,
     Permission,
     RolePermission,
@@ -61,6 +62,7 @@ class _Retry:
 
 
 _AUTH_OLD_REVISION = "revision of auth store is old"
+_LEASE_NOT_FOUND = "requested lease not found"
 
 
 def _is_deadline(exc: grpc.RpcError) -> bool:
@@ -209,6 +211,10 @@ class GrpcEtcdClient(EtcdClient):
                     # A user or role changed while the request was in flight: etcd refused it unapplied (the
                     # Go client retries this too). Jobs' users come and go, so this happens under load.
                     retry.last_exc = exc
+                elif code == grpc.StatusCode.NOT_FOUND and _LEASE_NOT_FOUND in str(
+                    exc.details() if hasattr(exc, "details") else exc
+                ):
+                    raise EtcdLeaseNotFoundError(f"etcd at {self.endpoints_label}: the lease is gone: {exc}") from exc
                 else:
                     raise EtcdError(f"etcd at {self.endpoints_label} refused the request: {exc}") from exc
             except Exception as exc:

@@ -27,7 +27,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
-from elastic.etcd.api import EtcdClient, EtcdConnectionError, EtcdError, KeyValue, RolePermission, prefix_end
+from elastic.etcd.api import (
+    EtcdClient,
+    EtcdConnectionError,
+    EtcdError,
+    EtcdLeaseNotFoundError,
+    KeyValue,
+    RolePermission,
+    prefix_end,
+)
 from elastic.etcd.config import EtcdConfig
 from elastic.etcd.txn import (
     Compare,
@@ -288,7 +296,7 @@ class MemoryEtcdServer:
             ops = success if ok else failure
             for op in ops:
                 if isinstance(op, PutOp) and op.lease and op.lease not in self._leases:
-                    raise EtcdError("etcdserver: requested lease not found")
+                    raise EtcdLeaseNotFoundError("etcdserver: requested lease not found")
             revision = self._revision + 1
             changed = False
             results: list[GetResult | int | None] = []

@@ -39,7 +39,7 @@ from elastic.etcd import (
     CompareTarget,
     DeleteOp,
     EtcdClient,
-    EtcdError,
+    EtcdLeaseNotFoundError,
     GetOp,
     PutOp,
     TxnOp,
@@ -272,8 +272,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     ops,
                     [GetOp(keys.closed, keys_only=True), GetOp(keys.head)],
                 )
-            except EtcdError as exc:
-                if "lease not found" not in str(exc) or lease_retries == 0:
+            except EtcdLeaseNotFoundError as exc:
+                if lease_retries == 0:
                     raise translate(exc) from exc
                 # the node lease lapsed (etcd overloaded or unreachable for node_ttl): a new one, and again
                 lease_retries -= 1

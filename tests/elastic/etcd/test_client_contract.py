@@ -22,6 +22,7 @@ from elastic.etcd import (
     EtcdClient,
     EtcdConfig,
     EtcdError,
+    EtcdLeaseNotFoundError,
     GetOp,
     GetResult,
     KeyValue,
@@ -245,9 +246,9 @@ def test_a_put_on_a_gone_lease_is_refused_and_writes_nothing(client: EtcdClient,
     lease = client.grant_lease(timedelta(seconds=10))
     client.revoke_lease(lease)
     before = client.ping()
-    with pytest.raises(EtcdError):
+    with pytest.raises(EtcdLeaseNotFoundError):
         client.put(key_prefix + "/k", b"v", lease=lease)
-    with pytest.raises(EtcdError):
+    with pytest.raises(EtcdLeaseNotFoundError):
         client.compare_and_put(key_prefix + "/k", b"v", mod_revision=0, lease=lease)
     assert client.get(key_prefix + "/k") == (None, before)
 
@@ -486,9 +487,9 @@ def test_a_txn_put_needs_a_live_lease_in_the_branch_that_runs_and_attaches_it(
     gone = client.grant_lease(timedelta(seconds=10))
     client.revoke_lease(gone)
     before = client.ping()
-    with pytest.raises(EtcdError):
+    with pytest.raises(EtcdLeaseNotFoundError):
         client.txn([], [PutOp(key, b"v", lease=gone)])
-    with pytest.raises(EtcdError):  # checked before anything of the branch is written
+    with pytest.raises(EtcdLeaseNotFoundError):  # checked before anything of the branch is written
         client.txn([Compare(key, CREATE, NE, 0)], [], [PutOp(other, b"v"), PutOp(key, b"v", lease=gone)])
     assert client.get_prefix(key_prefix + "/") == ([], before)
     live = client.grant_lease(timedelta(seconds=10))
