@@ -41,6 +41,7 @@ __all__ = [
     "TORCH_REQUIREMENT",
     "TorchCompatError",
     "UnsupportedTorchError",
+    "abort_process_group",
     "check_torch",
     "check_torch_version",
     "dcp_no_dist",
@@ -205,6 +206,33 @@ def destroy_process_group(group: Any = None) -> None:
 
     time.sleep(GLOO_DRAIN)
     dist.destroy_process_group(group)
+
+
+def abort_process_group() -> bool:
+    """Abort the default process group without waiting for its collectives: NCCL's communicators are
+    aborted (``torch.distributed.distributed_c10d._abort_process_group``, torch >= 2.6, else the backend's
+    ``abort``), so a rank blocked in a collective with a dead peer returns. Returns False where the backend
+    has no abort (gloo: its collectives fail by themselves when a peer's connections close); the group is
+    then only destroyed."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False
+    backend = dist.get_backend()
+    if backend == "nccl":
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            abort()
+            return True
+        pg = dist.group.WORLD
+        import torch
+
+        backend_obj = pg._get_backend(torch.device("cuda"))  # type: ignore[union-attr]
+        backend_obj.abort()
+        dist.destroy_process_group()
+        return True
+    dist.destroy_process_group()  # a failed gloo group has no collective in flight: nothing to drain
+    return False
 
 
 #: torch's switch that keeps the torchrun agent's rendezvous TCPStore from being shared with the workers.

@@ -15,6 +15,9 @@ Variables, by who sets them:
   connection of progress reports :data:`ETCD_ENDPOINTS`, :data:`ETCD_CA_CERT`, :data:`ETCD_CERT`,
   :data:`ETCD_KEY`, :data:`ETCD_USER`, :data:`ETCD_PASSWORD_FILE` (files, never the password itself; the
   ``etrain`` CLI reads the same names as defaults of its ``--etcd*`` flags);
+- the ``etcd-v3`` rendezvous handler in live mode (``--rdzv-conf recovery=live``), for the workers it starts,
+  or a user: :data:`LIVE_PREFIX` (the etcd prefix of the job's live group, see :mod:`elastic.live`) and
+  :data:`LIVE_NODES` (``MIN:MAX`` nodes), with the ``ETRAIN_ETCD_*`` connection above when the user set none;
 - a user, to tune the library: :data:`LOCAL_SNAPSHOT_DIR` (``elastic.checkpoint.tiers``), :data:`PREFORK`,
   :data:`PREFORK_PRELOAD`, :data:`PREFORK_DIR` (``elastic.prefork``);
 - ``elastic.prefork`` itself, for the worker it forks: :data:`PREFORK_CLIENT` (the client's pid).
@@ -49,6 +52,8 @@ __all__ = [
     "GENERATION",
     "JOB_ID",
     "JOB_NAME",
+    "LIVE_NODES",
+    "LIVE_PREFIX",
     "LOCAL_SNAPSHOT_DIR",
     "LOCAL_SNAPSHOT_EVERY",
     "LR_POLICY",
@@ -62,6 +67,7 @@ __all__ = [
     "PREFORK_PRELOAD",
     "PROGRESS_KEY",
     "JobEnv",
+    "LiveEnv",
     "WorkerEnv",
     "WorkerEnvError",
     "parse_lr_policy",
@@ -88,6 +94,9 @@ ETCD_CERT = "ETRAIN_ETCD_CERT"
 ETCD_KEY = "ETRAIN_ETCD_KEY"
 ETCD_USER = "ETRAIN_ETCD_USER"
 ETCD_PASSWORD_FILE = "ETRAIN_ETCD_PASSWORD_FILE"
+# -- the live group of live recovery (written by the etcd-v3 handler with recovery=live, or by a user) -------
+LIVE_PREFIX = "ETRAIN_LIVE_PREFIX"
+LIVE_NODES = "ETRAIN_LIVE_NODES"  # "MIN:MAX" nodes of the job (each with $LOCAL_WORLD_SIZE workers)
 # -- the library's own settings ---------------------------------------------------------------------------
 LOCAL_SNAPSHOT_DIR = "ETRAIN_LOCAL_SNAPSHOT_DIR"
 PREFORK = "ETRAIN_PREFORK"
@@ -180,6 +189,38 @@ class JobEnv:
         )
 
 
+@dataclass(frozen=True)
+class LiveEnv:
+    """Where a worker in live recovery meets its peers: an etcd prefix of the job's own, and the job's node
+    range (the group is founded when ``min_nodes`` nodes' workers registered; at most ``max_nodes``)."""
+
+    prefix: str
+    min_nodes: int
+    max_nodes: int
+
+    def __post_init__(self) -> None:
+        if not self.prefix.endswith("/"):
+            raise WorkerEnvError(f"{LIVE_PREFIX} must end with '/', got {self.prefix!r}")
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise WorkerEnvError(f"{LIVE_NODES} must be MIN:MAX with 1 <= MIN <= MAX, got "
+                                 f"{self.min_nodes}:{self.max_nodes}")  # fmt: skip
+
+    def to_environ(self) -> dict[str, str]:
+        return {LIVE_PREFIX: self.prefix, LIVE_NODES: f"{self.min_nodes}:{self.max_nodes}"}
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> LiveEnv | None:
+        prefix, nodes = env.get(LIVE_PREFIX, ""), env.get(LIVE_NODES, "")
+        if not prefix and not nodes:
+            return None
+        if not prefix or not nodes:
+            raise WorkerEnvError(f"{LIVE_PREFIX} and {LIVE_NODES} go together: one is set without the other")
+        low, sep, high = nodes.partition(":")
+        if not sep:
+            low = high = nodes
+        return cls(prefix, _int(LIVE_NODES, low), _int(LIVE_NODES, high))
+
+
 def _etcd_to_environ(etcd: EtcdOptions) -> dict[str, str]:
     """Files as absolute paths (the workers run in another directory); timeouts and an inline password are
     not passed: a worker with a user reads its password from the file."""
@@ -242,6 +283,7 @@ class WorkerEnv:
     local_snapshot_every: int = 0  # node-local snapshots every N steps; 0: off
     etcd: EtcdOptions | None = None
     checkpoint_key: bytes | None = field(default=None, repr=False)  # signs the job's snapshots
+    live: LiveEnv | None = None  # the live group (live recovery), when the handler or a user set one
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> WorkerEnv:
@@ -255,6 +297,7 @@ class WorkerEnv:
             local_snapshot_every=_get(env, LOCAL_SNAPSHOT_EVERY, _local_every) or 0,
             etcd=_etcd_from_environ(env),
             checkpoint_key=_get(env, CHECKPOINT_KEY, _hex_key),
+            live=LiveEnv.from_environ(env),
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -269,6 +312,8 @@ class WorkerEnv:
             out.update(_etcd_to_environ(self.etcd))
         if self.checkpoint_key is not None:
             out[CHECKPOINT_KEY] = self.checkpoint_key.hex()
+        if self.live is not None:
+            out.update(self.live.to_environ())
         return out
 
     def apply(self, env: MutableMapping[str, str]) -> None:

@@ -35,11 +35,19 @@ A SIGTERM'd worker that cannot reach the step boundary within ``stop_timeout`` (
 slowest of the last steps) is blocked in a collective with a peer that vanished without closing its
 connections (a network partition, a host gone dark): it exits at once with 128+signal and no final save,
 and the group re-forms from the last snapshot, instead of waiting for torchrun's SIGKILL 30 s later.
+
+With ``ElasticConfig(recovery="live")`` the workers form the job's process group themselves
+(:mod:`elastic.live`): a failed collective makes the survivors drop the step in progress, re-form over the
+survivors and continue in the same processes; joiners are admitted at a step boundary and receive the state
+from a member. See docs/live-recovery.md.
+
+The trainer composes one part per concern: the training cursor (step, data, LR: :mod:`elastic.loop_cursor`),
+the snapshots (:mod:`elastic.loop_checkpoints`), the live group (:mod:`elastic.live`), progress
+(:mod:`elastic.progress`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -48,7 +56,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -57,29 +65,22 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import default_collate
 
 from elastic import compat
-from elastic.checkpoint import (
-    CheckpointFencedError,
-    CheckpointWriteError,
-    PreemptionWatcher,
-    capture_training_state,
-    create_checkpoint_manager,
-    restore_training_state,
-)
-from elastic.checkpoint.api import CheckpointManager
-from elastic.checkpoint.layout import step_dir
+from elastic.checkpoint import PreemptionWatcher, capture_training_state
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import CheckpointStorage
-from elastic.checkpoint.tiers import create_snapshot_tiers
 from elastic.env import WorkerEnv
-from elastic.loop_config import ElasticConfig, StepInfo
-from elastic.lr import LRPolicy, RampState, scaled_lr
+from elastic.live.protocol import ReformReason
+from elastic.loop_checkpoints import LoopCheckpoints
+from elastic.loop_config import ElasticConfig, LiveOptions, Recovery, StepInfo
+from elastic.loop_cursor import TrainingCursor
+from elastic.lr import LRPolicy, scaled_lr
 from elastic.progress import create_reporter
 from elastic.sampler import ElasticSampler, split_sizes
-from elastic.snapshot_schedule import Boundary, SnapshotSchedule, SnapshotStats, WriterBusy
+from elastic.snapshot_schedule import SnapshotStats, WriterBusy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ElasticConfig", "ElasticTrainer", "SnapshotStats", "StepInfo", "WriterBusy"]
+__all__ = ["ElasticConfig", "ElasticTrainer", "LiveOptions", "Recovery", "SnapshotStats", "StepInfo", "WriterBusy"]
 
 
 class ElasticTrainer:
@@ -104,44 +105,56 @@ class ElasticTrainer:
         self._dataset = dataset
         self._collate = collate_fn
         self._on_step = on_step
-        self._storage = checkpoint_storage
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self._init_process_group()
+        self._live = None
+        if config.recovery is Recovery.LIVE:
+            if isinstance(model, DistributedDataParallel):
+                raise ValueError("live recovery wraps the model in DDP anew for each generation of the group: "
+                                 "pass the module itself, not a DistributedDataParallel")  # fmt: skip
+            from elastic.live.membership import JobFinishedError
+            from elastic.live.setup import open_live_group
+
+            group = open_live_group(config)
+            try:
+                generation = group.join()
+            except JobFinishedError:
+                group.close()
+                logger.warning("live group: the job finished before this worker was admitted; nothing to do")
+                raise SystemExit(0) from None
+        else:
+            self._init_process_group()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = self._pick_device()
-        self.policy = config.lr_policy
-        self.step = 0
-        self.sampler = ElasticSampler(len(dataset), seed=config.seed, shuffle=config.shuffle)
-        self.sampler.set_world(self.rank, self.world_size)
-        self._ramp = self.policy.start_ramp(0, self.policy.factor(self.world_size), self.world_size)
-        self._manager = self._open_checkpoints()
-        self._tiers = create_snapshot_tiers(
-            self._manager, config.resolved_local_every_steps(), self.device, config.local_max_overhead
-        )
+        sampler = ElasticSampler(len(dataset), seed=config.seed, shuffle=config.shuffle)
+        self.cursor = TrainingCursor(config.lr_policy, sampler, self.rank, self.world_size)
+        self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device)
+        self._broken: BaseException | None = None  # live: a collective of this step failed
         if isinstance(model, DistributedDataParallel):
             # The user wrapped it already: restore into the module, then make replicas identical.
-            self._restore(model.module)
+            self._module = model.module
+            self._restore(self.rank, self.world_size)
             self._broadcast_module(model.module)
             self.model = model
         else:
-            model.to(self.device)
-            self._restore(model)
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = DistributedDataParallel(model, device_ids=device_ids)  # broadcasts rank 0's state
+            self._module = model.to(self.device)
+            if config.recovery is Recovery.LIVE:
+                from elastic.live.recovery import LiveRecovery
+
+                self._live = LiveRecovery(group, self._module, optimizer, scheduler, self.cursor, self.device,
+                                          self._record, self._restore)  # fmt: skip
+                self._live.after_generation(generation)
+                group.start_watchdog(config.live.stuck_grace or config.live.ttl + timedelta(seconds=2))
+            else:
+                self._restore(self.rank, self.world_size)
+            self.model = self._wrap()  # broadcasts rank 0's state
         self._step_times: deque[float] = deque(maxlen=50)  # seconds between the last step boundaries
         self._last_boundary: float | None = None
         self._boundary_after_signal = threading.Event()  # the final save began, or the loop is over
         self._preemption = PreemptionWatcher(on_signal=self._arm_stop_timeout).install()
         self._progress = create_reporter()  # a no-op outside the job service
-        self._pending_checkpoint: int | None = None
-        self._progress.report(
-            self.step, world_size=self.world_size, total_steps=config.total_steps, nodes=self._round_nodes(), force=True
-        )
-        self._schedule = SnapshotSchedule(
-            config.save_every_steps, config.save_every, config.when_writer_busy, clock=time.monotonic()
-        )
-        self._failing_since: float | None = None  # when saves began to fail (none failing: None)
+        self._progress.report(self.step, world_size=self.world_size, total_steps=config.total_steps,
+                              nodes=self._round_nodes(), force=True)  # fmt: skip
         self._loss_sum = 0.0
         self._loss_count = 0
         self._scale = 1.0
@@ -173,75 +186,64 @@ class ElasticTrainer:
             return torch.device("cuda", local)
         return torch.device("cpu")
 
-    def _open_checkpoints(self) -> CheckpointManager | None:
-        url = self.config.resolved_checkpoint_url() or (self._storage.url if self._storage is not None else None)
-        if url is None:
-            logger.warning("no checkpoint URL: training will not survive a restart")
-            return None
-        options = self.config.checkpoint_options
-        worker = WorkerEnv.from_environ()
-        if options.signing_key is None:  # the job service gives each job a key (elastic.env.CHECKPOINT_KEY)
-            options = replace(options, signing_key=worker.checkpoint_key)
-        if options.generation is None and worker.job is not None:  # fencing of an old generation's saves
-            options = replace(options, generation=worker.job.generation)
-        manager = create_checkpoint_manager(url, options, storage=self._storage)
-        manager.check_storage()  # one clear line, before any training, if the storage is unusable
-        return manager
+    def _wrap(self) -> DistributedDataParallel:
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # live: no buffer broadcast in forward, so that every collective of a step runs inside backward()
+        # and the loop's own boundary, where a failure is caught (buffers travel with the state on a join)
+        live = self.config.recovery is Recovery.LIVE
+        return DistributedDataParallel(self._module, device_ids=device_ids, broadcast_buffers=not live)
 
-    def _restore(self, model: torch.nn.Module) -> None:
-        # Every rank restores the same snapshot: the newest verified durable one that rank 0 picks, or a
-        # newer node-local one that a surviving node holds (elastic/checkpoint/tiers.py).
-        state = self._tiers.restore()
-        if state is None:
-            return
-        ts = restore_training_state(state, model, self.optimizer, self.scheduler)
-        self.step = ts.step
-        self.sampler.load_state_dict(dict(ts.data_cursor)["sampler"])
-        if ts.lr_reference:
-            stored = LRPolicy.from_reference(dict(ts.lr_reference))
-            if stored != self.policy:
-                logger.warning("using the LR policy stored in the checkpoint (%s), not %s", stored, self.policy)
-            self.policy = stored
-        saved_ramp = dict(ts.extras).get("lr_ramp")
-        ramp = RampState(**saved_ramp) if saved_ramp else self._ramp
-        if ts.world_size != self.world_size:
-            in_force = self.policy.factor_at(self.step, ramp)
-            self._ramp = self.policy.start_ramp(self.step, in_force, self.world_size)
-            logger.info(
-                "resized %d -> %d workers at step %d: LR factor %.6g -> %.6g over %d steps",
-                ts.world_size, self.world_size, self.step, in_force, self._ramp.target_factor,
-                self.policy.warmup_steps,
-            )  # fmt: skip
-        else:
-            self._ramp = ramp
-        logger.info(
-            "resumed from step %d (epoch %d, position %d)", self.step, self.sampler.epoch, self.sampler.position
-        )
+    def _restore(self, rank: int, world_size: int) -> bool:
+        return self._checkpoints.restore(self._module, self.optimizer, self.scheduler, self.cursor, rank, world_size)
 
-    # -- the loop ------------------------------------------------------------------------------------
+    # -- the cursor ----------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.cursor.step
+
+    @property
+    def sampler(self) -> ElasticSampler:
+        return self.cursor.sampler
+
+    @property
+    def policy(self) -> LRPolicy:
+        return self.cursor.policy
+
     @property
     def lr_factor(self) -> float:
-        return self.policy.factor_at(self.step, self._ramp)
+        return self.cursor.lr_factor
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) * self.lr_factor
 
+    @property
+    def generation(self) -> int | None:
+        """Live recovery: the number of the live group's generation this worker trains in (else None)."""
+        gen = self._live.group.generation if self._live is not None else None
+        return gen.number if gen is not None else None
+
+    # -- the loop ------------------------------------------------------------------------------------
     def batches(self, epoch: int | None = None, *, epochs: int | None = None) -> Iterator[Any]:
         """Yield this rank's micro-batches; each must get one :meth:`backward`. The optimizer step runs
         inside, after the last micro-batch of each step.
 
         ``batches(epoch)`` serves what is left of that epoch (nothing if a resumed run is already past it);
-        ``batches(epochs=N)`` serves everything until N epochs are done.
+        ``batches(epochs=N)`` serves everything until N epochs are done. In live mode a step whose group
+        broke is dropped and served again, split over the new group.
         """
         if (epoch is None) == (epochs is None):
             raise TypeError("give either an epoch or epochs=N")
         if epoch is not None and epoch > self.sampler.epoch:
             raise ValueError(f"epoch {epoch} asked for while epoch {self.sampler.epoch} is not finished")
         end = epochs if epochs is not None else (epoch or 0) + 1
-        plan = self.policy.step_plan(self.world_size)
         while self.sampler.epoch < end and not self._stopped:
+            plan = self.policy.step_plan(self.world_size)
             total = self.sampler.step_size(plan.global_batch)
             mine = self.sampler.step_indices(plan.global_batch)
+            if self._live is not None:
+                info = StepInfo(self.step + 1, self.sampler.epoch, self.rank, self.world_size, list(mine), 0.0, None,
+                                generation=self.generation)  # fmt: skip
+                self._live.begin(info, plan.global_batch)
             offset = 0
             for j, size in enumerate(split_sizes(len(mine), plan.accumulation_steps)):
                 last = j == plan.accumulation_steps - 1
@@ -250,20 +252,70 @@ class ElasticTrainer:
                     offset += size
                     if size == 0:
                         self._zero_backward()
-                        continue
-                    self._scale = size * self.world_size / total  # exact mean over the global batch
-                    self._backward_done = False
-                    yield self._batch(idx)
-                    if not self._backward_done:
-                        raise RuntimeError("trainer.backward(loss) must be called once for every batch")
-            self._finish_step(mine)
+                    else:
+                        self._scale = size * self.world_size / total  # exact mean over the global batch
+                        self._backward_done = False
+                        yield self._batch(idx)
+                        if not self._backward_done:
+                            raise RuntimeError("trainer.backward(loss) must be called once for every batch")
+                if self._broken is not None:
+                    break
+            if self._broken is None:
+                self._finish_step(mine, plan.global_batch)
+            if self._broken is not None:
+                self._recover(ReformReason.FAILURE)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of the mean loss over the micro-batch just yielded (scaled for exact averaging)."""
-        (loss * self._scale).backward()
         self._backward_done = True
+        if self._broken is not None:
+            return
+        try:
+            (loss * self._scale).backward()
+        except RuntimeError as exc:
+            self._collective_failed(exc)
+            return
         self._loss_sum += float(loss.detach()) * self._scale
         self._loss_count += 1
+
+    def _collective_failed(self, exc: RuntimeError) -> None:
+        """Live mode: a collective failed because the group broke; the step is dropped and the group
+        re-forms at the end of it. Otherwise (restart mode, or the training code's own error): raise."""
+        from elastic.live.group import is_peer_failure
+
+        if self._live is None or not is_peer_failure(exc):
+            raise exc
+        logger.warning("live group: a collective of step %d failed (%s); re-forming", self.step + 1,
+                       str(exc).splitlines()[0][:200])  # fmt: skip
+        self._broken = exc
+
+    def _recover(self, reason: ReformReason) -> None:
+        from elastic.live.group import EXIT_LIVE_FALLBACK, is_peer_failure
+        from elastic.live.membership import MembershipError
+
+        assert self._live is not None
+        for attempt in range(1, 11):
+            try:
+                self._live.reform(reason)
+                break
+            except MembershipError as exc:
+                logger.error("live group: cannot re-form (%s): falling back to the restart path (exit %d)", exc,
+                             EXIT_LIVE_FALLBACK)  # fmt: skip
+                raise SystemExit(EXIT_LIVE_FALLBACK) from exc
+            except RuntimeError as exc:  # another member failed while this generation formed
+                if not is_peer_failure(exc):
+                    raise
+                logger.warning("live group: re-forming failed (attempt %d: %s); again", attempt, exc)
+                reason = ReformReason.FAILURE
+        else:
+            logger.error("live group: 10 re-forms in a row failed: falling back to the restart path")
+            raise SystemExit(EXIT_LIVE_FALLBACK)
+        self._broken = None
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.model = self._wrap()
+        self._last_boundary = None
+        self._progress.report(self.step, world_size=self.world_size, total_steps=self.config.total_steps,
+                              nodes=self._round_nodes(), force=True)  # fmt: skip
 
     def _batch(self, idx: Sequence[int]) -> Any:
         batch = self._collate([self._dataset[i] for i in idx])
@@ -272,7 +324,10 @@ class ElasticTrainer:
     def _zero_backward(self) -> None:
         # A rank with no samples in this micro-batch still joins DDP's all-reduce, with zero gradients.
         params = [p for p in self.model.parameters() if p.requires_grad]
-        torch.stack([p.sum() for p in params]).sum().mul(0.0).backward()
+        try:
+            torch.stack([p.sum() for p in params]).sum().mul(0.0).backward()
+        except RuntimeError as exc:
+            self._collective_failed(exc)
 
     def _arm_stop_timeout(self, sig: signal.Signals) -> None:
         """Runs in the watcher's thread as soon as SIGTERM arrives (also while the main thread is blocked)."""
@@ -293,12 +348,11 @@ class ElasticTrainer:
 
         threading.Thread(target=watchdog, name="stop-timeout", daemon=True).start()
 
-    def _finish_step(self, indices: Sequence[int]) -> None:
+    def _finish_step(self, indices: Sequence[int], global_batch: int) -> None:
         now = time.monotonic()
         if self._last_boundary is not None:
             self._step_times.append(now - self._last_boundary)
         self._last_boundary = now
-        plan = self.policy.step_plan(self.world_size)
         lr = self.current_lr()
         with scaled_lr(self.optimizer, self.lr_factor):
             self.optimizer.step()
@@ -306,15 +360,61 @@ class ElasticTrainer:
         if self.scheduler is not None:
             self.scheduler.step()
         epoch = self.sampler.epoch
-        epoch_done = self.sampler.advance(plan.global_batch)
-        self.step += 1
+        epoch_done = self.sampler.advance(global_batch)
+        self.cursor.step += 1
         loss = self._loss_sum if self._loss_count else None
         self._loss_sum, self._loss_count = 0.0, 0
-        if self._on_step is not None:
-            self._on_step(StepInfo(self.step, epoch, self.rank, self.world_size, list(indices), lr, loss))
-        self._maybe_report(lr, loss)
-        self._maybe_save(epoch_done)
+        if self._live is not None:
+            self._live.applied(lr, loss)
+        else:  # restart mode: a failure from here on restarts every worker from a snapshot
+            self._record(StepInfo(self.step, epoch, self.rank, self.world_size, list(indices), lr, loss))
+        # Every rank agrees on this boundary's flags (one all-reduce per step); in live mode the step commits
+        # here, so its record is written only now.
+        signalled = self._preemption.requested
+        try:
+            flags = self._agree(signalled)
+        except RuntimeError as exc:
+            self._collective_failed(exc)
+            return
+        if self._live is not None:
+            self._live.committed()
+        try:
+            self._maybe_report(lr, loss)
+            self._act(flags, epoch_done, signalled)
+        except RuntimeError as exc:
+            self._collective_failed(exc)
+            return
         self._publish_progress(lr, loss)
+        if self._live is not None and flags[-1] and not self._stopped:
+            self._recover(ReformReason.ADMIT)  # workers registered since: admit them at this boundary
+
+    def _record(self, info: StepInfo) -> None:
+        if self._on_step is not None:
+            self._on_step(info)
+
+    def _agree(self, signalled: bool) -> list[int]:
+        """Every rank's flags for this boundary, MAX-reduced: the snapshot flags of
+        :meth:`LoopCheckpoints.local_flags`, then (live) whether workers wait to be admitted."""
+        mine = self._checkpoints.local_flags(self.step, time.monotonic(), signalled, self.rank)
+        if self._live is not None:
+            mine.append(self._live.joiners_flag(self.rank))
+        flags = torch.tensor(mine, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return [int(f) for f in flags.tolist()]
+
+    def _act(self, flags: list[int], epoch_done: bool, signalled: bool) -> None:
+        if flags[1]:
+            self._boundary_after_signal.set()
+        request = self._checkpoints.act(flags[:4], self.step, epoch_done, self.rank, signalled, self._capture,
+                                        self.optimizer)  # fmt: skip
+        if request.stop:
+            self._stopped = True
+            self._checkpoints.close(finished=False)
+            if self._live is not None:
+                self._live.group.close()  # revoke the lease: the others re-form without waiting for it
+            raise SystemExit(143)
+        if flags[1] and self._live is not None:
+            self._recover(ReformReason.FAILURE)  # the signalled members leave: re-form without them
 
     def _round_nodes(self) -> list[str] | None:
         """The service's names of this round's nodes (one all-gather per start), or None outside the service.
@@ -323,9 +423,8 @@ class ElasticTrainer:
         job = WorkerEnv.from_environ().job
         if job is None:
             return None
-        name = job.node_name
         names: list[Any] = [None] * self.world_size
-        dist.all_gather_object(names, name)
+        dist.all_gather_object(names, job.node_name)
         return sorted({str(n) for n in names})
 
     def _maybe_report(self, lr: float, loss: float | None) -> None:
@@ -340,13 +439,7 @@ class ElasticTrainer:
 
     def _publish_progress(self, lr: float, loss: float | None) -> None:
         """Progress for the job service (rank 0 only, throttled by the reporter; a no-op elsewhere)."""
-        committed: dict[str, Any] = {}
-        pending = self._pending_checkpoint
-        if pending is not None and self._manager is not None and not self._manager.in_flight:
-            self._pending_checkpoint = None
-            # a failed save is not reported as committed (rank 0 not writing replicated state: it cannot know)
-            if self._manager.last_committed_step == pending or not self._manager.is_writer:
-                committed = {"checkpoint_step": pending, "checkpoint_path": f"{self._manager.url}/{step_dir(pending)}"}
+        committed = self._checkpoints.committed_report()
         self._progress.report(
             self.step, world_size=self.world_size, loss=loss, total_steps=self.config.total_steps,
             lr=lr, epoch=self.sampler.epoch, force=bool(committed), **committed,
@@ -361,97 +454,23 @@ class ElasticTrainer:
         return {k: float(v) / self.world_size for k, v in zip(keys, t.tolist(), strict=True)}
 
     # -- checkpoints ---------------------------------------------------------------------------------
-    def _maybe_save(self, epoch_done: bool = False) -> None:
-        # Every rank, every step: agree on a time-based save, a SIGTERM seen by any rank, a node-local snapshot
-        # and whether any rank's checkpoint writer is still busy (non-writers report 0). Doing this collective
-        # unconditionally keeps all ranks' collectives in the same order, and their snapshot decisions equal.
-        now = time.monotonic()
-        signalled = self._preemption.requested
-        local_due = self.rank == 0 and self._tiers.want_local(self.step)  # rank 0's measurements decide
-        busy = self._manager is not None and self._manager.in_flight
-        mine = [self._schedule.time_due(now), signalled, local_due, busy]
-        flags = torch.tensor([int(f) for f in mine], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        time_due, anyone_signalled, local, busy = (bool(f) for f in flags.tolist())
-        if anyone_signalled:
-            # SIGTERM: a preemption notice, or torchrun restarting the group (it signals workers first).
-            # Everyone saves this step synchronously (no step is lost); the signalled ranks then exit,
-            # the others carry on and resume from this snapshot when the group re-forms.
-            self._boundary_after_signal.set()
-            logger.warning("SIGTERM seen by a worker: saving step %d synchronously", self.step)
-            self.save(blocking=True)
-            if signalled:
-                self._stopped = True
-                if self._manager is not None:
-                    self._manager.close()
-                raise SystemExit(143)
-            return
-        self._schedule, decision = self._schedule.decide(Boundary(self.step, now, epoch_done, time_due, busy))
-        if decision.warning is not None and self.rank == 0:
-            logger.warning("%s", decision.warning)
-        if not decision.take and (decision.deferred or decision.skipped):
-            logger.debug("snapshot due at step %d %s: the writer is still saving step %s", self.step,
-                         "deferred" if decision.deferred else "merged into the pending one (skipped)",
-                         self._schedule.stats.last_saved_step)  # fmt: skip
-        if decision.take:
-            self.save(blocking=False)
-            self._tiers.note_durable(self.step)
-        elif local:
-            self._tiers.save_local(self.step, self._capture, overlap_with=self.optimizer)
-
     def _capture(self) -> TrainingState:
         """References to the full state (a collective: gathers every rank's RNG state)."""
-        return capture_training_state(
-            self.step,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            data_cursor={"sampler": self.sampler.state_dict()},
-            lr_reference=self.policy.reference(),
-            extras={"lr_ramp": dataclasses.asdict(self._ramp)},
-            world_size=self.world_size,
-        )
+        return capture_training_state(self.step, self.model, self.optimizer, self.scheduler, **self.cursor.state())
 
     def save(self, blocking: bool = False) -> None:
         """Snapshot the full state now (a collective: every rank must call it)."""
-        if self._manager is None:
-            return
-        state = self._capture()
-        # The optimizer's tensors are copied by the writer thread while the next forward/backward runs;
-        # the next optimizer.step() waits for that copy (see CheckpointManager.save).
-        overlap = None if blocking else self.optimizer
-        try:
-            self._manager.save(self.step, state, blocking=blocking, overlap_with=overlap)
-            self._failing_since = None  # the previous save (if any) committed: the manager raises its failure here
-        except CheckpointFencedError:
-            raise  # this generation has been replaced: stop, never write again
-        except CheckpointWriteError as exc:
-            # The previous background save failed (or this blocking one). Committed snapshots are intact, so
-            # training goes on and this step is saved instead, until saves have failed for save_failure_grace.
-            now = time.monotonic()
-            self._failing_since = self._failing_since if self._failing_since is not None else now
-            failing = now - self._failing_since
-            if failing > self.config.save_failure_grace.total_seconds():
-                raise
-            grace = self.config.save_failure_grace.total_seconds()
-            logger.warning("checkpoint save failed (failing for %.0f s, giving up after %.0f s): %s; saving step %d "
-                           "instead", failing, grace, exc, self.step)  # fmt: skip
-            if blocking:
-                self._manager.save(self.step, state, blocking=True)  # its failure stops the worker
-            else:
-                self._manager.save(self.step, state, blocking=False, overlap_with=overlap)
-        self._schedule = self._schedule.started(self.step, time.monotonic(), background=not blocking)
-        self._pending_checkpoint = self.step
+        self._checkpoints.save(self.step, self._capture, self.optimizer, blocking)
 
     @property
     def snapshot_stats(self) -> SnapshotStats:
         """Durable snapshots saved, deferred (writer busy) and skipped so far (the same on every rank)."""
-        return self._schedule.stats
+        return self._checkpoints.stats
 
     @property
     def resumed_from(self) -> str | None:
         """Which tier the start-up restore used: ``"durable"``, ``"node-local"``, or None (a fresh start)."""
-        return self._tiers.source
+        return self._checkpoints.tiers.source
 
     @property
     def stopped_by_preemption(self) -> bool:
@@ -461,16 +480,14 @@ class ElasticTrainer:
         """Flush the in-flight save (raising its error) and leave the process group. ``finished``: the job
         is done, so this node's in-memory snapshots are deleted (kept after a preemption stop), and a deferred
         snapshot still pending is taken now, synchronously, of the state at this call (a collective then)."""
-        pending = self._schedule.stats.pending_since
-        if finished and not self._stopped and pending is not None and self._manager is not None:
+        pending = self._checkpoints.stats.pending_since
+        if finished and not self._stopped and pending is not None and self._checkpoints.manager is not None:
             logger.info("taking the snapshot pending since step %d at step %d before closing", pending, self.step)
             self.save(blocking=True)
         self._boundary_after_signal.set()
         self._preemption.uninstall()
-        self._tiers.close(finished=finished and not self._stopped)
-        if self._manager is not None:
-            self._manager.close()
-        if self._pending_checkpoint is not None and self._manager is not None:
+        self._checkpoints.close(finished=finished and not self._stopped)
+        if self._checkpoints.pending is not None:
             self._publish_progress(self.current_lr(), None)
         self._progress.close()
         if dist.is_initialized():
@@ -479,6 +496,8 @@ class ElasticTrainer:
             # the GIL now, or tearing the group down from the main thread can deadlock at exit.
             time.sleep(0.2)
             compat.destroy_process_group()
+        if self._live is not None:
+            self._live.group.close(finished=finished and not self._stopped and self.rank == 0)
 
     def __enter__(self) -> ElasticTrainer:
         return self

@@ -8,13 +8,46 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import Enum
 
 from elastic.checkpoint.api import CheckpointOptions
 from elastic.env import WorkerEnv
 from elastic.lr import LRPolicy
 from elastic.snapshot_schedule import SnapshotSchedule, WriterBusy, writer_busy
 
-__all__ = ["ElasticConfig", "StepInfo"]
+__all__ = ["ElasticConfig", "LiveOptions", "Recovery", "StepInfo"]
+
+
+class Recovery(str, Enum):
+    """How a job goes on after a failure or a membership change (see docs/live-recovery.md)."""
+
+    RESTART = "restart"  # torchrun restarts every worker; they resume from the newest snapshot
+    LIVE = "live"  # survivors keep their processes and re-form in place; joiners get the state from a peer
+
+
+@dataclass(frozen=True)
+class LiveOptions:
+    """Timings of live recovery (``ElasticConfig(recovery="live")``)."""
+
+    # each worker's lease in etcd: a worker that vanished without closing its connections counts as gone
+    # after this long (a SIGKILL closes them: the survivors notice at once)
+    ttl: timedelta = timedelta(seconds=3)
+    # after a failure, how long the survivors wait for a member that looks alive but has not asked to re-form
+    settle: timedelta = timedelta(seconds=0.25)
+    # at the job's start: once min workers registered, how long to wait for more before founding the group
+    last_call: timedelta = timedelta(seconds=1)
+    # a worker stuck in a step while a member's lease is gone for this long aborts (NCCL) or falls back to a
+    # restart (gloo); None: the ttl plus 2 s
+    stuck_grace: timedelta | None = None
+    join_timeout: timedelta = timedelta(minutes=10)
+    reform_timeout: timedelta = timedelta(seconds=60)
+
+    def __post_init__(self) -> None:
+        if self.ttl < timedelta(seconds=1):
+            raise ValueError(f"live ttl must be at least 1 s, got {self.ttl}")
+        for name in ("settle", "last_call", "join_timeout", "reform_timeout"):
+            if getattr(self, name) < timedelta(0):
+                raise ValueError(f"live {name} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -44,8 +77,15 @@ class ElasticConfig:
     total_steps: int | None = None  # only for progress reports to the job service
     # a failed save (storage away) is reported and the next one tried; saves failing for longer stop training
     save_failure_grace: timedelta = timedelta(minutes=5)
+    # "restart" (torchrun's model, the default) or "live" (see Recovery and docs/live-recovery.md)
+    recovery: Recovery = Recovery.RESTART
+    live: LiveOptions = field(default_factory=LiveOptions)
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "recovery", Recovery(self.recovery))
+        except ValueError:
+            raise ValueError(f"recovery must be 'restart' or 'live', got {self.recovery!r}") from None
         object.__setattr__(self, "when_writer_busy", writer_busy(self.when_writer_busy))
         SnapshotSchedule(self.save_every_steps, self.save_every, self.when_writer_busy)  # validates them
         if self.save_failure_grace < timedelta(0):
@@ -75,3 +115,8 @@ class StepInfo:
     indices: Sequence[int]
     lr: float
     loss: float | None
+    #: live recovery: the generation of the live group the step ran in (restart mode: None)
+    generation: int | None = None
+    #: live recovery: recorded after a re-form, for a step its group applied when a member failed (``rank``
+    #: is then the rank it had in that step; for a member that died, a survivor records on its behalf)
+    late: bool = False

@@ -66,6 +66,14 @@ class ElasticSampler:
         return self._cursor.position
 
     @property
+    def seed(self) -> int:
+        return self._seed
+
+    @property
+    def shuffle(self) -> bool:
+        return self._shuffle
+
+    @property
     def dataset_size(self) -> int:
         return self._n
 

@@ -5,13 +5,19 @@ torch, see there), which returns a function calling :func:`create_handler`.
 
 Options come from ``--rdzv-endpoint`` (``host:port[,host:port...]``) and ``--rdzv-conf`` (see the README
 table, or :data:`OPTIONS`).
+
+``--rdzv-conf recovery=live`` builds :class:`~elastic.rendezvous.live_handler.LiveRendezvousHandler` instead
+(each agent runs its own node's workers; the workers form the job-wide group themselves) and exports the
+live group's variables to the workers (:func:`live_worker_environ`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import (
@@ -21,17 +27,43 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elastic import compat
+from elastic.env import (
+    ETCD_CA_CERT,
+    ETCD_CERT,
+    ETCD_ENDPOINTS,
+    ETCD_KEY,
+    ETCD_PASSWORD_FILE,
+    ETCD_USER,
+    LiveEnv,
+    WorkerEnv,
+)
 from elastic.etcd import EtcdConfig, EtcdConnectionError, create_client
 from elastic.etcd.config import EtcdOptions, read_password_file
 from elastic.rendezvous.agent_hooks import run_agent_start_hooks
 from elastic.rendezvous.etcd_v3_handler import EtcdV3RendezvousHandler, HandlerSettings
+from elastic.rendezvous.live_handler import LiveRendezvousHandler
 from elastic.rendezvous.protocol import RendezvousKeys, RoundRules
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_KEY_PREFIX", "OPTIONS", "EtcdV3RendezvousHandler", "create_handler"]
+__all__ = [
+    "DEFAULT_KEY_PREFIX",
+    "OPTIONS",
+    "RECOVERY_MODES",
+    "EtcdV3RendezvousHandler",
+    "LiveRendezvousHandler",
+    "create_handler",
+    "etcd_config_from_params",
+    "etcd_options_from_params",
+    "live_worker_environ",
+    "recovery_mode",
+]
 
 DEFAULT_KEY_PREFIX = "/torchelastic/rdzv"
+#: ``--rdzv-conf recovery=``: ``restart`` (torchrun re-forms job-wide rounds and restarts every node's
+#: workers on a membership change) or ``live`` (see :mod:`elastic.rendezvous.live_handler`).
+RECOVERY_MODES = ("restart", "live")
+_ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)
 
 #: ``--rdzv-conf`` keys understood by the ``etcd-v3`` backend, with their defaults.
 OPTIONS: dict[str, str] = {
@@ -53,6 +85,8 @@ OPTIONS: dict[str, str] = {
     "last_call_timeout": "10",
     # the closer reads the join count at most this often while a round forms (batches a burst of joins)
     "min_wake_interval": "0.05",
+    # restart: job-wide rounds, survivors restarted on a membership change; live: see RECOVERY_MODES
+    "recovery": "restart",
 }
 #: Options of torch's former handler that are accepted and ignored (liveness comes from leases now).
 IGNORED_OPTIONS = ("close_timeout", "heartbeat_timeout", "keep_alive_interval", "keep_alive_max_attempt")
@@ -74,26 +108,66 @@ def _seconds(params: RendezvousParameters, key: str) -> timedelta:
     return timedelta(seconds=value)
 
 
-def etcd_config_from_params(params: RendezvousParameters) -> EtcdConfig:
-    """The etcd connection settings of a torchrun invocation."""
+def etcd_options_from_params(params: RendezvousParameters) -> EtcdOptions:
+    """The etcd connection of a torchrun invocation as named (files unread)."""
     if not params.endpoint:
         raise ValueError("--rdzv-endpoint is required for the etcd-v3 backend (host:port[,host:port...])")
-    password_file = _opt(params, "password_file")
-    try:
-        password = read_password_file(password_file) if password_file else _opt(params, "password") or None
-    except ValueError as exc:
-        raise ValueError(f"--rdzv-conf password_file: {exc}") from exc
     return EtcdOptions(
         endpoints=params.endpoint,
         ca_cert=_opt(params, "ca_cert") or None,
         cert=_opt(params, "cert") or None,
         cert_key=_opt(params, "cert_key") or None,
         user=_opt(params, "user") or None,
-        password=password,
+        password_file=_opt(params, "password_file") or None,
+        password=_opt(params, "password") or None,
         request_timeout=_seconds(params, "request_timeout"),
         op_timeout=_seconds(params, "op_timeout"),
         connect_timeout=_seconds(params, "connect_timeout"),
-    ).config()
+    )
+
+
+def etcd_config_from_params(params: RendezvousParameters) -> EtcdConfig:
+    """The etcd connection settings of a torchrun invocation (``password_file`` wins over ``password``)."""
+    options = etcd_options_from_params(params)
+    if options.password_file:
+        try:
+            options = dataclasses.replace(options, password=read_password_file(options.password_file))
+        except ValueError as exc:
+            raise ValueError(f"--rdzv-conf password_file: {exc}") from exc
+    return options.config()
+
+
+def recovery_mode(params: RendezvousParameters) -> str:
+    """``--rdzv-conf recovery``: one of :data:`RECOVERY_MODES` (a ValueError naming them otherwise)."""
+    mode = _opt(params, "recovery").strip()
+    if mode not in RECOVERY_MODES:
+        raise ValueError(f"--rdzv-conf recovery={mode!r} is not supported: use one of {', '.join(RECOVERY_MODES)}")
+    return mode
+
+
+def live_worker_environ(
+    params: RendezvousParameters, keys: RendezvousKeys, env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """What an agent in live recovery exports to its workers: the live group (``ETRAIN_LIVE_PREFIX`` =
+    ``keys.live``, ``ETRAIN_LIVE_NODES`` = ``min:max``), and the rendezvous' etcd connection as the
+    ``ETRAIN_ETCD_*`` variables unless ``env`` (default: this process's environment) already names one
+    (``ETRAIN_ETCD_ENDPOINTS``, as the job service sets it).
+
+    Files go as absolute paths, a password only as its file: an inline ``password`` with a ``user`` is a
+    ValueError (the workers could not authenticate)."""
+    env = os.environ if env is None else env
+    out = LiveEnv(keys.live, params.min_nodes, params.max_nodes).to_environ()
+    if env.get(ETCD_ENDPOINTS):
+        return out
+    options = etcd_options_from_params(params)
+    if options.user and not options.password_file:
+        raise ValueError(
+            "--rdzv-conf recovery=live needs password_file (not password) with user: the workers connect to "
+            f"etcd themselves and read the password from that file ({ETCD_PASSWORD_FILE})"
+        )
+    worker_etcd = WorkerEnv(etcd=dataclasses.replace(options, password=None)).to_environ()
+    out.update({name: value for name, value in worker_etcd.items() if name in _ETCD_VARIABLES})
+    return out
 
 
 def _running_under_torchrun_cli() -> bool:
@@ -109,6 +183,10 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     ``connect_timeout``.
     """
     compat.disable_shared_rdzv_store()  # before torch's agent reads it (see there)
+    live = recovery_mode(params) == "live"
+    keys = RendezvousKeys.of(_opt(params, "key_prefix"), params.run_id)
+    # checked before etcd is reached; exported once the handler is up
+    worker_env = live_worker_environ(params, keys) if live else {}
     for key in IGNORED_OPTIONS:
         if params.get(key, None) not in (None, ""):
             logger.info("--rdzv-conf %s is not used by the etcd-v3 rendezvous (liveness comes from leases)", key)
@@ -134,9 +212,12 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
             raise SystemExit(f"error: {message}") from exc
         raise RendezvousConnectionError(message) from exc
 
+    if worker_env:
+        # torchrun's workers inherit the agent's environment
+        os.environ.update(worker_env)
+        logger.info("live recovery: the workers meet under %s", keys.live)
     if _running_under_torchrun_cli():
         run_agent_start_hooks(sys.argv)  # e.g. the prefork zygote (see elastic.rendezvous.agent_hooks)
-    keys = RendezvousKeys.of(_opt(params, "key_prefix"), params.run_id)
     settings = HandlerSettings(
         rules=RoundRules(params.min_nodes, params.max_nodes, _seconds(params, "last_call_timeout")),
         node_ttl=_seconds(params, "node_ttl"),
@@ -145,6 +226,10 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         store_timeout=_seconds(params, "store_timeout"),
         min_wake_interval=_seconds(params, "min_wake_interval"),
     )
-    handler = EtcdV3RendezvousHandler(client, params.run_id, keys, settings, local_addr=params.local_addr)
+    handler: EtcdV3RendezvousHandler | LiveRendezvousHandler
+    if live:
+        handler = LiveRendezvousHandler(client, params.run_id, keys, settings, local_addr=params.local_addr)
+    else:
+        handler = EtcdV3RendezvousHandler(client, params.run_id, keys, settings, local_addr=params.local_addr)
     handler.register()
     return handler

@@ -15,6 +15,8 @@ Layout under ``<key_prefix>/<run_id>/`` (:class:`RendezvousKeys`):
 ``rdzv/round/closed``         the rendezvous is closed (the job is over)
 ``rdzv/head``                 the newest assigned round and its size
 ``store/``                    the rounds' key-value store (torch's ``Store``)
+``live/``                     the job's own group in live recovery (``--rdzv-conf recovery=live``), kept by
+                              the workers (:mod:`elastic.live`), never by the rendezvous
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ class RendezvousKeys:
     @property
     def store(self) -> str:
         return self.base + "store"
+
+    @property
+    def live(self) -> str:
+        """The live group's prefix (``ETRAIN_LIVE_PREFIX`` of the workers in live recovery)."""
+        return self.base + "live/"
 
     @property
     def alive(self) -> str:

@@ -25,7 +25,7 @@ from torch.utils.data import TensorDataset
 
 from elastic import env as worker_env
 from elastic.checkpoint import CheckpointOptions
-from elastic.loop import ElasticConfig, ElasticTrainer, StepInfo
+from elastic.loop import ElasticConfig, ElasticTrainer, LiveOptions, Recovery, StepInfo
 from elastic.lr import LRPolicy, LRRule
 from elastic.progress import create_reporter
 
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cap on the local snapshots' cost, a fraction of time (0: none)")  # fmt: skip
     p.add_argument("--stop-timeout", type=float, default=10.0,
                    help="seconds after SIGTERM to reach a step boundary, else exit unsaved; 0: wait")  # fmt: skip
+    p.add_argument("--recovery", default="restart", choices=[r.value for r in Recovery])
+    p.add_argument("--live-ttl", type=float, default=3.0, help="live mode: each worker's lease, seconds")
     args = p.parse_args(argv)
     if not args.checkpoint_url:
         p.error("--checkpoint-url (or $ETRAIN_CHECKPOINT_URL) is required")
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         progress_every=0,
         stop_timeout=timedelta(seconds=args.stop_timeout) if args.stop_timeout > 0 else None,
+        recovery=Recovery(args.recovery),
+        live=LiveOptions(ttl=timedelta(seconds=args.live_ttl)),
     )
     log_file: list[Path] = []
     resumed_from: list[str | None] = []
@@ -95,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     def on_step(info: StepInfo) -> None:
         record = {"step": info.step, "epoch": info.epoch, "rank": info.rank, "world": info.world_size,
                   "lr": info.lr, "indices": list(info.indices), "restart": restart, "t": time.time(),
-                  "attempt": attempt, "resumed_from": resumed_from[0] if resumed_from else None}  # fmt: skip
+                  "attempt": attempt if info.generation is None else f"gen{info.generation}",
+                  "gen": info.generation, "late": info.late, "pid": os.getpid(),
+                  "resumed_from": resumed_from[0] if resumed_from else None}  # fmt: skip
         with open(log_file[0], "a") as f:
             f.write(json.dumps(record) + "\n")
         reporter.report(info.step, world_size=info.world_size, loss=info.loss)
@@ -117,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         (args.record / "final.json").write_text(json.dumps({"loss": loss, "step": trainer.step}))
     params = {k: v.clone() for k, v in trainer.model.module.state_dict().items()}
     torch.save(params, args.record / f"final_params.rank{trainer.rank}.pt")
-    done = {"attempt": attempt, "step": trainer.step, "world": trainer.world_size}
+    done = {"attempt": attempt, "step": trainer.step, "world": trainer.world_size, "pid": os.getpid(),
+            "gen": trainer.generation}  # fmt: skip
     (args.record / f"final.rank{trainer.rank}.json").write_text(json.dumps(done))
     trainer.close()
     reporter.close()

@@ -1,0 +1,169 @@
+"""The trainer's live-recovery part: what a worker does at each step and after each new generation.
+
+:class:`LiveRecovery` tracks the step in progress (an *attempt*: applied or not, recorded or not), and when
+a generation forms it exchanges every member's :class:`~elastic.live.protocol.MemberState`, lets
+:func:`~elastic.live.protocol.sync_plan` decide, copies the state from the source member to those behind
+(joiners included) by broadcast, records the steps that committed late, and re-splits data and LR for the
+new world through the :class:`~elastic.loop_cursor.TrainingCursor`. Everything else of the loop is the
+trainer's (:mod:`elastic.loop`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.checkpoint.state import TrainingState, capture_training_state, restore_training_state
+from elastic.live.group import LiveGroup
+from elastic.live.protocol import Generation, MemberState, ReformReason, StepAttempt, sync_plan
+from elastic.loop_config import StepInfo
+from elastic.loop_cursor import TrainingCursor
+from elastic.sampler import ElasticSampler
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Attempt", "LiveRecovery"]
+
+
+@dataclass
+class Attempt:
+    """The step this worker is working on: its record once it commits."""
+
+    info: StepInfo  # step, epoch, rank, world, indices (lr and loss filled in when applied)
+    sampler_before: dict[str, Any]  # the data cursor before the step (to name a dead rank's samples)
+    global_batch: int
+    applied: bool = False
+
+
+class LiveRecovery:
+    """See the module docstring. ``record`` runs the user's step hook; ``restore_from_storage`` restores
+    the newest snapshot into a founded generation (a collective), returning whether there was one."""
+
+    def __init__(
+        self,
+        group: LiveGroup,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        cursor: TrainingCursor,
+        device: torch.device,
+        record: Callable[[StepInfo], None],
+        restore_from_storage: Callable[[int, int], bool],
+    ) -> None:
+        self.group = group
+        self._module, self._optimizer, self._scheduler = module, optimizer, scheduler
+        self._cursor, self._device, self._record = cursor, device, record
+        self._restore_from_storage = restore_from_storage
+        self.attempt: Attempt | None = None
+        self.recorded = 0  # the newest step whose record this worker wrote
+        self.has_state = False  # a joiner has none until the first generation's sync
+        self.last_reform_seconds: float | None = None
+
+    # -- per step ------------------------------------------------------------------------------------
+    def begin(self, info: StepInfo, global_batch: int) -> None:
+        self.attempt = Attempt(info, self._cursor.sampler.state_dict(), global_batch)
+
+    def applied(self, lr: float, loss: float | None) -> None:
+        if self.attempt is not None:
+            self.attempt.info = replace(self.attempt.info, lr=lr, loss=loss)
+            self.attempt.applied = True
+
+    def committed(self) -> None:
+        if self.attempt is not None:
+            self._record(self.attempt.info)
+            self.recorded = self.attempt.info.step
+        self.attempt = None
+        self.group.boundary()
+
+    def joiners_flag(self, rank: int) -> int:
+        gen = self.group.generation
+        return int(rank == 0 and gen is not None and self.group.membership.joiners_waiting(gen))
+
+    # -- generations ---------------------------------------------------------------------------------
+    def reform(self, reason: ReformReason) -> Generation:
+        """Form the next generation (see :meth:`LiveGroup.reform`) and bring this worker in line with it."""
+        started = time.perf_counter()
+        self._optimizer.zero_grad(set_to_none=True)  # a dropped step's partial gradients
+        gen = self.group.reform(reason)
+        self.after_generation(gen)
+        self.last_reform_seconds = time.perf_counter() - started
+        logger.warning("live group: re-formed (%s) into generation %d of %d workers in %.3f s; continuing at step "
+                       "%d", reason.value, gen.number, len(gen.members), self.last_reform_seconds,
+                       self._cursor.step)  # fmt: skip
+        return gen
+
+    def after_generation(self, gen: Generation) -> None:
+        """Make this member's state the generation's (a collective over the new process group)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if gen.reason is ReformReason.FOUNDED:
+            # no live member to copy from: the newest snapshot, as a restart would (or a fresh start)
+            if not self._restore_from_storage(rank, world):
+                self._cursor.resize(rank, world)
+        else:
+            self._sync(gen, rank, world)
+        self.attempt = None
+        self.has_state = True
+
+    def _member_state(self) -> MemberState:
+        a = self.attempt
+        attempt = None
+        if a is not None:
+            attempt = StepAttempt(a.info.step, a.info.rank, a.info.world_size, a.applied)
+        step = self._cursor.step if self.has_state else -1
+        return MemberState(self.group.wid, step, attempt, self.recorded)
+
+    def _sync(self, gen: Generation, rank: int, world: int) -> None:
+        states: list[Any] = [None] * world
+        dist.all_gather_object(states, self._member_state())
+        plan = sync_plan(states)
+        if plan.broadcast:
+            mine = states[rank]
+            self._receive(plan.source, rank, world, joiner=mine.step < 0)
+        else:
+            self._cursor.resize(rank, world)
+        if plan.records_late(rank):
+            self._record_late(plan.orphans if rank == plan.late[0] else ())
+        self.recorded = max(self.recorded, plan.step)
+
+    def _receive(self, source: int, rank: int, world: int, joiner: bool) -> None:
+        from elastic.live.state_sync import broadcast_state
+
+        started = time.perf_counter()
+        payload: Any = None
+        if rank == source:
+            ts = capture_training_state(self._cursor.step, self._module, self._optimizer, self._scheduler,
+                                        gather_rng=False, **self._cursor.state())  # fmt: skip
+            payload = ts.to_dict()
+            payload["rng"] = {source: ts.rng[min(ts.rng)]}
+        received = broadcast_state(payload, source, self._device)
+        if rank == source:
+            self._cursor.resize(rank, world)
+            logger.info("live group: sent the training state of step %d to the members behind in %.3f s",
+                        self._cursor.step, time.perf_counter() - started)  # fmt: skip
+            return
+        ts = TrainingState.from_dict(received)
+        # a joiner takes the source's RNG state; a member a step behind keeps its own
+        restore_training_state(ts, self._module, self._optimizer, self._scheduler, restore_rng=joiner, rank=source)
+        self._cursor.load(ts, rank, world)
+        logger.info("live group: received the training state of step %d from rank %d in %.3f s", ts.step, source,
+                    time.perf_counter() - started)  # fmt: skip
+
+    def _record_late(self, orphans: tuple[int, ...]) -> None:
+        a = self.attempt
+        if a is None:
+            return
+        info = replace(a.info, late=True)
+        self._record(info)
+        for old_rank in orphans:  # a member that died after its samples went into the step's gradients
+            sampler = ElasticSampler(self._cursor.sampler.dataset_size, seed=self._cursor.sampler.seed,
+                                     shuffle=self._cursor.sampler.shuffle)  # fmt: skip
+            sampler.load_state_dict(a.sampler_before)
+            sampler.set_world(old_rank, info.world_size)
+            indices = sampler.step_indices(a.global_batch)
+            self._record(replace(info, rank=old_rank, indices=indices, loss=None))

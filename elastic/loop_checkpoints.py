@@ -1,0 +1,191 @@
+"""The elastic loop's snapshots: opening the storage, restoring at start, and the snapshot schedule.
+
+:class:`LoopCheckpoints` is the checkpoint concern of :class:`~elastic.loop.ElasticTrainer`: the durable
+manager, the node-local tier, the schedule (``save_every_steps``, ``save_every``, a busy writer deferring a
+snapshot), failures of the storage (a grace time before training stops) and the SIGTERM save. Its step-boundary
+decisions use flags that every rank agrees on in the loop's one all-reduce per step (:meth:`local_flags`
+before it, :meth:`act` after it), so that every rank takes the same snapshots.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from elastic.checkpoint import (
+    CheckpointFencedError,
+    CheckpointWriteError,
+    create_checkpoint_manager,
+    restore_training_state,
+)
+from elastic.checkpoint.api import CheckpointManager
+from elastic.checkpoint.layout import step_dir
+from elastic.checkpoint.state import TrainingState
+from elastic.checkpoint.storage import CheckpointStorage
+from elastic.checkpoint.tiers import create_snapshot_tiers
+from elastic.env import WorkerEnv
+from elastic.loop_config import ElasticConfig
+from elastic.loop_cursor import TrainingCursor
+from elastic.snapshot_schedule import Boundary, SnapshotSchedule, SnapshotStats
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FLAG_COUNT", "LoopCheckpoints", "SaveRequest"]
+
+#: How many flags :meth:`LoopCheckpoints.local_flags` contributes to the step's all-reduce.
+FLAG_COUNT = 4
+
+
+class SaveRequest:
+    """What :meth:`LoopCheckpoints.act` found: ``stop`` is set when a SIGTERM'd rank must exit now."""
+
+    def __init__(self) -> None:
+        self.stop = False
+
+
+class LoopCheckpoints:
+    """See the module docstring. ``capture`` returns references to the full state (a collective)."""
+
+    def __init__(self, config: ElasticConfig, storage: CheckpointStorage | None, device: torch.device) -> None:
+        self.config = config
+        self.manager = self._open(config, storage)
+        self.tiers = create_snapshot_tiers(
+            self.manager, config.resolved_local_every_steps(), device, config.local_max_overhead
+        )
+        self.schedule = SnapshotSchedule(
+            config.save_every_steps, config.save_every, config.when_writer_busy, clock=time.monotonic()
+        )
+        self.pending: int | None = None  # a step saved in the background, not reported as committed yet
+        self._failing_since: float | None = None  # when saves began to fail (none failing: None)
+        self._closed = False
+
+    @staticmethod
+    def _open(config: ElasticConfig, storage: CheckpointStorage | None) -> CheckpointManager | None:
+        url = config.resolved_checkpoint_url() or (storage.url if storage is not None else None)
+        if url is None:
+            logger.warning("no checkpoint URL: training will not survive a restart")
+            return None
+        options = config.checkpoint_options
+        worker = WorkerEnv.from_environ()
+        if options.signing_key is None:  # the job service gives each job a key (elastic.env.CHECKPOINT_KEY)
+            options = replace(options, signing_key=worker.checkpoint_key)
+        if options.generation is None and worker.job is not None:  # fencing of an old generation's saves
+            options = replace(options, generation=worker.job.generation)
+        manager = create_checkpoint_manager(url, options, storage=storage)
+        manager.check_storage()  # one clear line, before any training, if the storage is unusable
+        return manager
+
+    def restore(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, cursor: TrainingCursor,
+        rank: int, world_size: int,
+    ) -> bool:  # fmt: skip
+        """Every rank restores the same snapshot: the newest verified durable one that rank 0 picks, or a
+        newer node-local one that a surviving node holds (a collective). False: nothing to restore."""
+        state = self.tiers.restore()
+        if state is None:
+            return False
+        ts = restore_training_state(state, model, optimizer, scheduler)
+        cursor.load(ts, rank, world_size)
+        logger.info("resumed from step %d (epoch %d, position %d)", cursor.step, cursor.sampler.epoch,
+                    cursor.sampler.position)  # fmt: skip
+        return True
+
+    # -- the step boundary -----------------------------------------------------------------------------
+    def local_flags(self, step: int, now: float, signalled: bool, rank: int) -> list[int]:
+        """This rank's view: a time-based save due, a SIGTERM seen, a node-local snapshot due (rank 0's
+        measurements decide), its writer busy (non-writers report 0). MAX-reduced over the ranks."""
+        local_due = rank == 0 and self.tiers.want_local(step)
+        busy = self.manager is not None and self.manager.in_flight
+        return [int(self.schedule.time_due(now)), int(signalled), int(local_due), int(busy)]
+
+    def act(
+        self, flags: list[int], step: int, epoch_done: bool, rank: int, signalled_here: bool,
+        capture: Callable[[], TrainingState], optimizer: torch.optim.Optimizer,
+    ) -> SaveRequest:  # fmt: skip
+        """Take the snapshots the agreed ``flags`` call for at this boundary (collectives on every rank)."""
+        time_due, anyone_signalled, local, busy = (bool(f) for f in flags)
+        request = SaveRequest()
+        if anyone_signalled:
+            # SIGTERM: a preemption notice, or torchrun restarting the group (it signals workers first).
+            # Everyone saves this step synchronously (no step is lost); the signalled ranks then exit,
+            # the others carry on and resume from this snapshot when the group re-forms.
+            logger.warning("SIGTERM seen by a worker: saving step %d synchronously", step)
+            self.save(step, capture, optimizer, blocking=True)
+            request.stop = signalled_here
+            return request
+        now = time.monotonic()
+        self.schedule, decision = self.schedule.decide(Boundary(step, now, epoch_done, time_due, busy))
+        if decision.warning is not None and rank == 0:
+            logger.warning("%s", decision.warning)
+        if not decision.take and (decision.deferred or decision.skipped):
+            logger.debug("snapshot due at step %d %s: the writer is still saving step %s", step,
+                         "deferred" if decision.deferred else "merged into the pending one (skipped)",
+                         self.schedule.stats.last_saved_step)  # fmt: skip
+        if decision.take:
+            self.save(step, capture, optimizer, blocking=False)
+            self.tiers.note_durable(step)
+        elif local:
+            self.tiers.save_local(step, capture, overlap_with=optimizer)
+        return request
+
+    def save(
+        self, step: int, capture: Callable[[], TrainingState], optimizer: torch.optim.Optimizer, blocking: bool
+    ) -> None:
+        """Snapshot the full state now (a collective: every rank must call it)."""
+        if self.manager is None:
+            return
+        state = capture()
+        # The optimizer's tensors are copied by the writer thread while the next forward/backward runs;
+        # the next optimizer.step() waits for that copy (see CheckpointManager.save).
+        overlap = None if blocking else optimizer
+        try:
+            self.manager.save(step, state, blocking=blocking, overlap_with=overlap)
+            self._failing_since = None  # the previous save (if any) committed: the manager raises its failure here
+        except CheckpointFencedError:
+            raise  # this generation has been replaced: stop, never write again
+        except CheckpointWriteError as exc:
+            # The previous background save failed (or this blocking one). Committed snapshots are intact, so
+            # training goes on and this step is saved instead, until saves have failed for save_failure_grace.
+            now = time.monotonic()
+            self._failing_since = self._failing_since if self._failing_since is not None else now
+            failing = now - self._failing_since
+            grace = self.config.save_failure_grace.total_seconds()
+            if failing > grace:
+                raise
+            logger.warning("checkpoint save failed (failing for %.0f s, giving up after %.0f s): %s; saving step %d "
+                           "instead", failing, grace, exc, step)  # fmt: skip
+            if blocking:
+                self.manager.save(step, state, blocking=True)  # its failure stops the worker
+            else:
+                self.manager.save(step, state, blocking=False, overlap_with=overlap)
+        self.schedule = self.schedule.started(step, time.monotonic(), background=not blocking)
+        self.pending = step
+
+    def committed_report(self) -> dict[str, Any]:
+        """The checkpoint fields of a progress report once the pending save committed (else empty)."""
+        pending = self.pending
+        if pending is None or self.manager is None or self.manager.in_flight:
+            return {}
+        self.pending = None
+        # a failed save is not reported as committed (rank 0 not writing replicated state: it cannot know)
+        if self.manager.last_committed_step == pending or not self.manager.is_writer:
+            return {"checkpoint_step": pending, "checkpoint_path": f"{self.manager.url}/{step_dir(pending)}"}
+        return {}
+
+    @property
+    def stats(self) -> SnapshotStats:
+        return self.schedule.stats
+
+    def close(self, finished: bool) -> None:
+        """Flush the local tier (``finished``: delete this node's local snapshots) and the manager (once)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.tiers.close(finished=finished)
+        if self.manager is not None:
+            self.manager.close()
