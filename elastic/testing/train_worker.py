@@ -11,6 +11,7 @@ reports progress (``elastic.progress``; a no-op elsewhere) and takes ``$ETRAIN_C
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -41,6 +42,18 @@ def make_dataset(n: int, seed: int = 1234) -> TensorDataset:
 def make_model(seed: int, dropout: float = 0.1) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 4))
+
+
+def _digest(trainer: ElasticTrainer) -> str:
+    """A hash of the replica's parameters and optimizer state: equal on every rank when replicas agree bit for bit."""
+    h = hashlib.sha256()
+    for t in trainer.model.module.state_dict().values():
+        h.update(t.detach().cpu().numpy().tobytes())
+    for state in trainer.optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                h.update(v.detach().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     log_file: list[Path] = []
     resumed_from: list[str | None] = []
+    trained: list[ElasticTrainer] = []
     reporter = create_reporter()
 
     def on_step(info: StepInfo) -> None:
@@ -101,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                   "lr": info.lr, "indices": list(info.indices), "restart": restart, "t": time.time(),
                   "attempt": attempt if info.generation is None else f"gen{info.generation}",
                   "gen": info.generation, "late": info.late, "pid": os.getpid(),
+                  "agent": os.environ.get("TEST_AGENT_NAME"), "digest": _digest(trained[0]) if trained else None,
                   "resumed_from": resumed_from[0] if resumed_from else None}  # fmt: skip
         with open(log_file[0], "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -109,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.step_sleep)
 
     trainer = ElasticTrainer(model, optimizer, dataset, config, on_step=on_step)
+    trained.append(trainer)
     log_file.append(args.record / f"rank{trainer.rank}.{os.getpid()}.jsonl")
     resumed_from.append(trainer.resumed_from)
     for x, y in trainer.batches(epochs=args.epochs):

@@ -15,6 +15,7 @@ from elastic.lr import LRPolicy, LRRule
 from elastic.testing.etcd_server import LocalEtcdCluster
 from elastic.testing.torchrun import TorchrunAgent, torchrun_command
 from elastic.testing.wait import wait_until
+from tests.integration.training_records import agent_logs, expected_factors, max_step, read_records
 
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
 
@@ -28,17 +29,6 @@ def _agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnodes: st
     return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}).start()
 
 
-def _records(rec: Path) -> list[dict[str, Any]]:
-    out = []
-    for f in rec.glob("rank*.jsonl"):
-        for line in f.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by SIGKILL
-    return out
-
-
 def _effective(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     """For each step, the records of the last attempt that committed it (earlier attempts were rolled back)."""
     by_step: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
@@ -50,14 +40,6 @@ def _effective(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]
     return out
 
 
-def _max_step(rec: Path) -> int:
-    return max((r["step"] for r in _records(rec)), default=0)
-
-
-def _logs(agents: list[TorchrunAgent]) -> str:
-    return "\n".join(f"--- {a.log_path.name}\n{a.log()[-2500:]}" for a in agents)
-
-
 @pytest.mark.timeout(300)
 def test_kill_and_resume_at_same_world_gives_bit_identical_params(
     tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
@@ -67,39 +49,24 @@ def test_kill_and_resume_at_same_world_gives_bit_identical_params(
     a = _agent(tmp_path, "ref", etcd_server, f"ref-{uuid.uuid4().hex[:6]}", "1", 2,
                [*common, "--checkpoint-url", str(tmp_path / "ck-ref"), "--record", str(ref)])  # fmt: skip
     agents.append(a)
-    assert a.wait(timeout=200) == 0, _logs(agents)
+    assert a.wait(timeout=200) == 0, agent_logs(agents)
 
     run = tmp_path / "run"
     b = _agent(tmp_path, "run", etcd_server, f"run-{uuid.uuid4().hex[:6]}", "1", 2,
                [*common, "--checkpoint-url", str(tmp_path / "ck-run"), "--record", str(run),
                 "--step-sleep", "0.05"])  # fmt: skip
     agents.append(b)
-    assert wait_until(lambda: _max_step(run) >= 13, 120), _logs(agents)
+    assert wait_until(lambda: max_step(run) >= 13, 120), agent_logs(agents)
     b.kill_workers()  # SIGKILL every worker mid-run: torchrun restarts the group from the last snapshot
-    assert b.wait(timeout=200) == 0, _logs(agents)
+    assert b.wait(timeout=200) == 0, agent_logs(agents)
 
-    restarts = {r["restart"] for r in _records(run)}
+    restarts = {r["restart"] for r in read_records(run)}
     assert restarts == {0, 1}, "the group was killed once and restarted once"
     ref_params = torch.load(ref / "final_params.pt")
     run_params = torch.load(run / "final_params.pt")
     assert ref_params.keys() == run_params.keys()
     for k in ref_params:
         assert torch.equal(ref_params[k], run_params[k]), k
-
-
-def _expected_factors(policy: LRPolicy, eff: dict[int, list[dict[str, Any]]]) -> dict[int, float]:
-    """Replay the policy over the effective trajectory: a ramp starts wherever the world changed."""
-    steps = sorted(eff)
-    world = eff[steps[0]][0]["world"]
-    ramp = policy.start_ramp(0, policy.factor(world), world)
-    out = {}
-    for s in steps:
-        w = eff[s][0]["world"]
-        if w != world:
-            ramp = policy.start_ramp(s - 1, policy.factor_at(s - 1, ramp), w)
-            world = w
-        out[s] = policy.factor_at(s - 1, ramp)
-    return out
 
 
 @pytest.mark.timeout(420)
@@ -118,20 +85,20 @@ def test_resizes_4_2_3_keep_lr_policy_exact_and_every_sample_once_per_epoch(
     agents += [a, b]
 
     def world_reached(w: int, after: int = 0) -> bool:
-        return any(r["world"] == w and r["step"] > after for r in _records(rec))
+        return any(r["world"] == w and r["step"] > after for r in read_records(rec))
 
-    assert wait_until(lambda: world_reached(4), 150), _logs(agents)
-    assert wait_until(lambda: _max_step(rec) >= 10, 120), _logs(agents)
+    assert wait_until(lambda: world_reached(4), 150), agent_logs(agents)
+    assert wait_until(lambda: max_step(rec) >= 10, 120), agent_logs(agents)
     b.kill_tree()  # a node dies mid-epoch: 4 -> 2
-    assert wait_until(lambda: world_reached(2, after=8), 120), _logs(agents)
-    shrunk_at = _max_step(rec)
-    assert wait_until(lambda: _max_step(rec) >= shrunk_at + 6, 120), _logs(agents)
+    assert wait_until(lambda: world_reached(2, after=8), 120), agent_logs(agents)
+    shrunk_at = max_step(rec)
+    assert wait_until(lambda: max_step(rec) >= shrunk_at + 6, 120), agent_logs(agents)
     c = _agent(tmp_path, "c", etcd_server, run_id, "1:3", 1, args)  # a node joins: 2 -> 3
     agents.append(c)
     for agent in (a, c):
-        assert agent.wait(timeout=300) == 0, _logs(agents)
+        assert agent.wait(timeout=300) == 0, agent_logs(agents)
 
-    eff = _effective(_records(rec))
+    eff = _effective(read_records(rec))
     steps = sorted(eff)
     assert steps == list(range(1, steps[-1] + 1)), "every step committed exactly once"
     worlds = [eff[s][0]["world"] for s in steps]
@@ -139,7 +106,7 @@ def test_resizes_4_2_3_keep_lr_policy_exact_and_every_sample_once_per_epoch(
     assert changes == [4, 2, 3], changes
 
     policy = LRPolicy(LRRule(rule), lr, 4, batch, warmup_steps=warmup)
-    expected = _expected_factors(policy, eff)
+    expected = expected_factors(policy, eff)
     for s in steps:
         assert len(eff[s]) == eff[s][0]["world"], f"step {s}: one record per rank"
         for r in eff[s]:
@@ -170,22 +137,22 @@ def _final_loss(
         b = _agent(tmp, f"{rec.name}-b", etcd, run_id, "2:2", 2, args)
         agents += [a, b]
         for agent in (a, b):
-            assert agent.wait(timeout=300) == 0, _logs(agents)
+            assert agent.wait(timeout=300) == 0, agent_logs(agents)
     else:
         slow = [*args, "--step-sleep", "0.05"]
         a = _agent(tmp, f"{rec.name}-a", etcd, run_id, "1:3", 2, slow)
         b = _agent(tmp, f"{rec.name}-b", etcd, run_id, "1:3", 2, slow)
         agents += [a, b]
-        assert wait_until(lambda: _max_step(rec) >= 40, 150), _logs(agents)
+        assert wait_until(lambda: max_step(rec) >= 40, 150), agent_logs(agents)
         b.kill_tree()
-        assert wait_until(lambda: any(r["world"] == 2 for r in _records(rec)), 120), _logs(agents)
-        shrunk_at = _max_step(rec)
-        assert wait_until(lambda: _max_step(rec) >= shrunk_at + 40, 150), _logs(agents)
+        assert wait_until(lambda: any(r["world"] == 2 for r in read_records(rec)), 120), agent_logs(agents)
+        shrunk_at = max_step(rec)
+        assert wait_until(lambda: max_step(rec) >= shrunk_at + 40, 150), agent_logs(agents)
         c = _agent(tmp, f"{rec.name}-c", etcd, run_id, "1:3", 1, slow)
         agents.append(c)
         for agent in (a, c):
-            assert agent.wait(timeout=300) == 0, _logs(agents)
-        worlds = [r["world"] for r in sorted(_records(rec), key=lambda r: r["t"])]
+            assert agent.wait(timeout=300) == 0, agent_logs(agents)
+        worlds = [r["world"] for r in sorted(read_records(rec), key=lambda r: r["t"])]
         assert 3 in worlds and 2 in worlds and 4 in worlds
     return float(json.loads((rec / "final.json").read_text())["loss"])
 
@@ -231,12 +198,12 @@ def test_sigterm_of_one_node_saves_synchronously_and_loses_no_step(
     a = _agent(tmp_path, "a", etcd_server, run_id, "1:2", 1, args)
     b = _agent(tmp_path, "b", etcd_server, run_id, "1:2", 1, args)
     agents += [a, b]
-    assert wait_until(lambda: _max_step(rec) >= 15, 150), _logs(agents)
+    assert wait_until(lambda: max_step(rec) >= 15, 150), agent_logs(agents)
     b.kill_tree(signal.SIGTERM)
-    assert wait_until(lambda: any(r["world"] == 1 for r in _records(rec)), 120), _logs(agents)
-    assert a.wait(timeout=200) == 0, _logs(agents)
+    assert wait_until(lambda: any(r["world"] == 1 for r in read_records(rec)), 120), agent_logs(agents)
+    assert a.wait(timeout=200) == 0, agent_logs(agents)
 
-    records = _records(rec)
+    records = read_records(rec)
     before = [r for r in records if r["world"] == 2]
     after = [r for r in records if r["world"] == 1]
     last_before = max(r["step"] for r in before)

@@ -1,0 +1,137 @@
+"""Live recovery under real torchrun on real etcd (``--rdzv-conf recovery=live``, ``--recovery live``).
+
+Each test runs three torchrun agents of one worker each and checks, over the whole run: the survivors'
+worker processes are the ones that started (torchrun restarted none of them); every step is committed once,
+by exactly one world's worth of ranks; every sample is served once per epoch; the LR follows the policy
+over the worlds the run went through; and after every step, joins included, all replicas are bit-identical
+(each record carries a digest of the replica's parameters and optimizer state).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic.lr import LRPolicy, LRRule
+from elastic.testing.etcd_server import LocalEtcdCluster
+from elastic.testing.torchrun import TorchrunAgent, torchrun_command
+from elastic.testing.wait import wait_until
+from tests.integration.training_records import (
+    agent_logs,
+    assert_every_sample_once_per_epoch,
+    expected_factors,
+    max_step,
+    read_records,
+)
+
+WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
+SAMPLES, BATCH, LR, WARMUP, BASE_WORLD = 360, 4, 0.05, 3, 3
+
+
+def _args(tmp: Path, epochs: int) -> list[str]:
+    return ["--recovery", "live", "--epochs", str(epochs), "--samples", str(SAMPLES), "--batch", str(BATCH),
+            "--lr", str(LR), "--lr-rule", "linear", "--base-world", str(BASE_WORLD), "--warmup", str(WARMUP),
+            "--save-every", "10", "--step-sleep", "0.05", "--checkpoint-url", str(tmp / "ck"),
+            "--record", str(tmp / "rec")]  # fmt: skip
+
+
+def _agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, epochs: int) -> TorchrunAgent:
+    cmd = torchrun_command(
+        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes="2:3", nproc=1,
+        rdzv_conf={"recovery": "live", "last_call_timeout": 1}, max_restarts=5, script=WORKER,
+        script_args=_args(tmp, epochs),
+    )  # fmt: skip
+    return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING", "TEST_AGENT_NAME": name}).start()
+
+
+def _by_step(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    out: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        out[r["step"]].append(r)
+    return dict(out)
+
+
+def _worlds(records: list[dict[str, Any]]) -> list[int]:
+    by = _by_step(records)
+    worlds = [by[s][0]["world"] for s in sorted(by)]
+    return [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
+
+
+def _check_run(rec: Path, agents: list[TorchrunAgent]) -> dict[int, list[dict[str, Any]]]:
+    records = read_records(rec)
+    by = _by_step(records)
+    steps = sorted(by)
+    assert steps == list(range(1, steps[-1] + 1)), "every step committed"
+    for s in steps:
+        world = {r["world"] for r in by[s]}
+        assert len(world) == 1, f"step {s} recorded by two worlds: {by[s]}"
+        ranks = sorted(r["rank"] for r in by[s])
+        assert ranks == list(range(world.pop())), f"step {s}: one record per rank, exactly once: {ranks}"
+        digests = {r["digest"] for r in by[s] if not r["late"]}
+        assert len(digests) == 1, f"step {s}: replicas differ: {digests}"
+    assert_every_sample_once_per_epoch(by, SAMPLES)
+    policy = LRPolicy(LRRule.LINEAR, LR, BASE_WORLD, BATCH, warmup_steps=WARMUP)
+    expected = expected_factors(policy, by)
+    for s in steps:
+        for r in by[s]:
+            assert r["lr"] == pytest.approx(LR * expected[s], rel=1e-12), (s, r["lr"], LR * expected[s])
+    final = [p for p in rec.glob("final_params.rank*.pt")]
+    assert len(final) >= 2
+    return by
+
+
+def _pids(records: list[dict[str, Any]], agent: str) -> set[int]:
+    return {r["pid"] for r in records if r["agent"] == agent and not r["late"]}
+
+
+@pytest.mark.timeout(300)
+def test_live_worker_crash_survivors_keep_their_processes_and_the_restarted_worker_rejoins(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
+) -> None:
+    rec = tmp_path / "rec"
+    run_id = f"live-crash-{uuid.uuid4().hex[:6]}"
+    agents += [_agent(tmp_path, name, etcd_server, run_id, epochs=3) for name in ("a", "b", "c")]
+    assert wait_until(lambda: any(r["world"] == 3 for r in read_records(rec)), 120), agent_logs(agents)
+    assert wait_until(lambda: max_step(rec) >= 20, 120), agent_logs(agents)
+    agents[2].kill_workers()  # c's worker crashes: its agent alone restarts it; a and b go on
+    assert wait_until(lambda: _worlds(read_records(rec))[-1:] == [3] and len(_worlds(read_records(rec))) >= 3, 120), (
+        agent_logs(agents)
+    )
+    for agent in agents:
+        assert agent.wait(timeout=240) == 0, agent_logs(agents)
+
+    records = read_records(rec)
+    _check_run(rec, agents)
+    assert _worlds(records) == [3, 2, 3], _worlds(records)
+    assert len(_pids(records, "a")) == 1 and len(_pids(records, "b")) == 1, "a survivor's worker was restarted"
+    assert len(_pids(records, "c")) == 2, "c's worker was restarted once and rejoined"
+    assert {r["restart"] for r in records if r["agent"] in ("a", "b")} == {0}
+
+
+@pytest.mark.timeout(300)
+def test_live_node_loss_then_a_replacement_node_joins_with_the_state_of_a_peer(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
+) -> None:
+    rec = tmp_path / "rec"
+    run_id = f"live-node-{uuid.uuid4().hex[:6]}"
+    agents += [_agent(tmp_path, name, etcd_server, run_id, epochs=3) for name in ("a", "b", "c")]
+    assert wait_until(lambda: any(r["world"] == 3 for r in read_records(rec)), 120), agent_logs(agents)
+    assert wait_until(lambda: max_step(rec) >= 20, 120), agent_logs(agents)
+    agents[2].kill_tree()  # node c dies with its agent: 3 -> 2
+    assert wait_until(lambda: _worlds(read_records(rec))[-1:] == [2], 60), agent_logs(agents)
+    shrunk_at = max_step(rec)
+    assert wait_until(lambda: max_step(rec) >= shrunk_at + 10, 60), agent_logs(agents)
+    agents.append(_agent(tmp_path, "d", etcd_server, run_id, epochs=3))  # a replacement node: 2 -> 3
+    for agent in (agents[0], agents[1], agents[3]):
+        assert agent.wait(timeout=240) == 0, agent_logs(agents)
+
+    records = read_records(rec)
+    _check_run(rec, agents)
+    assert _worlds(records) == [3, 2, 3], _worlds(records)
+    assert len(_pids(records, "a")) == 1 and len(_pids(records, "b")) == 1, "a survivor's worker was restarted"
+    first_d = min(r["step"] for r in records if r["agent"] == "d")
+    assert first_d > shrunk_at, "the replacement trained from the live state, not from step 0"

@@ -1,0 +1,55 @@
+"""Reading the train worker's per-step records (elastic/testing/train_worker.py) and the checks on them that
+the integration tests share: the LR policy replayed over a run's worlds, every sample once per epoch."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from elastic.lr import LRPolicy
+from elastic.testing.torchrun import TorchrunAgent
+
+
+def read_records(rec: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in rec.glob("rank*.jsonl"):
+        for line in f.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by SIGKILL
+    return out
+
+
+def max_step(rec: Path) -> int:
+    return max((r["step"] for r in read_records(rec)), default=0)
+
+
+def agent_logs(agents: list[TorchrunAgent]) -> str:
+    return "\n".join(f"--- {a.log_path.name}\n{a.log()[-2500:]}" for a in agents)
+
+
+def expected_factors(policy: LRPolicy, eff: dict[int, list[dict[str, Any]]]) -> dict[int, float]:
+    """Replay the policy over the effective trajectory: a ramp starts wherever the world changed."""
+    steps = sorted(eff)
+    world = eff[steps[0]][0]["world"]
+    ramp = policy.start_ramp(0, policy.factor(world), world)
+    out = {}
+    for s in steps:
+        w = eff[s][0]["world"]
+        if w != world:
+            ramp = policy.start_ramp(s - 1, policy.factor_at(s - 1, ramp), w)
+            world = w
+        out[s] = policy.factor_at(s - 1, ramp)
+    return out
+
+
+def assert_every_sample_once_per_epoch(eff: dict[int, list[dict[str, Any]]], samples: int) -> None:
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for s in sorted(eff):
+        for r in eff[s]:
+            per_epoch[r["epoch"]].extend(r["indices"])
+    for epoch, seen in per_epoch.items():
+        assert sorted(seen) == list(range(samples)), f"epoch {epoch}: a sample was skipped or repeated"
