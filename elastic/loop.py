@@ -108,7 +108,8 @@ class ElasticTrainer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self._live = None
-        if config.recovery is Recovery.LIVE:
+        self._recovery = config.resolved_recovery()
+        if self._recovery is Recovery.LIVE:
             if isinstance(model, DistributedDataParallel):
                 raise ValueError("live recovery wraps the model in DDP anew for each generation of the group: "
                                  "pass the module itself, not a DistributedDataParallel")  # fmt: skip
@@ -138,7 +139,7 @@ class ElasticTrainer:
             self.model = model
         else:
             self._module = model.to(self.device)
-            if config.recovery is Recovery.LIVE:
+            if self._recovery is Recovery.LIVE:
                 from elastic.live.recovery import LiveRecovery
 
                 self._live = LiveRecovery(group, self._module, optimizer, scheduler, self.cursor, self.device,
@@ -190,7 +191,7 @@ class ElasticTrainer:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # live: no buffer broadcast in forward, so that every collective of a step runs inside backward()
         # and the loop's own boundary, where a failure is caught (buffers travel with the state on a join)
-        live = self.config.recovery is Recovery.LIVE
+        live = self._recovery is Recovery.LIVE
         return DistributedDataParallel(self._module, device_ids=device_ids, broadcast_buffers=not live)
 
     def _restore(self, rank: int, world_size: int) -> bool:

@@ -77,15 +77,17 @@ class ElasticConfig:
     total_steps: int | None = None  # only for progress reports to the job service
     # a failed save (storage away) is reported and the next one tried; saves failing for longer stop training
     save_failure_grace: timedelta = timedelta(minutes=5)
-    # "restart" (torchrun's model, the default) or "live" (see Recovery and docs/live-recovery.md)
-    recovery: Recovery = Recovery.RESTART
+    # "restart" (torchrun's model) or "live" (see Recovery and docs/live-recovery.md); None: "live" when the
+    # worker's environment names a live group (torchrun's etcd-v3 handler with recovery=live), else "restart"
+    recovery: Recovery | None = None
     live: LiveOptions = field(default_factory=LiveOptions)
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "recovery", Recovery(self.recovery))
-        except ValueError:
-            raise ValueError(f"recovery must be 'restart' or 'live', got {self.recovery!r}") from None
+        if self.recovery is not None:
+            try:
+                object.__setattr__(self, "recovery", Recovery(self.recovery))
+            except ValueError:
+                raise ValueError(f"recovery must be 'restart' or 'live', got {self.recovery!r}") from None
         object.__setattr__(self, "when_writer_busy", writer_busy(self.when_writer_busy))
         SnapshotSchedule(self.save_every_steps, self.save_every, self.when_writer_busy)  # validates them
         if self.save_failure_grace < timedelta(0):
@@ -94,6 +96,17 @@ class ElasticConfig:
             raise ValueError(f"local_max_overhead must be in (0, 1) or None, got {self.local_max_overhead}")
         if self.local_every_steps is not None and self.local_every_steps < 1:
             raise ValueError(f"local_every_steps must be >= 1 or None, got {self.local_every_steps}")
+
+    def resolved_recovery(self) -> Recovery:
+        """The recovery mode: the one given, else from the environment. Restart mode under a live rendezvous
+        (each torchrun agent a world of its own node) would train every node alone: refused."""
+        live_env = WorkerEnv.from_environ().live is not None
+        if self.recovery is None:
+            return Recovery.LIVE if live_env else Recovery.RESTART
+        if self.recovery is Recovery.RESTART and live_env:
+            raise ValueError("recovery='restart' under a live rendezvous (--rdzv-conf recovery=live): torchrun's "
+                             "worlds are node-local there; use recovery='live' or leave it unset")  # fmt: skip
+        return self.recovery
 
     def resolved_checkpoint_url(self) -> str | None:
         return self.checkpoint_url or WorkerEnv.from_environ().checkpoint_url

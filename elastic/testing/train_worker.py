@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cap on the local snapshots' cost, a fraction of time (0: none)")  # fmt: skip
     p.add_argument("--stop-timeout", type=float, default=10.0,
                    help="seconds after SIGTERM to reach a step boundary, else exit unsaved; 0: wait")  # fmt: skip
-    p.add_argument("--recovery", default="restart", choices=[r.value for r in Recovery])
+    p.add_argument("--recovery", default=None, choices=[r.value for r in Recovery],
+                   help="default: live under a live rendezvous (--rdzv-conf recovery=live), else restart")  # fmt: skip
     p.add_argument("--live-ttl", type=float, default=3.0, help="live mode: each worker's lease, seconds")
     args = p.parse_args(argv)
     if not args.checkpoint_url:
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         progress_every=0,
         stop_timeout=timedelta(seconds=args.stop_timeout) if args.stop_timeout > 0 else None,
-        recovery=Recovery(args.recovery),
+        recovery=Recovery(args.recovery) if args.recovery else None,
         live=LiveOptions(ttl=timedelta(seconds=args.live_ttl)),
     )
     log_file: list[Path] = []
