@@ -191,8 +191,8 @@ class ElasticTrainer:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # live: no buffer broadcast in forward, so that every collective of a step runs inside backward()
         # and the loop's own boundary, where a failure is caught (buffers travel with the state on a join)
-        live = self._recovery is Recovery.LIVE
-        return DistributedDataParallel(self._module, device_ids=device_ids, broadcast_buffers=not live)
+        extra = compat.ddp_without_forward_buffer_sync() if self._recovery is Recovery.LIVE else {}
+        return DistributedDataParallel(self._module, device_ids=device_ids, **extra)
 
     def _restore(self, rank: int, world_size: int) -> bool:
         return self._checkpoints.restore(self._module, self.optimizer, self.scheduler, self.cursor, rank, world_size)

@@ -109,7 +109,7 @@ class LiveMembership:
             _, revision = client.get(keys.gen)
         except EtcdError as exc:
             raise MembershipError(f"live group at {keys.base}: etcd unreachable ({exc})") from exc
-        self._watch = RevisionWatcher(client, keys.base, revision + 1)
+        self._watch = RevisionWatcher(client, keys.membership, revision + 1)
         self._seen = -1  # the watch revision at which ``_registered`` was read
         self._registered: frozenset[str] = frozenset()
         self._joining: frozenset[str] = frozenset()

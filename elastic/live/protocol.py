@@ -10,13 +10,13 @@ newest snapshot from storage: the restart path, reached without any process rest
 
 Layout under the job's live prefix (``<key_prefix>/<run_id>/live/``, see :class:`LiveKeys`):
 
-``workers/<id>``      one per live worker, on its own lease (:class:`WorkerRecord`)
-``join/<id>``         a worker that waits to be admitted (new, restarted, or too late for a re-form), on its
+``m/workers/<id>``    one per live worker, on its own lease (:class:`WorkerRecord`)
+``m/join/<id>``       a worker that waits to be admitted (new, restarted, or too late for a re-form), on its
                       lease; a member that died is never a joiner, even while its lease lasts
-``gen``               the current generation: its number and members in rank order (:class:`Generation`)
-``ready/<g>/<id>``    a member of generation ``g - 1`` asks to re-form into generation ``g``, on its lease
+``m/gen``             the current generation: its number and members in rank order (:class:`Generation`)
+``m/ready/<g>/<id>``  a member of generation ``g - 1`` asks to re-form into generation ``g``, on its lease
 ``store/<g>/``        generation ``g``'s process-group store (torch's ``Store``)
-``done``              the job finished: a worker that comes later has nothing to join
+``m/done``            the job finished: a worker that comes later has nothing to join
 """
 
 from __future__ import annotations
@@ -60,32 +60,37 @@ class LiveKeys:
             raise ValueError(f"a live prefix must end with '/': {self.base!r}")
 
     @property
+    def membership(self) -> str:
+        """Every membership key (what a member watches; the stores' traffic is outside it)."""
+        return self.base + "m/"
+
+    @property
     def workers(self) -> str:
-        return self.base + "workers/"
+        return self.membership + "workers/"
 
     def worker(self, wid: str) -> str:
         return self.workers + wid
 
     @property
     def joiners(self) -> str:
-        return self.base + "join/"
+        return self.membership + "join/"
 
     def joiner(self, wid: str) -> str:
         return self.joiners + wid
 
     @property
     def gen(self) -> str:
-        return self.base + "gen"
+        return self.membership + "gen"
 
     def ready(self, gen: int) -> str:
-        return f"{self.base}ready/{gen}/"
+        return f"{self.membership}ready/{gen}/"
 
     def ready_key(self, gen: int, wid: str) -> str:
         return self.ready(gen) + wid
 
     @property
     def done(self) -> str:
-        return self.base + "done"
+        return self.membership + "done"
 
     @property
     def store(self) -> str:
@@ -227,6 +232,7 @@ class MemberState:
     step: int  # the newest step applied to this member's state; -1: a joiner without state
     attempt: StepAttempt | None = None
     recorded: int = 0  # the newest step this member recorded as committed (its step hook ran)
+    recorded_rank: int | None = None  # its rank in the generation that ran step ``recorded`` (None: not known)
 
 
 @dataclass(frozen=True)
@@ -262,6 +268,8 @@ def sync_plan(states: Sequence[MemberState]) -> SyncPlan:
     covered: set[int] = set()
     world = None
     for i, s in enumerate(states):
+        if s.recorded >= step and s.recorded_rank is not None:
+            covered.add(s.recorded_rank)  # it recorded the step already, though its attempt may be the next one
         a = s.attempt
         if a is None or a.step != step:
             continue

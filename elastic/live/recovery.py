@@ -62,6 +62,7 @@ class LiveRecovery:
         self._restore_from_storage = restore_from_storage
         self.attempt: Attempt | None = None
         self.recorded = 0  # the newest step whose record this worker wrote
+        self.recorded_rank: int | None = None  # this worker's rank in that step's record
         self.has_state = False  # a joiner has none until the first generation's sync
         self.last_reform_seconds: float | None = None
 
@@ -78,6 +79,7 @@ class LiveRecovery:
         if self.attempt is not None:
             self._record(self.attempt.info)
             self.recorded = self.attempt.info.step
+            self.recorded_rank = self.attempt.info.rank
         self.attempt = None
         self.group.boundary()
 
@@ -116,7 +118,7 @@ class LiveRecovery:
         if a is not None:
             attempt = StepAttempt(a.info.step, a.info.rank, a.info.world_size, a.applied)
         step = self._cursor.step if self.has_state else -1
-        return MemberState(self.group.wid, step, attempt, self.recorded)
+        return MemberState(self.group.wid, step, attempt, self.recorded, self.recorded_rank)
 
     def _sync(self, gen: Generation, rank: int, world: int) -> None:
         states: list[Any] = [None] * world
@@ -129,6 +131,8 @@ class LiveRecovery:
             self._cursor.resize(rank, world)
         if plan.records_late(rank):
             self._record_late(plan.orphans if rank == plan.late[0] else ())
+        elif self.recorded < plan.step:
+            self.recorded_rank = None  # the step's record is another member's
         self.recorded = max(self.recorded, plan.step)
 
     def _receive(self, source: int, rank: int, world: int, joiner: bool) -> None:
@@ -160,6 +164,7 @@ class LiveRecovery:
             return
         info = replace(a.info, late=True)
         self._record(info)
+        self.recorded_rank = info.rank
         for old_rank in orphans:  # a member that died after its samples went into the step's gradients
             sampler = ElasticSampler(self._cursor.sampler.dataset_size, seed=self._cursor.sampler.seed,
                                      shuffle=self._cursor.sampler.shuffle)  # fmt: skip

@@ -58,18 +58,49 @@ def test_next_members_keeps_survivors_rank_order_then_joiners_in_id_order_capped
 @pytest.mark.parametrize(
     ("ready", "alive", "since", "joining", "expected"),
     [
-        pytest.param({"a", "b", "c", "d"}, {"a", "b", "c", "d"}, 0.0, (), CommitNow(("c", "a", "d", "b")),
-                     id="every-member-ready"),
-        pytest.param({"a", "b", "c"}, {"a", "b", "c"}, 0.0, (), CommitNow(("c", "a", "b")),
-                     id="the-missing-member-is-not-alive-commit-at-once"),
-        pytest.param({"a", "c"}, {"a", "c", "x"}, 0.0, ("x",), CommitNow(("c", "a", "x")),
-                     id="every-alive-member-ready-with-a-joiner"),
-        pytest.param({"a", "b", "c"}, {"a", "b", "c", "d"}, 0.1, (), WaitUntil(s(0.15)),
-                     id="alive-not-ready-waits-out-settle"),
-        pytest.param({"a", "b", "c"}, {"a", "b", "c", "d"}, 0.25, (), CommitNow(("c", "a", "b")),
-                     id="alive-not-ready-left-behind-at-settle"),
-        pytest.param({"a", "b", "c"}, {"a", "b", "c", "d"}, 7.0, ("e",), CommitNow(("c", "a", "b", "e")),
-                     id="alive-not-ready-left-behind-after-settle-joiner-admitted"),
+        pytest.param(
+            {"a", "b", "c", "d"},
+            {"a", "b", "c", "d"},
+            0.0,
+            (),
+            CommitNow(("c", "a", "d", "b")),
+            id="every-member-ready",
+        ),
+        pytest.param(
+            {"a", "b", "c"},
+            {"a", "b", "c"},
+            0.0,
+            (),
+            CommitNow(("c", "a", "b")),
+            id="the-missing-member-is-not-alive-commit-at-once",
+        ),
+        pytest.param(
+            {"a", "c"},
+            {"a", "c", "x"},
+            0.0,
+            ("x",),
+            CommitNow(("c", "a", "x")),
+            id="every-alive-member-ready-with-a-joiner",
+        ),
+        pytest.param(
+            {"a", "b", "c"}, {"a", "b", "c", "d"}, 0.1, (), WaitUntil(s(0.15)), id="alive-not-ready-waits-out-settle"
+        ),
+        pytest.param(
+            {"a", "b", "c"},
+            {"a", "b", "c", "d"},
+            0.25,
+            (),
+            CommitNow(("c", "a", "b")),
+            id="alive-not-ready-left-behind-at-settle",
+        ),
+        pytest.param(
+            {"a", "b", "c"},
+            {"a", "b", "c", "d"},
+            7.0,
+            ("e",),
+            CommitNow(("c", "a", "b", "e")),
+            id="alive-not-ready-left-behind-after-settle-joiner-admitted",
+        ),
         pytest.param(set(), {"a", "b", "c", "d"}, 0.0, (), WaitUntil(SETTLE), id="nobody-ready"),
         pytest.param(set(), set(), 100.0, ("e",), WaitUntil(SETTLE), id="nobody-ready-nobody-alive-long-after"),
         pytest.param({"e", "x"}, {"e", "x"}, 100.0, ("e",), WaitUntil(SETTLE), id="only-non-members-ready"),
@@ -153,12 +184,12 @@ def test_a_corrupt_generation_value_raises_live_protocol_error(raw: bytes) -> No
 @pytest.mark.timeout(10)
 def test_live_keys_lay_out_the_prefix_and_refuse_a_base_without_a_trailing_slash() -> None:
     keys = LiveKeys("/p/run/live/")
-    assert keys.worker("w") == "/p/run/live/workers/w"
-    assert keys.joiner("w") == "/p/run/live/join/w"
-    assert keys.gen == "/p/run/live/gen"
-    assert keys.ready_key(3, "w") == "/p/run/live/ready/3/w"
+    assert keys.worker("w") == "/p/run/live/m/workers/w"
+    assert keys.joiner("w") == "/p/run/live/m/join/w"
+    assert keys.gen == "/p/run/live/m/gen"
+    assert keys.ready_key(3, "w") == "/p/run/live/m/ready/3/w"
     assert keys.gen_store(3) == "/p/run/live/store/3/"
-    assert keys.done == "/p/run/live/done"
+    assert keys.done == "/p/run/live/m/done"
     # no prefix is a prefix of another generation's: ready/1/ does not cover ready/10/
     assert not keys.ready_key(10, "w").startswith(keys.ready(1))
     assert not keys.gen_store(10).startswith(keys.gen_store(1))
@@ -167,8 +198,10 @@ def test_live_keys_lay_out_the_prefix_and_refuse_a_base_without_a_trailing_slash
 
 
 # -- sync_plan ---------------------------------------------------------------------------------------
-def member(step: int, attempt: StepAttempt | None = None, recorded: int | None = None, wid: str = "w") -> MemberState:
-    return MemberState(wid, step, attempt, recorded if recorded is not None else max(step, 0))
+def member(
+    step: int, attempt: StepAttempt | None = None, recorded: int | None = None, recorded_rank: int | None = None
+) -> MemberState:
+    return MemberState("w", step, attempt, recorded if recorded is not None else max(step, 0), recorded_rank)
 
 
 @pytest.mark.parametrize(
@@ -195,6 +228,22 @@ def member(step: int, attempt: StepAttempt | None = None, recorded: int | None =
             [member(7, StepAttempt(7, 0, 4, True), recorded=7), member(6, StepAttempt(7, 2, 4, False))],
             SyncPlan(0, 7, True, late=(1,), orphans=(1, 3)),
             id="recorded-member-covers-its-rank-not-late",
+        ),
+        pytest.param(
+            # old world 3: old rank 0's boundary all-reduce of step 7 completed (it recorded step 7 as rank 0 and
+            # began step 8) while old rank 1's failed when old rank 2 died: only the dead rank is an orphan
+            [
+                member(7, StepAttempt(8, 0, 3, False), recorded=7, recorded_rank=0),
+                member(7, StepAttempt(7, 1, 3, True), recorded=6),
+            ],
+            SyncPlan(0, 7, False, late=(1,), orphans=(2,)),
+            id="recorded-and-began-next-step-is-no-orphan",
+        ),
+        pytest.param(
+            # the same, its next step not begun yet (it failed in a collective after its record)
+            [member(7, recorded=7, recorded_rank=0), member(7, StepAttempt(7, 1, 3, True), recorded=6)],
+            SyncPlan(0, 7, False, late=(1,), orphans=(2,)),
+            id="recorded-without-attempt-is-no-orphan",
         ),
         pytest.param(
             # everyone recorded step 7: nothing commits late, so nobody records an orphan either

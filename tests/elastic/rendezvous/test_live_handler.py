@@ -52,8 +52,10 @@ def made() -> Iterator[list[LiveRendezvousHandler | EtcdV3RendezvousHandler]]:
 @pytest.fixture
 def clean_environ(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """The variables the plugin exports start unset, and are removed again after the test."""
+    # setenv first: monkeypatch restores only what it changed, and delenv of an unset name records nothing
     for name in EXPORTED:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return monkeypatch
 
