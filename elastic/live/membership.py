@@ -292,7 +292,7 @@ class LiveMembership:
             now = time.monotonic()
             first_seen = first_seen if first_seen is not None else now
             since = timedelta(seconds=now - first_seen)
-            decision = reform_decision(gen, ready, workers, since, s.settle, s.max_workers, joining)
+            decision = reform_decision(gen, ready, workers, since, s.settle, s.max_workers, joining, s.min_workers)
             if isinstance(decision, CommitNow):
                 # the first ready member in rank order commits; the others wait for it (or take over once
                 # it is gone: it is then neither ready nor alive)
@@ -305,5 +305,5 @@ class LiveMembership:
                 wait = decision.after.total_seconds()
             if now >= deadline:
                 raise LiveTimeoutError(f"live group at {self._keys.base}: generation {target} did not form "
-                                       f"within {s.reform_timeout}")  # fmt: skip
+                                       f"within {s.reform_timeout} (fewer than {s.min_workers} workers?)")  # fmt: skip
             self._wait(revision, min(wait, deadline - now))

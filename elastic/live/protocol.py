@@ -181,21 +181,25 @@ def reform_decision(
     settle: timedelta,
     max_workers: int,
     joining: Iterable[str] = (),
+    min_workers: int = 1,
 ) -> CommitNow | WaitUntil:
     """Whether the ready members of ``current`` may commit the next generation now (with the ``joining``
     workers admitted).
 
     Every member still alive (its worker key exists) is ready: commit. Otherwise a member that looks alive
     may be dead (its lease not expired yet after a SIGKILL) or slow: commit once ``settle`` passed since the
-    first member asked; one that asks later joins the generation after."""
+    first member asked; one that asks later joins the generation after. Fewer than ``min_workers``: wait
+    for joiners (the caller gives up after its timeout and falls back to the restart path)."""
     ready_set, alive_set = set(ready), set(alive)
     members = next_members(current, ready_set, joining, max_workers)
     if not any(m in ready_set for m in current.members):
         return WaitUntil(settle)
     waiting_for = [m for m in current.members if m in alive_set and m not in ready_set]
-    if not waiting_for or since_first_ready >= settle:
-        return CommitNow(members)
-    return WaitUntil(settle - since_first_ready)
+    if waiting_for and since_first_ready < settle:
+        return WaitUntil(settle - since_first_ready)
+    if len(members) < min_workers:  # a quorum below min_nodes: hold the state and wait for joiners
+        return WaitUntil(settle)
+    return CommitNow(members)
 
 
 def found_decision(

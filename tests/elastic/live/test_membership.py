@@ -287,3 +287,33 @@ def test_a_corrupt_generation_value_raises_membership_error_naming_the_key(group
         m.current()
     with pytest.raises(MembershipError, match=key):
         m.reform(Generation(1, ("w-0",), ReformReason.FOUNDED), ReformReason.FAILURE)
+
+
+@pytest.mark.timeout(60)
+def test_survivors_below_min_hold_their_state_until_a_joiner_completes_the_quorum(group: Group) -> None:
+    members = {w: group.member(w, 3, 4, ttl=LONG_TTL) for w in ("w-0", "w-1", "w-2", "w-3")}
+    gen = Generation(2, ("w-0", "w-1", "w-2"), ReformReason.FOUNDED)
+    group.set_generation(gen)
+    die(members["w-1"], revoke=True)  # 2 survivors of min 3: no generation may form without a third
+    survivors = [group.start(lambda m=m: m.reform(gen, ReformReason.FAILURE)) for m in (members["w-0"], members["w-2"])]
+    time.sleep(3 * SETTLE.total_seconds())
+    assert not any(f.done() for f in survivors), "a generation below min_workers formed"
+    joined = group.start(members["w-3"].join)
+    expected = Generation(3, ("w-0", "w-2", "w-3"), ReformReason.FAILURE)
+    assert [f.result(timeout=10) for f in survivors] == [expected, expected]
+    assert joined.result(timeout=10) == expected
+
+
+@pytest.mark.timeout(60)
+def test_survivors_below_min_give_up_after_the_reform_timeout(group: Group) -> None:
+    settings = LiveSettings(2, 2, ttl=LONG_TTL, settle=SETTLE, reform_timeout=timedelta(seconds=1))
+    a = LiveMembership(group.client(), group.keys, "w-a", settings, node="test")
+    b = group.member("w-b", 2, 2, ttl=LONG_TTL)
+    group.members.append(a)
+    gen = Generation(1, ("w-a", "w-b"), ReformReason.FOUNDED)
+    group.set_generation(gen)
+    die(b, revoke=True)
+    started = time.monotonic()
+    with pytest.raises(LiveTimeoutError, match="fewer than 2 workers"):
+        a.reform(gen, ReformReason.FAILURE)
+    assert 1.0 <= time.monotonic() - started < 5.0

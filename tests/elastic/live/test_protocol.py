@@ -119,6 +119,15 @@ def test_reform_decision_caps_the_committed_members_at_max_workers() -> None:
     assert reform_decision(GEN, everyone, everyone, s(0), SETTLE, 4, ("e",)) == CommitNow(("c", "a", "d", "b"))
 
 
+@pytest.mark.timeout(10)
+def test_reform_decision_below_min_workers_waits_for_joiners_instead_of_committing() -> None:
+    everyone = {"a", "b", "c", "d"}
+    assert reform_decision(GEN, {"c", "a"}, {"c", "a"}, s(10), SETTLE, 8, (), min_workers=3) == WaitUntil(SETTLE)
+    assert reform_decision(GEN, {"c", "a"}, everyone, s(10), SETTLE, 8, ("e",), min_workers=3) == CommitNow(
+        ("c", "a", "e")
+    )
+
+
 # -- found_decision ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("registered", "since", "expected"),
