@@ -26,7 +26,7 @@ from elastic.etcd.config import EtcdOptions
 from elastic.prefork import worker_tree
 from elastic.proctree import alive, descendants, process_stat
 from elastic.torchrun_cli import TorchrunCommand, format_rdzv_conf
-from service.core.models import Assignment
+from service.core.models import Assignment, RecoveryMode
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,14 @@ def write_secret(path: Path, secret: str) -> None:
 
 def rdzv_conf(assignment: Assignment, etcd: EtcdOptions, rdzv_prefix: str) -> str:
     """The ``--rdzv-conf`` string of the job's ``etcd-v3`` rendezvous (``key=value,...``): files and a user,
-    never a password (``etcd`` is the job's connection, :func:`job_etcd`), so it may go on the command line."""
-    r = assignment.spec.rendezvous
+    never a password (``etcd`` is the job's connection, :func:`job_etcd`), so it may go on the command line.
+
+    A job in live recovery (``recovery: live``) gets ``recovery=live``: each torchrun then runs its own node's
+    workers only and exports the live group's ``ETRAIN_LIVE_*`` to them, and the workers form the job-wide group
+    under ``<key_prefix>/<run id>/live/`` with the job's etcd connection (``ETRAIN_ETCD_*``, set by
+    :func:`worker_env`), which the job's etcd role reaches (``service.controller.identities``)."""
+    spec = assignment.spec
+    r = spec.rendezvous
     conf = {
         "key_prefix": rdzv_prefix,
         "last_call_timeout": _secs(r.last_call_timeout),
@@ -98,6 +104,8 @@ def rdzv_conf(assignment: Assignment, etcd: EtcdOptions, rdzv_prefix: str) -> st
         "node_ttl": _secs(r.node_ttl),
         "connect_timeout": _secs(etcd.connect_timeout),
     }
+    if spec.recovery is RecoveryMode.LIVE:
+        conf["recovery"] = RecoveryMode.LIVE.value
     for key, value in (
         ("ca_cert", etcd.ca_cert),
         ("cert", etcd.cert),

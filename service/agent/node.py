@@ -7,7 +7,8 @@ the next assignment change (an etcd watch) or ``poll_interval``.
 
 Reports (``reports/<job>/<node>``) say ``running`` (with the pid), ``exited`` (with the exit code and the
 tail of the log), ``stopped`` (the agent stopped it) or ``launch_failed``. A generation that exited is
-not started again on this node; only a new assignment (a new generation) starts it.
+not started again on this node; only a new assignment (a new generation, or the node placed in the job again,
+which live recovery does after dropping a node whose torchrun died) starts it.
 
 The node key lives on the agent's lease: a SIGKILLed agent's node vanishes after ``lease_ttl``, and its
 torchruns get SIGTERM at once from the kernel (parent-death signal). A clean stop (SIGTERM to the agent)
@@ -88,6 +89,11 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _once(a: Assignment) -> tuple[str, int, datetime]:
+    """What identifies one placement of a job on this node (see ``NodeAgent._finished``)."""
+    return a.job_id, a.generation, a.assigned_at
+
+
 class NodeAgent:
     """One node's agent; ``run(stop)`` blocks until ``stop`` is set, then stops its workers and leaves.
 
@@ -107,7 +113,10 @@ class NodeAgent:
         self.incarnation = uuid.uuid4().hex[:12]
         self._running: dict[str, _Running] = {}
         self._stopping: dict[str, _Running] = {}  # taken out of _running, stop() in progress
-        self._finished: set[tuple[str, int]] = set()
+        # assignments whose torchrun ended (or never started): not started again while the same assignment
+        # stays; a node the controller places again (a new ``assigned_at``, same generation: live recovery
+        # dropped it after its torchrun died) starts anew
+        self._finished: set[tuple[str, int, datetime]] = set()
         self._unsent: dict[str, WorkerReport] = {}
         self._keeper: LeaseKeeper | None = None
         self._health: ThreadingHTTPServer | None = None
@@ -206,7 +215,7 @@ class NodeAgent:
         try:
             etcd = self._job_etcd(a)
         except (JobIdentityError, OSError) as exc:
-            self._finished.add((a.job_id, a.generation))
+            self._finished.add(_once(a))
             self._report(base.model_copy(update={"state": "launch_failed", "error": f"etcd identity: {exc}"}))
             return
         env = worker_env(
@@ -227,7 +236,7 @@ class NodeAgent:
         )
         cwd = a.spec.working_dir or os.getcwd()
         if not Path(cwd).is_dir():
-            self._finished.add((a.job_id, a.generation))
+            self._finished.add(_once(a))
             self._report(
                 base.model_copy(
                     update={"state": "launch_failed", "error": f"working_dir {cwd} does not exist"}
@@ -237,7 +246,7 @@ class NodeAgent:
         try:
             proc = self._launcher(cmd, env, cwd, log_path)
         except OSError as exc:
-            self._finished.add((a.job_id, a.generation))
+            self._finished.add(_once(a))
             self._report(
                 base.model_copy(update={"state": "launch_failed", "error": f"cannot start torchrun: {exc}"})
             )
@@ -269,7 +278,7 @@ class NodeAgent:
             self._last_loop = time.monotonic()  # the loop was busy, not stuck
             with self._lock:
                 del self._stopping[job_id]
-        self._finished.add((job_id, a.generation))
+        self._finished.add(_once(a))
         self._report(self._final_report(run, "stopped", code, reason))
 
     def _final_report(
@@ -288,7 +297,7 @@ class NodeAgent:
             with self._lock:
                 del self._running[job_id]
             a = run.assignment
-            self._finished.add((job_id, a.generation))
+            self._finished.add(_once(a))
             logger.info("job %s generation %d: torchrun exited with %d", job_id, a.generation, code)
             self._report(self._final_report(run, "exited", code, run.process.tail() if code != 0 else None))
 
@@ -303,9 +312,9 @@ class NodeAgent:
                 elif wanted.generation != run.assignment.generation:
                     self._stop(job_id, f"replaced by generation {wanted.generation}")
             for job_id, a in sorted(assignments.items()):
-                if job_id not in self._running and (job_id, a.generation) not in self._finished:
+                if job_id not in self._running and _once(a) not in self._finished:
                     self._launch(a)
-            self._finished = {(j, g) for j, g in self._finished if j in assignments}
+            self._finished = {f for f in self._finished if f[0] in assignments}
             self._forget_secrets(assignments)
             self._flush()
 

@@ -27,6 +27,8 @@ from service.core.models import (
     CheckpointInfo,
     Event,
     JobStatus,
+    RecoveryMode,
+    WorkerReport,
     WorldSizeChange,
     checkpoint_prefix_owner,
     checkpoint_url_within,
@@ -56,6 +58,7 @@ class _Decision:
         self.assign: dict[str, Assignment] = {}
         self.unassign: set[str] = set()
         self.clear_reports = False
+        self.clear_report_nodes: set[str] = set()  # nodes whose report of this job is deleted
         self.purge = False
         self.current = current  # node -> this job's assignment there
 
@@ -101,7 +104,8 @@ class _Decision:
             return JobUpdate(job_id=self.record.id, expected_revision=self.entry.status_revision, status=None,
                              purge=True)  # fmt: skip
         changed = self.st != self.entry.status
-        if not (changed or self.events or self.assign or self.unassign or self.clear_reports):
+        if not (changed or self.events or self.assign or self.unassign or self.clear_reports
+                or self.clear_report_nodes):
             return None
         status = None
         if changed or self.events:
@@ -115,6 +119,7 @@ class _Decision:
             assign=self.assign,
             unassign=sorted(self.unassign),
             clear_reports=self.clear_reports,
+            clear_report_nodes=sorted(self.clear_report_nodes),
         )
 
 
@@ -250,10 +255,35 @@ def _handle_outcomes(d: _Decision, cfg: ReconcileConfig) -> bool:
     if verdict.give_up:
         d.move(Trigger.FAIL, verdict.reason)
         return True
+    if _live_drop(d, failed, not_failed):
+        return True
     d.release_all()
     st.backoff_until = d.now + verdict.delay
     st.disrupted_at = d.now
     d.move(Trigger.DISRUPT, verdict.reason)
+    return True
+
+
+def _live_drop(d: _Decision, failed: Mapping[str, WorkerReport], not_failed: list[str]) -> bool:
+    """Live recovery: when some nodes' torchruns died while the others' workers go on, only those nodes leave
+    the job (as a lost node does; added again later, in the same generation, by the scale-up), instead of a
+    new generation restarting every node's workers. True when done so.
+
+    Only for a torchrun killed by a signal (or one that never started): one that exited by itself after its
+    ``--max-restarts`` closed the generation's rendezvous, which no node can join again; then, as when every
+    node failed or fewer than ``min_nodes`` would be left, the job restarts in a new generation."""
+    if d.spec.recovery is not RecoveryMode.LIVE or not not_failed or len(not_failed) < d.spec.min_nodes:
+        return False
+    if not all(r.state == "launch_failed" or (r.exit_code is not None and r.exit_code < 0) for r in failed.values()):
+        return False
+    st = d.st
+    dropped = sorted(failed)
+    st.nodes = [n for n in st.nodes if n not in failed]
+    d.unassign |= set(dropped)
+    d.clear_report_nodes |= set(dropped)  # a stale failure must not count again once the node is back
+    st.disrupted_at = d.now
+    d.move(Trigger.DISRUPT, f"live recovery: going on with {len(st.nodes)} node(s) without {', '.join(dropped)}, "
+                            f"whose torchrun died (failure {st.restarts.failure}/{d.policy.max_failures})")  # fmt: skip
     return True
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from datetime import datetime, timedelta
+from enum import Enum
 from typing import Any, Literal
 from urllib.parse import urlparse
 
@@ -31,6 +32,7 @@ __all__ = [
     "JobStatus",
     "LRPolicy",
     "NodeInfo",
+    "RecoveryMode",
     "RendezvousOptions",
     "RestartPolicy",
     "Restarts",
@@ -61,6 +63,16 @@ RESERVED_ENV = frozenset(
 )
 _RESERVED_ENV_PREFIXES = (contract.PREFIX, "TORCHELASTIC_")
 _CHECKPOINT_SCHEMES = ("file", "s3", "gs", "gcs", "az", "abfs")
+
+
+class RecoveryMode(str, Enum):
+    """How a job goes on after a worker failure or a membership change (``JobSpec.recovery``)."""
+
+    #: torchrun re-forms job-wide rounds: every node's workers are restarted and resume from the newest snapshot
+    RESTART = "restart"
+    #: ``--rdzv-conf recovery=live``: the surviving workers keep their processes and re-form their process group
+    #: in place; a restarted or new worker joins at a step boundary with the state of a peer
+    LIVE = "live"
 
 
 class _Spec(BaseModel):
@@ -194,6 +206,13 @@ class JobSpec(_Spec):
         description="node-local snapshot in memory (/dev/shm) every N steps, so a failure re-does at most N "
         "steps; costs one copy of the model + optimizer state in each node's memory; 0: off",
     )  # fmt: skip
+    recovery: RecoveryMode = Field(
+        default=RecoveryMode.RESTART,
+        description="how the job goes on after a worker failure or a node lost or added: 'restart' (torchrun "
+        "restarts every node's workers, which resume from the newest snapshot) or 'live' (torchrun's "
+        "--rdzv-conf recovery=live: the surviving workers keep their processes and re-form in place; a "
+        "restarted or new worker joins at a step boundary with a peer's state; needs the elastic loop)",
+    )
     lr_policy: LRPolicy = Field(default_factory=lambda: LRPolicy())
     restart_policy: RestartPolicy = Field(default_factory=lambda: RestartPolicy())
     rendezvous: RendezvousOptions = Field(default_factory=lambda: RendezvousOptions())

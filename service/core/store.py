@@ -203,6 +203,8 @@ class ServiceStore:
         }
         puts += [(k.assignment(node, update.job_id), dump(a)) for node, a in stamped.items()]
         deletes = [k.assignment(node, update.job_id) for node in update.unassign]
+        if not update.clear_reports:
+            deletes += [k.report(update.job_id, node) for node in update.clear_report_nodes]
         ok, revision = self.client.commit(
             puts,
             deletes,

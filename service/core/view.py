@@ -68,6 +68,7 @@ class JobUpdate:
     assign: dict[str, Assignment] = field(default_factory=dict)
     unassign: list[str] = field(default_factory=list)
     clear_reports: bool = False
+    clear_report_nodes: list[str] = field(default_factory=list)  # delete these nodes' reports of the job
     purge: bool = False  # delete the job with its status, events, reports and progress (retention over)
 
 

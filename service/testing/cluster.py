@@ -84,9 +84,12 @@ class LocalServiceCluster:
     def logs(self) -> Path:
         return self.workdir / "logs"
 
-    def _spawn(self, name: str, args: Sequence[str], prefix: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, args: Sequence[str], prefix: Sequence[str] = (), extra_env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         # the caller's own service settings (ETRAIN_*: server, token, prefix ...) must not leak in
         env = {k: v for k, v in os.environ.items() if not k.startswith(worker_env.PREFIX)}
+        env.update(extra_env or {})
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         compat.disable_shared_rdzv_store(env, override=True)
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -130,12 +133,14 @@ class LocalServiceCluster:
                 "--lease-ttl", str(self.lease_ttl)]  # fmt: skip
         if nproc_per_node is not None:
             args += ["--nproc-per-node", str(nproc_per_node)]
+        # inherited by torchrun and its workers: elastic/testing/train_worker.py records it ("agent") with each step
+        env = {"TEST_AGENT_NAME": name}
         if self.network is None:
-            self.agents[name] = self._spawn(name, [*args, "--rdzv-host", "127.0.0.1"])
+            self.agents[name] = self._spawn(name, [*args, "--rdzv-host", "127.0.0.1"], extra_env=env)
             return
         node = self.network.nodes[name]
         args += ["--rdzv-host", node.address, "--socket-ifname", node.ifname]
-        self.agents[name] = self._spawn(name, args, prefix=self.network.node_prefix(name))
+        self.agents[name] = self._spawn(name, args, prefix=self.network.node_prefix(name), extra_env=env)
 
     def kill_agent(self, name: str) -> None:
         proc = self.agents[name]

@@ -2,9 +2,18 @@
 checkpoints, the API's view of the job over time). Each returns a list of violations (empty: passed).
 
 Records are the JSON lines ``elastic/testing/train_worker.py`` writes per rank and committed step
-(``step, epoch, rank, world, lr, indices, restart, t, attempt``); an *attempt* is one worker group (one
-rendezvous round). After a failure the group resumes from a snapshot, so steps after it are done again:
-the *effective* trajectory keeps, for each step, the records of the last attempt that committed it.
+(``step, epoch, rank, world, lr, indices, restart, t, attempt, gen, late, pid, agent, digest``); an
+*attempt* is one worker group (one rendezvous round). After a failure the group resumes from a snapshot, so
+steps after it are done again: the *effective* trajectory keeps, for each step, the records of the last
+attempt that committed it.
+
+In live recovery (``recovery: live``) an attempt is one generation of the workers' own group (``gen<N>``,
+made unique per job generation by :func:`label_live_attempts`): a re-form continues from the newest step
+any member applied, so nothing is done twice and each step has one record set, by one generation. A step
+that a generation applied when a member failed is recorded after the re-form, with ``late`` true, by the
+survivors for themselves and for the dead (its rank in that step, the survivor's pid); such records
+complete the step's world but say nothing of the recording process (its pid, its digest then). Only a
+generation *founded* anew (no live member left: the restart path) resumes from storage and re-does steps.
 """
 
 from __future__ import annotations
@@ -80,13 +89,15 @@ def check_exactly_once(records: list[Record], samples: int, epochs: int, steps_p
     return problems
 
 
-def check_replicas_identical(rec: Path) -> list[str]:
-    """Every rank of the attempt that finished wrote the same final parameters."""
+def check_replicas_identical(rec: Path, live: bool = False) -> list[str]:
+    """Every rank of the attempt that finished wrote the same final parameters. ``live``: the attempt is the
+    live group's generation (``gen``; each node's torchrun round is a world of its own there)."""
     finals = {int(p.name.split(".")[1][4:]): json.loads(p.read_text()) for p in rec.glob("final.rank*.json")}
     if 0 not in finals:
         return ["rank 0 wrote no final state"]
-    attempt, world = finals[0]["attempt"], finals[0]["world"]
-    ranks = sorted(r for r, f in finals.items() if f["attempt"] == attempt)
+    field = "gen" if live else "attempt"
+    attempt, world = finals[0][field], finals[0]["world"]
+    ranks = sorted(r for r, f in finals.items() if f[field] == attempt)
     if ranks != list(range(world)):
         return [f"final state of ranks {ranks} only, for a world of {world}"]
     ref = torch.load(rec / "final_params.rank0.pt")
@@ -103,13 +114,14 @@ def check_resumed_snapshots_verify(
     checkpoint_url: str,
     storage_options: Mapping[str, Any] | None = None,
     skip: Iterable[int] = (),
+    live: bool = False,
 ) -> tuple[list[str], int]:
     """Every snapshot an attempt resumed from still verifies (checksums) and holds that step: what was
     loaded was a complete, committed snapshot, never a torn one. Returns the problems and how many
     resume points were checked. Attempts that resumed from a node-local snapshot are not re-checked here
     (keep_last=1 has replaced it since); the worker verified its sha256 on load, and a wrong state would
     fail the exactly-once and identical-replica checks."""
-    points = sorted(set(durable_resume_points(records)) - set(skip))
+    points = sorted(set(durable_resume_points(records, live)) - set(skip))
     problems: list[str] = []
     manager = create_checkpoint_manager(checkpoint_url, CheckpointOptions(storage_options=dict(storage_options or {})))
     try:
@@ -120,16 +132,155 @@ def check_resumed_snapshots_verify(
     return problems, len(points)
 
 
-def durable_resume_points(records: Iterable[Record]) -> dict[int, str]:
+def durable_resume_points(records: Iterable[Record], live: bool = False) -> dict[int, str]:
     """The steps attempts resumed from out of the durable store (step -> the first such attempt); not those
-    that started fresh or resumed from a node-local snapshot."""
+    that started fresh or resumed from a node-local snapshot. ``live``: only founded generations
+    (:func:`founded_attempts`) resumed from storage; a re-formed one continued from its members' state."""
     records = list(records)
     local = {r["attempt"] for r in records if r.get("resumed_from") == "node-local"}
+    founded = founded_attempts(records) if live else None
     out: dict[int, str] = {}
     for attempt, step in resume_points(records).items():
-        if step > 0 and attempt not in local:
+        if step > 0 and attempt not in local and (founded is None or attempt in founded):
             out.setdefault(step, attempt)
     return out
+
+
+# -- live recovery -----------------------------------------------------------------------------------------
+def _proc(r: Record) -> tuple[Any, int]:
+    """One worker process: its node (the agent's name) and pid."""
+    return r.get("agent"), r["pid"]
+
+
+def label_live_attempts(records: list[Record], generation_starts: Iterable[tuple[float, int]]) -> list[Record]:
+    """Live recovery: the records with ``attempt`` ``g<G>.gen<N>``, G the job generation the recording process
+    ran in. Each job generation is a torchrun run of its own (run id ``<job>-g<G>``) whose live group numbers
+    its generations from 1 again, so ``gen<N>`` alone may name two groups. ``generation_starts``: ``(unix
+    time, G)`` of each job generation's start; a process belongs to the newest one started before its first
+    record. Records are copied, not changed."""
+    starts = sorted(generation_starts)
+    first: dict[tuple[Any, int], float] = {}
+    for r in records:
+        key = _proc(r)
+        first[key] = min(first.get(key, r["t"]), r["t"])
+
+    def generation(t: float) -> int:
+        return max((g for at, g in starts if at <= t), default=starts[0][1] if starts else 1)
+
+    return [{**r, "attempt": f"g{generation(first[_proc(r)])}.{r['attempt']}"} for r in records]
+
+
+def founded_attempts(records: Iterable[Record]) -> set[str]:
+    """Live recovery: the generations founded anew (from storage, or a fresh start): none of their worker
+    processes recorded a step in an earlier generation. A re-formed one keeps at least one survivor."""
+    first_attempt: dict[tuple[Any, int], tuple[float, str]] = {}
+    members: dict[str, set[tuple[Any, int]]] = defaultdict(set)
+    for r in records:
+        if r.get("late"):
+            continue  # a survivor may record for the dead: its pid says nothing of that step's group
+        key = _proc(r)
+        members[r["attempt"]].add(key)
+        if key not in first_attempt or r["t"] < first_attempt[key][0]:
+            first_attempt[key] = (r["t"], r["attempt"])
+    return {a for a, procs in members.items() if all(first_attempt[p][1] == a for p in procs)}
+
+
+def check_step_digests(records: Iterable[Record]) -> list[str]:
+    """After every step, every replica of the group that committed it holds the same parameters and optimizer
+    state (the records' ``digest``); late records are left out (written after a re-form, for an earlier
+    step)."""
+    records = list(records)
+    groups: dict[tuple[int, str], dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        if not r.get("late") and r.get("digest") is not None:
+            groups[(r["step"], r["attempt"])][r["digest"]].append(r["rank"])
+    problems = []
+    for (step, attempt), digests in sorted(groups.items()):
+        if len(digests) > 1:
+            which = ", ".join(f"ranks {sorted(ranks)} {d}" for d, ranks in sorted(digests.items()))
+            problems.append(f"step {step} ({attempt}): replicas differ: {which}")
+    missing = sum(1 for r in records if not r.get("late") and r.get("digest") is None)
+    if missing:
+        problems.append(f"{missing} records carry no digest")
+    return problems
+
+
+def check_reforms_redo_nothing(records: Iterable[Record]) -> list[str]:
+    """Live recovery: a re-formed generation continues from the newest step any member applied, so it commits
+    no step an earlier generation committed; only a founded one (:func:`founded_attempts`, resumed from
+    storage) may re-do steps."""
+    records = list(records)
+    founded = founded_attempts(records)
+    first_t: dict[tuple[int, str], float] = {}
+    for r in records:
+        key = (r["step"], r["attempt"])
+        first_t[key] = min(first_t.get(key, r["t"]), r["t"])
+    by_step: dict[int, list[tuple[float, str]]] = defaultdict(list)
+    for (step, attempt), t in first_t.items():
+        by_step[step].append((t, attempt))
+    bad: dict[str, list[int]] = defaultdict(list)
+    for step, attempts in by_step.items():
+        for _, attempt in sorted(attempts)[1:]:
+            if attempt not in founded:
+                bad[attempt].append(step)
+    return [f"{attempt}, a re-formed generation, committed again {len(steps)} steps an earlier one had committed:"
+            f" {sorted(steps)[:10]}" for attempt, steps in sorted(bad.items())]  # fmt: skip
+
+
+def redone_steps(records: Iterable[Record]) -> set[int]:
+    """Steps committed by more than one attempt (re-done after a resume from a snapshot)."""
+    by_step: dict[int, set[str]] = defaultdict(set)
+    for r in records:
+        by_step[r["step"]].add(r["attempt"])
+    return {s for s, attempts in by_step.items() if len(attempts) > 1}
+
+
+def worker_processes(records: Iterable[Record]) -> dict[Any, list[tuple[float, float, int]]]:
+    """Per node (the records' ``agent``), its worker processes as ``(first, last record time, pid)``, in the
+    order they started; late records left out."""
+    span: dict[tuple[Any, int], list[float]] = {}
+    for r in records:
+        if r.get("late"):
+            continue
+        key = _proc(r)
+        if key in span:
+            span[key][0] = min(span[key][0], r["t"])
+            span[key][1] = max(span[key][1], r["t"])
+        else:
+            span[key] = [r["t"], r["t"]]
+    out: dict[Any, list[tuple[float, float, int]]] = defaultdict(list)
+    for (node, pid), (a, b) in span.items():
+        out[node].append((a, b, pid))
+    return {node: sorted(procs) for node, procs in out.items()}
+
+
+def check_undisturbed_workers_kept(
+    records: Iterable[Record], disturbances: Iterable[tuple[float, str | None, str]], sibling_s: float = 1.0
+) -> list[str]:
+    """Live recovery: a node's worker processes are replaced only after a fault on that node. Each worker
+    process that started on a node after the node's first ones must have a disturbance of that node
+    (``(unix time, node, what)``; node ``"*"``: every node, for what may restart any; None: no node, named
+    in the problems only) after the start of the process it replaced (the newest one on the node that started
+    over ``sibling_s`` before it: workers of one torchrun start together) and before its own first record. A
+    re-form elsewhere must leave it alone."""
+    marks = sorted(disturbances, key=lambda d: d[0])
+    procs_by_node = worker_processes(records)
+    if None in procs_by_node:
+        return ["the records name no node (TEST_AGENT_NAME unset): cannot tell whose workers were replaced"]
+    problems = []
+    for node, procs in sorted(procs_by_node.items()):
+        starts = [first for first, _, _ in procs]
+        for first, _, pid in procs:
+            before = [s for s in starts if s < first - sibling_s]
+            if not before:
+                continue  # the node's first workers
+            since = before[-1]
+            if not any(since < at <= first and who in ("*", node) for at, who, _ in marks):
+                near = [what for at, _, what in marks if since < at <= first]
+                problems.append(f"worker {pid} on {node} started at {first:.1f}, replacing one started at "
+                                f"{since:.1f}, with no fault on {node} in between (faults then: "
+                                f"{'; '.join(near) or 'none'})")  # fmt: skip
+    return problems
 
 
 def verify_snapshot(manager: Any, step: int, what: str) -> list[str]:
@@ -143,7 +294,9 @@ def verify_snapshot(manager: Any, step: int, what: str) -> list[str]:
     return []
 
 
-def training_impact(records: list[Record], began: float, until: float, lookback: float = 30.0) -> dict[str, Any]:
+def training_impact(
+    records: list[Record], began: float, until: float, lookback: float = 30.0, live: bool = False
+) -> dict[str, Any]:
     """What a disturbance that began at ``began`` cost the training job up to ``until`` (unix times; the
     caller gives the end of the disturbance plus a margin, or when the job had settled after it, whichever
     is later), from its records:
@@ -155,6 +308,11 @@ def training_impact(records: list[Record], began: float, until: float, lookback:
       first step after ``until`` than that many steps take at the pace of the ``lookback`` seconds before
       (``step_s``: their time over their number, saves included); ``window_s`` that time, ``lost_pct`` the
       share of it that was lost. None where too few steps surround the window.
+
+    ``live``: a re-formed generation is no restart (its survivors keep their processes, nothing is done
+    twice): ``reforms`` counts the generations that began in the window, ``new_groups`` the nodes where new
+    worker processes began in it (a torchrun that started its workers again), ``restarted`` either of those
+    or steps done twice (a generation founded from storage).
     """
     first_t: dict[str, float] = {}
     first_step: dict[str, int] = {}
@@ -170,6 +328,10 @@ def training_impact(records: list[Record], began: float, until: float, lookback:
         redone += max(0, before - (first_step[a] - 1))
     out: dict[str, Any] = {"restarted": bool(new), "new_groups": len(new), "redone_steps": redone,
                            "lost_s": None, "window_s": None, "lost_pct": None, "step_s": None}  # fmt: skip
+    if live:
+        started = {node for node, procs in worker_processes(records).items()
+                   if any(began <= first <= until for first, _, _ in procs[1:])}  # fmt: skip
+        out.update(reforms=len(new), new_groups=len(started), restarted=bool(started or redone))
     # rank 0 of the effective trajectory: when each step was (last) committed, and by which group
     eff = {step: next((r for r in rs if r["rank"] == 0), rs[0]) for step, rs in effective(records).items()}
     steps = sorted(eff)

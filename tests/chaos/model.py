@@ -29,6 +29,8 @@ class FaultKind(str, Enum):
     TWO_JOBS = "two_jobs"
 
 
+RECOVERY_MODES = ("restart", "live")
+
 #: kinds that need the job steady on every node first (nothing pending, no node disturbed), so that what
 #: follows them can be attributed to them; the runner measures their impact on training
 QUIET_KINDS = (FaultKind.ETCD_OUTAGE, FaultKind.STORAGE_OUTAGE, FaultKind.TWO_JOBS)
@@ -53,6 +55,16 @@ class ChaosConfig:
     settle_timeout: timedelta = timedelta(seconds=240)
     outage_s: float = 10.0  # length of an etcd_outage and of a storage_outage
     s3_keep_last: int = 6  # the job's keep_last on S3 (each commit reads every kept manifest, see runner)
+    recovery: str = "restart"  # the job spec's recovery: "restart" or "live" (RECOVERY_MODES)
+
+    def __post_init__(self) -> None:
+        if self.recovery not in RECOVERY_MODES:
+            raise ValueError(f"recovery must be one of {', '.join(RECOVERY_MODES)}, not {self.recovery!r}")
+
+    @property
+    def live(self) -> bool:
+        """The job runs in live recovery: its workers re-form in place, the runner checks what that promises."""
+        return self.recovery == "live"
 
     @property
     def on_s3(self) -> bool:
@@ -131,6 +143,11 @@ class ChaosReport:
     stalls: list[str] = field(default_factory=list)
     network: str = "loopback"  # or "netns: <hub namespace>"
     partitions_left_out: str = ""  # why network partitions were not injected (empty: they could be)
+    recovery: str = "restart"  # the job's recovery mode
+    redone_steps: int = 0  # steps committed by more than one attempt (re-done after a resume from a snapshot)
+    reforms: int = 0  # live: generations of the workers' group re-formed in place (survivors kept)
+    founded: int = 0  # live: generations founded anew (the first, and any resumed from storage)
+    worker_processes: int = 0  # live: worker processes that recorded steps, over every node
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "passed": self.passed}
@@ -160,6 +177,10 @@ class ChaosReport:
             f" {self.config['steps_between']} steps past the fault]",
         ]
         lines.insert(1, f"network: {self.network}")
+        if self.recovery == "live":
+            lines.insert(2, f"live recovery: {self.reforms} re-forms in place, {self.founded} generations founded"
+                            f" (the first and any resumed from storage), {self.worker_processes} worker processes,"
+                            f" {self.redone_steps} steps done twice")  # fmt: skip
         if self.partitions_left_out:
             lines.insert(2, f"network partitions left out: {self.partitions_left_out}")
         for kind, settle in sorted(by_kind.items()):
@@ -187,9 +208,12 @@ def describe_impact(impact: dict[str, Any]) -> str:
     """One line of :func:`tests.chaos.checks.training_impact`'s measures."""
     gen = impact.get("generation_delta")
     restart = "yes" if impact.get("restarted") else "no"
-    parts = [f"restart {restart} ({impact.get('new_groups', 0)} new worker groups"
+    groups = "nodes with new worker processes" if "reforms" in impact else "new worker groups"
+    parts = [f"restart {restart} ({impact.get('new_groups', 0)} {groups}"
              + (f", generation +{gen})" if gen is not None else ")"),
              f"{impact.get('redone_steps', 0)} steps done twice"]  # fmt: skip
+    if "reforms" in impact:
+        parts.insert(1, f"{impact['reforms']} live re-forms")
     lost, window, pct = impact.get("lost_s"), impact.get("window_s"), impact.get("lost_pct")
     if lost is not None and window is not None and pct is not None:
         parts.append(f"time lost {lost:.1f} s = {pct:.1f} % of the steps' time over {window:.1f} s"

@@ -20,6 +20,14 @@ when the last one hit. Faults:
 - ``two_jobs``: a second, malformed job submitted beside the training job (its script fails at once on
   a bad argument); it crash-loops and must end ``failed`` with a ``last_error``.
 
+With ``--recovery live`` the job runs in live recovery (the job spec's ``recovery: live``): its workers form
+their own group and re-form it in place. The pass conditions then read the records as one set per step, by
+one generation of that group (late records, written after a re-form for the step a member died in, count
+as the step's), and add: the workers of a node no fault touched keep their processes through every fault
+(the records' pid and node), every replica holds the same state after every step (the records' digest),
+and no re-formed generation re-does a step. The impact of the quiet kinds counts re-forms apart from
+restarts (new worker processes, steps done twice).
+
 The last three wait for a steady job (nothing pending, no node disturbed, a worker group on every node),
 and the runner measures what they cost the training job (``impact``: new worker groups, steps done twice,
 time lost against the pace before; ``checks.training_impact``). With ``storage_outage`` among the kinds
@@ -45,7 +53,8 @@ the training job starts no new worker group and no new generation. The run stops
 ``time_limit`` at the latest, everything is torn down (processes, and namespaces with their links, also on
 Ctrl-C or SIGTERM).
 
-    python -m tests.chaos.runner --faults 50 --seed 1 [--time-limit 2400] [--no-netns] [--json out.json]
+    python -m tests.chaos.runner --faults 50 --seed 1 [--recovery live] [--time-limit 2400] [--no-netns]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -64,7 +74,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -81,18 +91,26 @@ from service.cli.client import ApiClient, ApiError
 from service.testing.cluster import LocalServiceCluster
 from tests.chaos.checks import (
     ApiHistory,
+    Record,
     check_exactly_once,
     check_partitions_dropped_and_rejoined,
+    check_reforms_redo_nothing,
     check_replicas_identical,
     check_resumed_snapshots_verify,
+    check_step_digests,
+    check_undisturbed_workers_kept,
     durable_resume_points,
+    founded_attempts,
+    label_live_attempts,
     read_records,
+    redone_steps,
     resume_points,
     training_impact,
     verify_snapshot,
+    worker_processes,
 )
 from tests.chaos.isolation import run_in_namespaces
-from tests.chaos.model import QUIET_KINDS, ChaosConfig, ChaosReport, Fault, FaultKind
+from tests.chaos.model import QUIET_KINDS, RECOVERY_MODES, ChaosConfig, ChaosReport, Fault, FaultKind
 from tests.chaos.storage import StoreProxy
 from tests.integration.netns import NetnsTopology, unavailable_reason
 from tests.integration.service_harness import ROOT
@@ -136,9 +154,11 @@ class _ResumeVerifier(threading.Thread):
     """Verifies each snapshot a worker group resumed from as soon as the group's first step is recorded: on
     S3 the job keeps few snapshots, and retention removes one a few saves later."""
 
-    def __init__(self, rec: Path, url: str, storage_options: dict[str, Any]) -> None:
+    def __init__(
+        self, records: Callable[[], list[Record]], url: str, storage_options: dict[str, Any], live: bool = False
+    ) -> None:
         super().__init__(daemon=True, name="resume-verifier")
-        self.rec = rec
+        self.records, self.live = records, live
         self.manager = create_checkpoint_manager(url, CheckpointOptions(storage_options=storage_options))
         self.checked: dict[int, list[str]] = {}
         self.stop_event = threading.Event()
@@ -146,7 +166,7 @@ class _ResumeVerifier(threading.Thread):
 
     def check_new(self) -> None:
         with self._lock:
-            for step in sorted(set(durable_resume_points(read_records(self.rec))) - set(self.checked)):
+            for step in sorted(set(durable_resume_points(self.records(), self.live)) - set(self.checked)):
                 self.checked[step] = verify_snapshot(self.manager, step, f"resumed from step {step}: its snapshot")
 
     def run(self) -> None:
@@ -232,6 +252,9 @@ class ChaosRunner:
         self.second_jobs: list[tuple[Fault, str]] = []
         self.second_problems: list[str] = []
         self.rec = workdir / "records"
+        self.history = ApiHistory()
+        # (unix time, node or None, what): what may have replaced a node's workers (live: the pid check)
+        self.disturbances: list[tuple[float, str | None, str]] = []
         self.pending: list[tuple[float, str, Callable[[], None]]] = []  # (due, what, action)
         self.last_action_at = 0.0  # time.time() of the last deferred action (SIGCONT, restart, heal) run
         self.down_agents: set[str] = set()
@@ -269,6 +292,7 @@ class ChaosRunner:
             "max_nodes": c.nodes,
             "rendezvous": {"last_call_timeout": 1},
             "local_snapshot_every": c.local_every,
+            "recovery": c.recovery,
             "restart_policy": {
                 "backoff_initial": 1, "backoff_max": 4, "max_failures": 1000, "max_membership_changes": 100000,
                 "max_worker_restarts": 100, "crash_loop_threshold": 1000, "blacklist_after": 1000,
@@ -294,6 +318,31 @@ class ChaosRunner:
             },
         }  # fmt: skip
 
+    def generation_starts(self) -> list[tuple[float, int]]:
+        """``(unix time, generation)`` of each generation of the job the controller started (its events)."""
+        for _ in range(5):
+            try:
+                events = list(self.history.events.values())  # the poller's thread adds to it
+                break
+            except RuntimeError:
+                continue
+        else:
+            events = []
+        out = []
+        for e in events:
+            m = re.search(r": generation (\d+) on ", e.get("message", "")) if e.get("type") == "state" else None
+            if m:
+                out.append((datetime.fromisoformat(e["time"]).timestamp(), int(m.group(1))))
+        return sorted(out)
+
+    def records(self) -> list[Record]:
+        """The workers' records; in live recovery with each attempt named after its job generation too
+        (``checks.label_live_attempts``)."""
+        records = read_records(self.rec)
+        if self.config.live:
+            records = label_live_attempts(records, self.generation_starts())
+        return records
+
     def max_step(self, after: float = 0.0) -> int:
         return max((r["step"] for r in read_records(self.rec) if r["t"] > after), default=0)
 
@@ -313,6 +362,7 @@ class ChaosRunner:
             if name not in self.down_agents and proc.poll() is not None:
                 logger.warning("chaos: agent %s exited (%s); starting it again", name, proc.returncode)
                 self.report.notes.append(f"agent {name} exited with {proc.returncode} and was restarted")
+                self.disturbances.append((time.time(), name, f"agent {name} exited"))
                 self.down_agents.add(name)
                 self.later(1.0, f"restart agent {name}", functools.partial(self._restart_agent, name))
 
@@ -450,7 +500,7 @@ class ChaosRunner:
         "now": between the old group's last step and the new group's first, the newest records are old."""
         if self.pending or self.down_agents or self.stopped_agents or self.partitioned or self.down_members:
             return False
-        records = read_records(self.rec)
+        records = self.records()
         if not records:
             return False
         newest = max(records, key=lambda r: r["t"])
@@ -618,7 +668,7 @@ class ChaosRunner:
     def run(self) -> ChaosReport:
         c, report = self.config, self.report
         started = time.monotonic()
-        history = ApiHistory()
+        history = self.history
         poller: _Poller | None = None
         try:
             if c.on_s3:
@@ -632,7 +682,8 @@ class ChaosRunner:
             poller = self.poller = _Poller(self.cluster, self.job_id, history)
             poller.start()
             if self.s3 is not None:
-                self.verifier = _ResumeVerifier(self.rec, f"s3://{BUCKET}/main", self.s3.storage_options())
+                self.verifier = _ResumeVerifier(self.records, f"s3://{BUCKET}/main", self.s3.storage_options(),
+                                                c.live)
                 self.verifier.start()
             total = c.epochs * c.steps_per_epoch
             if not self.wait("training to start", lambda: self.max_step() >= c.steps_between, 180):
@@ -658,6 +709,7 @@ class ChaosRunner:
                 at = self.outage_began or at  # a storage outage begins when the upload it waited for does
                 fault = Fault(kind.value, target, at, step_at)
                 report.faults.append(fault)
+                self.disturbances.append((at, fault_node(kind, target), f"{kind.value} on {target}"))
                 logger.info("chaos: fault %d: %s on %s at step %d", len(report.faults), kind.value, target, step_at)
                 if self._settle(fault, kind, total):
                     fault.settle_s = time.time() - at
@@ -706,9 +758,16 @@ class ChaosRunner:
 
     def _check(self, history: ApiHistory, checkpoint_url: str, total: int) -> None:
         c, report = self.config, self.report
-        records = read_records(self.rec)
+        records = self.records()
         report.steps = max((r["step"] for r in records), default=0)
         report.attempts = len({r["attempt"] for r in records})
+        report.recovery = c.recovery
+        report.redone_steps = len(redone_steps(records))
+        if c.live:
+            founded = founded_attempts(records)
+            report.founded = len(founded)
+            report.reforms = report.attempts - len(founded)
+            report.worker_processes = sum(len(procs) for procs in worker_processes(records).values())
         report.resumed_node_local = len({r["attempt"] for r in records if r.get("resumed_from") == "node-local"})
         report.api_polls, report.events = history.polls, len(history.events)
 
@@ -724,14 +783,18 @@ class ChaosRunner:
             if self.verifier is not None:  # on S3: checked as they came, before retention removed them
                 problems, report.resume_points_verified = self.verifier.finish()
                 return problems
-            problems, report.resume_points_verified = check_resumed_snapshots_verify(records, checkpoint_url)
+            problems, report.resume_points_verified = check_resumed_snapshots_verify(records, checkpoint_url,
+                                                                                     live=c.live)
             return problems
 
         def storage_outages() -> list[str]:
             problems = list(self.storage_problems)
             starts = {a: min(r["t"] for r in records if r["attempt"] == a) for a in {r["attempt"] for r in records}}
+            points = resume_points(records)
+            if c.live:  # a re-formed generation continued from its members' state, not from storage
+                points = {a: step for a, step in points.items() if a in founded_attempts(records)}
             for cut, newest in self.storage_cuts:
-                for attempt, step in resume_points(records).items():
+                for attempt, step in points.items():
                     if newest is not None and starts[attempt] > cut and step < newest:
                         problems.append(f"a group resumed from step {step} after the storage outage at"
                                         f" {cut:.1f}, though step {newest} was committed before it")  # fmt: skip
@@ -752,21 +815,27 @@ class ChaosRunner:
         for fault in report.faults:  # the quiet kinds' cost to the training job, from all its records
             if fault.impact is not None and fault.ended is not None:
                 until = max(fault.ended + TAIL_S, fault.at + (fault.settle_s or 0.0))
-                impact = {**training_impact(records, fault.at, until), **fault.impact}
-                impact["restarted"] = bool(impact["new_groups"] or impact.get("generation_delta"))
+                impact = {**training_impact(records, fault.at, until, live=c.live), **fault.impact}
+                restarted = impact["restarted"] if c.live else impact["new_groups"]  # live: re-forms are not
+                impact["restarted"] = bool(restarted or impact.get("generation_delta"))
                 fault.impact = impact
 
         guarded("job completed", lambda: [] if report.job_state == "succeeded" else [f"job {report.job_state}"])
         guarded("training resumed after every fault", lambda: list(report.stalls))
         guarded("every sample exactly once per epoch",
                 lambda: check_exactly_once(records, c.samples, c.epochs, c.steps_per_epoch))  # fmt: skip
-        guarded("replicas identical", lambda: check_replicas_identical(self.rec))
+        guarded("replicas identical", lambda: check_replicas_identical(self.rec, live=c.live))
         guarded("no job record or event lost", lambda: list(history.problems))
         guarded("no torn checkpoint loaded", snapshots)
         if self.storage_cuts:
             guarded("no committed snapshot lost in a storage outage", storage_outages)
         if self.second_jobs or self.second_problems:
             guarded("malformed second job failed, training job unaffected", second_jobs)
+        if c.live:
+            guarded("live: workers of undisturbed nodes kept their processes",
+                    lambda: check_undisturbed_workers_kept(records, self.disturbances))
+            guarded("live: replicas identical after every step", lambda: check_step_digests(records))
+            guarded("live: re-forms re-did no step", lambda: check_reforms_redo_nothing(records))  # fmt: skip
         if self.partitions:
             cuts = [(p.node, p.began, p.healed) for p in self.partitions]
             events = list(history.events.values())
@@ -774,6 +843,23 @@ class ChaosRunner:
                     lambda: check_partitions_dropped_and_rejoined(cuts, events))  # fmt: skip
         logs = [log for log in (self.workdir / "agents").glob("**/*.log") if log.is_file()]
         report.corrupt_warnings = sum(log.read_text(errors="replace").lower().count("corrupt") for log in logs)
+
+
+#: kinds that disturb one node, named in the fault's target ("worker 123 on node-2", "agent node-1", "node node-3
+#: (10.0.0.3) for 4.2 s"); the others touch no node's workers (a live job must keep every worker through them)
+_NODE_TARGET = {
+    **dict.fromkeys((FaultKind.WORKER_KILL, FaultKind.WORKER_STOP, FaultKind.TORCHRUN_KILL, FaultKind.TORCHRUN_STOP),
+                    r" on (\S+)$"),
+    **dict.fromkeys((FaultKind.AGENT_KILL, FaultKind.AGENT_STOP), r"^agent (\S+)$"),
+    FaultKind.NETWORK_PARTITION: r"^node (\S+) ",
+}  # fmt: skip
+
+
+def fault_node(kind: FaultKind, target: str) -> str | None:
+    """The node a fault disturbed (from its target), or None for a fault of no node."""
+    pattern = _NODE_TARGET.get(kind)
+    m = re.search(pattern, target) if pattern else None
+    return m.group(1) if m else None
 
 
 def run_chaos(
@@ -830,6 +916,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=2400, help="seconds; the run stops by itself")
     p.add_argument("--steps-between", type=int, default=10)
     p.add_argument("--local-every", type=int, default=0, help="node-local snapshot every N steps (0: off)")
+    p.add_argument("--recovery", choices=RECOVERY_MODES, default="restart",
+                   help="the job's recovery mode (job spec recovery); live adds the live-only checks")  # fmt: skip
     p.add_argument("--kinds", default=",".join(k.value for k in FaultKind))
     p.add_argument("--no-netns", action="store_true",
                    help="everything on loopback in this namespace; network partitions are left out")  # fmt: skip
@@ -846,7 +934,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ChaosConfig(
         faults=args.faults, seed=args.seed, time_limit=timedelta(seconds=args.time_limit),
         steps_between=args.steps_between, kinds=tuple(FaultKind(k) for k in args.kinds.split(",")),
-        local_every=args.local_every,
+        local_every=args.local_every, recovery=args.recovery,
     )  # fmt: skip
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)

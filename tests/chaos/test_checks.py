@@ -7,15 +7,21 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tests.chaos.checks import (
     ApiHistory,
     check_exactly_once,
     check_partitions_dropped_and_rejoined,
+    check_reforms_redo_nothing,
     check_replicas_identical,
+    check_step_digests,
+    check_undisturbed_workers_kept,
     durable_resume_points,
     effective,
+    founded_attempts,
+    label_live_attempts,
     training_impact,
 )
 
@@ -126,3 +132,107 @@ def test_durable_resume_points_leave_out_fresh_starts_and_node_local_resumes() -
     records += [{**r, "resumed_from": "node-local"} for r in _steps("c", range(11, 14), 3.0, 0.1)]
     records += _steps("d", range(7, 9), 4.0, 0.1)
     assert durable_resume_points(records) == {6: "b"}
+
+
+# -- live recovery -----------------------------------------------------------------------------------------
+def _live(gen: int, steps: range, nodes: list[str], t0: float, pids: dict[str, int]) -> list[dict[str, Any]]:
+    """One live generation on ``nodes`` (rank = position), each node's worker ``pids[node]``."""
+    out = _run(f"gen{gen}", steps, len(nodes), t0)
+    for r in out:
+        node = nodes[r["rank"]]
+        r.update(gen=gen, late=False, pid=pids[node], agent=node, digest=f"d{r['step']}")
+    return out
+
+
+def test_live_a_reform_with_late_records_is_one_record_set_per_step_and_passes() -> None:
+    pids = {"n1": 11, "n2": 12, "n3": 13}
+    # gen1 on three nodes commits 1..2; n3 dies in step 3 after its all-reduce: n1 and n2 record step 3 late for
+    # themselves and for n3's rank 2 (with their own pid), then gen2 on two nodes continues with step 4
+    records = _live(1, range(1, 3), ["n1", "n2", "n3"], 0.0, pids)
+    late = _live(1, range(3, 4), ["n1", "n2", "n3"], 5.0, pids)
+    for r in late:
+        r.update(late=True, digest="after-the-reform")
+        if r["agent"] == "n3":
+            r.update(pid=11, agent="n1")
+    records += late + _live(2, range(4, 6), ["n1", "n2"], 6.0, pids)
+    labelled = label_live_attempts(records, [(-1.0, 1)])
+    assert {r["attempt"] for r in labelled} == {"g1.gen1", "g1.gen2"}
+    assert founded_attempts(labelled) == {"g1.gen1"}  # gen2 kept survivors: a re-form, not a new start
+    assert durable_resume_points(labelled, live=True) == {}  # nothing resumed from storage
+    assert check_step_digests(labelled) == [] and check_reforms_redo_nothing(labelled) == []
+    eff = effective(labelled)
+    assert sorted(r["rank"] for r in eff[3]) == [0, 1, 2] and {r["world"] for r in eff[4]} == {2}
+    assert check_undisturbed_workers_kept(labelled, []) == []  # nobody's process was replaced
+    impact = training_impact(labelled, 4.5, 6.5, live=True)
+    assert (impact["reforms"], impact["new_groups"], impact["redone_steps"], impact["restarted"]) == (1, 0, 0, False)
+
+
+def test_live_replicas_that_differ_after_a_step_are_reported_but_late_records_are_not_compared() -> None:
+    records = _live(1, range(1, 4), ["n1", "n2"], 0.0, {"n1": 1, "n2": 2})
+    records[3]["digest"] = "other"  # step 2, rank 1
+    records[5].update(late=True, digest="whatever")  # step 3, rank 1: late
+    problems = check_step_digests(records)
+    assert len(problems) == 1 and problems[0].startswith("step 2 (gen1): replicas differ")
+
+
+def test_live_a_replaced_worker_needs_a_fault_on_its_own_node() -> None:
+    records = _live(1, range(1, 4), ["n1", "n2", "n3"], 0.0, {"n1": 11, "n2": 12, "n3": 13})
+    # at t=10 gen2 starts with new processes on n2 and n3: only n3 was hit (t=8)
+    records += _live(2, range(4, 6), ["n1", "n2", "n3"], 10.0, {"n1": 11, "n2": 22, "n3": 23})
+    faults = [(8.0, "n3", "worker_kill on worker 13 on n3"), (9.0, None, "controller_restart on controller")]
+    problems = check_undisturbed_workers_kept(records, faults)
+    assert len(problems) == 1 and "worker 22 on n2" in problems[0] and "controller_restart" in problems[0]
+    assert check_undisturbed_workers_kept(records, [*faults, (9.5, "n2", "agent_kill on agent n2")]) == []
+    impact = training_impact(records, 7.0, 12.0, live=True)
+    assert (impact["new_groups"], impact["restarted"]) == (2, True)
+    unnamed = [{**r, "agent": None} for r in records]
+    assert "name no node" in check_undisturbed_workers_kept(unnamed, faults)[0]
+
+
+def test_live_a_founded_generation_may_redo_steps_a_reformed_one_may_not() -> None:
+    pids = {"n1": 1, "n2": 2}
+    records = _live(1, range(1, 6), ["n1", "n2"], 0.0, pids)
+    # every member gone: new processes found gen2 and resume from the snapshot of step 3
+    records += _live(2, range(4, 7), ["n1", "n2"], 10.0, {"n1": 3, "n2": 4})
+    assert founded_attempts(records) == {"gen1", "gen2"} and check_reforms_redo_nothing(records) == []
+    assert durable_resume_points(records, live=True) == {3: "gen2"}
+    # a re-formed generation (a survivor, pid 3) going back to step 5: a bug
+    records += _live(3, range(5, 7), ["n1", "n2"], 20.0, {"n1": 3, "n2": 5})
+    problems = check_reforms_redo_nothing(records)
+    assert len(problems) == 1 and problems[0].startswith("gen3, a re-formed generation") and "[5, 6]" in problems[0]
+
+
+def test_live_generation_numbers_start_again_in_each_job_generation() -> None:
+    # job generation 1's group reached gen2; the job restarted (generation 2): its live group counts from 1 again
+    records = _live(1, range(1, 3), ["n1"], 0.0, {"n1": 1}) + _live(2, range(3, 5), ["n1"], 5.0, {"n1": 1})
+    records += _live(1, range(3, 6), ["n1"], 20.0, {"n1": 2})
+    labelled = label_live_attempts(records, [(-1.0, 1), (15.0, 2)])
+    assert sorted({r["attempt"] for r in labelled}) == ["g1.gen1", "g1.gen2", "g2.gen1"]
+    assert check_exactly_once(labelled, samples=8, epochs=2, steps_per_epoch=2) != []  # 5 steps of 4: not a run
+    assert {s: rs[0]["attempt"] for s, rs in effective(labelled).items()}[3] == "g2.gen1"
+
+
+def test_live_final_replicas_are_grouped_by_the_live_generation(tmp_path: Path) -> None:
+    params = {"w": torch.ones(3)}
+    for rank in range(2):  # each node's torchrun round is a world of its own: "attempt" differs per node
+        torch.save(params, tmp_path / f"final_params.rank{rank}.pt")
+        final = {"attempt": f"node{rank}:29500:1", "gen": 4, "step": 9, "world": 2}
+        (tmp_path / f"final.rank{rank}.json").write_text(json.dumps(final))
+    assert check_replicas_identical(tmp_path, live=True) == []
+    assert check_replicas_identical(tmp_path) == ["final state of ranks [0] only, for a world of 2"]
+
+
+def test_the_node_a_fault_disturbed_is_read_from_its_target_and_live_runs_carry_their_mode() -> None:
+    from tests.chaos.model import ChaosConfig, FaultKind
+    from tests.chaos.runner import fault_node
+
+    assert fault_node(FaultKind.WORKER_KILL, "worker 4242 on node-2") == "node-2"
+    assert fault_node(FaultKind.TORCHRUN_STOP, "torchrun 17 on node-3") == "node-3"
+    assert fault_node(FaultKind.AGENT_STOP, "agent node-1") == "node-1"
+    assert fault_node(FaultKind.NETWORK_PARTITION, "node node-3 (10.77.0.4) for 4.2 s") == "node-3"
+    assert fault_node(FaultKind.CONTROLLER_RESTART, "controller") is None
+    assert fault_node(FaultKind.ETCD_MEMBER_LOSS, "etcd member 1") is None
+    config = ChaosConfig(recovery="live")
+    assert config.live and ChaosConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match="recovery"):
+        ChaosConfig(recovery="inplace")

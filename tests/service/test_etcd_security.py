@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd import EtcdClient, EtcdConfig, EtcdError, create_client
+from elastic.live.membership import LiveMembership, LiveSettings, new_worker_id
+from elastic.live.protocol import LiveKeys
 from elastic.rendezvous.etcd_v3_handler import EtcdV3RendezvousHandler, HandlerSettings
 from elastic.rendezvous.protocol import RendezvousKeys, RoundRules
 from elastic.testing.etcd_server import find_etcd_binary, free_port
@@ -339,6 +341,16 @@ def test_a_jobs_etcd_user_reaches_its_own_rendezvous_and_progress_but_nothing_of
             assert handler.next_rendezvous().world_size == 1
         finally:
             handler.release()
+        # live recovery (recovery: live): the workers' own group under <key_prefix>/<run id>/live/, with the
+        # job's credentials (ETRAIN_ETCD_*): registration on a lease, the generation's transaction, its end
+        live_keys = LiveKeys(RendezvousKeys.of(keys.rdzv, "job-a1-g3").live)
+        settings = LiveSettings(1, 1, last_call=timedelta(seconds=0.1), join_timeout=timedelta(seconds=20))
+        member = LiveMembership(job, live_keys, new_worker_id("n1", 0), settings, node="n1")
+        try:
+            assert member.join().members == (member.wid,)
+            member.finish()
+        finally:
+            member.close()
         job.put(keys.progress_of("job-a1"), b'{"step": 1, "world_size": 1, "time": 0}')
         assert job.get(keys.progress_of("job-a1"))[0] is not None
         # refused: the control plane's keys and the other job's

@@ -108,7 +108,8 @@ def test_a_jobs_role_covers_the_rendezvous_of_its_generations_and_its_progress_k
     assert rdzv.prefix and rdzv.perm == "readwrite"
     for generation in (1, 2, 17):  # where the etcd-v3 backend keeps the run that the agent names
         layout = RendezvousKeys.of(keys.rdzv, f"j-1a2b-g{generation}")
-        assert all(k.startswith(rdzv.key) for k in (layout.base, layout.assign(3), layout.store, layout.closed))
+        assert all(k.startswith(rdzv.key) for k in (layout.base, layout.assign(3), layout.store, layout.closed,
+                                                      layout.live + "gen"))  # live recovery's group
     for other in ("/etrain.rdzv/j-1a2bc-g1/rdzv/state", "/etrain.rdzv/j-1a2-g1/rdzv/state", "/etrain/progress/j-1a2bc"):
         assert not other.startswith(rdzv.key) and other != progress.key
 

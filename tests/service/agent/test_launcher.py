@@ -13,11 +13,15 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic.env import WorkerEnv
+from elastic.env import LIVE_PREFIX, WorkerEnv
 from elastic.etcd import MemoryEtcdClient
 from elastic.lr import LRPolicy, LRRule
 from elastic.proctree import alive, process_stat
+from elastic.rendezvous.plugin import live_worker_environ, recovery_mode
+from elastic.rendezvous.protocol import RendezvousKeys
 from service.agent.launcher import (
     JobIdentityError,
     TorchrunProcess,
@@ -30,7 +34,7 @@ from service.agent.launcher import (
 )
 from service.agent.node import NodeAgent
 from service.core.config import AgentSettings, EtcdOptions
-from service.core.models import Assignment, JobSpec, WorkerReport
+from service.core.models import Assignment, JobSpec, RecoveryMode, WorkerReport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,6 +101,33 @@ def test_rdzv_conf_carries_timeouts_prefix_tls_and_a_users_password_file_but_nev
     )
     assert (conf["user"], conf["password_file"]) == ("u", str(Path("pw").resolve()))
     assert "password" not in conf and "s3cret" not in text
+
+
+def test_the_spec_recovery_field_defaults_to_restart_and_refuses_other_modes() -> None:
+    assert _assignment().spec.recovery is RecoveryMode.RESTART
+    live = _assignment(recovery="live").spec
+    assert live.recovery is RecoveryMode.LIVE and live.recovery == "live"
+    assert JobSpec.model_validate_json(live.model_dump_json()) == live  # stored and read back (etcd, assignments)
+    assert '"recovery":"live"' in live.model_dump_json()
+    with pytest.raises(ValidationError, match="recovery"):
+        _assignment(recovery="inplace")
+    assert "'live'" in (JobSpec.model_fields["recovery"].description or "")
+
+
+def test_rdzv_conf_asks_torchrun_for_live_recovery_only_when_the_spec_does() -> None:
+    restart = rdzv_conf(_assignment(recovery="restart"), EtcdOptions("e:1"), "/etrain.rdzv")
+    assert "recovery" not in restart  # the stock rendezvous, as before the field existed
+    live = rdzv_conf(_assignment(recovery="live"), EtcdOptions("e:1"), "/etrain.rdzv")
+    conf = dict(kv.split("=", 1) for kv in live.split(","))
+    assert conf["recovery"] == "live" and conf["key_prefix"] == "/etrain.rdzv"
+    # what torchrun's etcd-v3 plugin makes of it: the workers' live group under the generation's run
+    a = _assignment(recovery="live")
+    params = RendezvousParameters("etcd-v3", "e:1", a.rdzv_id, 2, 3, **conf)
+    assert recovery_mode(params) == "live"
+    # the service sets ETRAIN_ETCD_ENDPOINTS (the job's own connection): the plugin keeps it
+    exported = live_worker_environ(params, RendezvousKeys.of(conf["key_prefix"], a.rdzv_id),
+                                   {"ETRAIN_ETCD_ENDPOINTS": "e:1"})  # fmt: skip
+    assert exported[LIVE_PREFIX] == "/etrain.rdzv/j-abc-g4/live/" and "ETRAIN_ETCD_ENDPOINTS" not in exported
 
 
 # -- the job's own etcd identity ---------------------------------------------------------------------

@@ -111,12 +111,18 @@ def agent(client: MemoryEtcdClient, launcher: FakeLauncher, tmp_path: Path) -> I
     made.shutdown()
 
 
-def _a(tmp_path: Path, job_id: str = "job-1", generation: int = 1, **spec: object) -> Assignment:
+# one placement of a job on the node: the controller writes an assignment anew only to place the node again
+ASSIGNED = datetime.now(timezone.utc)
+
+
+def _a(
+    tmp_path: Path, job_id: str = "job-1", generation: int = 1, assigned_at: datetime = ASSIGNED, **spec: object
+) -> Assignment:
     return Assignment(
         job_id=job_id,
         generation=generation,
         spec=JobSpec(name="job", entrypoint="train.py", working_dir=str(tmp_path), **spec),  # type: ignore[arg-type]
-        assigned_at=datetime.now(timezone.utc),
+        assigned_at=assigned_at,
     )
 
 
@@ -176,6 +182,21 @@ def test_an_exited_generation_is_reported_and_not_started_again_until_a_new_gene
     assert report is not None and (report.state, report.exit_code, report.error) == ("exited", 3, "Traceback: boom")
     agent.sync({"job-1": _a(tmp_path, generation=2)})
     assert launcher.started == [("job-1", 1), ("job-1", 2)]
+
+
+def test_a_node_placed_again_in_the_same_generation_starts_its_exited_torchrun_again(
+    agent: NodeAgent, launcher: FakeLauncher, tmp_path: Path
+) -> None:
+    # live recovery: the controller drops a node whose torchrun was killed and places it again later, in the
+    # same generation, maybe before this agent saw the assignment vanish
+    agent.sync({"job-1": _a(tmp_path)})
+    launcher.processes[0].exit_code = -9
+    agent.sync({"job-1": _a(tmp_path)})
+    assert launcher.started == [("job-1", 1)]
+    agent.sync({"job-1": _a(tmp_path, assigned_at=ASSIGNED + timedelta(seconds=30))})
+    assert launcher.started == [("job-1", 1), ("job-1", 1)] and agent.running_jobs() == {"job-1": 1001}
+    report = _report(agent)
+    assert report is not None and (report.state, report.generation, report.pid) == ("running", 1, 1001)
 
 
 def test_a_successful_exit_is_reported_without_the_log_tail(

@@ -76,6 +76,8 @@ class _Cluster:
                 self.assignments.get(node, {}).pop(u.job_id, None)
             if u.clear_reports:
                 self.reports.pop(u.job_id, None)
+            for node in u.clear_report_nodes:
+                self.reports.get(u.job_id, {}).pop(node, None)
             self.events += [(u.job_id, ev.type) for ev in u.events]
         for node, job_id in plan.orphans:
             self.assignments[node].pop(job_id)
@@ -461,3 +463,91 @@ def test_world_size_history_keeps_the_newest_changes_up_to_its_limit() -> None:
     history = c.status("j1").world_size_history
     assert len(history) == CFG.history_limit
     assert history[-1].at == _s(CFG.history_limit + 30)  # the last report (its time: 1 + i)
+
+
+# -- live recovery (recovery: live) -------------------------------------------------------------------
+def _live_job(c: _Cluster, **policy: Any) -> None:
+    c.add_nodes("a", "b", "c")
+    c.add_job("j1", _spec(min_nodes=1, recovery="live", restart_policy={"backoff_initial": 4, **policy}))
+    c.tick(_s(1))
+    c.progress_at("j1", _s(2), step=5, world=3, nodes=["a", "b", "c"])
+    c.tick(_s(2))
+
+
+def test_live_a_world_change_without_a_new_generation_is_history_not_a_failure() -> None:
+    # the live group re-formed (a worker died and its torchrun restarted it): only the world size changes
+    c = _Cluster()
+    _live_job(c)
+    c.progress_at("j1", _s(3), step=6, world=2, nodes=["a", "b"])
+    c.tick(_s(3))
+    c.progress_at("j1", _s(4), step=9, world=3, nodes=["a", "b", "c"])
+    c.tick(_s(4))
+    st = c.status("j1")
+    assert st.state == JobState.RUNNING and st.generation == 1 and st.restarts.failure == 0
+    assert [h.world_size for h in st.world_size_history] == [3, 2, 3]
+    assert c.assigned("j1") == {"a": 1, "b": 1, "c": 1}
+
+
+def test_live_a_killed_torchrun_drops_its_node_alone_and_the_node_comes_back_in_the_same_generation() -> None:
+    c = _Cluster()
+    _live_job(c)
+    c.report("j1", "a", "running")
+    c.report("j1", "b", "running")
+    c.report("j1", "c", "exited", -9, at=_s(3))  # SIGKILL: its run stays open, the others train on
+    c.tick(_s(3))
+    assert c.status("j1").state == JobState.RUNNING  # settling: do the others fail too?
+    c.tick(_s(5))
+    st = c.status("j1")
+    assert st.state == JobState.RECOVERING and st.generation == 1 and st.nodes == ["a", "b"]
+    assert st.restarts.failure == 1 and st.backoff_until is None and "live recovery" in st.message
+    assert c.assigned("j1") == {"a": 1, "b": 1}  # the survivors' torchruns are left alone
+    assert "c" not in c.reports["j1"]  # the stale failure must not count again once c is back
+    assert ("j1", "workers_failed") in c.events
+    c.progress_at("j1", _s(6), step=8, world=2, nodes=["a", "b"])
+    c.tick(_s(6))
+    c.tick(_s(7))  # running again: grows back onto c, same generation (its worker joins the live group)
+    st = c.status("j1")
+    assert st.generation == 1 and st.nodes == ["a", "b", "c"] and c.assigned("j1") == {"a": 1, "b": 1, "c": 1}
+    assert ("j1", "node_joined") in c.events
+
+
+def test_live_a_torchrun_that_exited_by_itself_restarts_the_job_in_a_new_generation() -> None:
+    # past --max-restarts torchrun closes the generation's rendezvous: no node can join it again
+    c = _Cluster()
+    _live_job(c)
+    c.report("j1", "c", "exited", 1, at=_s(3))
+    c.tick(_s(3))
+    c.tick(_s(5))
+    st = c.status("j1")
+    assert st.state == JobState.RECOVERING and st.nodes == [] and c.assigned("j1") == {}
+    assert st.backoff_until == _s(9)
+    c.tick(_s(9))
+    assert c.status("j1").generation == 2 and c.assigned("j1") == {"a": 2, "b": 2, "c": 2}
+
+
+def test_live_a_failure_everywhere_or_below_min_nodes_restarts_the_job() -> None:
+    c = _Cluster()
+    _live_job(c)
+    for node in ("a", "b", "c"):
+        c.report("j1", node, "exited", -9, at=_s(3))
+    c.tick(_s(3))
+    assert c.status("j1").nodes == [] and c.assigned("j1") == {}
+    c = _Cluster()
+    c.add_nodes("a", "b")
+    c.add_job("j1", _spec(min_nodes=2, max_nodes=2, recovery="live"))
+    c.tick(_s(1))
+    c.report("j1", "b", "exited", -9, at=_s(2))
+    c.tick(_s(2))
+    c.tick(_s(5))
+    assert c.status("j1").nodes == [] and c.assigned("j1") == {}  # one node left, min_nodes=2
+
+
+def test_restart_mode_a_killed_torchrun_still_restarts_every_node() -> None:
+    c = _Cluster()
+    c.add_nodes("a", "b", "c")
+    c.add_job("j1", _spec(min_nodes=1))
+    c.tick(_s(1))
+    c.report("j1", "c", "exited", -9, at=_s(3))
+    c.tick(_s(3))
+    c.tick(_s(5))
+    assert c.status("j1").nodes == [] and c.assigned("j1") == {}

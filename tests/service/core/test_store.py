@@ -198,6 +198,20 @@ def test_apply_unassigns_nodes_and_clears_the_jobs_reports(store: ServiceStore) 
     assert view.assignments == {} and list(view.reports) == ["j-10"]
 
 
+def test_apply_deletes_the_reports_of_the_nodes_it_names_only(store: ServiceStore) -> None:
+    _create(store, "j-1")
+    fence = _fence(store)
+    store.apply(_running(store, "j-1"), fence)
+    store.put_report(WorkerReport(job_id="j-1", node="n1", generation=1, state="exited", exit_code=-9))
+    store.put_report(WorkerReport(job_id="j-1", node="n2", generation=1, state="running"))
+    entry = store.get_job("j-1")
+    assert entry is not None
+    update = JobUpdate("j-1", entry.status_revision, None, unassign=["n1"], clear_report_nodes=["n1"])
+    assert store.apply(update, fence) is True
+    view = store.read_view()
+    assert view.assignments == {} and list(view.reports["j-1"]) == ["n2"]
+
+
 def test_apply_plan_counts_refusals_and_deletes_orphaned_assignments(store: ServiceStore) -> None:
     _create(store, "a")
     _create(store, "b")
