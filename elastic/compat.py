@@ -208,19 +208,6 @@ def destroy_process_group(group: Any = None) -> None:
     dist.destroy_process_group(group)
 
 
-def ddp_without_forward_buffer_sync() -> dict[str, Any]:
-    """``DistributedDataParallel`` keyword arguments that keep buffers from being broadcast in each forward
-    (still synced once at construction): ``forward_sync_buffers=False`` where torch has it (it deprecated
-    ``broadcast_buffers`` in 2.13), else ``broadcast_buffers=False``."""
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
-
-
 def abort_process_group() -> bool:
     """Abort the default process group without waiting for its collectives: NCCL's communicators are
     aborted (``torch.distributed.distributed_c10d._abort_process_group``, torch >= 2.6, else the backend's

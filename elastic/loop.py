@@ -69,6 +69,7 @@ from elastic.checkpoint import PreemptionWatcher, capture_training_state
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import CheckpointStorage
 from elastic.env import WorkerEnv
+from elastic.live.grads import LiveDataParallel, all_reduce_gradients, broadcast_module
 from elastic.live.protocol import ReformReason
 from elastic.loop_checkpoints import LoopCheckpoints
 from elastic.loop_config import ElasticConfig, LiveOptions, Recovery, StepInfo
@@ -135,8 +136,8 @@ class ElasticTrainer:
             # The user wrapped it already: restore into the module, then make replicas identical.
             self._module = model.module
             self._restore(self.rank, self.world_size)
-            self._broadcast_module(model.module)
-            self.model = model
+            broadcast_module(model.module)
+            self.model: DistributedDataParallel | LiveDataParallel = model
         else:
             self._module = model.to(self.device)
             if self._recovery is Recovery.LIVE:
@@ -174,12 +175,6 @@ class ElasticTrainer:
         backend = self.config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend, timeout=self.config.timeout)
 
-    @staticmethod
-    def _broadcast_module(module: torch.nn.Module) -> None:
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t.data, 0)
-
     def _pick_device(self) -> torch.device:
         if dist.get_backend() == "nccl":
             local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -187,12 +182,12 @@ class ElasticTrainer:
             return torch.device("cuda", local)
         return torch.device("cpu")
 
-    def _wrap(self) -> DistributedDataParallel:
+    def _wrap(self) -> DistributedDataParallel | LiveDataParallel:
+        if self._recovery is Recovery.LIVE:
+            # no DDP: its reducer would keep a torn-down group's connections open (see elastic.live.grads)
+            return LiveDataParallel(self._module)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        # live: no buffer broadcast in forward, so that every collective of a step runs inside backward()
-        # and the loop's own boundary, where a failure is caught (buffers travel with the state on a join)
-        extra = compat.ddp_without_forward_buffer_sync() if self._recovery is Recovery.LIVE else {}
-        return DistributedDataParallel(self._module, device_ids=device_ids, **extra)
+        return DistributedDataParallel(self._module, device_ids=device_ids)
 
     def _restore(self, rank: int, world_size: int) -> bool:
         return self._checkpoints.restore(self._module, self.optimizer, self.scheduler, self.cursor, rank, world_size)
@@ -252,7 +247,8 @@ class ElasticTrainer:
                     idx = mine[offset : offset + size]
                     offset += size
                     if size == 0:
-                        self._zero_backward()
+                        if self._live is None:
+                            self._zero_backward()
                     else:
                         self._scale = size * self.world_size / total  # exact mean over the global batch
                         self._backward_done = False
@@ -355,6 +351,12 @@ class ElasticTrainer:
             self._step_times.append(now - self._last_boundary)
         self._last_boundary = now
         lr = self.current_lr()
+        if self._live is not None:
+            try:
+                all_reduce_gradients(self._module, self.world_size)
+            except RuntimeError as exc:
+                self._collective_failed(exc)
+                return
         with scaled_lr(self.optimizer, self.lr_factor):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.checkpoint.state import TrainingState, capture_training_state, restore_training_state
+from elastic.live.grads import broadcast_module
 from elastic.live.group import LiveGroup
 from elastic.live.protocol import Generation, MemberState, ReformReason, StepAttempt, sync_plan
 from elastic.loop_config import StepInfo
@@ -107,6 +108,7 @@ class LiveRecovery:
             # no live member to copy from: the newest snapshot, as a restart would (or a fresh start)
             if not self._restore_from_storage(rank, world):
                 self._cursor.resize(rank, world)
+            broadcast_module(self._module)  # identical replicas from the start, as DDP's constructor makes them
         else:
             self._sync(gen, rank, world)
         self.attempt = None

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import elastic
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from service.api.admission import DEFAULT_MAX_BODY_BYTES, Admission
-from service.api.routes import jobs, nodes, system
+from service.api.routes import jobs, nodes, system, trace
 from service.controller.loop import Controller, create_controller
 from service.controller.metrics import Metrics, create_metrics
 from service.core.config import Settings
@@ -116,6 +116,7 @@ def create_app(settings: Settings, client: EtcdClient | None = None) -> FastAPI:
     app.add_middleware(_RequestMetrics, metrics=metrics)  # added last: outermost, it counts refusals too
 
     app.include_router(jobs.router)
+    app.include_router(trace.router)
     app.include_router(nodes.router)
     app.include_router(system.router)
     return app

@@ -96,6 +96,11 @@ class ApiClient:
         result: list[dict[str, Any]] = self._call("GET", f"/v1/jobs/{job_id}/events", params=params)["events"]
         return result
 
+    def trace(self, job_id: str) -> dict[str, Any]:
+        """The job's history as Chrome trace JSON (``GET /v1/jobs/{id}/trace``)."""
+        result: dict[str, Any] = self._call("GET", f"/v1/jobs/{job_id}/trace")
+        return result
+
     def nodes(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self._call("GET", "/v1/nodes")["nodes"]
         return result

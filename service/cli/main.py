@@ -278,6 +278,22 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        trace = api.trace(args.id)
+    text = json.dumps(trace, separators=(",", ":"))
+    if args.output in (None, "-"):
+        print(text)
+        return 0
+    try:
+        Path(args.output).write_text(text + "\n")
+    except OSError as exc:
+        return _fail(f"cannot write {args.output}: {exc.strerror or exc}")
+    print(f"{args.id}: {len(trace.get('traceEvents', []))} trace events written to {args.output} "
+          "(open it in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)  # fmt: skip
+    return 0
+
+
 def _follow(api: ApiClient, job_id: str, interval: float = 1.0, out: Callable[[str], None] = print) -> int:
     """Print new events and a progress line until the job ends; exit code 0 only if it succeeded."""
     last_event: str | None = None
@@ -383,6 +399,9 @@ def _parser() -> argparse.ArgumentParser:
     p = client_cmd("events", cmd_events, "a job's events")
     p.add_argument("id")
     p.add_argument("--json", action="store_true")
+    p = client_cmd("trace", cmd_trace, "a job's history as Chrome trace JSON (Perfetto, chrome://tracing)")
+    p.add_argument("id")
+    p.add_argument("-o", "--output", help="write it to this file (default: stdout)")
     p = client_cmd("nodes", cmd_nodes, "live nodes")
     p.add_argument("--json", action="store_true")
 

@@ -218,13 +218,15 @@ def check_reforms_redo_nothing(records: Iterable[Record]) -> list[str]:
     by_step: dict[int, list[tuple[float, str]]] = defaultdict(list)
     for (step, attempt), t in first_t.items():
         by_step[step].append((t, attempt))
-    bad: dict[str, list[int]] = defaultdict(list)
+    bad: dict[str, list[tuple[int, str]]] = defaultdict(list)
     for step, attempts in by_step.items():
-        for _, attempt in sorted(attempts)[1:]:
+        ordered = sorted(attempts)
+        for _, attempt in ordered[1:]:
             if attempt not in founded:
-                bad[attempt].append(step)
-    return [f"{attempt}, a re-formed generation, committed again {len(steps)} steps an earlier one had committed:"
-            f" {sorted(steps)[:10]}" for attempt, steps in sorted(bad.items())]  # fmt: skip
+                bad[attempt].append((step, ordered[0][1]))
+    return [f"{attempt}, not founded anew, recorded {len(steps)} step(s) that another generation had committed"
+            f" before: " + ", ".join(f"{step} (first by {first})" for step, first in sorted(steps)[:10])
+            for attempt, steps in sorted(bad.items())]  # fmt: skip
 
 
 def redone_steps(records: Iterable[Record]) -> set[int]:
@@ -254,6 +256,10 @@ def worker_processes(records: Iterable[Record]) -> dict[Any, list[tuple[float, f
     return {node: sorted(procs) for node, procs in out.items()}
 
 
+def _clock(t: float) -> str:
+    return datetime.fromtimestamp(t).strftime("%H:%M:%S.%f")[:-3]
+
+
 def check_undisturbed_workers_kept(
     records: Iterable[Record], disturbances: Iterable[tuple[float, str | None, str]], sibling_s: float = 1.0
 ) -> list[str]:
@@ -276,9 +282,9 @@ def check_undisturbed_workers_kept(
                 continue  # the node's first workers
             since = before[-1]
             if not any(since < at <= first and who in ("*", node) for at, who, _ in marks):
-                near = [what for at, _, what in marks if since < at <= first]
-                problems.append(f"worker {pid} on {node} started at {first:.1f}, replacing one started at "
-                                f"{since:.1f}, with no fault on {node} in between (faults then: "
+                near = [f"{what} at {_clock(at)}" for at, _, what in marks if since < at <= first][-3:]
+                problems.append(f"worker {pid} on {node} started at {_clock(first)}, replacing one started at "
+                                f"{_clock(since)}, with no fault on {node} in between (the last faults then: "
                                 f"{'; '.join(near) or 'none'})")  # fmt: skip
     return problems
 

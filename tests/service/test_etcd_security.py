@@ -344,8 +344,8 @@ def test_a_jobs_etcd_user_reaches_its_own_rendezvous_and_progress_but_nothing_of
         # live recovery (recovery: live): the workers' own group under <key_prefix>/<run id>/live/, with the
         # job's credentials (ETRAIN_ETCD_*): registration on a lease, the generation's transaction, its end
         live_keys = LiveKeys(RendezvousKeys.of(keys.rdzv, "job-a1-g3").live)
-        settings = LiveSettings(1, 1, last_call=timedelta(seconds=0.1), join_timeout=timedelta(seconds=20))
-        member = LiveMembership(job, live_keys, new_worker_id("n1", 0), settings, node="n1")
+        live = LiveSettings(1, 1, last_call=timedelta(seconds=0.1), join_timeout=timedelta(seconds=20))
+        member = LiveMembership(job, live_keys, new_worker_id("n1", 0), live, node="n1")
         try:
             assert member.join().members == (member.wid,)
             member.finish()

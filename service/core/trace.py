@@ -1,0 +1,614 @@
+"""A job's history as a Chrome trace (Trace Event Format, JSON Object Format): open it in Perfetto
+(https://ui.perfetto.dev, "Open trace file") or chrome://tracing.
+
+:func:`job_trace` is pure (no I/O, no clock): it builds the trace from what the service keeps about a job, the
+job record, its status, its events, and optionally the latest progress report and the agents' worker reports.
+:func:`validate_trace` checks a trace against the rules of the format this module relies on; it is useful for
+any trace (``python -c 'import json,sys; from service.core.trace import validate_trace;
+print(validate_trace(json.load(open(sys.argv[1]))))' job.json``).
+
+**Time.** ``ts`` and ``dur`` are integer microseconds *relative* to ``metadata.time_origin`` (the job's
+submission, or an earlier event's time if a clock was behind), whose absolute value is also given as
+``metadata.time_origin_unix_us``. ``displayTimeUnit`` is ``"ms"``. The times are the controller's (its reconcile
+pass that saw something), except the agents' ``torchrun started/exited`` instants and the latest progress
+report's counters (the workers' clocks).
+
+**Tracks** (one process, ``pid`` 1, named ``job <id>``; one ``tid`` per track):
+
+* ``controller`` (tid 0): the job's states as complete (``X``) events, ``pending`` / ``running`` /
+  ``recovering``, each from the state change that entered it to the next (its ``args.message`` is why); the end
+  state (``succeeded``, ``failed``, ``cancelled``) as a process-scoped instant; job-level instants (``submitted``,
+  ``cancel requested``, ``world size N``, events of types this module does not know); and the counters.
+* ``snapshots`` (tid 1): each committed checkpoint as an instant ``snapshot committed`` (``args.step``,
+  ``args.path``) at the time the controller saw the commit, and rejected ones. The service records no begin
+  time of a snapshot (only the commit the workers report), so a snapshot is an instant, never a duration; the
+  latest report's snapshot counters (``snapshots_saved``, ``snapshots_deferred``, ``snapshots_skipped``,
+  ``last_save_seconds``: the elastic loop's) are in ``metadata.snapshot_stats`` and in the args of the last
+  commit.
+* one track per node that ever ran the job (tids 2.., by name): ``generation N`` complete events, the node's
+  membership in each worker generation (from its assignment, at the generation's start or when it was added,
+  to its release: node lost, workers failed, the job restarted, stopped or ended; ``args.ended`` says which),
+  and inside them ``re-form`` complete events, from a disruption (a node lost or added, live recovery) to the
+  first progress report after it (``world size N`` reported, or the job resuming), ``args.outcome`` being
+  ``resumed``, ``interrupted`` (the generation ended first) or ``in progress``. Instants with a cause:
+  ``workers failed`` (exit code or signal), ``node lost`` (lease expired), ``node blacklisted``,
+  ``workers finished``, ``node joined``, and for the current generation the agent's ``torchrun started`` /
+  ``torchrun exited``.
+
+**Counters** (``C`` events on the controller track, each with ``args.value``): ``world_size`` (each change the
+workers reported), ``step`` (the committed step at each checkpoint commit, a lower bound of the training step
+then, and the latest reported step) and ``loss`` (the latest reported loss only).
+
+**What the service does not record, so the trace cannot show** (also in ``metadata.not_recorded``): a per-step
+progress history (only the latest report is kept: ``step`` has a point per checkpoint plus the latest, ``loss``
+one point); a snapshot's begin (commits only); torchrun's rendezvous rounds within a generation and the
+workers' own restarts within one (``status.restarts.in_place`` counts them, with no times); the start and exit
+of the torchrun of earlier generations (the agents' reports are replaced each generation); and a world size
+that did not change across a re-form (the controller records a change only). Generations and re-forms are
+replayed from the controller's events: where an event carries no structured data (the generation and nodes of
+a start) its message is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, TypeGuard
+
+from elastic.progress import Progress
+from service.core.models import Event, JobRecord, JobStatus, RecoveryMode, WorkerReport
+
+__all__ = ["CONTROLLER_TID", "FIRST_NODE_TID", "PID", "SNAPSHOTS_TID", "job_trace", "validate_trace"]
+
+PID = 1
+CONTROLLER_TID = 0
+SNAPSHOTS_TID = 1
+FIRST_NODE_TID = 2
+
+_US = timedelta(microseconds=1)
+_TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+_STATE_MESSAGE = re.compile(r"^(\w+) -> (\w+)(?:: (.*))?$", re.DOTALL)
+_START = re.compile(r"^generation (\d+) on \d+ node\(s\): (.*)$", re.DOTALL)
+_SNAPSHOT_STATS = ("snapshots_saved", "snapshots_deferred", "snapshots_skipped", "last_save_seconds")
+
+NOT_RECORDED = [
+    "per-step progress history: only the latest progress report is kept ('step' has a point per checkpoint "
+    "commit plus the latest report, 'loss' only the latest)",
+    "a snapshot's begin time: only commits are recorded (instants, not durations)",
+    "torchrun's rendezvous rounds and the workers' in-place restarts within a generation (counted in "
+    "status.restarts.in_place, without times)",
+    "torchrun start and exit of earlier generations: the agents' reports are replaced at each generation",
+    "a re-form that kept the world size: the controller records world-size changes only",
+]
+
+_Track = tuple[str, str]  # ("controller", ""), ("snapshots", ""), ("node", name)
+_CONTROLLER: _Track = ("controller", "")
+_SNAPSHOTS: _Track = ("snapshots", "")
+
+
+def _node(name: str) -> _Track:
+    return ("node", name)
+
+
+def _utc(t: datetime) -> datetime:
+    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+
+
+def _json_safe(value: Any, depth: int = 0) -> Any:
+    """A copy JSON can hold: non-finite floats become None, keys strings, nesting cut at 8 levels."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if depth >= 8:
+        return str(value)[:200]
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v, depth + 1) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)[:200]
+
+
+def _cause(code: object) -> str:
+    if not isinstance(code, int) or isinstance(code, bool):
+        return "launch failed (no exit code)"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exit code {code}"
+
+
+def _names(value: object) -> list[str]:
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+def _move(ev: Event) -> tuple[str, str, str] | None:
+    """``(old, new, message)`` of a ``state`` event: its data, else its message ``old -> new: message``."""
+    found = _STATE_MESSAGE.match(ev.message)
+    message = (found.group(3) or "") if found else ev.message
+    old, new = ev.data.get("old"), ev.data.get("new")
+    if isinstance(old, str) and isinstance(new, str):
+        return old, new, message
+    return (found.group(1), found.group(2), message) if found else None
+
+
+def _is_start(move: tuple[str, str, str]) -> bool:
+    """A new generation's start (``_try_start``'s move: ``generation N on K node(s): a, b``), not a resume."""
+    return move[1] == "running" and move[2].startswith("generation ")
+
+
+@dataclass
+class _Member:
+    """A node's open membership in a generation."""
+
+    generation: int
+    since: datetime
+    how: str  # "start" | "added"
+
+
+@dataclass
+class _Reform:
+    since: datetime
+    cause: str
+
+
+class _Builder:
+    def __init__(self, record: JobRecord, status: JobStatus, events: Sequence[Event], now: datetime) -> None:
+        self.record = record
+        self.status = status
+        self.now = _utc(now)
+        self.events = sorted(events, key=lambda e: (_utc(e.time), e.id))
+        times = [_utc(record.created_at)] + ([_utc(self.events[0].time)] if self.events else [])
+        self.origin = min(times)
+        self.out: list[tuple[_Track, dict[str, Any], int]] = []  # (track, event, depth: 1 inside a generation)
+        self.nodes: set[str] = set()
+        self.generation = 0
+        self.members: dict[str, _Member] = {}
+        self.reforms: dict[str, _Reform] = {}
+        self.notes: list[str] = []
+        self.snapshot_seen: tuple[object, object] | None = None  # (step, path) of the last checkpoint event
+
+    # -- emitting -------------------------------------------------------------------------------------
+    def us(self, t: datetime) -> int:
+        return max(0, (_utc(t) - self.origin) // _US)
+
+    def emit(self, track: _Track, event: dict[str, Any], depth: int = 0) -> None:
+        if track[0] == "node":
+            self.nodes.add(track[1])
+        self.out.append((track, event, depth))
+
+    def span(self, track: _Track, name: str, start: datetime, end: datetime, args: dict[str, Any],
+             depth: int = 0) -> None:  # fmt: skip
+        ts = self.us(start)
+        self.emit(track, {"name": name, "ph": "X", "ts": ts, "dur": max(0, self.us(end) - ts), "pid": PID,
+                          "args": _json_safe(args)}, depth)  # fmt: skip
+
+    def instant(self, track: _Track, name: str, t: datetime, args: dict[str, Any], scope: str = "t") -> None:
+        self.emit(track, {"name": name, "ph": "i", "s": scope, "ts": self.us(t), "pid": PID, "args": _json_safe(args)})
+
+    def counter(self, name: str, t: datetime, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return
+        self.emit(_CONTROLLER, {"name": name, "ph": "C", "ts": self.us(t), "pid": PID, "args": {"value": value}})
+
+    # -- node membership ------------------------------------------------------------------------------
+    def join(self, node: str, t: datetime, how: str) -> None:
+        if node in self.members:
+            self.leave(node, t, "superseded")
+        self.members[node] = _Member(self.generation, t, how)
+        self.nodes.add(node)
+
+    def leave(self, node: str, t: datetime, why: str, ongoing: bool = False) -> None:
+        member = self.members.pop(node, None)
+        if member is None:
+            return
+        self.end_reform(node, t, "in progress" if ongoing else "interrupted")
+        args: dict[str, Any] = {"generation": member.generation, "joined": member.how, "ended": why}
+        if ongoing:
+            args["ongoing"] = True
+        self.span(_node(node), f"generation {member.generation}", member.since, t, args)
+
+    def leave_all(self, t: datetime, why: str, ongoing: bool = False) -> None:
+        for node in sorted(self.members):
+            self.leave(node, t, why, ongoing)
+
+    def start_reform(self, t: datetime, cause: str) -> None:
+        for node in self.members:
+            self.reforms.setdefault(node, _Reform(t, cause))
+
+    def end_reform(self, node: str, t: datetime, outcome: str) -> None:
+        reform = self.reforms.pop(node, None)
+        if reform is not None:
+            self.span(_node(node), "re-form", reform.since, t, {"cause": reform.cause, "outcome": outcome}, depth=1)
+
+    def end_reforms(self, t: datetime, outcome: str, nodes: list[str] | None = None) -> None:
+        for node in sorted(self.reforms):
+            if nodes is None or node in nodes:
+                self.end_reform(node, t, outcome)
+
+    # -- the replay -----------------------------------------------------------------------------------
+    def replay(self, truncated: bool) -> None:
+        state: str | None = None if truncated else "pending"
+        since, why = _utc(self.record.created_at), "submitted"
+        events = self.events
+        pass_end = [0] * len(events)  # the index after the last event of each event's pass (same time)
+        for i in range(len(events) - 1, -1, -1):
+            same = i + 1 < len(events) and _utc(events[i + 1].time) == _utc(events[i].time)
+            pass_end[i] = pass_end[i + 1] if same else i + 1
+        for i, ev in enumerate(events):
+            t = _utc(ev.time)
+            later = events[i + 1 : pass_end[i]]  # the rest of the controller's pass
+            if ev.type == "state":
+                moved = self.on_state(ev, t)
+                if moved is not None:
+                    _, new, message = moved
+                    if state is not None:
+                        self.span(_CONTROLLER, state, since, t, {"message": why})
+                    state, since, why = new, t, message
+                    if new in _TERMINAL:
+                        self.instant(_CONTROLLER, new, t, {"message": message}, scope="p")
+            else:
+                self.on_event(ev, t, later)
+        terminal = state in _TERMINAL or self.status.state.terminal
+        end = self.now
+        if terminal:
+            end = _utc(self.status.finished_at) if self.status.finished_at is not None else since
+            end = max(end, since)
+        if state is not None and state not in _TERMINAL:  # (ended, though its end's event is not among these)
+            self.span(_CONTROLLER, state, since, end, {"message": why, **({} if terminal else {"ongoing": True})})
+        if not terminal and sorted(self.members) != sorted(self.status.nodes):
+            self.notes.append(f"the nodes replayed from the events, {sorted(self.members)}, differ from the "
+                              f"status's, {sorted(self.status.nodes)}")  # fmt: skip
+        self.leave_all(end, f"job {self.status.state.value}" if terminal else "still running", ongoing=not terminal)
+
+    def on_state(self, ev: Event, t: datetime) -> tuple[str, str, str] | None:
+        moved = _move(ev)
+        if moved is None:
+            self.instant(_CONTROLLER, "state", t, {"message": ev.message})
+            return None
+        old, new, message = moved
+        if new in _TERMINAL:
+            self.leave_all(t, f"job {new}")
+        elif _is_start(moved):
+            start = _START.match(message)
+            given = ev.data.get("generation")
+            generation = given if _int(given) else int(start.group(1)) if start is not None else self.generation + 1
+            nodes = _names(ev.data.get("nodes"))
+            if not nodes and start is not None:
+                nodes = [n.strip() for n in start.group(2).split(",") if n.strip()]
+            self.leave_all(t, "a new generation started")
+            self.generation = generation
+            for node in nodes:
+                self.join(node, t, "start")
+        elif old == "recovering" and new == "running":
+            self.end_reforms(t, "resumed")
+        elif new == "recovering":
+            if message.startswith("waiting for nodes"):
+                self.leave_all(t, "released: too few nodes left, waiting for nodes")
+            elif message.startswith(("re-forming", "live recovery", "scaling up")):
+                self.start_reform(t, message)
+            else:  # a failure's verdict: every node is released, a new generation follows after the backoff
+                self.leave_all(t, f"released: {message}")
+        return old, new, message
+
+    def on_event(self, ev: Event, t: datetime, later: list[Event]) -> None:
+        data, kind = ev.data, ev.type
+        gen = {"generation": self.generation} if self.generation else {}
+        node: str | None = data["node"] if isinstance(data.get("node"), str) else None
+        # a state change follows in this pass (not the start of a new generation: the release before one leaves
+        # no state event when the job was recovering already), and says what became of the job's nodes
+        move = next((m for e in later if e.type == "state" and (m := _move(e)) is not None), None)
+        handled = move is not None and not _is_start(move)
+        if kind == "workers_failed":
+            codes: dict[str, Any] = data["exit_codes"] if isinstance(data.get("exit_codes"), dict) else {}
+            failed = _names(data.get("nodes"))
+            for name in failed:
+                code = codes.get(name)
+                self.instant(_node(name), "workers failed", t,
+                             {"cause": _cause(code), "exit_code": code, **gen, "message": ev.message})  # fmt: skip
+                self.leave(name, t, f"workers failed ({_cause(code)})")
+            if not handled:  # the job was recovering already: the pass's move left no event; reconcile's rules
+                spec = self.record.spec
+                live = (
+                    spec.recovery is RecoveryMode.LIVE
+                    and len(self.members) >= spec.min_nodes
+                    and bool(self.members)
+                    and all(not isinstance(codes.get(n), int) or codes[n] < 0 for n in failed)
+                )
+                if live:
+                    self.start_reform(t, f"live recovery without {', '.join(failed)}")
+                else:
+                    self.leave_all(t, "released: restart after the failure")
+        elif kind == "node_lost":
+            if node is not None:
+                self.instant(_node(node), "node lost", t, {"cause": "lease expired (agent gone)", **gen,
+                                                          "message": ev.message})  # fmt: skip
+                self.leave(node, t, "node lost")
+            if not handled and not any(e.type == "node_lost" for e in later):
+                if len(self.members) < self.record.spec.min_nodes:
+                    self.leave_all(t, "released: too few nodes left, waiting for nodes")
+                else:
+                    self.start_reform(t, ev.message)
+        elif kind == "node_joined":
+            if node is not None:
+                self.join(node, t, "added")
+                self.instant(_node(node), "node joined", t, {**gen, "message": ev.message})
+            self.start_reform(t, ev.message)
+        elif kind == "workers_succeeded":
+            for name in _names(data.get("nodes")):
+                self.instant(_node(name), "workers finished", t, {**gen, "message": ev.message})
+        elif kind == "node_blacklisted":
+            track = _node(node) if node is not None else _CONTROLLER
+            self.instant(track, "node blacklisted", t, {"cause": ev.message})
+        elif kind == "world_size":
+            size = data.get("world_size")
+            nodes = _names(data.get("nodes")) if isinstance(data.get("nodes"), list) else None
+            self.counter("world_size", t, size)
+            self.instant(_CONTROLLER, f"world size {size}", t, {"world_size": size, "nodes": nodes, **gen})
+            self.end_reforms(t, "resumed", nodes or None)
+        elif kind == "checkpoint":
+            step = data.get("step")
+            self.instant(_SNAPSHOTS, "snapshot committed", t, {"step": step, "path": data.get("path"), **gen})
+            self.counter("step", t, step)
+            self.snapshot_seen = (step, data.get("path"))
+        elif kind == "checkpoint_rejected":
+            self.instant(_SNAPSHOTS, "snapshot rejected", t, {"cause": ev.message, "path": data.get("path")})
+        else:
+            track = _node(node) if node is not None and node in self.nodes else _CONTROLLER
+            self.instant(track, kind.replace("_", " "), t, {"message": ev.message, "data": data})
+
+    # -- what the status, the latest progress and the agents' reports add ----------------------------------
+    def latest(self, progress: Progress | None, reports: Mapping[str, WorkerReport]) -> dict[str, Any]:
+        st = self.status
+        stats: dict[str, Any] = {}
+        if progress is not None:
+            stats = {k: progress.extra[k] for k in _SNAPSHOT_STATS if k in progress.extra}
+        ckpt = st.checkpoint
+        if ckpt is not None and self.snapshot_seen != (ckpt.step, ckpt.path):
+            # its event is not among those given (truncated): the status still has the latest commit
+            args = {"step": ckpt.step, "path": ckpt.path, **({"snapshot_stats": stats} if stats else {})}
+            self.instant(_SNAPSHOTS, "snapshot committed", ckpt.committed_at, args)
+            self.counter("step", ckpt.committed_at, ckpt.step)
+        elif stats:
+            for track, event, _ in reversed(self.out):
+                if track == _SNAPSHOTS and event["name"] == "snapshot committed":
+                    event["args"]["snapshot_stats"] = _json_safe(stats)
+                    break
+        at: datetime | None = st.progress_at
+        step: int | None = st.step
+        loss: float | None = st.loss
+        if progress is not None and (at is None or progress.time >= at.timestamp()):
+            at = datetime.fromtimestamp(progress.time, tz=timezone.utc)
+            step, loss = progress.step, progress.loss
+        if at is not None:
+            self.counter("step", at, step)
+            self.counter("loss", at, loss)
+        for node, report in sorted(reports.items()):
+            args = {"generation": report.generation, "pid": report.pid}
+            if report.started_at is not None:
+                self.instant(_node(node), "torchrun started", report.started_at, args)
+            if report.finished_at is not None:
+                name = "launch failed" if report.state == "launch_failed" else f"torchrun {report.state}"
+                self.instant(_node(node), name, report.finished_at,
+                             {**args, "state": report.state, "exit_code": report.exit_code,
+                              "cause": _cause(report.exit_code) if report.failed else None})  # fmt: skip
+        return stats
+
+    # -- the trace ----------------------------------------------------------------------------------------
+    def trace(self, stats: dict[str, Any], truncated: bool) -> dict[str, Any]:
+        tids: dict[_Track, int] = {_CONTROLLER: CONTROLLER_TID, _SNAPSHOTS: SNAPSHOTS_TID}
+        for i, node in enumerate(sorted(self.nodes)):
+            tids[_node(node)] = FIRST_NODE_TID + i
+        names = {CONTROLLER_TID: "controller", SNAPSHOTS_TID: "snapshots"}
+        names.update({tids[_node(n)]: f"node {n}" for n in self.nodes})
+        meta: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": PID, "tid": CONTROLLER_TID,
+             "args": {"name": f"job {self.record.id}"}},
+        ]  # fmt: skip
+        for tid, name in sorted(names.items()):
+            meta.append({"name": "thread_name", "ph": "M", "pid": PID, "tid": tid, "args": {"name": name}})
+            meta.append({"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": tid, "args": {"sort_index": tid}})
+        # by time; at one time the longer span first, a generation before a re-form of the same length, so that
+        # the enclosing one comes first (Chrome nests complete events of one time by their order)
+        ordered = sorted(self.out, key=lambda o: (o[1]["ts"], -o[1].get("dur", 0), o[2]))
+        body = [{**event, "tid": tids[track]} for track, event, _ in ordered]
+        st = self.status
+        metadata: dict[str, Any] = {
+            "job_id": self.record.id,
+            "job_name": self.record.spec.name,
+            "state": st.state.value,
+            "generation": st.generation,
+            "nodes": list(st.nodes),
+            "time_origin": self.origin.isoformat(),
+            "time_origin_unix_us": (self.origin - datetime(1970, 1, 1, tzinfo=timezone.utc)) // _US,
+            "ts_unit": "microseconds since time_origin",
+            "exported_at": self.now.isoformat(),
+            "events": len(self.events),
+            "events_truncated": truncated,
+            "tracks": {str(tid): name for tid, name in sorted(names.items())},
+            "restarts": st.restarts.model_dump(),
+            "snapshot_stats": _json_safe(stats),
+            "not_recorded": NOT_RECORDED,
+            "notes": self.notes,
+        }
+        return {"traceEvents": meta + body, "displayTimeUnit": "ms", "metadata": metadata}
+
+
+def job_trace(
+    record: JobRecord,
+    status: JobStatus,
+    events: Sequence[Event],
+    now: datetime,
+    *,
+    progress: Progress | None = None,
+    reports: Mapping[str, WorkerReport] | None = None,
+    events_truncated: bool = False,
+) -> dict[str, Any]:
+    """The job's history as a Chrome trace ``{"traceEvents", "displayTimeUnit", "metadata"}`` (see the module
+    docstring for the tracks, the time base and what is missing). ``events``: the job's events, all of them
+    (any order); ``events_truncated``: only the newest were given (then the first state is unknown and is not
+    drawn). ``progress``: the latest progress report; ``reports``: the agents' worker reports by node (the
+    current generation's). ``now``: where what is still going on ends. Pure: no I/O, no clock."""
+    builder = _Builder(record, status, events, now)
+    builder.replay(events_truncated)
+    stats = builder.latest(progress, reports or {})
+    return builder.trace(stats, events_truncated)
+
+
+# -- validation ------------------------------------------------------------------------------------------
+_PHASES = frozenset("BEXiICbneSTpFstfPNODMVvRc()=")
+_METADATA = frozenset({"process_name", "process_labels", "process_sort_index", "thread_name", "thread_sort_index"})
+_MAX_ERRORS = 100
+
+
+def _number(value: object) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_trace(obj: object) -> list[str]:
+    """What is wrong with ``obj`` as a Chrome trace (JSON Object or Array Format), as messages; empty: valid.
+
+    Checked: it is JSON-serializable (strictly: no NaN or infinity); ``traceEvents`` is a list of objects;
+    ``displayTimeUnit`` is ``"ms"`` or ``"ns"``; every event has a known ``ph``, a string ``name`` (an ``E``
+    may omit it), an integer ``pid``, a number ``ts >= 0`` (metadata events excepted), and ``args`` an object
+    if present; ``B``, ``E``, ``X`` and ``i``/``I`` events have an integer ``tid``; ``X`` a number ``dur >= 0``;
+    instants a scope ``s`` of ``g``, ``p`` or ``t`` if given; counters (``C``) numeric ``args``; metadata
+    (``M``) events a known name with its ``args`` (``name`` a string, ``sort_index`` an integer). Per track
+    (``pid``, ``tid``), ``B``/``E`` pairs balance (in time order, an ``E`` closes the latest open ``B``, of
+    the same name if it has one) and durations (``X`` and ``B``/``E``) nest: none partially overlaps another.
+    """
+    errors: list[str] = []
+    try:
+        json.dumps(obj, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        errors.append(f"not JSON-serializable: {str(exc)[:200]}")
+    if isinstance(obj, list):
+        events: object = obj
+    elif isinstance(obj, dict):
+        if "traceEvents" not in obj:
+            return [*errors, "no 'traceEvents'"]
+        events = obj["traceEvents"]
+        unit = obj.get("displayTimeUnit", "ms")
+        if unit not in ("ms", "ns"):
+            errors.append(f"displayTimeUnit must be 'ms' or 'ns', not {unit!r}")
+        if "metadata" in obj and not isinstance(obj["metadata"], dict):
+            errors.append("'metadata' must be an object")
+    else:
+        return [*errors, f"a trace is a JSON object or array, not {type(obj).__name__}"]
+    if not isinstance(events, list):
+        return [*errors, "'traceEvents' must be a list"]
+    spans: dict[tuple[object, object], list[tuple[float, float, str]]] = {}  # track -> (start, end, what)
+    durations: dict[tuple[object, object], list[tuple[float, int, dict[str, Any]]]] = {}  # track -> B/E events
+    for k, ev in enumerate(events):
+        if len(errors) >= _MAX_ERRORS:
+            errors.append("... (more errors not shown)")
+            return errors
+        where = f"traceEvents[{k}]"
+        if not isinstance(ev, dict):
+            errors.append(f"{where}: an event must be an object, not {type(ev).__name__}")
+            continue
+        ph = ev.get("ph")
+        if not isinstance(ph, str) or ph not in _PHASES:
+            errors.append(f"{where}: unknown or missing phase 'ph': {ph!r}")
+            continue
+        where = f"{where} ({ph} {str(ev.get('name'))[:40]!r})"
+        if "name" in ev or ph != "E":
+            if not isinstance(ev.get("name"), str):
+                errors.append(f"{where}: 'name' must be a string")
+        if not _int(ev.get("pid")):
+            errors.append(f"{where}: 'pid' must be an integer")
+        if "tid" in ev and not _int(ev["tid"]):
+            errors.append(f"{where}: 'tid' must be an integer")
+        elif "tid" not in ev and ph in "BEXiI":
+            errors.append(f"{where}: 'tid' is missing")
+        if "args" in ev and not isinstance(ev["args"], dict):
+            errors.append(f"{where}: 'args' must be an object")
+        if "cat" in ev and not isinstance(ev["cat"], str):
+            errors.append(f"{where}: 'cat' must be a string")
+        if ph == "M":
+            _check_metadata(ev, where, errors)
+            continue
+        ts = ev.get("ts")
+        if "ts" not in ev:
+            errors.append(f"{where}: 'ts' is missing")
+            continue
+        if not _number(ts) or ts < 0:
+            errors.append(f"{where}: 'ts' must be a finite number >= 0, not {ts!r}")
+            continue
+        track = (ev.get("pid"), ev.get("tid"))
+        if ph == "X":
+            dur = ev.get("dur")
+            if not _number(dur) or dur < 0:
+                errors.append(f"{where}: 'dur' must be a finite number >= 0, not {dur!r}")
+            else:
+                spans.setdefault(track, []).append((float(ts), float(ts + dur), where))
+        elif ph in "iI":
+            if "s" in ev and ev["s"] not in ("g", "p", "t"):
+                errors.append(f"{where}: instant scope 's' must be 'g', 'p' or 't', not {ev['s']!r}")
+        elif ph == "C":
+            args = ev.get("args")
+            if not isinstance(args, dict) or not args:
+                errors.append(f"{where}: a counter needs 'args' with its values")
+            elif not all(_number(v) for v in args.values()):
+                errors.append(f"{where}: counter values must be finite numbers: {args!r}"[:300])
+        elif ph in "BE":
+            durations.setdefault(track, []).append((float(ts), k, ev))
+    for track, pairs in durations.items():
+        open_: list[tuple[float, str, str]] = []  # (ts, name, where)
+        for ts, k, ev in sorted(pairs, key=lambda p: (p[0], p[1])):
+            where = f"traceEvents[{k}] ({ev['ph']} {str(ev.get('name'))[:40]!r})"
+            if ev["ph"] == "B":
+                open_.append((ts, str(ev.get("name")), where))
+                continue
+            if not open_:
+                errors.append(f"{where}: an 'E' with no open 'B' on track pid={track[0]} tid={track[1]}")
+                continue
+            begin, name, begun = open_.pop()
+            if "name" in ev and ev["name"] != name:
+                errors.append(f"{where}: closes {begun}, named {name!r}")
+            spans.setdefault(track, []).append((begin, ts, begun))
+        for _, _, begun in open_:
+            errors.append(f"{begun}: a 'B' never closed by an 'E' on track pid={track[0]} tid={track[1]}")
+    for track, items in spans.items():
+        stack: list[tuple[float, float, str]] = []
+        for start, end, what in sorted(items, key=lambda s: (s[0], -s[1])):
+            while stack and stack[-1][1] <= start:
+                stack.pop()
+            if stack and end > stack[-1][1]:
+                errors.append(f"{what}: partially overlaps {stack[-1][2]} on track pid={track[0]} tid={track[1]} "
+                              "(durations on one track must nest)")  # fmt: skip
+                continue
+            stack.append((start, end, what))
+    return errors[: _MAX_ERRORS + 1]
+
+
+def _check_metadata(ev: dict[str, Any], where: str, errors: list[str]) -> None:
+    name, args = ev.get("name"), ev.get("args")
+    if name not in _METADATA:
+        errors.append(f"{where}: metadata name must be one of {sorted(_METADATA)}")
+        return
+    if not isinstance(args, dict):
+        errors.append(f"{where}: metadata needs 'args'")
+        return
+    if str(name).startswith("thread_") and not _int(ev.get("tid")):
+        errors.append(f"{where}: thread metadata needs an integer 'tid'")
+    if str(name).endswith("_name") and not isinstance(args.get("name"), str):
+        errors.append(f"{where}: args.name must be a string")
+    if str(name).endswith("_sort_index") and not _int(args.get("sort_index")):
+        errors.append(f"{where}: args.sort_index must be an integer")
+    if name == "process_labels" and not isinstance(args.get("labels"), str):
+        errors.append(f"{where}: args.labels must be a string")
