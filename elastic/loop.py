@@ -130,7 +130,8 @@ class ElasticTrainer:
         self.device = self._pick_device()
         sampler = ElasticSampler(len(dataset), seed=config.seed, shuffle=config.shuffle)
         self.cursor = TrainingCursor(config.lr_policy, sampler, self.rank, self.world_size)
-        self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device)
+        live = self._recovery is Recovery.LIVE
+        self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device, require_storage=not live)
         self._broken: BaseException | None = None  # live: a collective of this step failed
         if isinstance(model, DistributedDataParallel):
             # The user wrapped it already: restore into the module, then make replicas identical.

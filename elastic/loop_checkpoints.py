@@ -19,6 +19,7 @@ import torch
 
 from elastic.checkpoint import (
     CheckpointFencedError,
+    CheckpointStorageError,
     CheckpointWriteError,
     create_checkpoint_manager,
     restore_training_state,
@@ -51,9 +52,14 @@ class SaveRequest:
 class LoopCheckpoints:
     """See the module docstring. ``capture`` returns references to the full state (a collective)."""
 
-    def __init__(self, config: ElasticConfig, storage: CheckpointStorage | None, device: torch.device) -> None:
+    def __init__(
+        self, config: ElasticConfig, storage: CheckpointStorage | None, device: torch.device,
+        require_storage: bool = True,
+    ) -> None:  # fmt: skip
+        """``require_storage``: an unusable storage stops the worker at once (one clear line); else (a live
+        joiner takes its state from a peer) it is logged, and saves retry under ``save_failure_grace``."""
         self.config = config
-        self.manager = self._open(config, storage)
+        self.manager = self._open(config, storage, require_storage)
         self.tiers = create_snapshot_tiers(
             self.manager, config.resolved_local_every_steps(), device, config.local_max_overhead
         )
@@ -65,7 +71,9 @@ class LoopCheckpoints:
         self._closed = False
 
     @staticmethod
-    def _open(config: ElasticConfig, storage: CheckpointStorage | None) -> CheckpointManager | None:
+    def _open(
+        config: ElasticConfig, storage: CheckpointStorage | None, require_storage: bool
+    ) -> CheckpointManager | None:
         url = config.resolved_checkpoint_url() or (storage.url if storage is not None else None)
         if url is None:
             logger.warning("no checkpoint URL: training will not survive a restart")
@@ -77,7 +85,12 @@ class LoopCheckpoints:
         if options.generation is None and worker.job is not None:  # fencing of an old generation's saves
             options = replace(options, generation=worker.job.generation)
         manager = create_checkpoint_manager(url, options, storage=storage)
-        manager.check_storage()  # one clear line, before any training, if the storage is unusable
+        try:
+            manager.check_storage()  # one clear line, before any training, if the storage is unusable
+        except CheckpointStorageError as exc:
+            if require_storage:
+                raise
+            logger.warning("%s; joining anyway (the state comes from a peer; saves retry)", exc)
         return manager
 
     def restore(

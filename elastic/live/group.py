@@ -65,6 +65,9 @@ class LiveGroup:
         self._backend, self._timeout, self._store_timeout = backend, timeout, store_timeout
         self.generation: Generation | None = None
         self.reforms = 0  # generations this worker went through after its first
+        # the last re-form went on without this worker, which then joined a later generation: its state may
+        # hold a step the others did again, so it takes theirs, as a joiner does
+        self.left_behind = False
         self._boundaries = 0  # step boundaries passed: the watchdog's sign of progress
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
@@ -95,7 +98,8 @@ class LiveGroup:
         if current is None:
             return self.join()
         gen = self.membership.reform(current, reason)
-        if gen.rank(self.wid) is None:
+        self.left_behind = gen.rank(self.wid) is None
+        if self.left_behind:
             logger.warning("live group: generation %d formed without worker %s; joining the next", gen.number,
                            self.wid)  # fmt: skip
             gen = self.membership.join()

@@ -94,6 +94,8 @@ class LiveRecovery:
         started = time.perf_counter()
         self._optimizer.zero_grad(set_to_none=True)  # a dropped step's partial gradients
         gen = self.group.reform(reason)
+        if self.group.left_behind:
+            self.has_state, self.attempt = False, None
         self.after_generation(gen)
         self.last_reform_seconds = time.perf_counter() - started
         logger.warning("live group: re-formed (%s) into generation %d of %d workers in %.3f s; continuing at step "

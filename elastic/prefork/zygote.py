@@ -241,6 +241,11 @@ def _child(request: dict[str, Any], fds: list[int], keep: socket.socket) -> None
         for sig in range(1, signal.NSIG):
             with contextlib.suppress(OSError, ValueError):
                 signal.signal(sig, signal.SIG_DFL)
+        # as a fresh interpreter starts: SIGPIPE and SIGXFSZ ignored (a write to a closed socket then raises
+        # BrokenPipeError instead of killing the worker: found by the chaos suite's storage outage), SIGINT
+        # raising KeyboardInterrupt
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         _reopen_std(bool(request["unbuffered"]))
         root = logging.getLogger()

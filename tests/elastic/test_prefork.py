@@ -42,7 +42,8 @@ SCRIPT = textwrap.dedent(
     client = int(os.environ.get("ETRAIN_PREFORK_CLIENT", os.getpid()))
     info = {"warm": warm, "pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:], "cwd": os.getcwd(),
             "env": os.environ.get("PREFORK_TEST"), "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
-            "zygote_started": started(os.getppid()), "client_started": started(client)}
+            "zygote_started": started(os.getppid()), "client_started": started(client),
+            "sigpipe_ignored": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN}
     with open(out, "a") as f:
         f.write(json.dumps(info) + "\\n")
     print("stdout reaches the client's stdout", flush=True)
@@ -160,6 +161,8 @@ def test_worker_dying_of_a_signal_makes_the_client_die_of_it_and_prefork_off_run
     assert "rc=137" in owner.stdout, owner.stderr  # 128 + SIGKILL, as if the client itself had been killed
     killed, cold = _records(env)
     assert killed["warm"] and not cold["warm"]  # ETRAIN_PREFORK=0: an ordinary cold start in the client
+    # as in a fresh interpreter, a write to a closed socket raises instead of killing the worker
+    assert killed["sigpipe_ignored"] and cold["sigpipe_ignored"]
 
 
 @pytest.mark.timeout(180)
