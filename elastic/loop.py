@@ -460,7 +460,7 @@ class ElasticTrainer:
     # -- checkpoints ---------------------------------------------------------------------------------
     def _capture(self) -> TrainingState:
         """References to the full state (a collective: gathers every rank's RNG state)."""
-        return capture_training_state(self.step, self.model, self.optimizer, self.scheduler, **self.cursor.state())
+        return capture_training_state(self.step, self._module, self.optimizer, self.scheduler, **self.cursor.state())
 
     def save(self, blocking: bool = False) -> None:
         """Snapshot the full state now (a collective: every rank must call it)."""

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything the project needs on a fresh Debian machine (run as root, or with sudo available):
-# Debian's etcd and network tools with apt, then a virtual environment of the project's own (.venv) with
-# torch==2.13.0 (the CPU build) and the project with its [dev] extras.
+# Debian's etcd, network tools and Chromium (for the dashboard's browser tests) with apt, then a virtual
+# environment of the project's own (.venv) with torch==2.13.0 (the CPU build) and the project with its
+# [dev] extras.
 #
 # The environment is the guard against a dependency that only this machine has: it does not see the
 # system's site-packages, so whatever the tests import must come from pyproject.toml. Under CI (CI=true),
@@ -20,6 +21,7 @@ command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v etcdctl >/dev/null 2>&1 || need_apt+=(etcd-client)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v nft >/dev/null 2>&1 || need_apt+=(nftables)  # network partitions in the chaos suite
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)  # the dashboard's browser tests (tests/service/ui)
 BASE=${PYTHON:-python3}
 if ! $BASE -c 'import venv, ensurepip' >/dev/null 2>&1; then need_apt+=(python3-venv); fi
 if [ ${#need_apt[@]} -gt 0 ]; then

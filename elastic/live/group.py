@@ -69,6 +69,7 @@ class LiveGroup:
         # hold a step the others did again, so it takes theirs, as a joiner does
         self.left_behind = False
         self._boundaries = 0  # step boundaries passed: the watchdog's sign of progress
+        self._reforming = False  # between generations (no collective to be stuck in)
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
 
@@ -86,8 +87,12 @@ class LiveGroup:
 
     def join(self) -> Generation:
         """Wait for a generation that includes this worker and form its process group."""
-        gen = self.membership.join()
-        self._form(gen)
+        self._reforming = True
+        try:
+            gen = self.membership.join()
+            self._form(gen)
+        finally:
+            self._reforming = False
         return gen
 
     def reform(self, reason: ReformReason) -> Generation:
@@ -97,6 +102,13 @@ class LiveGroup:
         self._teardown()
         if current is None:
             return self.join()
+        self._reforming = True  # not in a collective: the watchdog stands aside
+        try:
+            return self._reform(current, reason)
+        finally:
+            self._reforming = False
+
+    def _reform(self, current: Generation, reason: ReformReason) -> Generation:
         gen = self.membership.reform(current, reason)
         self.left_behind = gen.rank(self.wid) is None
         if self.left_behind:
@@ -151,7 +163,7 @@ class LiveGroup:
                 logger.debug("live watchdog: could not read the workers", exc_info=True)
                 continue
             gone = [m for m in gen.members if m not in alive]
-            if not gone or self._boundaries != seen_boundaries:
+            if not gone or self._boundaries != seen_boundaries or self._reforming:
                 missing_since = time.monotonic() if gone else None
                 seen_boundaries = self._boundaries
                 continue

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import elastic
 from elastic.etcd import EtcdClient, EtcdError, create_client
+from service.api import dashboard
 from service.api.admission import DEFAULT_MAX_BODY_BYTES, Admission
 from service.api.routes import jobs, nodes, system, trace
 from service.controller.loop import Controller, create_controller
@@ -119,4 +120,5 @@ def create_app(settings: Settings, client: EtcdClient | None = None) -> FastAPI:
     app.include_router(trace.router)
     app.include_router(nodes.router)
     app.include_router(system.router)
+    app.include_router(dashboard.router)  # /ui/: static pages that read the API above with the user's token
     return app

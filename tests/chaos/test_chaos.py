@@ -5,7 +5,9 @@ kind hit once; the others look at single kinds (a network partition, the etcd an
 malformed second job). Where network namespaces cannot be made (no root/CAP_NET_ADMIN, no ``nft``) the
 session runs on loopback without partitions and only the partition test is skipped, with the reason.
 
-The long form is ``python -m tests.chaos.runner --faults 50 --seed 1`` (see docs/benchmarks.md).
+The long form is ``python -m tests.chaos.runner --faults 50 --seed 1`` (see docs/benchmarks.md). Live recovery
+(``--recovery live``: the job spec's ``recovery: live`` and the live-only checks) runs there only: a second
+session would double this form's time.
 """
 
 from __future__ import annotations
