@@ -48,6 +48,7 @@ the snapshots (:mod:`elastic.loop_checkpoints`), the live group (:mod:`elastic.l
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -145,7 +146,8 @@ class ElasticTrainer:
                 from elastic.live.recovery import LiveRecovery
 
                 self._live = LiveRecovery(group, self._module, optimizer, scheduler, self.cursor, self.device,
-                                          self._record, self._restore)  # fmt: skip
+                                          self._record, self._restore, shared=(self._get_schedule,
+                                          self._set_schedule))  # fmt: skip
                 self._live.after_generation(generation)
                 group.start_watchdog(config.live.stuck_grace or config.live.ttl + timedelta(seconds=2))
             else:
@@ -189,6 +191,14 @@ class ElasticTrainer:
             return LiveDataParallel(self._module)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(self._module, device_ids=device_ids)
+
+    def _get_schedule(self) -> Any:
+        schedule = self._checkpoints.schedule
+        return schedule, time.monotonic() - schedule.clock  # clocks differ between hosts: send the age
+
+    def _set_schedule(self, shared: Any) -> None:
+        schedule, age = shared
+        self._checkpoints.schedule = dataclasses.replace(schedule, clock=time.monotonic() - age)
 
     def _restore(self, rank: int, world_size: int) -> bool:
         return self._checkpoints.restore(self._module, self.optimizer, self.scheduler, self.cursor, rank, world_size)

@@ -56,11 +56,15 @@ class LiveRecovery:
         device: torch.device,
         record: Callable[[StepInfo], None],
         restore_from_storage: Callable[[int, int], bool],
+        shared: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
     ) -> None:
         self.group = group
         self._module, self._optimizer, self._scheduler = module, optimizer, scheduler
         self._cursor, self._device, self._record = cursor, device, record
         self._restore_from_storage = restore_from_storage
+        # (get, set) of per-worker state that decides collectives and must be equal on every member (the
+        # snapshot schedule: a joiner's fresh one would take other snapshots than the members' and deadlock)
+        self._shared = shared
         self.attempt: Attempt | None = None
         self.recorded = 0  # the newest step whose record this worker wrote
         self.recorded_rank: int | None = None  # this worker's rank in that step's record
@@ -111,8 +115,14 @@ class LiveRecovery:
             if not self._restore_from_storage(rank, world):
                 self._cursor.resize(rank, world)
             broadcast_module(self._module)  # identical replicas from the start, as DDP's constructor makes them
+            source = 0
         else:
-            self._sync(gen, rank, world)
+            source = self._sync(gen, rank, world)
+        if self._shared is not None:
+            get, put = self._shared
+            box = [get() if rank == source else None]
+            dist.broadcast_object_list(box, src=source)
+            put(box[0])
         self.attempt = None
         self.has_state = True
 
@@ -124,7 +134,8 @@ class LiveRecovery:
         step = self._cursor.step if self.has_state else -1
         return MemberState(self.group.wid, step, attempt, self.recorded, self.recorded_rank)
 
-    def _sync(self, gen: Generation, rank: int, world: int) -> None:
+    def _sync(self, gen: Generation, rank: int, world: int) -> int:
+        """Bring every member to the newest applied step; returns the source member's rank."""
         states: list[Any] = [None] * world
         dist.all_gather_object(states, self._member_state())
         plan = sync_plan(states)
@@ -138,6 +149,7 @@ class LiveRecovery:
         elif self.recorded < plan.step:
             self.recorded_rank = None  # the step's record is another member's
         self.recorded = max(self.recorded, plan.step)
+        return plan.source
 
     def _receive(self, source: int, rank: int, world: int, joiner: bool) -> None:
         from elastic.live.state_sync import broadcast_state
