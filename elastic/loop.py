@@ -157,7 +157,7 @@ class ElasticTrainer:
         self._last_boundary: float | None = None
         self._boundary_after_signal = threading.Event()  # the final save began, or the loop is over
         self._preemption = PreemptionWatcher(on_signal=self._arm_stop_timeout).install()
-        self._progress = create_reporter()  # a no-op outside the job service
+        self._progress = create_reporter(rank=self.rank)  # a no-op outside the job service and off rank 0
         self._progress.report(self.step, world_size=self.world_size, total_steps=config.total_steps,
                               nodes=self._round_nodes(), force=True)  # fmt: skip
         self._loss_sum = 0.0
@@ -319,7 +319,11 @@ class ElasticTrainer:
             logger.error("live group: 10 re-forms in a row failed: falling back to the restart path")
             raise SystemExit(EXIT_LIVE_FALLBACK)
         self._broken = None
+        was_first = self.rank == 0
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if was_first != (self.rank == 0):  # only the live group's rank 0 reports progress
+            self._progress.close(timedelta(seconds=1))
+            self._progress = create_reporter(rank=self.rank)
         self.model = self._wrap()
         self._last_boundary = None
         self._progress.report(self.step, world_size=self.world_size, total_steps=self.config.total_steps,

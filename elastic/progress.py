@@ -446,12 +446,16 @@ class EtcdProgressReporter(ProgressReporter):
 
 
 def create_reporter(
-    env: Mapping[str, str] | None = None, min_interval: timedelta = timedelta(seconds=1)
+    env: Mapping[str, str] | None = None, min_interval: timedelta = timedelta(seconds=1), rank: int | None = None
 ) -> ProgressReporter:
-    """A reporter for this worker: writes only on rank 0 and only when the service configured a key."""
+    """A reporter for this worker: writes only on rank 0 and only when the service configured a key.
+
+    ``rank``: this worker's rank in the job (default ``$RANK``, which is node-local under live recovery,
+    where the trainer passes the live group's rank)."""
     env = os.environ if env is None else env
     worker = WorkerEnv.from_environ(env)
-    if worker.job is None or worker.etcd is None or int(env.get("RANK", "0")) != 0:
+    rank = int(env.get("RANK", "0")) if rank is None else rank
+    if worker.job is None or worker.etcd is None or rank != 0:
         return NullProgressReporter()
     # short timeouts: they bound one write attempt of the writer thread (report() never waits for etcd)
     etcd = replace(worker.etcd, op_timeout=timedelta(seconds=5), request_timeout=timedelta(seconds=2))

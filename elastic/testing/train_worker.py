@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     log_file: list[Path] = []
     resumed_from: list[str | None] = []
     trained: list[ElasticTrainer] = []
-    reporter = create_reporter()
+    reporter = create_reporter(rank=0)  # reports only what rank 0 records (see on_step)
 
     def on_step(info: StepInfo) -> None:
         record = {"step": info.step, "epoch": info.epoch, "rank": info.rank, "world": info.world_size,
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                   "resumed_from": resumed_from[0] if resumed_from else None}  # fmt: skip
         with open(log_file[0], "a") as f:
             f.write(json.dumps(record) + "\n")
-        reporter.report(info.step, world_size=info.world_size, loss=info.loss)
+        if info.rank == 0 and not info.late:  # the job's rank 0 (under live recovery RANK is node-local)
+            reporter.report(info.step, world_size=info.world_size, loss=info.loss)
         if args.step_sleep:
             time.sleep(args.step_sleep)
 
