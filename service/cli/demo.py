@@ -83,6 +83,7 @@ def run_demo(workdir: Path, keep: bool = False, steps: int = 150) -> int:
             cluster.start_agent(node, nproc_per_node=1)
         print(f"    etcd        {cluster.etcd.endpoints}")
         print(f"    controller  {cluster.url}  (API docs: /docs)")
+        print(f"    dashboard   {cluster.url}/ui/  (open it while the demo runs)")
         _wait("3 nodes", lambda: len(api.nodes()) == 3, 60, cluster)
         print(f"    nodes       {', '.join(n['name'] for n in api.nodes())}")
 
