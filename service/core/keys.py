@@ -41,6 +41,7 @@ class Keys:
         self.assign = f"{root}/assign/"
         self.reports = f"{root}/reports/"
         self.progress = f"{root}/progress/"
+        self.nodectl = f"{root}/nodectl/"
         # beside the service's keys, not under them: the reconcile loop watches ``<root>/`` and torchrun's
         # rendezvous traffic (heartbeats, store keys) must not wake it; a grant on ``<root>`` covers both
         self.rdzv = f"{root}.rdzv"
@@ -75,6 +76,9 @@ class Keys:
 
     def progress_of(self, job_id: str) -> str:
         return self.progress + job_id
+
+    def nodectl_of(self, name: str) -> str:
+        return self.nodectl + name
 
 
 

@@ -31,7 +31,9 @@ __all__ = [
     "JobSpec",
     "JobStatus",
     "LRPolicy",
+    "NodeControl",
     "NodeInfo",
+    "NodeMode",
     "RecoveryMode",
     "RendezvousOptions",
     "RestartPolicy",
@@ -213,6 +215,16 @@ class JobSpec(_Spec):
         "--rdzv-conf recovery=live: the surviving workers keep their processes and re-form in place; a "
         "restarted or new worker joins at a step boundary with a peer's state; needs the elastic loop)",
     )
+    priority: int = Field(
+        default=0, ge=-1000, le=1000,
+        description="scheduling priority: a job that does not fit shrinks running jobs of lower priority toward "
+        "their min_nodes (after a snapshot) and, if still short, preempts them (they requeue)",
+    )  # fmt: skip
+    queue: str | None = Field(
+        default=None, pattern=NAME_PATTERN,
+        description="the queue whose node quota the job counts against (the controller's --quotas); none: only "
+        "the submitter's quota applies",
+    )  # fmt: skip
     lr_policy: LRPolicy = Field(default_factory=lambda: LRPolicy())
     restart_policy: RestartPolicy = Field(default_factory=lambda: RestartPolicy())
     rendezvous: RendezvousOptions = Field(default_factory=lambda: RendezvousOptions())
@@ -359,6 +371,14 @@ class Restarts(_Record):
     in_place: int = Field(
         default=0, description="torchrun worker-group restarts within a generation (any cause)"
     )
+    planned: int = Field(
+        default=0,
+        description="nodes taken away on purpose (shrunk for a higher-priority job, drained, resized), each "
+        "after a snapshot at a step boundary: never a failure",
+    )
+    preempted: int = Field(
+        default=0, description="times the whole job was stopped for a higher-priority job and requeued"
+    )
 
 
 class CheckpointInfo(_Record):
@@ -399,6 +419,9 @@ class JobStatus(_Record):
     backoff_until: datetime | None = None
     node_failures: dict[str, int] = Field(default_factory=dict)
     blacklist: dict[str, datetime] = Field(default_factory=dict)
+    # nodes taken away by planned shrinks and not yet given back: growing onto them again does not count
+    # against max_membership_changes
+    planned_out: int = 0
 
 
 class Event(_Record):
@@ -422,6 +445,31 @@ class NodeInfo(_Record):
     incarnation: str
     registered_at: datetime
     lease_ttl: float | None = None
+    # where the agent serves its jobs' logs (``etrain agent --logs-port``): the controller proxies
+    # ``GET /v1/jobs/{id}/logs`` there with ``logs_token`` as bearer token (never shown by the API)
+    logs_url: str | None = None
+    logs_token: str | None = Field(default=None, repr=False)
+
+
+class NodeMode(str, Enum):
+    """What an operator asked of a node (``etrain node cordon|drain|uncordon``)."""
+
+    #: no new job is placed on it; the jobs running there stay
+    CORDONED = "cordoned"
+    #: cordoned, and its jobs move off through planned scale-down (a snapshot first, never a failure): each
+    #: to a free node if one fits, else it shrinks if above ``min_nodes``, else it requeues
+    DRAINING = "draining"
+
+
+class NodeControl(_Record):
+    """``<prefix>/nodectl/<name>``: an operator's request about a node. Not on the agent's lease: it outlives
+    agent restarts, and may name a node that has not registered yet. Uncordon deletes it."""
+
+    name: str
+    mode: NodeMode
+    requested_by: str | None = None
+    at: datetime
+    reason: str | None = Field(default=None, max_length=1000)
 
 
 class Assignment(_Record):

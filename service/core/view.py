@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from elastic.progress import Progress
-from service.core.models import Assignment, Event, JobRecord, JobStatus, NodeInfo, WorkerReport
+from service.core.models import Assignment, Event, JobRecord, JobStatus, NodeControl, NodeInfo, WorkerReport
 
-__all__ = ["ClusterView", "JobEntry", "JobUpdate", "Plan", "PlanOutcome", "ReconcileConfig", "WriteFailure"]
+__all__ = ["ClusterView", "JobEntry", "JobUpdate", "Plan", "PlanOutcome", "Quotas", "ReconcileConfig", "WriteFailure"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,25 @@ class ClusterView:
     progress: Mapping[str, Progress] = field(default_factory=dict)
     revision: int = 0
     write_failures: Mapping[str, WriteFailure] = field(default_factory=dict)  # kept by the controller
+    controls: Mapping[str, NodeControl] = field(default_factory=dict)  # node name -> cordon / drain request
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """Node quotas (nodes held at once by a user's or a queue's active jobs). A job counts against its
+    submitter's quota (``users``, else ``default_user``) and its spec's ``queue`` quota (``queues``); None or
+    absent: no limit. A quota lowered below what is held is not enforced by shrinking: it stops new
+    placements until the holdings fall below it."""
+
+    users: Mapping[str, int] = field(default_factory=dict)
+    queues: Mapping[str, int] = field(default_factory=dict)
+    default_user: int | None = None
+
+    def user_limit(self, user: str | None) -> int | None:
+        return self.users.get(user or "", self.default_user)
+
+    def queue_limit(self, queue: str | None) -> int | None:
+        return None if queue is None else self.queues.get(queue)
 
 
 @dataclass(frozen=True)
@@ -55,6 +74,7 @@ class ReconcileConfig:
     write_failure_limit: int = 3  # a job whose update etcd refuses this many passes in a row fails
     terminal_retention: timedelta = timedelta(days=7)  # finished jobs (and their events) are then deleted
     history_limit: int = 100  # world-size changes kept per job status (the newest)
+    quotas: Quotas = field(default_factory=Quotas)
 
 
 @dataclass
