@@ -15,7 +15,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from elastic.etcd import EtcdError
-from service.core.models import NodeInfo
+from service.core.models import NODE_MODES, NodeControl, NodeInfo, node_mode
 from service.core.states import JobState
 from service.core.store import ServiceStore
 from service.core.view import JobEntry
@@ -23,32 +23,37 @@ from service.core.view_cache import ViewCache
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CONTENT_TYPE", "Metrics", "create_metrics"]
+__all__ = ["CONTENT_TYPE", "SCHEDULER_ACTIONS", "Metrics", "create_metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+#: the reconciler's event types counted by ``etrain_scheduler_actions_total{action}`` when the leader applies them
+SCHEDULER_ACTIONS = ("shrunk", "preempted", "evacuated", "resized", "drained")
+
 
 class _ServiceStoreCollector(Collector):
-    """Jobs and nodes as etcd holds them at scrape time, read incrementally (the jobs, statuses and nodes
-    that changed since the last scrape: :class:`ViewCache`), so a scrape costs the changes, not the history."""
+    """Jobs and nodes as etcd holds them at scrape time, read incrementally (the jobs, statuses, nodes and
+    node requests that changed since the last scrape: :class:`ViewCache`), so a scrape costs the changes, not
+    the history."""
 
     def __init__(self, store: ServiceStore) -> None:
         self._store = store
         self._lock = threading.Lock()
         self._cache: ViewCache | None = None
 
-    def _read(self) -> tuple[list[JobEntry], list[NodeInfo]]:
+    def _read(self) -> tuple[list[JobEntry], list[NodeInfo], dict[str, NodeControl]]:
         k = self._store.keys
         with self._lock:
             if self._cache is None:
-                self._cache = ViewCache(self._store.client, k, prefixes=[k.jobs, k.status, k.cancel, k.nodes])
+                self._cache = ViewCache(self._store.client, k,
+                                        prefixes=[k.jobs, k.status, k.cancel, k.nodes, k.nodectl])  # fmt: skip
             try:
                 view = self._cache.read()
             except BaseException:
                 self._cache.reset()
                 raise
         jobs = sorted(view.jobs.values(), key=lambda e: (e.record.created_at, e.record.id))
-        return jobs, list(view.nodes.values())
+        return jobs, list(view.nodes.values()), dict(view.controls)
 
     def close(self) -> None:
         with self._lock:
@@ -58,7 +63,7 @@ class _ServiceStoreCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         try:
-            jobs, nodes = self._read()
+            jobs, nodes, controls = self._read()
         except EtcdError as exc:
             logger.warning("metrics: cannot read etcd: %s", exc)
             return
@@ -96,6 +101,29 @@ class _ServiceStoreCollector(Collector):
             for cause, n in st.restarts.model_dump().items():
                 restarts.add_metric([job, cause], n)
         yield from (world, step, ckpt, restarts)
+        active = [e for e in jobs if not e.status.state.terminal]
+        yield GaugeMetricFamily(
+            "etrain_queue_length",
+            "Active jobs waiting for nodes (pending, or recovering without nodes)",
+            value=sum(
+                1 for e in active
+                if e.status.state == JobState.PENDING or (e.status.state == JobState.RECOVERING and not e.status.nodes)
+            ),
+        )  # fmt: skip
+        held = GaugeMetricFamily("etrain_job_nodes", "Nodes held by an active job", labels=["job"])
+        for e in active:
+            held.add_metric([e.record.id], len(e.status.nodes))
+        yield held
+        busy = {node for e in active for node in e.status.nodes}
+        modes = dict.fromkeys(NODE_MODES, 0)
+        for info in nodes:
+            modes[node_mode(controls.get(info.name), info.name in busy)] += 1
+        by_mode = GaugeMetricFamily(
+            "etrain_nodes_by_mode", "Live nodes by mode (drained: draining, no active job holds it)", labels=["mode"]
+        )
+        for mode, count in modes.items():
+            by_mode.add_metric([mode], count)
+        yield by_mode
 
 
 class Metrics:
@@ -123,6 +151,14 @@ class Metrics:
         self.jobs_submitted = Counter(
             "etrain_jobs_submitted", "Jobs accepted by this replica", registry=self.registry
         )
+        self.scheduler_actions = Counter(
+            "etrain_scheduler_actions",
+            "Scheduling actions the leader applied (this replica, while leading), by the reconciler's event type",
+            ["action"],
+            registry=self.registry,
+        )
+        for action in SCHEDULER_ACTIONS:
+            self.scheduler_actions.labels(action)  # shown at 0 before the first one
 
     def attach(self, store: ServiceStore) -> None:
         self._collector = _ServiceStoreCollector(store)

@@ -18,121 +18,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Any
 
-from service.controller.recovery import blacklisted_nodes, blame_nodes, judge_failure, membership_budget_left
-from service.controller.scheduler import free_capacity, pick_nodes
+from service.controller.decision import Decision
+from service.controller.placement import place_jobs
+from service.controller.recovery import blame_nodes, judge_failure
+from service.controller.scheduler import free_capacity
 from service.core.models import (
     Assignment,
     CheckpointInfo,
-    Event,
-    JobStatus,
     RecoveryMode,
     WorkerReport,
     WorldSizeChange,
-    checkpoint_prefix_owner,
     checkpoint_url_within,
 )
-from service.core.states import JobState, Trigger, next_state
+from service.core.states import JobState, Trigger
 from service.core.view import ClusterView, JobEntry, JobUpdate, Plan, ReconcileConfig
 
 __all__ = ["reconcile"]
-
-
-def _event_id(now: datetime, seq: int) -> str:
-    return f"{int(now.timestamp() * 1_000_000):017d}-c{seq:03d}"
-
-
-class _Decision:
-    """Accumulates one job's changes during a reconcile pass."""
-
-    def __init__(self, entry: JobEntry, view: ClusterView, now: datetime, current: dict[str, Assignment]) -> None:
-        self.entry = entry
-        self.record = entry.record
-        self.spec = entry.record.spec
-        self.policy = self.spec.restart_policy
-        self.view = view
-        self.now = now
-        self.st = _copy_status(entry.status)
-        self.events: list[Event] = []
-        self.assign: dict[str, Assignment] = {}
-        self.unassign: set[str] = set()
-        self.clear_reports = False
-        self.clear_report_nodes: set[str] = set()  # nodes whose report of this job is deleted
-        self.purge = False
-        self.current = current  # node -> this job's assignment there
-
-    # -- helpers -------------------------------------------------------------------------------------
-    def event(self, kind: str, message: str, **data: Any) -> None:
-        seq = len(self.events)
-        self.events.append(Event(id=_event_id(self.now, seq), time=self.now, type=kind, message=message, data=data))
-
-    def move(self, trigger: Trigger, message: str) -> None:
-        old = self.st.state
-        self.st.state = next_state(old, trigger)
-        self.st.message = message
-        if old != self.st.state:
-            self.event(
-                "state",
-                f"{old.value} -> {self.st.state.value}: {message}",
-                old=old.value,
-                new=self.st.state.value,
-            )
-        if self.st.state.terminal:
-            self.st.finished_at = self.now
-            self.release_all()
-
-    def release_all(self) -> None:
-        self.unassign |= set(self.current)
-        self.assign.clear()
-        self.st.nodes = []
-
-    def place(self, nodes: list[str]) -> None:
-        for node in nodes:
-            self.assign[node] = Assignment(
-                job_id=self.record.id,
-                generation=self.st.generation,
-                spec=self.spec,
-                checkpoint_url=self.record.checkpoint_url,
-                checkpoint_key=self.record.checkpoint_key,
-                assigned_at=self.now,
-            )
-            self.unassign.discard(node)
-
-    def update(self) -> JobUpdate | None:
-        if self.purge:
-            return JobUpdate(job_id=self.record.id, expected_revision=self.entry.status_revision, status=None,
-                             purge=True)  # fmt: skip
-        changed = self.st != self.entry.status
-        if not (changed or self.events or self.assign or self.unassign or self.clear_reports
-                or self.clear_report_nodes):
-            return None
-        status = None
-        if changed or self.events:
-            self.st.updated_at = self.now
-            status = self.st
-        return JobUpdate(
-            job_id=self.record.id,
-            expected_revision=self.entry.status_revision,
-            status=status,
-            events=self.events,
-            assign=self.assign,
-            unassign=sorted(self.unassign),
-            clear_reports=self.clear_reports,
-            clear_report_nodes=sorted(self.clear_report_nodes),
-        )
-
-
-def _copy_status(status: JobStatus) -> JobStatus:
-    """A copy the pass may change: what it changes in place (lists, dicts, ``restarts``) copied, the rest shared
-    (a deep copy of every status, its world-size history included, was most of a pass at scale)."""
-    return status.model_copy(update={
-        "nodes": list(status.nodes),
-        "world_size_history": list(status.world_size_history),  # appended to; the changes themselves never
-        "restarts": status.restarts.model_copy(),
-        "node_failures": dict(status.node_failures),
-        "blacklist": dict(status.blacklist),
-    })  # fmt: skip
 
 
 def _finished_job(entry: JobEntry, view: ClusterView, now: datetime, current: Mapping[str, Assignment],
@@ -154,7 +56,7 @@ def _ts(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=timezone.utc)
 
 
-def _observe_progress(d: _Decision, cfg: ReconcileConfig) -> None:
+def _observe_progress(d: Decision, cfg: ReconcileConfig) -> None:
     prog = d.view.progress.get(d.record.id)
     st = d.st
     if prog is None:
@@ -210,7 +112,7 @@ def _observe_progress(d: _Decision, cfg: ReconcileConfig) -> None:
         d.move(Trigger.RESUME, f"running on {len(st.nodes)} node(s), world size {prog.world_size}")
 
 
-def _handle_outcomes(d: _Decision, cfg: ReconcileConfig) -> bool:
+def _handle_outcomes(d: Decision, cfg: ReconcileConfig) -> bool:
     """Success or failure reports of the current generation; True when the job's pass is over."""
     st = d.st
     reports = {
@@ -264,7 +166,7 @@ def _handle_outcomes(d: _Decision, cfg: ReconcileConfig) -> bool:
     return True
 
 
-def _live_drop(d: _Decision, failed: Mapping[str, WorkerReport], not_failed: list[str]) -> bool:
+def _live_drop(d: Decision, failed: Mapping[str, WorkerReport], not_failed: list[str]) -> bool:
     """Live recovery: when some nodes' torchruns died while the others' workers go on, only those nodes leave
     the job (as a lost node does; added again later, in the same generation, by the scale-up), instead of a
     new generation restarting every node's workers. True when done so.
@@ -287,7 +189,7 @@ def _live_drop(d: _Decision, failed: Mapping[str, WorkerReport], not_failed: lis
     return True
 
 
-def _handle_lost_nodes(d: _Decision) -> bool:
+def _handle_lost_nodes(d: Decision) -> bool:
     st = d.st
     lost = [n for n in st.nodes if n not in d.view.nodes]
     if not lost:
@@ -314,59 +216,6 @@ def _handle_lost_nodes(d: _Decision) -> bool:
     return False
 
 
-def _checkpoint_conflict(d: _Decision, claimed: Mapping[str, str]) -> str | None:
-    """Another started, active job whose checkpoint prefix overlaps this job's (``claimed``: id -> url)."""
-    own = d.record.checkpoint_url
-    return None if own is None else checkpoint_prefix_owner(own, claimed, exclude=d.record.id)
-
-
-def _try_start(d: _Decision, free: dict[str, int], claimed: dict[str, str]) -> None:
-    st = d.st
-    if st.backoff_until is not None and d.now < st.backoff_until:
-        return
-    conflict = _checkpoint_conflict(d, claimed)
-    if conflict is not None:
-        d.move(Trigger.FAIL, f"checkpoint prefix {d.record.checkpoint_url} is in use by job {conflict}")
-        return
-    avoid = blacklisted_nodes(st, d.now)
-    nodes = pick_nodes(free, d.spec.nproc_per_node, d.spec.max_nodes, exclude=avoid)
-    if len(nodes) < d.spec.min_nodes:
-        st.message = f"waiting for nodes: {len(nodes)} eligible, min_nodes={d.spec.min_nodes}"
-        return
-    st.generation += 1
-    st.nodes = sorted(nodes)
-    st.backoff_until = None
-    st.generation_started_at = d.now
-    st.generation_progressed = False
-    st.generation_first_step = None
-    st.seen_restart_count = 0
-    st.failure_seen_at = st.success_seen_at = st.disrupted_at = None
-    st.started_at = st.started_at or d.now
-    for node in nodes:
-        free[node] -= d.spec.nproc_per_node
-    d.place(st.nodes)
-    if d.record.checkpoint_url is not None:
-        claimed[d.record.id] = d.record.checkpoint_url
-    d.move(Trigger.START, f"generation {st.generation} on {len(nodes)} node(s): {', '.join(st.nodes)}")
-
-
-def _try_grow(d: _Decision, free: dict[str, int]) -> None:
-    st = d.st
-    room = min(d.spec.max_nodes - len(st.nodes), membership_budget_left(st, d.policy))
-    avoid = blacklisted_nodes(st, d.now) | set(st.nodes)
-    nodes = pick_nodes(free, d.spec.nproc_per_node, room, exclude=avoid)
-    if not nodes:
-        return
-    for node in nodes:
-        free[node] -= d.spec.nproc_per_node
-        st.restarts.membership += 1
-        d.event("node_joined", f"node {node} added", node=node)
-    st.nodes = sorted([*st.nodes, *nodes])
-    st.disrupted_at = d.now
-    d.place(nodes)
-    d.move(Trigger.DISRUPT, f"scaling up to {len(st.nodes)} node(s) with {', '.join(nodes)}")
-
-
 def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = None) -> Plan:
     """Decide what every job needs at ``now`` (see the module docstring)."""
     cfg = cfg or ReconcileConfig()
@@ -384,8 +233,8 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
     by_job: dict[str, dict[str, Assignment]] = {}  # job id -> node -> assignment
     for node, a in pairs:
         by_job.setdefault(a.job_id, {})[node] = a
-    growable: list[_Decision] = []
-    decisions: list[_Decision | JobUpdate] = []
+    schedulable: list[Decision] = []  # what the placement pass may schedule, shrink or preempt
+    decisions: list[Decision | JobUpdate] = []
     for entry in entries:
         current = by_job.get(entry.record.id, {})
         if entry.status.state.terminal:
@@ -393,7 +242,7 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
             if done is not None:
                 decisions.append(done)
             continue
-        d = _Decision(entry, view, now, current)
+        d = Decision(entry, view, now, current)
         decisions.append(d)
         st = d.st
         # leftovers of earlier generations
@@ -413,7 +262,9 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
             _free_released(d, free)
             continue
         _observe_progress(d, cfg)
+        schedulable.append(d)
         if _handle_outcomes(d, cfg) or _handle_lost_nodes(d):
+            d.touched = True  # settled by its own rules this pass: counted in quotas and shares, never moved
             _free_released(d, free)
             continue
         _free_released(d, free)
@@ -421,12 +272,7 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
             if now - st.disrupted_at >= cfg.resume_after:
                 st.disrupted_at = None
                 d.move(Trigger.RESUME, f"running on {len(st.nodes)} node(s) (the job reports no progress)")
-        if not st.nodes and st.state in (JobState.PENDING, JobState.RECOVERING):
-            _try_start(d, free, claimed)
-        elif st.state == JobState.RUNNING and len(st.nodes) < d.spec.max_nodes:
-            growable.append(d)
-    for d in growable:
-        _try_grow(d, free)
+    place_jobs([d for d in schedulable if not d.st.state.terminal], free, claimed, view.controls, cfg.quotas)
     for decided in decisions:
         upd = decided if isinstance(decided, JobUpdate) else decided.update()
         if upd is not None:
@@ -434,7 +280,7 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
     return plan
 
 
-def _free_released(d: _Decision, free: dict[str, int]) -> None:
+def _free_released(d: Decision, free: dict[str, int]) -> None:
     """Give back the capacity of nodes this job just released (current generation only)."""
     for node in d.unassign:
         a = d.current.get(node)

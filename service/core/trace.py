@@ -143,7 +143,7 @@ def _move(ev: Event) -> tuple[str, str, str] | None:
 
 
 def _is_start(move: tuple[str, str, str]) -> bool:
-    """A new generation's start (``_try_start``'s move: ``generation N on K node(s): a, b``), not a resume."""
+    """A new generation's start (``Decision.start``'s move: ``generation N on K node(s): a, b``), not a resume."""
     return move[1] == "running" and move[2].startswith("generation ")
 
 

@@ -23,7 +23,9 @@ from service.core.models import JobRecord, JobSpec, JobStatus, NodeInfo
 from service.core.states import JobState
 from service.core.store import ServiceStore, new_event
 from tests.service.conftest import make_settings
-from tests.service.controller.test_reconcile import _Cluster, _s, _spec
+from tests.service.controller.cluster_sim import Cluster as _Cluster
+from tests.service.controller.cluster_sim import spec as _spec
+from tests.service.controller.test_reconcile import _s
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,110 +1,19 @@
 """The controller's decisions as a pure function: scheduling, node loss, scale-up, failures, success.
 
-``_Cluster`` is an in-memory implementation of what the store does with a plan (status replaced,
+``Cluster`` is an in-memory implementation of what the store does with a plan (status replaced,
 assignments written and deleted), so multi-step scenarios run tick by tick without etcd.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any
 
 from elastic.progress import Progress
-from service.controller.reconcile import reconcile
-from service.core.models import Assignment, JobRecord, JobSpec, JobStatus, NodeInfo, WorkerReport
 from service.core.states import JobState
-from service.core.view import ClusterView, JobEntry, Plan, ReconcileConfig
-
-T0 = datetime(2030, 1, 1, tzinfo=timezone.utc)
-CFG = ReconcileConfig(
-    success_grace=timedelta(seconds=10),
-    failure_settle=timedelta(seconds=2),
-    resume_after=timedelta(seconds=30),
-)
-
-
-def _spec(**kw: Any) -> JobSpec:
-    base: dict[str, Any] = {"name": "j", "entrypoint": "train.py", "min_nodes": 2, "max_nodes": 3}
-    base.update(kw)
-    return JobSpec.model_validate(base)
-
-
-def _node(name: str, capacity: int = 1) -> NodeInfo:
-    return NodeInfo(name=name, capacity=capacity, incarnation="x", registered_at=T0)
-
-
-@dataclass
-class _Cluster:
-    """Jobs, nodes, assignments, reports and progress, updated by applying plans like the store does."""
-
-    jobs: dict[str, JobEntry] = field(default_factory=dict)
-    nodes: dict[str, NodeInfo] = field(default_factory=dict)
-    assignments: dict[str, dict[str, Assignment]] = field(default_factory=dict)
-    reports: dict[str, dict[str, WorkerReport]] = field(default_factory=dict)
-    progress: dict[str, Progress] = field(default_factory=dict)
-    events: list[tuple[str, str]] = field(default_factory=list)
-
-    def add_job(
-        self, job_id: str, spec: JobSpec, at: datetime = T0, checkpoint_url: str | None = None
-    ) -> None:
-        rec = JobRecord(id=job_id, spec=spec, created_at=at, checkpoint_url=checkpoint_url)
-        self.jobs[job_id] = JobEntry(rec, JobStatus(created_at=at, updated_at=at), 1)
-
-    def add_nodes(self, *names: str, capacity: int = 1) -> None:
-        for n in names:
-            self.nodes[n] = _node(n, capacity)
-
-    def view(self) -> ClusterView:
-        return ClusterView(self.jobs, self.nodes, self.assignments, self.reports, self.progress)
-
-    def tick(self, now: datetime) -> Plan:
-        plan = reconcile(self.view(), now, CFG)
-        for u in plan.updates:
-            e = self.jobs[u.job_id]
-            assert u.expected_revision == e.status_revision
-            if u.purge:
-                del self.jobs[u.job_id]
-                self.reports.pop(u.job_id, None)
-                self.progress.pop(u.job_id, None)
-                continue
-            if u.status is not None:
-                self.jobs[u.job_id] = JobEntry(e.record, u.status, e.status_revision + 1, e.cancel_requested)
-            for node, a in u.assign.items():
-                self.assignments.setdefault(node, {})[u.job_id] = a
-            for node in u.unassign:
-                self.assignments.get(node, {}).pop(u.job_id, None)
-            if u.clear_reports:
-                self.reports.pop(u.job_id, None)
-            for node in u.clear_report_nodes:
-                self.reports.get(u.job_id, {}).pop(node, None)
-            self.events += [(u.job_id, ev.type) for ev in u.events]
-        for node, job_id in plan.orphans:
-            self.assignments[node].pop(job_id)
-        return plan
-
-    def status(self, job_id: str) -> JobStatus:
-        return self.jobs[job_id].status
-
-    def assigned(self, job_id: str) -> dict[str, int]:
-        return {n: jobs[job_id].generation for n, jobs in self.assignments.items() if job_id in jobs}
-
-    def report(self, job_id: str, node: str, state: str, code: int | None = None, at: datetime = T0) -> None:
-        gen = self.status(job_id).generation
-        self.reports.setdefault(job_id, {})[node] = WorkerReport(
-            job_id=job_id,
-            node=node,
-            generation=gen,
-            state=state,
-            exit_code=code,
-            finished_at=at,  # type: ignore[arg-type]
-        )
-
-    def progress_at(self, job_id: str, at: datetime, step: int, world: int, **kw: Any) -> None:
-        gen = self.status(job_id).generation
-        self.progress[job_id] = Progress(
-            step=step, world_size=world, time=at.timestamp(), generation=gen, **kw
-        )
+from service.core.view import JobEntry
+from tests.service.controller.cluster_sim import CFG, T0, Cluster
+from tests.service.controller.cluster_sim import spec as _spec
 
 
 def _s(seconds: float) -> datetime:
@@ -114,7 +23,7 @@ def _s(seconds: float) -> datetime:
 def test_world_size_history_lists_the_nodes_the_workers_report_not_the_stale_assignment() -> None:
     # The demo showed "2  on node-1, node-2, node-3": the re-formed round reported world size 2 before the
     # controller saw the lost node's lease expire.
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b", "c")
     c.add_job("j1", _spec())
     c.tick(_s(1))
@@ -131,7 +40,7 @@ def test_world_size_history_lists_the_nodes_the_workers_report_not_the_stale_ass
 
 
 def test_pending_job_starts_on_up_to_max_nodes_when_min_are_free() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b", "c", "d")
     c.add_job("j1", _spec())
     c.tick(_s(1))
@@ -143,7 +52,7 @@ def test_pending_job_starts_on_up_to_max_nodes_when_min_are_free() -> None:
 
 
 def test_pending_job_waits_without_holding_nodes_when_fewer_than_min() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a")
     c.add_job("j1", _spec())
     c.tick(_s(1))
@@ -156,7 +65,7 @@ def test_pending_job_waits_without_holding_nodes_when_fewer_than_min() -> None:
 
 
 def test_lost_node_leaves_the_job_which_reforms_smaller_then_resumes_on_progress() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b", "c")
     c.add_job("j1", _spec())
     c.tick(_s(1))
@@ -178,7 +87,7 @@ def test_lost_node_leaves_the_job_which_reforms_smaller_then_resumes_on_progress
 
 
 def test_losing_nodes_below_min_stops_the_job_until_enough_return() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job("j1", _spec(min_nodes=2, max_nodes=2))
     c.tick(_s(1))
@@ -194,7 +103,7 @@ def test_losing_nodes_below_min_stops_the_job_until_enough_return() -> None:
 
 
 def test_new_node_scales_a_running_job_up_within_the_membership_budget() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job("j1", _spec(restart_policy={"max_membership_changes": 1}))
     c.tick(_s(1))
@@ -207,7 +116,7 @@ def test_new_node_scales_a_running_job_up_within_the_membership_budget() -> None
 
 
 def test_scale_up_stops_when_membership_budget_is_spent() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job("j1", _spec(restart_policy={"max_membership_changes": 0}))
     c.tick(_s(1))
@@ -217,7 +126,7 @@ def test_scale_up_stops_when_membership_budget_is_spent() -> None:
 
 
 def test_node_loss_beyond_membership_budget_fails_the_job() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b", "c")
     c.add_job("j1", _spec(min_nodes=1, restart_policy={"max_membership_changes": 0}))
     c.tick(_s(1))
@@ -229,7 +138,7 @@ def test_node_loss_beyond_membership_budget_fails_the_job() -> None:
 
 
 def test_failure_everywhere_restarts_a_new_generation_after_backoff_without_blame() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job("j1", _spec(restart_policy={"backoff_initial": 4, "max_failures": 2}))
     c.tick(_s(1))
@@ -252,7 +161,7 @@ def test_failure_everywhere_restarts_a_new_generation_after_backoff_without_blam
 
 
 def test_failure_on_one_node_waits_to_settle_then_blames_and_blacklists_it() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b", "c")
     policy = {"backoff_initial": 1, "blacklist_after": 2, "max_failures": 10, "crash_loop_threshold": 10}
     c.add_job("j1", _spec(restart_policy=policy))
@@ -272,7 +181,7 @@ def test_failure_on_one_node_waits_to_settle_then_blames_and_blacklists_it() -> 
 
 
 def test_repeated_failures_before_the_first_step_fail_as_crash_loop() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job(
         "j1", _spec(restart_policy={"backoff_initial": 1, "max_failures": 10, "crash_loop_threshold": 2})
@@ -289,7 +198,7 @@ def test_repeated_failures_before_the_first_step_fail_as_crash_loop() -> None:
 
 
 def test_launch_failure_counts_as_a_failure() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job("j1", _spec(restart_policy={"max_failures": 0}))
     c.tick(_s(0))
@@ -300,7 +209,7 @@ def test_launch_failure_counts_as_a_failure() -> None:
 
 
 def test_success_waits_for_other_nodes_to_exit_or_the_grace_period() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job("j1", _spec())
     c.tick(_s(0))
@@ -327,7 +236,7 @@ def test_success_waits_for_other_nodes_to_exit_or_the_grace_period() -> None:
 
 
 def test_cancel_request_releases_every_node() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job("j1", _spec())
     c.tick(_s(0))
@@ -338,7 +247,7 @@ def test_cancel_request_releases_every_node() -> None:
 
 
 def test_older_jobs_get_nodes_first_and_capacity_is_respected() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b", "c")
     c.add_job("old", _spec(min_nodes=2, max_nodes=2), at=_s(0))
     c.add_job("new", _spec(min_nodes=2, max_nodes=2), at=_s(1))
@@ -351,7 +260,7 @@ def test_older_jobs_get_nodes_first_and_capacity_is_respected() -> None:
 
 
 def test_nodes_with_room_for_several_jobs_host_them_side_by_side() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b", capacity=4)
     c.add_job("j1", _spec(nproc_per_node=2, min_nodes=2, max_nodes=2))
     c.add_job("j2", _spec(nproc_per_node=2, min_nodes=2, max_nodes=2), at=_s(1))
@@ -362,7 +271,7 @@ def test_nodes_with_room_for_several_jobs_host_them_side_by_side() -> None:
 
 
 def test_checkpoint_progress_is_recorded_only_inside_the_jobs_prefix() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job("j1", _spec(), checkpoint_url="file:///ck/j1")
     c.tick(_s(0))
@@ -377,7 +286,7 @@ def test_checkpoint_progress_is_recorded_only_inside_the_jobs_prefix() -> None:
 
 
 def test_a_job_cannot_start_on_a_checkpoint_prefix_an_active_job_uses() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b", "c", "d")
     c.add_job("j1", _spec(min_nodes=2, max_nodes=2), checkpoint_url="file:///ck/shared")
     c.add_job("j2", _spec(min_nodes=2, max_nodes=2), at=_s(1), checkpoint_url="file:///ck/shared/sub")
@@ -388,7 +297,7 @@ def test_a_job_cannot_start_on_a_checkpoint_prefix_an_active_job_uses() -> None:
 
 
 def test_jobs_that_report_no_progress_are_assumed_recovered_after_a_while() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b", "c")
     c.add_job("j1", _spec())
     c.tick(_s(0))
@@ -401,7 +310,7 @@ def test_jobs_that_report_no_progress_are_assumed_recovered_after_a_while() -> N
 
 
 def test_worker_restarts_and_late_reports_of_old_generations() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job("j1", _spec())
     c.tick(_s(0))
@@ -415,7 +324,7 @@ def test_worker_restarts_and_late_reports_of_old_generations() -> None:
 
 
 def test_leftover_and_orphan_assignments_are_removed() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job("j1", _spec())
     c.tick(_s(0))
@@ -427,7 +336,7 @@ def test_leftover_and_orphan_assignments_are_removed() -> None:
 
 
 def test_nothing_to_do_yields_an_empty_plan() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job("j1", _spec())
     c.tick(_s(0))
@@ -435,7 +344,7 @@ def test_nothing_to_do_yields_an_empty_plan() -> None:
 
 
 def test_finished_jobs_are_deleted_once_the_retention_is_over_and_not_before() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job("j1", _spec())
     c.add_job("j2", _spec(min_nodes=3, max_nodes=3))  # waits for a third node: stays
@@ -453,7 +362,7 @@ def test_finished_jobs_are_deleted_once_the_retention_is_over_and_not_before() -
 
 
 def test_world_size_history_keeps_the_newest_changes_up_to_its_limit() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job("j1", _spec())
     c.tick(_s(0))
@@ -466,7 +375,7 @@ def test_world_size_history_keeps_the_newest_changes_up_to_its_limit() -> None:
 
 
 # -- live recovery (recovery: live) -------------------------------------------------------------------
-def _live_job(c: _Cluster, **policy: Any) -> None:
+def _live_job(c: Cluster, **policy: Any) -> None:
     c.add_nodes("a", "b", "c")
     c.add_job("j1", _spec(min_nodes=1, recovery="live", restart_policy={"backoff_initial": 4, **policy}))
     c.tick(_s(1))
@@ -476,7 +385,7 @@ def _live_job(c: _Cluster, **policy: Any) -> None:
 
 def test_live_a_world_change_without_a_new_generation_is_history_not_a_failure() -> None:
     # the live group re-formed (a worker died and its torchrun restarted it): only the world size changes
-    c = _Cluster()
+    c = Cluster()
     _live_job(c)
     c.progress_at("j1", _s(3), step=6, world=2, nodes=["a", "b"])
     c.tick(_s(3))
@@ -489,7 +398,7 @@ def test_live_a_world_change_without_a_new_generation_is_history_not_a_failure()
 
 
 def test_live_a_killed_torchrun_drops_its_node_alone_and_the_node_comes_back_in_the_same_generation() -> None:
-    c = _Cluster()
+    c = Cluster()
     _live_job(c)
     c.report("j1", "a", "running")
     c.report("j1", "b", "running")
@@ -513,7 +422,7 @@ def test_live_a_killed_torchrun_drops_its_node_alone_and_the_node_comes_back_in_
 
 def test_live_a_torchrun_that_exited_by_itself_restarts_the_job_in_a_new_generation() -> None:
     # past --max-restarts torchrun closes the generation's rendezvous: no node can join it again
-    c = _Cluster()
+    c = Cluster()
     _live_job(c)
     c.report("j1", "c", "exited", 1, at=_s(3))
     c.tick(_s(3))
@@ -526,13 +435,13 @@ def test_live_a_torchrun_that_exited_by_itself_restarts_the_job_in_a_new_generat
 
 
 def test_live_a_failure_everywhere_or_below_min_nodes_restarts_the_job() -> None:
-    c = _Cluster()
+    c = Cluster()
     _live_job(c)
     for node in ("a", "b", "c"):
         c.report("j1", node, "exited", -9, at=_s(3))
     c.tick(_s(3))
     assert c.status("j1").nodes == [] and c.assigned("j1") == {}
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b")
     c.add_job("j1", _spec(min_nodes=2, max_nodes=2, recovery="live"))
     c.tick(_s(1))
@@ -543,7 +452,7 @@ def test_live_a_failure_everywhere_or_below_min_nodes_restarts_the_job() -> None
 
 
 def test_restart_mode_a_killed_torchrun_still_restarts_every_node() -> None:
-    c = _Cluster()
+    c = Cluster()
     c.add_nodes("a", "b", "c")
     c.add_job("j1", _spec(min_nodes=1))
     c.tick(_s(1))
