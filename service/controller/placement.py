@@ -23,7 +23,6 @@ moved at most once per pass; a job being re-formed (``recovering``) is never a v
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -155,7 +154,7 @@ class _Pass:
         nodes = sum(1 for n in self.free if n not in self.controls)
         jobs = sum(1 for d in self.decisions if d.priority == priority and not d.st.state.terminal
                    and (d.st.nodes or d.waiting))  # fmt: skip
-        return math.ceil(nodes / max(jobs, 1))
+        return max(1, nodes // max(jobs, 1))
 
     def victims(self, d: Decision, equal: bool) -> list[tuple[Decision, int]]:
         """(job, the fewest nodes it may be shrunk to) of running jobs ``d`` may take nodes from, the least
@@ -188,21 +187,27 @@ class _Pass:
             spare = sorted(v.st.nodes, key=lambda n: (-base.get(n, -(1 << 30)), n))  # the emptiest nodes first
             return [_Release(v, (node,), False) for node in spare[: max(len(v.st.nodes) - floor, 0)]]
 
-        # lower priorities give way first (shrunk, then preempted), then jobs of d's priority above their share
+        # lower priorities give way first (shrunk, then preempted: only to reach ``need``), then jobs of d's
+        # priority above their fair share
         victims = self.victims(d, equal)
         lower = [(v, floor) for v, floor in victims if v.priority < d.priority]
-        candidates = [r for v, floor in lower for r in shrinks(v, floor)]
-        if preempt:
-            candidates += [_Release(v, tuple(v.st.nodes), True) for v, _ in lower]
-        candidates += [r for v, floor in victims if v.priority == d.priority for r in shrinks(v, floor)]
-        chosen: list[_Release] = []
-        for c in candidates:
-            chosen.append(c)
-            if found(chosen) >= want:
-                break
-        best = found(chosen)
-        if best < need:
+        shrink_lower = [r for v, floor in lower for r in shrinks(v, floor)]
+        shrink_equal = [r for v, floor in victims if v.priority == d.priority for r in shrinks(v, floor)]
+        whole = [_Release(v, tuple(v.st.nodes), True) for v, _ in lower] if preempt else []
+
+        def take_until(chosen: list[_Release], more: Sequence[_Release], target: int) -> list[_Release]:
+            for c in more:
+                if found(chosen) >= target:
+                    break
+                if c not in chosen:
+                    chosen = [*chosen, c]
+            return chosen
+
+        chosen = take_until([], [*shrink_lower, *whole, *shrink_equal], need)
+        if found(chosen) < need:
             return None
+        chosen = take_until(chosen, [*shrink_lower, *shrink_equal], want)
+        best = found(chosen)
         for c in reversed(list(chosen)):  # keep only what is needed for the same count
             rest = [r for r in chosen if r is not c]
             if found(rest) >= best:
@@ -242,9 +247,10 @@ class _Pass:
             want = min(d.spec.max_nodes, room)
             nodes = pick_nodes(self.open_slots(), d.spec.nproc_per_node, want, exclude=self.avoid(d))
             if len(nodes) < d.spec.min_nodes:
-                releases = self.reclaim(d, d.spec.min_nodes, d.spec.min_nodes, preempt=True, equal=True)
+                releases = self.reclaim(d, want, d.spec.min_nodes, preempt=True, equal=True)
                 if releases is None:
-                    st.message = f"waiting for nodes: {len(nodes)} eligible, min_nodes={d.spec.min_nodes}"
+                    if "requeued" not in st.message:  # why a requeued job waits stays shown until it starts
+                        st.message = f"waiting for nodes: {len(nodes)} eligible, min_nodes={d.spec.min_nodes}"
                     continue
                 self.apply(d, releases)
                 nodes = pick_nodes(self.open_slots(), d.spec.nproc_per_node, want, exclude=self.avoid(d))
