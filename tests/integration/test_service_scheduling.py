@@ -1,0 +1,146 @@
+"""Shared nodes on real agents: priorities shrink and grow jobs back, a drain moves a job off a node.
+
+Real etcd, the controller and three agents as ``etrain`` processes, stock torchrun with the etcd-v3 rendezvous,
+the elastic loop's test worker (``elastic/testing/train_worker.py``, per-step records) training with gloo on CPU.
+Every planned move must keep the elastic loop's guarantees: each step committed once, every sample once per
+epoch, every step's LR the policy's value over the worlds the job ran at, and no failure counted.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic.lr import LRPolicy, LRRule
+from service.testing.cluster import REPO, LocalServiceCluster
+from tests.integration.service_harness import wait_api
+from tests.integration.training_records import assert_every_sample_once_per_epoch, expected_factors, read_records
+
+WORKER = str(REPO / "elastic" / "testing" / "train_worker.py")
+BATCH, LR, WARMUP, BASE_WORLD = 4, 0.05, 2, 2
+
+
+def _spec(name: str, rec: Path, *, samples: int, epochs: int, min_nodes: int, max_nodes: int, priority: int = 0,
+          sleep: float = 0.05, recovery: str = "restart") -> dict[str, Any]:  # fmt: skip
+    return {
+        "name": name,
+        "entrypoint": WORKER,
+        "args": ["--epochs", str(epochs), "--samples", str(samples), "--batch", str(BATCH), "--lr", str(LR),
+                 "--lr-rule", "linear", "--base-world", str(BASE_WORLD), "--warmup", str(WARMUP),
+                 "--save-every", "10", "--step-sleep", str(sleep), "--record", str(rec)],
+        "env": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
+        "min_nodes": min_nodes,
+        "max_nodes": max_nodes,
+        "priority": priority,
+        "recovery": recovery,
+        "rendezvous": {"last_call_timeout": 1},
+        "restart_policy": {"backoff_initial": 1},
+    }
+
+
+def _effective(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """For each step, the records of the last attempt that committed it (earlier attempts were rolled back)."""
+    by_step: dict[int, dict[Any, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        if not r.get("late"):
+            by_step[r["step"]][r["attempt"]].append(r)
+    return {s: max(a.values(), key=lambda rs: max(r["t"] for r in rs)) for s, a in by_step.items()}
+
+
+def _worlds(rec: Path) -> list[int]:
+    eff = _effective(read_records(rec))
+    worlds = [eff[s][0]["world"] for s in sorted(eff)]
+    return [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
+
+
+def _check_elastic_loop(rec: Path, samples: int) -> list[int]:
+    """The elastic loop's checks on a finished job's records; returns its worlds in order."""
+    eff = _effective(read_records(rec))
+    steps = sorted(eff)
+    assert steps == list(range(1, steps[-1] + 1)), "every step committed"
+    for s in steps:
+        ranks = sorted(r["rank"] for r in eff[s])
+        assert ranks == list(range(eff[s][0]["world"])), f"step {s}: one record per rank, exactly once: {ranks}"
+    assert_every_sample_once_per_epoch(eff, samples)
+    policy = LRPolicy(LRRule.LINEAR, LR, BASE_WORLD, BATCH, warmup_steps=WARMUP)
+    expected = expected_factors(policy, eff)
+    for s in steps:
+        for r in eff[s]:
+            assert r["lr"] == pytest.approx(LR * expected[s], rel=1e-12), (s, r["lr"], LR * expected[s])
+    return _worlds(rec)
+
+
+def _finished(api: Any, job_id: str, timeout: float) -> dict[str, Any]:
+    final = wait_api(f"job {job_id} to end", lambda: (j := api.job(job_id))["state"] in
+                     ("succeeded", "failed", "cancelled") and j, timeout)  # fmt: skip
+    assert final["state"] == "succeeded", (final["message"], final["last_error"])
+    return final
+
+
+@pytest.mark.timeout(420)
+def test_a_high_priority_job_shrinks_a_low_one_which_grows_back_both_exactly_once(
+    cluster: LocalServiceCluster, tmp_path: Path
+) -> None:
+    api = cluster.start_controller()
+    for name in ("node-1", "node-2", "node-3"):
+        cluster.start_agent(name)
+    wait_api("3 nodes", lambda: len(api.nodes()) == 3, 60)
+    low_rec, high_rec = tmp_path / "low", tmp_path / "high"
+    low = api.submit(_spec("low", low_rec, samples=360, epochs=3, min_nodes=1, max_nodes=3))["id"]
+    wait_api("the low job at world 3", lambda: 3 in _worlds(low_rec) and max(
+        (r["step"] for r in read_records(low_rec)), default=0) >= 5, 150)  # fmt: skip
+
+    high = api.submit(_spec("high", high_rec, samples=160, epochs=1, min_nodes=2, max_nodes=2, priority=10))["id"]
+    wait_api("the high job on 2 nodes", lambda: len(api.job(high)["nodes"]) == 2, 60)
+    shrunk = api.job(low)
+    assert len(shrunk["nodes"]) == 1 and shrunk["restarts"]["planned"] == 2, shrunk
+    assert not set(shrunk["nodes"]) & set(api.job(high)["nodes"])
+
+    high_final = _finished(api, high, 180)
+    wait_api("the low job back on 3 nodes", lambda: len(api.job(low)["nodes"]) == 3, 90)
+    low_final = _finished(api, low, 240)
+
+    assert _check_elastic_loop(high_rec, 160) == [2]
+    low_worlds = _check_elastic_loop(low_rec, 360)
+    assert low_worlds[:3] == [3, 1, 3], low_worlds
+    for final in (low_final, high_final):
+        assert final["restarts"]["failure"] == 0, final["restarts"]
+    assert low_final["restarts"]["planned"] == 2 and low_final["restarts"]["preempted"] == 0
+    types = [e["type"] for e in api.events(low)]
+    assert "shrunk" in types and types.count("node_joined") == 2
+
+
+@pytest.mark.timeout(300)
+def test_a_drain_moves_a_live_job_off_a_node_with_no_failure_and_no_lost_step(
+    cluster: LocalServiceCluster, tmp_path: Path
+) -> None:
+    api = cluster.start_controller()
+    for name in ("node-1", "node-2", "node-3"):
+        cluster.start_agent(name)
+    wait_api("3 nodes", lambda: len(api.nodes()) == 3, 60)
+    rec = tmp_path / "rec"
+    job = api.submit(_spec("drained", rec, samples=320, epochs=3, min_nodes=2, max_nodes=2, recovery="live"))["id"]
+    wait_api("the job at world 2", lambda: 2 in _worlds(rec) and max(
+        (r["step"] for r in read_records(rec)), default=0) >= 5, 150)  # fmt: skip
+    before = api.job(job)
+    drained = before["nodes"][0]
+    spare = ({"node-1", "node-2", "node-3"} - set(before["nodes"])).pop()
+    api.node_op(drained, "drain", reason="maintenance")
+
+    def moved() -> bool:
+        return sorted(api.job(job)["nodes"]) == sorted({*before["nodes"], spare} - {drained})
+
+    wait_api("the job to move off the drained node", moved, 60)
+    modes = {n["name"]: n["mode"] for n in api.nodes()}
+    wait_api("the node drained", lambda: {n["name"]: n["mode"] for n in api.nodes()}[drained] == "drained", 60)
+    assert modes[spare] == "active"
+    final = _finished(api, job, 200)
+    assert final["restarts"]["failure"] == 0 and final["restarts"]["in_place"] == 0, final["restarts"]
+    assert final["restarts"]["planned"] == 1 and final["generation"] == 1  # live: the same generation
+    worlds = _check_elastic_loop(rec, 320)
+    assert set(worlds) <= {1, 2}, worlds
+    assert not any(drained in (h["nodes"] or []) for h in final["world_size"]["history"][-1:])
+    assert "evacuated" in [e["type"] for e in api.events(job)]
