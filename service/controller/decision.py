@@ -156,6 +156,10 @@ class Decision:
         self.move(Trigger.DISRUPT, f"scaling up to {len(st.nodes)} node(s) with {', '.join(sorted(nodes))}")
 
     # -- planned moves ---------------------------------------------------------------------------------
+    def _planned(self, kind: str, message: str, **data: Any) -> None:
+        """The event of a planned move, with what the timeline needs: the generation and members after it."""
+        self.event(kind, message, planned=True, generation=self.st.generation, members=list(self.st.nodes), **data)
+
     def _go_on(self, keep: Collection[str], add: Collection[str] = ()) -> None:
         """Go on with ``keep`` plus ``add``: a new generation (restart mode), or in place (live mode)."""
         st = self.st
@@ -179,7 +183,7 @@ class Decision:
         st.planned_out += len(taken)
         self.touched = True
         message = f"{reason}: going on with {len(keep)} node(s) without {', '.join(taken)}"
-        self.event(kind, message, nodes=taken, world_nodes=len(keep))
+        self._planned(kind, message, nodes=taken)
         self.move(Trigger.DISRUPT, message)
 
     def swap(self, nodes: Collection[str], replacements: Collection[str], kind: str, reason: str) -> None:
@@ -190,7 +194,7 @@ class Decision:
         st.restarts.planned += len(nodes)
         self.touched = True
         message = f"{reason}: moved from {', '.join(sorted(nodes))} to {', '.join(sorted(replacements))}"
-        self.event(kind, message, nodes=sorted(nodes), replacements=sorted(replacements))
+        self._planned(kind, message, nodes=sorted(nodes), replacements=sorted(replacements))
         self.move(Trigger.DISRUPT, message)
 
     def restart_planned(self, nodes: Collection[str], kind: str, reason: str) -> None:
@@ -203,7 +207,7 @@ class Decision:
         st.restarts.planned += len(taken)
         self.touched = True
         message = f"{reason}: generation {st.generation} on {len(st.nodes)} node(s)"
-        self.event(kind, message, nodes=sorted(st.nodes))
+        self._planned(kind, message, nodes=sorted(taken))
         self.move(Trigger.DISRUPT, message)
 
     def requeue(self, kind: str, reason: str) -> None:
@@ -221,7 +225,7 @@ class Decision:
         st.backoff_until = None
         self.touched = True
         message = f"{reason}; requeued, waiting for nodes"
-        self.event(kind, message, nodes=held)
+        self._planned(kind, message, nodes=held)
         self.move(Trigger.DISRUPT, message)
 
     @property

@@ -174,6 +174,7 @@ class _Builder:
         self.nodes: set[str] = set()
         self.generation = 0
         self.members: dict[str, _Member] = {}
+        self.planned_at: datetime | None = None  # when the last planned move was drawn
         self.reforms: dict[str, _Reform] = {}
         self.notes: list[str] = []
         self.snapshot_seen: tuple[object, object] | None = None  # (step, path) of the last checkpoint event
@@ -293,7 +294,9 @@ class _Builder:
         elif old == "recovering" and new == "running":
             self.end_reforms(t, "resumed")
         elif new == "recovering":
-            if message.startswith("waiting for nodes"):
+            if self.planned_at == t:
+                pass  # a planned move's event of this pass has drawn it (``on_planned``)
+            elif message.startswith("waiting for nodes"):
                 self.leave_all(t, "released: too few nodes left, waiting for nodes")
             elif message.startswith(("re-forming", "live recovery", "scaling up")):
                 self.start_reform(t, message)
@@ -301,8 +304,33 @@ class _Builder:
                 self.leave_all(t, f"released: {message}")
         return old, new, message
 
+    def on_planned(self, ev: Event, t: datetime) -> None:
+        """A planned move (a shrink, a drain, a resize, a preemption: ``Decision._planned``): the nodes that
+        leave, a new generation's or the same generation's members after it, and the re-form it starts."""
+        data = ev.data
+        members = _names(data.get("members"))
+        gen = data.get("generation")
+        self.planned_at = t
+        self.instant(_CONTROLLER, ev.type, t, {"message": ev.message, "nodes": _names(data.get("nodes")),
+                                                "members": members})  # fmt: skip
+        if _int(gen) and gen != self.generation:
+            self.leave_all(t, f"{ev.type}: generation {gen} follows")
+            self.generation = gen
+            for node in members:
+                self.join(node, t, "start")
+        else:
+            for node in [n for n in self.members if n not in members]:
+                self.leave(node, t, ev.type)
+            for node in [n for n in members if n not in self.members]:
+                self.join(node, t, "added")
+        if members:
+            self.start_reform(t, ev.message)
+
     def on_event(self, ev: Event, t: datetime, later: list[Event]) -> None:
         data, kind = ev.data, ev.type
+        if data.get("planned") is True:
+            self.on_planned(ev, t)
+            return
         gen = {"generation": self.generation} if self.generation else {}
         node: str | None = data["node"] if isinstance(data.get("node"), str) else None
         # a state change follows in this pass (not the start of a new generation: the release before one leaves

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from elastic.checkpoint import create_checkpoint_manager
+from service.core.trace import validate_trace
 from service.testing.cluster import LocalServiceCluster
 from tests.integration.service_harness import job_spec, wait_api
 
@@ -74,3 +75,15 @@ def test_job_recovers_from_agent_sigkill_and_controller_restart_then_finishes(
     # signed with the job's own key, which the API never shows
     assert all("manifest_hmac" in json.loads(m.read_text()) for m in ckpt_dir.glob("step-*/manifest.json"))
     assert "checkpoint_key" not in json.dumps(final) and "checkpoint_key" not in json.dumps(api.events(job_id))
+
+    # the timeline of the run: valid Chrome trace JSON, the killed node's generation ends with its loss, and
+    # the survivors re-form until the smaller world reports
+    trace = api.trace(job_id)
+    assert validate_trace(trace) == [], validate_trace(trace)[:5]
+    tids = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    on = [e for e in trace["traceEvents"] if e.get("tid") == tids[f"node {victim}"]]
+    assert [e["name"] for e in on if e["ph"] == "i"].count("node lost") == 1
+    assert any(e["ph"] == "X" and e["name"] == "generation 1" and e["args"]["ended"] == "node lost" for e in on)
+    survivor = before["nodes"][0]
+    reforms = [e for e in trace["traceEvents"] if e.get("tid") == tids[f"node {survivor}"] and e["name"] == "re-form"]
+    assert reforms and reforms[0]["args"]["outcome"] == "resumed", reforms

@@ -23,7 +23,9 @@ from service.core.models import (
     JobRecord,
     JobSpec,
     JobStatus,
+    NodeControl,
     NodeInfo,
+    NodeMode,
     WorkerReport,
 )
 from service.core.states import JobState
@@ -278,6 +280,7 @@ class _Sim:
     reports: dict[str, WorkerReport] = field(default_factory=dict)
     progress: Progress | None = None
     events: list[Event] = field(default_factory=list)
+    controls: dict[str, NodeControl] = field(default_factory=dict)
 
     @classmethod
     def of(cls, record: JobRecord, *nodes: str) -> _Sim:
@@ -289,7 +292,7 @@ class _Sim:
     def tick(self, seconds: float) -> None:
         job_id = self.entry.record.id
         view = ClusterView({job_id: self.entry}, self.nodes, self.assignments, {job_id: self.reports},
-                           {job_id: self.progress} if self.progress else {})  # fmt: skip
+                           {job_id: self.progress} if self.progress else {}, controls=self.controls)  # fmt: skip
         for u in reconcile(view, _s(seconds), CFG).updates:
             if u.status is not None:
                 self.entry = JobEntry(self.entry.record, u.status, self.entry.status_revision + 1)
@@ -370,6 +373,33 @@ def test_reconcile_written_live_recovery_drops_the_killed_node_then_adds_it_back
     assert _spans(trace, "node a", "generation") == [("generation 1", 1, 9)]
     assert ("re-form", 6, 7) in _spans(trace, "node a")  # the survivor re-formed until world size 1 was reported
     assert _counter(trace, "world_size") == [(2, 2), (7, 1)]
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("recovery", ["restart", "live"])
+def test_a_drain_ends_the_drained_nodes_span_and_shows_the_move_to_the_free_node(recovery: str) -> None:
+    sim = _Sim.of(_record(min_nodes=1, max_nodes=2, recovery=recovery), "a", "b", "c")
+    sim.tick(1)  # generation 1 on a, b
+    sim.report_progress(2, 5, 2, ["a", "b"])
+    sim.tick(2)
+    sim.controls["a"] = NodeControl(name="a", mode=NodeMode.DRAINING, at=_s(3))
+    sim.tick(3)
+    assert sim.status.nodes == ["b", "c"] and sim.status.restarts.failure == 0
+    sim.report_progress(4, 6, 2, ["b", "c"])
+    sim.tick(4)
+    trace = sim.trace(now=6)
+    assert validate_trace(trace) == []
+    assert trace["metadata"]["notes"] == []
+    assert _spans(trace, "node a", "generation") == [("generation 1", 1, 3)]
+    [moved] = _on(trace, "controller", "i", "evacuated")
+    assert moved["ts"] == 3 * S and moved["args"]["members"] == ["b", "c"]
+    if recovery == "live":  # the same generation: b stays, c is added and re-forms with it
+        assert _spans(trace, "node b", "generation") == [("generation 1", 1, 6)]
+        assert _spans(trace, "node c", "generation") == [("generation 1", 3, 6)]
+    else:  # restart mode: a new generation on b and c
+        assert _spans(trace, "node b", "generation") == [("generation 1", 1, 3), ("generation 2", 3, 6)]
+        assert _spans(trace, "node c", "generation") == [("generation 2", 3, 6)]
+    assert ("re-form", 3, 4) in _spans(trace, "node c")
 
 
 # -- the validator ----------------------------------------------------------------------------------------------
