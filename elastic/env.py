@@ -19,7 +19,8 @@ Variables, by who sets them:
   or a user: :data:`LIVE_PREFIX` (the etcd prefix of the job's live group, see :mod:`elastic.live`) and
   :data:`LIVE_NODES` (``MIN:MAX`` nodes), with the ``ETRAIN_ETCD_*`` connection above when the user set none;
 - a user, to tune the library: :data:`LOCAL_SNAPSHOT_DIR` (``elastic.checkpoint.tiers``), :data:`PREFORK`,
-  :data:`PREFORK_PRELOAD`, :data:`PREFORK_DIR` (``elastic.prefork``);
+  :data:`PREFORK_PRELOAD`, :data:`PREFORK_DIR` (``elastic.prefork``); the service's agent on a hot spare:
+  :data:`PREFORK_OWNER` (``elastic.prefork``);
 - ``elastic.prefork`` itself, for the worker it forks: :data:`PREFORK_CLIENT` (the client's pid).
 
 This module imports nothing heavy (no torch, no etcd client): ``elastic.prefork`` reads its names here.
@@ -64,6 +65,7 @@ __all__ = [
     "PREFORK",
     "PREFORK_CLIENT",
     "PREFORK_DIR",
+    "PREFORK_OWNER",
     "PREFORK_PRELOAD",
     "PROGRESS_KEY",
     "JobEnv",
@@ -102,6 +104,9 @@ LOCAL_SNAPSHOT_DIR = "ETRAIN_LOCAL_SNAPSHOT_DIR"
 PREFORK = "ETRAIN_PREFORK"
 PREFORK_PRELOAD = "ETRAIN_PREFORK_PRELOAD"
 PREFORK_DIR = "ETRAIN_PREFORK_DIR"
+# the pid whose zygote the workers fork from (a hot spare's node agent, which keeps one warm between jobs);
+# unset: the worker's torchrun agent
+PREFORK_OWNER = "ETRAIN_PREFORK_OWNER"
 PREFORK_CLIENT = "ETRAIN_PREFORK_CLIENT"
 
 _JOB_VARIABLES = (JOB_NAME, GENERATION, NODE_NAME, PROGRESS_KEY, LR_POLICY, MIN_NODES, MAX_NODES)

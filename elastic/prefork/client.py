@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastic.env import PREFORK_CLIENT
+from elastic.env import PREFORK_CLIENT, PREFORK_OWNER
 from elastic.prefork.common import (
     FORWARDED,
     MessageTooLarge,
@@ -86,12 +86,25 @@ def _start_zygote(path: Path, owner: int) -> socket.socket | None:
     return None
 
 
+def zygote_owner_or_none() -> int | None:
+    """``$ETRAIN_PREFORK_OWNER`` when it names a live process (a hot spare's node agent keeps a zygote warm
+    between jobs), else None."""
+    raw = os.environ.get(PREFORK_OWNER, "")
+    return int(raw) if raw.isdigit() and process_stat(int(raw)) is not None else None
+
+
+def zygote_owner() -> int:
+    """The process whose zygote a worker uses: :func:`zygote_owner_or_none`, else its parent (torchrun's agent)."""
+    owner = zygote_owner_or_none()
+    return os.getppid() if owner is None else owner
+
+
 def on_agent_start(argv: Sequence[str]) -> None:
     """The ``elastic.agent_start`` hook (:mod:`elastic.rendezvous.agent_hooks`): in a torchrun agent whose
     workers run through ``elastic.prefork``, start the zygote now, its imports overlapping the rendezvous,
     instead of when the first worker asks for it."""
     if "elastic.prefork" in argv:
-        prestart()
+        prestart(zygote_owner_or_none())
 
 
 def prestart(owner: int | None = None) -> None:
@@ -193,13 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         return serve(Path(argv[1]), int(argv[2]))
     target = Target.parse(argv)
     try:
-        path = socket_path(os.getppid()) if prefork_enabled() else None
+        owner = zygote_owner()
+        path = socket_path(owner) if prefork_enabled() else None
         request = _request(target) if path is not None else b""
     except (OSError, MessageTooLarge) as exc:  # a runtime dir another user could control; a huge environment
         print(f"elastic.prefork: {exc}; running cold", file=sys.stderr, flush=True)
         path = None
     if path is not None:
-        sock = _connect(path) or _start_zygote(path, os.getppid())
+        sock = _connect(path) or _start_zygote(path, owner)
         if sock is not None:
             with sock:
                 return _run_client(sock, request)

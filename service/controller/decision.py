@@ -136,13 +136,14 @@ class Decision:
         self._new_generation(nodes)
         st = self.st
         st.started_at = st.started_at or self.now
-        st.planned_out = 0
+        st.planned_out = st.lost_owed = 0
         self.touched = True
         self.move(Trigger.START, f"generation {st.generation} on {len(st.nodes)} node(s): {', '.join(st.nodes)}")
 
-    def grow(self, nodes: Collection[str]) -> None:
+    def grow(self, nodes: Collection[str], why: str | None = None) -> None:
         """Add ``nodes`` to the running generation (torchrun admits them; live mode: they join in place)."""
         st = self.st
+        st.lost_owed = max(0, st.lost_owed - len(nodes))
         for node in sorted(nodes):
             if st.planned_out > 0:
                 st.planned_out -= 1  # giving back what a planned shrink took: not a membership change
@@ -153,7 +154,8 @@ class Decision:
         st.disrupted_at = self.now
         self.place(nodes)
         self.touched = True
-        self.move(Trigger.DISRUPT, f"scaling up to {len(st.nodes)} node(s) with {', '.join(sorted(nodes))}")
+        self.move(Trigger.DISRUPT, f"scaling up to {len(st.nodes)} node(s) with {', '.join(sorted(nodes))}"
+                                   + (f" ({why})" if why else ""))  # fmt: skip
 
     # -- planned moves ---------------------------------------------------------------------------------
     def _planned(self, kind: str, message: str, **data: Any) -> None:

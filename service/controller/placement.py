@@ -5,15 +5,17 @@ In order:
 1. **Drains.** A job on a node an operator drains moves off it through a planned move (a snapshot first, never a
    failure): onto a free node if one fits, else it shrinks if it stays at or above ``min_nodes``, else it
    requeues. Cordoned and draining nodes get no new placement.
-2. **Resizes.** A running job whose ``min_nodes``/``max_nodes`` changed (``PATCH /v1/jobs/{id}``) restarts in a
+2. **Hot spares** (agents started with ``--spare``) are held back from every other placement: a job that lost
+   nodes (``lost_owed``) takes them first, even while it re-forms, up to what it lost.
+3. **Resizes.** A running job whose ``min_nodes``/``max_nodes`` changed (``PATCH /v1/jobs/{id}``) restarts in a
    new generation within the new range (a planned restart).
-3. **Starts**, highest priority first (then oldest): a job that does not fit on free nodes shrinks running jobs
+4. **Starts**, highest priority first (then oldest): a job that does not fit on free nodes shrinks running jobs
    of lower priority toward their ``min_nodes`` and, if still short, preempts whole lower-priority jobs (they
    requeue); running jobs of its own priority give up only what they hold above their fair share (the live,
    schedulable nodes divided among the jobs of that priority). Nothing is taken unless the job then starts.
    A job that cannot start does not hold back lower-priority jobs that fit (backfill): they are preempted
    when it can start.
-4. **Growth**, highest priority first: within one priority, free nodes go one at a time to the job holding the
+5. **Growth**, highest priority first: within one priority, free nodes go one at a time to the job holding the
    fewest (fair share); then a job below ``max_nodes`` takes nodes that jobs of lower priority hold above their
    ``min_nodes``. Shrunk jobs thus grow back when nodes free up.
 
@@ -74,17 +76,21 @@ class _Release:
 
 class _Pass:
     def __init__(self, decisions: Sequence[Decision], free: dict[str, int], claimed: dict[str, str],
-                 controls: Mapping[str, NodeControl], quotas: Quotas) -> None:  # fmt: skip
+                 controls: Mapping[str, NodeControl], quotas: Quotas, spares: Collection[str]) -> None:  # fmt: skip
         self.decisions = sorted(decisions, key=Decision.order)
         self.controls = controls
+        self.spares = set(spares)
         self.free = free  # every live node's free slots (controlled ones included: releases count there too)
         self.claimed = claimed
         self.held = _Holdings(quotas, decisions)
 
     # -- free capacity ---------------------------------------------------------------------------------
-    def open_slots(self) -> dict[str, int]:
-        """Free slots of the nodes that may get new placements."""
-        return {n: s for n, s in self.free.items() if n not in self.controls}
+    def open_slots(self, spares: bool = False) -> dict[str, int]:
+        """Free slots of the nodes that may get new placements (``spares``: the hot spares' too)."""
+        return {n: s for n, s in self.free.items() if n not in self.controls and (spares or n not in self.spares)}
+
+    def spare_slots(self) -> dict[str, int]:
+        return {n: s for n, s in self.free.items() if n not in self.controls and n in self.spares}
 
     def release(self, d: Decision, nodes: Collection[str]) -> None:
         for node in nodes:
@@ -122,6 +128,19 @@ class _Pass:
             else:
                 self.release(d, list(d.st.nodes))
                 d.requeue("evacuated", f"{reason} (no other node fits and min_nodes={d.spec.min_nodes})")
+
+    # -- hot spares ------------------------------------------------------------------------------------
+    def replace_lost(self) -> None:
+        for d in self.decisions:
+            st = d.st
+            if d.touched or st.lost_owed <= 0 or not st.nodes or st.state not in (JobState.RUNNING,
+                                                                                  JobState.RECOVERING):  # fmt: skip
+                continue
+            want = min(st.lost_owed, d.spec.max_nodes - len(st.nodes), self.held.room(d)[0])
+            got = pick_nodes(self.spare_slots(), d.spec.nproc_per_node, want, exclude=self.avoid(d))
+            if got:
+                self.take(d, got)
+                d.grow(got, f"hot spare{'s' if len(got) > 1 else ''} {', '.join(got)} replacing lost nodes")
 
     # -- 2. resizes ------------------------------------------------------------------------------------
     def resize(self) -> None:
@@ -245,7 +264,11 @@ class _Pass:
                 st.message = f"waiting for quota: {why}, min_nodes={d.spec.min_nodes}"
                 continue
             want = min(d.spec.max_nodes, room)
-            nodes = pick_nodes(self.open_slots(), d.spec.nproc_per_node, want, exclude=self.avoid(d))
+            nodes = []
+            if st.lost_owed > 0:  # a job that lost its nodes restarts on hot spares first
+                nodes = pick_nodes(self.spare_slots(), d.spec.nproc_per_node, min(want, st.lost_owed),
+                                   exclude=self.avoid(d))  # fmt: skip
+            nodes += pick_nodes(self.open_slots(), d.spec.nproc_per_node, want - len(nodes), exclude=self.avoid(d))
             if len(nodes) < d.spec.min_nodes:
                 releases = self.reclaim(d, want, d.spec.min_nodes, preempt=True, equal=True)
                 if releases is None:
@@ -253,7 +276,8 @@ class _Pass:
                         st.message = f"waiting for nodes: {len(nodes)} eligible, min_nodes={d.spec.min_nodes}"
                     continue
                 self.apply(d, releases)
-                nodes = pick_nodes(self.open_slots(), d.spec.nproc_per_node, want, exclude=self.avoid(d))
+                nodes += pick_nodes(self.open_slots(), d.spec.nproc_per_node, want - len(nodes),
+                                    exclude=self.avoid(d) | set(nodes))  # fmt: skip
             self.take(d, nodes)
             if own is not None:
                 self.claimed[d.record.id] = own
@@ -300,11 +324,13 @@ class _Pass:
 
 
 def place_jobs(decisions: Sequence[Decision], free: dict[str, int], claimed: dict[str, str],
-               controls: Mapping[str, NodeControl], quotas: Quotas) -> None:  # fmt: skip
+               controls: Mapping[str, NodeControl], quotas: Quotas, spares: Collection[str] = ()) -> None:  # fmt: skip
     """Run the placement pass over the jobs still active after the per-job rules (see the module docstring).
-    ``free``: live node -> free slots (changed in place); ``claimed``: started job -> checkpoint prefix."""
-    p = _Pass(decisions, free, claimed, controls, quotas)
+    ``free``: live node -> free slots (changed in place); ``claimed``: started job -> checkpoint prefix; ``spares``:
+    the hot spares among the live nodes."""
+    p = _Pass(decisions, free, claimed, controls, quotas, spares)
     p.drain()
+    p.replace_lost()
     p.resize()
     p.start()
     p.grow()

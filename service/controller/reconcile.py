@@ -181,6 +181,7 @@ def _live_drop(d: Decision, failed: Mapping[str, WorkerReport], not_failed: list
     st = d.st
     dropped = sorted(failed)
     st.nodes = [n for n in st.nodes if n not in failed]
+    st.lost_owed += len(dropped)
     d.unassign |= set(dropped)
     d.clear_report_nodes |= set(dropped)  # a stale failure must not count again once the node is back
     st.disrupted_at = d.now
@@ -198,6 +199,7 @@ def _handle_lost_nodes(d: Decision) -> bool:
         st.restarts.membership += 1
         d.event("node_lost", f"node {node} left (lease expired)", node=node)
     st.nodes = [n for n in st.nodes if n not in lost]
+    st.lost_owed += len(lost)
     d.unassign |= set(lost)
     if st.restarts.membership > d.policy.max_membership_changes:
         d.move(
@@ -272,7 +274,8 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
             if now - st.disrupted_at >= cfg.resume_after:
                 st.disrupted_at = None
                 d.move(Trigger.RESUME, f"running on {len(st.nodes)} node(s) (the job reports no progress)")
-    place_jobs([d for d in schedulable if not d.st.state.terminal], free, claimed, view.controls, cfg.quotas)
+    spares = [name for name, info in view.nodes.items() if info.spare]
+    place_jobs([d for d in schedulable if not d.st.state.terminal], free, claimed, view.controls, cfg.quotas, spares)
     for decided in decisions:
         upd = decided if isinstance(decided, JobUpdate) else decided.update()
         if upd is not None:

@@ -23,6 +23,7 @@ from service.core.states import JobState
 
 __all__ = [
     "MAX_NODES_PER_JOB",
+    "NODE_MODES",
     "RESERVED_ENV",
     "Assignment",
     "CheckpointInfo",
@@ -42,6 +43,7 @@ __all__ = [
     "WorldSizeChange",
     "checkpoint_prefix_owner",
     "checkpoint_url_within",
+    "node_mode",
     "normalize_checkpoint_url",
     "submit_problems",
 ]
@@ -422,6 +424,9 @@ class JobStatus(_Record):
     # nodes taken away by planned shrinks and not yet given back: growing onto them again does not count
     # against max_membership_changes
     planned_out: int = 0
+    # nodes this job lost (lease expired, or a torchrun killed in live mode) not yet replaced: it may take hot
+    # spares for them
+    lost_owed: int = 0
 
 
 class Event(_Record):
@@ -445,6 +450,9 @@ class NodeInfo(_Record):
     incarnation: str
     registered_at: datetime
     lease_ttl: float | None = None
+    # a hot spare (``etrain agent --spare``): held back for jobs that lost a node, with a zygote that has torch
+    # imported waiting for their workers
+    spare: bool = False
     # where the agent serves its jobs' logs (``etrain agent --logs-port``): the controller proxies
     # ``GET /v1/jobs/{id}/logs`` there with ``logs_token`` as bearer token (never shown by the API)
     logs_url: str | None = None
@@ -470,6 +478,21 @@ class NodeControl(_Record):
     requested_by: str | None = None
     at: datetime
     reason: str | None = Field(default=None, max_length=1000)
+
+
+#: how the API and the metrics show a node's mode (``node_mode``)
+NODE_MODES = ("active", "cordoned", "draining", "drained")
+
+
+def node_mode(control: NodeControl | None, busy: bool) -> str:
+    """A node's mode as shown (one of :data:`NODE_MODES`): ``active`` (no request), ``cordoned``, ``draining``
+    (a drain request while an active job still holds the node) or ``drained`` (a drain request and no active
+    job left on the node). ``busy``: an active job holds the node."""
+    if control is None:
+        return "active"
+    if control.mode == NodeMode.DRAINING:
+        return "draining" if busy else "drained"
+    return control.mode.value
 
 
 class Assignment(_Record):

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-from service.core.models import JobSpec, NodeControl, NodeMode, RecoveryMode
+from service.core.models import JobSpec, NodeControl, NodeInfo, NodeMode, RecoveryMode
 from service.core.states import JobState
 from service.core.view import Quotas, ReconcileConfig
 from tests.service.controller.cluster_sim import CFG, T0, Cluster
@@ -211,6 +211,43 @@ def test_a_resize_restarts_the_job_in_a_new_generation_within_the_new_range() ->
     assert len(st.nodes) == 3 and st.restarts.failure == 0
 
 
+def _spare(c: Cluster, name: str) -> None:
+    c.nodes[name] = NodeInfo(name=name, capacity=1, incarnation="x", registered_at=T0, spare=True)
+
+
+@pytest.mark.parametrize("mode", [RecoveryMode.RESTART, RecoveryMode.LIVE])
+def test_hot_spares_are_held_back_and_replace_a_lost_node_first(mode: RecoveryMode) -> None:
+    c = Cluster()
+    c.add_nodes("a", "b", "c")
+    _spare(c, "s")
+    c.add_job("j", _job(1, 4, recovery=mode))
+    t = _settle(c, 1)
+    assert c.status("j").nodes == ["a", "b", "c"]  # below max_nodes, yet the spare is not used to grow
+    c.add_job("k", _job(1, 1, priority=-1), at=_s(t))
+    t = _settle(c, t)
+    assert c.status("k").nodes == [] and "waiting for nodes" in c.status("k").message  # nor to start a job
+    del c.nodes["b"]  # b's agent died: its lease expired
+    c.tick(_s(t))
+    st = c.status("j")
+    assert st.nodes == ["a", "c", "s"] and st.lost_owed == 0  # the spare joined in the same pass
+    assert st.state == JobState.RECOVERING and st.restarts.failure == 0
+    c.add_nodes("b")  # b comes back: a normal node again, for the waiting job
+    _settle(c, t + 1)
+    assert c.status("k").nodes == ["b"] and c.status("j").nodes == ["a", "c", "s"]
+
+
+def test_a_job_that_fell_below_min_nodes_restarts_on_hot_spares_first() -> None:
+    c = Cluster()
+    c.add_nodes("a", "b")
+    _spare(c, "s")
+    c.add_job("j", _job(1, 1))
+    t = _settle(c, 1)
+    assert c.status("j").nodes == ["a"]
+    del c.nodes["a"]
+    _settle(c, t)
+    assert c.status("j").nodes == ["s"]  # not b, though b is free: the spare is warm
+
+
 # -- properties -------------------------------------------------------------------------------------------------
 _jobs = hs.lists(
     hs.tuples(
@@ -256,7 +293,7 @@ def _priority_respected(c: Cluster) -> None:
         if st.state.terminal or st.nodes or "quota" in st.message:
             continue
         slots = {n: info.capacity for n, info in c.nodes.items() if n not in c.controls}
-        for other, o in c.jobs.items():
+        for o in c.jobs.values():
             if o.status.state.terminal or o.record.spec.priority < spec.priority:
                 continue
             for node in o.status.nodes:
@@ -280,7 +317,7 @@ def test_property_no_double_booking_min_nodes_kept_priority_respected_everyone_s
     quotas = Quotas(default_user=quota)
     c = Cluster(cfg=ReconcileConfig(**{**CFG.__dict__, "quotas": quotas}))
     names = [f"n{i}" for i in range(len(capacities))]
-    for name, cap in zip(names, capacities):
+    for name, cap in zip(names, capacities, strict=True):
         c.add_nodes(name, capacity=cap)
     ran: dict[str, int] = {}
     ever_started: set[str] = set()
