@@ -143,3 +143,57 @@ def test_a_drain_moves_a_live_job_off_a_node_with_no_failure_and_no_lost_step(
     worlds = _check_elastic_loop(rec, 320)
     assert set(worlds) <= {1, 2}, worlds
     assert "evacuated" in [e["type"] for e in api.events(job)]
+
+
+@pytest.mark.timeout(300)
+def test_a_hot_spare_replaces_a_killed_node_its_workers_forked_from_its_warm_zygote(
+    cluster: LocalServiceCluster, tmp_path: Path
+) -> None:
+    api = cluster.start_controller()
+    for name in ("node-1", "node-2"):
+        cluster.start_agent(name)
+    cluster.start_agent("spare-1", spare=True)
+    wait_api("3 nodes", lambda: len(api.nodes()) == 3, 60)
+    spare = next(n for n in api.nodes() if n["name"] == "spare-1")
+    assert spare["spare"] is True
+    rec = tmp_path / "rec"
+    job = api.submit(_spec("spared", rec, samples=320, epochs=3, min_nodes=1, max_nodes=3, recovery="live"))["id"]
+    wait_api("the job at world 2", lambda: 2 in _worlds(rec) and max(
+        (r["step"] for r in read_records(rec)), default=0) >= 5, 150)  # fmt: skip
+    assert sorted(api.job(job)["nodes"]) == ["node-1", "node-2"]  # held back: the job is below max_nodes
+    zygotes = _zygotes_of(spare["pid"])
+    assert len(zygotes) == 1, "the spare's agent keeps one zygote warm before any job"
+
+    cluster.kill_agent("node-2")
+    wait_api("the spare to join", lambda: sorted(api.job(job)["nodes"]) == ["node-1", "spare-1"], 60)
+    wait_api("the spare's worker to train", lambda: any(r["agent"] == "spare-1" for r in read_records(rec)), 90)
+    spare_pids = {r["pid"] for r in read_records(rec) if r["agent"] == "spare-1"}
+    parents = {_parent(pid) for pid in spare_pids} - {None}
+    assert parents == {zygotes[0]}, (spare_pids, parents, zygotes)  # forked from the zygote warm since start
+    final = _finished(api, job, 200)
+    assert final["restarts"]["failure"] == 0, final["restarts"]
+    _check_elastic_loop(rec, 320)
+
+
+def _zygotes_of(agent_pid: int) -> list[int]:
+    """The zygote processes owned by ``agent_pid`` (``python -m elastic.prefork --serve PATH OWNER``)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a for a in argv if a]
+        if b"--serve" in args and args[-1] == str(agent_pid).encode():
+            found.append(int(proc.name))
+    return found
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
