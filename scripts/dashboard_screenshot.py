@@ -14,7 +14,6 @@ it never downloads a browser.
 from __future__ import annotations
 
 import argparse
-import json
 import secrets
 import shutil
 import sys
@@ -26,7 +25,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from elastic.testing.etcd_server import free_port  # noqa: E402
 from elastic.testing.wait import wait_for  # noqa: E402
 from service.cli.client import ApiClient, ApiError  # noqa: E402
 from service.testing.cluster import LocalServiceCluster  # noqa: E402
@@ -45,21 +43,8 @@ SPEC: dict[str, Any] = {
 
 
 def start_controller(cluster: LocalServiceCluster, admin: str, reader: str) -> ApiClient:
-    """The cluster's controller with a tokens file (LocalServiceCluster's own starts without one)."""
-    tokens = cluster.workdir / "tokens.json"
-    tokens.write_text(json.dumps({"tokens": [{"token": admin, "role": "admin", "name": "admin"},
-                                             {"token": reader, "role": "read", "name": "dashboard"}]}))  # fmt: skip
-    tokens.chmod(0o600)
-    port = free_port()
-    cluster.controller = cluster._spawn(
-        "controller",
-        ["controller", "--host", "127.0.0.1", "--port", str(port), "--leader-ttl", str(cluster.lease_ttl),
-         "--checkpoint-root", f"file://{cluster.checkpoint_root}", "--tokens-file", str(tokens)],
-    )  # fmt: skip
-    cluster.url = f"http://127.0.0.1:{port}"
-    api = ApiClient(cluster.url, token=admin)
-    wait_for(lambda: cluster.check_alive() and api.ready(), 60, 0.5, what="the controller", retry_on=(ApiError,))
-    return api
+    """The cluster's controller with a tokens file: an admin and a read token."""
+    return cluster.start_controller(tokens={admin: "admin", reader: "read"})
 
 
 def main() -> int:

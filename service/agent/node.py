@@ -10,6 +10,9 @@ tail of the log), ``stopped`` (the agent stopped it) or ``launch_failed``. A gen
 not started again on this node; only a new assignment (a new generation, or the node placed in the job again,
 which live recovery does after dropping a node whose torchrun died) starts it.
 
+With ``logs_port`` the agent also serves its jobs' logs to the controller (:mod:`service.agent.logs`), with a token
+of this incarnation's that it publishes, with the address, in its node registration.
+
 The node key lives on the agent's lease: a SIGKILLed agent's node vanishes after ``lease_ttl``, and its
 torchruns get SIGTERM at once from the kernel (parent-death signal). A clean stop (SIGTERM to the agent)
 stops the workers and revokes the lease, so the node leaves at once.
@@ -17,9 +20,11 @@ stops the workers and revokes the lease, so the node leaves at once.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -31,6 +36,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Literal, Protocol
 
+from elastic import env as contract
+from elastic import prefork
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from elastic.etcd.config import EtcdOptions
 from elastic.etcd.lease import LeaseKeeper
@@ -43,6 +50,7 @@ from service.agent.launcher import (
     worker_env,
     write_secret,
 )
+from service.agent.logs import LogServer, log_path
 from service.core.config import AgentSettings
 from service.core.models import Assignment, NodeInfo, WorkerReport
 from service.core.store import ServiceStore, create_store
@@ -120,6 +128,10 @@ class NodeAgent:
         self._unsent: dict[str, WorkerReport] = {}
         self._keeper: LeaseKeeper | None = None
         self._health: ThreadingHTTPServer | None = None
+        # the job-log server (``settings.logs_port``) and its bearer token, new with each incarnation: the
+        # controller reads both from this node's registration
+        self.logs_token = secrets.token_urlsafe(32)
+        self._logs: LogServer | None = None
         self._last_loop = 0.0
         # _work serializes what the loop does (sync, reaping, shutdown), slow parts included: stopping a
         # torchrun (up to stop_grace and a kill) and etcd requests. _lock only guards the tables that
@@ -139,6 +151,9 @@ class NodeAgent:
             incarnation=self.incarnation,
             registered_at=_now(),
             lease_ttl=s.lease_ttl.total_seconds(),
+            logs_url=self.logs_url,
+            logs_token=self.logs_token if self._logs is not None else None,
+            spare=s.spare,
         )
 
     def _wait_name_free(self) -> None:
@@ -159,13 +174,23 @@ class NodeAgent:
             self.client.wait_for_event(key, revision + 1, timedelta(seconds=remaining))
 
     def register(self) -> None:
-        """Claim the node name (waiting out a previous incarnation's lease) and start heartbeats."""
+        """Claim the node name (waiting out a previous incarnation's lease), start serving the job logs
+        (with ``logs_port``) and start heartbeats."""
         self._wait_name_free()
+        if self.settings.spare:
+            # held warm: a zygote of this agent's, torch imported, forks the workers of whatever job it joins
+            # (elastic.prefork; the jobs' torchruns find it through ETRAIN_PREFORK_OWNER)
+            prefork.prestart(os.getpid())
 
         def attach(lease_id: int) -> None:
             self.store.register_node(self._node_info(), lease_id)
 
-        self._keeper = LeaseKeeper(self.client, self.settings.lease_ttl, on_new_lease=attach, name="agent")
+        self._start_logs()  # before the first registration, which names its address
+        try:
+            self._keeper = LeaseKeeper(self.client, self.settings.lease_ttl, on_new_lease=attach, name="agent")
+        except BaseException:
+            self._close_logs()
+            raise
         logger.info(
             "agent %s registered (capacity %d, lease %ss)",
             self.settings.node_name,
@@ -210,7 +235,7 @@ class NodeAgent:
 
     def _launch(self, a: Assignment) -> None:
         s = self.settings
-        log_path = s.work_dir / "jobs" / a.job_id / f"g{a.generation}" / f"{s.node_name}.log"
+        log = log_path(s.work_dir, a.job_id, a.generation, s.node_name)
         base = WorkerReport(job_id=a.job_id, node=s.node_name, generation=a.generation, state="running")
         try:
             etcd = self._job_etcd(a)
@@ -227,6 +252,8 @@ class NodeAgent:
             extra=s.extra_env,
             socket_ifname=s.socket_ifname,
         )
+        if s.spare and a.spec.warm_start:
+            env[contract.PREFORK_OWNER] = str(os.getpid())
         cmd = torchrun_command(
             a,
             python=s.python,
@@ -244,7 +271,7 @@ class NodeAgent:
             )
             return
         try:
-            proc = self._launcher(cmd, env, cwd, log_path)
+            proc = self._launcher(cmd, env, cwd, log)
         except OSError as exc:
             self._finished.add(_once(a))
             self._report(
@@ -254,7 +281,7 @@ class NodeAgent:
         with self._lock:
             self._running[a.job_id] = _Running(a, proc)
         logger.info(
-            "job %s generation %d: torchrun pid %d, log %s", a.job_id, a.generation, proc.pid, log_path
+            "job %s generation %d: torchrun pid %d, log %s", a.job_id, a.generation, proc.pid, log
         )
         self._report(base.model_copy(update={"pid": proc.pid, "started_at": _now()}))
 
@@ -343,6 +370,12 @@ class NodeAgent:
         finally:
             self.shutdown()
 
+    def runs(self, job_id: str, generation: int) -> bool:
+        """Whether this generation of the job has a torchrun here (running, or being stopped): its log may grow."""
+        with self._lock:
+            run = self._running.get(job_id) or self._stopping.get(job_id)
+            return run is not None and run.assignment.generation == generation
+
     def running_jobs(self) -> dict[str, int]:
         """job id -> torchrun pid, for the jobs this agent runs now."""
         with self._lock:
@@ -364,8 +397,42 @@ class NodeAgent:
             self._health.shutdown()
             self._health.server_close()
             self._health = None
+        self._close_logs()  # after the torchruns stopped: followed logs have ended
         if self._own_client:
             self.client.close()
+
+    # -- job logs ------------------------------------------------------------------------------------
+    @property
+    def logs_url(self) -> str | None:
+        """Where the controller reaches this agent's log server: ``rdzv_host``, else a specific ``logs_host``,
+        else 127.0.0.1 (one machine); None while it does not run."""
+        if self._logs is None:
+            return None
+        s = self.settings
+        host = s.rdzv_host or (s.logs_host if s.logs_host not in ("", "0.0.0.0", "::") else "127.0.0.1")
+        try:
+            if ipaddress.ip_address(host).version == 6:
+                host = f"[{host}]"
+        except ValueError:
+            pass  # a host name
+        return f"http://{host}:{self._logs.port}"
+
+    def _start_logs(self) -> None:
+        s = self.settings
+        if not s.logs_port or self._logs is not None:
+            return
+        try:
+            server = LogServer(s.work_dir, s.node_name, self.logs_token, self.runs, s.logs_host, s.logs_port)
+        except OSError as exc:
+            raise AgentError(f"cannot serve job logs on {s.logs_host}:{s.logs_port}: {exc.strerror or exc}") from exc
+        self._logs = server.start()
+        logger.info("agent job logs on %s:%d (the controller reads them at %s)", s.logs_host, s.logs_port,
+                    self.logs_url)  # fmt: skip
+
+    def _close_logs(self) -> None:
+        if self._logs is not None:
+            self._logs.close()
+            self._logs = None
 
     # -- health endpoint -----------------------------------------------------------------------------
     def healthy(self) -> tuple[bool, dict[str, object]]:

@@ -22,7 +22,7 @@ import elastic
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from service.api import dashboard
 from service.api.admission import DEFAULT_MAX_BODY_BYTES, Admission
-from service.api.routes import jobs, nodes, system, trace
+from service.api.routes import jobs, logs, nodes, system, trace
 from service.controller.loop import Controller, create_controller
 from service.controller.metrics import Metrics, create_metrics
 from service.core.config import Settings
@@ -118,6 +118,7 @@ def create_app(settings: Settings, client: EtcdClient | None = None) -> FastAPI:
 
     app.include_router(jobs.router)
     app.include_router(trace.router)
+    app.include_router(logs.router)  # proxied to the node agents' log servers
     app.include_router(nodes.router)
     app.include_router(system.router)
     app.include_router(dashboard.router)  # /ui/: static pages that read the API above with the user's token

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from service.core.models import Event, JobSpec, NodeInfo, Restarts, WorldSizeChange
 from service.core.states import JobState
@@ -18,8 +20,11 @@ __all__ = [
     "EventList",
     "JobDetail",
     "JobList",
+    "JobResize",
     "JobSummary",
+    "NodeControlRequest",
     "NodeList",
+    "NodeOperation",
     "NodeView",
     "ProgressView",
     "WorldSizeView",
@@ -106,13 +111,60 @@ class EventList(_View):
     events: list[Event]
 
 
+NodeModeName = Literal["active", "cordoned", "draining", "drained"]
+
+
 class NodeView(NodeInfo):
+    # the agent's log-server token is for the controller alone: accepted (the node list is built from the whole
+    # NodeInfo) but never serialized, nor in the schema
+    logs_token: SkipJsonSchema[str | None] = Field(default=None, exclude=True, repr=False)
     jobs: list[str] = Field(default_factory=list, description="jobs assigned to this node")
     free: int = Field(description="capacity not used by assigned jobs")
+    # a node listed only for its cordon / drain request (not registered now) has no agent fields
+    capacity: int = Field(default=0, description="worker processes this node can run (0: not live)")
+    incarnation: str | None = None  # type: ignore[assignment]
+    registered_at: datetime | None = None  # type: ignore[assignment]
+    live: bool = Field(default=True, description="false: no agent registered now (listed for its request)")
+    mode: NodeModeName = Field(
+        default="active",
+        description="active; cordoned (no new job placed); draining (its jobs move off); drained (draining and "
+        "no active job left on it)",
+    )
+    reason: str | None = Field(default=None, description="the operator's reason for the cordon / drain")
+    mode_requested_by: str | None = Field(default=None, description="who cordoned or drained the node")
+    mode_since: datetime | None = Field(default=None, description="when the cordon / drain was requested")
 
 
 class NodeList(_View):
     nodes: list[NodeView]
+
+
+class NodeOperation(NodeView):
+    """The node after ``POST /v1/nodes/{name}/cordon|drain|uncordon``."""
+
+    changed: bool = Field(description="false: the node already was in the asked mode (nothing written)")
+    message: str
+
+
+class NodeControlRequest(BaseModel):
+    """Body of ``POST /v1/nodes/{name}/cordon|drain|uncordon`` (optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+    reason: str | None = Field(default=None, max_length=1000, description="why (shown with the node)")
+
+
+class JobResize(BaseModel):
+    """Body of ``PATCH /v1/jobs/{id}``: new node bounds (an omitted one is unchanged)."""
+
+    model_config = ConfigDict(extra="forbid")
+    min_nodes: int | None = Field(default=None, ge=1, le=4096)
+    max_nodes: int | None = Field(default=None, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _at_least_one(self) -> JobResize:
+        if self.min_nodes is None and self.max_nodes is None:
+            raise ValueError("give min_nodes, max_nodes or both")
+        return self
 
 
 def job_summary(entry: JobEntry) -> JobSummary:

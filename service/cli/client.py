@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import yaml
@@ -53,12 +55,7 @@ class ApiClient:
         except httpx.HTTPError as exc:
             raise ApiError(0, f"cannot reach the controller at {self.server}: {exc}") from exc
         if resp.status_code >= 400:
-            try:
-                body = resp.json()
-                message = body.get("message") or body.get("detail") or resp.text
-            except ValueError:
-                message = resp.text
-            raise ApiError(resp.status_code, f"HTTP {resp.status_code}: {message}")
+            raise _error(resp)
         return resp.json()
 
     def ready(self) -> bool:
@@ -101,6 +98,50 @@ class ApiClient:
         result: dict[str, Any] = self._call("GET", f"/v1/jobs/{job_id}/trace")
         return result
 
+    def logs(
+        self, job_id: str, *, node: str | None = None, generation: int | None = None, follow: bool = False
+    ) -> Iterator[bytes]:
+        """The job's logs (``GET /v1/jobs/{id}/logs``) as they arrive; with ``follow`` until the torchruns end
+        (no read timeout then: a quiet job may print nothing for long)."""
+        params: dict[str, Any] = {"follow": "true"} if follow else {}
+        if node is not None:
+            params["node"] = node
+        if generation is not None:
+            params["generation"] = generation
+        timeout = httpx.Timeout(None if follow else self._http.timeout.read, connect=self._http.timeout.connect)
+        try:
+            with self._http.stream("GET", f"/v1/jobs/{job_id}/logs", params=params, timeout=timeout) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise _error(resp)
+                yield from resp.iter_raw()
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise ApiError(0, f"cannot reach the controller at {self.server}: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise ApiError(0, f"the log stream from the controller at {self.server} broke: {exc}") from exc
+
     def nodes(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self._call("GET", "/v1/nodes")["nodes"]
         return result
+
+    def node_op(self, name: str, action: str, reason: str | None = None) -> dict[str, Any]:
+        """``POST /v1/nodes/{name}/{action}`` (cordon, drain, uncordon): the node after it, with a ``message``."""
+        body = {"reason": reason} if reason else None
+        result: dict[str, Any] = self._call("POST", f"/v1/nodes/{quote(name, safe='')}/{action}", json=body)
+        return result
+
+    def resize(self, job_id: str, min_nodes: int | None = None, max_nodes: int | None = None) -> dict[str, Any]:
+        """``PATCH /v1/jobs/{id}``: the job with its new bounds."""
+        body = {k: v for k, v in (("min_nodes", min_nodes), ("max_nodes", max_nodes)) if v is not None}
+        result: dict[str, Any] = self._call("PATCH", f"/v1/jobs/{job_id}", json=body)
+        return result
+
+
+def _error(resp: httpx.Response) -> ApiError:
+    """The API's error answer as an :class:`ApiError` (its ``message`` or ``detail``)."""
+    try:
+        body = resp.json()
+        message = body.get("message") or body.get("detail") or resp.text
+    except ValueError:
+        message = resp.text
+    return ApiError(resp.status_code, f"HTTP {resp.status_code}: {message}")

@@ -28,8 +28,8 @@ from elastic.etcd import EtcdConnectionError, EtcdError, check_reachable
 from elastic.etcd.config import EtcdOptions
 from service.cli.client import ApiClient, ApiError, load_job_file
 from service.cli.render import event_line, job_table, job_text, node_table, progress_line
-from service.core.config import AgentSettings, ConfigError, Settings, load_tokens
-from service.core.view import ReconcileConfig
+from service.core.config import AgentSettings, ConfigError, Settings, load_quotas, load_tokens
+from service.core.view import Quotas, ReconcileConfig
 
 __all__ = ["main"]
 
@@ -50,12 +50,16 @@ ENV_WORK_DIR = "ETRAIN_WORK_DIR"
 ENV_RDZV_HOST = "ETRAIN_RDZV_HOST"
 ENV_SOCKET_IFNAME = "ETRAIN_SOCKET_IFNAME"
 ENV_HEALTH_PORT = "ETRAIN_HEALTH_PORT"
+ENV_SPARE = "ETRAIN_SPARE"
+ENV_LOGS_PORT = "ETRAIN_LOGS_PORT"
+ENV_LOGS_HOST = "ETRAIN_LOGS_HOST"
 ENV_LEASE_TTL = "ETRAIN_LEASE_TTL"
 ENV_SERVER = "ETRAIN_SERVER"
 ENV_TOKEN = "ETRAIN_TOKEN"
 ENV_TOKEN_FILE = "ETRAIN_TOKEN_FILE"
 ENV_INSECURE = "ETRAIN_INSECURE"
 ENV_JOB_RETENTION = "ETRAIN_JOB_RETENTION"
+ENV_QUOTAS_FILE = "ETRAIN_QUOTAS_FILE"
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -160,6 +164,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
             )
         if args.job_retention <= 0:
             raise ConfigError("--job-retention must be > 0 seconds")
+        quotas = load_quotas(args.quotas) if args.quotas else Quotas()
         settings = Settings(
             etcd=etcd,
             prefix=args.prefix,
@@ -168,7 +173,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
             tokens=tokens,
             checkpoint_root=args.checkpoint_root,
             leader_ttl=timedelta(seconds=args.leader_ttl),
-            reconcile=ReconcileConfig(terminal_retention=timedelta(seconds=args.job_retention)),
+            reconcile=ReconcileConfig(terminal_retention=timedelta(seconds=args.job_retention), quotas=quotas),
         )
         _check_etcd(etcd)
     except ConfigError as exc:
@@ -206,6 +211,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
             rdzv_host=args.rdzv_host,
             socket_ifname=args.socket_ifname,
             health_port=args.health_port,
+            spare=bool(args.spare),
+            logs_port=args.logs_port,
+            logs_host=args.logs_host,
             lease_ttl=timedelta(seconds=args.lease_ttl),
         )
         _check_etcd(etcd)
@@ -278,6 +286,24 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_node(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        node = api.node_op(args.name, args.action, args.reason)
+    print(json.dumps(node, indent=2) if args.json else node["message"])
+    return 0
+
+
+def cmd_resize(args: argparse.Namespace) -> int:
+    if args.min is None and args.max is None:
+        return _fail("resize: give --min, --max or both")
+    with _client(args) as api:
+        job = api.resize(args.id, args.min, args.max)
+    spec = job["spec"]
+    print(f"{job['id']}: min_nodes {spec['min_nodes']}, max_nodes {spec['max_nodes']} (state {job['state']}, "
+          f"{len(job['nodes'])} node(s) now)")  # fmt: skip
+    return 0
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     with _client(args) as api:
         trace = api.trace(args.id)
@@ -291,6 +317,18 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return _fail(f"cannot write {args.output}: {exc.strerror or exc}")
     print(f"{args.id}: {len(trace.get('traceEvents', []))} trace events written to {args.output} "
           "(open it in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    out = sys.stdout.buffer
+    with _client(args) as api:
+        try:
+            for chunk in api.logs(args.id, node=args.node, generation=args.generation, follow=args.follow):
+                out.write(chunk)
+                out.flush()  # as the lines come
+        except BrokenPipeError:  # the reader had enough (| head): no traceback, nor one at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
@@ -346,8 +384,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="etrain", description="Fault-tolerant elastic training service")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def client_cmd(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help)
+    def client_cmd(name: str, fn: Callable[[argparse.Namespace], int], help: str,
+                   under: Any = None) -> argparse.ArgumentParser:  # fmt: skip
+        p = (under or sub).add_parser(name, help=help)
         _add(p, "--server", ENV_SERVER, "controller URL", "http://127.0.0.1:8080")
         _add(p, "--token-file", ENV_TOKEN_FILE, f"file holding the API bearer token (or set {ENV_TOKEN})")
         p.add_argument("--token", action=_NoTokenOnCommandLine, help=argparse.SUPPRESS)
@@ -365,6 +404,8 @@ def _parser() -> argparse.ArgumentParser:
     _add(p, "--leader-ttl", ENV_LEADER_TTL, "leader lease TTL, seconds", "5", type=float)
     _add(p, "--job-retention", ENV_JOB_RETENTION, "finished jobs (with their events) are deleted this many seconds "
          "after they end", str(7 * 24 * 3600), type=float)  # fmt: skip
+    _add(p, "--quotas", ENV_QUOTAS_FILE, "YAML/JSON node quotas {users: {NAME: N}, queues: {QUEUE: N}, "
+         "default_user: N}; none: no quotas")  # fmt: skip
     p.add_argument("--insecure", action="store_true", default=_env(ENV_INSECURE, "") or False,
                    help=f"serve a non-loopback --host without --tokens-file: anyone reaching it is admin "
                    f"({ENV_INSECURE})")  # fmt: skip
@@ -379,6 +420,12 @@ def _parser() -> argparse.ArgumentParser:
     _add(p, "--socket-ifname", ENV_SOCKET_IFNAME, "network interface of the workers' collectives: their "
          "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless the job's env sets them")  # fmt: skip
     _add(p, "--health-port", ENV_HEALTH_PORT, "serve GET /healthz on this port; 0: off", "0", type=int)
+    p.add_argument("--spare", action="store_true", default=_env(ENV_SPARE, "") not in ("", "0", "false"),
+                   help="a hot spare: held back for jobs that lost a node, which it joins first; keeps a zygote "
+                   f"with torch imported for their workers ({ENV_SPARE})")  # fmt: skip
+    _add(p, "--logs-port", ENV_LOGS_PORT, "serve the jobs' logs to the controller (etrain logs) on this port; 0: off",
+         "0", type=int)  # fmt: skip
+    _add(p, "--logs-host", ENV_LOGS_HOST, "address the logs port binds", "0.0.0.0")
     _add(p, "--lease-ttl", ENV_LEASE_TTL, "node lease TTL, seconds: how fast a dead node is noticed", "10",
          type=float)  # fmt: skip
     p.set_defaults(fn=cmd_agent)
@@ -402,8 +449,26 @@ def _parser() -> argparse.ArgumentParser:
     p = client_cmd("trace", cmd_trace, "a job's history as Chrome trace JSON (Perfetto, chrome://tracing)")
     p.add_argument("id")
     p.add_argument("-o", "--output", help="write it to this file (default: stdout)")
-    p = client_cmd("nodes", cmd_nodes, "live nodes")
+    p = client_cmd("logs", cmd_logs, "a job's torchrun logs, read from its nodes' agents")
+    p.add_argument("id")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job's torchruns end")
+    p.add_argument("--node", help="only this node's log (default: every node of the generation, each headed)")
+    p.add_argument("--generation", type=int, help="this generation's logs (default: the current or last one)")
+    p = client_cmd("nodes", cmd_nodes, "live nodes (and nodes cordoned or drained), with their mode")
     p.add_argument("--json", action="store_true")
+    p = client_cmd("resize", cmd_resize, "change a job's min_nodes and/or max_nodes")
+    p.add_argument("id")
+    p.add_argument("--min", type=int, help="new min_nodes")
+    p.add_argument("--max", type=int, help="new max_nodes")
+    node = sub.add_parser("node", help="cordon, drain or uncordon a node")
+    node_sub = node.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, text in (("cordon", "place no new job on the node (its jobs stay)"),
+                         ("drain", "cordon the node and move its jobs off (planned scale-down)"),
+                         ("uncordon", "take back a cordon or drain: the node takes new jobs again")):  # fmt: skip
+        p = client_cmd(action, cmd_node, text, under=node_sub)
+        p.add_argument("name", metavar="NODE")
+        p.add_argument("--reason", help="why (shown with the node)")
+        p.add_argument("--json", action="store_true", help="print the node as JSON")
 
     p = sub.add_parser("demo", help="local cluster demo: etcd, controller, 3 agents, a job, an agent killed")
     p.add_argument("--workdir", default=".demo", help="where etcd data, logs and checkpoints go")

@@ -116,16 +116,19 @@ def job_table(jobs: list[dict[str, Any]]) -> str:
 
 
 def node_table(nodes: list[dict[str, Any]]) -> str:
-    rows: list[tuple[str, ...]] = [("NODE", "CAPACITY", "FREE", "JOBS", "HOST", "REGISTERED")]
+    rows: list[tuple[str, ...]] = [("NODE", "MODE", "CAPACITY", "FREE", "JOBS", "HOST", "REGISTERED")]
     for n in nodes:
+        live = n.get("live", True)
+        mode = n.get("mode") or "active"
         rows.append(
             (
                 n["name"],
-                str(n["capacity"]),
-                str(n["free"]),
+                mode if live else f"{mode} (not live)",
+                str(n["capacity"]) if live else "-",
+                str(n["free"]) if live else "-",
                 ",".join(n["jobs"]) or "-",
                 n.get("rdzv_host") or n.get("hostname") or "-",
-                _clock(n["registered_at"]),
+                _clock(n.get("registered_at")),
             )
         )
     return _table(rows)

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from elastic.etcd import EtcdError, KeyValue
 from service.controller.identities import SHARED_IDENTITY_WARNING, JobIdentities, password_auth
 from service.controller.leader import LeaderElection, create_election
-from service.controller.metrics import Metrics
+from service.controller.metrics import SCHEDULER_ACTIONS, Metrics
 from service.controller.reconcile import reconcile
 from service.core.config import Settings
 from service.core.store import ServiceStore
@@ -100,6 +100,7 @@ class Controller:
             if outcome.refused and self._metrics is not None:
                 self._metrics.refused_updates.inc(outcome.refused)
             self._count_write_failures(plan, outcome)
+            self._count_actions(plan, written)
             for update in plan.updates:
                 for event in update.events:
                     logger.info("job %s: %s", update.job_id, event.message)
@@ -109,6 +110,18 @@ class Controller:
         if self._metrics is not None:
             self._metrics.reconcile_seconds.observe(time.monotonic() - started)
         return view.revision
+
+    def _count_actions(self, plan: Plan, written: list[KeyValue]) -> None:
+        """``etrain_scheduler_actions_total``: the scheduling events (``SCHEDULER_ACTIONS``) of the updates
+        that were applied (their event keys were written; a refused update is decided again next pass)."""
+        if self._metrics is None:
+            return
+        applied = {kv.key for kv in written}
+        for update in plan.updates:
+            prefix = self._store.keys.events_of(update.job_id)
+            for event in update.events:
+                if event.type in SCHEDULER_ACTIONS and prefix + event.id in applied:
+                    self._metrics.scheduler_actions.labels(event.type).inc()
 
     def _count_write_failures(self, plan: Plan, outcome: PlanOutcome) -> None:
         """Consecutive refusals per job (the reconciler fails a job at ``write_failure_limit``)."""

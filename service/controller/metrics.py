@@ -28,7 +28,7 @@ __all__ = ["CONTENT_TYPE", "SCHEDULER_ACTIONS", "Metrics", "create_metrics"]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 #: the reconciler's event types counted by ``etrain_scheduler_actions_total{action}`` when the leader applies them
-SCHEDULER_ACTIONS = ("shrunk", "preempted", "evacuated", "resized", "drained")
+SCHEDULER_ACTIONS = ("shrunk", "preempted", "evacuated", "resized")
 
 
 class _ServiceStoreCollector(Collector):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import sys
 from collections.abc import Mapping
@@ -22,7 +23,8 @@ from typing import Any
 import yaml
 
 from elastic.etcd.config import EtcdOptions  # the settings' etcd connection (re-exported: one class)
-from service.core.view import ReconcileConfig
+from service.core.models import NAME_PATTERN
+from service.core.view import Quotas, ReconcileConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ __all__ = [
     "Role",
     "Settings",
     "TokenEntry",
+    "load_quotas",
     "load_tokens",
 ]
 
@@ -86,6 +89,11 @@ class AgentSettings:
     rdzv_host: str | None = None
     socket_ifname: str | None = None  # the workers' GLOO_/NCCL_SOCKET_IFNAME unless the job's env sets them
     health_port: int = 0
+    spare: bool = False  # a hot spare: held back for jobs that lost a node, its zygote warm (torch imported)
+    # the job-log server (service.agent.logs), which the controller proxies ``GET /v1/jobs/{id}/logs`` to;
+    # 0: off. ``logs_host`` is the address it binds.
+    logs_port: int = 0
+    logs_host: str = "0.0.0.0"
     lease_ttl: timedelta = timedelta(seconds=10)
     poll_interval: timedelta = timedelta(seconds=0.5)
     stop_grace: timedelta = timedelta(seconds=15)
@@ -119,14 +127,65 @@ def _parse_tokens(data: Any, source: str) -> tuple[TokenEntry, ...]:
     return tuple(out)
 
 
-def load_tokens(path: str | Path) -> tuple[TokenEntry, ...]:
-    """Read ``{tokens: [{token, role: admin|read, name}]}`` from a YAML or JSON file."""
+def _read_config_file(path: str | Path, what: str) -> Any:
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise ConfigError(f"cannot read the tokens file {path}: {exc}") from exc
+        raise ConfigError(f"cannot read the {what} file {path}: {exc}") from exc
     try:
-        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+        return json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: not valid YAML/JSON: {str(exc).splitlines()[0]}") from exc
-    return _parse_tokens(data, str(path))
+
+
+def load_tokens(path: str | Path) -> tuple[TokenEntry, ...]:
+    """Read ``{tokens: [{token, role: admin|read, name}]}`` from a YAML or JSON file."""
+    return _parse_tokens(_read_config_file(path, "tokens"), str(path))
+
+
+_QUOTA_KEYS = ("users", "queues", "default_user")
+_QUEUE_NAME = re.compile(NAME_PATTERN)
+
+
+def _quota(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{where} must be a whole number of nodes >= 0, got {value!r}")
+    return value
+
+
+def _quota_map(data: Any, key: str, source: str) -> dict[str, int]:
+    table = data.get(key)
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: {key} must be a mapping of name to a number of nodes")
+    out: dict[str, int] = {}
+    for name, value in table.items():
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"{source}: {key}: the name {name!r} is not a non-empty string")
+        if key == "queues" and not _QUEUE_NAME.match(name):
+            raise ConfigError(f"{source}: queues.{name}: not a queue name a job can give (lower-case letters, "
+                              "digits, '-', at most 40)")  # fmt: skip
+        out[name] = _quota(value, f"{source}: {key}.{name}")
+    return out
+
+
+def _parse_quotas(data: Any, source: str) -> Quotas:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping with users, queues and/or default_user")
+    unknown = sorted(str(k) for k in data if k not in _QUOTA_KEYS)
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)} (expected users, queues, default_user)")
+    default = data.get("default_user")
+    return Quotas(
+        users=_quota_map(data, "users", source),
+        queues=_quota_map(data, "queues", source),
+        default_user=None if default is None else _quota(default, f"{source}: default_user"),
+    )
+
+
+def load_quotas(path: str | Path) -> Quotas:
+    """Read the node quotas ``{users: {NAME: N}, queues: {QUEUE: N}, default_user: N}`` (each part optional; N:
+    nodes held at once by the active jobs of that user or queue, >= 0) from a YAML or JSON file. A user is
+    a token's name (``--tokens-file``); one not listed gets ``default_user`` (absent: no limit)."""
+    return _parse_quotas(_read_config_file(path, "quotas"), str(path))

@@ -11,6 +11,7 @@ Layout under the prefix (``/etrain`` by default)::
     assign/<node>/<id>         Assignment (leader)
     reports/<id>/<node>        WorkerReport (agent)
     progress/<id>              Progress (the job's rank 0, via elastic.progress)
+    nodectl/<name>             NodeControl: an operator's cordon / drain request (API; uncordon deletes it)
     identities/<id>            the job's own etcd user (service.controller.identities)
 
 and beside it, ``<prefix>.rdzv/<job id>-g<generation>/``: the jobs' torchrun rendezvous (etcd-v3 backend), kept
@@ -25,25 +26,72 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
+from datetime import datetime, timezone
+from typing import Any
+
+from pydantic import ValidationError
 
 from elastic.etcd import EtcdClient, EtcdConnectionError, EtcdError, KeyValue
 from elastic.progress import Progress
 from service.core.keys import Keys, at_own_key, dump, load, load_progress, tail
-from service.core.models import Assignment, Event, JobRecord, JobStatus, NodeInfo, WorkerReport
+from service.core.models import (
+    Assignment,
+    Event,
+    JobRecord,
+    JobSpec,
+    JobStatus,
+    NodeControl,
+    NodeInfo,
+    WorkerReport,
+    submit_problems,
+)
 from service.core.view import ClusterView, JobEntry, JobUpdate, Plan, PlanOutcome
 from service.core.view_state import ViewState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["JobExists", "Keys", "ServiceStore", "create_store", "new_event"]
+__all__ = [
+    "InvalidResize",
+    "JobExists",
+    "JobFinished",
+    "JobNotFound",
+    "Keys",
+    "ResizeConflict",
+    "ServiceStore",
+    "create_store",
+    "new_event",
+    "resized_spec",
+]
 
 _APPLY_THREADS = 8  # job transactions of one plan in flight at once
+_RESIZE_TRIES = 5  # a resize whose job record changed under it reads it again this many times
+_MAX_CONTROL_EVENTS = 100  # job events written with a node's control request (etcd: 128 ops per transaction)
+
 
 class JobExists(Exception):
     """A job with this id is already stored."""
+
+
+class JobNotFound(LookupError):
+    """No readable job with this id."""
+
+
+class JobFinished(Exception):
+    """The job is in a terminal state: it cannot be changed any more."""
+
+
+class ResizeConflict(Exception):
+    """The job record kept changing under a resize (another writer): nothing was written."""
+
+
+class InvalidResize(ValueError):
+    """The resized spec is not valid; ``problems`` are ``(field, message)`` pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        super().__init__("; ".join(f"{f}: {m}" for f, m in problems))
+        self.problems = problems
 
 
 def new_event(kind: str, message: str, now: datetime, **data: object) -> Event:
@@ -143,6 +191,59 @@ class ServiceStore:
         kv, _ = self.client.get(self.keys.progress_of(job_id))
         return load_progress(kv, job_id) if kv is not None else None
 
+    def resize_job(
+        self,
+        job_id: str,
+        min_nodes: int | None = None,
+        max_nodes: int | None = None,
+        *,
+        requested_by: str | None = None,
+        now: datetime | None = None,
+    ) -> JobEntry:
+        """Rewrite the job's spec with new ``min_nodes`` / ``max_nodes`` (None: unchanged) and add a ``resize``
+        event, in one transaction that requires the job record to be the one read (a concurrent change: read
+        again, at most ``_RESIZE_TRIES`` times, then :class:`ResizeConflict`). The new spec must be a valid
+        one a submit would accept (:class:`InvalidResize`); a terminal job raises :class:`JobFinished`, an
+        unknown one :class:`JobNotFound`. Asking for the sizes the job has already writes nothing.
+
+        The leader notices the change by comparing the record's spec with its assignments' spec."""
+        k = self.keys
+        for _ in range(_RESIZE_TRIES):
+            (recs, sts, cancels), _ = self.client.read_prefixes(
+                [k.job(job_id), k.status_of(job_id), k.cancel_of(job_id)]
+            )
+            rec_kv = next((kv for kv in recs if kv.key == k.job(job_id)), None)
+            st_kv = next((kv for kv in sts if kv.key == k.status_of(job_id)), None)
+            record = load(JobRecord, rec_kv) if rec_kv is not None else None
+            status = load(JobStatus, st_kv) if st_kv is not None else None
+            if (record is None or status is None or rec_kv is None or st_kv is None
+                    or not at_own_key(rec_kv, record.id, job_id)):  # fmt: skip
+                raise JobNotFound(job_id)
+            cancelled = any(kv.key == k.cancel_of(job_id) for kv in cancels)
+            if status.state.terminal:
+                raise JobFinished(f"job {job_id} already {status.state.value}: it cannot be resized")
+            old = record.spec
+            sizes = {"min_nodes": (old.min_nodes, old.min_nodes if min_nodes is None else min_nodes),
+                     "max_nodes": (old.max_nodes, old.max_nodes if max_nodes is None else max_nodes)}  # fmt: skip
+            changed = {name: (a, b) for name, (a, b) in sizes.items() if a != b}
+            if not changed:
+                return JobEntry(record, status, st_kv.mod_revision, cancelled)
+            spec = resized_spec(old, sizes["min_nodes"][1], sizes["max_nodes"][1])
+            at = now or datetime.now(timezone.utc)
+            message = ", ".join(f"{name} {a} -> {b}" for name, (a, b) in changed.items())
+            data: dict[str, Any] = {name: {"old": a, "new": b} for name, (a, b) in changed.items()}
+            event = new_event("resize", message + (f" (by {requested_by})" if requested_by else ""), at,
+                              requested_by=requested_by, **data)  # fmt: skip
+            new_record = record.model_copy(update={"spec": spec})
+            ok, _ = self.client.commit(
+                puts=[(k.job(job_id), dump(new_record)), (k.events_of(job_id) + event.id, dump(event))],
+                expect=[(k.job(job_id), rec_kv.mod_revision)],
+            )
+            if ok:
+                return JobEntry(new_record, status, st_kv.mod_revision, cancelled)
+            logger.info("job %s: its record changed during a resize; reading it again", job_id)
+        raise ResizeConflict(f"job {job_id} kept changing during the resize ({_RESIZE_TRIES} tries); retry")
+
     # -- nodes ---------------------------------------------------------------------------------------
     def list_nodes(self) -> tuple[list[NodeInfo], dict[str, list[str]]]:
         """Live nodes, and the job ids assigned to each node."""
@@ -168,6 +269,40 @@ class ServiceStore:
 
     def put_report(self, report: WorkerReport) -> None:
         self.client.put(self.keys.report(report.job_id, report.node), dump(report))
+
+    # -- node controls (cordon / drain; the API writes, the leader reads them in its view) -------------
+    def set_node_control(self, control: NodeControl, events: Mapping[str, Event] | None = None) -> None:
+        """Store an operator's request about node ``control.name`` (replacing any earlier one), and in the
+        same transaction ``events`` (job id -> event: the jobs it concerns; at most 100 are written)."""
+        k = self.keys
+        puts = [(k.nodectl_of(control.name), dump(control))]
+        chosen = list((events or {}).items())[:_MAX_CONTROL_EVENTS]
+        puts += [(k.events_of(job_id) + e.id, dump(e)) for job_id, e in chosen]
+        self.client.commit(puts)
+
+    def clear_node_control(self, name: str) -> bool:
+        """Delete the request about node ``name`` (uncordon); False if there was none."""
+        return self.client.delete(self.keys.nodectl_of(name))
+
+    def node_control(self, name: str) -> NodeControl | None:
+        kv, _ = self.client.get(self.keys.nodectl_of(name))
+        if kv is None:
+            return None
+        control = load(NodeControl, kv)
+        return control if control is not None and at_own_key(kv, control.name, name) else None
+
+    def node_controls(self) -> dict[str, NodeControl]:
+        """Node name -> its cordon / drain request, by name; unreadable records and records naming another
+        node than their key are ignored (as in the leader's view)."""
+        k = self.keys
+        kvs, _ = self.client.get_prefix(k.nodectl)
+        out: dict[str, NodeControl] = {}
+        for kv in kvs:
+            name = tail(kv, k.nodectl)
+            control = load(NodeControl, kv)
+            if control is not None and at_own_key(kv, control.name, name):
+                out[name] = control
+        return dict(sorted(out.items()))
 
     # -- controller ----------------------------------------------------------------------------------
     def read_view(self) -> ClusterView:
@@ -264,6 +399,21 @@ class ServiceStore:
                 continue
             refused += 0 if ok else 1
         return PlanOutcome(refused=refused, failed=failed)
+
+
+def resized_spec(spec: JobSpec, min_nodes: int, max_nodes: int) -> JobSpec:
+    """``spec`` with new node bounds, validated as a submitted spec is (the model, then
+    :func:`submit_problems`); raises :class:`InvalidResize` naming the fields."""
+    try:
+        new = JobSpec.model_validate({**spec.model_dump(), "min_nodes": min_nodes, "max_nodes": max_nodes})
+    except ValidationError as exc:
+        raise InvalidResize(
+            [(".".join(str(p) for p in e["loc"]) or "spec", str(e["msg"])) for e in exc.errors()]
+        ) from None
+    problems = submit_problems(new)
+    if problems:
+        raise InvalidResize(problems)
+    return new
 
 
 def identities_prefix(keys: Keys) -> str:

@@ -2,7 +2,7 @@
 
 A pass of the reconcile loop used to read every job, status, node, assignment, report and progress value
 (megabytes at a thousand nodes, beyond gRPC's 4 MiB answer limit with a few thousand finished jobs) and parse
-all of it. :class:`ViewCache` keeps, per key of the seven prefixes the view is made of, the mod revision and
+all of it. :class:`ViewCache` keeps, per key of the eight prefixes the view is made of, the mod revision and
 the parsed value, plus the view derived from them, and brings them to a new revision in two steps:
 
 1. One transaction at revision R: for each prefix believed unchanged since the cache's revision C, the

@@ -1,11 +1,11 @@
-"""What the reconcile loop decides from, key by key: :class:`ViewState` turns the keys of the view's seven
+"""What the reconcile loop decides from, key by key: :class:`ViewState` turns the keys of the view's eight
 prefixes into a :class:`ClusterView`, one key at a time.
 
 Both reads of the view go through it, so they agree by construction: :meth:`ServiceStore.read_view` puts
 every key of one read into a fresh state, and :class:`~service.core.view_cache.ViewCache` keeps one state
 between passes and puts (or deletes) only the keys that changed. Each key is parsed when it is put, never
 again while its mod revision stays the same, and the derived maps (jobs, nodes, assignments, reports,
-progress) change only at the keys put or deleted.
+progress, node controls) change only at the keys put or deleted.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from elastic.etcd import KeyValue
 from service.core.keys import Keys, at_own_key, load, load_progress, tail
-from service.core.models import Assignment, JobRecord, JobStatus, NodeInfo, WorkerReport
+from service.core.models import Assignment, JobRecord, JobStatus, NodeControl, NodeInfo, WorkerReport
 from service.core.view import ClusterView, JobEntry
 
 __all__ = ["ViewState"]
@@ -39,10 +39,12 @@ class ViewState:
         self._assignments: dict[str, dict[str, Assignment]] = {}
         self._reports: dict[str, dict[str, WorkerReport]] = {}
         self._progress: dict[str, Any] = {}
+        self._controls: dict[str, NodeControl] = {}
 
     @staticmethod
     def prefixes(keys: Keys) -> list[str]:
-        return [keys.jobs, keys.status, keys.cancel, keys.nodes, keys.assign, keys.reports, keys.progress]
+        return [keys.jobs, keys.status, keys.cancel, keys.nodes, keys.assign, keys.reports, keys.progress,
+                keys.nodectl]  # fmt: skip
 
     def _prefix_of(self, key: str) -> str:
         for p in self._prefixes:
@@ -93,6 +95,10 @@ class ViewState:
             if r is not None and at_own_key(kv, f"{r.job_id}/{r.node}", name):
                 self._reports.setdefault(r.job_id, {})[r.node] = r
                 self._parsed[kv.key] = (r.job_id, r.node)
+        elif p == k.nodectl:
+            c = load(NodeControl, kv)
+            if c is not None and at_own_key(kv, c.name, name):
+                self._controls[name] = c
         else:
             prog = load_progress(kv, name)
             if prog is not None:
@@ -128,6 +134,8 @@ class ViewState:
                 del inner[where[1]]
                 if not inner:
                     del table[where[0]]
+        elif p == k.nodectl:
+            self._controls.pop(name, None)
         else:
             self._progress.pop(name, None)
 
@@ -148,4 +156,5 @@ class ViewState:
             reports={j: dict(sorted(nodes.items())) for j, nodes in sorted(self._reports.items())},
             progress=dict(sorted(self._progress.items())),
             revision=self.revision,
+            controls=dict(sorted(self._controls.items())),
         )

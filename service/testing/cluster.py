@@ -13,6 +13,7 @@ collectives to the node's interface (``--socket-ifname``).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -99,15 +100,24 @@ class LocalServiceCluster:
             return subprocess.Popen(cmd, env=env, cwd=str(self.workdir), stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT)  # fmt: skip
 
-    def start_controller(self, ready_timeout: float = 60) -> ApiClient:
+    def start_controller(self, ready_timeout: float = 60, *, tokens: Mapping[str, str] | None = None,
+                         extra_args: Sequence[str] = ()) -> ApiClient:  # fmt: skip
+        """Start the controller; ``tokens`` (token -> role, each named after its role) turns authentication on
+        (``--tokens-file``) and the client returned holds the first admin token."""
         port = free_port()
-        self.controller = self._spawn(
-            "controller",
-            ["controller", "--host", "127.0.0.1", "--port", str(port), "--leader-ttl", str(self.lease_ttl),
-             "--checkpoint-root", f"file://{self.checkpoint_root}"],
-        )  # fmt: skip
+        args = ["controller", "--host", "127.0.0.1", "--port", str(port), "--leader-ttl", str(self.lease_ttl),
+                "--checkpoint-root", f"file://{self.checkpoint_root}", *extra_args]  # fmt: skip
+        admin = None
+        if tokens is not None:
+            tokens_file = self.workdir / "tokens.json"
+            tokens_file.write_text(json.dumps({"tokens": [{"token": t, "role": r, "name": r}
+                                                          for t, r in tokens.items()]}))  # fmt: skip
+            tokens_file.chmod(0o600)
+            args += ["--tokens-file", str(tokens_file)]
+            admin = next((t for t, r in tokens.items() if r == "admin"), None)
+        self.controller = self._spawn("controller", args)
         self.url = f"http://127.0.0.1:{port}"
-        api = ApiClient(self.url)
+        api = ApiClient(self.url, token=admin)
         wait_for(lambda: self.check_alive() and api.ready(), ready_timeout, 0.5, what="the controller to be ready",
                  retry_on=(ApiError,))  # fmt: skip
         return api

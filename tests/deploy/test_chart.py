@@ -272,6 +272,33 @@ def test_auth_tokens_reach_the_controller_as_its_tokens_file(chart: helm.Chart) 
     assert "ETRAIN_TOKENS_FILE" not in mf.env_of(mf.container(mf.one(plain, "Deployment"), "controller"))
 
 
+def test_controller_quotas_reach_the_controller_as_its_quotas_file(chart: helm.Chart, tmp_path: Path) -> None:
+    from service.core.config import load_quotas
+    from service.core.view import Quotas
+
+    values = by_name("s3")
+    objects = render(chart, values)
+    config_map = mf.one(objects, "ConfigMap", "-quotas")
+    rendered = tmp_path / "quotas.yaml"
+    rendered.write_text(config_map.obj["data"]["quotas.yaml"])
+    assert load_quotas(rendered) == Quotas(users={"ci-pipeline": 4}, queues={"team-a": 6}, default_user=2)
+    deploy = mf.one(objects, "Deployment")
+    c = mf.container(deploy, "controller")
+    path = mf.env_of(c)["ETRAIN_QUOTAS_FILE"]
+    volumes = {v["name"]: v for v in mf.pod_spec(deploy)["volumes"]}
+    mounted = {
+        f"{m['mountPath']}/{item['path']}": volumes[m["name"]]["configMap"]["name"]
+        for m in c["volumeMounts"] if "configMap" in volumes[m["name"]]
+        for item in volumes[m["name"]]["configMap"]["items"]
+    }  # fmt: skip
+    assert mounted == {path: config_map.name}
+    assert re.fullmatch(r"[0-9a-f]{64}", deploy.obj["spec"]["template"]["metadata"]["annotations"]["checksum/quotas"])
+    # no quotas: no ConfigMap, no file
+    plain = render(chart, by_name("lustre-pvc"))
+    assert mf.find(plain, "ConfigMap", "-quotas") == []
+    assert "ETRAIN_QUOTAS_FILE" not in mf.env_of(mf.container(mf.one(plain, "Deployment"), "controller"))
+
+
 def test_controller_and_agent_probes_use_the_cli_health_endpoints(chart: helm.Chart) -> None:
     objects = render(chart, by_name("s3"))
     controller = mf.container(mf.one(objects, "Deployment"), "controller")
@@ -470,6 +497,16 @@ _SCHEMA_FAILS = [
     ),
     pytest.param(
         {"controller": {"port": 70000}}, "at '/controller/port': maximum: got 70,000, want 65,535", id="port"
+    ),
+    pytest.param(
+        {"controller": {"quotas": {"users": {"alice": -1}}}},
+        "at '/controller/quotas/users/alice': minimum: got -1, want 0",
+        id="quota-negative",
+    ),
+    pytest.param(
+        {"controller": {"quotas": {"user": {"alice": 1}}}},
+        "at '/controller/quotas': additional properties 'user' not allowed",
+        id="quota-typo",
     ),
 ]
 

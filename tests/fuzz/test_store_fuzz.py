@@ -18,7 +18,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elastic.progress import Progress
-from service.core.models import Assignment, Event, JobRecord, JobSpec, JobStatus, NodeInfo, WorkerReport
+from service.core.models import (
+    Assignment,
+    Event,
+    JobRecord,
+    JobSpec,
+    JobStatus,
+    NodeControl,
+    NodeInfo,
+    NodeMode,
+    WorkerReport,
+)
 from service.core.states import JobState
 from service.core.store import ServiceStore
 from tests.fuzz.conftest import ADMIN_TOKEN, LONG_EXAMPLES, StoreHarness, count_case
@@ -26,7 +36,7 @@ from tests.fuzz.conftest import ADMIN_TOKEN, LONG_EXAMPLES, StoreHarness, count_
 VICTIM = "victim-0001"
 VICTIM_NODE = "victim-node"
 BYSTANDER = "@BYSTANDER@"  # replaced, in a drawn value, by the current bystander's id
-FAMILIES = ("jobs", "status", "cancel", "events", "nodes", "assign", "reports", "progress", "rdzv")
+FAMILIES = ("jobs", "status", "cancel", "events", "nodes", "assign", "reports", "progress", "rdzv", "nodectl")
 T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
 
 
@@ -42,6 +52,7 @@ def victim_key(store: ServiceStore, family: str) -> str:
         "reports": k.report(VICTIM, "n1"),  # the victim runs on n1: its reports are looked at
         "progress": k.progress_of(VICTIM),
         "rdzv": f"{k.rdzv}/{VICTIM}-g1/rdzv/state",  # the etcd-v3 rendezvous' state key of the victim's round
+        "nodectl": k.nodectl_of(VICTIM_NODE),  # an operator's request about a node (not the bystander's)
     }[family]
 
 
@@ -78,6 +89,7 @@ def _records() -> dict[str, Any]:
             ).to_json()
         ),
         "rdzv": {"round": 1},
+        "nodectl": NodeControl(name=VICTIM_NODE, mode=NodeMode.DRAINING, requested_by="op", at=T0, reason="r"),
     }
 
 
@@ -205,7 +217,7 @@ class Trial:
         k, client = self.store.keys, self.store.client
         records = _records()
         client.commit(
-            deletes=[victim_key(self.store, fam) for fam in ("cancel", "nodes", "progress", "rdzv")],
+            deletes=[victim_key(self.store, fam) for fam in ("cancel", "nodes", "progress", "rdzv", "nodectl")],
             delete_prefixes=[k.events_of(VICTIM), k.reports_of(VICTIM)],
         )
         client.commit(
@@ -311,11 +323,12 @@ def test_the_victims_keys_are_the_ones_the_service_reads(etcd_harness: StoreHarn
     """The fuzzer writes where the service looks: a well-formed value at each victim key is read back."""
     store = etcd_harness.store
     Trial(etcd_harness).reset()
-    for family in ("events", "nodes", "reports", "progress", "cancel"):
+    for family in ("events", "nodes", "reports", "progress", "cancel", "nodectl"):
         value = RECORDS[family]
         store.client.put(victim_key(store, family), _dumps(value))
     view = store.read_view()
     assert VICTIM in view.jobs and view.jobs[VICTIM].cancel_requested
     assert VICTIM_NODE in view.nodes and VICTIM in view.assignments["n1"]
     assert "n1" in view.reports[VICTIM] and VICTIM in view.progress
+    assert view.controls[VICTIM_NODE].mode == NodeMode.DRAINING
     assert [e.id for e in store.events(VICTIM)] == [RECORDS["events"]["id"]]

@@ -1,4 +1,4 @@
-"""``/v1/jobs``: submit, list, inspect, cancel jobs and read their events."""
+"""``/v1/jobs``: submit, list, inspect, resize, cancel jobs and read their events."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 
 from service.api.auth import Principal, require_admin, require_read
 from service.api.deps import get_metrics, get_settings, get_store
-from service.api.schemas import EventList, JobDetail, JobList, job_detail, job_summary
+from service.api.schemas import EventList, JobDetail, JobList, JobResize, job_detail, job_summary
 from service.controller.metrics import Metrics
 from service.core.config import Role, Settings
 from service.core.models import (
@@ -24,7 +24,15 @@ from service.core.models import (
     submit_problems,
 )
 from service.core.states import JobState
-from service.core.store import JobExists, ServiceStore, new_event
+from service.core.store import (
+    InvalidResize,
+    JobExists,
+    JobFinished,
+    JobNotFound,
+    ResizeConflict,
+    ServiceStore,
+    new_event,
+)
 from service.core.view import JobEntry
 
 __all__ = ["router"]
@@ -134,6 +142,32 @@ def get_job(
     store: Annotated[ServiceStore, Depends(get_store)],
 ) -> JobDetail:
     return job_detail(_get(store, job_id), secrets=principal.role == Role.ADMIN)
+
+
+@router.patch(
+    "/jobs/{job_id}",
+    summary="Resize a job: new min_nodes and/or max_nodes (the leader grows or shrinks it, shrinking after a "
+    "snapshot)",
+    responses={**_NOT_FOUND, 409: {"description": "the job already finished, or kept changing (retry)"}},
+)
+def resize_job(
+    job_id: str,
+    body: JobResize,
+    principal: Annotated[Principal, Depends(require_admin)],
+    store: Annotated[ServiceStore, Depends(get_store)],
+) -> JobDetail:
+    try:
+        entry = store.resize_job(job_id, body.min_nodes, body.max_nodes, requested_by=principal.name)
+    except JobNotFound:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no job {job_id!r}") from None
+    except (JobFinished, ResizeConflict) as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, detail=str(exc)) from None
+    except InvalidResize as exc:
+        raise RequestValidationError(
+            [{"type": "value_error", "loc": ("body", *field.split(".")), "msg": msg, "input": None}
+             for field, msg in exc.problems]
+        ) from None  # fmt: skip
+    return job_detail(entry, secrets=True)
 
 
 @router.post(

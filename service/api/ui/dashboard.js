@@ -10,6 +10,8 @@
   const SERIES_KEY = "etrain.series.";
   const MAX_SAMPLES = 1500;
   const POLL_MS = { jobs: 3000, job: 2000, nodes: 5000 };
+  const LOG_LINES = 200; // the job page shows the last lines of the job's logs
+  const LOG_TAIL_BYTES = 32768; // asked of each node (GET /v1/jobs/{id}/logs?tail=)
   const SVG_NS = "http://www.w3.org/2000/svg";
 
   const auth = { token: sessionStorage.getItem(TOKEN_KEY), required: true };
@@ -310,9 +312,10 @@
       const [nodes, jobs] = await Promise.all([api("v1/nodes"), allJobs()]);
       const states = Object.fromEntries(jobs.map((j) => [j.id, j.state]));
       const list = nodes.nodes;
-      const capacity = list.reduce((a, n) => a + n.capacity, 0);
-      const free = list.reduce((a, n) => a + Math.max(0, n.free), 0);
-      counts.textContent = `${list.length} live node(s), ${free} of ${capacity} worker slot(s) free`;
+      const live = list.filter((n) => n.live !== false); // the others are listed for a cordon / drain request
+      const capacity = live.reduce((a, n) => a + n.capacity, 0);
+      const free = live.reduce((a, n) => a + Math.max(0, n.free), 0);
+      counts.textContent = `${live.length} live node(s), ${free} of ${capacity} worker slot(s) free`;
       empty.hidden = list.length > 0;
       table.hidden = list.length === 0;
       put(body,
@@ -320,7 +323,14 @@
           h(
             "tr",
             { "data-node": n.name },
-            h("td", {}, h("strong", {}, n.name)),
+            h(
+              "td",
+              {},
+              h("strong", {}, n.name),
+              n.mode && n.mode !== "active"
+                ? h("span", { class: "muted node-mode", title: n.reason || "" }, ` ${n.mode}${n.live === false ? " (not live)" : ""}`)
+                : null,
+            ),
             h("td", {}, dash(n.hostname), n.rdzv_host && n.rdzv_host !== n.hostname ? h("span", { class: "muted" }, ` (rdzv ${n.rdzv_host})`) : null),
             h("td", { class: "num" }, `${n.free} / ${n.capacity}`),
             h(
@@ -595,6 +605,9 @@
     const checkpoints = h("div");
     const eventList = h("div");
     const traceStatus = h("span", { class: "muted", id: "trace-status" });
+    const logsNote = h("p", { class: "muted", id: "logs-note" }, "loading…");
+    const logsBox = h("pre", { class: "logs", id: "job-logs", hidden: true });
+    let logsDone = false; // a finished job's logs do not change: read once
     const tracePath = `v1/jobs/${encodeURIComponent(id)}/trace`;
     const traceLink = h(
       "a",
@@ -624,30 +637,44 @@
       ),
       h("div", { class: "two" }, section("Restarts by cause", "restarts", restarts), section("Checkpoints", "checkpoints", checkpoints)),
       section("Events", "events", eventList),
-      h(
-        "div",
-        { class: "two" },
-        section(
-          "Logs",
-          "logs",
-          h(
-            "p",
-            { class: "placeholder", id: "logs-placeholder" },
-            "Logs come with ",
-            h("code", {}, `GET /v1/jobs/{id}/logs`),
-            ", which is not implemented yet. Meanwhile each agent writes them to ",
-            h("code", {}, "<work-dir>/jobs/<job>/g<generation>/<node>.log"),
-            " on its node.",
-          ),
-        ),
-        section(
-          "Trace",
-          "trace",
-          h("p", {}, "The job's history as a Chrome trace (open it in Perfetto or chrome://tracing): ", traceLink, " "),
-          traceStatus,
-        ),
+      section("Logs", "logs", logsNote, logsBox),
+      section(
+        "Trace",
+        "trace",
+        h("p", {}, "The job's history as a Chrome trace (open it in Perfetto or chrome://tracing): ", traceLink, " "),
+        traceStatus,
       ),
     );
+
+    async function fetchLogs(job) {
+      if (logsDone) return;
+      if (!job.generation) {
+        logsNote.textContent = "No logs yet: the job has not run on a node.";
+        return;
+      }
+      let text;
+      try {
+        text = await (await call(`v1/jobs/${encodeURIComponent(id)}/logs?tail=${LOG_TAIL_BYTES}`)).text();
+      } catch (err) {
+        if (err instanceof AuthError) throw err;
+        logsNote.textContent = `Logs unavailable: ${err.message}`;
+        return;
+      }
+      // each node's section ("==> node (generation G) <==" and its lines) keeps its share of the lines shown
+      const sections = [];
+      for (const line of text.replace(/\n$/, "").split("\n")) {
+        if (!sections.length || (line.startsWith("==> ") && line.endsWith(" <=="))) sections.push([]);
+        sections[sections.length - 1].push(line);
+      }
+      const share = Math.max(20, Math.floor(LOG_LINES / sections.length));
+      const lines = sections.flatMap((part) => (part.length > share ? [part[0], "…", ...part.slice(1 - share)] : part));
+      const atEnd = logsBox.hidden || logsBox.scrollTop + logsBox.clientHeight >= logsBox.scrollHeight - 4;
+      logsBox.textContent = lines.join("\n"); // text, never markup
+      logsBox.hidden = false;
+      if (atEnd) logsBox.scrollTop = logsBox.scrollHeight;
+      logsNote.textContent = `The last lines of generation ${job.generation}'s logs, up to ${share} of each node's. Follow them live: etrain logs ${id} -f`;
+      logsDone = ["succeeded", "failed", "cancelled"].includes(job.state);
+    }
 
     async function fetchEvents() {
       for (let page = 0; page < 20; page++) {
@@ -671,6 +698,7 @@
         throw err;
       }
       await fetchEvents();
+      await fetchLogs(job);
 
       const p = job.progress;
       const t = p.updated_at ? new Date(p.updated_at).getTime() : null;

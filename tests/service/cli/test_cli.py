@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from elastic import compat
 from elastic.testing.etcd_server import free_port
 from elastic.testing.wait import wait_for
 from service.cli.main import _parser, main
+from service.core.view import Quotas
 from tests.service.conftest import ADMIN, READER
 
 pytestmark = pytest.mark.timeout(60)
@@ -124,7 +126,7 @@ def test_client_commands_against_a_live_controller(
     assert [line.split()[1] for line in events] == ["submitted", "cancel_requested", "state"]
 
     assert main(["nodes", *common]) == 0
-    assert capsys.readouterr().out.split() == ["NODE", "CAPACITY", "FREE", "JOBS", "HOST", "REGISTERED"]
+    assert capsys.readouterr().out.split() == ["NODE", "MODE", "CAPACITY", "FREE", "JOBS", "HOST", "REGISTERED"]
 
 
 def test_client_errors_name_the_http_status(
@@ -185,3 +187,84 @@ def test_the_node_agent_on_an_unsupported_torch_refuses_to_start_with_one_line()
         f"etrain: agent: elastic-train supports {compat.TORCH_REQUIREMENT}; the installed torch is 2.16.0: "
         f"install a torch in that range (pip install '{compat.TORCH_REQUIREMENT}')"
     ], proc.stderr
+
+
+def test_node_cordon_drain_uncordon_and_the_mode_column_of_nodes(
+    live_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--server", live_server, *_token_file(tmp_path, ADMIN)]
+    assert main(["node", "cordon", "gpu-9", "--reason", "bad fan", *common]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("node gpu-9 cordoned (no agent of this name is registered now")
+    assert main(["nodes", *common]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].split()[:3] == ["NODE", "MODE", "CAPACITY"]
+    assert rows[1].split()[:5] == ["gpu-9", "cordoned", "(not", "live)", "-"]
+    assert main(["node", "drain", "gpu-9", *common]) == 0
+    assert "node gpu-9 draining (no active job on it: drained)" in capsys.readouterr().out
+    assert main(["node", "drain", "gpu-9", "--json", *common]) == 0
+    node = json.loads(capsys.readouterr().out)
+    assert (node["mode"], node["changed"], node["live"]) == ("drained", False, False)
+    assert main(["node", "uncordon", "gpu-9", *common]) == 0
+    assert capsys.readouterr().out.startswith("node gpu-9 uncordoned (was draining)")
+    assert main(["node", "uncordon", "gpu-9", *common]) == 0
+    assert "had no cordon or drain request" in capsys.readouterr().out
+    assert main(["node", "drain", "gpu-9", "--server", live_server, *_token_file(tmp_path, READER)]) == 3
+    assert "HTTP 403" in capsys.readouterr().err
+    assert main(["node", "cordon", "bad_", *common]) == 3
+    assert "HTTP 422" in capsys.readouterr().err
+
+
+def test_resize_changes_a_jobs_bounds_and_refuses_bad_ones(
+    live_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--server", live_server, *_token_file(tmp_path, ADMIN)]
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump({"name": "grow", "entrypoint": "train.py", "min_nodes": 1, "max_nodes": 2}))
+    assert main(["submit", str(job_file), *common]) == 0
+    job_id = capsys.readouterr().out.strip()
+    assert main(["resize", job_id, "--max", "4", *common]) == 0
+    assert capsys.readouterr().out.startswith(f"{job_id}: min_nodes 1, max_nodes 4 (state ")
+    assert main(["resize", job_id, "--min", "2", "--max", "3", *common]) == 0
+    assert f"{job_id}: min_nodes 2, max_nodes 3" in capsys.readouterr().out
+    assert main(["events", job_id, *common]) == 0
+    assert "min_nodes 1 -> 2, max_nodes 4 -> 3 (by alice)" in capsys.readouterr().out
+    assert main(["resize", job_id, *common]) == 2
+    assert "give --min, --max or both" in capsys.readouterr().err
+    assert main(["resize", job_id, "--min", "5", *common]) == 3
+    err = capsys.readouterr().err
+    assert "HTTP 422" in err and "max_nodes" in err
+    assert main(["resize", "nope-1", "--max", "2", *common]) == 3
+    assert "HTTP 404" in capsys.readouterr().err
+
+
+def test_controller_quotas_come_from_the_flag_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uvicorn
+
+    import service.cli.main as cli
+
+    started: list[object] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **_kw: started.append(app))
+    monkeypatch.setattr(cli, "_check_etcd", lambda _options: None)
+    quotas = tmp_path / "quotas.yaml"
+    quotas.write_text(yaml.safe_dump({"users": {"alice": 4}, "queues": {"team-a": 6}, "default_user": 8}))
+    base = ["controller", "--etcd", "127.0.0.1:1", "--host", "127.0.0.1"]
+    assert main([*base, "--quotas", str(quotas)]) == 0
+    expected = Quotas(users={"alice": 4}, queues={"team-a": 6}, default_user=8)
+    assert started[-1].state.settings.reconcile.quotas == expected  # type: ignore[attr-defined]
+    monkeypatch.setenv("ETRAIN_QUOTAS_FILE", str(quotas))
+    assert main(base) == 0
+    assert started[-1].state.settings.reconcile.quotas == expected  # type: ignore[attr-defined]
+    monkeypatch.delenv("ETRAIN_QUOTAS_FILE")
+    assert main(base) == 0
+    assert started[-1].state.settings.reconcile.quotas == Quotas()  # type: ignore[attr-defined]
+
+
+def test_bad_quotas_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    quotas = tmp_path / "quotas.yaml"
+    quotas.write_text(yaml.safe_dump({"users": {"alice": -1}}))
+    code, _, err, _ = _etrain("controller", "--etcd", "127.0.0.1:1", "--host", "127.0.0.1", "--quotas", str(quotas))
+    assert code == 2 and err.strip().count("\n") == 0
+    assert "users.alice must be a whole number of nodes >= 0" in err

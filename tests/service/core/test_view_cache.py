@@ -1,5 +1,5 @@
 """The leader's cached view (ViewCache) equals a full read after any changes: random changes to every prefix
-of the view (valid records, garbage, records at another job's key, deletions, leases expiring), on the
+of the view (valid records, garbage, records at another job's or node's key, deletions, leases expiring), on the
 in-memory etcd and on a real one, with the watch hints on, off, and late."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from elastic.etcd import EtcdClient, MemoryEtcdClient, MemoryEtcdServer
 from elastic.progress import Progress
-from service.core.models import Assignment, JobRecord, JobSpec, JobStatus, NodeInfo, WorkerReport
+from service.core.models import Assignment, JobRecord, JobSpec, JobStatus, NodeControl, NodeInfo, NodeMode, WorkerReport
 from service.core.states import JobState
 from service.core.store import ServiceStore
 from service.core.view_cache import ViewCache
@@ -47,7 +47,7 @@ class Changes:
         job, node = r.choice(JOBS), r.choice(NODES)
         other = r.choice(JOBS)  # a record at ``job``'s key that may name another job
         spec = JobSpec(name="job", entrypoint="train.py", min_nodes=1, max_nodes=r.randint(1, 3))
-        kind = r.randrange(9)
+        kind = r.randrange(10)
         if kind == 0:
             rec = JobRecord(id=job if r.random() < 0.9 else other, spec=spec, created_at=T0)
             c.put(k.job(job), self._value(rec.model_dump_json().encode()))
@@ -80,13 +80,18 @@ class Changes:
         elif kind == 7:  # deletions: one key, or a job's reports, or a node's lease
             choice = r.randrange(4)
             if choice == 0:
-                c.delete(r.choice([k.job(job), k.status_of(job), k.cancel_of(job), k.progress_of(job), k.node(node)]))
+                c.delete(r.choice([k.job(job), k.status_of(job), k.cancel_of(job), k.progress_of(job), k.node(node),
+                                   k.nodectl_of(node)]))  # fmt: skip
             elif choice == 1:
                 c.commit(delete_prefixes=[k.reports_of(job)])
             elif choice == 2:
                 c.delete(k.assignment(node, job))
             elif self.leases:
                 c.revoke_lease(self.leases.pop(r.randrange(len(self.leases))))
+        elif kind == 8:  # an operator's cordon / drain request (uncordon: the deletions above)
+            ctl = NodeControl(name=node if r.random() < 0.9 else "elsewhere", mode=r.choice(list(NodeMode)), at=T0,
+                              requested_by="op", reason=r.choice([None, "maintenance"]))  # fmt: skip
+            c.put(k.nodectl_of(node), self._value(ctl.model_dump_json().encode()))
         else:  # several prefixes in one transaction, as the leader writes
             st = JobStatus(state=JobState.RUNNING, generation=2, created_at=T0, updated_at=T0, nodes=[node])
             a = Assignment(job_id=job, generation=2, spec=spec, assigned_at=T0)

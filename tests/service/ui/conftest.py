@@ -8,7 +8,6 @@ browser tests are skipped with the reason.
 from __future__ import annotations
 
 import importlib.util
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -119,21 +118,4 @@ def serve(settings: Settings) -> Iterator[str]:
 
 def start_controller_with_tokens(cluster: LocalServiceCluster, tokens: dict[str, str]) -> Any:
     """``cluster.start_controller`` with ``--tokens-file`` (token -> role); an ApiClient holding the admin token."""
-    from elastic.testing.wait import wait_for
-    from service.cli.client import ApiClient, ApiError
-
-    tokens_file = cluster.workdir / "tokens.json"
-    tokens_file.write_text(json.dumps({"tokens": [{"token": t, "role": r, "name": r} for t, r in tokens.items()]}))
-    tokens_file.chmod(0o600)
-    port = free_port()
-    cluster.controller = cluster._spawn(
-        "controller",
-        ["controller", "--host", "127.0.0.1", "--port", str(port), "--leader-ttl", str(cluster.lease_ttl),
-         "--checkpoint-root", f"file://{cluster.checkpoint_root}", "--tokens-file", str(tokens_file)],
-    )  # fmt: skip
-    cluster.url = f"http://127.0.0.1:{port}"
-    admin = next(t for t, r in tokens.items() if r == "admin")
-    api = ApiClient(cluster.url, token=admin)
-    wait_for(lambda: cluster.check_alive() and api.ready(), 60, 0.5, what="the controller to be ready",
-             retry_on=(ApiError,))  # fmt: skip
-    return api
+    return cluster.start_controller(tokens=tokens)

@@ -95,6 +95,9 @@ def test_job_page_shows_the_world_size_drop_after_an_agent_is_killed(
     cluster, job_id = running_job.cluster, running_job.job_id
     ui.sign_in(cluster.url, READER, route=f"#/jobs/{job_id}")
     ui.page.wait_for_function("() => document.querySelector('#world-size-current')?.textContent === '2'")
+    # the job's logs, read from both agents through the controller, each node's section headed
+    ui.page.wait_for_function("() => /==> node-2 \\(generation/.test(document.querySelector('#job-logs')?.textContent)")
+    assert "==> node-1 (generation " in ui.page.inner_text("#job-logs")
     # (functions, not expressions: Playwright evaluates an expression with eval, which the page's CSP forbids)
     # the page samples progress as it polls: a few reports make the loss and steps/s curves
     ui.page.wait_for_function("() => Number(document.querySelector('#svg-rate')?.dataset.points) >= 2", timeout=30_000)
