@@ -113,7 +113,7 @@ class _Pass:
             return
         for d in self.decisions:
             on = sorted(draining & set(d.st.nodes))
-            if not on or d.st.state.terminal:
+            if not on or d.touched or d.st.state.terminal:  # touched: settling a failure; drained next pass
                 continue
             reason = f"node {', '.join(on)} draining"
             # a swap does not grow the job: its quota is not consulted
