@@ -44,7 +44,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 USER 10001:10001
 WORKDIR /home/etrain
-# 8080: controller API (--port); 8081: agent /healthz (--health-port).
-EXPOSE 8080 8081
+# 8080: controller API (--port); 8081: agent /healthz (--health-port); 8082: agent job logs (--logs-port).
+EXPOSE 8080 8081 8082
 ENTRYPOINT ["etrain"]
 CMD ["--help"]

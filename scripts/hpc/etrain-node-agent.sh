@@ -10,6 +10,7 @@
 #   ETRAIN_RDZV_HOST        address the other nodes reach this one at (default: hostname -f)
 #   ETRAIN_WORK_DIR         node-local scratch (default: ${TMPDIR:-/tmp}/etrain-<job id>-<node name>)
 #   ETRAIN_HEALTH_PORT      port of the agent's /healthz (default 8081)
+#   ETRAIN_LOGS_PORT        port the agent serves its jobs' logs on, for `etrain logs` and the dashboard (unset: off)
 #   ETRAIN_AGENT_ARGS       extra `etrain agent` arguments, split on blanks
 #   ETRAIN_BIN              the etrain executable (default: etrain on PATH)
 #   ETRAIN_ENV_FILE         a file to source first (pbs-agents.sh uses it: pbsdsh passes no environment)

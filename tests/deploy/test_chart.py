@@ -311,6 +311,11 @@ def test_controller_and_agent_probes_use_the_cli_health_endpoints(chart: helm.Ch
     assert agent["command"] == ["etrain", "agent"]
     assert agent["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert mf.env_of(agent)["ETRAIN_HEALTH_PORT"] == str(agent["ports"][0]["containerPort"]) == "8081"
+    assert mf.env_of(agent)["ETRAIN_LOGS_PORT"] == str(agent["ports"][1]["containerPort"]) == "8082"
+    assert agent["ports"][1]["name"] == "logs"
+    no_logs = {**by_name("s3"), "agent": {**by_name("s3").get("agent", {}), "logsPort": 0}}
+    off = mf.container(mf.one(render(chart, no_logs), "StatefulSet", "-agent"), "agent")
+    assert mf.env_of(off)["ETRAIN_LOGS_PORT"] == "0" and [p["name"] for p in off["ports"]] == ["health"]
 
 
 def test_helm_test_hook_requests_the_controller_readyz(chart: helm.Chart) -> None:

@@ -256,6 +256,7 @@ def test_network_policies_admit_only_controller_and_agents_to_etcd_and_agents_to
     everyone_here = {"controller", "agent", "etcd", "helm test pod", "other pod of the namespace"}
     assert who(controller, "http") == everyone_here | {"ingress controller"}
     assert who(agents, "health") == who(agents, 29500) == who(agents, 45123) == {"agent"}
+    assert who(agents, "logs") == {"agent", "controller"}  # the controller proxies the jobs' logs
     # without the namespace-wide rule and the ingress, only the `helm test` pod (and extraFrom) remain
     monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     objects = render(chart, {"networkPolicy": {"controller": {"allowNamespace": False, "extraFrom": [monitoring]}}})

@@ -125,7 +125,7 @@ def test_entrypoint_and_ports_match_the_package_and_the_chart() -> None:
     assert re.search(r'^etrain = "service\.cli\.main:main"', (REPO / "pyproject.toml").read_text(), re.M)
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
     exposed = {int(p) for i in instructions if i.keyword == "EXPOSE" for p in i.args.split()}
-    assert exposed == {values["controller"]["port"], values["agent"]["healthPort"]}
+    assert exposed == {values["controller"]["port"], values["agent"]["healthPort"], values["agent"]["logsPort"]}
     env = " ".join(i.args for i in instructions if i.keyword == "ENV" and i.stage == 2)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in env and "PATH=/opt/venv/bin:$PATH" in env
 
