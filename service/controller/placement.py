@@ -196,10 +196,10 @@ class _Pass:
 
         def found(chosen: Sequence[_Release]) -> int:
             trial = dict(base)
-            for r in chosen:
-                for node in r.nodes:
-                    if node in trial:
-                        trial[node] += r.victim.spec.nproc_per_node
+            freed = {(r.victim.record.id, node): r.victim.spec.nproc_per_node for r in chosen for node in r.nodes}
+            for (_, node), slots in freed.items():  # a node a victim gives up twice (shrink, then whole) counts once
+                if node in trial:
+                    trial[node] += slots
             return len(pick_nodes(trial, d.spec.nproc_per_node, want, exclude=avoid))
 
         def shrinks(v: Decision, floor: int) -> list[_Release]:

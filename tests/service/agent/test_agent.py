@@ -168,7 +168,7 @@ def test_a_new_generation_replaces_the_running_one(running_agent: NodeAgent, tmp
 _IGNORES_SIGTERM = """
 import signal, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-print("ignoring SIGTERM", flush=True)
+print("SIGTERM " + "ignored", flush=True)  # split: the log's first line echoes this source
 time.sleep(300)
 """
 
@@ -208,7 +208,7 @@ def test_healthz_answers_within_a_second_and_stays_ok_while_a_torchrun_ignoring_
         wait_for(lambda: agent.healthy()[0])
         _assign(agent, tmp_path, "sleep")
         log = tmp_path / "work" / "jobs" / "job-1" / "g1" / "n1.log"
-        wait_for(lambda: log.exists() and "ignoring SIGTERM" in log.read_text(), timeout=30)
+        wait_for(lambda: log.exists() and "SIGTERM ignored" in log.read_text(), timeout=30)
         assert _get_health(port)[1] == 200
         agent.client.delete(agent.store.keys.assignment("n1", "job-1"))
         unassigned = time.monotonic()

@@ -303,7 +303,7 @@ def _priority_respected(c: Cluster) -> None:
         assert fits < spec.min_nodes, f"{job_id} (priority {spec.priority}) waits although {fits} nodes would fit it"
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     capacities=hs.lists(hs.integers(1, 2), min_size=1, max_size=5),
     jobs=_jobs,

@@ -4,7 +4,7 @@ for the race of a resize, on a real one."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -44,7 +44,8 @@ def _control(name: str, mode: NodeMode = NodeMode.CORDONED, reason: str | None =
 def _create(store: ServiceStore, job_id: str, min_nodes: int = 1, max_nodes: int = 3, **spec: Any) -> None:
     spec_ = JobSpec(name="job", entrypoint="train.py", min_nodes=min_nodes, max_nodes=max_nodes, **spec)
     record = JobRecord(id=job_id, created_at=T0, spec=spec_)
-    store.create_job(record, JobStatus(created_at=T0, updated_at=T0), new_event("submitted", "submitted", T0))
+    submitted = T0 - timedelta(hours=1)  # before what the tests do at T0: events sort by their time
+    store.create_job(record, JobStatus(created_at=T0, updated_at=T0), new_event("submitted", "submitted", submitted))
 
 
 def _spec(store: ServiceStore, job_id: str) -> JobSpec:
