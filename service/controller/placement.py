@@ -170,7 +170,7 @@ class _Pass:
 
     # -- 3. starts -------------------------------------------------------------------------------------
     def fair_share(self, priority: int) -> int:
-        nodes = sum(1 for n in self.free if n not in self.controls)
+        nodes = sum(1 for n in self.free if n not in self.controls and n not in self.spares)
         jobs = sum(1 for d in self.decisions if d.priority == priority and not d.st.state.terminal
                    and (d.st.nodes or d.waiting))  # fmt: skip
         return max(1, nodes // max(jobs, 1))
