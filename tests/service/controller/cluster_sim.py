@@ -95,9 +95,9 @@ class Cluster:
             job_id=job_id,
             node=node,
             generation=gen,
-            state=state,
+            state=state,  # type: ignore[arg-type]
             exit_code=code,
-            finished_at=at,  # type: ignore[arg-type]
+            finished_at=at,
         )
 
     def progress_at(self, job_id: str, at: datetime, step: int, world: int, **kw: Any) -> None:

@@ -351,3 +351,46 @@ def test_property_no_double_booking_min_nodes_kept_priority_respected_everyone_s
         fits = sum(1 for cap in capacities if cap >= nproc)
         if fits >= lo and (quota is None or quota >= lo):
             assert f"j{i}" in ever_started, f"j{i} never scheduled though capacity allows: {c.status(f'j{i}')}"
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    nodes=hs.lists(hs.tuples(hs.integers(1, 2), hs.booleans()), min_size=2, max_size=6),  # (capacity, spare)
+    jobs=_jobs,
+    outages=hs.lists(hs.tuples(hs.integers(0, 5), hs.integers(3, 40), hs.integers(1, 15)), max_size=3),
+)
+def test_property_lost_nodes_and_hot_spares_keep_the_invariants_and_spares_only_replace_lost_nodes(
+    nodes: list[tuple[int, bool]], jobs: list[tuple[Any, ...]], outages: list[tuple[int, int, int]]
+) -> None:
+    c = Cluster()
+    names = [f"n{i}" for i in range(len(nodes))]
+    infos = {name: NodeInfo(name=name, capacity=cap, incarnation="x", registered_at=T0, spare=spare)
+             for name, (cap, spare) in zip(names, nodes, strict=True)}  # fmt: skip
+    c.nodes.update(infos)
+    ran: dict[str, int] = {}
+    for tick in range(70):
+        for i, (prio, lo, extra, nproc, mode, at, _, user) in enumerate(jobs):
+            if at == tick:
+                c.add_job(f"j{i}", _job(lo, lo + extra, priority=prio, nproc_per_node=nproc, recovery=mode),
+                          at=_s(tick), user=user)  # fmt: skip
+        for index, down, length in outages:
+            if index < len(names) and tick == down:
+                c.nodes.pop(names[index], None)  # the agent died: its lease expired
+            elif index < len(names) and tick == down + length:
+                c.nodes[names[index]] = infos[names[index]]
+        before = {j: (list(e.status.nodes), e.status.lost_owed) for j, e in c.jobs.items()}
+        c.tick(_s(tick))
+        _check_invariants(c, {j: held for j, (held, _) in before.items()})
+        for job_id, e in list(c.jobs.items()):
+            st = e.status
+            held, owed = before.get(job_id, ([], 0))
+            lost_now = sum(1 for n in held if n not in c.nodes)  # lost in this very pass
+            for node in set(st.nodes) - set(held):
+                if infos[node].spare:
+                    assert owed + lost_now > 0, f"{job_id} placed on spare {node} without having lost a node"
+            if st.nodes and not st.state.terminal:
+                c.progress_at(job_id, _s(tick + 0.5), step=tick, world=len(st.nodes), nodes=list(st.nodes))
+                if st.state == JobState.RUNNING:
+                    ran[job_id] = ran.get(job_id, 0) + 1
+                    if ran[job_id] >= jobs[int(job_id[1:])][6]:
+                        c.jobs[job_id] = e.__class__(e.record, st, e.status_revision, cancel_requested=True)
