@@ -213,14 +213,18 @@ class Decision:
         self.move(Trigger.DISRUPT, message)
 
     def requeue(self, kind: str, reason: str) -> None:
-        """Stop every node after a snapshot; the job waits for nodes again (``preempted`` counts it when
-        ``kind`` is a preemption)."""
+        """Stop every node after a snapshot (its nodes count as ``planned``); the job waits for nodes again."""
+        self.st.restarts.planned += len(self.st.nodes)
+        self._release_and_wait(kind, reason)
+
+    def preempt(self, reason: str) -> None:
+        """:meth:`requeue` for a higher-priority job: counted once as ``preempted``."""
+        self.st.restarts.preempted += 1
+        self._release_and_wait("preempted", reason)
+
+    def _release_and_wait(self, kind: str, reason: str) -> None:
         st = self.st
         held = sorted(st.nodes)
-        if kind == "preempted":
-            st.restarts.preempted += 1
-        else:
-            st.restarts.planned += len(held)
         st.planned_out = 0
         self.release_all()
         st.disrupted_at = self.now

@@ -55,15 +55,13 @@ class _Holdings:
 
     def room(self, d: Decision) -> tuple[int, str | None]:
         """(nodes ``d`` may still add, what limits it: None when unlimited)."""
+        user, queue = d.user or "", d.queue or ""
+        limits = [(self.quotas.user_limit(d.user), self.users.get(user, 0), f"user {user or 'anonymous'}"),
+                  (self.quotas.queue_limit(d.queue), self.queues.get(queue, 0), f"queue {queue}")]  # fmt: skip
         room, why = 1 << 30, None
-        limit = self.quotas.user_limit(d.user)
-        if limit is not None:
-            room, why = limit - self.users.get(d.user or "", 0), f"user {d.user or 'anonymous'} holds " \
-                f"{self.users.get(d.user or '', 0)} of its quota of {limit} node(s)"  # fmt: skip
-        limit = self.quotas.queue_limit(d.queue)
-        if limit is not None and limit - self.queues.get(d.queue or "", 0) < room:
-            room, why = limit - self.queues.get(d.queue or "", 0), f"queue {d.queue} holds " \
-                f"{self.queues.get(d.queue or '', 0)} of its quota of {limit} node(s)"  # fmt: skip
+        for limit, held, who in limits:
+            if limit is not None and limit - held < room:
+                room, why = limit - held, f"{who} holds {held} of its quota of {limit} node(s)"
         return max(room, 0), why
 
 
@@ -179,13 +177,14 @@ class _Pass:
         """(job, the fewest nodes it may be shrunk to) of running jobs ``d`` may take nodes from, the least
         deserving first (lowest priority, then newest)."""
         out = []
+        share = self.fair_share(d.priority) if equal else 0
         for v in self.decisions:
             if v is d or v.touched or v.st.state != JobState.RUNNING or not v.st.nodes:
                 continue
             if v.priority < d.priority:
                 out.append((v, v.spec.min_nodes))
             elif equal and v.priority == d.priority:
-                out.append((v, max(v.spec.min_nodes, self.fair_share(d.priority))))
+                out.append((v, max(v.spec.min_nodes, share)))
         out.sort(key=lambda p: (p[0].priority, -p[0].record.created_at.timestamp(), p[0].record.id))
         return out
 
@@ -242,7 +241,7 @@ class _Pass:
         for v, nodes, whole in by_victim.values():
             if whole:
                 self.release(v, list(v.st.nodes))
-                v.requeue("preempted", f"preempted {why}")
+                v.preempt(f"preempted {why}")
             else:
                 self.release(v, sorted(nodes))
                 v.shrink(nodes, "shrunk", f"shrunk {why}")

@@ -270,6 +270,19 @@ class ServiceStore:
     def put_report(self, report: WorkerReport) -> None:
         self.client.put(self.keys.report(report.job_id, report.node), dump(report))
 
+    def reports(self, job_id: str) -> dict[str, WorkerReport]:
+        """The agents' worker reports of the job by node (each node's latest: a new generation replaces it); a
+        report naming another job or node than its key is ignored."""
+        prefix = self.keys.reports_of(job_id)
+        kvs, _ = self.client.get_prefix(prefix)
+        out: dict[str, WorkerReport] = {}
+        for kv in kvs:
+            node = tail(kv, prefix)
+            report = load(WorkerReport, kv)
+            if report is not None and at_own_key(kv, report.node, node) and at_own_key(kv, report.job_id, job_id):
+                out[node] = report
+        return out
+
     # -- node controls (cordon / drain; the API writes, the leader reads them in its view) -------------
     def set_node_control(self, control: NodeControl, events: Mapping[str, Event] | None = None) -> None:
         """Store an operator's request about node ``control.name`` (replacing any earlier one), and in the

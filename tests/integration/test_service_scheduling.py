@@ -73,6 +73,18 @@ def _check_elastic_loop(rec: Path, samples: int) -> list[int]:
     return _worlds(rec)
 
 
+def _cluster_of(cluster: LocalServiceCluster, *names: str, spare: str | None = None) -> Any:
+    """The controller and agents ``names`` (and a hot ``spare``), once every agent is registered."""
+    api = cluster.start_controller()
+    for name in names:
+        cluster.start_agent(name)
+    if spare is not None:
+        cluster.start_agent(spare, spare=True)
+    count = len(names) + (spare is not None)
+    wait_api(f"{count} nodes", lambda: len(api.nodes()) == count, 60)
+    return api
+
+
 def _finished(api: Any, job_id: str, timeout: float) -> dict[str, Any]:
     final = wait_api(f"job {job_id} to end", lambda: (j := api.job(job_id))["state"] in
                      ("succeeded", "failed", "cancelled") and j, timeout)  # fmt: skip
@@ -84,10 +96,7 @@ def _finished(api: Any, job_id: str, timeout: float) -> dict[str, Any]:
 def test_a_high_priority_job_shrinks_a_low_one_which_grows_back_both_exactly_once(
     cluster: LocalServiceCluster, tmp_path: Path
 ) -> None:
-    api = cluster.start_controller()
-    for name in ("node-1", "node-2", "node-3"):
-        cluster.start_agent(name)
-    wait_api("3 nodes", lambda: len(api.nodes()) == 3, 60)
+    api = _cluster_of(cluster, "node-1", "node-2", "node-3")
     low_rec, high_rec = tmp_path / "low", tmp_path / "high"
     low = api.submit(_spec("low", low_rec, samples=360, epochs=3, min_nodes=1, max_nodes=3))["id"]
     wait_api("the low job at world 3", lambda: 3 in _worlds(low_rec) and max(
@@ -117,10 +126,7 @@ def test_a_high_priority_job_shrinks_a_low_one_which_grows_back_both_exactly_onc
 def test_a_drain_moves_a_live_job_off_a_node_with_no_failure_and_no_lost_step(
     cluster: LocalServiceCluster, tmp_path: Path
 ) -> None:
-    api = cluster.start_controller()
-    for name in ("node-1", "node-2", "node-3"):
-        cluster.start_agent(name)
-    wait_api("3 nodes", lambda: len(api.nodes()) == 3, 60)
+    api = _cluster_of(cluster, "node-1", "node-2", "node-3")
     rec = tmp_path / "rec"
     job = api.submit(_spec("drained", rec, samples=320, epochs=3, min_nodes=2, max_nodes=2, recovery="live"))["id"]
     wait_api("the job at world 2", lambda: 2 in _worlds(rec) and max(
@@ -149,11 +155,7 @@ def test_a_drain_moves_a_live_job_off_a_node_with_no_failure_and_no_lost_step(
 def test_a_hot_spare_replaces_a_killed_node_its_workers_forked_from_its_warm_zygote(
     cluster: LocalServiceCluster, tmp_path: Path
 ) -> None:
-    api = cluster.start_controller()
-    for name in ("node-1", "node-2"):
-        cluster.start_agent(name)
-    cluster.start_agent("spare-1", spare=True)
-    wait_api("3 nodes", lambda: len(api.nodes()) == 3, 60)
+    api = _cluster_of(cluster, "node-1", "node-2", spare="spare-1")
     spare = next(n for n in api.nodes() if n["name"] == "spare-1")
     assert spare["spare"] is True
     rec = tmp_path / "rec"

@@ -36,9 +36,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.api.auth import require_read
 from service.api.deps import get_store
-from service.core.keys import at_own_key, load
-from service.core.keys import tail as key_tail
-from service.core.models import NODE_NAME_PATTERN, NodeInfo, WorkerReport
+from service.core.models import NODE_NAME_PATTERN, NodeInfo
 from service.core.store import ServiceStore
 
 __all__ = ["CONNECT_TIMEOUT", "DEFAULT_TAIL", "READ_TIMEOUT", "router"]
@@ -70,13 +68,6 @@ class _Opened:
     problem: tuple[int, str] | None = None  # (HTTP status for the caller, message)
 
 
-def _reports(store: ServiceStore, job_id: str) -> list[WorkerReport]:
-    prefix = store.keys.reports_of(job_id)
-    kvs, _ = store.client.get_prefix(prefix)
-    reports = ((kv, load(WorkerReport, kv)) for kv in kvs)
-    return [r for kv, r in reports if r is not None and at_own_key(kv, r.node, key_tail(kv, prefix))]
-
-
 def _plan(
     store: ServiceStore, job_id: str, node: str | None, generation: int | None
 ) -> tuple[list[_Source], int | None]:
@@ -95,7 +86,7 @@ def _plan(
     ran: set[str] = set()
     if gen == st.generation:
         ran |= set(st.nodes) | {n for n, jobs in assigned.items() if job_id in jobs}
-    ran |= {r.node for r in _reports(store, job_id) if r.generation == gen}
+    ran |= {r.node for r in store.reports(job_id).values() if r.generation == gen}
     ran |= {n for change in st.world_size_history if change.generation == gen for n in change.nodes}
     if ran:
         return [_Source(n, gen, live.get(n), True) for n in sorted(ran)], gen

@@ -15,8 +15,6 @@ from fastapi.responses import JSONResponse
 
 from service.api.auth import require_read
 from service.api.deps import get_store
-from service.core.keys import at_own_key, load, tail
-from service.core.models import WorkerReport
 from service.core.store import ServiceStore
 from service.core.trace import job_trace
 
@@ -26,19 +24,6 @@ router = APIRouter(prefix="/v1", tags=["jobs"])
 
 #: the newest events of a job that a trace is built from (``metadata.events_truncated`` says when there were more)
 MAX_TRACE_EVENTS = 100_000
-
-
-def _reports(store: ServiceStore, job_id: str) -> dict[str, WorkerReport]:
-    """The agents' worker reports of the job by node (its current generation's: they are replaced each one)."""
-    prefix = store.keys.reports_of(job_id)
-    kvs, _ = store.client.get_prefix(prefix)
-    out: dict[str, WorkerReport] = {}
-    for kv in kvs:
-        node = tail(kv, prefix)
-        report = load(WorkerReport, kv)
-        if report is not None and at_own_key(kv, report.node, node) and at_own_key(kv, report.job_id, job_id):
-            out[node] = report
-    return out
 
 
 @router.get(
@@ -66,7 +51,7 @@ def get_job_trace(job_id: str, store: Annotated[ServiceStore, Depends(get_store)
         events[-MAX_TRACE_EVENTS:],
         datetime.now(timezone.utc),
         progress=store.progress(job_id),
-        reports=_reports(store, job_id),
+        reports=store.reports(job_id),
         events_truncated=truncated,
     )
     return JSONResponse(trace)
