@@ -3,7 +3,13 @@
 :class:`LiveGroup` joins the group (:meth:`~LiveGroup.join`), and after a failure or at a step boundary
 with joiners waiting tears the process group down (NCCL: aborted; gloo: its collectives already failed when
 the dead peer's connections closed) and builds the next one over a fresh store prefix in etcd with the
-ranks of the new generation (:meth:`~LiveGroup.reform`). A watchdog covers what gloo cannot: a member whose
+ranks of the new generation (:meth:`~LiveGroup.reform`).
+
+The group owns its generation's store (:attr:`LiveGroup.store`) from formation to teardown: torch's C++ side
+keeps only the C++ half of a Python ``Store`` (its ``PrefixStore`` wraps it), so a store held by nobody in
+Python is collected, and the next call through torch's trampoline (NCCL's lazy communicator set-up at the
+first collective, a sub-group's creation) fails with "Not implemented". NCCL groups are also initialised
+eagerly (``device_id``), so a broken group fails at formation, not at the first step. A watchdog covers what gloo cannot: a member whose
 lease expired (dead or partitioned, connections not closed) while this process is stuck in a step; it
 aborts an NCCL group, so the step fails and the group re-forms, or, under gloo, exits the worker with
 :data:`EXIT_LIVE_FALLBACK` so that its agent restarts it: the restart path, logged as such, never a hang.
@@ -18,6 +24,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from elastic import compat
@@ -28,7 +35,7 @@ from elastic.rendezvous.etcd_v3_store import EtcdV3Store
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXIT_LIVE_FALLBACK", "LiveGroup", "is_peer_failure"]
+__all__ = ["EXIT_LIVE_FALLBACK", "LiveGroup", "LiveGroupFormationError", "is_peer_failure"]
 
 #: The exit status of a worker that falls back to the restart path (its agent restarts it; it re-joins).
 EXIT_LIVE_FALLBACK = 75
@@ -37,9 +44,22 @@ _MARKERS = ("gloo", "connection", "nccl", "timed out", "timeout", "processgroup"
             "closed", "socket", "abort")  # fmt: skip
 
 
+class LiveGroupFormationError(RuntimeError):
+    """A generation's process group could not be formed for a reason other than a lost peer (a wrong
+    device, a misconfigured NCCL): re-forming would fail the same way."""
+
+
+def _is_usage_error(exc: BaseException) -> bool:
+    """NCCL's own misuse reports ("invalid usage", "invalid argument") mention NCCL but are no lost peer."""
+    text = str(exc).lower()
+    return "invalid usage" in text or "invalid argument" in text
+
+
 def is_peer_failure(exc: BaseException) -> bool:
     """Whether ``exc``, raised by a collective, means the group broke (a peer died or was aborted), as
     opposed to an error of the training code itself."""
+    if isinstance(exc, LiveGroupFormationError):
+        return False
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(exc, dist_error):
         return True
@@ -50,7 +70,8 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 
 class LiveGroup:
-    """See the module docstring. ``backend``: ``"gloo"`` or ``"nccl"``; ``timeout``: of the collectives."""
+    """See the module docstring. ``backend``: ``"gloo"`` or ``"nccl"``; ``timeout``: of the collectives;
+    ``device``: this worker's GPU under NCCL (made current, and the communicator is created on it at once)."""
 
     def __init__(
         self,
@@ -60,9 +81,15 @@ class LiveGroup:
         backend: str,
         timeout: timedelta,
         store_timeout: timedelta = timedelta(seconds=60),
+        device: torch.device | None = None,
     ) -> None:
         self._client, self._keys, self.membership = client, keys, membership
         self._backend, self._timeout, self._store_timeout = backend, timeout, store_timeout
+        if backend == "nccl" and (device is None or device.type != "cuda"):
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        self._device = device if backend == "nccl" else None
+        # the current generation's store: torch's C++ side does not keep its Python object alive
+        self._store: EtcdV3Store | None = None
         self.generation: Generation | None = None
         self.reforms = 0  # generations this worker went through after its first
         # the last re-form went on without this worker, which then joined a later generation: its state may
@@ -80,6 +107,11 @@ class LiveGroup:
     @property
     def world_size(self) -> int:
         return dist.get_world_size()
+
+    @property
+    def store(self) -> EtcdV3Store | None:
+        """The store of the current generation's process group (None between generations)."""
+        return self._store
 
     @property
     def wid(self) -> str:
@@ -125,8 +157,21 @@ class LiveGroup:
             raise MembershipError(f"worker {self.wid} is not a member of generation {gen.number}")
         started = time.perf_counter()
         store = EtcdV3Store(self._client, self._keys.gen_store(gen.number), timeout=self._store_timeout)
-        dist.init_process_group(self._backend, store=store, rank=rank, world_size=len(gen.members),
-                                timeout=self._timeout)  # fmt: skip
+        if self._device is not None:  # NCCL: the communicator now (a broken group fails here, not at step 1)
+            torch.cuda.set_device(self._device)
+        self._store = store  # before init: NCCL calls back into it from C++ (see the module docstring)
+        try:
+            dist.init_process_group(self._backend, store=store, rank=rank, world_size=len(gen.members),
+                                    timeout=self._timeout, device_id=self._device)  # fmt: skip
+        except Exception as exc:
+            self._teardown()
+            if isinstance(exc, RuntimeError) and is_peer_failure(exc) and not _is_usage_error(exc):
+                raise  # a member died while the group formed: the caller re-forms
+            raise LiveGroupFormationError(
+                f"live group: generation {gen.number}'s {self._backend} process group (rank {rank} of "
+                f"{len(gen.members)}{', device ' + str(self._device) if self._device is not None else ''}) "
+                f"could not be formed: {exc}"
+            ) from exc
         self.generation = gen
         logger.info("live group: generation %d (%s) formed in %.3f s: rank %d of %d", gen.number, gen.reason.value,
                     time.perf_counter() - started, rank, len(gen.members))  # fmt: skip
@@ -137,6 +182,7 @@ class LiveGroup:
                 compat.abort_process_group()
             except Exception:  # a broken group may fail its own teardown: the next one does not need it
                 logger.warning("live group: tearing down the broken process group failed", exc_info=True)
+        self._store = None  # the group that called back into it is gone
 
     # -- the watchdog --------------------------------------------------------------------------------
     def boundary(self) -> None:
@@ -190,6 +236,9 @@ class LiveGroup:
     def close(self, finished: bool = False) -> None:
         """Leave the group; ``finished``: the job is done (rank 0 marks it, so that late joiners exit)."""
         self._stop.set()
+        if dist.is_initialized() and self._store is not None:
+            self._teardown()  # the caller left the group up: its store may not go before it
+        self._store = None
         if finished:
             try:
                 self.membership.finish()

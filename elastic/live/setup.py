@@ -43,4 +43,5 @@ def open_live_group(config: ElasticConfig) -> LiveGroup:
     keys = LiveKeys(env.live.prefix)
     membership = LiveMembership(client, keys, new_worker_id(node, local_rank), settings, node=node)
     backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    return LiveGroup(client, keys, membership, backend, config.timeout)
+    device = torch.device("cuda", local_rank) if backend == "nccl" else None
+    return LiveGroup(client, keys, membership, backend, config.timeout, device=device)
