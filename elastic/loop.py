@@ -70,7 +70,7 @@ from elastic.checkpoint import PreemptionWatcher, capture_training_state
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import CheckpointStorage
 from elastic.env import WorkerEnv
-from elastic.live.grads import LiveDataParallel, all_reduce_gradients, broadcast_module
+from elastic.live.grads import GradientReducer, LiveDataParallel, broadcast_module
 from elastic.live.protocol import ReformReason
 from elastic.loop_checkpoints import LoopCheckpoints
 from elastic.loop_config import ElasticConfig, LiveOptions, Recovery, StepInfo
@@ -110,6 +110,7 @@ class ElasticTrainer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self._live = None
+        self._reducer: GradientReducer | None = None  # live: the gradient all-reduce, overlapped with backward
         self._recovery = config.resolved_recovery()
         if self._recovery is Recovery.LIVE:
             if isinstance(model, DistributedDataParallel):
@@ -187,8 +188,11 @@ class ElasticTrainer:
 
     def _wrap(self) -> DistributedDataParallel | LiveDataParallel:
         if self._recovery is Recovery.LIVE:
-            # no DDP: its reducer would keep a torn-down group's connections open (see elastic.live.grads)
-            return LiveDataParallel(self._module)
+            # no DDP: its reducer would keep a torn-down group's connections open (see elastic.live.grads);
+            # ours holds no group, so one serves every generation
+            if self._reducer is None:
+                self._reducer = GradientReducer(self._module)
+            return LiveDataParallel(self._module, self._reducer)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(self._module, device_ids=device_ids)
 
@@ -302,6 +306,8 @@ class ElasticTrainer:
         from elastic.live.membership import MembershipError
 
         assert self._live is not None
+        if self._reducer is not None:
+            self._reducer.reset()  # the dropped step's in-flight buckets belong to the broken group
         for attempt in range(1, 11):
             try:
                 self._live.reform(reason)
@@ -366,9 +372,9 @@ class ElasticTrainer:
             self._step_times.append(now - self._last_boundary)
         self._last_boundary = now
         lr = self.current_lr()
-        if self._live is not None:
+        if self._reducer is not None:
             try:
-                all_reduce_gradients(self._module, self.world_size)
+                self._reducer.finish(self.world_size)
             except RuntimeError as exc:
                 self._collective_failed(exc)
                 return
@@ -514,6 +520,8 @@ class ElasticTrainer:
             # the GIL now, or tearing the group down from the main thread can deadlock at exit.
             time.sleep(0.2)
             compat.destroy_process_group()
+        if self._reducer is not None:
+            self._reducer.close()  # the user's module keeps no hook of ours
         if self._live is not None:
             self._live.group.close(finished=finished and not self._stopped and self.rank == 0)
 

@@ -1,77 +1,243 @@
-"""Data parallelism without DDP for live recovery: the gradients are all-reduced by the loop itself.
+"""Data parallelism without DDP for live recovery: the loop's own gradient all-reduce, overlapped with backward.
 
 A DDP wrapper keeps a reference to its process group inside its reducer, which outlives the wrapper: a torn
 down gloo group then keeps its connections open, and a peer blocked in a collective with this worker waits
 until the collective timeout instead of failing at once (seen in the chaos suite: a member that committed a
 step, left behind for 600 s by the others' re-form). So in live mode the model is wrapped in
-:class:`LiveDataParallel`, which holds no process group: the backward pass computes local gradients only,
-and :func:`all_reduce_gradients` averages them over the group at the step boundary, in buckets, one
-collective each. Every collective of a step is then the loop's own, where a failure is caught. The cost: no
-overlap of communication with the backward pass (DDP's buckets start while it runs).
+:class:`LiveDataParallel`, and :class:`GradientReducer` averages the gradients: a post-accumulate-grad hook
+per parameter marks its gradient ready while the backward pass runs, and each bucket
+(:mod:`elastic.live.buckets`: reverse parameter order, ~25 MiB) is all-reduced asynchronously as soon as it
+and every bucket before it are complete, so communication overlaps the rest of the backward pass as DDP's
+does. The work handles are waited at the step boundary (:meth:`GradientReducer.finish`), where a failure is
+caught as for every other collective of the loop; buckets not complete by then (a parameter unused on this
+rank, a backward that did not go through the wrapper) are launched there, in the same order on every rank.
+Once a step has had a parameter without a gradient, the wrapper looks for unused parameters after every
+forward (the autograd graph from its outputs, as DDP's ``find_unused_parameters``) and marks them ready at
+once, so that one unused layer does not hold back every bucket behind it.
+
+The reducer holds no process group: each bucket goes to the group current when it launches, and
+:meth:`~GradientReducer.reset` (after a failure, before a re-form) drops the in-flight handles, so nothing
+keeps a torn-down generation alive.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["BUCKET_BYTES", "LiveDataParallel", "all_reduce_gradients", "broadcast_module"]
+from elastic.live.buckets import BUCKET_BYTES, Bucket, assign_buckets
 
-#: Gradients are all-reduced in buckets of about this many bytes (DDP's default bucket size).
-BUCKET_BYTES = 25 * 2**20
+logger = logging.getLogger(__name__)
+
+__all__ = ["BUCKET_BYTES", "GradientReadyTwiceError", "GradientReducer", "LiveDataParallel", "ReducerStats",
+           "broadcast_module"]  # fmt: skip
+
+
+class GradientReadyTwiceError(RuntimeError):
+    """A parameter's gradient was accumulated again after its bucket had been sent in the same step."""
+
+
+@dataclass
+class ReducerStats:
+    """Buckets all-reduced so far: launched while the backward pass ran, or only at the step boundary."""
+
+    steps: int = 0
+    overlapped: int = 0
+    at_boundary: int = 0
+
+
+def _reachable_params(outputs: Any) -> set[int]:
+    """The ids of the leaf tensors whose gradient a backward from ``outputs`` (tensors in any nesting of
+    tuples, lists and dicts) accumulates."""
+    stack: list[Any] = [outputs]
+    nodes: list[Any] = []
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if o.grad_fn is not None:
+                nodes.append(o.grad_fn)
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+    seen: set[Any] = set()
+    found: set[int] = set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if isinstance(variable, torch.Tensor):
+            found.add(id(variable))
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+class GradientReducer:
+    """Averages the gradients of ``module``'s trainable parameters over the current process group (see the
+    module docstring). The parameters that require a gradient when it is created are the ones reduced."""
+
+    def __init__(self, module: nn.Module, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets: list[Bucket] = assign_buckets(self._params, bucket_bytes)
+        self._bucket_of = [0] * len(self._params)
+        for b, bucket in enumerate(self.buckets):
+            for i in bucket.params:
+                self._bucket_of[i] = b
+        self._flat: list[torch.Tensor | None] = [None] * len(self.buckets)  # one buffer per bucket, kept
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                       for i, p in enumerate(self._params)]  # fmt: skip
+        self.stats = ReducerStats()
+        self.find_unused = False  # set after a step in which a parameter had no gradient
+        self._armed = False
+        self._unused: set[int] = set()  # parameters marked ready after the forward: not in its graph
+        self._ready = [False] * len(self._params)
+        self._missing = [len(b.params) for b in self.buckets]
+        self._next = 0  # the next bucket to launch: buckets go in index order on every rank
+        self._works: list[tuple[int, Any]] = []
+
+    # -- the backward pass ---------------------------------------------------------------------------
+    def arm(self, outputs: Any = None) -> None:
+        """The next backward pass is the step's last (a forward through the wrapper outside ``no_sync``,
+        which returned ``outputs``): send each bucket as soon as its gradients are complete."""
+        self._armed = True
+        if self.find_unused and outputs is not None:
+            reachable = _reachable_params(outputs)
+            for i, p in enumerate(self._params):
+                if id(p) not in reachable and not self._ready[i]:
+                    self._unused.add(i)
+                    self._mark_ready(i)
+
+    @property
+    def in_flight(self) -> int:
+        """Buckets launched this step and not waited for yet."""
+        return len(self._works)
+
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        b = self._bucket_of[index]
+        if index in self._unused:
+            raise GradientReadyTwiceError(
+                f"parameter {index} {tuple(param.shape)} got a gradient but was not reachable from the outputs of "
+                "the forward through trainer.model: compute the loss from what the forward returns"
+            )  # fmt: skip
+        if self._ready[index]:
+            if b < self._next:
+                raise GradientReadyTwiceError(
+                    f"the gradient of parameter {index} {tuple(param.shape)} was accumulated again after its bucket"
+                    " was all-reduced in this step: one backward per forward through trainer.model (use "
+                    "trainer.model.no_sync() for all but the last)"
+                )  # fmt: skip
+            return  # not sent yet: the sum is what will be sent
+        self._mark_ready(index)
+
+    def _mark_ready(self, index: int) -> None:
+        self._ready[index] = True
+        self._missing[self._bucket_of[index]] -= 1
+        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            self._launch(self._next)
+            self.stats.overlapped += 1
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        flat = self._flat[b]
+        if flat is None:
+            flat = self._flat[b] = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        for i, offset in zip(bucket.params, bucket.offsets, strict=True):
+            p = self._params[i]
+            view = flat[offset : offset + p.numel()].view(p.shape)
+            if p.grad is None:
+                view.zero_()  # unused on this rank: takes part with zeros, gets the average
+            else:
+                view.copy_(p.grad)
+        self._works.append((b, dist.all_reduce(flat, async_op=True)))
+
+    # -- the step boundary ---------------------------------------------------------------------------
+    def finish(self, world_size: int) -> None:
+        """Launch what is left, wait for every bucket and write the averages into the gradients. A
+        collective: every rank calls it once per step. Raises what a failed collective raises; the step's
+        state is reset either way."""
+        try:
+            if self._armed and not self.find_unused and not all(self._ready):
+                self.find_unused = True
+                logger.info("live mode: %d parameter(s) had no gradient in a step; looking for unused parameters "
+                            "after each forward from now on", self._ready.count(False))  # fmt: skip
+            while self._next < len(self.buckets):
+                self._launch(self._next)
+                self.stats.at_boundary += 1
+                self._next += 1
+            for _, work in self._works:
+                work.wait()
+            for b, _ in self._works:
+                self._unpack(b, world_size)
+            self.stats.steps += 1
+        finally:
+            self.reset()
+
+    def _unpack(self, b: int, world_size: int) -> None:
+        bucket, flat = self.buckets[b], self._flat[b]
+        assert flat is not None
+        flat.div_(world_size)
+        for i, offset in zip(bucket.params, bucket.offsets, strict=True):
+            p = self._params[i]
+            reduced = flat[offset : offset + p.numel()].view(p.shape)
+            if p.grad is None:
+                p.grad = reduced.clone()
+            else:
+                p.grad.copy_(reduced)
+
+    def reset(self) -> None:
+        """Forget the step in progress (its in-flight work handles too): after a failure, before a re-form."""
+        self._armed = False
+        self._unused = set()
+        self._ready = [False] * len(self._params)
+        self._missing = [len(b.params) for b in self.buckets]
+        self._next = 0
+        self._works = []
+
+    def close(self) -> None:
+        """Remove the hooks from the parameters."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.reset()
 
 
 class LiveDataParallel(nn.Module):
-    """The user's module for one generation of the live group (``.module`` as with DDP; ``no_sync`` is a
-    no-op: gradients are all-reduced once per step anyway)."""
+    """The user's module in live mode (``.module`` and ``no_sync()`` as with DDP): a forward outside
+    ``no_sync()`` with gradients enabled arms ``reducer`` for the backward pass that follows."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, reducer: GradientReducer | None = None) -> None:
         super().__init__()
         self.module = module
+        self._reducer = reducer
+        self._sync = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if self._reducer is not None and self._sync and torch.is_grad_enabled():
+            self._reducer.arm(out)
+        return out
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        yield
-
-
-def _buckets(tensors: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for t in tensors:
-        if bucket and (size + t.numel() * t.element_size() > limit or t.dtype != bucket[0].dtype
-                       or t.device != bucket[0].device):  # fmt: skip
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
-        size += t.numel() * t.element_size()
-    if bucket:
-        yield bucket
-
-
-def all_reduce_gradients(module: nn.Module, world_size: int, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Average every trainable parameter's gradient over the group (a parameter without one, unused on this
-    rank, takes part with zeros and gets the average). A collective: every rank calls it with the same
-    module structure; the result is the same on every rank, bit for bit."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params if p.grad is not None]
-    for bucket in _buckets(grads, bucket_bytes):
-        flat = _flatten_dense_tensors(bucket)
-        dist.all_reduce(flat)
-        flat.div_(world_size)
-        for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-            g.copy_(reduced)
+        """Gradients of forwards in here accumulate locally; the next forward outside sends them all."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
 
 
 def broadcast_module(module: nn.Module, src: int = 0) -> None:

@@ -9,10 +9,12 @@ The group owns its generation's store (:attr:`LiveGroup.store`) from formation t
 keeps only the C++ half of a Python ``Store`` (its ``PrefixStore`` wraps it), so a store held by nobody in
 Python is collected, and the next call through torch's trampoline (NCCL's lazy communicator set-up at the
 first collective, a sub-group's creation) fails with "Not implemented". NCCL groups are also initialised
-eagerly (``device_id``), so a broken group fails at formation, not at the first step. A watchdog covers what gloo cannot: a member whose
-lease expired (dead or partitioned, connections not closed) while this process is stuck in a step; it
-aborts an NCCL group, so the step fails and the group re-forms, or, under gloo, exits the worker with
-:data:`EXIT_LIVE_FALLBACK` so that its agent restarts it: the restart path, logged as such, never a hang.
+eagerly (``device_id``), so a broken group fails at formation, not at the first step.
+
+A watchdog covers what gloo cannot: a member whose lease expired (dead or partitioned, connections not
+closed) while this process is stuck in a step; it aborts an NCCL group, so the step fails and the group
+re-forms, or, under gloo, exits the worker with :data:`EXIT_LIVE_FALLBACK` so that its agent restarts it:
+the restart path, logged as such, never a hang.
 """
 
 from __future__ import annotations

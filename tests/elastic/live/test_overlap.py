@@ -1,0 +1,237 @@
+"""Live mode's gradient all-reduce overlaps the backward pass, and gives what the post-backward one gave.
+
+- In one process (gloo, world 1): buckets are launched while backward still runs (a probe in the graph,
+  whose backward runs after the later layers', sees them in flight); ``no_sync`` micro-batches launch
+  nothing; a parameter unused in the step is sent at the boundary with zeros; mixed dtypes get buckets of
+  their own; a gradient accumulated again after its bucket left is a clear error.
+- In two processes (gloo over a FileStore, each rank with its own data): the overlapped gradients are bit
+  for bit those of the post-backward bucketed all-reduce the loop used before (kept here as the reference),
+  with gradient accumulation, a parameter unused on one rank only, mixed dtypes and many small buckets.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from elastic.live.buckets import assign_buckets
+from elastic.live.grads import GradientReadyTwiceError, GradientReducer, LiveDataParallel
+
+
+class Probe(torch.autograd.Function):
+    """Identity; its backward records how many buckets the reducer has in flight at that moment."""
+
+    seen: list[int] = []
+    reducer: GradientReducer | None = None
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        assert Probe.reducer is not None
+        Probe.seen.append(Probe.reducer.in_flight)
+        return grad
+
+
+class Net(nn.Module):
+    """Four layers (the probe after the first); ``unused``: a layer the forward skips when asked;
+    ``mixed``: the last layer in float64."""
+
+    def __init__(self, mixed: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.unused = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1, dtype=torch.float64 if mixed else torch.float32)
+
+    def forward(self, x: torch.Tensor, skip_unused: bool = True, probe: bool = False) -> torch.Tensor:
+        x = torch.tanh(self.layers[0](x))
+        if probe:
+            x = Probe.apply(x)
+        for layer in self.layers[1:]:
+            x = torch.tanh(layer(x))
+        if not skip_unused:
+            x = self.unused(x)
+        return self.head(x.to(self.head.weight.dtype)).float()
+
+
+@pytest.fixture
+def gloo_world_1() -> Iterator[None]:
+    assert not dist.is_initialized(), "another test left a process group behind"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _loss(model: nn.Module, seed: int, **kwargs: Any) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
+    return nn.functional.mse_loss(model(x, **kwargs), y)
+
+
+@pytest.mark.timeout(60)
+def test_buckets_are_launched_while_backward_runs(gloo_world_1: None) -> None:
+    net = Net()
+    reducer = GradientReducer(net, bucket_bytes=1)  # a bucket per parameter, sent in reverse order
+    Probe.reducer, Probe.seen = reducer, []
+    model = LiveDataParallel(net, reducer)
+    total = len(reducer.buckets)  # 12: head, unused, layers 3..0 (weight and bias each)
+    # step 1: the probe after layer 0 sees the head's two buckets sent; the unused layer's bucket (next in order)
+    # never completes, so the ones behind it wait for the boundary
+    _loss(model, 1, probe=True).backward()
+    assert Probe.seen == [2] and reducer.in_flight == 2
+    reducer.finish(world_size=1)
+    assert (reducer.stats.overlapped, reducer.stats.at_boundary) == (2, total - 2)
+    assert torch.equal(net.unused.weight.grad, torch.zeros_like(net.unused.weight))  # type: ignore[arg-type]
+    assert reducer.find_unused
+    # step 2: unused parameters are found after the forward, so everything but layer 0 is out when the probe runs
+    _loss(model, 2, probe=True).backward()
+    assert Probe.seen == [2, total - 2] and reducer.in_flight == total
+    reducer.finish(world_size=1)
+    assert (reducer.stats.overlapped, reducer.stats.at_boundary) == (2 + total, total - 2)
+    reducer.close()
+
+
+@pytest.mark.timeout(60)
+def test_no_sync_micro_batches_launch_nothing_and_the_last_sends_the_sum(gloo_world_1: None) -> None:
+    net, reference = Net(), Net()
+    reducer = GradientReducer(net, bucket_bytes=4096)
+    model = LiveDataParallel(net, reducer)
+    with model.no_sync():
+        _loss(model, 1, skip_unused=False).backward()
+    assert reducer.in_flight == 0
+    _loss(model, 2, skip_unused=False).backward()
+    assert reducer.in_flight == len(reducer.buckets)
+    reducer.finish(world_size=1)
+    _loss(reference, 1, skip_unused=False).backward()
+    _loss(reference, 2, skip_unused=False).backward()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters(), strict=True):
+        expected = q.grad if q.grad is not None else torch.zeros_like(q)
+        assert p.grad is not None and torch.equal(p.grad, expected), name
+    reducer.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_forward_outside_the_wrapper_is_reduced_at_the_boundary(gloo_world_1: None) -> None:
+    net = Net()
+    reducer = GradientReducer(net)
+    _loss(net, 1).backward()  # not through LiveDataParallel: nothing armed
+    assert reducer.in_flight == 0
+    reducer.finish(world_size=1)
+    assert reducer.stats.overlapped == 0 and reducer.stats.at_boundary == len(reducer.buckets)
+    reducer.close()
+
+
+@pytest.mark.timeout(60)
+def test_mixed_dtypes_get_buckets_of_their_own() -> None:
+    net = Net(mixed=True)
+    params = [p for p in net.parameters() if p.requires_grad]
+    buckets = assign_buckets(params, limit=2**30)
+    assert sorted(str(b.dtype) for b in buckets) == ["torch.float32", "torch.float64"]
+    assert sorted(i for b in buckets for i in b.params) == list(range(len(params)))
+    assert buckets[0].params[0] == len(params) - 1  # the last parameter is sent first
+    with pytest.raises(ValueError, match="positive"):
+        assign_buckets(params, limit=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_gradient_accumulated_after_its_bucket_left_is_a_clear_error(gloo_world_1: None) -> None:
+    net = Net()
+    reducer = GradientReducer(net, bucket_bytes=1)
+    model = LiveDataParallel(net, reducer)
+    loss = _loss(model, 1)
+    loss.backward(retain_graph=True)
+    with pytest.raises(GradientReadyTwiceError, match="one backward per forward"):
+        loss.backward()
+    reducer.reset()
+    _loss(model, 2).backward()  # the next step is not affected
+    reducer.finish(world_size=1)
+    reducer.close()
+
+
+# -- two processes: bit for bit the post-backward all-reduce -----------------------------------------------
+def _reference_all_reduce(module: nn.Module, world_size: int, bucket_bytes: int) -> None:
+    """The loop's gradient averaging before the overlap (post-backward, buckets in parameter order)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params if p.grad is not None]
+    bucket: list[torch.Tensor] = []
+    buckets, size = [], 0
+    for t in grads:
+        if bucket and (size + t.numel() * t.element_size() > bucket_bytes or t.dtype != bucket[0].dtype):
+            buckets.append(bucket)
+            bucket, size = [], 0
+        bucket.append(t)
+        size += t.numel() * t.element_size()
+    buckets.append(bucket)
+    for b in buckets:
+        flat = _flatten_dense_tensors(b)
+        dist.all_reduce(flat)
+        flat.div_(world_size)
+        for g, reduced in zip(b, _unflatten_dense_tensors(flat, b), strict=True):
+            g.copy_(reduced)
+
+
+def _two_rank_worker(rank: int, store_path: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        results: dict[str, list[torch.Tensor]] = {}
+        for bucket_bytes in (256, 25 * 2**20):
+            overlapped, reference = Net(mixed=True), Net(mixed=True)
+            reducer = GradientReducer(overlapped, bucket_bytes=bucket_bytes)
+            model = LiveDataParallel(overlapped, reducer)
+            for step in range(3):
+                skip = rank == 1 or step == 2  # the unused layer: used on rank 0 only, and not in step 2
+                with model.no_sync():
+                    _loss(model, 10 * step + rank, skip_unused=skip).backward()
+                _loss(model, 100 + 10 * step + rank, skip_unused=skip).backward()
+                reducer.finish(world_size=2)
+                _loss(reference, 10 * step + rank, skip_unused=skip).backward()
+                _loss(reference, 100 + 10 * step + rank, skip_unused=skip).backward()
+                _reference_all_reduce(reference, 2, bucket_bytes)
+                got = [p.grad.clone() for p in overlapped.parameters() if p.grad is not None]
+                want = [p.grad.clone() for p in reference.parameters() if p.grad is not None]
+                results[f"{bucket_bytes}/{step}"] = got + want
+                for net in (overlapped, reference):
+                    with torch.no_grad():
+                        for p in net.parameters():
+                            p -= 0.1 * p.grad  # type: ignore[operator]
+                    net.zero_grad(set_to_none=True)
+            results[f"{bucket_bytes}/stats"] = [torch.tensor([reducer.stats.overlapped, reducer.stats.at_boundary])]
+            reducer.close()
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_get_the_post_backward_all_reduce_bit_for_bit(tmp_path: Path) -> None:
+    mp.start_processes(_two_rank_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for key, tensors in ranks[0].items():
+        if key.endswith("/stats"):
+            continue
+        half = len(tensors) // 2
+        got, want = tensors[:half], tensors[half:]
+        assert half == 12  # 6 layers' weights and biases: every parameter has its average
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g.dtype == w.dtype and torch.equal(g, w), f"{key}: parameter {i} differs from the reference"
+        for i, (a, b) in enumerate(zip(tensors, ranks[1][key], strict=True)):
+            assert torch.equal(a, b), f"{key}: tensor {i} differs between the ranks"
+    small = ranks[0]["256/stats"][0].tolist()
+    assert small[0] > 0, f"no bucket overlapped the backward pass on rank 0: {small}"
