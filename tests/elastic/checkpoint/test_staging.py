@@ -9,9 +9,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -22,8 +22,13 @@ from elastic.checkpoint.staging import Stager
 from elastic.checkpoint.storage import BinaryWriter, CheckpointStorage, LocalStorage
 from tests.elastic.checkpoint._helpers import assert_same
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 STAGING_LOGGER = "elastic.checkpoint.staging"
+T = TypeVar("T", bound=Callable[..., object])
+
+
+def needs_cuda(test: T) -> T:
+    """A CUDA test: marked ``cuda`` (``pytest -m cuda``, as scripts/gpu_check.sh runs them), skipped without CUDA."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 def cpu_clone(obj: Any) -> Any:
@@ -362,6 +367,7 @@ def test_cuda_zero_pin_cap_stages_in_pageable_memory(caplog: pytest.LogCaptureFi
     assert not caplog.records
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.timeout(120)
 def test_cuda_tensors_on_two_devices_are_staged_and_fenced_per_device(tmp_path: Path) -> None:

@@ -67,8 +67,9 @@ def _destroy_default_group() -> None:
 @pytest.fixture(
     params=[
         "gloo",
-        pytest.param("nccl", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA GPU; "
-                                                      "torch.cuda.is_available() is False here")),
+        pytest.param("nccl", marks=[pytest.mark.cuda,
+                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA GPU; "
+                                                       "torch.cuda.is_available() is False here")]),
     ]
 )  # fmt: skip
 def backend(request: pytest.FixtureRequest) -> str:
