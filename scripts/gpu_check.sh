@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Every CUDA path of the project, checked in one command on a GPU machine (within 8 minutes):
+#
+#   bash scripts/gpu_check.sh [OUTDIR]          # from the repository root; OUTDIR defaults to ./gpu_check_out
+#
+# Needs the machine's Python with torch (PYTHON, default python3) and .gpu_bundle/ (GPU_BUNDLE), which
+# scripts/gpu_bundle.sh builds where there is network: its wheels are installed with
+# `pip install --no-deps --target /tmp/site` (GPU_CHECK_SITE) and its etcd is put on PATH. Then:
+#   tests       pytest -m cuda over the test files with CUDA tests (the S3 params only if moto is there)
+#   live        bench/gpu_live_check.py: torchrun on NCCL at world size 1, recovery=live, the worker SIGKILLed
+#   checkpoint  bench/checkpoint_bench.py --device cuda --state-gib 1 --repeats 2 --no-s3
+#   overhead    bench/loop_overhead_bench.py --device cuda --rounds 1 --steps 150 (--with-live where it has it)
+# Each step runs under `timeout`; a summary table follows, with summary.json and each step's output in OUTDIR.
+# Exit status: 0 all passed (or skipped), 1 a step failed, 2 no CUDA device.
+# GPU_CHECK_ALLOW_CPU=1 runs it without CUDA (a dry run of the plumbing: gloo, the CPU forms, tiny sizes).
+set -u
+cd "$(dirname "$0")/.." || exit 1
+REPO=$(pwd)
+PY=${PYTHON:-python3}
+BUNDLE=${GPU_BUNDLE:-.gpu_bundle}
+SITE=${GPU_CHECK_SITE:-/tmp/site}
+BUDGET=${GPU_CHECK_BUDGET_S:-470}
+TOOL="$PY $REPO/scripts/gpu_check_tool.py"
+START=$(date +%s)
+
+env -u PYTHONPATH "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)' 2>/dev/null
+probe=$?
+if [ "$probe" = 0 ]; then
+  DEVICE=cuda
+elif [ "${GPU_CHECK_ALLOW_CPU:-0}" = 1 ] && [ "$probe" = 3 ]; then
+  DEVICE=cpu
+  echo "gpu_check: no CUDA device: a CPU dry run (GPU_CHECK_ALLOW_CPU=1): gloo, tiny sizes; the CUDA tests skip" >&2
+else
+  why="torch.cuda.is_available() is False"
+  if [ "$probe" != 3 ]; then why="$PY cannot import torch"; fi
+  echo "gpu_check: no CUDA device ($why); nothing checked. GPU_CHECK_ALLOW_CPU=1 makes a CPU dry run" >&2
+  exit 2
+fi
+OUT=$(mkdir -p "${1:-gpu_check_out}" && cd "${1:-gpu_check_out}" && pwd)
+
+: >"$OUT/steps.tsv"
+record() {  # step status seconds figure [result file]
+  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "${5:-}" >>"$OUT/steps.tsv"
+  echo "gpu_check: $1: $2 ($3 s) $4"
+}
+# run STEP CAP CMD...: CMD under timeout (CAP seconds, or what is left of the budget); its output in OUT/STEP.log
+run() {
+  local step=$1 cap=$2 left t0
+  shift 2
+  left=$((BUDGET - ($(date +%s) - START)))
+  if [ "$left" -lt "$cap" ]; then cap=$left; fi
+  if [ "$cap" -lt 10 ]; then echo "gpu_check: $step: no time left" >"$OUT/$step.log"; RC=124; ELAPSED=0; return; fi
+  echo "gpu_check: $step (at most ${cap} s): $*"
+  t0=$(date +%s%N)
+  timeout --kill-after=10 "$cap" "$@" >"$OUT/$step.log" 2>&1
+  RC=$?
+  t0=$((($(date +%s%N) - t0) / 100000000))  # tenths of a second
+  ELAPSED="$((t0 / 10)).$((t0 % 10))"
+  if [ "$RC" = 124 ] || [ "$RC" = 137 ]; then echo "timed out after ${cap} s" >>"$OUT/$step.log"; fi
+}
+failed_figure() { echo "exit $RC$([ "$RC" = 124 ] && echo ' (timed out)'): $(tail -n 1 "$OUT/$1.log" | cut -c1-100)"; }
+
+# 0. the bundle: wheels into SITE, etcd on PATH
+rm -rf "$SITE" && mkdir -p "$SITE/bin"
+export PY REPO BUNDLE SITE
+# shellcheck disable=SC2016  # expanded by the inner bash
+run install 60 bash -c 'env -u PYTHONPATH "$PY" "$REPO/scripts/gpu_check_tool.py" install "$BUNDLE" "$SITE" \
+  && gunzip -c "$BUNDLE/etcd.gz" >"$SITE/bin/etcd" && chmod +x "$SITE/bin/etcd" && "$SITE/bin/etcd" --version | head -1'
+if [ "$RC" = 0 ]; then
+  record install PASS "$ELAPSED" "$(grep '^installed' "$OUT/install.log"); $(tail -n 1 "$OUT/install.log")"
+else
+  record install FAIL "$ELAPSED" "$(failed_figure install)"
+fi
+export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"  # the working tree's code first; SITE: deps, entry points
+export PATH="$SITE/bin:$PATH"
+export PYTHONUNBUFFERED=1
+
+# a. the CUDA tests
+mapfile -t files < <(grep -rlE 'pytest\.mark\.cuda|marks=.*\bcuda\b' tests --include='test_*.py' | sort)
+select=(-m cuda)
+if ! "$PY" -c 'import moto, s3fs' 2>/dev/null; then select=(-m cuda -k 'not s3'); fi
+run tests 200 "$PY" -m pytest -p no:cacheprovider -q -rs "${select[@]}" --junitxml="$OUT/tests.xml" "${files[@]}"
+counts=$([ -f "$OUT/tests.xml" ] && $TOOL junit "$OUT/tests.xml" || echo "no junit XML")
+[ "${#select[@]}" -gt 2 ] && counts="$counts; S3 params deselected (no moto/s3fs in the bundle)"
+if [ "$RC" != 0 ]; then record tests FAIL "$ELAPSED" "$counts; $(failed_figure tests)" "$OUT/tests.xml"
+elif [[ $counts == 0\ passed* ]]; then
+  if [ "$DEVICE" = cuda ]; then record tests FAIL "$ELAPSED" "nothing ran: $counts" "$OUT/tests.xml"
+  else record tests SKIP "$ELAPSED" "no CUDA: $counts (${#files[@]} files)" "$OUT/tests.xml"; fi
+else record tests PASS "$ELAPSED" "$counts (${#files[@]} files)" "$OUT/tests.xml"; fi
+
+# b. live recovery under torchrun, a worker SIGKILLed (on CPU: gloo)
+run live 90 "$PY" bench/gpu_live_check.py --device "$DEVICE" --timeout 75 --json "$OUT/live.json"
+if [ "$RC" = 0 ]; then record live PASS "$ELAPSED" "$($TOOL figure live "$OUT/live.json")" "$OUT/live.json"
+else record live FAIL "$ELAPSED" "$(failed_figure live)" "$OUT/live.json"; fi
+
+# c. the benchmarks' short GPU forms (on CPU: tiny sizes, the plumbing only)
+if [ "$DEVICE" = cuda ]; then size=(--state-gib 1 --repeats 2); else size=(--state-gib 0.02 --repeats 2); fi
+run checkpoint 90 "$PY" bench/checkpoint_bench.py --device "$DEVICE" "${size[@]}" --no-s3 --out "$OUT/checkpoint.json"
+if [ "$RC" = 0 ]; then
+  record checkpoint PASS "$ELAPSED" "$($TOOL figure checkpoint "$OUT/checkpoint.json")" "$OUT/checkpoint.json"
+else record checkpoint FAIL "$ELAPSED" "$(failed_figure checkpoint)"; fi
+
+live_row=()
+if grep -q -- '--with-live' bench/loop_overhead_bench.py; then live_row=(--with-live); fi
+if [ "$DEVICE" = cuda ]; then steps=(--steps 150); else steps=(--steps 40 --warmup 5 --save-every 20); fi
+run overhead 180 "$PY" bench/loop_overhead_bench.py --device "$DEVICE" --rounds 1 "${steps[@]}" "${live_row[@]}" \
+  --json "$OUT/loop_overhead.json"
+note=$([ "${#live_row[@]}" = 0 ] && echo "; no --with-live in bench/loop_overhead_bench.py yet")
+if [ "$RC" = 0 ]; then
+  record overhead PASS "$ELAPSED" "$($TOOL figure overhead "$OUT/loop_overhead.json")$note" "$OUT/loop_overhead.json"
+else record overhead FAIL "$ELAPSED" "$(failed_figure overhead)$note"; fi
+
+echo "gpu_check: device $DEVICE, $("$PY" -c 'import torch; print("torch", torch.__version__, *([torch.cuda.get_device_name(0)]
+  if torch.cuda.is_available() else []))' 2>/dev/null), $(($(date +%s) - START)) s in all"
+$TOOL summary "$OUT"
