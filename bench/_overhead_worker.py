@@ -1,10 +1,11 @@
-"""Worker for loop_overhead_bench.py: one model trained by plain DDP or by the ElasticTrainer.
+"""Worker for loop_overhead_bench.py: one model trained by plain DDP or by the ElasticTrainer (restart mode
+with DDP, or ``--mode live``: live recovery, whose gradient all-reduce is the loop's own).
 
 ``--model char``: the char transformer of the examples (CPU, gloo).  ``--model mlp``: an MLP + AdamW whose
 state is ``--state-gib`` GiB (bench/_workload.py), fed with index batches that select rows of a table kept
-on the device (so that building a batch costs nothing next to a GPU step).  On ``--device cuda`` the process
-group is NCCL and the model lives on ``LOCAL_RANK``'s GPU.  Both modes read the loss once per step (a
-host sync, as any loop that logs its loss does).
+on the device (so that building a batch costs nothing next to a GPU step; ``--width`` sets its layers' width).
+On ``--device cuda`` the process group is NCCL and the model lives on ``LOCAL_RANK``'s GPU.  Every mode
+reads the loss once per step (a host sync, as any loop that logs its loss does).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Modu
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
         return model, dataset, char_loss
-    workload = Workload(int(args.state_gib * GiB), device, "adamw", batch=args.batch)
+    workload = Workload(int(args.state_gib * GiB), device, "adamw", width=args.width, batch=args.batch)
     table = torch.randn(256, workload.width, device=device)
 
     def mlp_loss(net: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -70,10 +71,11 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Modu
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["plain", "elastic"], required=True)
+    p.add_argument("--mode", choices=["plain", "elastic", "live"], required=True)
     p.add_argument("--model", choices=["char", "mlp"], default="char")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--state-gib", type=float, default=1.5)
+    p.add_argument("--width", type=int, default=None, help="--model mlp: layer width (default: 8192 cuda, 2048 cpu)")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--batch", type=int, default=16)
@@ -81,6 +83,7 @@ def main() -> None:
     p.add_argument("--checkpoint-url", default=None)
     p.add_argument("--save-every", type=int, default=100, help="0: no checkpoints")
     p.add_argument("--when-writer-busy", choices=["defer", "wait"], default="defer")
+    p.add_argument("--nodes", type=int, default=1, help="torchrun agents of the run (live mode's world)")
     args = p.parse_args()
     cuda = args.device == "cuda"
     if cuda:
@@ -90,16 +93,19 @@ def main() -> None:
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank()  # ElasticTrainer.close() leaves the process group: remember who writes
+    live = args.mode == "live"
+    if not live:  # live mode: the trainer forms the group itself (elastic.live)
+        dist.init_process_group("nccl" if cuda else "gloo")
     model, dataset, loss_of = build(args, device)
-    model = DDP(model, device_ids=[device.index] if cuda else None)
+    if not live:
+        model = DDP(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3 if args.model == "char" else 1e-5)
     times: list[float] = []
     cpu: list[float] = []
     save_every = args.save_every if args.checkpoint_url else 0
 
     if args.mode == "plain":
+        rank = dist.get_rank()
         sampler = DistributedSampler(dataset, seed=0)
         loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
         epoch = 0
@@ -122,17 +128,20 @@ def main() -> None:
                     break
             epoch += 1
     else:
-        policy = LRPolicy("linear", optimizer.param_groups[0]["lr"], dist.get_world_size(), args.batch)
+        world = int(os.environ["WORLD_SIZE"]) if not live else int(os.environ["LOCAL_WORLD_SIZE"]) * args.nodes
+        policy = LRPolicy("linear", optimizer.param_groups[0]["lr"], world, args.batch)
         config = ElasticConfig(
             policy,
             args.checkpoint_url,
             save_every_steps=save_every or None,
             progress_every=0,
             when_writer_busy=args.when_writer_busy,
+            recovery="live" if live else None,
         )
         trainer = ElasticTrainer(model, optimizer, dataset, config)
+        rank = trainer.rank  # ElasticTrainer.close() leaves the process group: remember who writes
         for batch in trainer.batches(epochs=100):
-            trainer.backward(loss_of(model, batch))
+            trainer.backward(loss_of(trainer.model, batch))
             if len(times) < trainer.step:  # one optimizer step completed inside batches()
                 times.append(time.perf_counter())
                 cpu.append(time.process_time())

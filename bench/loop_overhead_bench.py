@@ -9,12 +9,18 @@ step (elastic/checkpoint/tiers.py), to price it. ``--with-wait`` adds the elasti
 ``when_writer_busy="wait"`` (a snapshot falling due while the previous one is written waits for it: the loop's
 behaviour before deferral), to show what deferral buys.
 
+``--with-live`` adds live recovery (``recovery="live"``: no DDP, the loop's own gradient all-reduce, overlapped
+with the backward pass) beside the elastic loop with DDP; its goal: >= 0.97 of the elastic loop's (DDP's) rate.
+The case where all-reduce matters on CPU: ``--model mlp --agents 2`` (an MLP of 4 x 1024^2, two torchrun agents
+of one worker each; plain DDP then uses torch's c10d rendezvous on a local port, the elastic systems etcd-v3).
+
 On ``--device cuda``: an MLP + AdamW with ``--state-gib`` GiB of state (default 1.5), one worker (NCCL), and
 the checkpoint intervals of ``--save-every`` (default ``0,50,10``; 0 = no checkpoints), so that each system's
 rate with a snapshot every K steps is set against its rate without; goal: a durable snapshot every 50 steps
 keeps >= 0.95 of the no-checkpoint rate (when the disk can absorb it).
 
-    python bench/loop_overhead_bench.py [--rounds 3] [--steps 400] [--with-local]
+    python bench/loop_overhead_bench.py [--rounds 3] [--steps 400] [--with-local] [--with-live]
+    python bench/loop_overhead_bench.py --model mlp --agents 2 --with-live --save-every 0
     python bench/loop_overhead_bench.py --device cuda [--state-gib 1.5] [--save-every 0,50,10]
 """
 
@@ -35,7 +41,7 @@ from typing import Any
 
 from elastic import compat
 from elastic.env import LOCAL_SNAPSHOT_DIR, LOCAL_SNAPSHOT_EVERY
-from elastic.testing.etcd_server import LocalEtcdCluster
+from elastic.testing.etcd_server import LocalEtcdCluster, free_port
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_overhead_worker.py"
@@ -45,16 +51,23 @@ def _run(
     mode: str, etcd: LocalEtcdCluster, args: argparse.Namespace, work: Path, save_every: int
 ) -> tuple[float, float]:
     out = work / f"{mode}-{uuid.uuid4().hex[:6]}.json"
-    rdzv = (
-        ["--standalone"]
-        if mode == "plain"
-        else ["--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoints}", f"--rdzv-id=ovh-{uuid.uuid4().hex[:6]}"]
-    )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={args.nproc}", *rdzv,
-           str(WORKER), "--mode", "plain" if mode == "plain" else "elastic", "--steps", str(args.steps),
-           "--when-writer-busy", "wait" if mode == "elastic-wait" else "defer",
+    run_id = f"ovh-{uuid.uuid4().hex[:6]}"
+    if mode == "plain":  # stock torchrun: one agent standalone, several on torch's c10d rendezvous
+        rdzv = ["--standalone"] if args.agents == 1 else [
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={run_id}"]  # fmt: skip
+    else:
+        rdzv = ["--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoints}", f"--rdzv-id={run_id}"]
+        if mode == "live":
+            rdzv.append("--rdzv-conf=recovery=live")
+    worker_mode = {"plain": "plain", "live": "live"}.get(mode, "elastic")
+    per_agent = args.nproc // args.agents
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.agents}", f"--nproc-per-node={per_agent}",
+           *rdzv, str(WORKER), "--mode", worker_mode, "--steps", str(args.steps),
+           "--when-writer-busy", "wait" if mode == "elastic-wait" else "defer", "--nodes", str(args.agents),
            "--out", str(out), "--model", args.model, "--device", args.device, "--state-gib", str(args.state_gib),
            "--batch", str(args.batch), "--warmup", str(args.warmup)]  # fmt: skip
+    if args.width:
+        cmd += ["--width", str(args.width)]
     # Same checkpoint interval for both: plain DDP saves synchronously from rank 0 with torch.save.
     cmd += ["--checkpoint-url", str(work / f"ck-{uuid.uuid4().hex[:6]}"), "--save-every", str(save_every)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -64,14 +77,17 @@ def _run(
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
         env.update({LOCAL_SNAPSHOT_EVERY: "1", LOCAL_SNAPSHOT_DIR: str(shm / f"etrain-ovh-{out.stem}")})
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                  for _ in range(args.agents)]  # fmt: skip
+        results = [a.communicate(timeout=900) for a in agents]
     finally:
         if LOCAL_SNAPSHOT_DIR in env:
             shutil.rmtree(env[LOCAL_SNAPSHOT_DIR], ignore_errors=True)
         for ck in work.glob("ck-*"):
             shutil.rmtree(ck, ignore_errors=True)  # GBs per run on a GPU machine
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    for agent, (_, stderr) in zip(agents, results, strict=True):
+        if agent.returncode != 0:
+            raise RuntimeError(f"{mode} run failed ({agent.returncode}):\n{stderr[-4000:]}")
     got = json.loads(out.read_text())
     return float(got["steps_per_s"]), float(got["steps_per_cpu_s"])
 
@@ -86,20 +102,32 @@ def main() -> None:
                         "(default: 100 on cpu, 0,50,10 on cuda)")  # fmt: skip
     parser.add_argument("--state-gib", type=float, default=1.5, help="--device cuda: state of the MLP + AdamW")
     parser.add_argument("--batch", type=int, default=None, help="per worker (default: 16 on cpu, 1024 on cuda)")
-    parser.add_argument("--nproc", type=int, default=None, help="workers (default: 2 on cpu, 1 on cuda)")
+    parser.add_argument("--nproc", type=int, default=None, help="workers in all (default: 2 on cpu, 1 on cuda)")
+    parser.add_argument("--agents", type=int, default=1, help="torchrun agents, the workers split among them")
+    parser.add_argument("--model", choices=["char", "mlp"], default=None, help="default: char on cpu, mlp on cuda")
+    parser.add_argument("--width", type=int, default=None, help="--model mlp: layer width (default: 1024 on cpu "
+                        "with 4 layers, 8192 on cuda)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=HERE / "results" / "loop_overhead.json")
     parser.add_argument("--with-local", action="store_true", help="also the elastic loop + node-local snapshots")
     parser.add_argument("--with-wait", action="store_true", help="also the elastic loop with when_writer_busy=wait")
+    parser.add_argument("--with-live", action="store_true", help="also the elastic loop in live recovery mode")
     args = parser.parse_args()
     cuda = args.device == "cuda"
-    args.model = "mlp" if cuda else "char"
+    args.model = args.model or ("mlp" if cuda else "char")
+    if args.model == "mlp" and not cuda and args.width is None:  # 4 x 1024^2 + AdamW: all-reduce ~1/3 of a step
+        args.width = 1024
+        if "--state-gib" not in sys.argv:
+            args.state_gib = 4 * 1024 * 1024 * 4 * 3 / 2**30
     args.steps = args.steps or (300 if cuda else 400)
     args.warmup = args.warmup if args.warmup is not None else (30 if cuda else 20)
     args.batch = args.batch or (1024 if cuda else 16)
     args.nproc = args.nproc or (1 if cuda else 2)
+    if args.nproc % args.agents:
+        parser.error(f"--nproc {args.nproc} does not split over --agents {args.agents}")
     intervals = [int(k) for k in (args.save_every or ("0,50,10" if cuda else "100")).split(",")]
     work = Path(tempfile.mkdtemp(prefix="overhead-"))
-    extra = [m for m, wanted in (("elastic-local", args.with_local), ("elastic-wait", args.with_wait)) if wanted]
+    extra = [m for m, wanted in (("elastic-local", args.with_local), ("elastic-wait", args.with_wait),
+                                 ("live", args.with_live)) if wanted]  # fmt: skip
     modes = ("plain", "elastic", *extra)
     rates: dict[tuple[str, int], list[float]] = {(m, k): [] for m in modes for k in intervals}
     cpu_rates: dict[tuple[str, int], list[float]] = {(m, k): [] for m in modes for k in intervals}
@@ -132,11 +160,13 @@ def main() -> None:
         print(line)
     main_every = next((k for k in intervals if k), intervals[0])
     first = by_interval[str(main_every)]
+    backend = "nccl, cuda" if cuda else "gloo, CPU"
+    workers = f"{args.nproc} worker(s) on {args.agents} torchrun agent(s), {backend}"
     result = {
-        "model": f"MLP + AdamW, {args.state_gib:.2f} GiB of state, batch {args.batch}/worker, "
-        f"{args.nproc} worker(s), nccl, cuda"
-        if cuda
-        else "TinyTransformer (char, 2 layers, width 64), batch 16/worker, 2 workers, gloo, CPU",
+        "model": f"MLP + AdamW (width {args.width or 'default'}), {args.state_gib:.3f} GiB of state, batch "
+        f"{args.batch}/worker, {workers}"
+        if args.model == "mlp"
+        else f"TinyTransformer (char, 2 layers, width 64), batch {args.batch}/worker, {workers}",
         "checkpoint_every_steps": main_every,
         "plain_ddp_steps_per_s": first["plain_steps_per_s"],
         "elastic_steps_per_s": first["elastic_steps_per_s"],
@@ -166,6 +196,17 @@ def main() -> None:
         )
         print(f"elastic + node-local snapshot every step median {med(lo):.2f} steps/s: {med(lo) / med(el):.3f} "
               f"of the elastic loop without it ({lc:.3f} per CPU-second of rank 0)")  # fmt: skip
+    if args.with_live:
+        el, lv = rates["elastic", main_every], rates["live", main_every]
+        lc = med(cpu_rates["live", main_every]) / med(cpu_rates["elastic", main_every])
+        result.update(
+            live_steps_per_s=lv,
+            live_steps_per_cpu_s=cpu_rates["live", main_every],
+            live_vs_elastic_ratio=med(lv) / med(el),
+            live_vs_elastic_cpu_ratio=lc,
+        )
+        print(f"live recovery median {med(lv):.2f} steps/s: {med(lv) / med(el):.3f} of the elastic loop with DDP "
+              f"({lc:.3f} per CPU-second of rank 0; goal >= 0.97: {'met' if med(lv) / med(el) >= 0.97 else 'MISSED'})")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")

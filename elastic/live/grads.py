@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic.live.buckets import BUCKET_BYTES, Bucket, assign_buckets
+from elastic.live.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Bucket, assign_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +86,11 @@ class GradientReducer:
     """Averages the gradients of ``module``'s trainable parameters over the current process group (see the
     module docstring). The parameters that require a gradient when it is created are the ones reduced."""
 
-    def __init__(self, module: nn.Module, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(
+        self, module: nn.Module, bucket_bytes: int = BUCKET_BYTES, first_bucket_bytes: int | None = FIRST_BUCKET_BYTES
+    ) -> None:
         self._params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets: list[Bucket] = assign_buckets(self._params, bucket_bytes)
+        self.buckets: list[Bucket] = assign_buckets(self._params, bucket_bytes, first_bucket_bytes)
         self._bucket_of = [0] * len(self._params)
         for b, bucket in enumerate(self.buckets):
             for i in bucket.params:
