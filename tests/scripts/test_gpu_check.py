@@ -55,13 +55,14 @@ def test_gpu_check_without_cuda_says_so_and_exits_2(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_the_bundle_installs_with_pip_target_and_works_from_there_alone(tmp_path: Path) -> None:
     bundle, site = tmp_path / "bundle", tmp_path / "site"
-    # only python3-etcd3 (and grpcio, protobuf, typing_extensions) for this interpreter: the full set is the slow test's
+    # only python3-etcd3 and what it needs, for this interpreter (the full set: the slow test)
     proc = subprocess.run(["bash", str(SCRIPTS / "gpu_bundle.sh"), "--out", str(bundle), "--python-version", PYV,
                            "--requirements", "python3-etcd3"], env=_env(), capture_output=True, text=True,
                           timeout=100)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     wheels = sorted(p.name for p in (bundle / "wheels").glob("*.whl"))
-    assert [w.split("-")[0] for w in wheels] == ["elastic_train", "grpcio", "protobuf", "python3_etcd3", "typing_extensions"], wheels
+    names = [w.split("-")[0] for w in wheels]
+    assert names == ["elastic_train", "grpcio", "protobuf", "python3_etcd3", "typing_extensions"], wheels
     assert "MiB" in proc.stdout.splitlines()[-1] and "etcd" in (bundle / "MANIFEST.txt").read_text()
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
                     *[str(bundle / "wheels" / w) for w in wheels]], check=True, timeout=60)  # fmt: skip
