@@ -9,7 +9,8 @@
 #   tests       pytest -m cuda over the test files with CUDA tests (the S3 params only if moto is there)
 #   live        bench/gpu_live_check.py: torchrun on NCCL at world size 1, recovery=live, the worker SIGKILLed
 #   checkpoint  bench/checkpoint_bench.py --device cuda --state-gib 1 --repeats 2 --no-s3
-#   overhead    bench/loop_overhead_bench.py --device cuda --rounds 1 --steps 150 (--with-live where it has it)
+#   overhead    bench/loop_overhead_bench.py --device cuda --rounds 1 --steps 120 --state-gib 0.5 --save-every 0,50
+#               --with-live (plain DDP, the elastic loop, live mode)
 # Each step runs under `timeout`; a summary table follows, with summary.json and each step's output in OUTDIR.
 # Exit status: 0 all passed (or skipped), 1 a step failed, 2 no CUDA device.
 # GPU_CHECK_ALLOW_CPU=1 runs it without CUDA (a dry run of the plumbing: gloo, the CPU forms, tiny sizes).
@@ -100,15 +101,14 @@ if [ "$RC" = 0 ]; then
   record checkpoint PASS "$ELAPSED" "$($TOOL figure checkpoint "$OUT/checkpoint.json")" "$OUT/checkpoint.json"
 else record checkpoint FAIL "$ELAPSED" "$(failed_figure checkpoint)"; fi
 
-live_row=()
-if grep -q -- '--with-live' bench/loop_overhead_bench.py; then live_row=(--with-live); fi
-if [ "$DEVICE" = cuda ]; then steps=(--steps 150); else steps=(--steps 40 --warmup 5 --save-every 20); fi
-run overhead 180 "$PY" bench/loop_overhead_bench.py --device "$DEVICE" --rounds 1 "${steps[@]}" "${live_row[@]}" \
+# a short form: two intervals (none, every 50 steps), 0.5 GiB of state; plain DDP, the elastic loop, live mode
+if [ "$DEVICE" = cuda ]; then steps=(--steps 120 --state-gib 0.5 --save-every "0,50")
+else steps=(--steps 40 --warmup 5 --save-every 20); fi
+run overhead 180 "$PY" bench/loop_overhead_bench.py --device "$DEVICE" --rounds 1 "${steps[@]}" --with-live \
   --json "$OUT/loop_overhead.json"
-note=$([ "${#live_row[@]}" = 0 ] && echo "; no --with-live in bench/loop_overhead_bench.py yet")
 if [ "$RC" = 0 ]; then
-  record overhead PASS "$ELAPSED" "$($TOOL figure overhead "$OUT/loop_overhead.json")$note" "$OUT/loop_overhead.json"
-else record overhead FAIL "$ELAPSED" "$(failed_figure overhead)$note"; fi
+  record overhead PASS "$ELAPSED" "$($TOOL figure overhead "$OUT/loop_overhead.json")" "$OUT/loop_overhead.json"
+else record overhead FAIL "$ELAPSED" "$(failed_figure overhead)"; fi
 
 echo "gpu_check: device $DEVICE, $("$PY" -c 'import torch; print("torch", torch.__version__, *([torch.cuda.get_device_name(0)]
   if torch.cuda.is_available() else []))' 2>/dev/null), $(($(date +%s) - START)) s in all"
