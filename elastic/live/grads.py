@@ -190,14 +190,13 @@ class GradientReducer:
     def _unpack(self, b: int, world_size: int) -> None:
         bucket, flat = self.buckets[b], self._flat[b]
         assert flat is not None
-        flat.div_(world_size)
         for i, offset in zip(bucket.params, bucket.offsets, strict=True):
             p = self._params[i]
-            reduced = flat[offset : offset + p.numel()].view(p.shape)
+            summed = flat[offset : offset + p.numel()].view(p.shape)
             if p.grad is None:
-                p.grad = reduced.clone()
+                p.grad = summed / world_size
             else:
-                p.grad.copy_(reduced)
+                torch.div(summed, world_size, out=p.grad)  # the average and its copy in one pass
 
     def reset(self) -> None:
         """Forget the step in progress (its in-flight work handles too): after a failure, before a re-form."""
