@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic.loop import ElasticConfig, ElasticTrainer, LiveOptions, Recovery, StepInfo
-from elastic.lr import LRPolicy, LRRule
+from elastic.contract.lr import LRPolicy, LRRule
+from elastic.train.trainer import ElasticConfig, ElasticTrainer, LiveOptions, Recovery, StepInfo
 
 FEATURES, CLASSES = 64, 8
 

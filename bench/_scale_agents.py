@@ -4,7 +4,7 @@
 (``service.agent.node``): each node claims its name (a read), grants its own lease, puts its ``NodeInfo`` on
 it and keeps the lease alive every ``ttl / 3``; for each new assignment it reports ``running`` (a fake pid),
 for each assignment taken away it reports ``stopped``. Instead of torchrun, the rank 0 of each running job
-writes the job's progress (``elastic.progress.Progress``, the real reporter's value) every ``--progress-interval``
+writes the job's progress (``elastic.train.progress.Progress``, the real reporter's value) every ``--progress-interval``
 seconds; when a job reaches its step budget every node of the generation reports ``exited`` with
 code 0, and (with ``--api``) a new job is submitted through the API in its place, so the number of active jobs
 stays about the same while the history grows. With ``--churn-every`` S, a random node dies every S seconds
@@ -35,9 +35,9 @@ from pathlib import Path
 import httpx
 from api_load_bench import http_get
 
+from elastic.contract.progress import Progress
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from elastic.etcd.config import EtcdConfig
-from elastic.progress import Progress
 from service.core.models import Assignment, NodeInfo, WorkerReport
 from service.core.store import ServiceStore
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE))
 
 from _stats import p95  # noqa: E402
 
-from elastic.env import PREFIX  # noqa: E402
+from elastic.contract.env import PREFIX  # noqa: E402
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port  # noqa: E402
 
 TOKEN = "bench-admin-token-0123456789abcdef"

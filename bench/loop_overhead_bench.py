@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic import compat
-from elastic.env import LOCAL_SNAPSHOT_DIR, LOCAL_SNAPSHOT_EVERY
+from elastic.contract.env import LOCAL_SNAPSHOT_DIR, LOCAL_SNAPSHOT_EVERY
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
 
 HERE = Path(__file__).resolve().parent

@@ -45,7 +45,7 @@ sys.path.insert(0, str(HERE))
 
 from _stats import summarize  # noqa: E402
 
-from elastic.env import LOCAL_SNAPSHOT_DIR  # noqa: E402
+from elastic.contract.env import LOCAL_SNAPSHOT_DIR  # noqa: E402
 from elastic.prefork import worker_tree  # noqa: E402
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port  # noqa: E402
 from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command  # noqa: E402

@@ -12,12 +12,12 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ElasticConfig": "elastic.loop",
-    "ElasticTrainer": "elastic.loop",
-    "StepInfo": "elastic.loop",
-    "LRPolicy": "elastic.lr",
-    "LRRule": "elastic.lr",
-    "ElasticSampler": "elastic.sampler",
+    "ElasticConfig": "elastic.train.config",
+    "ElasticTrainer": "elastic.train.trainer",
+    "StepInfo": "elastic.train.config",
+    "LRPolicy": "elastic.contract.lr",
+    "LRRule": "elastic.contract.lr",
+    "ElasticSampler": "elastic.train.sampler",
 }
 
 __all__ = ["ElasticConfig", "ElasticSampler", "ElasticTrainer", "LRPolicy", "LRRule", "StepInfo"]

@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastic import ElasticConfig, ElasticTrainer, LRPolicy, LRRule
-from elastic.env import WorkerEnv
-from elastic.loop import StepInfo
+from elastic.contract.env import WorkerEnv
+from elastic.train.trainer import StepInfo
 
 logger = logging.getLogger("demo_job")
 

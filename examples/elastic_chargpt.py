@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from common import DATA, CharDataset, TinyTransformer, setup_logging
 
-from elastic.loop import ElasticConfig, ElasticTrainer
-from elastic.lr import LRPolicy
+from elastic.contract.lr import LRPolicy
+from elastic.train.trainer import ElasticConfig, ElasticTrainer
 
 log = logging.getLogger("chargpt")
 

@@ -28,10 +28,10 @@ SUITES=(
   tests/elastic/rendezvous
   tests/elastic/checkpoint
   tests/elastic/test_prefork.py
-  tests/elastic/test_sampler.py
-  tests/elastic/test_lr.py
+  tests/elastic/train/test_sampler.py
+  tests/elastic/contract/test_lr.py
   tests/elastic/checkpoint/test_tiers.py
-  tests/elastic/test_stop_timeout.py
+  tests/elastic/train/test_stop_timeout.py
   tests/integration/test_elastic_loop.py
   tests/integration/test_torchrun_etcd_v3.py
 )

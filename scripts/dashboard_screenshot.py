@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from elastic.testing.wait import wait_for  # noqa: E402
-from service.cli.client import ApiClient, ApiError  # noqa: E402
+from service.client import ApiClient, ApiError  # noqa: E402
 from service.testing.cluster import LocalServiceCluster  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"

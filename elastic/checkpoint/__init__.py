@@ -23,7 +23,6 @@ from elastic.checkpoint.manager import (
     create_checkpoint_manager,
     current_rank_and_world,
 )
-from elastic.checkpoint.preemption import PreemptionWatcher
 from elastic.checkpoint.state import (
     TrainingState,
     capture_rng_state,
@@ -44,7 +43,6 @@ __all__ = [
     "EventHook",
     "FsspecCheckpointManager",
     "Manifest",
-    "PreemptionWatcher",
     "Snapshot",
     "SnapshotInfo",
     "StateLayout",

@@ -20,14 +20,11 @@ import io
 import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from elastic.checkpoint.segments import LEGACY_TENSORS_NAME, Segment, segment_extents, split_chunks
-
-if TYPE_CHECKING:
-    from elastic.checkpoint.staging import FlatState
 
 __all__ = [
     "PACK_FORMAT",
@@ -72,14 +69,15 @@ def tensor_layout(tensors: list[torch.Tensor]) -> tuple[list[dict[str, Any]], in
     return table, offset
 
 
-def encode_skeleton(flat: FlatState) -> bytes:
-    table, total = tensor_layout(flat.tensors)
+def encode_skeleton(skeleton: Any, tensors: list[torch.Tensor]) -> bytes:
+    """The pack layout's ``skeleton.pt``: the state's structure and the table of its tensors' bytes."""
+    table, total = tensor_layout(tensors)
     bundle = {
         "format": PACK_FORMAT,
         "byteorder": sys.byteorder,
         "tensors": table,
         "tensors_bytes": total,
-        "skeleton": flat.skeleton,
+        "skeleton": skeleton,
     }
     buf = io.BytesIO()
     torch.save(bundle, buf)

@@ -53,7 +53,7 @@ from elastic.checkpoint.api import CheckpointError, CheckpointManager
 from elastic.checkpoint.manager import FsspecCheckpointManager
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import BinaryWriter, LocalStorage
-from elastic.env import LOCAL_SNAPSHOT_DIR, WorkerEnv
+from elastic.contract.env import LOCAL_SNAPSHOT_DIR, WorkerEnv
 from elastic.runtime_dir import private_dir
 
 logger = logging.getLogger(__name__)

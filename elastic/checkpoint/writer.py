@@ -108,7 +108,7 @@ class PackSaveJob:
         """Write the skeleton and every segment in parallel; their manifest entries, skeleton first."""
         tensors = self.flat.tensors
         table, total = tensor_layout(tensors)
-        skeleton = memoryview(encode_skeleton(self.flat))
+        skeleton = memoryview(encode_skeleton(self.flat.skeleton, self.flat.tensors))
         chunk = self.options.chunk_bytes
         # (file name, its size, a fresh iterator over its bytes), in manifest order
         files: list[tuple[str, int, Callable[[], Iterable[memoryview]]]] = [

@@ -30,12 +30,11 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from elastic.etcd.config import EtcdConfig
-
-if TYPE_CHECKING:  # txn.py imports KeyValue from here
-    from elastic.etcd.txn import Compare, TxnOp, TxnResult
+from elastic.etcd.txn import Compare, TxnOp, TxnResult
+from elastic.etcd.types import KeyValue
 
 __all__ = [
     "EtcdClient",
@@ -59,18 +58,6 @@ class EtcdConnectionError(EtcdError):
 
 class EtcdLeaseNotFoundError(EtcdError):
     """A write named a lease that is not live (it expired or was revoked): the request was not applied."""
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    """One key as read from etcd."""
-
-    key: str
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    lease: int = 0
-    version: int = 0
 
 
 Permission = Literal["read", "write", "readwrite"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from elastic.etcd.api import KeyValue
+from elastic.etcd.types import KeyValue
 
 __all__ = [
     "Compare",

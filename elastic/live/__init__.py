@@ -5,8 +5,11 @@
   :class:`~elastic.etcd.EtcdClient` (the in-memory one in tests);
 - :mod:`elastic.live.group`: the process group per generation, its teardown, the stuck-collective watchdog;
 - :mod:`elastic.live.state_sync`: state from one member to the others by broadcast;
-- :mod:`elastic.live.recovery`: the trainer's part (attempts, late records, the sync after a re-form);
-- :mod:`elastic.live.setup`: the live group of a worker from its environment.
+- :mod:`elastic.live.buckets`, :mod:`elastic.live.grads`: the gradient all-reduce without DDP, overlapped with
+  the backward pass.
+
+The trainer's part (the group from the worker's environment, attempts, late records, the sync after a
+re-form) is :mod:`elastic.train.live`: this package does not import the loop.
 
 See docs/live-recovery.md.
 """

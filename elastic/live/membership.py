@@ -76,7 +76,7 @@ def new_worker_id(node: str, local_rank: int) -> str:
 
 
 class LiveSettings:
-    """Timings of the live group (see :class:`elastic.loop_config.ElasticConfig`)."""
+    """Timings of the live group (see :class:`elastic.train.config.ElasticConfig`)."""
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastic.env import PREFORK_CLIENT, PREFORK_OWNER
+from elastic.contract.env import PREFORK_CLIENT, PREFORK_OWNER
 from elastic.prefork.common import (
     FORWARDED,
     MessageTooLarge,

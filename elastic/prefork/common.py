@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic.env import PREFORK, PREFORK_DIR
+from elastic.contract.env import PREFORK, PREFORK_DIR
 from elastic.proctree import descendants, process_stat
 from elastic.runtime_dir import private_dir
 
-DEFAULT_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "elastic.loop")
+DEFAULT_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "elastic.train.trainer")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT)  # fmt: skip
 _HEADER = struct.Struct("!I")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic.env import PREFORK_PRELOAD
+from elastic.contract.env import PREFORK_PRELOAD
 from elastic.prefork.common import (
     DEFAULT_PRELOAD,
     HEADER_SIZE,

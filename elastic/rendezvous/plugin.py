@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elastic import compat
-from elastic.env import (
+from elastic.contract.env import (
     ETCD_CA_CERT,
     ETCD_CERT,
     ETCD_ENDPOINTS,
@@ -37,6 +37,7 @@ from elastic.env import (
     LiveEnv,
     WorkerEnv,
 )
+from elastic.contract.recovery import RecoveryMode
 from elastic.etcd import EtcdConfig, EtcdConnectionError, create_client
 from elastic.etcd.config import EtcdOptions, read_password_file
 from elastic.rendezvous.agent_hooks import run_agent_start_hooks
@@ -62,7 +63,7 @@ __all__ = [
 DEFAULT_KEY_PREFIX = "/torchelastic/rdzv"
 #: ``--rdzv-conf recovery=``: ``restart`` (torchrun re-forms job-wide rounds and restarts every node's
 #: workers on a membership change) or ``live`` (see :mod:`elastic.rendezvous.live_handler`).
-RECOVERY_MODES = ("restart", "live")
+RECOVERY_MODES = tuple(m.value for m in RecoveryMode)
 _ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)
 
 #: ``--rdzv-conf`` keys understood by the ``etcd-v3`` backend, with their defaults.

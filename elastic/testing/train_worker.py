@@ -5,7 +5,7 @@ and records, per rank, one JSON line per committed step (step, epoch, world, lr,
 in ``--record DIR/rank<R>.<pid>.jsonl``. At the end rank 0 evaluates the model on the whole data set and
 writes ``final.json`` (loss, step) and ``final_params.pt``; every rank writes ``final_params.rank<R>.pt`` and
 ``final.rank<R>.json`` (its attempt and step), so that replicas can be compared. Under the job service it
-reports progress (``elastic.progress``; a no-op elsewhere) and takes ``$ETRAIN_CHECKPOINT_URL`` by default.
+reports progress (``elastic.train.progress``; a no-op elsewhere) and takes ``$ETRAIN_CHECKPOINT_URL`` by default.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic import env as worker_env
 from elastic.checkpoint import CheckpointOptions
-from elastic.loop import ElasticConfig, ElasticTrainer, LiveOptions, Recovery, StepInfo
-from elastic.lr import LRPolicy, LRRule
-from elastic.progress import create_reporter
+from elastic.contract import env as worker_env
+from elastic.contract.lr import LRPolicy, LRRule
+from elastic.train.progress import create_reporter
+from elastic.train.trainer import ElasticConfig, ElasticTrainer, LiveOptions, RecoveryMode, StepInfo
 
 
 def make_dataset(n: int, seed: int = 1234) -> TensorDataset:
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="cap on the local snapshots' cost, a fraction of time (0: none)")  # fmt: skip
     p.add_argument("--stop-timeout", type=float, default=10.0,
                    help="seconds after SIGTERM to reach a step boundary, else exit unsaved; 0: wait")  # fmt: skip
-    p.add_argument("--recovery", default=None, choices=[r.value for r in Recovery],
+    p.add_argument("--recovery", default=None, choices=[r.value for r in RecoveryMode],
                    help="default: live under a live rendezvous (--rdzv-conf recovery=live), else restart")  # fmt: skip
     p.add_argument("--live-ttl", type=float, default=3.0, help="live mode: each worker's lease, seconds")
     args = p.parse_args(argv)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         progress_every=0,
         stop_timeout=timedelta(seconds=args.stop_timeout) if args.stop_timeout > 0 else None,
-        recovery=Recovery(args.recovery) if args.recovery else None,
+        recovery=RecoveryMode(args.recovery) if args.recovery else None,
         live=LiveOptions(ttl=timedelta(seconds=args.live_ttl)),
     )
     log_file: list[Path] = []

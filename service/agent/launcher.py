@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from elastic.compat import disable_shared_rdzv_store
-from elastic.env import JobEnv, WorkerEnv
+from elastic.contract.env import JobEnv, WorkerEnv
 from elastic.etcd.config import EtcdOptions
 from elastic.prefork import worker_tree
 from elastic.proctree import alive, descendants, process_stat
@@ -157,7 +157,7 @@ def worker_env(
     socket_ifname: str | None = None,
 ) -> dict[str, str]:
     """torchrun's environment (inherited by the workers): base, extra, the node's collective interface,
-    the spec's env, then the service's (:class:`elastic.env.WorkerEnv`, replacing any inherited value).
+    the spec's env, then the service's (:class:`elastic.contract.env.WorkerEnv`, replacing any inherited value).
 
     ``socket_ifname`` (the agent's ``--socket-ifname``) is the network interface the workers' collectives
     bind: it becomes ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``, which a job's own env still overrides.
@@ -178,7 +178,7 @@ def worker_env(
         job=job,
         job_id=assignment.job_id,
         checkpoint_url=assignment.checkpoint_url,
-        local_snapshot_every=spec.local_snapshot_every,  # read by elastic.loop; 0: off
+        local_snapshot_every=spec.local_snapshot_every,  # read by elastic.train.trainer; 0: off
         etcd=etcd,
         checkpoint_key=bytes.fromhex(assignment.checkpoint_key) if assignment.checkpoint_key else None,
     ).apply(env)

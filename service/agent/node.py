@@ -36,8 +36,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Literal, Protocol
 
-from elastic import env as contract
 from elastic import prefork
+from elastic.contract import env as contract
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from elastic.etcd.config import EtcdOptions
 from elastic.etcd.lease import LeaseKeeper

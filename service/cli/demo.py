@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from elastic.testing.wait import wait_for
-from service.cli.client import ApiError
 from service.cli.render import event_line, job_text, progress_line
+from service.client import ApiError
 from service.testing.cluster import LocalServiceCluster
 
 __all__ = ["demo_job_spec", "run_demo", "snapshot_sizes"]

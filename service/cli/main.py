@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from elastic import compat
-from elastic import env as contract
+from elastic.contract import env as contract
 from elastic.etcd import EtcdConnectionError, EtcdError, check_reachable
 from elastic.etcd.config import EtcdOptions
-from service.cli.client import ApiClient, ApiError, load_job_file
 from service.cli.render import event_line, job_table, job_text, node_table, progress_line
+from service.client import ApiClient, ApiError, load_job_file
 from service.core.config import AgentSettings, ConfigError, Settings, load_quotas, load_tokens
+from service.core.keys import DEFAULT_PREFIX
 from service.core.view import Quotas, ReconcileConfig
 
 __all__ = ["main"]
@@ -36,7 +37,7 @@ __all__ = ["main"]
 _TERMINAL = {"succeeded", "failed", "cancelled"}
 
 # The variables that give flags their defaults: the CLI's own here; the etcd connection and the node name
-# are the names the agent passes to workers (elastic.env), so that one set of variables serves both.
+# are the names the agent passes to workers (elastic.contract.env), so that one set of variables serves both.
 ENV_ETCD_CONNECT_TIMEOUT = "ETRAIN_ETCD_CONNECT_TIMEOUT"
 ENV_PREFIX = "ETRAIN_PREFIX"
 ENV_LOG_LEVEL = "ETRAIN_LOG_LEVEL"
@@ -107,7 +108,7 @@ def _add_etcd_flags(p: argparse.ArgumentParser) -> None:
     _add(p, "--etcd-password-file", contract.ETCD_PASSWORD_FILE, "file holding the etcd password")
     _add(p, "--etcd-connect-timeout", ENV_ETCD_CONNECT_TIMEOUT, "seconds to wait for etcd at start-up", "5",
          type=float)  # fmt: skip
-    _add(p, "--prefix", ENV_PREFIX, "etcd key prefix", "/etrain")
+    _add(p, "--prefix", ENV_PREFIX, "etcd key prefix", DEFAULT_PREFIX)
     _add(p, "--log-level", ENV_LOG_LEVEL, default="info")
 
 

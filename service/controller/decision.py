@@ -6,7 +6,7 @@ and :meth:`Decision.update` turns it into the job's share of the plan.
 
 Planned moves (a shrink, a drain, a resize, a preemption) never count as failures. Each takes the nodes away
 through the agents' stop: torchrun forwards SIGTERM to the workers, which agree on it at the next step boundary
-and save that step synchronously before they exit (``elastic.loop_checkpoints``), so no step is lost. In the
+and save that step synchronously before they exit (``elastic.train.snapshots``), so no step is lost. In the
 restart mode the job's remaining nodes then start a new generation (torchrun's ``--nnodes`` range and the
 rendezvous are per generation), which resumes from that snapshot; in the live mode the remaining workers keep
 their processes and re-form in place without the departed ones.

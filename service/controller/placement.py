@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from service.controller.capacity import pick_nodes
 from service.controller.decision import Decision
 from service.controller.recovery import blacklisted_nodes, membership_budget_left
-from service.controller.scheduler import pick_nodes
 from service.core.models import NodeControl, NodeMode, checkpoint_prefix_owner
 from service.core.states import JobState, Trigger
 from service.core.view import Quotas

@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import datetime, timezone
 
+from service.controller.capacity import free_capacity
 from service.controller.decision import Decision
 from service.controller.placement import place_jobs
 from service.controller.recovery import blame_nodes, judge_failure
-from service.controller.scheduler import free_capacity
 from service.core.models import (
     Assignment,
     CheckpointInfo,

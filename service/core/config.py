@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from elastic.etcd.config import EtcdOptions  # the settings' etcd connection (re-exported: one class)
+from service.core.keys import DEFAULT_PREFIX
 from service.core.models import NAME_PATTERN
 from service.core.view import Quotas, ReconcileConfig
 
@@ -65,7 +66,7 @@ class Settings:
     """The controller: REST API plus (on the elected replica) the reconcile loop."""
 
     etcd: EtcdOptions
-    prefix: str = "/etrain"
+    prefix: str = DEFAULT_PREFIX
     host: str = "0.0.0.0"
     port: int = 8080
     tokens: tuple[TokenEntry, ...] | None = None  # None: authentication off
@@ -83,7 +84,7 @@ class AgentSettings:
 
     etcd: EtcdOptions
     node_name: str
-    prefix: str = "/etrain"
+    prefix: str = DEFAULT_PREFIX
     nproc_per_node: int = 1
     work_dir: Path = Path("etrain-work")
     rdzv_host: str | None = None

@@ -15,13 +15,16 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from elastic.contract.progress import Progress
 from elastic.etcd import KeyValue
-from elastic.progress import Progress
 from service.core.models import normalize_checkpoint_url
 
 logger = logging.getLogger("service.core.store")  # the records' warnings, under the store's name as before
 
-__all__ = ["Keys", "at_own_key", "dump", "load", "load_progress", "tail"]
+__all__ = ["DEFAULT_PREFIX", "Keys", "at_own_key", "dump", "load", "load_progress", "tail"]
+
+#: The etcd prefix of the service's state unless configured otherwise (controller, agents, CLI alike).
+DEFAULT_PREFIX = "/etrain"
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -15,10 +15,11 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from elastic import env as contract
 from elastic.compat import DISABLE_SHARED_RDZV_STORE
-from elastic.lr import LRPolicy as ElasticLRPolicy
-from elastic.lr import LRRule
+from elastic.contract import env as contract
+from elastic.contract.lr import LRPolicy as ElasticLRPolicy
+from elastic.contract.lr import LRRule
+from elastic.contract.recovery import RecoveryMode
 from service.core.states import JobState
 
 __all__ = [
@@ -67,16 +68,6 @@ RESERVED_ENV = frozenset(
 )
 _RESERVED_ENV_PREFIXES = (contract.PREFIX, "TORCHELASTIC_")
 _CHECKPOINT_SCHEMES = ("file", "s3", "gs", "gcs", "az", "abfs")
-
-
-class RecoveryMode(str, Enum):
-    """How a job goes on after a worker failure or a membership change (``JobSpec.recovery``)."""
-
-    #: torchrun re-forms job-wide rounds: every node's workers are restarted and resume from the newest snapshot
-    RESTART = "restart"
-    #: ``--rdzv-conf recovery=live``: the surviving workers keep their processes and re-form their process group
-    #: in place; a restarted or new worker joins at a step boundary with the state of a peer
-    LIVE = "live"
 
 
 class _Spec(BaseModel):
@@ -135,7 +126,7 @@ class RestartPolicy(_Spec):
 
 class LRPolicy(_Spec):
     """How the training loop rescales the learning rate when the world size changes: a job spec's form of
-    :class:`elastic.lr.LRPolicy`, which :meth:`to_policy` builds (what the workers get).
+    :class:`elastic.contract.lr.LRPolicy`, which :meth:`to_policy` builds (what the workers get).
 
     The rule's field is named ``scaling`` here and ``rule`` in the library: ``scaling`` is the documented
     job-spec field, kept in the job records stored in etcd (which refuse unknown fields), while ``rule`` is

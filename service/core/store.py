@@ -10,7 +10,7 @@ Layout under the prefix (``/etrain`` by default)::
     nodes/<name>               NodeInfo, on the agent's lease
     assign/<node>/<id>         Assignment (leader)
     reports/<id>/<node>        WorkerReport (agent)
-    progress/<id>              Progress (the job's rank 0, via elastic.progress)
+    progress/<id>              Progress (the job's rank 0, via elastic.train.progress)
     nodectl/<name>             NodeControl: an operator's cordon / drain request (API; uncordon deletes it)
     identities/<id>            the job's own etcd user (service.controller.identities)
 
@@ -33,9 +33,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from elastic.contract.progress import Progress
 from elastic.etcd import EtcdClient, EtcdConnectionError, EtcdError, KeyValue
-from elastic.progress import Progress
-from service.core.keys import Keys, at_own_key, dump, load, load_progress, tail
+from service.core.keys import DEFAULT_PREFIX, Keys, at_own_key, dump, load, load_progress, tail
 from service.core.models import (
     Assignment,
     Event,
@@ -108,7 +108,7 @@ def new_event(kind: str, message: str, now: datetime, **data: object) -> Event:
 class ServiceStore:
     """Reads and writes the service's records; safe to share between threads."""
 
-    def __init__(self, client: EtcdClient, prefix: str = "/etrain") -> None:
+    def __init__(self, client: EtcdClient, prefix: str = DEFAULT_PREFIX) -> None:
         self.client = client
         self.keys = Keys(prefix)
         self._pool: ThreadPoolExecutor | None = None  # apply_plan's senders, made at the first plan
@@ -439,5 +439,5 @@ def identity_key(keys: Keys, job_id: str) -> str:
     return identities_prefix(keys) + job_id
 
 
-def create_store(client: EtcdClient, prefix: str = "/etrain") -> ServiceStore:
+def create_store(client: EtcdClient, prefix: str = DEFAULT_PREFIX) -> ServiceStore:
     return ServiceStore(client, prefix)

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from elastic.progress import Progress
+from elastic.contract.progress import Progress
 from service.core.models import Event, JobRecord, JobStatus, RecoveryMode, WorkerReport
 from service.core.trace_format import is_int, validate_trace
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from elastic.progress import Progress
+from elastic.contract.progress import Progress
 from service.core.models import Assignment, Event, JobRecord, JobStatus, NodeControl, NodeInfo, WorkerReport
 
 __all__ = ["ClusterView", "JobEntry", "JobUpdate", "Plan", "PlanOutcome", "Quotas", "ReconcileConfig", "WriteFailure"]

@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Protocol
 
 from elastic import compat
-from elastic import env as worker_env
+from elastic.contract import env as worker_env
 from elastic.etcd import create_client
 from elastic.proctree import descendants, process_stat
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
 from elastic.testing.wait import wait_for
-from service.cli.client import ApiClient, ApiError
+from service.client import ApiClient, ApiError
+from service.core.keys import DEFAULT_PREFIX
 from service.core.models import WorkerReport
 from service.core.store import Keys
 
@@ -63,7 +64,7 @@ class LocalServiceCluster:
     def __init__(
         self,
         workdir: Path,
-        prefix: str = "/etrain",
+        prefix: str = DEFAULT_PREFIX,
         lease_ttl: float = 2.0,
         etcd_members: int = 1,
         network: Network | None = None,

@@ -13,6 +13,8 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any
 
+from elastic.contract.recovery import RecoveryMode
+
 
 class FaultKind(str, Enum):
     WORKER_KILL = "worker_kill"
@@ -29,7 +31,7 @@ class FaultKind(str, Enum):
     TWO_JOBS = "two_jobs"
 
 
-RECOVERY_MODES = ("restart", "live")
+RECOVERY_MODES = tuple(m.value for m in RecoveryMode)
 
 #: kinds that need the job steady on every node first (nothing pending, no node disturbed), so that what
 #: follows them can be attributed to them; the runner measures their impact on training

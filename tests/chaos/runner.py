@@ -87,7 +87,7 @@ from elastic.proctree import descendants, process_stat
 from elastic.testing.etcd_server import free_port
 from elastic.testing.s3_server import LocalS3Server
 from elastic.testing.wait import wait_for
-from service.cli.client import ApiClient, ApiError
+from service.client import ApiClient, ApiError
 from service.testing.cluster import LocalServiceCluster
 from tests.chaos.checks import (
     ApiHistory,

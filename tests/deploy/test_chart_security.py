@@ -289,7 +289,7 @@ def test_rendered_etcd_refuses_clients_without_a_certificate_and_the_rendered_co
     """Three members with the rendered arguments (peer TLS included) and the rendered Secret's PEMs."""
     from elastic.etcd import EtcdConfig, EtcdError, create_client
     from elastic.testing.etcd_server import free_port
-    from service.cli.client import ApiClient, ApiError
+    from service.client import ApiClient, ApiError
     from tests.integration.service_harness import wait_api
 
     objects = render(chart, LOOPBACK_SANS)
@@ -345,7 +345,7 @@ def test_rendered_opt_outs_run_plain_etcd_and_an_open_controller(chart: helm.Cha
     HTTP and a controller that starts on the rendered all-interfaces address without tokens."""
     from elastic.etcd import EtcdConfig, create_client
     from elastic.testing.etcd_server import free_port
-    from service.cli.client import ApiClient
+    from service.client import ApiClient
     from tests.integration.service_harness import wait_api
 
     no_auth = {"auth": {"enabled": False, "allowInsecure": True}}

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elastic.progress import Progress
+from elastic.contract.progress import Progress
 from service.core.models import (
     Assignment,
     Event,

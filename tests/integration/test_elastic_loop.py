@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic.lr import LRPolicy, LRRule
+from elastic.contract.lr import LRPolicy, LRRule
 from elastic.testing.etcd_server import LocalEtcdCluster
 from elastic.testing.torchrun import TorchrunAgent, torchrun_command
 from elastic.testing.wait import wait_until

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from elastic.lr import LRPolicy, LRRule
+from elastic.contract.lr import LRPolicy, LRRule
 from service.testing.cluster import REPO, LocalServiceCluster
 from tests.integration.service_harness import wait_api
 from tests.integration.training_records import assert_every_sample_once_per_epoch, expected_factors, read_records

@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from elastic.lr import LRPolicy
+from elastic.contract.lr import LRPolicy
 from elastic.testing.torchrun import TorchrunAgent
 
 

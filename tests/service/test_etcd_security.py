@@ -23,7 +23,7 @@ from elastic.live.protocol import LiveKeys
 from elastic.rendezvous.etcd_v3_handler import EtcdV3RendezvousHandler, HandlerSettings
 from elastic.rendezvous.protocol import RendezvousKeys, RoundRules
 from elastic.testing.etcd_server import find_etcd_binary, free_port
-from service.cli.client import ApiClient
+from service.client import ApiClient
 from service.controller.identities import JobIdentities
 from service.core.models import Assignment, JobRecord, JobSpec, JobStatus
 from service.core.states import JobState
@@ -383,9 +383,9 @@ def test_a_jobs_etcd_user_reaches_its_own_rendezvous_and_progress_but_nothing_of
 
 _DUMP_ENV = """
 import json, os, sys
-from elastic.env import WorkerEnv
+from elastic.contract.env import WorkerEnv
 from elastic.etcd import EtcdError, create_client
-from elastic.progress import create_reporter
+from elastic.train.progress import create_reporter
 worker = WorkerEnv.from_environ()
 client = create_client(worker.etcd.config())
 try:

@@ -260,7 +260,7 @@ def _write_single_file_snapshot(root: Path, step: int, state: dict[str, Any]) ->
     token = "00c0ffee00c0ffee"
     storage.make_dirs(f"{step_dir(step)}/{token}")
     entries = []
-    for name, payload in (("skeleton.pt", encode_skeleton(flat)), ("tensors.bin", bytes(data))):
+    for name, payload in (("skeleton.pt", encode_skeleton(flat.skeleton, flat.tensors)), ("tensors.bin", bytes(data))):
         with storage.open_write(f"{step_dir(step)}/{token}/{name}") as out:
             out.write(payload)
         entries.append(FileEntry(f"{token}/{name}", len(payload), hashlib.sha256(payload).hexdigest()))

@@ -21,8 +21,8 @@ from elastic import compat
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.tiers import LOCAL_OPTIONS, SnapshotTiers, create_snapshot_tiers, local_tier_dir
-from elastic.loop import ElasticConfig
-from elastic.lr import LRPolicy, LRRule
+from elastic.contract.lr import LRPolicy, LRRule
+from elastic.train.trainer import ElasticConfig
 
 pytestmark = pytest.mark.timeout(60)
 CPU = torch.device("cpu")

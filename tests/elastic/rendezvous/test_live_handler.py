@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
 
-from elastic.env import (
+from elastic.contract.env import (
     ETCD_CA_CERT,
     ETCD_CERT,
     ETCD_ENDPOINTS,

@@ -16,9 +16,9 @@ import pytest
 from pydantic import ValidationError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic.env import LIVE_PREFIX, WorkerEnv
+from elastic.contract.env import LIVE_PREFIX, WorkerEnv
+from elastic.contract.lr import LRPolicy, LRRule
 from elastic.etcd import MemoryEtcdClient
-from elastic.lr import LRPolicy, LRRule
 from elastic.proctree import alive, process_stat
 from elastic.rendezvous.plugin import live_worker_environ, recovery_mode
 from elastic.rendezvous.protocol import RendezvousKeys

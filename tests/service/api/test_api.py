@@ -267,7 +267,7 @@ def test_unused_etcd_options_do_not_connect_at_creation(tmp_path: Path) -> None:
 
 
 def test_job_list_pages_follow_each_other_oldest_first(api: TestClient, live_server: str) -> None:
-    from service.cli.client import ApiClient
+    from service.client import ApiClient
 
     ids = [api.post("/v1/jobs", json={**SPEC, "name": f"p{i}"}).json()["id"] for i in range(5)]
     first = api.get("/v1/jobs", params={"limit": 2}).json()

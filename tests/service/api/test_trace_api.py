@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from elastic.progress import Progress
+from elastic.contract.progress import Progress
 from elastic.testing.wait import wait_for
 from service.agent.node import create_agent
 from service.core.config import AgentSettings, Settings

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from service.cli.client import ApiClient
 from service.cli.main import main
+from service.client import ApiClient
 from service.core.trace import validate_trace
 from tests.service.conftest import ADMIN, READER
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from elastic.progress import Progress
+from elastic.contract.progress import Progress
 from service.controller.reconcile import reconcile
 from service.core.models import Assignment, JobRecord, JobSpec, JobStatus, NodeControl, NodeInfo, WorkerReport
 from service.core.view import ClusterView, JobEntry, Plan, ReconcileConfig

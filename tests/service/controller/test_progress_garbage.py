@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from elastic.contract.progress import Progress
 from elastic.etcd import EtcdClient, MemoryEtcdClient
-from elastic.progress import Progress
 from elastic.testing.etcd_server import LocalEtcdCluster
 from service.controller.loop import Controller
 from service.core.models import JobRecord, JobSpec, JobStatus, NodeInfo

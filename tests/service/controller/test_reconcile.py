@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from elastic.progress import Progress
+from elastic.contract.progress import Progress
 from service.core.states import JobState
 from service.core.view import JobEntry
 from tests.service.controller.cluster_sim import CFG, T0, Cluster

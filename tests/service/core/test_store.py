@@ -6,8 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from elastic.contract.progress import Progress
 from elastic.etcd import EtcdConnectionError, MemoryEtcdClient, MemoryEtcdServer
-from elastic.progress import Progress
 from service.core.models import Assignment, Event, JobRecord, JobSpec, JobStatus, NodeInfo, WorkerReport
 from service.core.states import JobState
 from service.core.store import JobExists, ServiceStore, new_event

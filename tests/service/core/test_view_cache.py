@@ -11,8 +11,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from elastic.contract.progress import Progress
 from elastic.etcd import EtcdClient, MemoryEtcdClient, MemoryEtcdServer
-from elastic.progress import Progress
 from service.core.models import Assignment, JobRecord, JobSpec, JobStatus, NodeControl, NodeInfo, NodeMode, WorkerReport
 from service.core.states import JobState
 from service.core.store import ServiceStore

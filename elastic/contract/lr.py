@@ -59,7 +59,7 @@ class LRPolicy:
     """The job's LR policy and its reference values (stored in every checkpoint).
 
     The one shape of a policy: the job service builds it from a job spec's ``lr_policy`` and hands it to the
-    workers as the JSON of :meth:`reference` in ``ETRAIN_LR_POLICY`` (see :mod:`elastic.env`)."""
+    workers as the JSON of :meth:`reference` in ``ETRAIN_LR_POLICY`` (see :mod:`elastic.contract.env`)."""
 
     rule: LRRule
     base_lr: float

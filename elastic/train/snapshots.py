@@ -1,6 +1,6 @@
 """The elastic loop's snapshots: opening the storage, restoring at start, and the snapshot schedule.
 
-:class:`LoopCheckpoints` is the checkpoint concern of :class:`~elastic.loop.ElasticTrainer`: the durable
+:class:`LoopCheckpoints` is the checkpoint concern of :class:`~elastic.train.trainer.ElasticTrainer`: the durable
 manager, the node-local tier, the schedule (``save_every_steps``, ``save_every``, a busy writer deferring a
 snapshot), failures of the storage (a grace time before training stops) and the SIGTERM save. Its step-boundary
 decisions use flags that every rank agrees on in the loop's one all-reduce per step (:meth:`local_flags`
@@ -29,24 +29,15 @@ from elastic.checkpoint.layout import step_dir
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import CheckpointStorage
 from elastic.checkpoint.tiers import create_snapshot_tiers
-from elastic.env import WorkerEnv
-from elastic.loop_config import ElasticConfig
-from elastic.loop_cursor import TrainingCursor
-from elastic.snapshot_schedule import Boundary, SnapshotSchedule, SnapshotStats
+from elastic.contract.env import WorkerEnv
+from elastic.train.boundary import BoundaryFlags
+from elastic.train.config import ElasticConfig
+from elastic.train.cursor import TrainingCursor
+from elastic.train.schedule import Boundary, SnapshotSchedule, SnapshotStats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FLAG_COUNT", "LoopCheckpoints", "SaveRequest"]
-
-#: How many flags :meth:`LoopCheckpoints.local_flags` contributes to the step's all-reduce.
-FLAG_COUNT = 4
-
-
-class SaveRequest:
-    """What :meth:`LoopCheckpoints.act` found: ``stop`` is set when a SIGTERM'd rank must exit now."""
-
-    def __init__(self) -> None:
-        self.stop = False
+__all__ = ["LoopCheckpoints"]
 
 
 class LoopCheckpoints:
@@ -80,7 +71,7 @@ class LoopCheckpoints:
             return None
         options = config.checkpoint_options
         worker = WorkerEnv.from_environ()
-        if options.signing_key is None:  # the job service gives each job a key (elastic.env.CHECKPOINT_KEY)
+        if options.signing_key is None:  # the job service gives each job a key (elastic.contract.env.CHECKPOINT_KEY)
             options = replace(options, signing_key=worker.checkpoint_key)
         if options.generation is None and worker.job is not None:  # fencing of an old generation's saves
             options = replace(options, generation=worker.job.generation)
@@ -109,30 +100,31 @@ class LoopCheckpoints:
         return True
 
     # -- the step boundary -----------------------------------------------------------------------------
-    def local_flags(self, step: int, now: float, signalled: bool, rank: int) -> list[int]:
-        """This rank's view: a time-based save due, a SIGTERM seen, a node-local snapshot due (rank 0's
-        measurements decide), its writer busy (non-writers report 0). MAX-reduced over the ranks."""
-        local_due = rank == 0 and self.tiers.want_local(step)
-        busy = self.manager is not None and self.manager.in_flight
-        return [int(self.schedule.time_due(now)), int(signalled), int(local_due), int(busy)]
+    def local_flags(self, step: int, now: float, signalled: bool, rank: int) -> BoundaryFlags:
+        """This rank's view of the snapshot flags (see :class:`BoundaryFlags`), before the group agrees."""
+        return BoundaryFlags(
+            time_due=self.schedule.time_due(now),
+            signalled=signalled,
+            local_due=rank == 0 and self.tiers.want_local(step),
+            writer_busy=self.manager is not None and self.manager.in_flight,
+        )
 
     def act(
-        self, flags: list[int], step: int, epoch_done: bool, rank: int, signalled_here: bool,
+        self, flags: BoundaryFlags, step: int, epoch_done: bool, rank: int, signalled_here: bool,
         capture: Callable[[], TrainingState], optimizer: torch.optim.Optimizer,
-    ) -> SaveRequest:  # fmt: skip
-        """Take the snapshots the agreed ``flags`` call for at this boundary (collectives on every rank)."""
-        time_due, anyone_signalled, local, busy = (bool(f) for f in flags)
-        request = SaveRequest()
-        if anyone_signalled:
+    ) -> bool:  # fmt: skip
+        """Take the snapshots the agreed ``flags`` call for at this boundary (collectives on every rank).
+        Returns whether this rank must stop now (it was SIGTERM'd and the step is saved)."""
+        if flags.signalled:
             # SIGTERM: a preemption notice, or torchrun restarting the group (it signals workers first).
             # Everyone saves this step synchronously (no step is lost); the signalled ranks then exit,
             # the others carry on and resume from this snapshot when the group re-forms.
             logger.warning("SIGTERM seen by a worker: saving step %d synchronously", step)
             self.save(step, capture, optimizer, blocking=True)
-            request.stop = signalled_here
-            return request
+            return signalled_here
         now = time.monotonic()
-        self.schedule, decision = self.schedule.decide(Boundary(step, now, epoch_done, time_due, busy))
+        boundary = Boundary(step, now, epoch_done, flags.time_due, flags.writer_busy)
+        self.schedule, decision = self.schedule.decide(boundary)
         if decision.warning is not None and rank == 0:
             logger.warning("%s", decision.warning)
         if not decision.take and (decision.deferred or decision.skipped):
@@ -142,9 +134,9 @@ class LoopCheckpoints:
         if decision.take:
             self.save(step, capture, optimizer, blocking=False)
             self.tiers.note_durable(step)
-        elif local:
+        elif flags.local_due:
             self.tiers.save_local(step, capture, overlap_with=optimizer)
-        return request
+        return False
 
     def save(
         self, step: int, capture: Callable[[], TrainingState], optimizer: torch.optim.Optimizer, blocking: bool

@@ -27,7 +27,7 @@ on SIGTERM saves synchronously at the step boundary and stops.
 A snapshot that falls due while the previous one is still being written does not stall the loop (with
 ``when_writer_busy="defer"``, the default): it is taken at the first step boundary at which the writer is
 free, holding the newest state then, while the fixed multiples of ``save_every_steps`` go on (one falling due
-while one is pending is counted as skipped). The decisions are :mod:`elastic.snapshot_schedule`'s, on flags
+while one is pending is counted as skipped). The decisions are :mod:`elastic.train.schedule`'s, on flags
 every rank agrees on in the all-reduce each step already does; counters in :attr:`ElasticTrainer.snapshot_stats`.
 A snapshot still pending when the job ends (``close(finished=True)``) is taken there, synchronously.
 
@@ -41,9 +41,9 @@ With ``ElasticConfig(recovery="live")`` the workers form the job's process group
 survivors and continue in the same processes; joiners are admitted at a step boundary and receive the state
 from a member. See docs/live-recovery.md.
 
-The trainer composes one part per concern: the training cursor (step, data, LR: :mod:`elastic.loop_cursor`),
-the snapshots (:mod:`elastic.loop_checkpoints`), the live group (:mod:`elastic.live`), progress
-(:mod:`elastic.progress`).
+The trainer composes one part per concern: the training cursor (step, data, LR: :mod:`elastic.train.cursor`),
+the snapshots (:mod:`elastic.train.snapshots`), the live group (:mod:`elastic.live`), progress
+(:mod:`elastic.train.progress`).
 """
 
 from __future__ import annotations
@@ -66,23 +66,25 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import default_collate
 
 from elastic import compat
-from elastic.checkpoint import PreemptionWatcher, capture_training_state
+from elastic.checkpoint import capture_training_state
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import CheckpointStorage
-from elastic.env import WorkerEnv
+from elastic.contract.env import WorkerEnv
+from elastic.contract.lr import LRPolicy, scaled_lr
 from elastic.live.grads import GradientReducer, LiveDataParallel, broadcast_module
 from elastic.live.protocol import ReformReason
-from elastic.loop_checkpoints import LoopCheckpoints
-from elastic.loop_config import ElasticConfig, LiveOptions, Recovery, StepInfo
-from elastic.loop_cursor import TrainingCursor
-from elastic.lr import LRPolicy, scaled_lr
-from elastic.progress import create_reporter
-from elastic.sampler import ElasticSampler, split_sizes
-from elastic.snapshot_schedule import SnapshotStats, WriterBusy
+from elastic.train.boundary import BoundaryFlags
+from elastic.train.config import ElasticConfig, LiveOptions, RecoveryMode, StepInfo
+from elastic.train.cursor import TrainingCursor
+from elastic.train.preemption import PreemptionWatcher
+from elastic.train.progress import create_reporter
+from elastic.train.sampler import ElasticSampler, split_sizes
+from elastic.train.schedule import SnapshotStats, WriterBusy
+from elastic.train.snapshots import LoopCheckpoints
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ElasticConfig", "ElasticTrainer", "LiveOptions", "Recovery", "SnapshotStats", "StepInfo", "WriterBusy"]
+__all__ = ["ElasticConfig", "ElasticTrainer", "LiveOptions", "RecoveryMode", "SnapshotStats", "StepInfo", "WriterBusy"]
 
 
 class ElasticTrainer:
@@ -112,12 +114,12 @@ class ElasticTrainer:
         self._live = None
         self._reducer: GradientReducer | None = None  # live: the gradient all-reduce, overlapped with backward
         self._recovery = config.resolved_recovery()
-        if self._recovery is Recovery.LIVE:
+        if self._recovery is RecoveryMode.LIVE:
             if isinstance(model, DistributedDataParallel):
                 raise ValueError("live recovery wraps the model in DDP anew for each generation of the group: "
                                  "pass the module itself, not a DistributedDataParallel")  # fmt: skip
             from elastic.live.membership import JobFinishedError
-            from elastic.live.setup import open_live_group
+            from elastic.train.live import open_live_group
 
             group = open_live_group(config)
             try:
@@ -132,7 +134,7 @@ class ElasticTrainer:
         self.device = self._pick_device()
         sampler = ElasticSampler(len(dataset), seed=config.seed, shuffle=config.shuffle)
         self.cursor = TrainingCursor(config.lr_policy, sampler, self.rank, self.world_size)
-        live = self._recovery is Recovery.LIVE
+        live = self._recovery is RecoveryMode.LIVE
         self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device, require_storage=not live)
         self._broken: BaseException | None = None  # live: a collective of this step failed
         if isinstance(model, DistributedDataParallel):
@@ -143,8 +145,8 @@ class ElasticTrainer:
             self.model: DistributedDataParallel | LiveDataParallel = model
         else:
             self._module = model.to(self.device)
-            if self._recovery is Recovery.LIVE:
-                from elastic.live.recovery import LiveRecovery
+            if self._recovery is RecoveryMode.LIVE:
+                from elastic.train.live import LiveRecovery
 
                 self._live = LiveRecovery(group, self._module, optimizer, scheduler, self.cursor, self.device,
                                           self._record, self._restore, shared=(self._get_schedule,
@@ -176,7 +178,7 @@ class ElasticTrainer:
     def _init_process_group(self) -> None:
         if dist.is_initialized():
             return
-        backend = self.config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = self.config.resolved_backend()
         dist.init_process_group(backend, timeout=self.config.timeout)
 
     def _pick_device(self) -> torch.device:
@@ -187,7 +189,7 @@ class ElasticTrainer:
         return torch.device("cpu")
 
     def _wrap(self) -> DistributedDataParallel | LiveDataParallel:
-        if self._recovery is Recovery.LIVE:
+        if self._recovery is RecoveryMode.LIVE:
             # no DDP: its reducer would keep a torn-down group's connections open (see elastic.live.grads);
             # ours holds no group, so one serves every generation
             if self._reducer is None:
@@ -409,35 +411,33 @@ class ElasticTrainer:
             self._collective_failed(exc)
             return
         self._publish_progress(lr, loss)
-        if self._live is not None and flags[-1] and not self._stopped:
+        if self._live is not None and flags.joiners and not self._stopped:
             self._recover(ReformReason.ADMIT)  # workers registered since: admit them at this boundary
 
     def _record(self, info: StepInfo) -> None:
         if self._on_step is not None:
             self._on_step(info)
 
-    def _agree(self, signalled: bool) -> list[int]:
-        """Every rank's flags for this boundary, MAX-reduced: the snapshot flags of
-        :meth:`LoopCheckpoints.local_flags`, then (live) whether workers wait to be admitted."""
+    def _agree(self, signalled: bool) -> BoundaryFlags:
+        """Every rank's flags for this boundary, agreed on (one all-reduce): the snapshot flags of
+        :meth:`LoopCheckpoints.local_flags` and (live) whether workers wait to be admitted."""
         mine = self._checkpoints.local_flags(self.step, time.monotonic(), signalled, self.rank)
         if self._live is not None:
-            mine.append(self._live.joiners_flag(self.rank))
-        flags = torch.tensor(mine, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return [int(f) for f in flags.tolist()]
+            mine = dataclasses.replace(mine, joiners=self._live.joiners_waiting(self.rank))
+        return mine.agree(self.device)
 
-    def _act(self, flags: list[int], epoch_done: bool, signalled: bool) -> None:
-        if flags[1]:
+    def _act(self, flags: BoundaryFlags, epoch_done: bool, signalled: bool) -> None:
+        if flags.signalled:
             self._boundary_after_signal.set()
-        request = self._checkpoints.act(flags[:4], self.step, epoch_done, self.rank, signalled, self._capture,
-                                        self.optimizer)  # fmt: skip
-        if request.stop:
+        stop = self._checkpoints.act(flags, self.step, epoch_done, self.rank, signalled, self._capture,
+                                     self.optimizer)  # fmt: skip
+        if stop:
             self._stopped = True
             self._checkpoints.close(finished=False)
             if self._live is not None:
                 self._live.group.close()  # revoke the lease: the others re-form without waiting for it
             raise SystemExit(143)
-        if flags[1] and self._live is not None:
+        if flags.signalled and self._live is not None:
             self._recover(ReformReason.FAILURE)  # the signalled members leave: re-form without them
 
     def _round_nodes(self) -> list[str] | None:

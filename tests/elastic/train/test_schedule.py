@@ -1,4 +1,4 @@
-"""The pure snapshot schedule of the elastic loop (elastic/snapshot_schedule.py): inputs -> decision.
+"""The pure snapshot schedule of the elastic loop (elastic/train/schedule.py): inputs -> decision.
 
 Each boundary is fed as the loop feeds it (the flags every rank agreed on); after a ``take`` the test calls
 ``started`` as the loop's ``save`` does. Times are plain numbers (the loop passes ``time.monotonic()``).
@@ -12,10 +12,10 @@ from datetime import timedelta
 
 import pytest
 
-from elastic.loop import ElasticConfig, WriterBusy
-from elastic.lr import LRPolicy, LRRule
-from elastic.progress import Progress
-from elastic.snapshot_schedule import STUCK_AFTER, Boundary, Decision, SnapshotSchedule
+from elastic.contract.lr import LRPolicy, LRRule
+from elastic.contract.progress import Progress
+from elastic.train.schedule import STUCK_AFTER, Boundary, Decision, SnapshotSchedule
+from elastic.train.trainer import ElasticConfig, WriterBusy
 
 STEP_S = 0.1  # simulated seconds per step
 

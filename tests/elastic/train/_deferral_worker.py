@@ -1,6 +1,6 @@
 """A small ElasticTrainer run whose checkpoint storage is slow, for the snapshot deferral tests.
 
-Imported by tests/elastic/test_loop_snapshots.py (one process, world size 1) and run under torchrun with two
+Imported by tests/elastic/train/test_snapshots.py (one process, world size 1) and run under torchrun with two
 ranks (argv: ROOT OUT_DIR STEPS DELAY_S): each rank writes OUT_DIR/rank<r>.json with the snapshot counters it
 saw after every step.
 """
@@ -23,8 +23,8 @@ from torch.utils.data import TensorDataset
 
 from elastic.checkpoint import CheckpointOptions
 from elastic.checkpoint.storage import LocalStorage
-from elastic.loop import ElasticConfig, ElasticTrainer, SnapshotStats, StepInfo, WriterBusy
-from elastic.lr import LRPolicy, LRRule
+from elastic.contract.lr import LRPolicy, LRRule
+from elastic.train.trainer import ElasticConfig, ElasticTrainer, SnapshotStats, StepInfo, WriterBusy
 
 BATCH = 4
 

@@ -1,6 +1,6 @@
 """The settings of the elastic loop (:class:`ElasticConfig`) and what it tells a step hook (:class:`StepInfo`).
 
-Both are re-exported by :mod:`elastic.loop`, where :class:`~elastic.loop.ElasticTrainer` uses them.
+Both are re-exported by :mod:`elastic.train.trainer`, where :class:`~elastic.train.trainer.ElasticTrainer` uses them.
 """
 
 from __future__ import annotations
@@ -8,21 +8,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from enum import Enum
+
+import torch
 
 from elastic.checkpoint.api import CheckpointOptions
-from elastic.env import WorkerEnv
-from elastic.lr import LRPolicy
-from elastic.snapshot_schedule import SnapshotSchedule, WriterBusy, writer_busy
+from elastic.contract.env import WorkerEnv
+from elastic.contract.lr import LRPolicy
+from elastic.contract.recovery import RecoveryMode
+from elastic.train.schedule import SnapshotSchedule, WriterBusy, writer_busy
 
-__all__ = ["ElasticConfig", "LiveOptions", "Recovery", "StepInfo"]
-
-
-class Recovery(str, Enum):
-    """How a job goes on after a failure or a membership change (see docs/live-recovery.md)."""
-
-    RESTART = "restart"  # torchrun restarts every worker; they resume from the newest snapshot
-    LIVE = "live"  # survivors keep their processes and re-form in place; joiners get the state from a peer
+__all__ = ["ElasticConfig", "LiveOptions", "RecoveryMode", "StepInfo"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +48,7 @@ class LiveOptions:
 @dataclass(frozen=True)
 class ElasticConfig:
     """Settings of one job's elastic loop (``checkpoint_url`` defaults to ``$ETRAIN_CHECKPOINT_URL``, see
-    :mod:`elastic.env`)."""
+    :mod:`elastic.contract.env`)."""
 
     lr_policy: LRPolicy
     checkpoint_url: str | None = None
@@ -61,7 +56,7 @@ class ElasticConfig:
     save_every_steps: int | None = 50
     save_every: timedelta | None = None
     # a snapshot due while the last one is still being written: "defer" it to when the writer is free, or
-    # "wait" for the writer (the loop stalls); see elastic/snapshot_schedule.py
+    # "wait" for the writer (the loop stalls); see elastic/train/schedule.py
     when_writer_busy: WriterBusy = WriterBusy.DEFER
     # node-local snapshots in memory (see elastic/checkpoint/tiers.py); None: $ETRAIN_LOCAL_SNAPSHOT_EVERY, else off
     local_every_steps: int | None = None
@@ -77,15 +72,15 @@ class ElasticConfig:
     total_steps: int | None = None  # only for progress reports to the job service
     # a failed save (storage away) is reported and the next one tried; saves failing for longer stop training
     save_failure_grace: timedelta = timedelta(minutes=5)
-    # "restart" (torchrun's model) or "live" (see Recovery and docs/live-recovery.md); None: "live" when the
+    # "restart" (torchrun's model) or "live" (see RecoveryMode and docs/live-recovery.md); None: "live" when the
     # worker's environment names a live group (torchrun's etcd-v3 handler with recovery=live), else "restart"
-    recovery: Recovery | None = None
+    recovery: RecoveryMode | None = None
     live: LiveOptions = field(default_factory=LiveOptions)
 
     def __post_init__(self) -> None:
         if self.recovery is not None:
             try:
-                object.__setattr__(self, "recovery", Recovery(self.recovery))
+                object.__setattr__(self, "recovery", RecoveryMode(self.recovery))
             except ValueError:
                 raise ValueError(f"recovery must be 'restart' or 'live', got {self.recovery!r}") from None
         object.__setattr__(self, "when_writer_busy", writer_busy(self.when_writer_busy))
@@ -97,16 +92,22 @@ class ElasticConfig:
         if self.local_every_steps is not None and self.local_every_steps < 1:
             raise ValueError(f"local_every_steps must be >= 1 or None, got {self.local_every_steps}")
 
-    def resolved_recovery(self) -> Recovery:
+    def resolved_recovery(self) -> RecoveryMode:
         """The recovery mode: the one given, else from the environment. Restart mode under a live rendezvous
         (each torchrun agent a world of its own node) would train every node alone: refused."""
         live_env = WorkerEnv.from_environ().live is not None
         if self.recovery is None:
-            return Recovery.LIVE if live_env else Recovery.RESTART
-        if self.recovery is Recovery.RESTART and live_env:
+            return RecoveryMode.LIVE if live_env else RecoveryMode.RESTART
+        if self.recovery is RecoveryMode.RESTART and live_env:
             raise ValueError("recovery='restart' under a live rendezvous (--rdzv-conf recovery=live): torchrun's "
                              "worlds are node-local there; use recovery='live' or leave it unset")  # fmt: skip
         return self.recovery
+
+    def resolved_backend(self) -> str:
+        """The process group's backend: the one given, else NCCL where CUDA is available, else gloo."""
+        if self.backend is not None:
+            return self.backend
+        return "nccl" if torch.cuda.is_available() else "gloo"
 
     def resolved_checkpoint_url(self) -> str | None:
         return self.checkpoint_url or WorkerEnv.from_environ().checkpoint_url

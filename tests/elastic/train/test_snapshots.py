@@ -21,8 +21,8 @@ import torch.distributed as dist
 from elastic import compat
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.manager import FsspecCheckpointManager
-from elastic.loop import WriterBusy
-from tests.elastic._deferral_worker import Run, train
+from elastic.train.trainer import WriterBusy
+from tests.elastic.train._deferral_worker import Run, train
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
@@ -123,7 +123,7 @@ def test_two_ranks_take_each_deferred_snapshot_at_the_same_step(tmp_path: Path) 
     env = dict(os.environ, PYTHONPATH=str(REPO), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "-m", "tests.elastic._deferral_worker", str(tmp_path / "ck"), str(out), "80", str(DELAY),
+        "-m", "tests.elastic.train._deferral_worker", str(tmp_path / "ck"), str(out), "80", str(DELAY),
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from elastic.lr import LRPolicy, LRRule, scaled_lr
+from elastic.contract.lr import LRPolicy, LRRule, scaled_lr
 
 
 def _policy(rule: str, warmup: int = 0) -> LRPolicy:

@@ -1,4 +1,4 @@
-"""Progress reports (elastic/progress.py): what any job's rank 0 may write is parsed strictly, and reporting
+"""Progress reports (elastic/train/progress.py): what any job's rank 0 may write is parsed strictly, and reporting
 never blocks the training loop, whatever etcd does.
 
 The reader side: :meth:`Progress.from_json` returns a well-typed :class:`Progress` or raises
@@ -22,18 +22,13 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from elastic.env import JobEnv, WorkerEnv
+from elastic.contract.env import JobEnv, WorkerEnv
+from elastic.contract.lr import LRPolicy, LRRule
+from elastic.contract.progress import InvalidProgressError, Progress
 from elastic.etcd import EtcdClient, MemoryEtcdClient, create_client
 from elastic.etcd.config import EtcdOptions
-from elastic.lr import LRPolicy, LRRule
-from elastic.progress import (
-    EtcdProgressReporter,
-    InvalidProgressError,
-    NullProgressReporter,
-    Progress,
-    create_reporter,
-)
 from elastic.testing.etcd_server import LocalEtcdCluster
+from elastic.train.progress import EtcdProgressReporter, NullProgressReporter, create_reporter
 
 KEY = "/etrain/progress/j-1"
 FIELDS = (

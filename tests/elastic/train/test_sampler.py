@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from elastic.sampler import ElasticSampler, split_sizes
+from elastic.train.sampler import ElasticSampler, split_sizes
 
 
 def _step_all(samplers: list[ElasticSampler], global_batch: int) -> list[int]:

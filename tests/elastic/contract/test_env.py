@@ -1,4 +1,4 @@
-"""The worker environment contract (elastic/env.py): what the agent writes is what the workers read."""
+"""The worker environment contract (elastic/contract/env.py): what the agent writes is what the workers read."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from elastic import env as contract
-from elastic.env import JobEnv, WorkerEnv, WorkerEnvError, parse_lr_policy
+from elastic.contract import env as contract
+from elastic.contract.env import JobEnv, WorkerEnv, WorkerEnvError, parse_lr_policy
+from elastic.contract.lr import LRPolicy, LRRule
 from elastic.etcd.config import EtcdOptions
-from elastic.lr import LRPolicy, LRRule
 
 _JOB = JobEnv(
     job_name="demo",

@@ -11,8 +11,8 @@ import logging
 from typing import Any
 
 from elastic.checkpoint.state import TrainingState
-from elastic.lr import LRPolicy, RampState
-from elastic.sampler import ElasticSampler
+from elastic.contract.lr import LRPolicy, RampState
+from elastic.train.sampler import ElasticSampler
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ __all__ = ["TrainingCursor"]
 
 
 class TrainingCursor:
-    """The step, the :class:`~elastic.sampler.ElasticSampler`, the LR policy and its ramp, and the world
+    """The step, the :class:`~elastic.train.sampler.ElasticSampler`, the LR policy and its ramp, and the world
     size they were last set for. Every rank holds an equal one (it is saved and restored with the state)."""
 
     def __init__(self, policy: LRPolicy, sampler: ElasticSampler, rank: int, world_size: int) -> None:

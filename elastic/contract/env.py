@@ -8,7 +8,7 @@ that make sense alone (``ETRAIN_JOB_ID``, ``ETRAIN_CHECKPOINT_URL``, ``ETRAIN_LO
 Variables, by who sets them:
 
 - the node agent, for a job's workers (all of these or none): :data:`JOB_NAME`, :data:`GENERATION`,
-  :data:`NODE_NAME`, :data:`PROGRESS_KEY`, :data:`LR_POLICY` (JSON of :meth:`elastic.lr.LRPolicy.reference`),
+  :data:`NODE_NAME`, :data:`PROGRESS_KEY`, :data:`LR_POLICY` (JSON of :meth:`elastic.contract.lr.LRPolicy.reference`),
   :data:`MIN_NODES`, :data:`MAX_NODES`;
 - the node agent, or a user: :data:`JOB_ID` (the job's identity across torchrun runs: it keys node-local
   snapshots), :data:`CHECKPOINT_URL`, :data:`LOCAL_SNAPSHOT_EVERY` (0: off), and the etcd
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from elastic.lr import LRPolicy
+from elastic.contract.lr import LRPolicy
 
 if TYPE_CHECKING:
     from elastic.etcd.config import EtcdOptions

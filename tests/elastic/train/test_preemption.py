@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from elastic.checkpoint import create_checkpoint_manager
-from tests.elastic.checkpoint._preempt_trainer import model_digest
+from tests.elastic.train._preempt_trainer import model_digest
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def _run(url: str, progress: Path, mode: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "tests.elastic.checkpoint._preempt_trainer", url, str(progress), mode]
+    cmd = [sys.executable, "-m", "tests.elastic.train._preempt_trainer", url, str(progress), mode]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
@@ -64,7 +64,7 @@ def test_background_save_in_flight_at_interpreter_exit_is_completed(tmp_path: Pa
 def test_on_signal_is_called_once_and_another_owners_wakeup_fd_is_left_alone(fd_taken: bool) -> None:
     import threading
 
-    from elastic.checkpoint import PreemptionWatcher
+    from elastic.train.preemption import PreemptionWatcher
 
     r, w = os.pipe()
     os.set_blocking(w, False)

@@ -1,16 +1,23 @@
-"""The trainer's live-recovery part: what a worker does at each step and after each new generation.
+"""The trainer's live-recovery part: the worker's live group from its environment, and what a worker does at
+each step and after each new generation.
+
+:func:`open_live_group` registers the worker in its job's live group: the etcd connection (``ETRAIN_ETCD_*``),
+the group's prefix and node range (``ETRAIN_LIVE_*``, written by the ``etcd-v3`` handler with
+``recovery=live``), and torchrun's ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``.
 
 :class:`LiveRecovery` tracks the step in progress (an *attempt*: applied or not, recorded or not), and when
 a generation forms it exchanges every member's :class:`~elastic.live.protocol.MemberState`, lets
 :func:`~elastic.live.protocol.sync_plan` decide, copies the state from the source member to those behind
 (joiners included) by broadcast, records the steps that committed late, and re-splits data and LR for the
-new world through the :class:`~elastic.loop_cursor.TrainingCursor`. Everything else of the loop is the
-trainer's (:mod:`elastic.loop`).
+new world through the :class:`~elastic.train.cursor.TrainingCursor`. Everything else of the loop is the
+trainer's (:mod:`elastic.train.trainer`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -20,16 +27,47 @@ import torch
 import torch.distributed as dist
 
 from elastic.checkpoint.state import TrainingState, capture_training_state, restore_training_state
+from elastic.contract.env import LIVE_PREFIX, WorkerEnv
+from elastic.etcd import create_client
 from elastic.live.grads import broadcast_module
 from elastic.live.group import LiveGroup
-from elastic.live.protocol import Generation, MemberState, ReformReason, StepAttempt, sync_plan
-from elastic.loop_config import StepInfo
-from elastic.loop_cursor import TrainingCursor
-from elastic.sampler import ElasticSampler
+from elastic.live.membership import LiveMembership, LiveSettings, new_worker_id
+from elastic.live.protocol import Generation, LiveKeys, MemberState, ReformReason, StepAttempt, sync_plan
+from elastic.train.config import ElasticConfig, StepInfo
+from elastic.train.cursor import TrainingCursor
+from elastic.train.sampler import ElasticSampler
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Attempt", "LiveRecovery"]
+__all__ = ["Attempt", "LiveRecovery", "LiveSetupError", "open_live_group"]
+
+
+class LiveSetupError(RuntimeError):
+    """Live recovery was asked for but the worker's environment does not say where its group lives."""
+
+
+def open_live_group(config: ElasticConfig) -> LiveGroup:
+    """Register this worker in its job's live group (it joins with :meth:`LiveGroup.join`)."""
+    env = WorkerEnv.from_environ()
+    if env.live is None:
+        raise LiveSetupError(f"recovery='live' needs {LIVE_PREFIX}: run under torchrun with --rdzv-backend=etcd-v3 "
+                             "--rdzv-conf recovery=live, or set it and ETRAIN_LIVE_NODES")  # fmt: skip
+    if env.etcd is None:
+        raise LiveSetupError("recovery='live' needs the etcd connection (ETRAIN_ETCD_ENDPOINTS)")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    node = env.job.node_name if env.job is not None else socket.gethostname()
+    o = config.live
+    settings = LiveSettings(
+        env.live.min_nodes * per_node, env.live.max_nodes * per_node, ttl=o.ttl, settle=o.settle,
+        last_call=o.last_call, join_timeout=o.join_timeout, reform_timeout=o.reform_timeout,
+    )  # fmt: skip
+    client = create_client(env.etcd.config())
+    keys = LiveKeys(env.live.prefix)
+    membership = LiveMembership(client, keys, new_worker_id(node, local_rank), settings, node=node)
+    backend = config.resolved_backend()
+    device = torch.device("cuda", local_rank) if backend == "nccl" else None
+    return LiveGroup(client, keys, membership, backend, config.timeout, device=device)
 
 
 @dataclass
@@ -88,9 +126,10 @@ class LiveRecovery:
         self.attempt = None
         self.group.boundary()
 
-    def joiners_flag(self, rank: int) -> int:
+    def joiners_waiting(self, rank: int) -> bool:
+        """Rank 0's view: workers wait to be admitted into the next generation (others report False)."""
         gen = self.group.generation
-        return int(rank == 0 and gen is not None and self.group.membership.joiners_waiting(gen))
+        return rank == 0 and gen is not None and self.group.membership.joiners_waiting(gen)
 
     # -- generations ---------------------------------------------------------------------------------
     def reform(self, reason: ReformReason) -> Generation:

@@ -12,7 +12,7 @@ written (the writer busy on any rank) is ``when_busy``:
 - ``wait``: the snapshot is taken at once and the manager's save waits for the previous one (the loop
   stalls for it; what the loop did before deferral existed).
 
-Contract (the loop, :mod:`elastic.loop`, does the side effects):
+Contract (the loop, :mod:`elastic.train.trainer`, does the side effects):
 
 - At each step boundary every rank calls :meth:`SnapshotSchedule.decide` with the same
   :class:`Boundary` flags (``time_due`` and ``writer_busy`` come from one all-reduce MAX of each rank's own

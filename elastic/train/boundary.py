@@ -1,0 +1,44 @@
+"""What every rank agrees on at a step boundary: :class:`BoundaryFlags`, one all-reduce per step.
+
+Each rank states its own view (a snapshot falling due by time, a SIGTERM it saw, ...); :meth:`BoundaryFlags.agree`
+MAX-reduces the views over the group, so that every rank takes the same decisions after it (the same
+snapshots, the same stop, the same admission of joiners): a decision taken on one rank's view alone would
+leave the others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BoundaryFlags"]
+
+
+@dataclass(frozen=True)
+class BoundaryFlags:
+    """One rank's view of a step boundary, or (after :meth:`agree`) the group's: each flag set on any rank."""
+
+    time_due: bool = False  # a time-based snapshot is due (``save_every``)
+    signalled: bool = False  # a rank saw SIGTERM: everyone saves this step synchronously, the signalled exit
+    local_due: bool = False  # a node-local snapshot is due (rank 0's measurements decide)
+    writer_busy: bool = False  # a writer is still saving the previous snapshot (non-writers report False)
+    joiners: bool = False  # live recovery: workers wait to be admitted at this boundary
+
+    def encode(self) -> list[int]:
+        return [int(f) for f in astuple(self)]
+
+    @classmethod
+    def decode(cls, values: Sequence[int]) -> BoundaryFlags:
+        names = [f.name for f in fields(cls)]
+        if len(values) != len(names):
+            raise ValueError(f"{len(values)} boundary flags, expected {len(names)} ({', '.join(names)})")
+        return cls(**{n: bool(v) for n, v in zip(names, values, strict=True)})
+
+    def agree(self, device: torch.device) -> BoundaryFlags:
+        """The group's flags: every rank's, MAX-reduced (a collective: every rank calls it at the boundary)."""
+        t = torch.tensor(self.encode(), device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return BoundaryFlags.decode([int(v) for v in t.tolist()])
