@@ -18,12 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from elastic.checkpoint import (
-    CheckpointOptions,
-    PreemptionWatcher,
-    capture_training_state,
-    create_checkpoint_manager,
-)
+from elastic.checkpoint import CheckpointOptions, capture_training_state, create_checkpoint_manager
+from elastic.train.preemption import PreemptionWatcher
 
 
 def model_digest(state: dict[str, torch.Tensor]) -> str:
