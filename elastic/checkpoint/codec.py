@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from elastic.checkpoint.segments import LEGACY_TENSORS_NAME, Segment, segment_extents, split_chunks
+from elastic.checkpoint.tree import map_leaves
 
 __all__ = [
     "PACK_FORMAT",
@@ -164,18 +165,7 @@ def decode_pack(skeleton_bytes: bytes, tensor_buffer: torch.Tensor, *, weights_o
     if host is None:
         _scalars_to_cpu(tensors)
 
-    def rebuild(obj: Any) -> Any:
-        if type(obj) in (dict, OrderedDict):
-            if len(obj) == 1 and TENSOR_REF_KEY in obj:
-                return tensors[obj[TENSOR_REF_KEY]]
-            out = type(obj)()
-            for key, value in obj.items():
-                out[key] = rebuild(value)
-            return out
-        if type(obj) is list:
-            return [rebuild(v) for v in obj]
-        if type(obj) is tuple:
-            return tuple(rebuild(v) for v in obj)
-        return obj
+    def is_ref(obj: Any) -> bool:
+        return type(obj) in (dict, OrderedDict) and len(obj) == 1 and TENSOR_REF_KEY in obj
 
-    return rebuild(bundle["skeleton"])
+    return map_leaves(bundle["skeleton"], lambda o: tensors[o[TENSOR_REF_KEY]] if is_ref(o) else o, is_leaf=is_ref)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from elastic.checkpoint.codec import TENSOR_REF_KEY
+from elastic.checkpoint.tree import map_leaves
 
 __all__ = ["FlatState", "Stager"]
 
@@ -142,7 +142,7 @@ class Stager:
         memo: dict[int, int] = {}
         sources: list[torch.Tensor] = []
 
-        def visit(obj: Any) -> Any:
+        def leaf(obj: Any) -> Any:
             if isinstance(obj, torch.Tensor) and _packable(obj):
                 index = memo.get(id(obj))
                 if index is None:
@@ -150,20 +150,11 @@ class Stager:
                     memo[id(obj)] = index
                     sources.append(obj)
                 return {TENSOR_REF_KEY: index}
-            if type(obj) in (dict, OrderedDict):
-                out = type(obj)()
-                for key, value in obj.items():
-                    out[key] = visit(value)
-                return out
-            if type(obj) is list:
-                return [visit(v) for v in obj]
-            if type(obj) is tuple:
-                return tuple(visit(v) for v in obj)
             if isinstance(obj, torch.Tensor):
                 return obj.detach().to("cpu", copy=True) if copy else obj
             return _copy_leaf(obj) if copy else obj
 
-        flat.skeleton = visit(state)
+        flat.skeleton = map_leaves(state, leaf)
         self._trim(len(sources))
         early: list[int] = []  # CUDA tensors copied first, fenced at once
         late: list[int] = []  # CUDA tensors ``defer`` selects, fenced at the optimizer's step

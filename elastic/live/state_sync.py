@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.checkpoint.tree import iter_leaves, map_leaves
+
 __all__ = ["broadcast_state"]
 
 
@@ -27,40 +29,21 @@ class _TensorSlot:
 
 
 def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type != "cpu")
-    if isinstance(obj, dict):
-        return {k: _skeleton(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_skeleton(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_skeleton(v, tensors) for v in obj)
-    return obj
+    def slot(o: Any) -> Any:
+        if not isinstance(o, torch.Tensor):
+            return o
+        tensors.append(o)
+        return _TensorSlot(len(tensors) - 1, tuple(o.shape), o.dtype, o.device.type != "cpu")
+
+    return map_leaves(obj, slot)
 
 
 def _fill(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(skeleton, _TensorSlot):
-        return tensors[skeleton.index]
-    if isinstance(skeleton, dict):
-        return {k: _fill(v, tensors) for k, v in skeleton.items()}
-    if isinstance(skeleton, list):
-        return [_fill(v, tensors) for v in skeleton]
-    if isinstance(skeleton, tuple):
-        return tuple(_fill(v, tensors) for v in skeleton)
-    return skeleton
+    return map_leaves(skeleton, lambda o: tensors[o.index] if isinstance(o, _TensorSlot) else o)
 
 
-def _slots(skeleton: Any, out: list[_TensorSlot]) -> list[_TensorSlot]:
-    if isinstance(skeleton, _TensorSlot):
-        out.append(skeleton)
-    elif isinstance(skeleton, dict):
-        for v in skeleton.values():
-            _slots(v, out)
-    elif isinstance(skeleton, (list, tuple)):
-        for v in skeleton:
-            _slots(v, out)
-    return out
+def _slots(skeleton: Any) -> list[_TensorSlot]:
+    return [o for o in iter_leaves(skeleton) if isinstance(o, _TensorSlot)]
 
 
 def broadcast_state(state: Any, src: int, device: torch.device) -> Any:
@@ -75,7 +58,7 @@ def broadcast_state(state: Any, src: int, device: torch.device) -> Any:
     box = [skeleton]
     dist.broadcast_object_list(box, src=src, device=device if device.type != "cpu" else None)
     skeleton = box[0]
-    slots = sorted(_slots(skeleton, []), key=lambda s: s.index)
+    slots = sorted(_slots(skeleton), key=lambda s: s.index)
     nccl = dist.get_backend() == "nccl"
     received: list[torch.Tensor] = []
     for slot in slots:
