@@ -16,7 +16,6 @@ trainer's (:mod:`elastic.train.trainer`).
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -27,11 +26,11 @@ import torch
 import torch.distributed as dist
 
 from elastic.checkpoint.state import TrainingState, capture_training_state, restore_training_state
-from elastic.contract.env import LIVE_PREFIX, WorkerEnv
+from elastic.contract.env import LIVE_PREFIX, TorchrunEnv, WorkerEnv
 from elastic.etcd import create_client
 from elastic.live.grads import broadcast_module
-from elastic.live.group import LiveGroup
-from elastic.live.membership import LiveMembership, LiveSettings, new_worker_id
+from elastic.live.group import EXIT_LIVE_FALLBACK, LiveGroup, is_peer_failure
+from elastic.live.membership import LiveMembership, LiveSettings, MembershipError, new_worker_id
 from elastic.live.protocol import Generation, LiveKeys, MemberState, ReformReason, StepAttempt, sync_plan
 from elastic.train.config import ElasticConfig, StepInfo
 from elastic.train.cursor import TrainingCursor
@@ -54,8 +53,8 @@ def open_live_group(config: ElasticConfig) -> LiveGroup:
                              "--rdzv-conf recovery=live, or set it and ETRAIN_LIVE_NODES")  # fmt: skip
     if env.etcd is None:
         raise LiveSetupError("recovery='live' needs the etcd connection (ETRAIN_ETCD_ENDPOINTS)")
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torchrun = TorchrunEnv.from_environ()
+    per_node, local_rank = torchrun.local_world_size, torchrun.local_rank
     node = env.job.node_name if env.job is not None else socket.gethostname()
     o = config.live
     settings = LiveSettings(
@@ -132,6 +131,25 @@ class LiveRecovery:
         return rank == 0 and gen is not None and self.group.membership.joiners_waiting(gen)
 
     # -- generations ---------------------------------------------------------------------------------
+    def recover(self, reason: ReformReason, attempts: int = 10) -> Generation:
+        """Re-form after a failure or to admit joiners (:meth:`reform`), again while members keep failing as
+        the generation forms; the restart path (exit :data:`EXIT_LIVE_FALLBACK`, the agent restarts this
+        worker) when no group can form or ``attempts`` re-forms in a row failed."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self.reform(reason)
+            except MembershipError as exc:
+                logger.error("live group: cannot re-form (%s): falling back to the restart path (exit %d)", exc,
+                             EXIT_LIVE_FALLBACK)  # fmt: skip
+                raise SystemExit(EXIT_LIVE_FALLBACK) from exc
+            except RuntimeError as exc:  # another member failed while this generation formed
+                if not is_peer_failure(exc):
+                    raise
+                logger.warning("live group: re-forming failed (attempt %d: %s); again", attempt, exc)
+                reason = ReformReason.FAILURE
+        logger.error("live group: %d re-forms in a row failed: falling back to the restart path", attempts)
+        raise SystemExit(EXIT_LIVE_FALLBACK)
+
     def reform(self, reason: ReformReason) -> Generation:
         """Form the next generation (see :meth:`LiveGroup.reform`) and bring this worker in line with it."""
         started = time.perf_counter()

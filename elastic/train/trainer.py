@@ -42,19 +42,16 @@ survivors and continue in the same processes; joiners are admitted at a step bou
 from a member. See docs/live-recovery.md.
 
 The trainer composes one part per concern: the training cursor (step, data, LR: :mod:`elastic.train.cursor`),
-the snapshots (:mod:`elastic.train.snapshots`), the live group (:mod:`elastic.live`), progress
-(:mod:`elastic.train.progress`).
+the snapshots (:mod:`elastic.train.snapshots`), the boundary's agreed flags (:mod:`elastic.train.boundary`),
+the stop timeout (:mod:`elastic.train.stop_timeout`), the live group and its retries (:mod:`elastic.train.live`
+over :mod:`elastic.live`), progress (:mod:`elastic.train.progress`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import signal
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from datetime import timedelta
@@ -69,7 +66,7 @@ from elastic import compat
 from elastic.checkpoint import capture_training_state
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import CheckpointStorage
-from elastic.contract.env import WorkerEnv
+from elastic.contract.env import TorchrunEnv, WorkerEnv
 from elastic.contract.lr import LRPolicy, scaled_lr
 from elastic.live.grads import GradientReducer, LiveDataParallel, broadcast_module
 from elastic.live.protocol import ReformReason
@@ -81,6 +78,7 @@ from elastic.train.progress import create_reporter
 from elastic.train.sampler import ElasticSampler, split_sizes
 from elastic.train.schedule import SnapshotStats, WriterBusy
 from elastic.train.snapshots import LoopCheckpoints
+from elastic.train.stop_timeout import StopTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +154,8 @@ class ElasticTrainer:
             else:
                 self._restore(self.rank, self.world_size)
             self.model = self._wrap()  # broadcasts rank 0's state
-        self._step_times: deque[float] = deque(maxlen=50)  # seconds between the last step boundaries
-        self._last_boundary: float | None = None
-        self._boundary_after_signal = threading.Event()  # the final save began, or the loop is over
-        self._preemption = PreemptionWatcher(on_signal=self._arm_stop_timeout).install()
+        self._stop_timeout = StopTimeout(config.stop_timeout, lambda: self.step)
+        self._preemption = PreemptionWatcher(on_signal=self._stop_timeout.arm).install()
         self._progress = create_reporter(rank=self.rank)  # a no-op outside the job service and off rank 0
         self._progress.report(self.step, world_size=self.world_size, total_steps=config.total_steps,
                               nodes=self._round_nodes(), force=True)  # fmt: skip
@@ -183,7 +179,7 @@ class ElasticTrainer:
 
     def _pick_device(self) -> torch.device:
         if dist.get_backend() == "nccl":
-            local = int(os.environ.get("LOCAL_RANK", "0"))
+            local = TorchrunEnv.from_environ().local_rank
             torch.cuda.set_device(local)
             return torch.device("cuda", local)
         return torch.device("cpu")
@@ -304,28 +300,10 @@ class ElasticTrainer:
         self._broken = exc
 
     def _recover(self, reason: ReformReason) -> None:
-        from elastic.live.group import EXIT_LIVE_FALLBACK, is_peer_failure
-        from elastic.live.membership import MembershipError
-
         assert self._live is not None
         if self._reducer is not None:
             self._reducer.reset()  # the dropped step's in-flight buckets belong to the broken group
-        for attempt in range(1, 11):
-            try:
-                self._live.reform(reason)
-                break
-            except MembershipError as exc:
-                logger.error("live group: cannot re-form (%s): falling back to the restart path (exit %d)", exc,
-                             EXIT_LIVE_FALLBACK)  # fmt: skip
-                raise SystemExit(EXIT_LIVE_FALLBACK) from exc
-            except RuntimeError as exc:  # another member failed while this generation formed
-                if not is_peer_failure(exc):
-                    raise
-                logger.warning("live group: re-forming failed (attempt %d: %s); again", attempt, exc)
-                reason = ReformReason.FAILURE
-        else:
-            logger.error("live group: 10 re-forms in a row failed: falling back to the restart path")
-            raise SystemExit(EXIT_LIVE_FALLBACK)
+        self._live.recover(reason)
         self._broken = None
         was_first = self.rank == 0
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -333,7 +311,7 @@ class ElasticTrainer:
             self._progress.close(timedelta(seconds=1))
             self._progress = create_reporter(rank=self.rank)
         self.model = self._wrap()
-        self._last_boundary = None
+        self._stop_timeout.restart_clock()
         self._progress.report(self.step, world_size=self.world_size, total_steps=self.config.total_steps,
                               nodes=self._round_nodes(), force=True)  # fmt: skip
 
@@ -349,30 +327,8 @@ class ElasticTrainer:
         except RuntimeError as exc:
             self._collective_failed(exc)
 
-    def _arm_stop_timeout(self, sig: signal.Signals) -> None:
-        """Runs in the watcher's thread as soon as SIGTERM arrives (also while the main thread is blocked)."""
-        if self.config.stop_timeout is None:
-            return
-        limit = max(self.config.stop_timeout.total_seconds(), 3 * max(self._step_times, default=0.0))
-
-        def watchdog() -> None:
-            if self._boundary_after_signal.wait(limit):
-                return
-            logger.error(
-                "%s %.0f s ago and step %d's boundary not reached: blocked in a collective with a vanished peer?"
-                " exiting without the final save", sig.name, limit, self.step,
-            )  # fmt: skip
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os._exit(128 + int(sig))
-
-        threading.Thread(target=watchdog, name="stop-timeout", daemon=True).start()
-
     def _finish_step(self, indices: Sequence[int], global_batch: int) -> None:
-        now = time.monotonic()
-        if self._last_boundary is not None:
-            self._step_times.append(now - self._last_boundary)
-        self._last_boundary = now
+        self._stop_timeout.boundary()
         lr = self.current_lr()
         if self._reducer is not None:
             try:
@@ -428,7 +384,7 @@ class ElasticTrainer:
 
     def _act(self, flags: BoundaryFlags, epoch_done: bool, signalled: bool) -> None:
         if flags.signalled:
-            self._boundary_after_signal.set()
+            self._stop_timeout.reached()
         stop = self._checkpoints.act(flags, self.step, epoch_done, self.rank, signalled, self._capture,
                                      self.optimizer)  # fmt: skip
         if stop:
@@ -508,7 +464,7 @@ class ElasticTrainer:
         if finished and not self._stopped and pending is not None and self._checkpoints.manager is not None:
             logger.info("taking the snapshot pending since step %d at step %d before closing", pending, self.step)
             self.save(blocking=True)
-        self._boundary_after_signal.set()
+        self._stop_timeout.reached()
         self._preemption.uninstall()
         self._checkpoints.close(finished=finished and not self._stopped)
         if self._checkpoints.pending is not None:

@@ -25,7 +25,7 @@ from elastic.train.trainer import WriterBusy
 from tests.elastic.train._deferral_worker import Run, train
 
 pytestmark = pytest.mark.timeout(120)
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DELAY = 1.0
 
 

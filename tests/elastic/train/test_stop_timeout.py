@@ -20,7 +20,7 @@ import pytest
 from elastic.testing.etcd_server import free_port
 from elastic.testing.torchrun import read_jsonl
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORKER = ROOT / "elastic" / "testing" / "train_worker.py"
 
 
