@@ -16,6 +16,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from elastic.etcd import CompareOp, CompareTarget, DeleteOp, EtcdClient, GetOp, PutOp, TxnOp
 from elastic.etcd.watch import RevisionWatcher
+from elastic.rendezvous.etcd_calls import absent, compare, decode_assignment, parse_head, txn
 from elastic.rendezvous.protocol import (
     Assignment,
     CloseNow,
@@ -27,15 +28,7 @@ from elastic.rendezvous.protocol import (
     previous_round_full,
     select_members,
 )
-from elastic.rendezvous.round_state import (
-    Outcome,
-    absent,
-    compare,
-    decode_assignment,
-    next_round_view,
-    parse_head,
-    txn,
-)
+from elastic.rendezvous.round import Outcome, next_round_view
 
 logger = logging.getLogger(__name__)
 

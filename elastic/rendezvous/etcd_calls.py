@@ -1,13 +1,12 @@
-"""The pieces the ``etcd-v3`` handler and its round closer share: what a round's wait yields, a member's
-state, the round lease's refresher, and the etcd helpers (compares, error translation).
-"""
+"""The ``etcd-v3`` rendezvous' etcd requests: transactions and reads with etcd's failures translated into
+torch's rendezvous errors (``RendezvousConnectionError``; a corrupt record: ``RendezvousStateError``), the
+compares it builds, and the refresher of a round's lease."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
@@ -22,71 +21,13 @@ from elastic.etcd import (
     TxnOp,
     TxnResult,
 )
-from elastic.etcd.watch import RevisionWatcher
-from elastic.rendezvous.protocol import Assignment, Head, NextRoundView, RendezvousKeys
+from elastic.rendezvous.protocol import Assignment, Head
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "LeaseRefresher",
-    "Membership",
-    "Outcome",
-    "absent",
-    "compare",
-    "decode_assignment",
-    "next_round_view",
-    "parse_head",
-    "translate",
-    "txn",
-    "wrapped",
-]
+__all__ = ["LeaseRefresher", "absent", "compare", "decode_assignment", "parse_head", "translate", "txn", "wrapped"]
 
 T = TypeVar("T")
-
-
-@dataclass
-class Membership:
-    """This node's place in a completed round, and what it has seen of the next one."""
-
-    assignment: Assignment
-    successor: RevisionWatcher | None
-    refresher: LeaseRefresher | None
-    next_seen: int
-    next_round: NextRoundView
-    wake_sent: bool = False
-    reported: str | None = None
-
-    @property
-    def round(self) -> int:
-        return self.assignment.round
-
-    def successor_lost(self) -> bool:
-        return self.successor is not None and self.successor.latest > self.assignment.fence
-
-    def close(self) -> None:
-        if self.successor is not None:
-            self.successor.close()
-        if self.refresher is not None:
-            self.refresher.close()
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """A round's assignment, and what was seen of the next round in the same read (None: not read)."""
-
-    assignment: Assignment
-    next_round: NextRoundView | None
-    revision: int
-    head_revision: int  # the revision that assigned the round (it wrote the head too)
-
-
-def next_round_view(keys: RendezvousKeys, round_: int, present: set[str], closed: bool) -> NextRoundView:
-    return NextRoundView(
-        closer=keys.closer(round_) in present,
-        wake=keys.wake(round_) in present,
-        assigned=keys.assign(round_) in present,
-        closed=closed,
-    )
 
 
 def compare(
