@@ -23,6 +23,7 @@ from service.controller.capacity import free_capacity
 from service.controller.decision import Decision
 from service.controller.placement import place_jobs
 from service.controller.recovery import blame_nodes, judge_failure
+from service.core.jobs import checkpoint_claims
 from service.core.models import (
     Assignment,
     CheckpointInfo,
@@ -227,11 +228,7 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
     pairs = [(node, a) for node, jobs in view.assignments.items() for a in jobs.values()]
     free = free_capacity(view.nodes, pairs, active)
     plan.orphans = sorted((node, a.job_id) for node, a in pairs if a.job_id not in view.jobs)
-    claimed = {
-        e.record.id: e.record.checkpoint_url
-        for e in entries
-        if e.record.checkpoint_url is not None and not e.status.state.terminal and e.status.generation > 0
-    }
+    claimed = checkpoint_claims(entries, started_only=True)  # the prefixes of started jobs; placement adds more
     by_job: dict[str, dict[str, Assignment]] = {}  # job id -> node -> assignment
     for node, a in pairs:
         by_job.setdefault(a.job_id, {})[node] = a

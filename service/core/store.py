@@ -24,28 +24,23 @@ requires the status key's revision to be unchanged and the leader key to be the 
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
-from typing import Any
-
-from pydantic import ValidationError
 
 from elastic.contract.progress import Progress
 from elastic.etcd import EtcdClient, EtcdConnectionError, EtcdError, KeyValue
+from service.core.jobs import new_event, plan_resize
 from service.core.keys import DEFAULT_PREFIX, Keys, at_own_key, dump, load, load_progress, tail
 from service.core.models import (
     Assignment,
     Event,
     JobRecord,
-    JobSpec,
     JobStatus,
     NodeControl,
     NodeInfo,
     WorkerReport,
-    submit_problems,
 )
 from service.core.view import ClusterView, JobEntry, JobUpdate, Plan, PlanOutcome
 from service.core.view_state import ViewState
@@ -53,16 +48,13 @@ from service.core.view_state import ViewState
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "InvalidResize",
     "JobExists",
-    "JobFinished",
     "JobNotFound",
     "Keys",
     "ResizeConflict",
     "ServiceStore",
     "create_store",
-    "new_event",
-    "resized_spec",
+    "new_event",  # service.core.jobs's, here for the many writers of events that import it from the store
 ]
 
 _APPLY_THREADS = 8  # job transactions of one plan in flight at once
@@ -78,31 +70,8 @@ class JobNotFound(LookupError):
     """No readable job with this id."""
 
 
-class JobFinished(Exception):
-    """The job is in a terminal state: it cannot be changed any more."""
-
-
 class ResizeConflict(Exception):
     """The job record kept changing under a resize (another writer): nothing was written."""
-
-
-class InvalidResize(ValueError):
-    """The resized spec is not valid; ``problems`` are ``(field, message)`` pairs."""
-
-    def __init__(self, problems: list[tuple[str, str]]) -> None:
-        super().__init__("; ".join(f"{f}: {m}" for f, m in problems))
-        self.problems = problems
-
-
-def new_event(kind: str, message: str, now: datetime, **data: object) -> Event:
-    """An event written outside the reconcile loop (the API): time-ordered id, random suffix."""
-    return Event(
-        id=f"{int(now.timestamp() * 1_000_000):017d}-a{secrets.token_hex(3)}",
-        time=now,
-        type=kind,
-        message=message,
-        data=dict(data),
-    )
 
 
 class ServiceStore:
@@ -202,9 +171,10 @@ class ServiceStore:
     ) -> JobEntry:
         """Rewrite the job's spec with new ``min_nodes`` / ``max_nodes`` (None: unchanged) and add a ``resize``
         event, in one transaction that requires the job record to be the one read (a concurrent change: read
-        again, at most ``_RESIZE_TRIES`` times, then :class:`ResizeConflict`). The new spec must be a valid
-        one a submit would accept (:class:`InvalidResize`); a terminal job raises :class:`JobFinished`, an
-        unknown one :class:`JobNotFound`. Asking for the sizes the job has already writes nothing.
+        again, at most ``_RESIZE_TRIES`` times, then :class:`ResizeConflict`); an unknown job raises
+        :class:`JobNotFound`. The rules are ``service.core.jobs.plan_resize``'s: the new spec must be one a submit
+        would accept (``InvalidResize``), a terminal job raises ``JobFinished``, and asking for the sizes the job
+        has already writes nothing.
 
         The leader notices the change by comparing the record's spec with its assignments' spec."""
         k = self.keys
@@ -220,21 +190,11 @@ class ServiceStore:
                     or not at_own_key(rec_kv, record.id, job_id)):  # fmt: skip
                 raise JobNotFound(job_id)
             cancelled = any(kv.key == k.cancel_of(job_id) for kv in cancels)
-            if status.state.terminal:
-                raise JobFinished(f"job {job_id} already {status.state.value}: it cannot be resized")
-            old = record.spec
-            sizes = {"min_nodes": (old.min_nodes, old.min_nodes if min_nodes is None else min_nodes),
-                     "max_nodes": (old.max_nodes, old.max_nodes if max_nodes is None else max_nodes)}  # fmt: skip
-            changed = {name: (a, b) for name, (a, b) in sizes.items() if a != b}
-            if not changed:
+            resized = plan_resize(record, status, min_nodes, max_nodes, requested_by=requested_by,
+                                  now=now or datetime.now(timezone.utc))  # fmt: skip
+            if resized is None:
                 return JobEntry(record, status, st_kv.mod_revision, cancelled)
-            spec = resized_spec(old, sizes["min_nodes"][1], sizes["max_nodes"][1])
-            at = now or datetime.now(timezone.utc)
-            message = ", ".join(f"{name} {a} -> {b}" for name, (a, b) in changed.items())
-            data: dict[str, Any] = {name: {"old": a, "new": b} for name, (a, b) in changed.items()}
-            event = new_event("resize", message + (f" (by {requested_by})" if requested_by else ""), at,
-                              requested_by=requested_by, **data)  # fmt: skip
-            new_record = record.model_copy(update={"spec": spec})
+            new_record, event = resized
             ok, _ = self.client.commit(
                 puts=[(k.job(job_id), dump(new_record)), (k.events_of(job_id) + event.id, dump(event))],
                 expect=[(k.job(job_id), rec_kv.mod_revision)],
@@ -412,21 +372,6 @@ class ServiceStore:
                 continue
             refused += 0 if ok else 1
         return PlanOutcome(refused=refused, failed=failed)
-
-
-def resized_spec(spec: JobSpec, min_nodes: int, max_nodes: int) -> JobSpec:
-    """``spec`` with new node bounds, validated as a submitted spec is (the model, then
-    :func:`submit_problems`); raises :class:`InvalidResize` naming the fields."""
-    try:
-        new = JobSpec.model_validate({**spec.model_dump(), "min_nodes": min_nodes, "max_nodes": max_nodes})
-    except ValidationError as exc:
-        raise InvalidResize(
-            [(".".join(str(p) for p in e["loc"]) or "spec", str(e["msg"])) for e in exc.errors()]
-        ) from None
-    problems = submit_problems(new)
-    if problems:
-        raise InvalidResize(problems)
-    return new
 
 
 def identities_prefix(keys: Keys) -> str:

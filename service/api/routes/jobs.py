@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
@@ -14,25 +13,19 @@ from service.api.deps import get_metrics, get_settings, get_store
 from service.api.schemas import EventList, JobDetail, JobList, JobResize, job_detail, job_summary
 from service.controller.metrics import Metrics
 from service.core.config import Role, Settings
-from service.core.models import (
-    JobRecord,
-    JobSpec,
-    JobStatus,
-    checkpoint_prefix_owner,
-    checkpoint_url_within,
-    normalize_checkpoint_url,
-    submit_problems,
-)
-from service.core.states import JobState
-from service.core.store import (
+from service.core.jobs import (
+    CheckpointOutsideRoot,
     InvalidResize,
-    JobExists,
     JobFinished,
-    JobNotFound,
-    ResizeConflict,
-    ServiceStore,
+    checkpoint_prefix_conflict,
     new_event,
+    new_job,
+    new_job_id,
+    resolve_checkpoint_url,
 )
+from service.core.models import JobSpec, submit_problems
+from service.core.states import JobState
+from service.core.store import JobExists, JobNotFound, ResizeConflict, ServiceStore
 from service.core.view import JobEntry
 
 __all__ = ["router"]
@@ -43,24 +36,13 @@ _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "no job with
 
 
 def _resolve_checkpoint_url(spec: JobSpec, root: str | None, job_id: str) -> str | None:
-    """The job's checkpoint prefix: the spec's (which must lie below ``root`` if set) or ``<root>/<id>``."""
-    if root is None:
-        return spec.checkpoint_url
-    root = normalize_checkpoint_url(root)
-    if spec.checkpoint_url is None:
-        return f"{root}/{job_id}"
-    if not checkpoint_url_within(spec.checkpoint_url, root):
+    """The job's checkpoint prefix (``service.core.jobs.resolve_checkpoint_url``); outside ``root``: a 422."""
+    try:
+        return resolve_checkpoint_url(spec, root, job_id)
+    except CheckpointOutsideRoot as exc:
         raise RequestValidationError(
-            [
-                {
-                    "type": "value_error",
-                    "loc": ("body", "checkpoint_url"),
-                    "msg": f"must lie below the service's checkpoint root {root}",
-                    "input": spec.checkpoint_url,
-                }
-            ]
-        )
-    return spec.checkpoint_url
+            [{"type": "value_error", "loc": ("body", "checkpoint_url"), "msg": str(exc), "input": exc.url}]
+        ) from None
 
 
 def _get(store: ServiceStore, job_id: str) -> JobEntry:
@@ -89,24 +71,16 @@ def submit_job(
             [{"type": "value_error", "loc": ("body", field), "msg": msg, "input": None} for field, msg in problems]
         )
     now = datetime.now(timezone.utc)
-    job_id = f"{spec.name}-{secrets.token_hex(4)}"
+    job_id = new_job_id(spec)
     url = _resolve_checkpoint_url(spec, settings.checkpoint_root, job_id)
     if url is not None:
-        active = {
-            other.record.id: other.record.checkpoint_url
-            for other in store.list_jobs()
-            if not other.status.state.terminal and other.record.checkpoint_url is not None
-        }
-        owner = checkpoint_prefix_owner(url, active)
+        owner = checkpoint_prefix_conflict(url, store.list_jobs())
         if owner is not None:
             raise HTTPException(
                 status.HTTP_409_CONFLICT,
                 detail=f"checkpoint_url {url} overlaps the checkpoint prefix of active job {owner}",
             )
-    record = JobRecord(id=job_id, spec=spec, created_at=now, checkpoint_url=url, submitted_by=principal.name,
-                       checkpoint_key=secrets.token_hex(32))  # fmt: skip
-    job_status = JobStatus(created_at=now, updated_at=now)
-    event = new_event("submitted", f"submitted by {principal.name}", now, checkpoint_url=url)
+    record, job_status, event = new_job(spec, job_id, url, principal.name, now)
     try:
         store.create_job(record, job_status, event)
     except JobExists:  # 32 random bits collided: the client may simply retry

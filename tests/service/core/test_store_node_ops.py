@@ -10,17 +10,11 @@ from typing import Any
 import pytest
 
 from elastic.etcd import EtcdClient, MemoryEtcdClient, MemoryEtcdServer
+from service.core.jobs import InvalidResize, JobFinished
 from service.core.keys import dump
 from service.core.models import JobRecord, JobSpec, JobStatus, NodeControl, NodeMode
 from service.core.states import JobState
-from service.core.store import (
-    InvalidResize,
-    JobFinished,
-    JobNotFound,
-    ResizeConflict,
-    ServiceStore,
-    new_event,
-)
+from service.core.store import JobNotFound, ResizeConflict, ServiceStore, new_event
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -156,7 +150,7 @@ def test_a_finished_or_unknown_job_cannot_be_resized(store: ServiceStore) -> Non
         store.resize_job("j-2", max_nodes=2)
 
 
-def _interfering(client: Any, monkeypatch: pytest.MonkeyPatch, times: int, write: Callable[[int], None]) -> list[int]:
+def _interfering(client: Any, monkeypatch: pytest.MonkeyPatch, times: int, write: Callable[[int], object]) -> list[int]:
     """The next ``times`` commits of ``client`` are each preceded by ``write(n)``: another writer's change."""
     original = client.commit
     calls: list[int] = []

@@ -1,0 +1,181 @@
+"""The job rules: what a submit or a resize may ask, and who holds a checkpoint prefix. Pure decisions over
+the records the store reads (``service.core.store`` only persists them; the API and the controller call these).
+
+- submit: :func:`resolve_checkpoint_url` (the job's prefix under the service's root),
+  :func:`checkpoint_prefix_conflict` (an active job already holds it), :func:`new_job` (the records to store);
+  the spec's own limits are ``service.core.models.submit_problems``.
+- resize: :func:`plan_resize` (the new record and its ``resize`` event, or nothing to write), raising
+  :class:`JobFinished` or :class:`InvalidResize`; :func:`resized_spec` validates the new spec as a submit would.
+- checkpoint-prefix ownership: :func:`checkpoint_claims`, the one rule of which jobs hold their prefix, used by
+  the submit (:func:`checkpoint_prefix_conflict`) and the reconcile loop (``started_only``).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from service.core.models import (
+    Event,
+    JobRecord,
+    JobSpec,
+    JobStatus,
+    checkpoint_prefix_owner,
+    checkpoint_url_within,
+    normalize_checkpoint_url,
+    submit_problems,
+)
+from service.core.view import JobEntry
+
+__all__ = [
+    "CheckpointOutsideRoot",
+    "InvalidResize",
+    "JobFinished",
+    "checkpoint_claims",
+    "checkpoint_prefix_conflict",
+    "new_event",
+    "new_job",
+    "new_job_id",
+    "plan_resize",
+    "resize_changes",
+    "resized_spec",
+    "resolve_checkpoint_url",
+]
+
+
+class JobFinished(Exception):
+    """The job is in a terminal state: it cannot be changed any more."""
+
+
+class InvalidResize(ValueError):
+    """The resized spec is not valid; ``problems`` are ``(field, message)`` pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        super().__init__("; ".join(f"{f}: {m}" for f, m in problems))
+        self.problems = problems
+
+
+class CheckpointOutsideRoot(ValueError):
+    """The spec's checkpoint URL does not lie below the service's checkpoint ``root``."""
+
+    def __init__(self, url: str, root: str) -> None:
+        super().__init__(f"must lie below the service's checkpoint root {root}")
+        self.url = url
+        self.root = root
+
+
+def new_event(kind: str, message: str, now: datetime, **data: object) -> Event:
+    """An event written outside the reconcile loop (the API): time-ordered id, random suffix."""
+    return Event(
+        id=f"{int(now.timestamp() * 1_000_000):017d}-a{secrets.token_hex(3)}",
+        time=now,
+        type=kind,
+        message=message,
+        data=dict(data),
+    )
+
+
+# -- checkpoint-prefix ownership -------------------------------------------------------------------------
+def checkpoint_claims(entries: Iterable[JobEntry], *, started_only: bool = False) -> dict[str, str]:
+    """Job id -> checkpoint prefix of the jobs that hold theirs: every non-terminal job with a prefix, from its
+    submit on. ``started_only``: only those that have started (generation > 0), as the reconcile loop asks;
+    its placement claims the prefixes of the jobs it starts as it goes, oldest first, so that of two waiting
+    jobs on one prefix the first to start keeps it and the other fails."""
+    return {
+        e.record.id: e.record.checkpoint_url
+        for e in entries
+        if e.record.checkpoint_url is not None
+        and not e.status.state.terminal
+        and (not started_only or e.status.generation > 0)
+    }
+
+
+def checkpoint_prefix_conflict(url: str, entries: Iterable[JobEntry]) -> str | None:
+    """The active job whose checkpoint prefix overlaps ``url`` (a new job's), or None: a submit's check."""
+    return checkpoint_prefix_owner(url, checkpoint_claims(entries))
+
+
+# -- submit --------------------------------------------------------------------------------------------------
+def resolve_checkpoint_url(spec: JobSpec, root: str | None, job_id: str) -> str | None:
+    """The job's checkpoint prefix: the spec's (which must lie below ``root`` if set:
+    :class:`CheckpointOutsideRoot`) or ``<root>/<id>``."""
+    if root is None:
+        return spec.checkpoint_url
+    root = normalize_checkpoint_url(root)
+    if spec.checkpoint_url is None:
+        return f"{root}/{job_id}"
+    if not checkpoint_url_within(spec.checkpoint_url, root):
+        raise CheckpointOutsideRoot(spec.checkpoint_url, root)
+    return spec.checkpoint_url
+
+
+def new_job_id(spec: JobSpec) -> str:
+    """``<name>-<8 random hex digits>``."""
+    return f"{spec.name}-{secrets.token_hex(4)}"
+
+
+def new_job(
+    spec: JobSpec, job_id: str, url: str | None, submitted_by: str, now: datetime
+) -> tuple[JobRecord, JobStatus, Event]:
+    """The records of a new job: its record (with a fresh checkpoint key), its pending status and its
+    ``submitted`` event."""
+    record = JobRecord(id=job_id, spec=spec, created_at=now, checkpoint_url=url, submitted_by=submitted_by,
+                       checkpoint_key=secrets.token_hex(32))  # fmt: skip
+    status = JobStatus(created_at=now, updated_at=now)
+    event = new_event("submitted", f"submitted by {submitted_by}", now, checkpoint_url=url)
+    return record, status, event
+
+
+# -- resize --------------------------------------------------------------------------------------------------
+def resized_spec(spec: JobSpec, min_nodes: int, max_nodes: int) -> JobSpec:
+    """``spec`` with new node bounds, validated as a submitted spec is (the model, then
+    :func:`submit_problems`); raises :class:`InvalidResize` naming the fields."""
+    try:
+        new = JobSpec.model_validate({**spec.model_dump(), "min_nodes": min_nodes, "max_nodes": max_nodes})
+    except ValidationError as exc:
+        raise InvalidResize(
+            [(".".join(str(p) for p in e["loc"]) or "spec", str(e["msg"])) for e in exc.errors()]
+        ) from None
+    problems = submit_problems(new)
+    if problems:
+        raise InvalidResize(problems)
+    return new
+
+
+def resize_changes(spec: JobSpec, min_nodes: int | None, max_nodes: int | None) -> dict[str, tuple[int, int]]:
+    """The bounds a resize changes: name -> ``(old, new)``; None asks for no change of that bound."""
+    sizes = {"min_nodes": (spec.min_nodes, spec.min_nodes if min_nodes is None else min_nodes),
+             "max_nodes": (spec.max_nodes, spec.max_nodes if max_nodes is None else max_nodes)}  # fmt: skip
+    return {name: (a, b) for name, (a, b) in sizes.items() if a != b}
+
+
+def plan_resize(
+    record: JobRecord,
+    status: JobStatus,
+    min_nodes: int | None,
+    max_nodes: int | None,
+    *,
+    requested_by: str | None,
+    now: datetime,
+) -> tuple[JobRecord, Event] | None:
+    """The job's record with new ``min_nodes`` / ``max_nodes`` (None: unchanged) and its ``resize`` event; None
+    when the sizes asked for are the job's already (nothing to write). A terminal job raises
+    :class:`JobFinished`; a new spec a submit would refuse, :class:`InvalidResize`."""
+    if status.state.terminal:
+        raise JobFinished(f"job {record.id} already {status.state.value}: it cannot be resized")
+    old = record.spec
+    changed = resize_changes(old, min_nodes, max_nodes)
+    if not changed:
+        return None
+    new_min = changed.get("min_nodes", (old.min_nodes, old.min_nodes))[1]
+    new_max = changed.get("max_nodes", (old.max_nodes, old.max_nodes))[1]
+    spec = resized_spec(old, new_min, new_max)
+    message = ", ".join(f"{name} {a} -> {b}" for name, (a, b) in changed.items())
+    data: dict[str, Any] = {name: {"old": a, "new": b} for name, (a, b) in changed.items()}
+    event = new_event("resize", message + (f" (by {requested_by})" if requested_by else ""), now,
+                      requested_by=requested_by, **data)  # fmt: skip
+    return record.model_copy(update={"spec": spec}), event
