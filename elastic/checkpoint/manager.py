@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import time
 import weakref
@@ -49,6 +48,7 @@ from elastic.checkpoint.storage import (
     describe_storage_failure,
 )
 from elastic.checkpoint.writer import PackSaveJob, SaveTimings
+from elastic.contract.env import TorchrunEnv
 
 __all__ = ["FsspecCheckpointManager", "create_checkpoint_manager", "current_rank_and_world"]
 
@@ -61,7 +61,8 @@ def current_rank_and_world() -> tuple[int, int]:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    torchrun = TorchrunEnv.from_environ()
+    return torchrun.rank, torchrun.world_size
 
 
 def _optimizer_storages(optimizer: torch.optim.Optimizer) -> set[int]:
@@ -125,7 +126,7 @@ class FsspecCheckpointManager(CheckpointManager):
     @property
     def is_writer(self) -> bool:
         if self._options.per_node:
-            return int(os.environ.get("LOCAL_RANK", "0")) == 0
+            return TorchrunEnv.from_environ().local_rank == 0
         return current_rank_and_world()[0] == self.writer_rank
 
     def check_storage(self) -> None:

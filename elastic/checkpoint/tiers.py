@@ -53,7 +53,7 @@ from elastic.checkpoint.api import CheckpointError, CheckpointManager
 from elastic.checkpoint.manager import FsspecCheckpointManager
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import BinaryWriter, LocalStorage
-from elastic.contract.env import LOCAL_SNAPSHOT_DIR, WorkerEnv
+from elastic.contract.env import LOCAL_SNAPSHOT_DIR, TorchrunEnv, WorkerEnv
 from elastic.runtime_dir import private_dir
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class SnapshotTiers:
         self._last_step = 0
         self._last_started: float | None = None
         self._blocking_s = 0.0
-        self._writer = local_dir is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0
+        self._writer = local_dir is not None and TorchrunEnv.from_environ().local_rank == 0
         self._lock_fd: int | None = None
         self._local: FsspecCheckpointManager | None = None
         self._warned = False
@@ -301,6 +301,6 @@ def create_snapshot_tiers(
     """Tiers for a worker started by torchrun; the local tier is on when ``local_every_steps`` is set."""
     local_dir = None
     if local_every_steps is not None:
-        job_id = WorkerEnv.from_environ().job_id or os.environ.get("TORCHELASTIC_RUN_ID")
+        job_id = WorkerEnv.from_environ().job_id or TorchrunEnv.from_environ().run_id
         local_dir = local_tier_dir(default_local_root(), durable.url if durable is not None else None, job_id)
     return SnapshotTiers(durable, local_dir, local_every_steps, device, max_overhead)

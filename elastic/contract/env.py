@@ -23,6 +23,10 @@ Variables, by who sets them:
   :data:`PREFORK_OWNER` (``elastic.prefork``);
 - ``elastic.prefork`` itself, for the worker it forks: :data:`PREFORK_CLIENT` (the client's pid).
 
+torchrun's own variables, which every worker it starts has (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_RUN_ID``), are read
+through :class:`TorchrunEnv`.
+
 This module imports nothing heavy (no torch, no etcd client): ``elastic.prefork`` reads its names here.
 """
 
@@ -68,8 +72,16 @@ __all__ = [
     "PREFORK_OWNER",
     "PREFORK_PRELOAD",
     "PROGRESS_KEY",
+    "TORCHRUN_GROUP_RANK",
+    "TORCHRUN_LOCAL_RANK",
+    "TORCHRUN_LOCAL_WORLD_SIZE",
+    "TORCHRUN_RANK",
+    "TORCHRUN_RESTART_COUNT",
+    "TORCHRUN_RUN_ID",
+    "TORCHRUN_WORLD_SIZE",
     "JobEnv",
     "LiveEnv",
+    "TorchrunEnv",
     "WorkerEnv",
     "WorkerEnvError",
     "parse_lr_policy",
@@ -108,6 +120,14 @@ PREFORK_DIR = "ETRAIN_PREFORK_DIR"
 # unset: the worker's torchrun agent
 PREFORK_OWNER = "ETRAIN_PREFORK_OWNER"
 PREFORK_CLIENT = "ETRAIN_PREFORK_CLIENT"
+# -- torchrun's own, for each worker it starts (read only) -------------------------------------------------
+TORCHRUN_RANK = "RANK"  # the worker's rank in torchrun's world (node-local under live recovery)
+TORCHRUN_WORLD_SIZE = "WORLD_SIZE"
+TORCHRUN_LOCAL_RANK = "LOCAL_RANK"
+TORCHRUN_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+TORCHRUN_GROUP_RANK = "GROUP_RANK"  # the node's rank in the round
+TORCHRUN_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+TORCHRUN_RUN_ID = "TORCHELASTIC_RUN_ID"
 
 _JOB_VARIABLES = (JOB_NAME, GENERATION, NODE_NAME, PROGRESS_KEY, LR_POLICY, MIN_NODES, MAX_NODES)
 _ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)
@@ -224,6 +244,40 @@ class LiveEnv:
         if not sep:
             low = high = nodes
         return cls(prefix, _int(LIVE_NODES, low), _int(LIVE_NODES, high))
+
+
+def _count(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    return _int(name, raw) if raw else default
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """What torchrun tells each worker it starts. Outside torchrun (a plain ``python`` run, tests) the
+    variables are unset and the defaults describe a world of one worker."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    group_rank: int = 0
+    restart_count: int = 0  # how often torchrun restarted the workers of this run
+    run_id: str | None = None  # ``--rdzv-id``
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> TorchrunEnv:
+        """Parse ``env`` (default: this process's); an unset or empty variable keeps its default, one that is
+        not a whole number is a :class:`WorkerEnvError` naming it."""
+        env = os.environ if env is None else env
+        return cls(
+            rank=_count(env, TORCHRUN_RANK, 0),
+            world_size=_count(env, TORCHRUN_WORLD_SIZE, 1),
+            local_rank=_count(env, TORCHRUN_LOCAL_RANK, 0),
+            local_world_size=_count(env, TORCHRUN_LOCAL_WORLD_SIZE, 1),
+            group_rank=_count(env, TORCHRUN_GROUP_RANK, 0),
+            restart_count=_count(env, TORCHRUN_RESTART_COUNT, 0),
+            run_id=env.get(TORCHRUN_RUN_ID) or None,
+        )
 
 
 def _etcd_to_environ(etcd: EtcdOptions) -> dict[str, str]:

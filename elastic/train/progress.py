@@ -26,7 +26,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-from elastic.contract.env import WorkerEnv
+from elastic.contract.env import TorchrunEnv, WorkerEnv
 from elastic.contract.progress import Progress
 from elastic.etcd import EtcdClient, EtcdError, create_client
 
@@ -248,7 +248,8 @@ def create_reporter(
     where the trainer passes the live group's rank)."""
     env = os.environ if env is None else env
     worker = WorkerEnv.from_environ(env)
-    rank = int(env.get("RANK", "0")) if rank is None else rank
+    torchrun = TorchrunEnv.from_environ(env)
+    rank = torchrun.rank if rank is None else rank
     if worker.job is None or worker.etcd is None or rank != 0:
         return NullProgressReporter()
     # short timeouts: they bound one write attempt of the writer thread (report() never waits for etcd)
@@ -258,5 +259,5 @@ def create_reporter(
         worker.job.progress_key,
         min_interval=min_interval,
         generation=worker.job.generation,
-        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        restart_count=torchrun.restart_count,
     )

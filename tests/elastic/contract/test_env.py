@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from elastic.contract import env as contract
-from elastic.contract.env import JobEnv, WorkerEnv, WorkerEnvError, parse_lr_policy
+from elastic.contract.env import JobEnv, TorchrunEnv, WorkerEnv, WorkerEnvError, parse_lr_policy
 from elastic.contract.lr import LRPolicy, LRRule
 from elastic.etcd.config import EtcdOptions
 
@@ -113,3 +113,34 @@ def test_a_checkpoint_key_that_is_not_hex_or_too_short_is_named() -> None:
         WorkerEnv.from_environ({contract.CHECKPOINT_KEY: "zz"})
     with pytest.raises(WorkerEnvError, match="at least 16 bytes"):
         WorkerEnv.from_environ({contract.CHECKPOINT_KEY: "abcd"})
+
+
+# -- torchrun's own variables ------------------------------------------------------------------------------
+def test_torchruns_variables_are_read_through_one_place() -> None:
+    environ = {
+        "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "2",
+        "TORCHELASTIC_RESTART_COUNT": "3", "TORCHELASTIC_RUN_ID": "j-1-g4",
+    }  # fmt: skip
+    assert TorchrunEnv.from_environ(environ) == TorchrunEnv(
+        rank=5, world_size=8, local_rank=1, local_world_size=2, group_rank=2, restart_count=3, run_id="j-1-g4"
+    )
+
+
+def test_outside_torchrun_the_world_is_one_worker() -> None:
+    assert TorchrunEnv.from_environ({}) == TorchrunEnv(0, 1, 0, 1, 0, 0, None)
+    assert TorchrunEnv.from_environ({"RANK": "", "TORCHELASTIC_RUN_ID": ""}) == TorchrunEnv()
+
+
+def test_the_process_environment_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "7")
+    torchrun = TorchrunEnv.from_environ()
+    assert (torchrun.local_rank, torchrun.restart_count) == (3, 7)
+
+
+@pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                  "TORCHELASTIC_RESTART_COUNT"])  # fmt: skip
+def test_a_malformed_integer_is_an_error_naming_the_variable(name: str) -> None:
+    with pytest.raises(WorkerEnvError, match=f"{name} must be a whole number, got '1.5'"):
+        TorchrunEnv.from_environ({name: "1.5"})
+    assert issubclass(WorkerEnvError, ValueError)  # what int() raised before
