@@ -35,6 +35,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo
 
 from elastic import compat
+from elastic.contract.rendezvous import DEFAULTS
 from elastic.etcd import (
     Compare,
     CompareTarget,
@@ -49,6 +50,16 @@ from elastic.etcd import (
 from elastic.etcd.lease import LeaseKeeper
 from elastic.etcd.watch import SHARED_WATCHERS, RevisionWatcher
 from elastic.rendezvous.closer import SAFETY_POLL, RoundCloser
+from elastic.rendezvous.etcd_calls import (
+    LeaseRefresher,
+    absent,
+    compare,
+    decode_assignment,
+    parse_head,
+    translate,
+    txn,
+    wrapped,
+)
 from elastic.rendezvous.etcd_v3_store import EtcdV3Store
 from elastic.rendezvous.protocol import (
     Assignment,
@@ -57,19 +68,7 @@ from elastic.rendezvous.protocol import (
     RoundRules,
     waiting_reason,
 )
-from elastic.rendezvous.round_state import (
-    LeaseRefresher,
-    Membership,
-    Outcome,
-    absent,
-    compare,
-    decode_assignment,
-    next_round_view,
-    parse_head,
-    translate,
-    txn,
-    wrapped,
-)
+from elastic.rendezvous.round import Membership, Outcome, next_round_view
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +79,14 @@ _LOCAL_IDS = itertools.count()
 
 @dataclass(frozen=True)
 class HandlerSettings:
+    """Round rules and timeouts of the backend's handlers (defaults: :data:`elastic.contract.rendezvous.DEFAULTS`)."""
+
     rules: RoundRules
-    node_ttl: timedelta = timedelta(seconds=2)
-    state_ttl: timedelta = timedelta(hours=2)
-    join_timeout: timedelta = timedelta(seconds=600)
-    store_timeout: timedelta = timedelta(seconds=300)
-    min_wake_interval: timedelta = timedelta(seconds=0.05)
+    node_ttl: timedelta = DEFAULTS.node_ttl
+    state_ttl: timedelta = DEFAULTS.state_ttl
+    join_timeout: timedelta = DEFAULTS.join_timeout
+    store_timeout: timedelta = DEFAULTS.store_timeout
+    min_wake_interval: timedelta = DEFAULTS.min_wake_interval
 
 
 class AgentLeases:

@@ -4,7 +4,7 @@ The entry point itself is :func:`elastic.rendezvous.entry.plugin` (a module that
 torch, see there), which returns a function calling :func:`create_handler`.
 
 Options come from ``--rdzv-endpoint`` (``host:port[,host:port...]``) and ``--rdzv-conf`` (see the README
-table, or :data:`OPTIONS`).
+table; parsed by :func:`elastic.contract.rendezvous.parse`).
 
 ``--rdzv-conf recovery=live`` builds :class:`~elastic.rendezvous.live_handler.LiveRendezvousHandler` instead
 (each agent runs its own node's workers; the workers form the job-wide group themselves) and exports the
@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
@@ -38,6 +37,16 @@ from elastic.contract.env import (
     WorkerEnv,
 )
 from elastic.contract.recovery import RecoveryMode
+from elastic.contract.rendezvous import (
+    DEFAULT_KEY_PREFIX,
+    DEFAULTS,
+    IGNORED_KEYS,
+    KEYS,
+    RECOVERY_MODES,
+    RendezvousConf,
+    ignored_keys_given,
+)
+from elastic.contract.rendezvous import parse as parse_conf
 from elastic.etcd import EtcdConfig, EtcdConnectionError, create_client
 from elastic.etcd.config import EtcdOptions, read_password_file
 from elastic.rendezvous.agent_hooks import run_agent_start_hooks
@@ -49,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
+    "IGNORED_OPTIONS",
     "OPTIONS",
     "RECOVERY_MODES",
     "EtcdV3RendezvousHandler",
@@ -58,72 +68,39 @@ __all__ = [
     "etcd_options_from_params",
     "live_worker_environ",
     "recovery_mode",
+    "rendezvous_conf",
 ]
 
-DEFAULT_KEY_PREFIX = "/torchelastic/rdzv"
-#: ``--rdzv-conf recovery=``: ``restart`` (torchrun re-forms job-wide rounds and restarts every node's
-#: workers on a membership change) or ``live`` (see :mod:`elastic.rendezvous.live_handler`).
-RECOVERY_MODES = tuple(m.value for m in RecoveryMode)
 _ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)
 
-#: ``--rdzv-conf`` keys understood by the ``etcd-v3`` backend, with their defaults.
-OPTIONS: dict[str, str] = {
-    "key_prefix": DEFAULT_KEY_PREFIX,
-    "node_ttl": "2",
-    "state_ttl": "7200",
-    "ca_cert": "",
-    "cert": "",
-    "cert_key": "",
-    "user": "",
-    "password": "",
-    "password_file": "",
-    "connect_timeout": "5",
-    "request_timeout": "5",
-    "op_timeout": "30",
-    "store_timeout": "300",
-    # torch's rendezvous settings, with our defaults where they differ from torch's.
-    "join_timeout": "600",
-    "last_call_timeout": "10",
-    # the closer reads the join count at most this often while a round forms (batches a burst of joins)
-    "min_wake_interval": "0.05",
-    # restart: job-wide rounds, survivors restarted on a membership change; live: see RECOVERY_MODES
-    "recovery": "restart",
-}
+#: ``--rdzv-conf`` keys understood by the ``etcd-v3`` backend, with their defaults as given on the command
+#: line (the typed ones: :class:`elastic.contract.rendezvous.RendezvousConf`).
+OPTIONS: dict[str, str] = DEFAULTS.to_params(always=KEYS)
 #: Options of torch's former handler that are accepted and ignored (liveness comes from leases now).
-IGNORED_OPTIONS = ("close_timeout", "heartbeat_timeout", "keep_alive_interval", "keep_alive_max_attempt")
+IGNORED_OPTIONS = IGNORED_KEYS
 
 
-def _opt(params: RendezvousParameters, key: str) -> str:
-    value = params.get(key, None)
-    return str(value) if value not in (None, "") else OPTIONS[key]
-
-
-def _seconds(params: RendezvousParameters, key: str) -> timedelta:
-    raw = _opt(params, key)
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise ValueError(f"--rdzv-conf {key}={raw!r} is not a number of seconds") from exc
-    if value <= 0:
-        raise ValueError(f"--rdzv-conf {key}={raw!r} must be positive")
-    return timedelta(seconds=value)
+def rendezvous_conf(params: RendezvousParameters) -> RendezvousConf:
+    """The ``--rdzv-conf`` of a torchrun invocation, typed (a ValueError naming a bad key)."""
+    return parse_conf(params.config)
 
 
 def etcd_options_from_params(params: RendezvousParameters) -> EtcdOptions:
     """The etcd connection of a torchrun invocation as named (files unread)."""
     if not params.endpoint:
         raise ValueError("--rdzv-endpoint is required for the etcd-v3 backend (host:port[,host:port...])")
+    conf = rendezvous_conf(params)
     return EtcdOptions(
         endpoints=params.endpoint,
-        ca_cert=_opt(params, "ca_cert") or None,
-        cert=_opt(params, "cert") or None,
-        cert_key=_opt(params, "cert_key") or None,
-        user=_opt(params, "user") or None,
-        password_file=_opt(params, "password_file") or None,
-        password=_opt(params, "password") or None,
-        request_timeout=_seconds(params, "request_timeout"),
-        op_timeout=_seconds(params, "op_timeout"),
-        connect_timeout=_seconds(params, "connect_timeout"),
+        ca_cert=conf.ca_cert,
+        cert=conf.cert,
+        cert_key=conf.cert_key,
+        user=conf.user,
+        password_file=conf.password_file,
+        password=conf.password,
+        request_timeout=conf.request_timeout,
+        op_timeout=conf.op_timeout,
+        connect_timeout=conf.connect_timeout,
     )
 
 
@@ -140,10 +117,7 @@ def etcd_config_from_params(params: RendezvousParameters) -> EtcdConfig:
 
 def recovery_mode(params: RendezvousParameters) -> str:
     """``--rdzv-conf recovery``: one of :data:`RECOVERY_MODES` (a ValueError naming them otherwise)."""
-    mode = _opt(params, "recovery").strip()
-    if mode not in RECOVERY_MODES:
-        raise ValueError(f"--rdzv-conf recovery={mode!r} is not supported: use one of {', '.join(RECOVERY_MODES)}")
-    return mode
+    return rendezvous_conf(params).recovery.value
 
 
 def live_worker_environ(
@@ -184,13 +158,13 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     ``connect_timeout``.
     """
     compat.disable_shared_rdzv_store()  # before torch's agent reads it (see there)
-    live = recovery_mode(params) == "live"
-    keys = RendezvousKeys.of(_opt(params, "key_prefix"), params.run_id)
+    conf = rendezvous_conf(params)
+    live = conf.recovery is RecoveryMode.LIVE
+    keys = RendezvousKeys.of(conf.key_prefix, params.run_id)
     # checked before etcd is reached; exported once the handler is up
     worker_env = live_worker_environ(params, keys) if live else {}
-    for key in IGNORED_OPTIONS:
-        if params.get(key, None) not in (None, ""):
-            logger.info("--rdzv-conf %s is not used by the etcd-v3 rendezvous (liveness comes from leases)", key)
+    for key in ignored_keys_given(params.config):
+        logger.info("--rdzv-conf %s is not used by the etcd-v3 rendezvous (liveness comes from leases)", key)
 
     try:
         compat.check_torch()
@@ -220,12 +194,12 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     if _running_under_torchrun_cli():
         run_agent_start_hooks(sys.argv)  # e.g. the prefork zygote (see elastic.rendezvous.agent_hooks)
     settings = HandlerSettings(
-        rules=RoundRules(params.min_nodes, params.max_nodes, _seconds(params, "last_call_timeout")),
-        node_ttl=_seconds(params, "node_ttl"),
-        state_ttl=_seconds(params, "state_ttl"),
-        join_timeout=_seconds(params, "join_timeout"),
-        store_timeout=_seconds(params, "store_timeout"),
-        min_wake_interval=_seconds(params, "min_wake_interval"),
+        rules=RoundRules(params.min_nodes, params.max_nodes, conf.last_call_timeout),
+        node_ttl=conf.node_ttl,
+        state_ttl=conf.state_ttl,
+        join_timeout=conf.join_timeout,
+        store_timeout=conf.store_timeout,
+        min_wake_interval=conf.min_wake_interval,
     )
     handler: EtcdV3RendezvousHandler | LiveRendezvousHandler
     if live:

@@ -22,11 +22,12 @@ from pathlib import Path
 
 from elastic.compat import disable_shared_rdzv_store
 from elastic.contract.env import JobEnv, WorkerEnv
+from elastic.contract.rendezvous import RendezvousConf
 from elastic.etcd.config import EtcdOptions
 from elastic.prefork import worker_tree
 from elastic.proctree import alive, descendants, process_stat
-from elastic.torchrun_cli import TorchrunCommand, format_rdzv_conf
-from service.core.models import Assignment, RecoveryMode
+from elastic.torchrun_cli import TorchrunCommand
+from service.core.models import Assignment
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,8 @@ _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
-def _secs(value: timedelta) -> str:
-    return f"{value.total_seconds():g}"
+#: ``--rdzv-conf`` keys the agent writes even at their default (the rest only when they differ from it)
+_ALWAYS_RENDERED = ("key_prefix", "last_call_timeout", "join_timeout", "node_ttl", "connect_timeout")
 
 
 class JobIdentityError(ValueError):
@@ -97,26 +98,24 @@ def rdzv_conf(assignment: Assignment, etcd: EtcdOptions, rdzv_prefix: str) -> st
     :func:`worker_env`), which the job's etcd role reaches (``service.controller.identities``)."""
     spec = assignment.spec
     r = spec.rendezvous
-    conf = {
-        "key_prefix": rdzv_prefix,
-        "last_call_timeout": _secs(r.last_call_timeout),
-        "join_timeout": _secs(r.join_timeout),
-        "node_ttl": _secs(r.node_ttl),
-        "connect_timeout": _secs(etcd.connect_timeout),
-    }
-    if spec.recovery is RecoveryMode.LIVE:
-        conf["recovery"] = RecoveryMode.LIVE.value
-    for key, value in (
-        ("ca_cert", etcd.ca_cert),
-        ("cert", etcd.cert),
-        ("cert_key", etcd.cert_key),
-        ("password_file", etcd.password_file if etcd.user else None),
-    ):
-        if value:
-            conf[key] = str(Path(value).resolve())
-    if etcd.user:
-        conf["user"] = etcd.user
-    return format_rdzv_conf(conf)
+
+    def absolute(path: str | None) -> str | None:
+        return str(Path(path).resolve()) if path else None
+
+    conf = RendezvousConf(
+        key_prefix=rdzv_prefix,
+        last_call_timeout=r.last_call_timeout,
+        join_timeout=r.join_timeout,
+        node_ttl=r.node_ttl,
+        connect_timeout=etcd.connect_timeout,
+        recovery=spec.recovery,
+        ca_cert=absolute(etcd.ca_cert),
+        cert=absolute(etcd.cert),
+        cert_key=absolute(etcd.cert_key),
+        password_file=absolute(etcd.password_file) if etcd.user else None,
+        user=etcd.user or None,
+    )
+    return conf.render(always=_ALWAYS_RENDERED)
 
 
 def torchrun_command(

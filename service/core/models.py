@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from elastic.compat import DISABLE_SHARED_RDZV_STORE
 from elastic.contract import env as contract
+from elastic.contract import rendezvous as rdzv_contract
 from elastic.contract.lr import LRPolicy as ElasticLRPolicy
 from elastic.contract.lr import LRRule
 from elastic.contract.recovery import RecoveryMode
@@ -157,13 +158,13 @@ class RendezvousOptions(_Spec):
     """torchrun ``--rdzv-conf`` settings of the job's ``etcd-v3`` rendezvous."""
 
     last_call_timeout: timedelta = Field(
-        default=timedelta(seconds=5), description="wait for more nodes after min"
+        default=rdzv_contract.JOB_SERVICE_LAST_CALL_TIMEOUT, description="wait for more nodes after min"
     )
     join_timeout: timedelta = Field(
-        default=timedelta(minutes=10), description="wait for min nodes before failing"
+        default=rdzv_contract.DEFAULTS.join_timeout, description="wait for min nodes before failing"
     )
     node_ttl: timedelta = Field(
-        default=timedelta(seconds=2), description="lease TTL that detects a dead torchrun"
+        default=rdzv_contract.DEFAULTS.node_ttl, description="lease TTL that detects a dead torchrun"
     )
 
     _check_positive = field_validator("last_call_timeout", "join_timeout", "node_ttl")(_positive)
