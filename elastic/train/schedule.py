@@ -21,7 +21,7 @@ Contract (the loop, :mod:`elastic.train.trainer`, does the side effects):
   :meth:`SnapshotSchedule.started`; the time clock restarts then, and any pending snapshot is satisfied.
 - A background save's duration is measured from :meth:`started` to the first boundary at which the writer
   is seen free (so at step-boundary resolution). When a save during which a snapshot had to be deferred is
-  seen finished, :class:`Decision` carries, once, a warning with the snapshot rate the storage sustains; and
+  seen finished, :class:`SnapshotDecision` carries, once, a warning with the snapshot rate the storage sustains; and
   once, when ``STUCK_AFTER`` snapshots have fallen due during a single save still being written (a hung or
   very slow storage, which would otherwise go unseen now that the loop does not stall on it).
 """
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["STUCK_AFTER", "Boundary", "Decision", "SnapshotSchedule", "SnapshotStats", "WriterBusy", "writer_busy"]
+__all__ = ["STUCK_AFTER", "Boundary", "SnapshotDecision", "SnapshotSchedule", "SnapshotStats", "WriterBusy", "writer_busy"]
 
 #: snapshots falling due during one save (deferred or skipped) after which the writer is reported as stuck
 STUCK_AFTER = 10
@@ -92,7 +92,7 @@ class Boundary:
 
 
 @dataclass(frozen=True)
-class Decision:
+class SnapshotDecision:
     """What to do at a boundary: ``take`` a snapshot of this step now (in the background), or nothing.
     ``deferred``/``skipped`` say what became of a snapshot that fell due; ``warning``: log it (once)."""
 
@@ -135,22 +135,22 @@ class SnapshotSchedule:
         """This rank's view of the time-based schedule (the loop all-reduces it into ``Boundary.time_due``)."""
         return self.every is not None and now - self.clock >= self.every.total_seconds()
 
-    def decide(self, b: Boundary) -> tuple[SnapshotSchedule, Decision]:
+    def decide(self, b: Boundary) -> tuple[SnapshotSchedule, SnapshotDecision]:
         """The decision at boundary ``b`` and the schedule after it."""
         state, warning = self._observe_writer(b)
         stats = state.stats
         due = b.epoch_done or b.time_due or (self.every_steps is not None and b.step % self.every_steps == 0)
         if self.when_busy is WriterBusy.WAIT:
-            return state, Decision(take=due, warning=warning)
+            return state, SnapshotDecision(take=due, warning=warning)
         pending = stats.pending_since is not None
         if pending and due:  # merged into the pending one, which will hold a newer step anyway
             stats = replace(stats, skipped=stats.skipped + 1)
         if (pending or due) and not b.writer_busy:
-            return replace(state, stats=replace(stats, pending_since=None)), Decision(
+            return replace(state, stats=replace(stats, pending_since=None)), SnapshotDecision(
                 take=True, skipped=pending and due, warning=warning
             )
         if not due:
-            return replace(state, stats=stats), Decision(warning=warning)
+            return replace(state, stats=stats), SnapshotDecision(warning=warning)
         if not pending:
             stats = replace(stats, deferred=stats.deferred + 1, pending_since=b.step)
         nxt = replace(state, stats=stats, clock=b.now)
@@ -163,7 +163,7 @@ class SnapshotSchedule:
                     f"the checkpoint writer has been saving step {w.step} for {b.now - w.started:.0f} s and "
                     f"{w.behind + 1} snapshots fell due meanwhile (none taken since): storage slow or unreachable?"
                 )
-        return nxt, Decision(deferred=not pending, skipped=pending, warning=warning)
+        return nxt, SnapshotDecision(deferred=not pending, skipped=pending, warning=warning)
 
     def started(self, step: int, now: float, *, background: bool) -> SnapshotSchedule:
         """A durable save of ``step`` was started (returned from ``manager.save``) at ``now``."""

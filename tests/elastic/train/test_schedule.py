@@ -14,7 +14,7 @@ import pytest
 
 from elastic.contract.lr import LRPolicy, LRRule
 from elastic.contract.progress import Progress
-from elastic.train.schedule import STUCK_AFTER, Boundary, Decision, SnapshotSchedule
+from elastic.train.schedule import STUCK_AFTER, Boundary, SnapshotDecision, SnapshotSchedule
 from elastic.train.trainer import ElasticConfig, WriterBusy
 
 STEP_S = 0.1  # simulated seconds per step
@@ -27,11 +27,11 @@ def _walk(
     *,
     epoch_end: int | None = None,
     save_steps: int = 0,
-) -> tuple[SnapshotSchedule, list[int], list[Decision]]:
+) -> tuple[SnapshotSchedule, list[int], list[SnapshotDecision]]:
     """Run boundaries ``steps`` with the writer ``busy`` at the steps it names, or else for ``save_steps``
     boundaries after each snapshot taken; returns the schedule after them, the steps taken and each decision."""
     taken: list[int] = []
-    decisions: list[Decision] = []
+    decisions: list[SnapshotDecision] = []
     for step in steps:
         now = step * STEP_S
         writer_busy = busy(step) if busy is not None else any(t < step <= t + save_steps for t in taken)
@@ -52,7 +52,7 @@ def test_snapshots_fall_due_at_multiples_of_every_steps_when_the_writer_is_free(
 
 def test_a_snapshot_due_while_the_writer_is_busy_is_deferred_not_taken() -> None:
     schedule, d = SnapshotSchedule(every_steps=5).decide(Boundary(5, 0.5, writer_busy=True))
-    assert d == Decision(deferred=True)
+    assert d == SnapshotDecision(deferred=True)
     assert schedule.stats.deferred == 1 and schedule.stats.pending_since == 5 and schedule.stats.saved == 0
 
 
@@ -77,7 +77,7 @@ def test_a_snapshot_due_while_one_is_pending_supersedes_it_and_counts_as_skipped
 
 def test_a_due_snapshot_meeting_a_pending_one_as_the_writer_frees_is_one_snapshot() -> None:
     schedule, taken, decisions = _walk(SnapshotSchedule(every_steps=5), range(1, 11), busy=lambda s: 5 <= s <= 9)
-    assert taken == [10] and decisions[9] == Decision(take=True, skipped=True)
+    assert taken == [10] and decisions[9] == SnapshotDecision(take=True, skipped=True)
     assert (schedule.stats.deferred, schedule.stats.skipped, schedule.stats.saved) == (1, 1, 1)
 
 
