@@ -34,7 +34,15 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["STUCK_AFTER", "Boundary", "SnapshotDecision", "SnapshotSchedule", "SnapshotStats", "WriterBusy", "writer_busy"]
+__all__ = [
+    "STUCK_AFTER",
+    "Boundary",
+    "SnapshotDecision",
+    "SnapshotSchedule",
+    "SnapshotStats",
+    "WriterBusy",
+    "writer_busy",
+]
 
 #: snapshots falling due during one save (deferred or skipped) after which the writer is reported as stuck
 STUCK_AFTER = 10
