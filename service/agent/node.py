@@ -32,7 +32,6 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -41,6 +40,7 @@ from elastic.contract import env as contract
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from elastic.etcd.config import EtcdOptions
 from elastic.etcd.lease import LeaseKeeper
+from service.agent.health import HealthServer, HealthStatus, judge_health
 from service.agent.launcher import (
     JobIdentityError,
     TorchrunProcess,
@@ -127,7 +127,7 @@ class NodeAgent:
         self._finished: set[tuple[str, int, datetime]] = set()
         self._unsent: dict[str, WorkerReport] = {}
         self._keeper: LeaseKeeper | None = None
-        self._health: ThreadingHTTPServer | None = None
+        self._health: HealthServer | None = None  # /healthz (``settings.health_port``), while the loop runs
         # the job-log server (``settings.logs_port``) and its bearer token, new with each incarnation: the
         # controller reads both from this node's registration
         self.logs_token = secrets.token_urlsafe(32)
@@ -394,8 +394,7 @@ class NodeAgent:
             self._keeper.close(revoke=True)
             self._keeper = None
         if self._health is not None:
-            self._health.shutdown()
-            self._health.server_close()
+            self._health.stop()
             self._health = None
         self._close_logs()  # after the torchruns stopped: followed logs have ended
         if self._own_client:
@@ -435,47 +434,20 @@ class NodeAgent:
             self._logs = None
 
     # -- health endpoint -----------------------------------------------------------------------------
-    def healthy(self) -> tuple[bool, dict[str, object]]:
-        """(ok, body) for /healthz: never waits for the loop's work (a torchrun being stopped, etcd).
-
-        The body counts jobs, never names them: the port answers anyone who can reach it. A loop busy
-        stopping a torchrun is not stale (a stop is bounded by ``stop_grace`` and a kill)."""
+    def healthy(self) -> HealthStatus:
+        """(ok, body) for /healthz (:func:`~service.agent.health.judge_health`): never waits for the loop's work
+        (a torchrun being stopped, etcd)."""
         with self._lock:
             running, stopping = len(self._running), len(self._stopping)
-        stale = time.monotonic() - self._last_loop > max(self.settings.lease_ttl.total_seconds(), 10)
-        ok = self._keeper is not None and (stopping > 0 or not stale)
-        return ok, {
-            "status": "ok" if ok else "unhealthy",
-            "node": self.settings.node_name,
-            "jobs": running,
-            "stopping": stopping,
-        }
+        return judge_health(self.settings.node_name, registered=self._keeper is not None, running=running,
+                            stopping=stopping, since_loop_s=time.monotonic() - self._last_loop,
+                            lease_ttl_s=self.settings.lease_ttl.total_seconds())  # fmt: skip
 
     def _start_health(self) -> None:
         port = self.settings.health_port
         if not port or self._health is not None:
             return
-        agent = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path.split("?")[0] != "/healthz":
-                    self.send_error(404)
-                    return
-                ok, body = agent.healthy()
-                data = json.dumps(body).encode()
-                self.send_response(200 if ok else 503)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, format: str, *args: object) -> None:
-                logger.debug("health: " + format, *args)
-
-        self._health = ThreadingHTTPServer(("0.0.0.0", port), Handler)
-        threading.Thread(target=self._health.serve_forever, name="agent-health", daemon=True).start()
-        logger.info("agent health endpoint on port %d", port)
+        self._health = HealthServer(self.healthy, port).start()
 
 
 def create_agent(
