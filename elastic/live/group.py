@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from elastic import compat
+from elastic.contract.env import TorchrunEnv
 from elastic.etcd import EtcdClient
 from elastic.live.membership import LiveMembership, MembershipError
 from elastic.live.protocol import Generation, LiveKeys, ReformReason
@@ -88,7 +89,7 @@ class LiveGroup:
         self._client, self._keys, self.membership = client, keys, membership
         self._backend, self._timeout, self._store_timeout = backend, timeout, store_timeout
         if backend == "nccl" and (device is None or device.type != "cuda"):
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            device = torch.device("cuda", TorchrunEnv.from_environ().local_rank)
         self._device = device if backend == "nccl" else None
         # the current generation's store: torch's C++ side does not keep its Python object alive
         self._store: EtcdV3Store | None = None
