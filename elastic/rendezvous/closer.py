@@ -18,11 +18,11 @@ from elastic.etcd import CompareOp, CompareTarget, DeleteOp, EtcdClient, GetOp, 
 from elastic.etcd.watch import RevisionWatcher
 from elastic.rendezvous.etcd_calls import absent, compare, decode_assignment, parse_head, txn
 from elastic.rendezvous.protocol import (
-    Assignment,
     CloseNow,
     FormingView,
     Head,
     RendezvousKeys,
+    RoundAssignment,
     RoundRules,
     close_decision,
     previous_round_full,
@@ -127,7 +127,7 @@ class RoundCloser:
         if len(members) < self._rules.min_nodes:
             return None
         state = self._state_lease()
-        assignment = Assignment(round_, members, fence=read.revision, lease=state)
+        assignment = RoundAssignment(round_, members, fence=read.revision, lease=state)
         ops: list[TxnOp] = [
             PutOp(keys.assign(round_), assignment.encode(), lease=state),
             PutOp(keys.head, Head(round_, len(members)).encode(), lease=state),

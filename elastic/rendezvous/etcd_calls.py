@@ -21,7 +21,7 @@ from elastic.etcd import (
     TxnOp,
     TxnResult,
 )
-from elastic.rendezvous.protocol import Assignment, Head
+from elastic.rendezvous.protocol import Head, RoundAssignment
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +75,9 @@ class LeaseRefresher:
         self._stop.set()
 
 
-def decode_assignment(run_id: str, raw: bytes) -> Assignment:
+def decode_assignment(run_id: str, raw: bytes) -> RoundAssignment:
     try:
-        return Assignment.decode(raw)
+        return RoundAssignment.decode(raw)
     except ValueError as exc:
         raise RendezvousStateError(f"rendezvous {run_id}: {exc}") from exc
 

@@ -62,9 +62,9 @@ from elastic.rendezvous.etcd_calls import (
 )
 from elastic.rendezvous.etcd_v3_store import EtcdV3Store
 from elastic.rendezvous.protocol import (
-    Assignment,
     NextRoundView,
     RendezvousKeys,
+    RoundAssignment,
     RoundRules,
     waiting_reason,
 )
@@ -245,7 +245,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return member.round if member is not None else None
 
     @property
-    def assignment(self) -> Assignment | None:
+    def assignment(self) -> RoundAssignment | None:
         member = self._member
         return member.assignment if member is not None else None
 
@@ -518,7 +518,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 self._rounds_watch = SHARED_WATCHERS.acquire(self._client, self._keys.rounds, start_revision)
                 atexit.register(self.release)
 
-    def _decode(self, raw: bytes) -> Assignment:
+    def _decode(self, raw: bytes) -> RoundAssignment:
         return decode_assignment(self._run_id, raw)
 
     def _txn(self, compares: list[Compare], success: list[TxnOp], failure: list[TxnOp] | None = None) -> TxnResult:

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 __all__ = [
-    "Assignment",
     "CloseNow",
     "FormingView",
     "Head",
     "NextRoundView",
     "RendezvousKeys",
+    "RoundAssignment",
     "RoundRules",
     "WaitUntil",
     "close_decision",
@@ -183,7 +183,7 @@ def select_members(joins: Sequence[tuple[str, int]], max_nodes: int) -> tuple[st
 
 
 @dataclass(frozen=True)
-class Assignment:
+class RoundAssignment:
     """A completed round: ``members`` in rank order; ``fence``: the revision the closer read the joins at
     (a member that vanished after it is watched for from the next revision)."""
 
@@ -197,7 +197,7 @@ class Assignment:
         return json.dumps(data).encode()
 
     @classmethod
-    def decode(cls, raw: bytes) -> Assignment:
+    def decode(cls, raw: bytes) -> RoundAssignment:
         try:
             data = json.loads(raw)
             members = tuple(str(m) for m in data["members"])

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from elastic.etcd.watch import RevisionWatcher
 from elastic.rendezvous.etcd_calls import LeaseRefresher
-from elastic.rendezvous.protocol import Assignment, NextRoundView, RendezvousKeys
+from elastic.rendezvous.protocol import NextRoundView, RendezvousKeys, RoundAssignment
 
 __all__ = ["Membership", "Outcome", "next_round_view"]
 
@@ -16,7 +16,7 @@ __all__ = ["Membership", "Outcome", "next_round_view"]
 class Membership:
     """This node's place in a completed round, and what it has seen of the next one."""
 
-    assignment: Assignment
+    assignment: RoundAssignment
     successor: RevisionWatcher | None
     refresher: LeaseRefresher | None
     next_seen: int
@@ -42,7 +42,7 @@ class Membership:
 class Outcome:
     """A round's assignment, and what was seen of the next round in the same read (None: not read)."""
 
-    assignment: Assignment
+    assignment: RoundAssignment
     next_round: NextRoundView | None
     revision: int
     head_revision: int  # the revision that assigned the round (it wrote the head too)

@@ -9,12 +9,12 @@ from datetime import timedelta
 import pytest
 
 from elastic.rendezvous.protocol import (
-    Assignment,
     CloseNow,
     FormingView,
     Head,
     NextRoundView,
     RendezvousKeys,
+    RoundAssignment,
     RoundRules,
     WaitUntil,
     close_decision,
@@ -77,14 +77,14 @@ def test_every_member_is_watched_by_exactly_one_other(seed: int) -> None:
         f"10.0.{rng.randrange(256)}.{rng.randrange(256)}:{rng.randrange(1, 99999)}:0"
         for _ in range(rng.randrange(2, 40))
     }
-    a = Assignment(1, tuple(sorted(nodes)), fence=7)
+    a = RoundAssignment(1, tuple(sorted(nodes)), fence=7)
     watched = [a.successor(n) for n in a.members]
     assert sorted(w for w in watched if w is not None) == sorted(a.members)
     assert all(w != n for n, w in zip(a.members, watched, strict=True))
 
 
 def test_a_round_of_one_watches_nobody() -> None:
-    assert Assignment(0, ("a",), fence=1).successor("a") is None
+    assert RoundAssignment(0, ("a",), fence=1).successor("a") is None
 
 
 def test_the_head_round_trips_and_a_malformed_one_is_a_clear_error() -> None:
@@ -94,8 +94,8 @@ def test_the_head_round_trips_and_a_malformed_one_is_a_clear_error() -> None:
 
 
 def test_an_assignment_round_trips_and_ranks_are_positions() -> None:
-    a = Assignment(3, ("n1", "n2", "n3"), fence=42)
-    b = Assignment.decode(a.encode())
+    a = RoundAssignment(3, ("n1", "n2", "n3"), fence=42)
+    b = RoundAssignment.decode(a.encode())
     assert b == a
     assert [b.rank(n) for n in ("n1", "n2", "n3", "x")] == [0, 1, 2, None]
 
@@ -103,7 +103,7 @@ def test_an_assignment_round_trips_and_ranks_are_positions() -> None:
 @pytest.mark.parametrize("raw", [b"", b"{", b'{"round": 1}', b'{"round": "x", "members": [], "fence": 1}', b"[]"])
 def test_a_malformed_assignment_is_a_clear_error(raw: bytes) -> None:
     with pytest.raises(ValueError, match="malformed rendezvous assignment"):
-        Assignment.decode(raw)
+        RoundAssignment.decode(raw)
 
 
 def test_a_node_waiting_counts_only_while_the_round_has_room() -> None:
