@@ -18,8 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from elastic.compat import DISABLE_SHARED_RDZV_STORE
 from elastic.contract import env as contract
 from elastic.contract import rendezvous as rdzv_contract
-from elastic.contract.lr import LRPolicy as ElasticLRPolicy
-from elastic.contract.lr import LRRule
+from elastic.contract.lr import LRPolicy, LRRule
 from elastic.contract.recovery import RecoveryMode
 from service.core.states import JobState
 
@@ -33,7 +32,7 @@ __all__ = [
     "JobRecord",
     "JobSpec",
     "JobStatus",
-    "LRPolicy",
+    "LRPolicySpec",
     "NodeControl",
     "NodeInfo",
     "NodeMode",
@@ -125,7 +124,7 @@ class RestartPolicy(_Spec):
         return value
 
 
-class LRPolicy(_Spec):
+class LRPolicySpec(_Spec):
     """How the training loop rescales the learning rate when the world size changes: a job spec's form of
     :class:`elastic.contract.lr.LRPolicy`, which :meth:`to_policy` builds (what the workers get).
 
@@ -144,8 +143,8 @@ class LRPolicy(_Spec):
         default=0, ge=0, le=10_000_000, description="steps to ramp to a new LR after a change"
     )
 
-    def to_policy(self) -> ElasticLRPolicy:
-        return ElasticLRPolicy(
+    def to_policy(self) -> LRPolicy:
+        return LRPolicy(
             rule=self.scaling,
             base_lr=self.base_lr,
             base_world_size=self.base_world_size,
@@ -219,7 +218,7 @@ class JobSpec(_Spec):
         description="the queue whose node quota the job counts against (the controller's --quotas); none: only "
         "the submitter's quota applies",
     )  # fmt: skip
-    lr_policy: LRPolicy = Field(default_factory=lambda: LRPolicy())
+    lr_policy: LRPolicySpec = Field(default_factory=lambda: LRPolicySpec())
     restart_policy: RestartPolicy = Field(default_factory=lambda: RestartPolicy())
     rendezvous: RendezvousOptions = Field(default_factory=lambda: RendezvousOptions())
 
