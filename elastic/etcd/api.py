@@ -1,9 +1,13 @@
 """The etcd v3 operations the project needs, as an interface, with the types and errors they use.
 
-:class:`EtcdClient` is what the rest of the project (the rendezvous backend, the store, the service) holds.
-Two implementations keep its contract: :class:`~elastic.etcd.client.GrpcEtcdClient` talks to a real
-cluster through ``python3-etcd3``, :class:`~elastic.etcd.memory.MemoryEtcdClient` models one in memory
-for unit tests. ``tests/elastic/etcd/test_client_contract.py`` runs one suite against both.
+:class:`EtcdClient` (keys, leases, watches, transactions) is what the rest of the project (the rendezvous
+backend, the store, the service) holds; :class:`EtcdAuth` (users and roles) is what only the controller's job
+identities (``service.controller.identities``) need. Two implementations keep both contracts:
+:class:`~elastic.etcd.client.GrpcEtcdClient` talks to a real cluster through ``python3-etcd3``,
+:class:`~elastic.etcd.memory.MemoryEtcdClient` models one in memory for unit tests.
+``tests/elastic/etcd/test_client_contract.py`` runs one suite against both. Both build on
+:class:`TxnEtcdClient`, which writes the convenience transactions (``compare_and_put``, ``commit``,
+``get_with_prefix``, ``read_prefixes``) once, over :meth:`EtcdClient.txn`.
 
 Semantics shared by every implementation (they are etcd's own):
 
@@ -18,9 +22,7 @@ Semantics shared by every implementation (they are etcd's own):
   refused with :class:`EtcdError`.
 * A lease dies when it is revoked or when its TTL passes without a refresh; every key attached to it is
   deleted then, in one revision. Writing a key without a lease detaches it.
-* Users and roles (etcd's role-based access control) live beside the keys, not in them: managing them
-  changes no revision. etcd allows it to anyone while auth is disabled, and to users with the ``root``
-  role once it is enabled; a user's permissions are the union of its roles' :class:`RolePermission`.
+* Users and roles (:class:`EtcdAuth`) live beside the keys, not in them: managing them changes no revision.
 """
 
 from __future__ import annotations
@@ -33,10 +35,21 @@ from datetime import timedelta
 from typing import Literal
 
 from elastic.etcd.config import EtcdConfig
-from elastic.etcd.txn import Compare, TxnOp, TxnResult
+from elastic.etcd.txn import (
+    Compare,
+    CompareOp,
+    CompareTarget,
+    DeleteOp,
+    GetOp,
+    GetResult,
+    PutOp,
+    TxnOp,
+    TxnResult,
+)
 from elastic.etcd.types import KeyValue
 
 __all__ = [
+    "EtcdAuth",
     "EtcdClient",
     "EtcdConnectionError",
     "EtcdError",
@@ -44,6 +57,8 @@ __all__ = [
     "KeyValue",
     "Permission",
     "RolePermission",
+    "TxnEtcdClient",
+    "auth_of",
     "prefix_end",
 ]
 
@@ -230,7 +245,75 @@ class EtcdClient(abc.ABC):
         calling ``on_revision(revision)`` with the newest revision of each batch of changes, in increasing
         order. Nothing is missed across broken connections. Runs in the caller's thread."""
 
-    # -- users and roles (etcd auth) -----------------------------------------------------------------
+
+class TxnEtcdClient(EtcdClient):
+    """An :class:`EtcdClient` whose convenience transactions (``get_with_prefix``, ``read_prefixes``,
+    ``compare_and_put``, ``commit``) are each one :meth:`~EtcdClient.txn`: written here once, for both
+    implementations (which provide ``txn`` and the single requests). Wrappers that forward every abstract
+    method of :class:`EtcdClient` (``elastic.testing.counting_etcd``) still see each by its name.
+    """
+
+    def get_with_prefix(self, key: str, prefix: str) -> tuple[KeyValue | None, list[KeyValue], int]:
+        """:meth:`EtcdClient.get_with_prefix`: one transaction of two reads."""
+        result = self.txn([], [GetOp(key), GetOp(prefix, prefix=True)])
+        cur, under = result.get(0).kvs, result.get(1).kvs
+        return (cur[0] if cur else None), list(under), result.revision
+
+    def read_prefixes(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
+        """:meth:`EtcdClient.read_prefixes`: one transaction of one read per prefix."""
+        result = self.txn([], [GetOp(p, prefix=True) for p in prefixes])
+        return [list(result.get(i).kvs) for i in range(len(prefixes))], result.revision
+
+    def compare_and_put(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        mod_revision: int,
+        lease: int = 0,
+        read_prefix: str | None = None,
+        guard: tuple[str, int] | None = None,
+    ) -> tuple[bool, KeyValue | None, list[KeyValue], int]:
+        """:meth:`EtcdClient.compare_and_put`: one transaction (the put, then the reads; the reads alone if a
+        compare fails)."""
+        compares = [Compare(key, CompareTarget.MOD, CompareOp.EQUAL, mod_revision), *_fence(guard)]
+        reads = [GetOp(key)]
+        if read_prefix is not None:
+            reads.append(GetOp(read_prefix, prefix=True))
+        result = self.txn(compares, [PutOp(key, value, lease), *reads], reads)
+        ranges = [r.kvs for r in result.results if isinstance(r, GetResult)]
+        cur = ranges[0][0] if ranges and ranges[0] else None
+        return result.succeeded, cur, (list(ranges[1]) if len(ranges) > 1 else []), result.revision
+
+    def commit(
+        self,
+        puts: Sequence[tuple[str, bytes]] = (),
+        deletes: Sequence[str] = (),
+        *,
+        delete_prefixes: Sequence[str] = (),
+        expect: Sequence[tuple[str, int]] = (),
+        guard: tuple[str, int] | None = None,
+    ) -> tuple[bool, int]:
+        """:meth:`EtcdClient.commit`: one transaction of the puts, then the deletes, then the prefix deletes."""
+        compares = [Compare(k, CompareTarget.MOD, CompareOp.EQUAL, r) for k, r in expect]
+        ops: list[TxnOp] = [PutOp(k, v) for k, v in puts]
+        ops += [DeleteOp(k) for k in deletes]
+        ops += [DeleteOp(p, prefix=True) for p in delete_prefixes]
+        result = self.txn([*compares, *_fence(guard)], ops)
+        return result.succeeded, result.revision
+
+
+class EtcdAuth(abc.ABC):
+    """A thread-safe client of one etcd v3 cluster's users and roles (etcd's role-based access control).
+
+    Users and roles live beside the keys, not in them: managing them changes no revision. etcd allows it to
+    anyone while auth is disabled, and to users with the ``root`` role once it is enabled; a user's
+    permissions are the union of its roles' :class:`RolePermission`. Every operation may raise
+    :class:`EtcdConnectionError` or :class:`EtcdError`, as :class:`EtcdClient`'s do; a call retried after a
+    lost answer meets its own effect (``False``: the user exists already, or is gone), so all are safe to retry.
+    Both clients of this package implement it beside :class:`EtcdClient` (:func:`auth_of`).
+    """
+
     @abc.abstractmethod
     def user_add(self, name: str, password: str) -> bool:
         """Create a user with ``password``; False (and nothing changed) if the user exists already."""
@@ -269,3 +352,17 @@ class EtcdClient(abc.ABC):
     def role_permissions(self, role: str) -> list[RolePermission]:
         """The permissions of ``role``, by key (ranges other than one key or a prefix are left out);
         raises :class:`EtcdError` if there is no such role."""
+
+
+def auth_of(client: EtcdClient) -> EtcdAuth:
+    """``client``'s users and roles: the same object, as an :class:`EtcdAuth` (both clients of this package are
+    one); raises :class:`TypeError` for a client that manages none."""
+    if not isinstance(client, EtcdAuth):
+        raise TypeError(f"{type(client).__name__} manages no etcd users or roles (it is no EtcdAuth)")
+    return client
+
+
+def _fence(guard: tuple[str, int] | None) -> list[Compare]:
+    """The compare of a fencing ``guard=(key, create_revision)``: the key still exists with that create
+    revision (0: it must not exist); none without one."""
+    return [] if guard is None else [Compare(guard[0], CompareTarget.CREATE, CompareOp.EQUAL, guard[1])]

@@ -29,6 +29,7 @@ from etcd3.etcdrpc import auth_pb2
 from elastic.etcd._grpc_txn import key_value as _kv
 from elastic.etcd._grpc_txn import txn_request, txn_result
 from elastic.etcd.api import (
+    EtcdAuth,
     EtcdClient,
     EtcdConnectionError,
     EtcdError,
@@ -36,6 +37,7 @@ from elastic.etcd.api import (
     KeyValue,
     Permission,
     RolePermission,
+    TxnEtcdClient,
     prefix_end,
 )
 from elastic.etcd.config import EtcdConfig
@@ -94,7 +96,7 @@ _RETRYABLE = (
 )
 
 
-class GrpcEtcdClient(EtcdClient):
+class GrpcEtcdClient(TxnEtcdClient, EtcdAuth):
     """The real :class:`EtcdClient`: gRPC to one cluster (one or more endpoints, with failover).
 
     Operations retry on connection failures, moving to the next endpoint, until ``config.op_timeout``
@@ -282,123 +284,6 @@ class GrpcEtcdClient(EtcdClient):
             return int(resp.deleted) > 0
 
         return bool(self._call(op))
-
-    def compare_and_put(
-        self,
-        key: str,
-        value: bytes,
-        *,
-        mod_revision: int,
-        lease: int = 0,
-        read_prefix: str | None = None,
-        guard: tuple[str, int] | None = None,
-    ) -> tuple[bool, KeyValue | None, list[KeyValue], int]:
-        def op(c: Any) -> tuple[bool, KeyValue | None, list[KeyValue], int]:
-            cmp = [
-                etcdrpc.Compare(
-                    key=key.encode(),
-                    result=etcdrpc.Compare.EQUAL,
-                    target=etcdrpc.Compare.MOD,
-                    mod_revision=mod_revision,
-                )
-            ]
-            if guard is not None:
-                cmp.append(
-                    etcdrpc.Compare(
-                        key=guard[0].encode(),
-                        result=etcdrpc.Compare.EQUAL,
-                        target=etcdrpc.Compare.CREATE,
-                        create_revision=guard[1],
-                    )
-                )
-            reads = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))]
-            if read_prefix is not None:
-                reads.append(
-                    etcdrpc.RequestOp(
-                        request_range=etcdrpc.RangeRequest(key=read_prefix.encode(), range_end=prefix_end(read_prefix))
-                    )
-                )
-            put = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease))
-            req = etcdrpc.TxnRequest(compare=cmp, success=[put, *reads], failure=reads)
-            resp = c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
-            ranges = [r.response_range for r in resp.responses if r.WhichOneof("response") == "response_range"]
-            cur = _kv(ranges[0].kvs[0]) if ranges and ranges[0].kvs else None
-            pref = [_kv(m) for m in ranges[1].kvs] if len(ranges) > 1 else []
-            return bool(resp.succeeded), cur, pref, int(resp.header.revision)
-
-        result: tuple[bool, KeyValue | None, list[KeyValue], int] = self._call(op)
-        return result
-
-    def get_with_prefix(self, key: str, prefix: str) -> tuple[KeyValue | None, list[KeyValue], int]:
-        def op(c: Any) -> tuple[KeyValue | None, list[KeyValue], int]:
-            reads = [
-                etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode())),
-                etcdrpc.RequestOp(
-                    request_range=etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix))
-                ),
-            ]
-            req = etcdrpc.TxnRequest(compare=[], success=reads, failure=[])
-            resp = c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
-            r0, r1 = (r.response_range for r in resp.responses)
-            cur = _kv(r0.kvs[0]) if r0.kvs else None
-            return cur, [_kv(m) for m in r1.kvs], int(resp.header.revision)
-
-        result: tuple[KeyValue | None, list[KeyValue], int] = self._call(op)
-        return result
-
-    def read_prefixes(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
-        def op(c: Any) -> tuple[list[list[KeyValue]], int]:
-            reads = [
-                etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=p.encode(), range_end=prefix_end(p)))
-                for p in prefixes
-            ]
-            req = etcdrpc.TxnRequest(compare=[], success=reads, failure=[])
-            resp = c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
-            out = [[_kv(m) for m in r.response_range.kvs] for r in resp.responses]
-            return out, int(resp.header.revision)
-
-        result: tuple[list[list[KeyValue]], int] = self._call(op)
-        return result
-
-    def commit(
-        self,
-        puts: Sequence[tuple[str, bytes]] = (),
-        deletes: Sequence[str] = (),
-        *,
-        delete_prefixes: Sequence[str] = (),
-        expect: Sequence[tuple[str, int]] = (),
-        guard: tuple[str, int] | None = None,
-    ) -> tuple[bool, int]:
-        def op(c: Any) -> tuple[bool, int]:
-            cmp = [
-                etcdrpc.Compare(
-                    key=k.encode(), result=etcdrpc.Compare.EQUAL, target=etcdrpc.Compare.MOD, mod_revision=r
-                )
-                for k, r in expect
-            ]
-            if guard is not None:
-                cmp.append(
-                    etcdrpc.Compare(
-                        key=guard[0].encode(),
-                        result=etcdrpc.Compare.EQUAL,
-                        target=etcdrpc.Compare.CREATE,
-                        create_revision=guard[1],
-                    )
-                )
-            ops = [etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=k.encode(), value=v)) for k, v in puts]
-            ops += [etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=k.encode())) for k in deletes]
-            ops += [
-                etcdrpc.RequestOp(
-                    request_delete_range=etcdrpc.DeleteRangeRequest(key=p.encode(), range_end=prefix_end(p))
-                )
-                for p in delete_prefixes
-            ]
-            req = etcdrpc.TxnRequest(compare=cmp, success=ops, failure=[])
-            resp = c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
-            return bool(resp.succeeded), int(resp.header.revision)
-
-        result: tuple[bool, int] = self._call(op)
-        return result
 
     def txn(self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()) -> TxnResult:
         # Retried like every request: a caller whose compares do not fail on its own earlier success (a

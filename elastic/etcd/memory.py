@@ -28,12 +28,13 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 from elastic.etcd.api import (
-    EtcdClient,
+    EtcdAuth,
     EtcdConnectionError,
     EtcdError,
     EtcdLeaseNotFoundError,
     KeyValue,
     RolePermission,
+    TxnEtcdClient,
     prefix_end,
 )
 from elastic.etcd.config import EtcdConfig
@@ -440,7 +441,7 @@ class MemoryEtcdServer:
                 self._cond.wait(min(remaining, TICK))
 
 
-class MemoryEtcdClient(EtcdClient):
+class MemoryEtcdClient(TxnEtcdClient, EtcdAuth):
     """An :class:`EtcdClient` of a :class:`MemoryEtcdServer` (a new private one unless given).
 
     Unlike the gRPC client, a client cut off by :meth:`set_reachable` fails at once instead of retrying
@@ -499,13 +500,6 @@ class MemoryEtcdClient(EtcdClient):
     def count_prefix(self, prefix: str) -> int:
         return self._txn([], [GetOp(prefix, prefix=True, count_only=True)]).get(0).count
 
-    def get_with_prefix(self, key: str, prefix: str) -> tuple[KeyValue | None, list[KeyValue], int]:
-        (cur, under), revision = self._read([GetOp(key), GetOp(prefix, prefix=True)])
-        return (cur[0] if cur else None), under, revision
-
-    def read_prefixes(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
-        return self._read([GetOp(p, prefix=True) for p in prefixes])
-
     # -- writes --------------------------------------------------------------------------------------
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
         return self._txn([], [PutOp(key, value, lease)]).revision
@@ -513,45 +507,6 @@ class MemoryEtcdClient(EtcdClient):
     def delete(self, key: str) -> bool:
         deleted = self._txn([], [DeleteOp(key)]).results[0]
         return isinstance(deleted, int) and deleted > 0
-
-    def compare_and_put(
-        self,
-        key: str,
-        value: bytes,
-        *,
-        mod_revision: int,
-        lease: int = 0,
-        read_prefix: str | None = None,
-        guard: tuple[str, int] | None = None,
-    ) -> tuple[bool, KeyValue | None, list[KeyValue], int]:
-        compares = [Compare(key, CompareTarget.MOD, CompareOp.EQUAL, mod_revision)]
-        if guard is not None:
-            compares.append(Compare(guard[0], CompareTarget.CREATE, CompareOp.EQUAL, guard[1]))
-        reads = [GetOp(key)]
-        if read_prefix is not None:
-            reads.append(GetOp(read_prefix, prefix=True))
-        result = self._txn(compares, [PutOp(key, value, lease), *reads], reads)
-        ranges = [r.kvs for r in result.results if isinstance(r, GetResult)]
-        cur = ranges[0][0] if ranges[0] else None
-        return result.succeeded, cur, (list(ranges[1]) if len(ranges) > 1 else []), result.revision
-
-    def commit(
-        self,
-        puts: Sequence[tuple[str, bytes]] = (),
-        deletes: Sequence[str] = (),
-        *,
-        delete_prefixes: Sequence[str] = (),
-        expect: Sequence[tuple[str, int]] = (),
-        guard: tuple[str, int] | None = None,
-    ) -> tuple[bool, int]:
-        compares = [Compare(k, CompareTarget.MOD, CompareOp.EQUAL, r) for k, r in expect]
-        if guard is not None:
-            compares.append(Compare(guard[0], CompareTarget.CREATE, CompareOp.EQUAL, guard[1]))
-        ops: list[TxnOp] = [PutOp(k, v) for k, v in puts]
-        ops += [DeleteOp(k) for k in deletes]
-        ops += [DeleteOp(p, prefix=True) for p in delete_prefixes]
-        result = self._txn(compares, ops)
-        return result.succeeded, result.revision
 
     def txn(self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()) -> TxnResult:
         return self._txn(compare, success, failure)

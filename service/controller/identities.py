@@ -43,7 +43,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from elastic.etcd import EtcdClient, EtcdConnectionError, EtcdError
+from elastic.etcd import EtcdAuth, EtcdClient, EtcdConnectionError, EtcdError, auth_of
 from elastic.etcd.api import RolePermission
 from service.core.store import Keys, ServiceStore, identities_prefix, identity_key
 from service.core.view import ClusterView, Plan
@@ -192,6 +192,7 @@ class JobIdentities:
     def __init__(self, store: ServiceStore, new_password: Callable[[], str] = _new_password) -> None:
         self._store = store
         self._client = store.client
+        self._auth: EtcdAuth = auth_of(store.client)  # the same client, its users and roles
         self._keys = store.keys
         self._new_password = new_password
         self._swept: tuple[str, int] | None = None  # the leadership term whose users were listed
@@ -199,7 +200,7 @@ class JobIdentities:
     def check(self) -> None:
         """Log, at start-up, whether the controller's etcd user may manage users (it needs the root role)."""
         try:
-            self._client.user_list()
+            self._auth.user_list()
         except EtcdConnectionError as exc:
             logger.warning("cannot check the controller's etcd permissions yet: %s", exc)
         except EtcdError as exc:
@@ -227,7 +228,7 @@ class JobIdentities:
             return None
         self._swept = fence
         try:
-            return self._client.user_list()
+            return self._auth.user_list()
         except EtcdConnectionError:
             self._swept = None
             raise
@@ -280,12 +281,12 @@ class JobIdentities:
             record = IdentityRecord(job_id=job_id, user=name, password=self._new_password(), created_at=now)
             self._put(record, fence, new=True)  # first: a crash from here on is finished by the next pass
         role = job_principal(job_id)
-        self._client.role_add(role)
+        self._auth.role_add(role)
         for permission in job_permissions(self._keys, job_id):
-            self._client.role_grant_permission(role, permission)
-        if not self._client.user_add(record.user, record.password):
-            self._client.user_change_password(record.user, record.password)  # made by a pass that died
-        self._client.user_grant_role(record.user, role)
+            self._auth.role_grant_permission(role, permission)
+        if not self._auth.user_add(record.user, record.password):
+            self._auth.user_change_password(record.user, record.password)  # made by a pass that died
+        self._auth.user_grant_role(record.user, role)
         ready = record.model_copy(update={"ready": True})
         self._put(ready, fence, new=False)
         logger.info("job %s: etcd user %s made (its rendezvous and progress keys only)", job_id, record.user)
@@ -293,8 +294,8 @@ class JobIdentities:
 
     def _revoke(self, job_id: str, record: IdentityRecord | None, fence: tuple[str, int]) -> None:
         user = record.user if record is not None else job_principal(job_id)
-        gone = self._client.user_delete(user)
-        self._client.role_delete(job_principal(job_id))
+        gone = self._auth.user_delete(user)
+        self._auth.role_delete(job_principal(job_id))
         self._client.commit(deletes=[identity_key(self._keys, job_id)], guard=fence)
         if gone:
             logger.info("job %s: etcd user %s revoked", job_id, user)

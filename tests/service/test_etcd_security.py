@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd import EtcdClient, EtcdConfig, EtcdError, create_client
+from elastic.etcd import EtcdConfig, EtcdError, GrpcEtcdClient, create_client
 from elastic.live.membership import LiveMembership, LiveSettings, new_worker_id
 from elastic.live.protocol import LiveKeys
 from elastic.rendezvous.etcd_v3_handler import EtcdV3RendezvousHandler, HandlerSettings
@@ -279,7 +279,7 @@ def _enable_auth(endpoint: str, certs: Path) -> None:
     subprocess.run([*ctl, "auth", "enable"], check=True, capture_output=True, env=env, timeout=30)
 
 
-def _client(endpoint: str, certs: Path, user: str, password: str) -> EtcdClient:
+def _client(endpoint: str, certs: Path, user: str, password: str) -> GrpcEtcdClient:
     options = {"ca_cert": str(certs / "ca.pem"), "user": user, "password": password, "op_timeout": "5"}
     return create_client(EtcdConfig.from_options(endpoint, options))
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from elastic.etcd import EtcdClient, ManualClock, MemoryEtcdServer, create_client
+from elastic.etcd import EtcdAuth, EtcdClient, ManualClock, MemoryEtcdServer, auth_of, create_client
 from elastic.testing.etcd_server import LocalEtcdCluster, find_etcd_binary
 
 
@@ -51,6 +51,12 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 @pytest.fixture
 def client(cluster: Cluster) -> EtcdClient:
     return cluster.new_client()
+
+
+@pytest.fixture
+def auth(client: EtcdClient) -> EtcdAuth:
+    """The users and roles of ``client`` (the same client: both implementations are an EtcdAuth too)."""
+    return auth_of(client)
 
 
 def later(seconds: float, action: Callable[[], object]) -> threading.Timer:

@@ -19,6 +19,7 @@ from elastic.etcd import (
     CompareOp,
     CompareTarget,
     DeleteOp,
+    EtcdAuth,
     EtcdClient,
     EtcdConfig,
     EtcdError,
@@ -711,67 +712,69 @@ def _name(key_prefix: str, kind: str) -> str:
     return f"etrain-test-{kind}-{key_prefix.rsplit('/', 1)[-1]}"
 
 
-def test_user_add_creates_a_user_once_and_user_delete_removes_it_once(client: EtcdClient, key_prefix: str) -> None:
+def test_user_add_creates_a_user_once_and_user_delete_removes_it_once(auth: EtcdAuth, key_prefix: str) -> None:
     user = _name(key_prefix, "u")
-    assert client.user_add(user, "pw-1") is True
+    assert auth.user_add(user, "pw-1") is True
     try:
-        assert client.user_add(user, "pw-2") is False  # exists: a retry after a lost answer meets its effect
-        assert user in client.user_list()
-        client.user_change_password(user, "pw-3")
+        assert auth.user_add(user, "pw-2") is False  # exists: a retry after a lost answer meets its effect
+        assert user in auth.user_list()
+        auth.user_change_password(user, "pw-3")
     finally:
-        assert client.user_delete(user) is True
-    assert client.user_delete(user) is False
-    assert user not in client.user_list()
+        assert auth.user_delete(user) is True
+    assert auth.user_delete(user) is False
+    assert user not in auth.user_list()
 
 
 def test_password_change_and_role_grant_of_a_missing_user_or_role_are_refused(
-    client: EtcdClient, key_prefix: str
+    auth: EtcdAuth, key_prefix: str
 ) -> None:
     user, role = _name(key_prefix, "u"), _name(key_prefix, "r")
     with pytest.raises(EtcdError):
-        client.user_change_password(user, "pw")
+        auth.user_change_password(user, "pw")
     with pytest.raises(EtcdError):
-        client.role_grant_permission(role, RolePermission(key_prefix + "/k", "read"))
-    client.user_add(user, "pw")
+        auth.role_grant_permission(role, RolePermission(key_prefix + "/k", "read"))
+    auth.user_add(user, "pw")
     try:
         with pytest.raises(EtcdError):
-            client.user_grant_role(user, role)
-        assert client.role_add(role) is True
-        client.user_grant_role(user, role)
-        client.user_grant_role(user, role)  # again: nothing changes
+            auth.user_grant_role(user, role)
+        assert auth.role_add(role) is True
+        auth.user_grant_role(user, role)
+        auth.user_grant_role(user, role)  # again: nothing changes
     finally:
-        client.user_delete(user)
-        client.role_delete(role)
+        auth.user_delete(user)
+        auth.role_delete(role)
 
 
 def test_a_role_keeps_its_grants_by_key_and_a_second_grant_of_one_range_replaces_its_permission(
-    client: EtcdClient, key_prefix: str
+    auth: EtcdAuth, key_prefix: str
 ) -> None:
     role = _name(key_prefix, "r")
-    assert client.role_add(role) is True
+    assert auth.role_add(role) is True
     try:
-        assert client.role_add(role) is False
-        client.role_grant_permission(role, RolePermission(key_prefix + "/a/", "readwrite", prefix=True))
-        client.role_grant_permission(role, RolePermission(key_prefix + "/b", "read"))
-        client.role_grant_permission(role, RolePermission(key_prefix + "/b", "write"))
-        assert client.role_permissions(role) == [
+        assert auth.role_add(role) is False
+        auth.role_grant_permission(role, RolePermission(key_prefix + "/a/", "readwrite", prefix=True))
+        auth.role_grant_permission(role, RolePermission(key_prefix + "/b", "read"))
+        auth.role_grant_permission(role, RolePermission(key_prefix + "/b", "write"))
+        assert auth.role_permissions(role) == [
             RolePermission(key_prefix + "/a/", "readwrite", prefix=True),
             RolePermission(key_prefix + "/b", "write"),
         ]
     finally:
-        assert client.role_delete(role) is True
-    assert client.role_delete(role) is False
+        assert auth.role_delete(role) is True
+    assert auth.role_delete(role) is False
     with pytest.raises(EtcdError):
-        client.role_permissions(role)
+        auth.role_permissions(role)
 
 
-def test_managing_users_and_roles_changes_no_revision(client: EtcdClient, key_prefix: str) -> None:
+def test_managing_users_and_roles_changes_no_revision(
+    client: EtcdClient, auth: EtcdAuth, key_prefix: str
+) -> None:
     user, role = _name(key_prefix, "u"), _name(key_prefix, "r")
     revision = client.put(key_prefix + "/k", b"v")
-    client.user_add(user, "pw")
-    client.role_add(role)
-    client.role_grant_permission(role, RolePermission(key_prefix + "/", "read", prefix=True))
-    client.user_grant_role(user, role)
-    client.user_delete(user)
-    client.role_delete(role)
+    auth.user_add(user, "pw")
+    auth.role_add(role)
+    auth.role_grant_permission(role, RolePermission(key_prefix + "/", "read", prefix=True))
+    auth.user_grant_role(user, role)
+    auth.user_delete(user)
+    auth.role_delete(role)
     assert client.ping() == revision
