@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The torch compatibility run: the compat, rendezvous, store, loop, prefork and checkpoint suites against
+# The torch compatibility run: the compat, rendezvous, store, loop, prefork, checkpoint and live-group suites against
 # other torch releases, each in a virtual environment of its own (.venv-torch<version>), next to the
 # project and its [test] extra.
 #
@@ -32,6 +32,9 @@ SUITES=(
   tests/elastic/contract/test_lr.py
   tests/elastic/checkpoint/test_tiers.py
   tests/elastic/train/test_stop_timeout.py
+  tests/elastic/train/test_preemption.py
+  tests/elastic/live/test_overlap.py
+  tests/elastic/live/test_group_lifetime.py
   tests/integration/test_elastic_loop.py
   tests/integration/test_torchrun_etcd_v3.py
 )
