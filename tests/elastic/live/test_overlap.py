@@ -235,3 +235,42 @@ def test_two_ranks_get_the_post_backward_all_reduce_bit_for_bit(tmp_path: Path) 
             assert torch.equal(a, b), f"{key}: tensor {i} differs between the ranks"
     small = ranks[0]["256/stats"][0].tolist()
     assert small[0] > 0, f"no bucket overlapped the backward pass on rank 0: {small}"
+
+
+# -- CUDA: the hooks run on autograd's device thread and the buckets go through NCCL's stream --------------
+@pytest.fixture
+def nccl_world_1() -> Iterator[torch.device]:
+    assert not dist.is_initialized(), "another test left a process group behind"
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    yield device
+    dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(120)
+def test_on_cuda_the_overlapped_average_is_the_local_gradient_at_world_1(nccl_world_1: torch.device) -> None:
+    """At world size 1 the average is the gradient itself: any race between the hooks' copies (autograd's
+    stream), NCCL's stream and the copy back would show as a difference, over many steps and small buckets."""
+    device = nccl_world_1
+    net, reference = Net(mixed=True).to(device), Net(mixed=True).to(device)
+    reducer = GradientReducer(net, bucket_bytes=256)
+    model = LiveDataParallel(net, reducer)
+    for step in range(20):
+        g = torch.Generator(device=device).manual_seed(step)
+        x, y = torch.randn(64, 16, device=device, generator=g), torch.randn(64, 1, device=device, generator=g)
+        with model.no_sync():
+            nn.functional.mse_loss(model(x[:32]), y[:32]).backward()
+        nn.functional.mse_loss(model(x[32:]), y[32:]).backward()
+        reducer.finish(world_size=1)
+        nn.functional.mse_loss(reference(x[:32]), y[:32]).backward()
+        nn.functional.mse_loss(reference(x[32:]), y[32:]).backward()
+        for (name, p), q in zip(net.named_parameters(), reference.parameters(), strict=True):
+            want = q.grad if q.grad is not None else torch.zeros_like(q)
+            assert p.grad is not None and torch.equal(p.grad, want), f"step {step}: {name}"
+        net.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    assert reducer.stats.overlapped > 0
+    reducer.close()
