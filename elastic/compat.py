@@ -192,6 +192,9 @@ def dcp_no_dist(fn: Callable[..., Any], no_dist: bool) -> dict[str, Any]:
 
 #: How long :func:`destroy_process_group` lets other threads run before the group is destroyed.
 GLOO_DRAIN = 0.05
+#: The torch releases before which :func:`abort_process_group` drains a gloo group too (the deadlock was seen on
+#: 2.6.0, in live mode's re-form right after a collective; not on 2.13 or 2.15).
+GLOO_DRAIN_BELOW = (2, 7)
 
 
 def destroy_process_group(group: Any = None) -> None:
@@ -231,7 +234,14 @@ def abort_process_group() -> bool:
         backend_obj.abort()
         dist.destroy_process_group()
         return True
-    dist.destroy_process_group()  # a failed gloo group has no collective in flight: nothing to drain
+    import torch
+
+    if parse_version(str(torch.__version__)) < GLOO_DRAIN_BELOW:
+        # a healthy group re-formed at a step boundary (live mode admitting a joiner) may still be releasing
+        # its last collective's work: torch 2.6's teardown deadlock (see destroy_process_group)
+        destroy_process_group()
+    else:
+        dist.destroy_process_group()  # no collective in flight: nothing to drain
     return False
 
 
