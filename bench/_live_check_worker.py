@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastic.contract.lr import LRPolicy, LRRule
-from elastic.train.trainer import ElasticConfig, ElasticTrainer, LiveOptions, Recovery, StepInfo
+from elastic.train.trainer import ElasticConfig, ElasticTrainer, LiveOptions, RecoveryMode, StepInfo
 
 FEATURES, CLASSES = 64, 8
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         save_every_steps=args.save_every,
         backend="nccl" if args.device == "cuda" else "gloo",
         progress_every=0,
-        recovery=Recovery.LIVE,
+        recovery=RecoveryMode.LIVE,
         live=LiveOptions(ttl=timedelta(seconds=2)),
     )
     records: list[Path] = []
