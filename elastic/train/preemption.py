@@ -24,7 +24,7 @@ from typing import Any
 
 from elastic.checkpoint.api import CheckpointManager
 
-__all__ = ["PreemptionWatcher"]
+__all__ = ["PreemptionWatcher", "save_on_notice"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,15 +116,13 @@ class PreemptionWatcher:
         self._event.set()
 
     def final_save(self, manager: CheckpointManager, step: int, state: Mapping[str, Any] | Any) -> bool:
-        """If a preemption was requested: save ``state`` synchronously, close ``manager``, return True."""
+        """If a preemption was requested: save ``state`` synchronously, close ``manager``, return True.
+
+        For a loop of one's own; :class:`~elastic.train.trainer.ElasticTrainer` makes the same save through
+        :func:`save_on_notice` with its own (collective, failure-tolerant) save."""
         if not self.requested:
             return False
-        logger.warning(
-            "preemption notice (%s): writing a final checkpoint at step %d",
-            self.signal_name or "requested",
-            step,
-        )
-        manager.save(step, state, blocking=True)
+        save_on_notice(step, lambda: manager.save(step, state, blocking=True), self.signal_name)
         manager.close()
         return True
 
@@ -133,3 +131,14 @@ class PreemptionWatcher:
 
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
+
+
+def save_on_notice(step: int, save: Callable[[], None], notice: str | None) -> None:
+    """The one rule for a preemption notice, whoever runs the loop: ``save`` writes step ``step`` synchronously
+    (waiting for any background save first) before the process may leave, so that no step is lost.
+
+    ``notice`` names what asked (a signal's name; None: a request without a signal, or a peer's notice that
+    the group agreed on at the step boundary)."""
+    logger.warning("preemption notice (%s): writing a final checkpoint at step %d synchronously",
+                   notice or "requested", step)  # fmt: skip
+    save()

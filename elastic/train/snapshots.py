@@ -33,6 +33,7 @@ from elastic.contract.env import WorkerEnv
 from elastic.train.boundary import BoundaryFlags
 from elastic.train.config import ElasticConfig
 from elastic.train.cursor import TrainingCursor
+from elastic.train.preemption import save_on_notice
 from elastic.train.schedule import Boundary, SnapshotSchedule, SnapshotStats
 
 logger = logging.getLogger(__name__)
@@ -119,8 +120,8 @@ class LoopCheckpoints:
             # SIGTERM: a preemption notice, or torchrun restarting the group (it signals workers first).
             # Everyone saves this step synchronously (no step is lost); the signalled ranks then exit,
             # the others carry on and resume from this snapshot when the group re-forms.
-            logger.warning("SIGTERM seen by a worker: saving step %d synchronously", step)
-            self.save(step, capture, optimizer, blocking=True)
+            save_on_notice(step, lambda: self.save(step, capture, optimizer, blocking=True),
+                           "SIGTERM" if signalled_here else "SIGTERM seen by a peer")  # fmt: skip
             return signalled_here
         now = time.monotonic()
         boundary = Boundary(step, now, epoch_done, flags.time_due, flags.writer_busy)
