@@ -1,4 +1,5 @@
-"""Pydantic models of the job service: the job spec users submit, and the records kept in etcd.
+"""Pydantic models of the job service: the records kept in etcd, and (re-exported from
+:mod:`service.core.spec`, their home) the job spec users submit.
 
 Durations are ``timedelta`` fields; in JSON and YAML they are given as seconds (``5``, ``0.5``) or as
 ISO 8601 durations (``PT5S``) and written back as seconds.
@@ -6,25 +7,34 @@ ISO 8601 durations (``PT5S``) and written back as seconds.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
-from datetime import datetime, timedelta
+from datetime import datetime
 from enum import Enum
 from typing import Any, Literal
-from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from elastic.compat import DISABLE_SHARED_RDZV_STORE
-from elastic.contract import env as contract
-from elastic.contract import rendezvous as rdzv_contract
-from elastic.contract.lr import LRPolicy, LRRule
 from elastic.contract.recovery import RecoveryMode
+from service.core.spec import (
+    MAX_NODES_PER_JOB,
+    NAME_PATTERN,
+    NODE_NAME_PATTERN,
+    RESERVED_ENV,
+    JobSpec,
+    LRPolicySpec,
+    RendezvousOptions,
+    RestartPolicy,
+    checkpoint_prefix_owner,
+    checkpoint_url_within,
+    normalize_checkpoint_url,
+    submit_problems,
+)
 from service.core.states import JobState
 
 __all__ = [
     "MAX_NODES_PER_JOB",
+    "NAME_PATTERN",
     "NODE_MODES",
+    "NODE_NAME_PATTERN",
     "RESERVED_ENV",
     "Assignment",
     "CheckpointInfo",
@@ -49,289 +59,7 @@ __all__ = [
     "submit_problems",
 ]
 
-NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$"
-NODE_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-#: Environment variables the agent and torchrun set for workers; a job spec may not override them.
-RESERVED_ENV = frozenset(
-    {
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "ROLE_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        DISABLE_SHARED_RDZV_STORE,
-    }
-)
-_RESERVED_ENV_PREFIXES = (contract.PREFIX, "TORCHELASTIC_")
-_CHECKPOINT_SCHEMES = ("file", "s3", "gs", "gcs", "az", "abfs")
 
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_timedelta="float")
-
-
-def _positive(value: timedelta) -> timedelta:
-    if value <= timedelta(0):
-        raise ValueError("must be a positive duration (seconds)")
-    return value
-
-
-class RestartPolicy(_Spec):
-    """How often and how fast a job is restarted, with separate budgets per cause."""
-
-    max_failures: int = Field(
-        default=3, ge=0, le=1000, description="restarts after failed workers before failing"
-    )
-    max_membership_changes: int = Field(
-        default=20, ge=0, le=100000, description="nodes lost or added while running before failing"
-    )
-    max_worker_restarts: int = Field(
-        default=3,
-        ge=0,
-        le=1000,
-        description="torchrun --max-restarts: in-place restarts within one generation",
-    )
-    backoff_initial: timedelta = Field(
-        default=timedelta(seconds=2), description="first restart delay (doubles)"
-    )
-    # validate_default: a spec giving only backoff_initial above the default cap must be refused here, not stored
-    # and then be unreadable (found by the API fuzzer: such a job answered 201, then 404 for ever)
-    backoff_max: timedelta = Field(
-        default=timedelta(seconds=120), description="restart delay cap", validate_default=True
-    )
-    crash_loop_threshold: int = Field(
-        default=3, ge=1, le=1000, description="consecutive generations failing before their first step: fail"
-    )
-    blacklist_after: int = Field(
-        default=2, ge=1, le=1000, description="failures on one node before it is avoided"
-    )
-    blacklist_cooldown: timedelta = Field(
-        default=timedelta(minutes=10), description="how long a node is avoided"
-    )
-
-    _check_positive = field_validator("backoff_initial", "backoff_max", "blacklist_cooldown")(_positive)
-
-    @field_validator("backoff_max")
-    @classmethod
-    def _cap_above_initial(cls, value: timedelta, info: ValidationInfo) -> timedelta:
-        initial = info.data.get("backoff_initial")
-        if initial is not None and value < initial:
-            raise ValueError("must be at least backoff_initial")
-        return value
-
-
-class LRPolicySpec(_Spec):
-    """How the training loop rescales the learning rate when the world size changes: a job spec's form of
-    :class:`elastic.contract.lr.LRPolicy`, which :meth:`to_policy` builds (what the workers get).
-
-    The rule's field is named ``scaling`` here and ``rule`` in the library: ``scaling`` is the documented
-    job-spec field, kept in the job records stored in etcd (which refuse unknown fields), while ``rule`` is
-    in the reference every checkpoint stores. This model is the one place that maps the two.
-    """
-
-    scaling: LRRule = Field(default=LRRule.LINEAR, description="the rule: " + ", ".join(r.value for r in LRRule))
-    base_lr: float = Field(default=0.1, gt=0, le=1e6)
-    base_world_size: int = Field(default=1, ge=1, le=1_000_000, description="world size base_lr is tuned for")
-    base_batch_per_worker: int = Field(
-        default=32, ge=1, le=1_000_000, description="per-worker batch base_lr is tuned for"
-    )
-    warmup_steps: int = Field(
-        default=0, ge=0, le=10_000_000, description="steps to ramp to a new LR after a change"
-    )
-
-    def to_policy(self) -> LRPolicy:
-        return LRPolicy(
-            rule=self.scaling,
-            base_lr=self.base_lr,
-            base_world_size=self.base_world_size,
-            base_batch_per_worker=self.base_batch_per_worker,
-            warmup_steps=self.warmup_steps,
-        )
-
-
-class RendezvousOptions(_Spec):
-    """torchrun ``--rdzv-conf`` settings of the job's ``etcd-v3`` rendezvous."""
-
-    last_call_timeout: timedelta = Field(
-        default=rdzv_contract.JOB_SERVICE_LAST_CALL_TIMEOUT, description="wait for more nodes after min"
-    )
-    join_timeout: timedelta = Field(
-        default=rdzv_contract.DEFAULTS.join_timeout, description="wait for min nodes before failing"
-    )
-    node_ttl: timedelta = Field(
-        default=rdzv_contract.DEFAULTS.node_ttl, description="lease TTL that detects a dead torchrun"
-    )
-
-    _check_positive = field_validator("last_call_timeout", "join_timeout", "node_ttl")(_positive)
-
-
-class JobSpec(_Spec):
-    """What to run: stock torchrun on between ``min_nodes`` and ``max_nodes`` nodes."""
-
-    name: str = Field(pattern=NAME_PATTERN, description="lower-case letters, digits, '-' (max 40)")
-    entrypoint: str = Field(min_length=1, max_length=4096, description="script path (or module, see module)")
-    args: list[str] = Field(default_factory=list, max_length=1000)
-    module: bool = Field(default=False, description="run the entrypoint as a module (torchrun -m)")
-    warm_start: bool = Field(
-        default=True,
-        description="fork each worker from a per-node zygote that has torch imported (elastic.prefork), so a "
-        "restart skips the interpreter and torch start-up; false: torchrun starts a fresh Python per worker",
-    )
-    image: str | None = Field(
-        default=None, max_length=1024, description="container image (for container agents)"
-    )
-    env: dict[str, str] = Field(default_factory=dict)
-    working_dir: str | None = Field(
-        default=None, max_length=4096, description="workers' cwd (agent's cwd if unset)"
-    )
-    nproc_per_node: int = Field(default=1, ge=1, le=256)
-    min_nodes: int = Field(default=1, ge=1, le=4096)
-    # validate_default: a spec giving only min_nodes > 1 must be refused here, not stored and then be
-    # unreadable (found by the schemathesis fuzz test: such a job answered 201, then 404 for ever).
-    max_nodes: int = Field(default=1, ge=1, le=4096, validate_default=True)
-    checkpoint_url: str | None = Field(
-        default=None, max_length=4096, description="this job's checkpoint prefix"
-    )
-    local_snapshot_every: int = Field(
-        default=0, ge=0, le=1_000_000,
-        description="node-local snapshot in memory (/dev/shm) every N steps, so a failure re-does at most N "
-        "steps; costs one copy of the model + optimizer state in each node's memory; 0: off",
-    )  # fmt: skip
-    recovery: RecoveryMode = Field(
-        default=RecoveryMode.RESTART,
-        description="how the job goes on after a worker failure or a node lost or added: 'restart' (torchrun "
-        "restarts every node's workers, which resume from the newest snapshot) or 'live' (torchrun's "
-        "--rdzv-conf recovery=live: the surviving workers keep their processes and re-form in place; a "
-        "restarted or new worker joins at a step boundary with a peer's state; needs the elastic loop)",
-    )
-    priority: int = Field(
-        default=0, ge=-1000, le=1000,
-        description="scheduling priority: a job that does not fit shrinks running jobs of lower priority toward "
-        "their min_nodes (after a snapshot) and, if still short, preempts them (they requeue)",
-    )  # fmt: skip
-    queue: str | None = Field(
-        default=None, pattern=NAME_PATTERN,
-        description="the queue whose node quota the job counts against (the controller's --quotas); none: only "
-        "the submitter's quota applies",
-    )  # fmt: skip
-    lr_policy: LRPolicySpec = Field(default_factory=lambda: LRPolicySpec())
-    restart_policy: RestartPolicy = Field(default_factory=lambda: RestartPolicy())
-    rendezvous: RendezvousOptions = Field(default_factory=lambda: RendezvousOptions())
-
-    @field_validator("entrypoint")
-    @classmethod
-    def _entrypoint(cls, value: str) -> str:
-        if value.strip() != value or "\0" in value:
-            raise ValueError("must not start or end with spaces or contain NUL")
-        return value
-
-    @field_validator("max_nodes")
-    @classmethod
-    def _max_at_least_min(cls, value: int, info: ValidationInfo) -> int:
-        low = info.data.get("min_nodes")
-        if low is not None and value < low:
-            raise ValueError(f"must be >= min_nodes ({low})")
-        return value
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        for key in value:
-            if not _ENV_NAME.match(key):
-                raise ValueError(f"{key!r} is not a valid environment variable name")
-            if key in RESERVED_ENV or key.startswith(_RESERVED_ENV_PREFIXES):
-                raise ValueError(f"{key!r} is set by the service and cannot be overridden")
-        return value
-
-    @field_validator("checkpoint_url")
-    @classmethod
-    def _checkpoint_url(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        return normalize_checkpoint_url(value)
-
-
-# etcd applies at most 128 operations per transaction; a pass may release a job's old nodes and assign as many
-# new ones (plus its status and events) in one: 2 x 60 + 8 stays below.
-MAX_NODES_PER_JOB = 60
-# etcd refuses requests over 1.5 MiB; every assignment carries the spec, so the spec times max_nodes must fit
-_ASSIGNMENTS_BUDGET = 1 << 20
-_ASSIGNMENT_OVERHEAD = 512
-
-
-def submit_problems(spec: JobSpec) -> list[tuple[str, str]]:
-    """``(field, message)`` for what a new job may not ask although the model accepts it (stored jobs keep
-    loading): limits the controller's etcd transactions must honour. Empty: the job can be scheduled."""
-    problems = []
-    if spec.max_nodes > MAX_NODES_PER_JOB:
-        problems.append(("max_nodes", f"at most {MAX_NODES_PER_JOB} nodes per job (etcd's 128 operations "
-                                      "per transaction)"))  # fmt: skip
-    size = len(spec.model_dump_json())
-    nodes = min(spec.max_nodes, MAX_NODES_PER_JOB)
-    if nodes * (size + _ASSIGNMENT_OVERHEAD) > _ASSIGNMENTS_BUDGET:
-        problems.append(("env", f"the spec is {size} bytes; with max_nodes={spec.max_nodes} its assignments "
-                                f"would exceed {_ASSIGNMENTS_BUDGET} bytes in one etcd transaction: shrink env "
-                                "and args, or max_nodes"))  # fmt: skip
-    return problems
-
-
-def normalize_checkpoint_url(value: str) -> str:
-    """``/a/b/`` -> ``file:///a/b``; checks the scheme, refuses ``..`` segments and a ``file://`` URL naming
-    another host, and (``file://``) collapses ``//`` and ``.`` segments as POSIX does."""
-    url = value.strip()
-    if url.startswith("/"):
-        url = "file://" + url
-    parsed = urlparse(url)
-    if parsed.scheme not in _CHECKPOINT_SCHEMES:
-        raise ValueError(
-            f"must be an absolute path or a URL with one of the schemes {', '.join(_CHECKPOINT_SCHEMES)}"
-            + (" (a Lustre file system is a mounted path: give the path or file:///...)"
-               if parsed.scheme == "lustre" else "")
-        )  # fmt: skip
-    if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"a file:// URL names a path on every node, not host {parsed.netloc!r}: file:///...")
-        if not parsed.path.startswith("/"):
-            raise ValueError("a file:// URL needs an absolute path (file:///...)")
-    if ".." in parsed.path.split("/"):
-        raise ValueError("must not contain '..' segments")
-    if parsed.scheme == "file":
-        return "file://" + (_canonical_path(parsed.path) or "/")
-    return url.rstrip("/") or url
-
-
-def _canonical_path(path: str) -> str:
-    """``/a//b/./c/`` -> ``/a/b/c``: empty and ``.`` segments dropped (``..`` is refused before)."""
-    parts = [p for p in path.split("/") if p not in ("", ".")]
-    return "/" + "/".join(parts) if parts else ""
-
-
-def checkpoint_url_within(url: str, prefix: str) -> bool:
-    """True if ``url`` is ``prefix`` or below it (segment-wise, after normalization; for every scheme empty
-    and ``.`` path segments are ignored here, so that spellings of one location never pass for two)."""
-    a, b = _comparable(url), _comparable(prefix)
-    return a == b or a.startswith(b.rstrip("/") + "/")
-
-
-def _comparable(url: str) -> str:
-    parsed = urlparse(normalize_checkpoint_url(url))
-    return f"{parsed.scheme}://{parsed.netloc.lower()}{_canonical_path(parsed.path)}"
-
-
-def checkpoint_prefix_owner(url: str, claimed: Mapping[str, str], exclude: str | None = None) -> str | None:
-    """The first job (by id) of ``claimed`` (job id -> checkpoint URL) whose prefix overlaps ``url``: one is
-    within the other. ``exclude``: the asking job's own id. The one overlap rule of submit and reconcile."""
-    for job_id, theirs in sorted(claimed.items()):
-        if job_id != exclude and (checkpoint_url_within(url, theirs) or checkpoint_url_within(theirs, url)):
-            return job_id
-    return None
-
-
-# -- records kept in etcd -----------------------------------------------------------------------------
 class _Record(BaseModel):
     model_config = ConfigDict(extra="ignore", ser_json_timedelta="float")
 
@@ -342,9 +70,7 @@ class JobRecord(_Record):
     id: str
     spec: JobSpec
     created_at: datetime
-    checkpoint_url: str | None = Field(
-        default=None, description="resolved: the spec's, or the default prefix"
-    )
+    checkpoint_url: str | None = Field(default=None, description="resolved: the spec's, or the default prefix")
     submitted_by: str | None = None
     # hex HMAC key of the job's snapshot manifests, made at submit: only this job's workers get it (never
     # shown by the API), so nothing another job writes under this prefix is ever loaded by this one
@@ -361,9 +87,7 @@ class WorldSizeChange(_Record):
 class Restarts(_Record):
     failure: int = Field(default=0, description="generations restarted after failed workers")
     membership: int = Field(default=0, description="nodes lost or added while running")
-    in_place: int = Field(
-        default=0, description="torchrun worker-group restarts within a generation (any cause)"
-    )
+    in_place: int = Field(default=0, description="torchrun worker-group restarts within a generation (any cause)")
     planned: int = Field(
         default=0,
         description="nodes taken away on purpose (shrunk for a higher-priority job, drained, resized), each "
