@@ -21,7 +21,7 @@ What it no longer does:
 - the ``WORLD_SIZE``/``RANK``/``GROUP_RANK``/``MASTER_ADDR`` it sets are node-local (this node's workers
   only, ``GROUP_RANK`` 0); the live group ignores them.
 
-Kept from the ``etcd-v3`` handler (:class:`~elastic.rendezvous.etcd_v3_handler.AgentLeases`): the agent's
+Kept from the ``etcd-v3`` handler (:class:`~elastic.rendezvous.agent.AgentLeases`): the agent's
 presence key ``rdzv/alive/<node>`` on its ``node_ttl`` lease, and the run's ``closed`` key: an agent whose
 workers finish, or fail past ``--max-restarts``, closes the run as torchrun's agents do, and
 ``next_rendezvous`` (a joiner, or a restart after a crash) then raises ``RendezvousClosedError``.
@@ -42,7 +42,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousInfo
 
 from elastic import compat
 from elastic.etcd import EtcdClient
-from elastic.rendezvous.etcd_v3_handler import AgentLeases, HandlerSettings, shutdown_handler
+from elastic.rendezvous.agent import AgentLeases, shutdown_handler
+from elastic.rendezvous.etcd_v3_handler import HandlerSettings
 from elastic.rendezvous.etcd_v3_store import EtcdV3Store
 from elastic.rendezvous.protocol import RendezvousKeys
 
