@@ -360,45 +360,72 @@ class GrpcEtcdClient(TxnEtcdClient, EtcdAuth):
         *,
         prefix: bool = False,
     ) -> None:
-        # A broken stream is re-opened from the revision after the last one delivered.
+        # A broken stream is re-opened from the revision after the last one delivered. Each stream's request
+        # iterator blocks (gRPC reads it in a thread of its own) until that stream is done with; one thread per
+        # call cancels the current stream once ``stop`` is set. Nothing is left per re-opened stream: a watch
+        # retrying through a long etcd outage (10 tries a second) must not pile up threads.
         next_revision = start_revision
-        while not stop.is_set():
-            generation: int | None = None
-            try:
-                c, generation = self._current()
-                create = etcdrpc.WatchCreateRequest(key=key.encode(), start_revision=next_revision)
-                if prefix:
-                    create.range_end = prefix_end(key)
+        current: list[tuple[threading.Event, Any]] = []  # the open stream and the event that ends its requests
+        guard = threading.Lock()
+        returned = threading.Event()
 
-                def requests(create: Any = create) -> Iterator[Any]:
-                    yield etcdrpc.WatchRequest(create_request=create)
-                    stop.wait()
-
-                stream = etcdrpc.WatchStub(c.channel).Watch(
-                    requests(), credentials=c.call_credentials, metadata=c.metadata
-                )
-                canceller = threading.Thread(target=lambda s=stream: (stop.wait(), s.cancel()), daemon=True)
-                canceller.start()
-                for resp in stream:
-                    if resp.compact_revision:
-                        next_revision = int(resp.compact_revision)
-                        on_revision(next_revision)
-                    if resp.events:
-                        revision = max(int(e.kv.mod_revision) for e in resp.events)
-                        next_revision = revision + 1
-                        on_revision(revision)
-            except grpc.RpcError as exc:
-                if stop.is_set():
+        def cancel_on_stop() -> None:
+            while not stop.wait(1.0):
+                if returned.is_set():
                     return
-                logger.debug("watch on %s broke (%s); re-opening", key, exc.code())
-            except _RETRYABLE:
-                pass
-            except ValueError as exc:  # "Cannot invoke RPC on closed channel!": another thread's reset
-                logger.debug("watch on %s broke (%s); re-opening", key, exc)
-            if not stop.is_set():
-                if generation is not None:
-                    self._reset(generation)
-                stop.wait(0.1)
+            with guard:
+                for done, open_stream in current:
+                    done.set()
+                    open_stream.cancel()
+
+        threading.Thread(target=cancel_on_stop, name=f"etcd-watch-stop:{key}", daemon=True).start()
+        try:
+            while not stop.is_set():
+                generation: int | None = None
+                done = threading.Event()
+                try:
+                    c, generation = self._current()
+                    create = etcdrpc.WatchCreateRequest(key=key.encode(), start_revision=next_revision)
+                    if prefix:
+                        create.range_end = prefix_end(key)
+
+                    def requests(create: Any = create, done: threading.Event = done) -> Iterator[Any]:
+                        yield etcdrpc.WatchRequest(create_request=create)
+                        done.wait()
+
+                    stream = etcdrpc.WatchStub(c.channel).Watch(
+                        requests(), credentials=c.call_credentials, metadata=c.metadata
+                    )
+                    with guard:
+                        current[:] = [(done, stream)]
+                    if stop.is_set():  # set before the stream was there to cancel
+                        stream.cancel()
+                    for resp in stream:
+                        if resp.compact_revision:
+                            next_revision = int(resp.compact_revision)
+                            on_revision(next_revision)
+                        if resp.events:
+                            revision = max(int(e.kv.mod_revision) for e in resp.events)
+                            next_revision = revision + 1
+                            on_revision(revision)
+                except grpc.RpcError as exc:
+                    if stop.is_set():
+                        return
+                    logger.debug("watch on %s broke (%s); re-opening", key, exc.code())
+                except _RETRYABLE:
+                    pass
+                except ValueError as exc:  # "Cannot invoke RPC on closed channel!": another thread's reset
+                    logger.debug("watch on %s broke (%s); re-opening", key, exc)
+                finally:
+                    done.set()  # the stream is over: its request iterator returns, gRPC's thread for it ends
+                    with guard:
+                        current.clear()
+                if not stop.is_set():
+                    if generation is not None:
+                        self._reset(generation)
+                    stop.wait(0.1)
+        finally:
+            returned.set()
 
     def _watch_once(self, c: Any, key: str, start_revision: int, timeout: float, prefix: bool) -> bool:
         create = etcdrpc.WatchCreateRequest(key=key.encode(), start_revision=start_revision)

@@ -105,3 +105,34 @@ def test_with_etcd_down_each_concurrent_call_fails_with_connection_error_only_at
     # one last attempt may start just before the deadline and take up to request_timeout
     assert durations[-1] <= op_timeout + 1 + 1.5, f"some calls overran op_timeout: {durations}"
 
+
+
+def test_a_watch_retrying_through_an_outage_keeps_its_threads_and_gives_them_all_back_when_stopped(
+    etcd_member: LocalEtcdCluster,
+) -> None:
+    # Found running the suite in parallel: every re-opened stream left two threads blocked until the watch's
+    # stop (its canceller and gRPC's reader of its requests); a watch nobody stopped, on an etcd that was gone,
+    # piled up 20 threads a second until the process could start no more.
+    client = create_client(etcd_member.config(op_timeout=2, request_timeout=1))
+    stop = threading.Event()
+    try:
+        client.put("/outage/watched", b"1")
+        before = threading.active_count()
+        watch = threading.Thread(
+            target=client.watch_revisions, args=("/outage/", client.ping() + 1, lambda _r: None, stop),
+            kwargs={"prefix": True}, daemon=True,
+        )  # fmt: skip
+        watch.start()
+        time.sleep(0.5)
+        etcd_member.stop_member(0)
+        time.sleep(3)  # some 30 tries to re-open the stream
+        during = threading.active_count()
+        stop.set()
+        watch.join(timeout=10)
+        assert not watch.is_alive()
+        assert during - before <= 4, f"{during - before} threads more while the watch retried"
+        time.sleep(1.5)  # its stop forwarder notices within a second
+        assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+    finally:
+        stop.set()
+        client.close()
