@@ -9,7 +9,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,27 +18,11 @@ from pathlib import Path
 
 from elastic.etcd.client import EtcdConnectionError, create_client
 from elastic.etcd.config import EtcdConfig
+from elastic.testing.ports import free_port
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["EtcdMember", "LocalEtcdCluster", "find_etcd_binary", "free_port"]
-
-
-_handed_out: set[tuple[str, int]] = set()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now, never one this process handed out before: the kernel may offer the same
-    ephemeral port to consecutive binds once the probe socket is closed (seen in a fresh network namespace,
-    where an etcd cluster then got the same peer port twice)."""
-    for _ in range(1000):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if (host, port) not in _handed_out:
-            _handed_out.add((host, port))
-            return port
-    raise RuntimeError(f"no fresh free port on {host}")
 
 
 def find_etcd_binary() -> str:

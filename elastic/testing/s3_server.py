@@ -7,7 +7,6 @@ Needs the ``moto[server]`` package (a ``dev`` extra); nothing is imported from i
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
+from elastic.testing.ports import free_port
+
 __all__ = ["LocalS3Server"]
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class LocalS3Server:
@@ -35,7 +30,7 @@ class LocalS3Server:
         if not host.startswith("127."):
             raise ValueError("the local S3 server only binds loopback addresses (127.0.0.0/8)")
         self.host = host
-        self.port = port or _free_port(host)
+        self.port = port or free_port(host)
         self._log_path = log_path
         self._log: IO[bytes] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
