@@ -1,7 +1,13 @@
-"""Shared fixtures: real etcd servers on free loopback ports, each with its own temporary data dir."""
+"""Shared fixtures: real etcd servers on free loopback ports, each with its own temporary data dir.
+
+Under pytest-xdist (``scripts/test.sh``) every worker is a process with its own session fixtures; its
+servers take ports from a range of its own (``ETRAIN_PORT_RANGE``, below), and ``tests/parallel.py`` decides
+which worker runs what.
+"""
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +16,28 @@ import pytest
 
 from elastic.etcd import EtcdClient, create_client
 from elastic.testing.etcd_server import LocalEtcdCluster
+from elastic.testing.ports import PORT_RANGE_ENV
+from tests.parallel import (  # noqa: F401  (hooks of the parallel run)
+    pytest_addoption,
+    pytest_runtest_logreport,
+    pytest_runtest_makereport,
+    pytest_runtest_setup,
+    pytest_sessionfinish,
+    pytest_xdist_make_scheduler,
+)
+
+#: the ports the xdist workers' servers use, split evenly between them: below the kernel's ephemeral range
+#: (32768 up), so no worker's probed-but-not-yet-bound port is offered to another worker or to a connection
+WORKER_PORTS = (16000, 32000)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if worker.startswith("gw") and worker[2:].isdigit() and count > 0 and PORT_RANGE_ENV not in os.environ:
+        span = (WORKER_PORTS[1] - WORKER_PORTS[0]) // count
+        low = WORKER_PORTS[0] + int(worker[2:]) * span
+        os.environ[PORT_RANGE_ENV] = f"{low}-{low + span - 1}"  # the worker's subprocesses inherit it
 
 
 @pytest.fixture(scope="session")

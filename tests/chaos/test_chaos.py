@@ -19,7 +19,12 @@ import pytest
 from tests.chaos.runner import ChaosConfig, ChaosReport, Fault, FaultKind, run_chaos
 from tests.integration.netns import unavailable_reason
 
-pytestmark = pytest.mark.timeout(720)  # the first test's budget includes the session (~4 min)
+pytestmark = [
+    pytest.mark.timeout(720),  # the first test's budget includes the session (~4 min)
+    # one worker runs the module (its fixture is the session) and, after it, the namespace tests: their
+    # cleanup of stale namespaces must not meet another worker's (tests/parallel.py)
+    pytest.mark.xdist_group("netns"),
+]
 NO_NETNS = unavailable_reason()
 
 

@@ -18,6 +18,9 @@ from tests.integration.netns import (
 )
 
 REASON = unavailable_reason()
+# with the chaos suite on one worker: one test plants a dead creator's namespace for its own cleanup to find,
+# which any other create_topology() would remove first (tests/parallel.py)
+pytestmark = pytest.mark.xdist_group("netns")
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable: {REASON}")
 PORT = 47001
 LISTEN = (

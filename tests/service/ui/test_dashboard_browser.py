@@ -16,6 +16,7 @@ from elastic.testing.etcd_server import LocalEtcdCluster
 from tests.service.conftest import ADMIN, READER, make_settings
 from tests.service.ui.conftest import UiPage, serve
 
+pytestmark = pytest.mark.xdist_group("dashboard_browser")  # one worker, one browser (a module fixture)
 SPEC: dict[str, Any] = {"name": "ui-train", "entrypoint": "train.py", "min_nodes": 1, "max_nodes": 2}
 
 

@@ -17,6 +17,8 @@ from service.testing.cluster import REPO, LocalServiceCluster
 from tests.service.conftest import ADMIN, READER
 from tests.service.ui.conftest import UiPage, browser_missing, start_controller_with_tokens
 
+# one worker runs the module, in order: its tests share the module's job, and the last one kills an agent
+pytestmark = pytest.mark.xdist_group("dashboard_cluster")
 DEMO_JOB = REPO / "examples" / "demo_job.py"
 # never finishes within a test: the cluster is stopped under it
 SPEC: dict[str, Any] = {

@@ -1,0 +1,211 @@
+"""Running the suite in parallel with pytest-xdist (``scripts/test.sh`` passes ``-n``; see its header).
+
+What runs where (``--dist loadgroup``, set in ``pyproject.toml``; this module's scheduler replaces xdist's):
+
+- Units: as xdist's ``loadgroup`` defines them. Tests marked ``@pytest.mark.xdist_group(name)`` form one unit
+  that runs on one worker in collection order (modules with module-scoped fixtures, or whose tests build on
+  each other, carry such a mark); every other test is a unit of its own.
+- Order: the longest units first (longest processing time first), from the serial wall times recorded in
+  ``tests/durations.json``; a test missing there counts as :data:`DEFAULT_WALL` seconds.
+- Heavy units, :data:`HEAVY_CPU_S` CPU seconds or more (real torchrun jobs, service clusters, the chaos
+  session: processes that each import torch and train), run on at most ``PYTEST_HEAVY_SLOTS`` workers at a
+  time (default :data:`HEAVY_SLOTS`): on two cores, more training jobs at once starve each other and their
+  progress deadlines fail. A worker running one is given only cheap units to go with it; the other workers
+  run the light units (most of them wait on etcd, sockets or timers), and once those are gone they stop,
+  leaving the rest to the heavy slots.
+
+Each worker is a process of its own with its own session fixtures (etcd, the moto server, the browser) on
+ports of its own (``ETRAIN_PORT_RANGE``, ``tests/conftest.py``) and under its own ``popen-gw<N>`` temporary
+directory.
+
+``--durations-out PATH`` writes a run's durations in ``tests/durations.json``'s format (per test: wall
+seconds of setup + call + teardown, and the CPU seconds of the test's process and of the subprocesses it
+waited for; tests under 0.5 s of both are left out). Refresh that file from a serial run after adding or
+changing slow tests::
+
+    .venv/bin/python -m pytest -m "not slow" -n 0 --durations-out tests/durations.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+DURATIONS = Path(__file__).with_name("durations.json")
+DEFAULT_WALL = 0.1  # seconds: most tests take less
+HEAVY_CPU_S = 5.0
+HEAVY_SLOTS = 2
+RECORD_MIN_S = 0.5
+
+
+def _strip_group(nodeid: str) -> str:
+    """The test's own id: loadgroup appends ``@<group>`` to the ids of marked tests."""
+    if nodeid.rfind("@") > nodeid.rfind("]"):
+        return nodeid.rsplit("@", 1)[0]
+    return nodeid
+
+
+def load_durations(path: Path = DURATIONS) -> dict[str, tuple[float, float]]:
+    """``{nodeid: (wall seconds, CPU seconds)}`` from ``path`` (empty when it is missing or unreadable)."""
+    try:
+        data = json.loads(path.read_text())
+        return {str(k): (float(v[0]), float(v[1])) for k, v in data.items()}
+    except (OSError, ValueError, TypeError, IndexError):
+        return {}
+
+
+def heavy_slots() -> int:
+    raw = os.environ.get("PYTEST_HEAVY_SLOTS", "")
+    return max(1, int(raw)) if raw.isdigit() else HEAVY_SLOTS
+
+
+try:
+    from xdist.scheduler import LoadGroupScheduling
+except ImportError:  # pytest-xdist is in the [test] extra; without it the suite runs serially
+    LoadGroupScheduling = None
+
+
+if LoadGroupScheduling is not None:
+
+    class PlannedScheduling(LoadGroupScheduling):
+        """``loadgroup``'s units, the longest first; heavy ones on at most ``slots`` workers at a time."""
+
+        def __init__(self, config: pytest.Config, log: Any = None) -> None:
+            super().__init__(config, log)
+            self.durations = load_durations()
+            self.slots = heavy_slots()
+            self.wall: dict[str, float] = {}
+            self.heavy: set[str] = set()
+
+        def _pending_scopes(self, node: Any) -> list[str]:
+            return [scope for scope, unit in self.assigned_work[node].items() if not all(unit.values())]
+
+        def _pending_tests(self, node: Any) -> int:
+            return sum(1 for unit in self.assigned_work[node].values() for done in unit.values() if not done)
+
+        def _holds_slot(self, node: Any) -> bool:
+            return any(scope in self.heavy for scope in self._pending_scopes(node))
+
+        def _pick(self, node: Any) -> str | None:
+            """The scope to give ``node`` next, or None when nothing in the queue may go to it now."""
+            holds = self._holds_slot(node)
+            light = next((s for s in self.workqueue if s not in self.heavy), None)
+            if not holds:
+                busy = sum(1 for n in self.assigned_work if n is not node and self._holds_slot(n))
+                heavy = next((s for s in self.workqueue if s in self.heavy), None)
+                if heavy is not None and busy < self.slots:
+                    return heavy
+                return light
+            # behind a heavy unit: the cheapest light one, it only has to keep the worker going
+            cheapest = next((s for s in reversed(self.workqueue) if s not in self.heavy), None)
+            if cheapest is not None:
+                return cheapest
+            return next(iter(self.workqueue), None)  # only heavy ones are left: the next, on the same slot
+
+        def _reschedule(self, node: Any) -> None:
+            if node.shutting_down:
+                return
+            # a worker starts a test only once it has the next one (or is told to stop): keep two queued
+            while self._pending_tests(node) < 2:
+                scope = self._pick(node) if self.workqueue else None
+                if scope is None:
+                    # nothing left, or only heavy units the slots' workers will run: this one is done
+                    node.shutdown()
+                    return
+                work_unit = self.workqueue.pop(scope)
+                self.assigned_work[node][scope] = work_unit
+                collection = self.registered_collections[node]
+                node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+
+        def schedule(self) -> None:
+            assert self.collection_is_completed
+            if self.collection is not None:
+                for node in self.nodes:
+                    self._reschedule(node)
+                return
+            if not self._check_nodes_have_same_collection():
+                self.log("**Different tests collected, aborting run**")
+                return
+            self.collection = list(next(iter(self.registered_collections.values())))
+            if not self.collection:
+                return
+            units: dict[str, dict[str, bool]] = {}
+            for nodeid in self.collection:
+                units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
+            for scope, unit in units.items():
+                known = [self.durations.get(_strip_group(nodeid), (DEFAULT_WALL, 0.0)) for nodeid in unit]
+                self.wall[scope] = sum(w for w, _ in known)
+                if sum(c for _, c in known) >= HEAVY_CPU_S:
+                    self.heavy.add(scope)
+            self._sort_queue(units)
+            for node in self.nodes:
+                self._reschedule(node)
+
+        def _sort_queue(self, units: dict[str, dict[str, bool]]) -> None:
+            order = sorted(units, key=lambda s: -self.wall.get(s, DEFAULT_WALL))  # stable among equals
+            self.workqueue = OrderedDict((scope, units[scope]) for scope in order)
+
+        def remove_node(self, node: Any) -> str | None:
+            crashed = super().remove_node(node)  # a crashed worker's units go back into the queue
+            self._sort_queue(dict(self.workqueue))
+            return crashed
+
+
+# -- hooks (tests/conftest.py imports them) --------------------------------------------------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--durations-out", metavar="PATH", default=None,
+        help="write each test's wall and CPU seconds as JSON (the format of tests/durations.json)",
+    )  # fmt: skip
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if LoadGroupScheduling is not None and config.getvalue("dist") == "loadgroup":
+        return PlannedScheduling(config, log)
+    return None
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_cpu_start: dict[str, float] = {}
+_measured: dict[str, list[float]] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.config.getoption("durations_out", None):
+        _cpu_start[item.nodeid] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if report.when == "teardown" and item.nodeid in _cpu_start:  # to the controller with the report
+        report.user_properties.append(("cpu_s", _cpu_seconds() - _cpu_start.pop(item.nodeid)))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Every phase's report, in the controller too (xdist replays the workers' reports there)."""
+    entry = _measured.setdefault(_strip_group(report.nodeid), [0.0, 0.0])
+    entry[0] += report.duration
+    entry[1] += sum(float(v) for k, v in report.user_properties if k == "cpu_s")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    out = session.config.getoption("durations_out", None)
+    if not out or os.environ.get("PYTEST_XDIST_WORKER"):  # written once, by the controller or the only process
+        return
+    kept = {k: v for k, v in sorted(_measured.items()) if max(v) >= RECORD_MIN_S}
+    lines = [f"{json.dumps(k)}: [{v[0]:.1f}, {v[1]:.1f}]" for k, v in kept.items()]
+    Path(out).write_text("{\n" + ",\n".join(lines) + "\n}\n")
