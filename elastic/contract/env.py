@@ -65,6 +65,7 @@ __all__ = [
     "MAX_NODES",
     "MIN_NODES",
     "NODE_NAME",
+    "PORT_RANGE",
     "PREFIX",
     "PREFORK",
     "PREFORK_CLIENT",
@@ -120,6 +121,8 @@ PREFORK_DIR = "ETRAIN_PREFORK_DIR"
 # unset: the worker's torchrun agent
 PREFORK_OWNER = "ETRAIN_PREFORK_OWNER"
 PREFORK_CLIENT = "ETRAIN_PREFORK_CLIENT"
+# "LOW-HIGH": the ports the local test servers take (elastic.testing.ports; each parallel test worker has its own)
+PORT_RANGE = "ETRAIN_PORT_RANGE"
 # -- torchrun's own, for each worker it starts (read only) -------------------------------------------------
 TORCHRUN_RANK = "RANK"  # the worker's rank in torchrun's world (node-local under live recovery)
 TORCHRUN_WORLD_SIZE = "WORLD_SIZE"

@@ -12,9 +12,11 @@ import os
 import random
 import socket
 
+from elastic.contract import env as contract
+
 __all__ = ["PORT_RANGE_ENV", "free_port", "port_range"]
 
-PORT_RANGE_ENV = "ETRAIN_PORT_RANGE"
+PORT_RANGE_ENV = contract.PORT_RANGE
 
 _handed_out: set[tuple[str, int]] = set()
 
