@@ -19,11 +19,13 @@ from elastic.testing.etcd_server import LocalEtcdCluster
 from elastic.testing.ports import PORT_RANGE_ENV
 from tests.parallel import (  # noqa: F401  (hooks of the parallel run)
     pytest_addoption,
+    pytest_configure_node,
     pytest_runtest_logreport,
     pytest_runtest_makereport,
     pytest_runtest_setup,
     pytest_sessionfinish,
     pytest_xdist_make_scheduler,
+    use_loadgroup,
 )
 
 #: the ports the xdist workers' servers use, split evenly between them: below the kernel's ephemeral range
@@ -32,6 +34,7 @@ WORKER_PORTS = (16000, 32000)
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    use_loadgroup(config)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if worker.startswith("gw") and worker[2:].isdigit() and count > 0 and PORT_RANGE_ENV not in os.environ:

@@ -1,6 +1,7 @@
 """Running the suite in parallel with pytest-xdist (``scripts/test.sh`` passes ``-n``; see its header).
 
-What runs where (``--dist loadgroup``, set in ``pyproject.toml``; this module's scheduler replaces xdist's):
+What runs where (with ``-n N``, which :func:`use_loadgroup` makes ``--dist loadgroup``; this module's scheduler
+replaces xdist's):
 
 - Units: as xdist's ``loadgroup`` defines them. Tests marked ``@pytest.mark.xdist_group(name)`` form one unit
   that runs on one worker in collection order (modules with module-scoped fixtures, or whose tests build on
@@ -163,6 +164,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--durations-out", metavar="PATH", default=None,
         help="write each test's wall and CPU seconds as JSON (the format of tests/durations.json)",
     )  # fmt: skip
+
+
+def use_loadgroup(config: pytest.Config) -> None:
+    """``-n N`` alone means ``--dist load``: make it ``loadgroup``, so that ``xdist_group`` marks hold. Not an ini
+    option: a machine without pytest-xdist (scripts/gpu_check.sh's) must still parse the command line.
+
+    The controller switches its own option; its workers parse the command line again (where ``-n`` alone means
+    no grouping), so it tells them through their ``workerinput`` (:func:`pytest_configure_node`)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # a worker
+        if workerinput.get(_LOADGROUP):
+            config.option.loadgroup = True
+    elif getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+
+
+_LOADGROUP = "etrain_loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """In the controller, for each worker it starts: pass on ``loadgroup`` (:func:`use_loadgroup`)."""
+    node.workerinput[_LOADGROUP] = node.config.getvalue("dist") == "loadgroup"
 
 
 @pytest.hookimpl(optionalhook=True)
