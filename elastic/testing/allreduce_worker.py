@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from elastic import compat
+from elastic.contract import env as contract
 
 
 def _append(path: Path, record: dict[str, object]) -> None:
@@ -43,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    node = os.environ.get("GROUP_RANK", "?")
+    restart = int(os.environ.get(contract.TORCHRUN_RESTART_COUNT, "0"))
+    node = os.environ.get(contract.TORCHRUN_GROUP_RANK, "?")
     step_file = out / "step"
     start = int(step_file.read_text()) if step_file.exists() else 0
     # Everyone starts from rank 0's view of the step.

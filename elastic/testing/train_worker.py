@@ -85,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--checkpoint-url (or $ETRAIN_CHECKPOINT_URL) is required")
     torch.set_num_threads(1)
     args.record.mkdir(parents=True, exist_ok=True)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = int(os.environ.get(worker_env.TORCHRUN_RESTART_COUNT, "0"))
     # One worker group (one rendezvous round) = one attempt; its master port is chosen anew each round.
-    attempt = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}:{os.environ.get('WORLD_SIZE')}"
+    master = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    attempt = f"{master}:{os.environ.get(worker_env.TORCHRUN_WORLD_SIZE)}"
     dataset = make_dataset(args.samples)
     model = make_model(args.seed, args.dropout)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
