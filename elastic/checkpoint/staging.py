@@ -37,7 +37,7 @@ from elastic.checkpoint.device_copy import CopyOps, CudaCopyOps, StagingEvent
 from elastic.checkpoint.device_staging import DeviceBufferPool, StageRequest
 from elastic.checkpoint.tree import map_leaves
 
-__all__ = ["FlatState", "Stager"]
+__all__ = ["FlatState", "Stager", "tensor_signature"]
 
 logger = logging.getLogger(__name__)
 
@@ -379,6 +379,13 @@ class Stager:
         self._trim(0)
         if self._pool is not None:
             self._pool.release()
+
+
+def tensor_signature(state: Any) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """What the staging buffers of a save of ``state`` depend on: each distinct tensor's device, shape and
+    dtype, in order (equal signatures: the same buffers fit)."""
+    _, sources = _split(state, copy=False)
+    return tuple((str(t.device), tuple(t.shape), t.dtype) for t in sources)
 
 
 def _split(state: Any, *, copy: bool) -> tuple[Any, list[torch.Tensor]]:
