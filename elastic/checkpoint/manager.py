@@ -159,6 +159,10 @@ class FsspecCheckpointManager(CheckpointManager):
         with self._lock:
             self._warm_up.start(mapping, self._future)
 
+    def wait_prepared(self) -> None:
+        """Block until the staging warm-up started by :meth:`prepare` (if any) is done (benchmarks, tests)."""
+        self._warm_up.join()
+
     def _warm_up_waited(self, seconds: float) -> None:
         logger.info("checkpoint save waited %.3fs for the staging warm-up to finish", seconds)
 
