@@ -303,3 +303,123 @@ def test_manager_builds_device_staging_from_its_options(tmp_path: Path) -> None:
         assert pool.settings == DeviceStagingSettings(enabled=False, margin_bytes=MIB, margin_fraction=0.2)
     with create_checkpoint_manager(str(tmp_path)) as mgr:
         assert mgr._stager.device_pool is not None and mgr._stager.device_pool.settings.enabled
+
+
+# -- CUDA -------------------------------------------------------------------------------------------------
+def needs_cuda(test: Any) -> Any:
+    """Marked ``cuda`` (``pytest -m cuda``, as scripts/gpu_check.sh runs them), skipped without CUDA."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
+
+
+def cuda_stager(settings: DeviceStagingSettings = NO_MARGIN) -> Stager:
+    from elastic.checkpoint.device_staging import CudaDeviceMemory
+
+    return Stager(pinned_limit_bytes=16 << 30, device_pool=DeviceBufferPool(CudaDeviceMemory(), settings))
+
+
+def cuda_adamw() -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.BatchNorm1d(512), nn.Linear(512, 64)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cuda_step(model, optimizer)
+    return model, optimizer, {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def cuda_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    model(torch.randn(32, 512, device="cuda")).square().mean().backward()
+    optimizer.step()
+
+
+def leaves(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in leaves(v)]
+    if isinstance(obj, list):
+        return [t for v in obj for t in leaves(v)]
+    return []
+
+
+def host_clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [host_clone(v) for v in obj]
+    return obj
+
+
+@needs_cuda
+@pytest.mark.timeout(120)
+def test_cuda_device_staged_overlapped_save_round_trips_bit_exactly(tmp_path: Path) -> None:
+    model, optimizer, state = cuda_adamw()
+    expected = host_clone(state)
+    cuda_bytes = sum(t.numel() * t.element_size() for t in leaves(state) if t.is_cuda)
+    with create_checkpoint_manager(str(tmp_path), CheckpointOptions(device_staging_margin_bytes=0)) as mgr:
+        mgr.save(1, state, overlap_with=optimizer)
+        for _ in range(3):
+            cuda_step(model, optimizer)  # changes every saved tensor while the drain may still run
+        mgr.wait()
+        assert mgr.last_device_staged_bytes == cuda_bytes  # all of them (AdamW's step counts are host tensors)
+        assert_same(mgr.load(1).state, expected)
+
+
+@needs_cuda
+@pytest.mark.timeout(120)
+def test_cuda_fence_waits_for_the_device_copy_not_for_the_drain() -> None:
+    state = {f"w{i}": torch.randn(64 << 20, device="cuda") for i in range(4)}  # 4 x 256 MiB
+    expected = host_clone(state)
+    stager = cuda_stager()
+    warm = stager.flatten(state, copy=True, defer=lambda t: True)  # allocates the buffers (pinned, device)
+    warm.finish_staging()
+    torch.cuda.synchronize()
+    for t in state.values():
+        t.add_(1.0)
+    expected = host_clone(state)
+    flat = stager.flatten(state, copy=True, defer=lambda t: True)  # every tensor behind the fence
+    assert flat.device_staged == (0, 1, 2, 3)
+    fence, drain = flat.fence_events[0], flat.copy_events[0]
+    fence.wait()  # what optimizer.step() would be ordered after: the device-to-device copies
+    assert not drain.query(), "the 1 GiB device-to-host drain finished with the device-to-device copy"
+    flat.fence()
+    for t in state.values():
+        t.mul_(-3.0)  # the next step may change the sources now: the device buffers hold the snapshot
+    flat.finish_staging()
+    assert drain.query()
+    for got, want in zip(flat.tensors, expected.values(), strict=True):
+        assert torch.equal(got, want)
+
+
+@needs_cuda
+@pytest.mark.timeout(120)
+def test_cuda_a_margin_forces_a_per_tensor_fallback(caplog: pytest.LogCaptureFixture) -> None:
+    size = 64 << 20  # bytes per tensor
+    state = {f"w{i}": torch.randn(size // 4, device="cuda") for i in range(3)}
+    expected = host_clone(state)
+    free, _total = torch.cuda.mem_get_info()
+    settings = DeviceStagingSettings(margin_bytes=max(0, free - size - size // 2), margin_fraction=0.0)
+    stager = cuda_stager(settings)
+    with caplog.at_level(logging.INFO, logger=DEVICE_LOGGER):
+        flat = stager.flatten(state, copy=True)
+    assert flat.device_staged == (0,)  # room for one: the first, the others straight to the host
+    assert any("mixed" in r.getMessage() for r in caplog.records)
+    flat.finish_staging()
+    for got, want in zip(flat.tensors, expected.values(), strict=True):
+        assert torch.equal(got, want)
+
+
+@needs_cuda
+@pytest.mark.timeout(120)
+def test_cuda_after_prepare_the_first_save_allocates_nothing(tmp_path: Path) -> None:
+    _model, optimizer, state = cuda_adamw()
+    with create_checkpoint_manager(str(tmp_path), CheckpointOptions(device_staging_margin_bytes=0)) as mgr:
+        mgr.prepare(state)
+        mgr.wait_prepared()
+        pool = mgr._stager.device_pool
+        assert pool is not None and pool.held_bytes > 0 and mgr._stager.pinned_bytes > 0
+        host, device = mgr._stager.host_allocations, pool.held_bytes
+        mgr.save(1, state, overlap_with=optimizer)
+        mgr.wait()
+        assert (mgr._stager.host_allocations, pool.held_bytes) == (host, device)
