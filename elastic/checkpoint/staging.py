@@ -187,17 +187,21 @@ class Stager:
         return flat
 
     def warm(self, state: Any) -> None:
-        """Allocate the buffers a save of ``state`` will use (pinned host buffers and, as memory allows,
-        device buffers for its device tensors) without copying anything; a save of a state with the same
-        tensors then allocates nothing.  Not concurrently with a save (the manager orders them)."""
+        """Allocate the buffers a (background) save of ``state`` will use without copying anything: pinned
+        host buffers and, as memory allows, device buffers for its device tensors; for host tensors, pageable
+        buffers with their pages touched.  A save of a state with the same tensors then allocates nothing.
+        Not concurrently with a save (the manager orders them)."""
         _, sources = _split(state, copy=False)
         self._trim(len(sources))
         indices = [i for i, src in enumerate(sources) if self._ops.device_of(src) is not None]
-        if not indices:
-            return
-        devices = {index: self._device(sources[index]) for index in indices}
-        buffers = self._device_buffers(sources, indices)
-        self._plan_device(sources, indices, devices, buffers)
+        for index, src in enumerate(sources):
+            slot = self._slot(index)
+            if self._ops.device_of(src) is None and (slot is None or not self._fits(slot, src)):
+                self._put(index, self._host_empty(src).zero_(), pinned=False)  # zero_: faults the pages in now
+        if indices:
+            devices = {index: self._device(sources[index]) for index in indices}
+            buffers = self._device_buffers(sources, indices)
+            self._plan_device(sources, indices, devices, buffers)
 
     # -- host (CPU) tensors ---------------------------------------------------------------------------
     def _copy(self, index: int, src: torch.Tensor) -> torch.Tensor:

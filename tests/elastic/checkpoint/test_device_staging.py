@@ -293,6 +293,19 @@ def test_a_save_racing_the_warm_up_waits_for_it_and_is_correct(tmp_path: Path, o
     mgr.close()
 
 
+@pytest.mark.timeout(60)
+def test_prepare_warms_host_tensors_buffers_too(tmp_path: Path) -> None:
+    _model, optimizer, state = adamw_state()  # CPU tensors, the default stager: no device path at all
+    with create_checkpoint_manager(str(tmp_path)) as mgr:
+        mgr.prepare(state)
+        mgr.wait_prepared()
+        allocated = mgr._stager.host_allocations
+        assert allocated == len(mgr._stager._buffers) > 0
+        mgr.save(1, state, overlap_with=optimizer)
+        mgr.wait()
+        assert mgr._stager.host_allocations == allocated and mgr.last_device_staged_bytes == 0
+
+
 def test_manager_builds_device_staging_from_its_options(tmp_path: Path) -> None:
     options = CheckpointOptions(
         device_staging=False, device_staging_margin_bytes=MIB, device_staging_margin_fraction=0.2
