@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
 
+# One plan (measure free memory, allocate) at a time in this process: two managers (the durable one and the
+# node-local tier's) warming up at once must not both count the same free memory.
+_PLAN_LOCK = threading.Lock()
+
 
 @dataclass(frozen=True)
 class DeviceStagingSettings:
@@ -251,6 +255,12 @@ class DeviceBufferPool:
             plan = plan_device_staging(requests, (), {}, self._settings)
             self._log(plan)
             return plan
+        with _PLAN_LOCK:
+            plan = self._plan_and_allocate(requests, wanted)
+        self._log(plan)
+        return plan
+
+    def _plan_and_allocate(self, requests: Sequence[StageRequest], wanted: dict[int, StageRequest]) -> DevicePlan:
         devices = sorted({r.device for r in requests})
         memory = {d: self._memory.mem_info(d) for d in devices}
         plan = plan_device_staging(requests, self._buffers.keys(), memory, self._settings)
@@ -271,7 +281,6 @@ class DeviceBufferPool:
             direct = tuple(sorted(set(plan.direct) | set(failed)))
             reason = f"{plan.reason}; {len(failed)} device buffer allocation(s) failed (out of memory)"
             plan = DevicePlan(tuple(staged), direct, plan.budgets, reason)
-        self._log(plan)
         return plan
 
     def _log(self, plan: DevicePlan) -> None:

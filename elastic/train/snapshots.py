@@ -114,12 +114,11 @@ class LoopCheckpoints:
         if self._warmed or self.manager is None:
             return
         self._warmed = True
-        if not self.manager.is_writer:
-            return
+        state = capture_training_state(cursor.step, model, optimizer, scheduler, gather_rng=False,
+                                       **cursor.state())  # fmt: skip
         try:
-            state = capture_training_state(cursor.step, model, optimizer, scheduler, gather_rng=False,
-                                           **cursor.state())  # fmt: skip
-            self.manager.prepare(state)
+            self.manager.prepare(state)  # nothing where this rank does not write
+            self.tiers.prepare(state)  # the node-local tier's manager, when on here
         except CheckpointError as exc:  # the first save allocates its buffers itself
             logger.warning("checkpoint staging warm-up not started: %s", exc)
 
