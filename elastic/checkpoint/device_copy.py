@@ -152,10 +152,13 @@ class HostCopyOps:
     every tensor, on device 0).  ``hold(phase)`` keeps that phase's copies (and everything after them on the
     stream) from running until ``release(phase)``; ``fail(phase)`` makes that phase's copies raise.
     ``log`` records ``(phase, destination data_ptr)`` as copies run, and ``"wait"`` entries as host waits
-    return."""
+    return.  ``needs_pinned_host``: behave like CUDA, whose drains need pinned host buffers."""
 
-    def __init__(self, on_device: Callable[[torch.Tensor], int | None] | None = None) -> None:
+    def __init__(
+        self, on_device: Callable[[torch.Tensor], int | None] | None = None, *, needs_pinned_host: bool = False
+    ) -> None:
         self._on_device = on_device or (lambda _t: 0)
+        self._needs_pinned_host = needs_pinned_host
         self._queues: dict[int, queue.SimpleQueue[Callable[[], None] | None]] = {}
         self._errors: dict[int, BaseException | None] = {}
         self._gates: dict[str, threading.Event] = {}
@@ -165,7 +168,7 @@ class HostCopyOps:
 
     @property
     def needs_pinned_host(self) -> bool:
-        return False
+        return self._needs_pinned_host
 
     def device_of(self, tensor: torch.Tensor) -> int | None:
         return self._on_device(tensor)

@@ -139,6 +139,7 @@ class Stager:
         self._pinned_held = 0
         self._pin_error: str | None = None  # pinning failed once: never tried again
         self._warned = False
+        self._said_unpinned = False  # logged once: device-side staging skipped for want of pinned buffers
 
     @property
     def ops(self) -> CopyOps:
@@ -251,6 +252,16 @@ class Stager:
         if self._pool is None:
             return ()
         eligible = [i for i in sorted(indices) if buffers[i].pinned or not self._ops.needs_pinned_host]
+        if len(eligible) < len(indices) and self._pool.settings.enabled and not self._said_unpinned:
+            self._said_unpinned = True
+            logger.info(
+                "checkpoint staging: %d of %d CUDA tensors are copied straight to the host, not device-side: "
+                "they have no pinned host buffer to drain into (pinned_staging_bytes=%s, pinning %s)",
+                len(indices) - len(eligible),
+                len(indices),
+                _size(self._pinned_limit),
+                f"failed: {self._pin_error}" if self._pin_error is not None else "capped",
+            )
         requests = [StageRequest.of(i, devices[i], sources[i]) for i in eligible if sources[i].numel() > 0]
         if not requests:
             return ()

@@ -209,6 +209,24 @@ def test_a_failed_stage_copy_does_not_raise_in_the_fence(ops: HostCopyOps) -> No
         flat.finish_staging()
 
 
+def test_without_pinned_host_buffers_nothing_is_device_staged_and_it_is_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ops = HostCopyOps(needs_pinned_host=True)  # like CUDA: a drain into pageable memory would block
+    try:
+        stager = stager_for(ops, free=64 * MIB)  # pinned_limit_bytes=0: never pin
+        state = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+        with caplog.at_level(logging.INFO, logger="elastic.checkpoint.staging"):
+            flat = stager.flatten(state, copy=True)
+        flat.finish_staging()
+        assert flat.device_staged == ()
+        said = [r.getMessage() for r in caplog.records if "not device-side" in r.getMessage()]
+        assert len(said) == 1 and "2 of 2" in said[0]
+        assert all(torch.equal(t, s) for t, s in zip(flat.tensors, state.values(), strict=True))
+    finally:
+        ops.close()
+
+
 # -- the manager over in-memory copy streams --------------------------------------------------------------
 def adamw_state() -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
     torch.manual_seed(0)
