@@ -7,9 +7,12 @@ with SGD + momentum on CPU) in one local directory (``--dir``, default a temp di
 - synchronous ``torch.save`` (what a plain training loop blocks for) and ``dcp.async_save`` (until it returns);
 - our background save: how long ``save`` holds the loop (on CUDA: until the GPU may go on), and the background
   write throughput (data + fsync + manifest commit, then verification: hash, write, fsync, verify);
-- on CUDA, a device-to-host copy of the same bytes into pinned buffers (the floor for any staging);
+- on CUDA, a device-to-host copy of the same bytes into pinned buffers (the floor for any staging), and a
+  device-to-device copy of them (the floor for device-side staging);
 - the next-step stall: a training step right after ``save(..., overlap_with=optimizer)`` (as the elastic loop
-  does it) against a step without a save;
+  does it) against a step without a save, with staging straight to the host (``device_staging=False``: the
+  rows without a suffix, as before issue 29) and with device-side staging (the default since; its own rows);
+- the first save's blocking time without and with ``prepare`` (the warm-up) done before it;
 - loading the newest snapshot (read + verify) into the device, against ``dd`` reading the same files;
 - a GIL-bound loop during a background save, and (unless ``--no-s3``) S3 through a local moto server.
 
@@ -85,7 +88,8 @@ class OursRun:
     the next kernels would change is done), not just until ``save`` returns."""
 
     def __init__(self, url: str, storage_options: dict[str, Any], workload: Workload | None = None) -> None:
-        self.mgr = create_checkpoint_manager(url, CheckpointOptions(storage_options=storage_options, keep_last=2))
+        options = CheckpointOptions(storage_options=storage_options, keep_last=2, device_staging=False)
+        self.mgr = create_checkpoint_manager(url, options)
         self.mgr.check_storage()
         self.workload = workload
         self.step = 0
@@ -166,14 +170,50 @@ class DcpRun:
         return {"first_blocking_s": self.first_blocking_s, "blocking_s": self.blocking, "total_s": self.total}
 
 
+def device_copy_seconds(workload: Workload, repeats: int) -> list[float]:
+    """A device-to-device copy of the whole state into buffers allocated beforehand (the floor for device-side
+    staging): seconds per copy, or [] on CPU."""
+    if workload.device.type != "cuda":
+        return []
+    sources = workload.tensors()
+    buffers = [torch.empty_like(t) for t in sources]
+
+    def copy_all() -> None:
+        for buf, src in zip(buffers, sources, strict=True):
+            buf.copy_(src, non_blocking=True)
+
+    copy_all()
+    workload.sync()
+    return [workload.timed(copy_all) for _ in range(repeats)]
+
+
+def warm_first_save(url: str, workload: Workload) -> dict[str, Any]:
+    """A fresh manager (default options: device-side staging on), ``prepare`` done before its first save: the
+    seconds the warm-up took, and how long that first save, then a second one, held the loop."""
+    state = workload.state(0)
+    with create_checkpoint_manager(url, CheckpointOptions(keep_last=1)) as mgr:
+        start = time.perf_counter()
+        mgr.prepare(state)
+        mgr.wait_prepared()
+        warm_s = time.perf_counter() - start
+        first = workload.timed(lambda: mgr.save(1, state))
+        mgr.wait()
+        second = workload.timed(lambda: mgr.save(2, state))
+        mgr.wait()
+        staged = mgr.last_device_staged_bytes
+    return {"warm_up_s": warm_s, "first_blocking_s": first, "second_blocking_s": second, "device_staged_bytes": staged}
+
+
 def bench_local(directory: Path, workload: Workload, repeats: int) -> dict[str, Any]:
     """Interleaved rounds (dd, torch.save, ours, DCP, pinned copy) so that a noisy disk or CPU affects all alike."""
     state = workload.state(0)
     nbytes = state_bytes(state)
     ours = OursRun(str(directory / "elastic"), {}, workload)
     dcp_run = DcpRun(directory)
-    ours.once(state)  # warm-up: staging buffers
+    ours.once(state)  # warm-up: staging buffers (its first save, reported apart: pinned memory allocated then)
     dcp_run.once(state)
+    # after that first save, so that its pinned memory was not in torch's pinned cache yet (freed by this one)
+    warmed = warm_first_save(str(directory / "warmed"), workload)
     dd, plain, synced, pinned = [], [], [], []
     for _ in range(repeats):  # os.sync() between measurements: no one pays for another's dirty pages
         dd.append(dd_once(directory, nbytes))
@@ -193,6 +233,8 @@ def bench_local(directory: Path, workload: Workload, repeats: int) -> dict[str, 
         "ours": ours.finish(state),
         "dcp_async_save": dcp_run.result(),
         "pinned_copy_s": pinned,
+        "device_copy_s": device_copy_seconds(workload, max(2, repeats)),
+        "warmed_first_save": warmed,
     }
 
 
@@ -258,13 +300,18 @@ def bench_overlap(url: str, workload: Workload, repeats: int) -> dict[str, Any]:
 
     Blocking = time in ``save`` + time the next ``optimizer.step()`` waited (on the host) for the copy.  The
     stall = (capture the state + save + the next step) - a step without a save, all with the GPU's work done.
+    ``copy_in_save`` and ``overlap_with_optimizer`` stage straight to the host (``device_staging=False``);
+    ``overlap_device_side`` is ``overlap_with_optimizer`` with device-side staging (the default options).
     """
     results: dict[str, Any] = {}
     steps = [workload.timed(workload.step) for _ in range(max(3, repeats))]
-    for label, overlap in (("copy_in_save", False), ("overlap_with_optimizer", True)):
+    runs = [("copy_in_save", False, False), ("overlap_with_optimizer", True, False)]
+    runs.append(("overlap_device_side", True, True))
+    for label, overlap, device_side in runs:
         call, fence, with_save = [], [], []
         optimizer = workload.optimizer if overlap else None
-        with create_checkpoint_manager(url + "-" + label, CheckpointOptions(keep_last=1)) as mgr:
+        options = CheckpointOptions(keep_last=1, device_staging=device_side)
+        with create_checkpoint_manager(url + "-" + label, options) as mgr:
             for step in range(repeats + 1):
                 box: dict[str, float] = {}
 
@@ -282,6 +329,7 @@ def bench_overlap(url: str, workload: Workload, repeats: int) -> dict[str, Any]:
                 call.append(box["call"])
                 fence.append(mgr.last_fence_wait_s)
                 mgr.wait()
+            staged = mgr.last_device_staged_bytes
         step_s = statistics.median(steps)
         results[label] = {
             "save_call_s": call[1:],
@@ -289,6 +337,7 @@ def bench_overlap(url: str, workload: Workload, repeats: int) -> dict[str, Any]:
             "blocking_s": [c + f for c, f in zip(call[1:], fence[1:], strict=True)],
             "step_with_save_s": with_save[1:],
             "stall_s": [max(0.0, w - step_s) for w in with_save[1:]],
+            "device_staged_bytes": staged,
         }
     results["step_s"] = steps
     results["forward_backward_s"] = [workload.timed(workload.forward_backward) for _ in range(3)]
@@ -409,6 +458,8 @@ def print_report(r: dict[str, Any], repeats: int) -> dict[str, Any]:
     sync_s, blocking_s, dd_bps = med(r["torch_save"]["blocking_s"]), med(ours["blocking_s"]), med(r["dd_bytes_per_s"])
     write_bps, full_bps = med(ours["write_bytes_per_s"]), med(ours["write_verify_bytes_per_s"])
     step_s, stall_s = med(r["overlap"]["step_s"]), med(ov["stall_s"])
+    dev = r["overlap"]["overlap_device_side"]
+    dev_stall_s, warmed = med(dev["stall_s"]), r["warmed_first_save"]
     load_frac = med(ld["load_fraction_of_read"])
     summary = {
         "blocking_fraction_of_sync_torch_save": blocking_s / sync_s,
@@ -418,6 +469,9 @@ def print_report(r: dict[str, Any], repeats: int) -> dict[str, Any]:
         "write_verify_fraction_of_dd": full_bps / dd_bps,
         "load_verify_fraction_of_read": load_frac,
         "goal_stall_le_5pct_of_step": stall_s / step_s <= 0.05,
+        "stall_fraction_of_step_device_side": dev_stall_s / step_s,
+        "goal_stall_device_side_le_5pct_of_step": dev_stall_s / step_s <= 0.05,
+        "first_save_warmed_fraction_of_later": warmed["first_blocking_s"] / blocking_s,
         "goal_write_verify_ge_80pct_dd": full_bps / dd_bps >= 0.80,
         "goal_load_verify_ge_80pct_read": load_frac >= 0.80,
     }
@@ -427,9 +481,16 @@ def print_report(r: dict[str, Any], repeats: int) -> dict[str, Any]:
         ("torch.save + fsync, blocking", f"{med(r['torch_save']['blocking_with_fsync_s']) * 1e3:8.1f} ms"),
         ("ours async, blocking", f"{blocking_s * 1e3:8.1f} ms"),
         ("ours async, blocking (1st save)", f"{ours['first_blocking_s'] * 1e3:8.1f} ms"),
+        ("ours async, blocking (1st save, warmed)", f"{warmed['first_blocking_s'] * 1e3:8.1f} ms"),
+        (
+            "  (its 2nd save; warm-up in the background)",
+            f"{warmed['second_blocking_s'] * 1e3:.1f} ms; {warmed['warm_up_s'] * 1e3:.1f} ms",
+        ),
     ]
     if r["pinned_copy_s"]:
         rows.append(("pinned device->host copy, same bytes", f"{med(r['pinned_copy_s']) * 1e3:8.1f} ms"))
+    if r["device_copy_s"]:
+        rows.append(("device->device copy, same bytes", f"{med(r['device_copy_s']) * 1e3:8.1f} ms"))
     rows += [
         ("ours overlap_with=optimizer, blocking", f"{med(ov['blocking_s']) * 1e3:8.1f} ms"),
         (
@@ -439,6 +500,15 @@ def print_report(r: dict[str, Any], repeats: int) -> dict[str, Any]:
         ("a training step without a save", f"{step_s * 1e3:8.1f} ms"),
         ("capture + save + next step", f"{med(ov['step_with_save_s']) * 1e3:8.1f} ms"),
         ("next-step stall", f"{stall_s * 1e3:8.1f} ms ({stall_s / step_s * 100:.1f} % of a step)"),
+        ("ours overlap_with=optimizer, device-side", f"{med(dev['blocking_s']) * 1e3:8.1f} ms"),
+        (
+            "capture + save + next step (device-side)",
+            f"{med(dev['step_with_save_s']) * 1e3:8.1f} ms ({dev['device_staged_bytes'] / MiB:.0f} MiB on device)",
+        ),
+        (
+            "next-step stall (device-side copy)",
+            f"{dev_stall_s * 1e3:8.1f} ms ({dev_stall_s / step_s * 100:.1f} % of a step)",
+        ),
         ("ours background write (data + commit)", f"{write_bps / MiB:8.0f} MiB/s"),
         ("ours verify after write", f"{med(ours['verify_s']) * 1e3:8.1f} ms"),
         ("ours write + verify", f"{full_bps / MiB:8.0f} MiB/s ({full_bps / dd_bps * 100:.0f} % of dd)"),
@@ -471,8 +541,10 @@ def print_report(r: dict[str, Any], repeats: int) -> dict[str, Any]:
         return "met" if ok else "MISSED"
 
     print(
-        f"stall = {summary['stall_fraction_of_step'] * 100:.1f} % of a step (goal <= 5 %: "
-        f"{met(summary['goal_stall_le_5pct_of_step'])}); write + verify = "
+        f"stall = {summary['stall_fraction_of_step'] * 100:.1f} % of a step, device-side "
+        f"{summary['stall_fraction_of_step_device_side'] * 100:.1f} % (goal <= 5 %: "
+        f"{met(summary['goal_stall_le_5pct_of_step'])}, device-side "
+        f"{met(summary['goal_stall_device_side_le_5pct_of_step'])}); write + verify = "
         f"{summary['write_verify_fraction_of_dd'] * 100:.0f} % of dd (goal >= 80 %: "
         f"{met(summary['goal_write_verify_ge_80pct_dd'])}); load + verify = {load_frac * 100:.0f} % of the read "
         f"(goal >= 80 %: {met(summary['goal_load_verify_ge_80pct_read'])})"

@@ -83,7 +83,10 @@ def figure(kind: str, path: Path) -> str:
     if kind == "checkpoint":
         s = r["summary"]
         return (f"blocking {s['blocking_fraction_of_sync_torch_save']:.3f} of torch.save, "
-                f"stall {s['stall_fraction_of_step']:.1%} of a step, {r['state_bytes'] / 2**30:.2f} GiB")  # fmt: skip
+                f"stall {s['stall_fraction_of_step']:.1%} of a step"
+                + (f" (device-side {s['stall_fraction_of_step_device_side']:.1%})"
+                   if "stall_fraction_of_step_device_side" in s else "")
+                + f", {r['state_bytes'] / 2**30:.2f} GiB")  # fmt: skip
     if kind == "overhead":
         out = f"elastic/DDP {r['ratio_median']:.3f}"
         if "live_vs_elastic_ratio" in r:  # the live row (--with-live): live's own all-reduce vs DDP, same loop

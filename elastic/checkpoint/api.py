@@ -109,6 +109,13 @@ class CheckpointOptions:
     # page-locked host memory kept for staging CUDA tensors (reused from save to save); beyond it, or when
     # pinning fails, staging uses ordinary memory (slower device-to-host copies, logged once). 0: never pin
     pinned_staging_bytes: int = 16 * 1024 * _MIB
+    # device-side staging of CUDA tensors (see docs/checkpoints.md): a save's fences wait only for a copy into
+    # reused buffers on the device, drained to the pinned host buffers over the next steps; per device, the
+    # buffers leave max(device_staging_margin_bytes, device_staging_margin_fraction * total) free, and tensors
+    # that do not fit are copied straight to the host. False: always straight to the host
+    device_staging: bool = True
+    device_staging_margin_bytes: int = 2 * 1024 * _MIB
+    device_staging_margin_fraction: float = 0.05
     lustre_striping: bool = True
     lustre_stripe_count: int = 4
     lustre_stripe_size: str = "4M"
@@ -141,6 +148,12 @@ class CheckpointOptions:
             raise ValueError(f"io_threads must be in 1..64 or None, got {self.io_threads}")
         if self.pinned_staging_bytes < 0:
             raise ValueError(f"pinned_staging_bytes must be >= 0, got {self.pinned_staging_bytes}")
+        if self.device_staging_margin_bytes < 0:
+            raise ValueError(f"device_staging_margin_bytes must be >= 0, got {self.device_staging_margin_bytes}")
+        if not 0.0 <= self.device_staging_margin_fraction < 1.0:
+            raise ValueError(
+                f"device_staging_margin_fraction must be in [0, 1), got {self.device_staging_margin_fraction}"
+            )
         if self.lustre_stripe_count < -1 or self.lustre_stripe_count == 0:
             raise ValueError(f"lustre_stripe_count must be -1 (all OSTs) or >= 1, got {self.lustre_stripe_count}")
         if not re.fullmatch(r"[1-9][0-9]*[KkMmGg]?", self.lustre_stripe_size):
@@ -250,6 +263,13 @@ class CheckpointManager(ABC):
         waits, GPU-side; CPU: the host waits).  Only valid if nothing else changes them in between; all
         other tensors are copied (or, on CUDA, ordered before any later work) before ``save`` returns.
         """
+
+    def prepare(self, state: Mapping[str, Any] | Any) -> None:
+        """Allocate, in the background, the staging buffers a save of ``state`` will use (pinned host
+        buffers, and device buffers as memory allows), so that the first save costs what later ones do.
+        Returns at once; idempotent (a state with the same tensors again does nothing).  A save that arrives
+        before the allocation is done waits for it.  The default does nothing."""
+        return None
 
     @abstractmethod
     def wait(self) -> None:

@@ -9,7 +9,10 @@ copying into reused pinned buffers on a copy stream, and the training stream is 
 with CUDA events (GPU-side) instead of the host waiting for them.  With ``overlap_with=optimizer`` the
 optimizer's own tensors are copied while the next forward/backward runs, and a pre-step hook (the *fence*)
 orders ``optimizer.step()`` after their copy: on CUDA by making the current stream wait for an event, for CPU
-tensors (copied by the writer thread) by waiting on the host.
+tensors (copied by the writer thread) by waiting on the host.  Where device memory allows, CUDA tensors are
+first copied into reused device buffers, so that those events mark a device-to-device copy, and drained to the
+pinned buffers behind it (see ``device_staging``).  :meth:`FsspecCheckpointManager.prepare` allocates the
+buffers in a background thread before the first save.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from elastic.checkpoint.api import (
     SnapshotInfo,
     StateLayout,
 )
+from elastic.checkpoint.device_staging import CudaDeviceMemory, DeviceBufferPool, DeviceStagingSettings
 from elastic.checkpoint.layout import Manifest, ManifestError, step_dir, writer_rank_for
 from elastic.checkpoint.reader import read_manifest, read_pack, scan
 from elastic.checkpoint.staging import FlatState, Stager
@@ -47,6 +51,7 @@ from elastic.checkpoint.storage import (
     create_storage,
     describe_storage_failure,
 )
+from elastic.checkpoint.warmup import StagingWarmUp
 from elastic.checkpoint.writer import PackSaveJob, SaveTimings
 from elastic.contract.env import TorchrunEnv
 
@@ -84,12 +89,18 @@ def _as_mapping(state: Mapping[str, Any] | Any) -> Mapping[str, Any]:
 class FsspecCheckpointManager(CheckpointManager):
     """:class:`CheckpointManager` for replicated (pack) and sharded (DCP) state on one storage root."""
 
-    def __init__(self, storage: CheckpointStorage, options: CheckpointOptions, events: EventHook | None = None) -> None:
+    def __init__(
+        self, storage: CheckpointStorage, options: CheckpointOptions, events: EventHook | None = None,
+        *, stager: Stager | None = None,
+    ) -> None:  # fmt: skip
+        """``stager`` replaces the one built from ``options`` (tests: in-memory copy streams and device)."""
         self._storage = storage
         self._options = options
         self._events = events
         storage.events = events
-        self._stager = Stager(pinned_limit_bytes=options.pinned_staging_bytes)
+        self._stager = stager if stager is not None else _stager_for(options)
+        self._warm_up = StagingWarmUp(self._stager)
+        self.last_device_staged_bytes = 0  # of the last save: bytes of CUDA tensors staged on their device
         self._executor: ThreadPoolExecutor | None = None
         self._future: Future[Manifest] | None = None
         self._last_committed: int | None = None
@@ -138,6 +149,23 @@ class FsspecCheckpointManager(CheckpointManager):
         if self._closed:
             raise CheckpointError(f"checkpoint manager for {self.url} is closed")
 
+    def prepare(self, state: Mapping[str, Any] | Any) -> None:
+        """See :class:`CheckpointManager`: a background thread (``checkpoint-warm-up``) allocates the staging
+        buffers of ``state``'s tensors once the save in flight (if any) is written; a save waits for it."""
+        self._check_open()
+        if self._options.layout == StateLayout.SHARDED or not self.is_writer:
+            return
+        mapping = _as_mapping(state)
+        with self._lock:
+            self._warm_up.start(mapping, self._future)
+
+    def wait_prepared(self) -> None:
+        """Block until the staging warm-up started by :meth:`prepare` (if any) is done (benchmarks, tests)."""
+        self._warm_up.join()
+
+    def _warm_up_waited(self, seconds: float) -> None:
+        logger.info("checkpoint save waited %.3fs for the staging warm-up to finish", seconds)
+
     def save(
         self,
         step: int,
@@ -168,6 +196,7 @@ class FsspecCheckpointManager(CheckpointManager):
             if not self.is_writer:
                 return
             started = time.perf_counter()
+            self._warm_up.join(self._warm_up_waited)  # the warm-up owns the buffers until it is done
             defer = None
             if overlap_with is not None and not blocking:
                 self._install_fence(overlap_with)
@@ -177,6 +206,7 @@ class FsspecCheckpointManager(CheckpointManager):
                     return t.numel() > 0 and t.untyped_storage().data_ptr() in owned
 
             flat = self._stager.flatten(mapping, copy=not blocking, defer=defer)
+            self.last_device_staged_bytes = sum(_nbytes(flat.tensors[i]) for i in flat.device_staged)
             if overlap_with is not None and defer is not None:
                 self._fence_target = (weakref.ref(overlap_with), flat)
             rank, world = current_rank_and_world()
@@ -387,6 +417,7 @@ class FsspecCheckpointManager(CheckpointManager):
             return
         try:
             self.wait()
+            self._warm_up.join()
         finally:
             self._closed = True
             if self._executor is not None:
@@ -398,6 +429,20 @@ class FsspecCheckpointManager(CheckpointManager):
             self._fences.clear()
             self._stager.release()
             atexit.unregister(self._exit_hook)
+
+
+def _stager_for(options: CheckpointOptions) -> Stager:
+    settings = DeviceStagingSettings(
+        enabled=options.device_staging,
+        margin_bytes=options.device_staging_margin_bytes,
+        margin_fraction=options.device_staging_margin_fraction,
+    )
+    pool = DeviceBufferPool(CudaDeviceMemory(), settings)
+    return Stager(pinned_limit_bytes=options.pinned_staging_bytes, device_pool=pool)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _make_exit_hook(ref: weakref.ref[FsspecCheckpointManager]) -> Any:
@@ -419,13 +464,15 @@ def create_checkpoint_manager(
     *,
     events: EventHook | None = None,
     storage: CheckpointStorage | None = None,
+    stager: Stager | None = None,
 ) -> FsspecCheckpointManager:
     """A manager for ``url``; nothing is contacted until ``check_storage``/``save``/``load_latest``.
 
-    ``storage`` replaces the back-end built from ``url`` (wrappers of our own storage interface).
+    ``storage`` replaces the back-end built from ``url`` (wrappers of our own storage interface); ``stager``
+    the staging built from ``options`` (tests: in-memory copy streams and device memory).
     """
     opts = options or CheckpointOptions()
     if storage is None:
         stripe = StripeSettings(opts.lustre_striping, opts.lustre_stripe_count, opts.lustre_stripe_size)
         storage = create_storage(url, opts.storage_options, stripe)
-    return FsspecCheckpointManager(storage, opts, events)
+    return FsspecCheckpointManager(storage, opts, events, stager=stager)

@@ -13,6 +13,12 @@ tensors into host buffers that are kept and reused from one save to the next (sa
   forward/backward, and :meth:`FlatState.fence` orders the optimizer's step after them (GPU-side too).  The
   writer thread synchronizes on the events before it reads a byte.  Beyond the cap, or once pinning has
   failed, CUDA tensors are staged in pageable memory, whose copies block the host (one warning says so).
+- Device-side staging (a ``device_pool``, see ``device_staging``): CUDA tensors whose device has room beyond
+  a margin are first copied into reused buffers on the device (device-to-device: what the events above, and
+  so the fences, wait for), then drained from there to their pinned buffers on the same copy stream, behind
+  the fenced copies; the writer waits for the drain.  Tensors that do not fit are copied straight to the host
+  as above, per tensor.  Streams and events go through :class:`~elastic.checkpoint.device_copy.CopyOps`.
+- :meth:`Stager.warm` allocates those buffers ahead of the first save (``CheckpointManager.prepare``).
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from typing import Any
 import torch
 
 from elastic.checkpoint.codec import TENSOR_REF_KEY
+from elastic.checkpoint.device_copy import CopyOps, CudaCopyOps, StagingEvent
+from elastic.checkpoint.device_staging import DeviceBufferPool, StageRequest
 from elastic.checkpoint.tree import map_leaves
 
-__all__ = ["FlatState", "Stager"]
+__all__ = ["FlatState", "Stager", "tensor_signature"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +57,9 @@ class FlatState:
     pending: list[int] = field(default_factory=list)
     staged: threading.Event = field(default_factory=threading.Event)
     stager: Stager | None = None
-    copy_events: dict[int, Any] = field(default_factory=dict)  # device index -> torch.cuda.Event
-    fence_events: dict[int, Any] = field(default_factory=dict)
+    copy_events: dict[int, StagingEvent] = field(default_factory=dict)  # device index -> last copy (or drain)
+    fence_events: dict[int, StagingEvent] = field(default_factory=dict)
+    device_staged: tuple[int, ...] = ()  # indices copied device-to-device first, then drained to the host
     device_copies_done: bool = False
 
     def finish_staging(self) -> None:
@@ -63,9 +72,8 @@ class FlatState:
             self.pending = []
         finally:
             self.staged.set()
-        for device, event in self.copy_events.items():
-            with torch.cuda.device(device):  # this thread may not have used CUDA yet
-                event.synchronize()
+        for event in self.copy_events.values():
+            event.wait()  # the drain of device-staged tensors included: raises if a copy failed
         self.device_copies_done = True
 
     def fence(self) -> bool:
@@ -73,9 +81,9 @@ class FlatState:
         tensors (the current stream waits for their events; the host does not), on the host for CPU ones.
         Returns whether there was anything to wait for."""
         acted = False
-        if self.fence_events and not self.device_copies_done:
+        if self.fence_events and not self.device_copies_done and self.stager is not None:
             for device, event in self.fence_events.items():
-                torch.cuda.current_stream(device).wait_event(event)
+                self.stager.ops.order_after(device, event)
             acted = True
         if not self.staged.is_set():
             self.staged.wait()
@@ -116,14 +124,30 @@ class Stager:
     not flatten again while a previous result is still being written (the manager keeps one save in flight).
     """
 
-    def __init__(self, reuse_buffers: bool = True, pinned_limit_bytes: int = 0) -> None:
+    def __init__(
+        self, reuse_buffers: bool = True, pinned_limit_bytes: int = 0, *, ops: CopyOps | None = None,
+        device_pool: DeviceBufferPool | None = None,
+    ) -> None:  # fmt: skip
+        """``ops``: copy streams and events (default CUDA's); ``device_pool``: device buffers for device-side
+        staging (None: CUDA tensors are always copied straight to the host)."""
+        self._ops: CopyOps = ops if ops is not None else CudaCopyOps()
+        self._pool = device_pool
+        self.host_allocations = 0  # host staging buffers allocated so far (a warm save allocates none)
         self._reuse = reuse_buffers
         self._pinned_limit = pinned_limit_bytes
         self._buffers: list[_Buffer | None] = []
         self._pinned_held = 0
         self._pin_error: str | None = None  # pinning failed once: never tried again
         self._warned = False
-        self._streams: dict[int, Any] = {}  # device index -> torch.cuda.Stream for device-to-host copies
+        self._said_unpinned = False  # logged once: device-side staging skipped for want of pinned buffers
+
+    @property
+    def ops(self) -> CopyOps:
+        return self._ops
+
+    @property
+    def device_pool(self) -> DeviceBufferPool | None:
+        return self._pool
 
     @property
     def pinned_bytes(self) -> int:
@@ -139,22 +163,7 @@ class Stager:
         ``FlatState.fence`` orders later work after the others.  Without ``copy`` (a blocking save) CPU
         tensors are referenced as they are, and nothing but ``finish_staging`` waits for the device copies."""
         flat = FlatState(skeleton=None, stager=self)
-        memo: dict[int, int] = {}
-        sources: list[torch.Tensor] = []
-
-        def leaf(obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor) and _packable(obj):
-                index = memo.get(id(obj))
-                if index is None:
-                    index = len(sources)
-                    memo[id(obj)] = index
-                    sources.append(obj)
-                return {TENSOR_REF_KEY: index}
-            if isinstance(obj, torch.Tensor):
-                return obj.detach().to("cpu", copy=True) if copy else obj
-            return _copy_leaf(obj) if copy else obj
-
-        flat.skeleton = map_leaves(state, leaf)
+        flat.skeleton, sources = _split(state, copy=copy)
         self._trim(len(sources))
         early: list[int] = []  # CUDA tensors copied first, fenced at once
         late: list[int] = []  # CUDA tensors ``defer`` selects, fenced at the optimizer's step
@@ -162,7 +171,7 @@ class Stager:
         for index, src in enumerate(sources):
             deferred = copy and defer is not None and defer(src)
             flat.tensors.append(src)  # replaced by its staging buffer below, or by finish_staging
-            if _on_cuda(src):
+            if self._ops.device_of(src) is not None:
                 (late if deferred else early).append(index)
             elif not copy:
                 flat.tensors[index] = _as_cpu(src)
@@ -171,74 +180,134 @@ class Stager:
             else:
                 copy_now.append(index)
         if early or late:
-            self._stage_cuda(flat, sources, early, late, order_now=copy)
+            self._stage_device(flat, sources, early, late, order_now=copy)
         for index in copy_now:  # host copies run while the device copies are under way
             flat.tensors[index] = self._copy(index, sources[index])
         if not flat.pending:
             flat.staged.set()
         return flat
 
+    def warm(self, state: Any) -> None:
+        """Allocate the buffers a (background) save of ``state`` will use without copying anything: pinned
+        host buffers and, as memory allows, device buffers for its device tensors; for host tensors, pageable
+        buffers with their pages touched.  A save of a state with the same tensors then allocates nothing.
+        Not concurrently with a save (the manager orders them)."""
+        _, sources = _split(state, copy=False)
+        self._trim(len(sources))
+        indices = [i for i, src in enumerate(sources) if self._ops.device_of(src) is not None]
+        for index, src in enumerate(sources):
+            slot = self._slot(index)
+            if self._ops.device_of(src) is None and (slot is None or not self._fits(slot, src)):
+                self._put(index, self._host_empty(src).zero_(), pinned=False)  # zero_: faults the pages in now
+        if indices:
+            devices = {index: self._device(sources[index]) for index in indices}
+            buffers = self._device_buffers(sources, indices)
+            self._plan_device(sources, indices, devices, buffers)
+
     # -- host (CPU) tensors ---------------------------------------------------------------------------
     def _copy(self, index: int, src: torch.Tensor) -> torch.Tensor:
         src = src.detach()
         slot = self._slot(index)
         if slot is None or not self._fits(slot, src):
-            slot = self._put(index, torch.empty(src.shape, dtype=src.dtype, device="cpu"), pinned=False)
+            slot = self._put(index, self._host_empty(src), pinned=False)
         slot.tensor.copy_(src)
         return slot.tensor
 
-    # -- CUDA tensors ---------------------------------------------------------------------------------
-    def _stage_cuda(
+    # -- device (CUDA) tensors -------------------------------------------------------------------------
+    def _stage_device(
         self, flat: FlatState, sources: list[torch.Tensor], early: list[int], late: list[int], *, order_now: bool
     ) -> None:
+        devices = {index: self._device(sources[index]) for index in early + late}
         buffers = self._device_buffers(sources, early + late)
-        waited: set[int] = set()
+        staged: set[int] = set()
+        if order_now:  # a blocking save waits for the host copies anyway: no device buffers for it
+            staged = set(self._plan_device(sources, early + late, devices, buffers))
+        flat.device_staged = tuple(sorted(staged))
+        begun: set[int] = set()
         for group, deferred in ((early, False), (late, True)):
             if not group:
                 continue
-            events = self._issue(sources, group, buffers, waited)
+            events = self._issue(sources, group, devices, buffers, staged, begun)
             flat.copy_events.update(events)  # per device, the later event covers the earlier (one stream)
             if deferred:
                 flat.fence_events = events
             elif order_now:
                 for device, event in events.items():  # the next forward must not change them before copied
-                    torch.cuda.current_stream(device).wait_event(event)
+                    self._ops.order_after(device, event)
+        if staged:
+            flat.copy_events.update(self._drain(sorted(staged), devices, buffers))
         for index, buf in buffers.items():
             flat.tensors[index] = buf.tensor
 
+    def _device(self, t: torch.Tensor) -> int:
+        device = self._ops.device_of(t)
+        assert device is not None
+        return device
+
+    def _plan_device(
+        self, sources: list[torch.Tensor], indices: list[int], devices: dict[int, int], buffers: dict[int, _Buffer]
+    ) -> tuple[int, ...]:
+        """The indices to copy device-to-device first (see ``device_staging``): those whose host buffer can be
+        drained into without blocking (pinned, where the device needs it), while device memory allows."""
+        if self._pool is None:
+            return ()
+        eligible = [i for i in sorted(indices) if buffers[i].pinned or not self._ops.needs_pinned_host]
+        if len(eligible) < len(indices) and self._pool.settings.enabled and not self._said_unpinned:
+            self._said_unpinned = True
+            logger.info(
+                "checkpoint staging: %d of %d CUDA tensors are copied straight to the host, not device-side: "
+                "they have no pinned host buffer to drain into (pinned_staging_bytes=%s, pinning %s)",
+                len(indices) - len(eligible),
+                len(indices),
+                _size(self._pinned_limit),
+                f"failed: {self._pin_error}" if self._pin_error is not None else "capped",
+            )
+        requests = [StageRequest.of(i, devices[i], sources[i]) for i in eligible if sources[i].numel() > 0]
+        if not requests:
+            return ()
+        return self._pool.ensure(requests).staged
+
     def _issue(
-        self, sources: list[torch.Tensor], group: list[int], buffers: dict[int, _Buffer], waited: set[int]
-    ) -> dict[int, Any]:
-        """Queue the copies of ``group`` on each device's copy stream; return one event per device after them."""
+        self, sources: list[torch.Tensor], group: list[int], devices: dict[int, int], buffers: dict[int, _Buffer],
+        staged: set[int], begun: set[int],
+    ) -> dict[int, StagingEvent]:  # fmt: skip
+        """Queue the copies of ``group`` on each device's copy stream (device-to-device ones first, then the
+        direct device-to-host ones); return one event per device after them (what a fence waits for)."""
         by_device: dict[int, list[int]] = {}
         for index in group:
-            by_device.setdefault(_device_index(sources[index]), []).append(index)
-        events: dict[int, Any] = {}
+            by_device.setdefault(devices[index], []).append(index)
+        events: dict[int, StagingEvent] = {}
         for device, indices in by_device.items():
-            stream = self._copy_stream(device)
-            with torch.cuda.device(device):
-                if device not in waited:  # the copies see every write queued before save
-                    stream.wait_stream(torch.cuda.current_stream(device))
-                    waited.add(device)
-                with torch.cuda.stream(stream):
-                    for index in indices:
-                        src, buf = sources[index].detach(), buffers[index]
-                        if src.numel() == 0:
-                            continue
-                        src.record_stream(stream)  # a source freed meanwhile is not reused before the copy
-                        if src.is_conj() or src.is_neg():  # copy_ would fix these bits on the host, too early
-                            src = src.resolve_conj().resolve_neg()
-                        buf.tensor.copy_(src, non_blocking=buf.pinned)  # pageable: blocks until copied
-                event = torch.cuda.Event(blocking=True)  # the writer's synchronize() sleeps, it does not spin
-                event.record(stream)
-            events[device] = event
+            if device not in begun:  # the copies see every write queued before save
+                self._ops.begin(device)
+                begun.add(device)
+            for index in sorted(indices, key=lambda i: i not in staged):
+                src = sources[index].detach()
+                if index in staged:
+                    assert self._pool is not None
+                    self._ops.copy(device, self._pool.buffer(index), src, non_blocking=True, phase="stage")
+                else:
+                    buf = buffers[index]
+                    self._ops.copy(device, buf.tensor, src, non_blocking=buf.pinned, phase="stage")
+            events[device] = self._ops.record(device)
         return events
 
-    def _copy_stream(self, device: int) -> Any:
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
-        return stream
+    def _drain(
+        self, staged: list[int], devices: dict[int, int], buffers: dict[int, _Buffer]
+    ) -> dict[int, StagingEvent]:
+        """Queue the copies from the device buffers to the host buffers (after the fenced ones, on the same
+        stream); the writer waits for the returned events before reading."""
+        assert self._pool is not None
+        by_device: dict[int, list[int]] = {}
+        for index in staged:
+            by_device.setdefault(devices[index], []).append(index)
+        events: dict[int, StagingEvent] = {}
+        for device, indices in by_device.items():
+            for index in indices:
+                buf = buffers[index]
+                self._ops.copy(device, buf.tensor, self._pool.buffer(index), non_blocking=buf.pinned, phase="drain")
+            events[device] = self._ops.record(device)
+        return events
 
     def _device_buffers(self, sources: list[torch.Tensor], indices: list[int]) -> dict[int, _Buffer]:
         """Staging buffers for CUDA tensors: pinned within the cap, pageable beyond it or if pinning fails."""
@@ -253,7 +322,7 @@ class Stager:
                 if pinned is not None:
                     slot = self._put(index, pinned, pinned=True)
                 else:
-                    slot = self._put(index, torch.empty(src.shape, dtype=src.dtype, device="cpu"), pinned=False)
+                    slot = self._put(index, self._host_empty(src), pinned=False)
             if not slot.pinned:
                 pageable += _nbytes(src)
             out[index] = slot
@@ -282,11 +351,16 @@ class Stager:
             return None
         try:
             tensor = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
+            self.host_allocations += 1
         except RuntimeError as exc:  # torch.OutOfMemoryError is one; so is "no CUDA driver"
             self._pin_error = " ".join(str(exc).split())[:200]
             return None
         self._pinned_held += cost
         return tensor
+
+    def _host_empty(self, src: torch.Tensor) -> torch.Tensor:
+        self.host_allocations += 1
+        return torch.empty(src.shape, dtype=src.dtype, device="cpu")
 
     # -- buffer slots ---------------------------------------------------------------------------------
     def _fits(self, slot: _Buffer, src: torch.Tensor) -> bool:
@@ -315,17 +389,39 @@ class Stager:
         del self._buffers[count:]
 
     def release(self) -> None:
-        """Drop every buffer (pinned ones go back to torch's host allocator cache)."""
+        """Drop every buffer (pinned ones go back to torch's host allocator cache, device ones to its device
+        allocator's)."""
         self._trim(0)
+        if self._pool is not None:
+            self._pool.release()
 
 
-def _on_cuda(t: torch.Tensor) -> bool:
-    return t.is_cuda
+def tensor_signature(state: Any) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """What the staging buffers of a save of ``state`` depend on: each distinct tensor's device, shape and
+    dtype, in order (equal signatures: the same buffers fit)."""
+    _, sources = _split(state, copy=False)
+    return tuple((str(t.device), tuple(t.shape), t.dtype) for t in sources)
 
 
-def _device_index(t: torch.Tensor) -> int:
-    index = t.device.index
-    return torch.cuda.current_device() if index is None else index
+def _split(state: Any, *, copy: bool) -> tuple[Any, list[torch.Tensor]]:
+    """``state``'s skeleton (tensors replaced by references) and the distinct tensors, in order.  With
+    ``copy`` the other leaves are copied (so that later changes do not reach the snapshot)."""
+    memo: dict[int, int] = {}
+    sources: list[torch.Tensor] = []
+
+    def leaf(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and _packable(obj):
+            index = memo.get(id(obj))
+            if index is None:
+                index = len(sources)
+                memo[id(obj)] = index
+                sources.append(obj)
+            return {TENSOR_REF_KEY: index}
+        if isinstance(obj, torch.Tensor):
+            return obj.detach().to("cpu", copy=True) if copy else obj
+        return _copy_leaf(obj) if copy else obj
+
+    return map_leaves(state, leaf), sources
 
 
 def _size(nbytes: int) -> str:

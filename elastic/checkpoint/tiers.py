@@ -260,6 +260,12 @@ class SnapshotTiers:
         """A durable snapshot was taken at ``step``: the next local one is counted from there."""
         self._last_step = step
 
+    def prepare(self, state: TrainingState) -> None:
+        """Have the local tier's manager warm its staging buffers up for ``state`` (see
+        ``CheckpointManager.prepare``); nothing when this rank writes no local snapshots."""
+        if self._local is not None and self._every is not None:
+            self._local.prepare(state)
+
     def save_local(
         self, step: int, capture: Callable[[], TrainingState], overlap_with: torch.optim.Optimizer | None
     ) -> None:

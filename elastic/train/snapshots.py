@@ -18,9 +18,11 @@ from typing import Any
 import torch
 
 from elastic.checkpoint import (
+    CheckpointError,
     CheckpointFencedError,
     CheckpointStorageError,
     CheckpointWriteError,
+    capture_training_state,
     create_checkpoint_manager,
     restore_training_state,
 )
@@ -60,6 +62,7 @@ class LoopCheckpoints:
         )
         self.pending: int | None = None  # a step saved in the background, not reported as committed yet
         self._failing_since: float | None = None  # when saves began to fail (none failing: None)
+        self._warmed = False
         self._closed = False
 
     @staticmethod
@@ -99,6 +102,26 @@ class LoopCheckpoints:
         logger.info("resumed from step %d (epoch %d, position %d)", cursor.step, cursor.sampler.epoch,
                     cursor.sampler.position)  # fmt: skip
         return True
+
+    def warm_up(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, cursor: TrainingCursor
+    ) -> None:
+        """Once per run, at the first step boundary: have the manager allocate its staging buffers in the
+        background (``CheckpointManager.prepare``), so that the first snapshot costs what later ones do.  Not
+        earlier: only after a step does the optimizer hold its state (AdamW's moments appear at the first
+        step) and does the device's free memory reflect a step's peak (what device-side staging budgets
+        from).  The state is captured as a save captures it, but with this rank's RNG state only (no
+        collective; the RNG states come after the model's and optimizer's tensors, and are small host ones)."""
+        if self._warmed or self.manager is None:
+            return
+        self._warmed = True
+        state = capture_training_state(cursor.step, model, optimizer, scheduler, gather_rng=False,
+                                       **cursor.state())  # fmt: skip
+        try:
+            self.manager.prepare(state)  # nothing where this rank does not write
+            self.tiers.prepare(state)  # the node-local tier's manager, when on here
+        except CheckpointError as exc:  # the first save allocates its buffers itself
+            logger.warning("checkpoint staging warm-up not started: %s", exc)
 
     # -- the step boundary -----------------------------------------------------------------------------
     def local_flags(self, step: int, now: float, signalled: bool, rank: int) -> BoundaryFlags:

@@ -385,6 +385,7 @@ class ElasticTrainer:
     def _act(self, flags: BoundaryFlags, epoch_done: bool, signalled: bool) -> None:
         if flags.signalled:
             self._stop_timeout.reached()
+        self._checkpoints.warm_up(self._module, self.optimizer, self.scheduler, self.cursor)
         stop = self._checkpoints.act(flags, self.step, epoch_done, self.rank, signalled, self._capture,
                                      self.optimizer)  # fmt: skip
         if stop:

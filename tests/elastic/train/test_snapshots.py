@@ -21,6 +21,7 @@ import torch.distributed as dist
 from elastic import compat
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.manager import FsspecCheckpointManager
+from elastic.checkpoint.state import TrainingState
 from elastic.train.trainer import WriterBusy
 from tests.elastic.train._deferral_worker import Run, train
 
@@ -89,6 +90,27 @@ def test_with_wait_a_snapshot_due_while_the_writer_is_busy_stalls_the_step(tmp_p
     run.trainer.close()
     assert max(run.gaps) >= 0.7 * DELAY, f"no step waited for the writer: {max(run.gaps):.2f} s"
     assert (stats.saved, stats.deferred, stats.skipped) == (3, 0, 0)
+    with _reader(tmp_path / "ck") as reader:
+        assert [s.step for s in reader.list_snapshots()] == [5, 10, 12]
+
+
+def test_the_loop_warms_the_staging_buffers_up_once_after_the_first_step(
+    tmp_path: Path, group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prepared: list[tuple[int, frozenset[str]]] = []
+    real = FsspecCheckpointManager.prepare
+
+    def spy(self: FsspecCheckpointManager, state: object) -> None:
+        assert isinstance(state, TrainingState)
+        prepared.append((state.step, frozenset(state.optimizer["state"]) if state.optimizer else frozenset()))
+        real(self, state)
+
+    monkeypatch.setattr(FsspecCheckpointManager, "prepare", spy)
+    run = train(tmp_path / "ck", 12, 0.0, WriterBusy.WAIT)
+    run.trainer.close()
+    assert len(prepared) == 1
+    step, optimizer_state = prepared[0]
+    assert step == 1 and optimizer_state  # after the first step: SGD's momentum buffers exist
     with _reader(tmp_path / "ck") as reader:
         assert [s.step for s in reader.list_snapshots()] == [5, 10, 12]
 

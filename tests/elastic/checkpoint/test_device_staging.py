@@ -1,0 +1,456 @@
+"""Device-side staging and the staging warm-up, on CPU: the plan (pure), the device buffer pool over an
+in-memory device (:class:`HostDeviceMemory`), and the stager and manager over in-memory copy streams
+(:class:`HostCopyOps`, whose "device" tensors are CPU tensors and whose copy stream is a thread).
+
+The CUDA counterparts (marked ``cuda``) are at the end and skip without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from elastic.checkpoint import CheckpointOptions, CheckpointWriteError, create_checkpoint_manager
+from elastic.checkpoint.device_copy import HostCopyOps, StagingCopyError
+from elastic.checkpoint.device_staging import (
+    DeviceBufferPool,
+    DeviceStagingSettings,
+    HostDeviceMemory,
+    StageRequest,
+    plan_device_staging,
+)
+from elastic.checkpoint.manager import FsspecCheckpointManager
+from elastic.checkpoint.staging import Stager
+from tests.elastic.checkpoint._helpers import assert_same
+
+MIB = 1 << 20
+NO_MARGIN = DeviceStagingSettings(margin_bytes=0, margin_fraction=0.0)
+DEVICE_LOGGER = "elastic.checkpoint.device_staging"
+
+
+def req(index: int, mib: int, device: int = 0) -> StageRequest:
+    return StageRequest(index, device, (mib * MIB // 4,), torch.float32)
+
+
+def cpu_clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: cpu_clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [cpu_clone(v) for v in obj]
+    return obj
+
+
+# -- the plan (pure) --------------------------------------------------------------------------------------
+def test_plan_stages_every_tensor_when_memory_allows() -> None:
+    plan = plan_device_staging([req(2, 4), req(0, 8), req(1, 1)], (), {0: (100 * MIB, 200 * MIB)}, NO_MARGIN)
+    assert plan.staged == (0, 1, 2) and plan.direct == () and plan.all_staged
+    assert plan.budgets[0].needed == 13 * MIB and plan.budgets[0].direct == 0
+    assert plan.reason.startswith("all tensors fit")
+
+
+def test_plan_falls_back_per_tensor_in_index_order_when_memory_is_short() -> None:
+    requests = [req(3, 2), req(0, 6), req(1, 5), req(2, 3)]
+    plan = plan_device_staging(requests, (), {0: (10 * MIB, 80 * MIB)}, NO_MARGIN)
+    # index order, first fit: 0 (6) fits, 1 (5) does not, 2 (3) fits, 3 (2) does not (1 left)
+    assert plan.staged == (0, 2) and plan.direct == (1, 3)
+    assert plan.budgets[0].needed == 9 * MIB and plan.budgets[0].direct == 7 * MIB
+    assert plan == plan_device_staging(list(reversed(requests)), (), {0: (10 * MIB, 80 * MIB)}, NO_MARGIN)
+    assert "do not" in plan.reason
+
+
+def test_plan_keeps_the_margin_free() -> None:
+    requests = [req(0, 4)]
+    by_bytes = DeviceStagingSettings(margin_bytes=16 * MIB, margin_fraction=0.0)
+    assert plan_device_staging(requests, (), {0: (20 * MIB, 100 * MIB)}, by_bytes).staged == (0,)
+    assert plan_device_staging(requests, (), {0: (20 * MIB - 1, 100 * MIB)}, by_bytes).direct == (0,)
+    by_fraction = DeviceStagingSettings(margin_bytes=1 * MIB, margin_fraction=0.5)  # 50 MiB of 100 MiB
+    assert plan_device_staging(requests, (), {0: (54 * MIB, 100 * MIB)}, by_fraction).staged == (0,)
+    assert plan_device_staging(requests, (), {0: (53 * MIB, 100 * MIB)}, by_fraction).direct == (0,)
+
+
+def test_plan_counts_held_buffers_free_and_budgets_each_device() -> None:
+    requests = [req(0, 8, device=0), req(1, 8, device=1), req(2, 8, device=0)]
+    memory = {0: (9 * MIB, 64 * MIB), 1: (1 * MIB, 64 * MIB)}
+    plan = plan_device_staging(requests, held=[1], memory=memory, settings=NO_MARGIN)
+    assert plan.staged == (0, 1) and plan.direct == (2,)
+    assert plan.budgets[1].reused == 8 * MIB and plan.budgets[1].needed == 0
+
+
+def test_plan_when_off_copies_everything_directly() -> None:
+    plan = plan_device_staging([req(0, 1)], (), {}, DeviceStagingSettings(enabled=False))
+    assert plan.staged == () and plan.direct == (0,) and "off" in plan.reason
+
+
+def test_settings_reject_bad_margins() -> None:
+    with pytest.raises(ValueError, match="margin_fraction"):
+        DeviceStagingSettings(margin_fraction=1.0)
+    with pytest.raises(ValueError, match="margin_bytes"):
+        DeviceStagingSettings(margin_bytes=-1)
+    with pytest.raises(ValueError, match="device_staging_margin_fraction"):
+        CheckpointOptions(device_staging_margin_fraction=-0.1)
+
+
+# -- the device buffer pool -------------------------------------------------------------------------------
+def test_pool_reuses_buffers_and_replans_when_shapes_change(caplog: pytest.LogCaptureFixture) -> None:
+    memory = HostDeviceMemory(free=64 * MIB)
+    pool = DeviceBufferPool(memory, NO_MARGIN)
+    with caplog.at_level(logging.INFO, logger=DEVICE_LOGGER):
+        assert pool.ensure([req(0, 4), req(1, 4)]).staged == (0, 1)
+        first = [pool.buffer(0).data_ptr(), pool.buffer(1).data_ptr()]
+        assert memory.allocations == 2
+        assert pool.ensure([req(0, 4), req(1, 4)]).staged == (0, 1)
+    assert memory.allocations == 2  # unchanged shapes: nothing allocated
+    assert [pool.buffer(0).data_ptr(), pool.buffer(1).data_ptr()] == first
+    infos = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and "device-side" in infos[0].getMessage()  # said once, not every save
+
+    assert pool.ensure([req(0, 4), req(1, 2)]).staged == (0, 1)  # a new shape at index 1: a new buffer
+    assert memory.allocations == 3 and pool.buffer(0).data_ptr() == first[0]
+    assert pool.held_bytes == 6 * MIB
+
+
+def test_pool_falls_back_when_an_allocation_fails_after_all() -> None:
+    memory = HostDeviceMemory(free=64 * MIB)
+    pool = DeviceBufferPool(memory, NO_MARGIN)
+    memory.mem_info = lambda device: (64 * MIB, 64 * MIB)  # type: ignore[method-assign]  # over-reports
+    memory.set_free(5 * MIB)  # what it can really hand out
+    plan = pool.ensure([req(0, 4), req(1, 4)])
+    assert plan.staged == (0,) and plan.direct == (1,) and "allocation" in plan.reason
+
+
+# -- the stager over in-memory copy streams ---------------------------------------------------------------
+@pytest.fixture
+def ops() -> Iterator[HostCopyOps]:
+    copy_ops = HostCopyOps()
+    yield copy_ops
+    copy_ops.close()
+
+
+def stager_for(ops: HostCopyOps, free: int, settings: DeviceStagingSettings = NO_MARGIN) -> Stager:
+    return Stager(pinned_limit_bytes=0, ops=ops, device_pool=DeviceBufferPool(HostDeviceMemory(free), settings))
+
+
+def wait_until(predicate: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_fence_waits_for_the_device_copy_only_and_the_writer_for_the_drain(ops: HostCopyOps) -> None:
+    state = {"w": torch.randn(256, 64), "b": torch.randn(64)}
+    expected = cpu_clone(state)
+    stager = stager_for(ops, free=64 * MIB)
+    ops.hold("drain")
+    flat = stager.flatten(state, copy=True)  # early tensors: the host (the "current stream") waits for stage
+    assert flat.device_staged == (0, 1)
+    for t in state.values():
+        t.add_(1.0)  # the next step changes the sources: the device buffers hold the save-time values
+
+    reader = threading.Thread(target=flat.finish_staging)
+    reader.start()
+    time.sleep(0.2)
+    assert reader.is_alive()  # the writer does not read a host buffer before the drain
+    assert not any(phase == "drain" for phase, _ in ops.log)
+    ops.release("drain")
+    reader.join(10)
+    assert not reader.is_alive() and flat.device_copies_done
+    drained = [ptr for phase, ptr in ops.log if phase == "drain"]
+    assert sorted(drained) == sorted(t.data_ptr() for t in flat.tensors)
+    assert all(torch.equal(t, e) for t, e in zip(flat.tensors, expected.values(), strict=True))
+
+
+@pytest.mark.timeout(60)
+def test_short_device_memory_stages_some_tensors_and_copies_the_rest_directly(ops: HostCopyOps) -> None:
+    state = {"a": torch.randn(MIB // 4), "b": torch.randn(3 * MIB // 4), "c": torch.randn(MIB // 4)}
+    expected = cpu_clone(state)
+    stager = stager_for(ops, free=2 * MIB + 1024)
+    flat = stager.flatten(state, copy=True)
+    assert flat.device_staged == (0, 2)  # "b" (3 MiB) does not fit in what "a" left
+    flat.finish_staging()
+    assert all(torch.equal(t, e) for t, e in zip(flat.tensors, expected.values(), strict=True))
+    stage_copies = [ptr for phase, ptr in ops.log if phase == "stage"]
+    assert stage_copies[-1] == flat.tensors[1].data_ptr()  # the direct copy (into the host buffer) comes last
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_drain_fails_the_save_instead_of_hanging(tmp_path: Path, ops: HostCopyOps) -> None:
+    ops.fail("drain")
+    model = nn.Linear(32, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    mgr = create_checkpoint_manager(str(tmp_path), stager=stager_for(ops, free=64 * MIB))
+    mgr.save(1, {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, overlap_with=optimizer)
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()  # the fence (the stage copies) is not held by the failed drain
+    with pytest.raises(CheckpointWriteError, match="injected failure of a drain copy"):
+        mgr.wait()
+    assert mgr.list_snapshots() == []
+    mgr.close()
+
+
+def test_a_failed_stage_copy_does_not_raise_in_the_fence(ops: HostCopyOps) -> None:
+    ops.fail("stage")
+    stager = stager_for(ops, free=64 * MIB)
+    flat = stager.flatten({"w": torch.randn(8)}, copy=True)  # the host "waits" for the failed copy: no raise
+    with pytest.raises(StagingCopyError):
+        flat.finish_staging()
+
+
+def test_without_pinned_host_buffers_nothing_is_device_staged_and_it_is_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ops = HostCopyOps(needs_pinned_host=True)  # like CUDA: a drain into pageable memory would block
+    try:
+        stager = stager_for(ops, free=64 * MIB)  # pinned_limit_bytes=0: never pin
+        state = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+        with caplog.at_level(logging.INFO, logger="elastic.checkpoint.staging"):
+            flat = stager.flatten(state, copy=True)
+        flat.finish_staging()
+        assert flat.device_staged == ()
+        said = [r.getMessage() for r in caplog.records if "not device-side" in r.getMessage()]
+        assert len(said) == 1 and "2 of 2" in said[0]
+        assert all(torch.equal(t, s) for t, s in zip(flat.tensors, state.values(), strict=True))
+    finally:
+        ops.close()
+
+
+# -- the manager over in-memory copy streams --------------------------------------------------------------
+def adamw_state() -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(16, 64)).sum().backward()
+    optimizer.step()
+    return model, optimizer, {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+@pytest.mark.timeout(60)
+def test_overlapped_device_staged_save_round_trips_and_the_writer_waits_for_the_drain(
+    tmp_path: Path, ops: HostCopyOps
+) -> None:
+    model, optimizer, state = adamw_state()
+    expected = cpu_clone(state)
+    events: list[str] = []
+    stager = stager_for(ops, free=64 * MIB)
+    mgr = FsspecCheckpointManager(
+        create_checkpoint_manager(str(tmp_path)).storage, CheckpointOptions(), events.append, stager=stager
+    )
+    ops.hold("drain")
+    mgr.save(1, state, overlap_with=optimizer)
+    model(torch.randn(16, 64)).sum().backward()
+    optimizer.step()  # the fence: the device copies are done, the drain is not
+    assert wait_until(lambda: "staging_begin" in events)
+    time.sleep(0.2)
+    assert "save_begin" not in events and mgr.in_flight  # the writer waits for the drain
+    ops.release("drain")
+    mgr.wait()
+    assert mgr.last_device_staged_bytes > 0
+    assert_same(mgr.load(1).state, expected)
+    mgr.close()
+
+
+class SlowDeviceMemory(HostDeviceMemory):
+    """Allocations take a while (pinning and cudaMalloc do): a save can arrive mid warm-up."""
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: int) -> torch.Tensor:
+        time.sleep(0.05)
+        return super().empty(shape, dtype, device)
+
+
+def counted_manager(tmp_path: Path, ops: HostCopyOps, memory: HostDeviceMemory) -> FsspecCheckpointManager:
+    stager = Stager(pinned_limit_bytes=0, ops=ops, device_pool=DeviceBufferPool(memory, NO_MARGIN))
+    return create_checkpoint_manager(str(tmp_path), stager=stager)
+
+
+@pytest.mark.timeout(60)
+def test_after_prepare_the_first_save_allocates_nothing(tmp_path: Path, ops: HostCopyOps) -> None:
+    model, optimizer, state = adamw_state()
+    memory = HostDeviceMemory(free=64 * MIB)
+    mgr = counted_manager(tmp_path, ops, memory)
+    mgr.prepare(state)
+    mgr._warm_up.join()
+    host, device = mgr._stager.host_allocations, memory.allocations
+    assert host > 0 and device > 0
+    mgr.prepare(state)  # idempotent: the same tensors again start nothing
+    assert not mgr._warm_up.running
+    mgr.save(1, state, overlap_with=optimizer)
+    mgr.wait()
+    assert (mgr._stager.host_allocations, memory.allocations) == (host, device)
+    assert mgr.last_device_staged_bytes == sum(t.numel() * t.element_size() for t in model.parameters()) + sum(
+        t.numel() * t.element_size() for t in model.buffers()
+    ) + sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
+    mgr.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_save_racing_the_warm_up_waits_for_it_and_is_correct(tmp_path: Path, ops: HostCopyOps) -> None:
+    _model, optimizer, state = adamw_state()
+    expected = cpu_clone(state)
+    memory = SlowDeviceMemory(free=64 * MIB)
+    mgr = counted_manager(tmp_path, ops, memory)
+    mgr.prepare(state)
+    assert mgr._warm_up.running
+    mgr.save(1, state, overlap_with=optimizer)  # waits for the warm-up, then stages into its buffers
+    mgr.wait()
+    tensors = len(mgr._stager._buffers)
+    assert memory.allocations == tensors  # one device buffer each: none allocated twice
+    assert_same(mgr.load(1).state, expected)
+    mgr.close()
+
+
+@pytest.mark.timeout(60)
+def test_prepare_warms_host_tensors_buffers_too(tmp_path: Path) -> None:
+    _model, optimizer, state = adamw_state()  # CPU tensors, the default stager: no device path at all
+    with create_checkpoint_manager(str(tmp_path)) as mgr:
+        mgr.prepare(state)
+        mgr.wait_prepared()
+        allocated = mgr._stager.host_allocations
+        assert allocated == len(mgr._stager._buffers) > 0
+        mgr.save(1, state, overlap_with=optimizer)
+        mgr.wait()
+        assert mgr._stager.host_allocations == allocated and mgr.last_device_staged_bytes == 0
+
+
+def test_manager_builds_device_staging_from_its_options(tmp_path: Path) -> None:
+    options = CheckpointOptions(
+        device_staging=False, device_staging_margin_bytes=MIB, device_staging_margin_fraction=0.2
+    )
+    with create_checkpoint_manager(str(tmp_path), options) as mgr:
+        pool = mgr._stager.device_pool
+        assert pool is not None
+        assert pool.settings == DeviceStagingSettings(enabled=False, margin_bytes=MIB, margin_fraction=0.2)
+    with create_checkpoint_manager(str(tmp_path)) as mgr:
+        assert mgr._stager.device_pool is not None and mgr._stager.device_pool.settings.enabled
+
+
+# -- CUDA -------------------------------------------------------------------------------------------------
+def needs_cuda(test: Any) -> Any:
+    """Marked ``cuda`` (``pytest -m cuda``, as scripts/gpu_check.sh runs them), skipped without CUDA."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
+
+
+def cuda_stager(settings: DeviceStagingSettings = NO_MARGIN) -> Stager:
+    from elastic.checkpoint.device_staging import CudaDeviceMemory
+
+    return Stager(pinned_limit_bytes=16 << 30, device_pool=DeviceBufferPool(CudaDeviceMemory(), settings))
+
+
+def cuda_adamw() -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.BatchNorm1d(512), nn.Linear(512, 64)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cuda_step(model, optimizer)
+    return model, optimizer, {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def cuda_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    model(torch.randn(32, 512, device="cuda")).square().mean().backward()
+    optimizer.step()
+
+
+def leaves(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in leaves(v)]
+    if isinstance(obj, list):
+        return [t for v in obj for t in leaves(v)]
+    return []
+
+
+def host_clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [host_clone(v) for v in obj]
+    return obj
+
+
+@needs_cuda
+@pytest.mark.timeout(120)
+def test_cuda_device_staged_overlapped_save_round_trips_bit_exactly(tmp_path: Path) -> None:
+    model, optimizer, state = cuda_adamw()
+    expected = host_clone(state)
+    cuda_bytes = sum(t.numel() * t.element_size() for t in leaves(state) if t.is_cuda)
+    with create_checkpoint_manager(str(tmp_path), CheckpointOptions(device_staging_margin_bytes=0)) as mgr:
+        mgr.save(1, state, overlap_with=optimizer)
+        for _ in range(3):
+            cuda_step(model, optimizer)  # changes every saved tensor while the drain may still run
+        mgr.wait()
+        assert mgr.last_device_staged_bytes == cuda_bytes  # all of them (AdamW's step counts are host tensors)
+        assert_same(mgr.load(1).state, expected)
+
+
+@needs_cuda
+@pytest.mark.timeout(120)
+def test_cuda_fence_waits_for_the_device_copy_not_for_the_drain() -> None:
+    state = {f"w{i}": torch.randn(64 << 20, device="cuda") for i in range(4)}  # 4 x 256 MiB
+    expected = host_clone(state)
+    stager = cuda_stager()
+    warm = stager.flatten(state, copy=True, defer=lambda t: True)  # allocates the buffers (pinned, device)
+    warm.finish_staging()
+    torch.cuda.synchronize()
+    for t in state.values():
+        t.add_(1.0)
+    expected = host_clone(state)
+    flat = stager.flatten(state, copy=True, defer=lambda t: True)  # every tensor behind the fence
+    assert flat.device_staged == (0, 1, 2, 3)
+    fence, drain = flat.fence_events[0], flat.copy_events[0]
+    fence.wait()  # what optimizer.step() would be ordered after: the device-to-device copies
+    assert not drain.query(), "the 1 GiB device-to-host drain finished with the device-to-device copy"
+    flat.fence()
+    for t in state.values():
+        t.mul_(-3.0)  # the next step may change the sources now: the device buffers hold the snapshot
+    flat.finish_staging()
+    assert drain.query()
+    for got, want in zip(flat.tensors, expected.values(), strict=True):
+        assert torch.equal(got, want)
+
+
+@needs_cuda
+@pytest.mark.timeout(120)
+def test_cuda_a_margin_forces_a_per_tensor_fallback(caplog: pytest.LogCaptureFixture) -> None:
+    size = 64 << 20  # bytes per tensor
+    state = {f"w{i}": torch.randn(size // 4, device="cuda") for i in range(3)}
+    expected = host_clone(state)
+    free, _total = torch.cuda.mem_get_info()
+    settings = DeviceStagingSettings(margin_bytes=max(0, free - size - size // 2), margin_fraction=0.0)
+    stager = cuda_stager(settings)
+    with caplog.at_level(logging.INFO, logger=DEVICE_LOGGER):
+        flat = stager.flatten(state, copy=True)
+    assert flat.device_staged == (0,)  # room for one: the first, the others straight to the host
+    assert any("mixed" in r.getMessage() for r in caplog.records)
+    flat.finish_staging()
+    for got, want in zip(flat.tensors, expected.values(), strict=True):
+        assert torch.equal(got, want)
+
+
+@needs_cuda
+@pytest.mark.timeout(120)
+def test_cuda_after_prepare_the_first_save_allocates_nothing(tmp_path: Path) -> None:
+    _model, optimizer, state = cuda_adamw()
+    with create_checkpoint_manager(str(tmp_path), CheckpointOptions(device_staging_margin_bytes=0)) as mgr:
+        mgr.prepare(state)
+        mgr.wait_prepared()
+        pool = mgr._stager.device_pool
+        assert pool is not None and pool.held_bytes > 0 and mgr._stager.pinned_bytes > 0
+        host, device = mgr._stager.host_allocations, pool.held_bytes
+        mgr.save(1, state, overlap_with=optimizer)
+        mgr.wait()
+        assert (mgr._stager.host_allocations, pool.held_bytes) == (host, device)
