@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.etcd import EtcdClient, GetResult, KeyValue, PutOp, TxnResult
+from elastic.etcd.api import EtcdAuth, auth_of
 
 __all__ = ["CountingEtcdClient", "Tally"]
 
@@ -75,7 +76,7 @@ def _written_bytes(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return 0
 
 
-class CountingEtcdClient(EtcdClient):
+class CountingEtcdClient(EtcdClient, EtcdAuth):
     """Counts the calls through it (thread-safe); see the module docstring for the two views."""
 
     def __init__(self, inner: EtcdClient) -> None:
@@ -144,6 +145,19 @@ def _forwarder(name: str) -> Callable[..., Any]:
     return method
 
 
+def _auth_forwarder(name: str) -> Callable[..., Any]:
+    """Users and roles go to the inner client's (not counted: they are no key/value traffic); a TypeError
+    from :func:`auth_of` when the inner client manages none."""
+
+    def method(self: CountingEtcdClient, *args: Any, **kwargs: Any) -> Any:
+        return getattr(auth_of(self.inner), name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
 for _name in sorted(EtcdClient.__abstractmethods__ - {"config", "endpoints_label"}):
     setattr(CountingEtcdClient, _name, _forwarder(_name))
+for _name in sorted(EtcdAuth.__abstractmethods__):
+    setattr(CountingEtcdClient, _name, _auth_forwarder(_name))
 CountingEtcdClient.__abstractmethods__ = frozenset()
