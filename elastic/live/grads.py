@@ -22,6 +22,7 @@ keeps a torn-down generation alive.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
@@ -56,7 +57,7 @@ class ReducerStats:
 
 def _reachable_params(outputs: Any) -> set[int]:
     """The ids of the leaf tensors whose gradient a backward from ``outputs`` (tensors in any nesting of
-    tuples, lists and dicts) accumulates."""
+    tuples, lists, dicts and dataclasses) accumulates."""
     stack: list[Any] = [outputs]
     nodes: list[Any] = []
     while stack:
@@ -68,6 +69,8 @@ def _reachable_params(outputs: Any) -> set[int]:
             stack.extend(o)
         elif isinstance(o, dict):
             stack.extend(o.values())
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):  # as DDP's _find_tensors
+            stack.extend(getattr(o, f.name) for f in dataclasses.fields(o))
     seen: set[Any] = set()
     found: set[int] = set()
     while nodes:
@@ -89,7 +92,9 @@ class GradientReducer:
     def __init__(
         self, module: nn.Module, bucket_bytes: int = BUCKET_BYTES, first_bucket_bytes: int | None = FIRST_BUCKET_BYTES
     ) -> None:
+        self._module = module
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self._ids = {id(p) for p in self._params}
         self.buckets: list[Bucket] = assign_buckets(self._params, bucket_bytes, first_bucket_bytes)
         self._bucket_of = [0] * len(self._params)
         for b, bucket in enumerate(self.buckets):
@@ -171,6 +176,7 @@ class GradientReducer:
         collective: every rank calls it once per step. Raises what a failed collective raises; the step's
         state is reset either way."""
         try:
+            self._check_trainable()
             if self._armed and not self.find_unused and not all(self._ready):
                 self.find_unused = True
                 logger.info("live mode: %d parameter(s) had no gradient in a step; looking for unused parameters "
@@ -183,15 +189,30 @@ class GradientReducer:
                 work.wait()
             for b, _ in self._works:
                 self._unpack(b, world_size)
+            self._works = []  # all done: reset() keeps their buffers
             self.stats.steps += 1
         finally:
             self.reset()
+
+    def _check_trainable(self) -> None:
+        """A parameter unfrozen since the reducer was built would never be averaged (the ranks would drift
+        apart): refuse it. One frozen since keeps its gradient None (:meth:`_unpack`)."""
+        added = [name for name, p in self._module.named_parameters() if p.requires_grad and id(p) not in self._ids]
+        if added:
+            raise RuntimeError(
+                f"live mode: parameter(s) {', '.join(added[:5])}{' ...' if len(added) > 5 else ''} require a "
+                "gradient but did not when the trainer was built, so their gradients would not be averaged: "
+                "set requires_grad before building the ElasticTrainer (a frozen parameter may be unfrozen only "
+                "by building a new trainer)"
+            )  # fmt: skip
 
     def _unpack(self, b: int, world_size: int) -> None:
         bucket, flat = self.buckets[b], self._flat[b]
         assert flat is not None
         for i, offset in zip(bucket.params, bucket.offsets, strict=True):
             p = self._params[i]
+            if not p.requires_grad:
+                continue  # frozen since the reducer was built: no gradient (an optimizer then skips it)
             summed = flat[offset : offset + p.numel()].view(p.shape)
             if p.grad is None:
                 p.grad = summed / world_size
@@ -199,7 +220,12 @@ class GradientReducer:
                 torch.div(summed, world_size, out=p.grad)  # the average and its copy in one pass
 
     def reset(self) -> None:
-        """Forget the step in progress (its in-flight work handles too): after a failure, before a re-form."""
+        """Forget the step in progress (its in-flight work handles too): after a failure, before a re-form.
+        The buffers of buckets still in flight are dropped (a late write by a torn-down generation's work then
+        lands in a buffer nobody reads)."""
+        for b, work in self._works:
+            if not work.is_completed():
+                self._flat[b] = None
         self._armed = False
         self._unused = set()
         self._ready = [False] * len(self._params)

@@ -465,22 +465,24 @@ class ElasticTrainer:
         if finished and not self._stopped and pending is not None and self._checkpoints.manager is not None:
             logger.info("taking the snapshot pending since step %d at step %d before closing", pending, self.step)
             self.save(blocking=True)
-        self._stop_timeout.reached()
-        self._preemption.uninstall()
-        self._checkpoints.close(finished=finished and not self._stopped)
-        if self._checkpoints.pending is not None:
-            self._publish_progress(self.current_lr(), None)
-        self._progress.close()
-        if dist.is_initialized():
-            dist.barrier()
-            # gloo's worker thread frees finished work (which holds Python tensors) under the GIL; give it
-            # the GIL now, or tearing the group down from the main thread can deadlock at exit.
-            time.sleep(0.2)
-            compat.destroy_process_group()
-        if self._reducer is not None:
-            self._reducer.close()  # the user's module keeps no hook of ours
-        if self._live is not None:
-            self._live.group.close(finished=finished and not self._stopped and self.rank == 0)
+        try:
+            self._stop_timeout.reached()
+            self._preemption.uninstall()
+            self._checkpoints.close(finished=finished and not self._stopped)
+            if self._checkpoints.pending is not None:
+                self._publish_progress(self.current_lr(), None)
+            self._progress.close()
+            if dist.is_initialized():
+                dist.barrier()
+                # gloo's worker thread frees finished work (which holds Python tensors) under the GIL; give it
+                # the GIL now, or tearing the group down from the main thread can deadlock at exit.
+                time.sleep(0.2)
+                compat.destroy_process_group()
+            if self._live is not None:
+                self._live.group.close(finished=finished and not self._stopped and self.rank == 0)
+        finally:
+            if self._reducer is not None:
+                self._reducer.close()  # the user's module keeps no hook of ours, whatever failed above
 
     def __enter__(self) -> ElasticTrainer:
         return self

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,58 @@ def test_a_gradient_accumulated_after_its_bucket_left_is_a_clear_error(gloo_worl
     reducer.reset()
     _loss(model, 2).backward()  # the next step is not affected
     reducer.finish(world_size=1)
+    reducer.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_frozen_later_keeps_no_gradient_and_one_unfrozen_later_is_a_clear_error(
+    gloo_world_1: None,
+) -> None:
+    net = Net()
+    reducer = GradientReducer(net, bucket_bytes=1)
+    model = LiveDataParallel(net, reducer)
+    net.layers[1].requires_grad_(False)  # frozen after the reducer was built: an optimizer must not move it
+    _loss(model, 1, skip_unused=False).backward()
+    reducer.finish(world_size=1)
+    assert net.layers[1].weight.grad is None and net.layers[1].bias.grad is None
+    assert net.layers[2].weight.grad is not None
+    net.layers[1].requires_grad_(True)  # back, and never frozen at build time: fine
+    frozen_at_build = Net()
+    frozen_at_build.head.requires_grad_(False)
+    late = GradientReducer(frozen_at_build, bucket_bytes=1)
+    frozen_at_build.head.requires_grad_(True)  # its gradients would never be averaged
+    _loss(LiveDataParallel(frozen_at_build, late), 2).backward()
+    with pytest.raises(RuntimeError, match=r"head\.weight, head\.bias require a gradient but did not"):
+        late.finish(world_size=1)
+    reducer.close()
+    late.close()
+
+
+@dataclass
+class _Out:
+    prediction: torch.Tensor
+    extra: int = 0
+
+
+class _DataclassNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x: torch.Tensor) -> _Out:
+        return _Out(self.net(x))
+
+
+@pytest.mark.timeout(60)
+def test_outputs_in_a_dataclass_are_searched_for_the_used_parameters(gloo_world_1: None) -> None:
+    module = _DataclassNet()
+    reducer = GradientReducer(module, bucket_bytes=1)
+    model = LiveDataParallel(module, reducer)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    for _ in range(3):  # the first step finds the unused layer; then the forward's dataclass is searched
+        nn.functional.mse_loss(model(x).prediction, y).backward()
+        reducer.finish(world_size=1)
+    assert reducer.find_unused and reducer.stats.steps == 3
     reducer.close()
 
 
