@@ -10,7 +10,8 @@ __all__ = ["RecoveryMode"]
 
 
 class RecoveryMode(str, Enum):
-    """See the module docstring."""
+    """How a job goes on after a failure: ``restart`` (every worker restarts from the newest snapshot) or
+    ``live`` (survivors keep their processes; a new worker joins with a peer's state)."""
 
     #: torchrun re-forms job-wide rounds: every node's workers are restarted and resume from the newest snapshot
     RESTART = "restart"
