@@ -111,7 +111,9 @@ def test_blake3_manifests_name_the_algorithm_per_file(tmp_path: Path) -> None:
         assert item["digest"] == blake3.blake3(path.read_bytes()).hexdigest()
 
 
-def test_a_snapshot_written_before_blake3_loads_and_is_verified(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_snapshot_written_before_blake3_loads_and_is_verified(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     root = tmp_path / "old"
     shutil.copytree(FIXTURE, root)
     assert manifest_json(root, 7)["format_version"] == 1
