@@ -89,7 +89,8 @@ def dd_write(directory: Path, nbytes: int) -> float:
 def make_state(nbytes: int) -> dict[str, Any]:
     """Four float32 tensors of ``nbytes`` together (random bits: nothing compresses or dedups)."""
     quarter = nbytes // 4 // 4
-    return {f"w{i}": torch.randint(-(2**31), 2**31 - 1, (quarter,), dtype=torch.int32).view(torch.float32) for i in range(4)}
+    low, high = -(2**31), 2**31 - 1
+    return {f"w{i}": torch.randint(low, high, (quarter,), dtype=torch.int32).view(torch.float32) for i in range(4)}
 
 
 def save_once(root: Path, step: int, state: dict[str, Any], algorithm: str, verify: str) -> dict[str, Any]:
