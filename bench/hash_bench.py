@@ -137,14 +137,23 @@ def main() -> None:
     args = parser.parse_args()
     nbytes = int(args.gib * GiB)
     workdir = Path(tempfile.mkdtemp(prefix="hash-bench-", dir=args.dir))
-    print(f"disk: {workdir} ({filesystem_type(workdir)})  cpus: {os.cpu_count()}  blake3 {blake3.__version__}")
+    load_before = os.getloadavg()[0]
+    print(
+        f"disk: {workdir} ({filesystem_type(workdir)})  cpus: {os.cpu_count()}  blake3 {blake3.__version__}  "
+        f"load average: {load_before:.1f}"
+    )
     try:
         hashing = hash_throughput()
         saves = bench_saves(workdir, nbytes, args.repeats)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average": os.getloadavg()[0]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg()[0],
+        },
         "bytes": nbytes,
         "hash_bytes_per_s": hashing,
         **saves,
@@ -174,7 +183,8 @@ def print_report(r: dict[str, Any], repeats: int) -> dict[str, Any]:
     default = summary[CONFIGS[0][0]]["write_verify_fraction_of_dd"]
     summary["goal_default_write_verify_ge_80pct_dd"] = default >= 0.80
     print(
-        f"medians over {repeats} interleaved rounds of {r['bytes'] / GiB:.2f} GiB; write + default verification = "
+        f"medians over {repeats} interleaved rounds of {r['bytes'] / GiB:.2f} GiB (load average at the end: "
+        f"{r['machine']['load_average_after']:.1f}); write + default verification = "
         f"{default * 100:.0f} % of dd (goal >= 80 %: {'met' if default >= 0.80 else 'MISSED'})"
     )
     return summary
