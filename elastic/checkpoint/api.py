@@ -110,7 +110,7 @@ class CheckpointOptions:
     digest_algorithm: DigestAlgorithm | str = DEFAULT_DIGEST
     weights_only: bool = True
     chunk_bytes: int = 8 * _MIB
-    # tensor data is written as files of this size (each with its own sha256 in the manifest), by io_threads
+    # tensor data is written as files of this size (each with its own digest in the manifest), by io_threads
     # threads in parallel; loads and verification read them in parallel too (None: sized to the machine)
     segment_bytes: int = 256 * _MIB
     io_threads: int | None = None
@@ -226,7 +226,7 @@ class CheckpointManager(ABC):
       ``is_writer`` ranks write; other ranks return at once.  ``step`` must grow monotonically.
     - A snapshot exists once its manifest is committed, which happens after all its data is durable;
       a crash at any point leaves either the previous set of snapshots or the new one, never a torn one.
-    - ``load_latest()`` returns the newest snapshot that passes verification (sizes and sha256), warning
+    - ``load_latest()`` returns the newest snapshot that passes verification (sizes and digests), warning
       about each newer one it skips, or ``None`` (logged once) when there is none.
     - ``close()`` waits for the in-flight save and raises its error; the manager is unusable afterwards.
     - Retention runs after a save is committed and verified and only deletes snapshots older than it.
