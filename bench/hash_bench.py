@@ -177,18 +177,24 @@ def print_report(r: dict[str, Any], repeats: int) -> dict[str, Any]:
     for name, bps in r["hash_bytes_per_s"].items():
         print(f"  {'hash ' + name:<52} {bps / MiB:8.0f} MiB/s")
     dd_bps = med(r["dd_bytes_per_s"])
-    print(f"  {'dd conv=fsync (write), median of all':<52} {dd_bps / MiB:8.0f} MiB/s")
+    print(f"  {'dd conv=fsync (write), median of all':<52} {dd_bps / MiB:8.0f} MiB/s {r['bytes'] / dd_bps:5.2f} s")
     summary: dict[str, Any] = {"dd_bytes_per_s": dd_bps}
     for label, rows in r["saves"].items():
         full = med(row["write_verify_bytes_per_s"] for row in rows)
         fraction = med(row["fraction_of_dd"] for row in rows)
         verify_ms = med(row["verify_s"] for row in rows) * 1e3
         mode = rows[0]["verify_mode"]
+        seconds = med(row["write_s"] + row["verify_s"] for row in rows)
         print(
-            f"  {'write + verify, ' + label:<52} {full / MiB:8.0f} MiB/s ({fraction * 100:3.0f} % of the dd beside "
-            f"it; verify {mode} {verify_ms:.0f} ms)"
+            f"  {'write + verify, ' + label:<52} {full / MiB:8.0f} MiB/s {seconds:5.2f} s ({fraction * 100:3.0f} % of "
+            f"the dd beside it; verify {mode} {verify_ms:.0f} ms)"
         )
-        summary[label] = {"write_verify_fraction_of_dd": fraction, "verify_mode": mode, "verify_ms": verify_ms}
+        summary[label] = {
+            "write_verify_fraction_of_dd": fraction,
+            "write_verify_s": seconds,
+            "verify_mode": mode,
+            "verify_ms": verify_ms,
+        }
     default = summary[CONFIGS[0][0]]["write_verify_fraction_of_dd"]
     summary["goal_default_write_verify_ge_80pct_dd"] = default >= 0.80
     print(
