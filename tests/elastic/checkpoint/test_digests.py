@@ -206,3 +206,23 @@ def test_manifest_entries_keep_the_kind_of_snapshot_they_describe() -> None:
     files = (FileEntry(f"{TOKEN}/a.distcp", 4, "c" * 64, DigestAlgorithm.BLAKE3),)
     manifest = Manifest(5, TOKEN, SnapshotKind.DCP, files, 0.0, 2, 0)
     assert Manifest.from_json(manifest.to_json()).files == files
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_sharded_snapshots_name_the_configured_algorithm_and_load(tmp_path: Path, algorithm: str) -> None:
+    import torch
+
+    from elastic.checkpoint import StateLayout
+
+    options = CheckpointOptions(layout=StateLayout.SHARDED, digest_algorithm=algorithm)
+    state = {"w": torch.arange(48, dtype=torch.float32).reshape(6, 8), "cursor": {"epoch": 3}}
+    with create_checkpoint_manager(str(tmp_path), options) as mgr:  # a world of one process, no process group
+        mgr.save(4, state, blocking=True)
+        snap = mgr.load(4, template={"w": torch.zeros(6, 8), "cursor": {"epoch": -1}})
+    assert torch.equal(snap.state["w"], state["w"]) and snap.state["cursor"] == {"epoch": 3}
+    assert {f.algorithm for f in snap.manifest.files} == {DigestAlgorithm(algorithm)}
+    names = {f.path.rsplit("/", 1)[-1] for f in snap.manifest.files}
+    assert ".metadata" in names and any(n.endswith(".distcp") for n in names)
+    (part,) = (tmp_path / step_dir(4)).glob("*/part-00000.json")
+    key = "sha256" if algorithm == "sha256" else "digest"
+    assert all(key in item for item in json.loads(part.read_bytes()))
