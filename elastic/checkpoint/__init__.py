@@ -17,6 +17,7 @@ from elastic.checkpoint.api import (
     SnapshotInfo,
     StateLayout,
 )
+from elastic.checkpoint.digest import DigestAlgorithm
 from elastic.checkpoint.layout import Manifest, writer_rank_for
 from elastic.checkpoint.manager import (
     FsspecCheckpointManager,
@@ -30,6 +31,7 @@ from elastic.checkpoint.state import (
     restore_rng_state,
     restore_training_state,
 )
+from elastic.checkpoint.verification import VerifyMode
 
 __all__ = [
     "CheckpointCorruptError",
@@ -40,6 +42,7 @@ __all__ = [
     "CheckpointOptions",
     "CheckpointStorageError",
     "CheckpointWriteError",
+    "DigestAlgorithm",
     "EventHook",
     "FsspecCheckpointManager",
     "Manifest",
@@ -47,6 +50,7 @@ __all__ = [
     "SnapshotInfo",
     "StateLayout",
     "TrainingState",
+    "VerifyMode",
     "capture_rng_state",
     "capture_training_state",
     "create_checkpoint_manager",

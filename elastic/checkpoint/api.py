@@ -1,7 +1,7 @@
 """The checkpoint interface the training loop uses, its options, and its errors.
 
 A *snapshot* is the full training state at one step, stored under ``<root>/step-<step>/`` and made to
-exist by one act: writing its manifest (file list, sizes, sha256) after all of its data.  Anything
+exist by one act: writing its manifest (file list, sizes, digests) after all of its data.  Anything
 without a valid manifest does not exist for readers.
 """
 
@@ -13,6 +13,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from elastic.checkpoint.digest import DEFAULT_DIGEST, DigestAlgorithm, parse_algorithm
+from elastic.checkpoint.verification import VerifyMode, parse_verify_mode
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +63,7 @@ class CheckpointFencedError(CheckpointWriteError):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """A snapshot failed verification (missing file, size or sha256 mismatch, bad manifest)."""
+    """A snapshot failed verification (missing file, size or digest mismatch, bad manifest)."""
 
 
 class CheckpointLoadError(CheckpointError):
@@ -99,10 +102,15 @@ class CheckpointOptions:
     keep_every: int | None = None
     writer_rank: int = 0
     per_node: bool = False
-    verify_after_write: bool = True
+    # what is checked right after a save commits (elastic/checkpoint/verification.py): "auto" (cheap on local
+    # file systems, a read-back from the medium on network file systems and object stores), "none", "size",
+    # "read_back", "read_back_uncached"; the former bools map to read_back (True) and none (False)
+    verify_after_write: VerifyMode | str | bool = VerifyMode.AUTO
+    # the digest of new snapshots' files (elastic/checkpoint/digest.py); loads verify whichever a manifest names
+    digest_algorithm: DigestAlgorithm | str = DEFAULT_DIGEST
     weights_only: bool = True
     chunk_bytes: int = 8 * _MIB
-    # tensor data is written as files of this size (each with its own sha256 in the manifest), by io_threads
+    # tensor data is written as files of this size (each with its own digest in the manifest), by io_threads
     # threads in parallel; loads and verification read them in parallel too (None: sized to the machine)
     segment_bytes: int = 256 * _MIB
     io_threads: int | None = None
@@ -159,8 +167,23 @@ class CheckpointOptions:
         if not re.fullmatch(r"[1-9][0-9]*[KkMmGg]?", self.lustre_stripe_size):
             raise ValueError(f"lustre_stripe_size must look like 1048576, 4M or 1G, got {self.lustre_stripe_size!r}")
         object.__setattr__(self, "layout", StateLayout(self.layout))
+        object.__setattr__(self, "verify_after_write", parse_verify_mode(self.verify_after_write))
+        try:
+            object.__setattr__(self, "digest_algorithm", parse_algorithm(self.digest_algorithm))
+        except ValueError as exc:
+            raise ValueError(f"digest_algorithm: {exc}") from None
         if self.per_node and self.layout == StateLayout.SHARDED:
             raise ValueError("per_node applies to the replicated layout (each rank of a sharded state writes its part)")
+
+    @property
+    def verify_mode(self) -> VerifyMode:
+        """``verify_after_write`` as a :class:`VerifyMode` (``auto`` is resolved per storage at save time)."""
+        return parse_verify_mode(self.verify_after_write)
+
+    @property
+    def file_digest(self) -> DigestAlgorithm:
+        """``digest_algorithm`` as a :class:`DigestAlgorithm`."""
+        return parse_algorithm(self.digest_algorithm)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> CheckpointOptions:
@@ -216,7 +239,7 @@ class CheckpointManager(ABC):
       ``is_writer`` ranks write; other ranks return at once.  ``step`` must grow monotonically.
     - A snapshot exists once its manifest is committed, which happens after all its data is durable;
       a crash at any point leaves either the previous set of snapshots or the new one, never a torn one.
-    - ``load_latest()`` returns the newest snapshot that passes verification (sizes and sha256), warning
+    - ``load_latest()`` returns the newest snapshot that passes verification (sizes and digests), warning
       about each newer one it skips, or ``None`` (logged once) when there is none.
     - ``close()`` waits for the in-flight save and raises its error; the manager is unusable afterwards.
     - Retention runs after a save is committed and verified and only deletes snapshots older than it.

@@ -1,4 +1,4 @@
-"""Reading one snapshot file in chunks, checking its size and sha256, into a chosen destination.
+"""Reading one snapshot file in chunks, checking its size and digest, into a chosen destination.
 
 :func:`read_file` is one task of a parallel read (see :class:`~elastic.checkpoint.parallel_io.IoPool`): it
 reads the file chunk by chunk into buffers a *sink* hands out, hashes every chunk as it arrives and hands it
@@ -13,13 +13,13 @@ back to the sink.  Sinks:
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from typing import Protocol
 
 import torch
 
 from elastic.checkpoint.api import CheckpointCorruptError
+from elastic.checkpoint.digest import new_hasher
 from elastic.checkpoint.layout import FileEntry
 from elastic.checkpoint.parallel_io import check_stop
 from elastic.checkpoint.storage import BinaryReader, CheckpointStorage
@@ -132,17 +132,22 @@ def read_file(
     sink: Sink,
     chunk_bytes: int,
     stop: threading.Event,
+    *,
+    uncached: bool = False,
 ) -> None:
-    """Read file ``rel`` (described by ``entry``) into ``sink``, checking its exact size and its sha256.
+    """Read file ``rel`` (described by ``entry``) into ``sink``, checking its exact size and its digest (by
+    the algorithm ``entry`` names).  ``uncached``: read from the medium, not this host's page cache (see
+    :meth:`~elastic.checkpoint.storage.CheckpointStorage.open_read_uncached`).
 
     Raises :class:`CheckpointCorruptError` naming ``entry.path`` for a short, long or changed file;
     ``FileNotFoundError`` for a missing one; :class:`~elastic.checkpoint.parallel_io.StopRequested` once
     ``stop`` is set.
     """
-    hasher = hashlib.sha256()
+    hasher = new_hasher(entry.algorithm)
     size = entry.size
+    opened = storage.open_read_uncached(rel) if uncached else storage.open_read(rel)
     try:
-        with storage.open_read(rel) as f:
+        with opened as f:
             done = 0
             while done < size:
                 check_stop(stop)
@@ -157,5 +162,5 @@ def read_file(
                 raise CheckpointCorruptError(f"{entry.path} is longer than {size} bytes")
     finally:
         sink.close()
-    if hasher.hexdigest() != entry.sha256:
-        raise CheckpointCorruptError(f"sha256 mismatch in {entry.path}")
+    if hasher.hexdigest() != entry.digest:
+        raise CheckpointCorruptError(f"{entry.algorithm.value} mismatch in {entry.path}")

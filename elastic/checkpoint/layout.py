@@ -9,6 +9,12 @@ Layout under the root (``/`` separated, relative paths)::
 A save attempt writes only inside its own ``<token>/`` directory, so an attempt that dies half-way can
 never damage a committed snapshot, even one of the same step; committing replaces ``manifest.json``
 atomically, and the files it names are the snapshot.
+
+Manifest formats: version 1 names every file's SHA-256 (``{"path", "size", "sha256"}``), as every snapshot
+written before BLAKE3 does; version 2 names each file's algorithm and digest
+(``{"path", "size", "algorithm", "digest"}``, see :mod:`elastic.checkpoint.digest`).  A manifest whose
+files are all SHA-256 is written as version 1, so older releases still read it; both versions are read.
+The manifest's own checksum (``manifest_sha256``) and signature (``manifest_hmac``) are SHA-256 in both.
 """
 
 from __future__ import annotations
@@ -22,9 +28,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic.checkpoint.digest import DigestAlgorithm, check_hex_digest, parse_algorithm
+
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "SUPPORTED_FORMAT_VERSIONS",
     "FileEntry",
     "Manifest",
     "ManifestError",
@@ -39,7 +48,8 @@ __all__ = [
     "writer_rank_for",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest format; manifests of SHA-256 files are still written as version 1
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 _STEP_DIR_RE = re.compile(r"^step-(\d{12,})$")
 _TOKEN_RE = re.compile(r"^[0-9a-f]{8,64}$")
@@ -89,11 +99,47 @@ def writer_rank_for(world_size: int, configured: int = 0) -> int:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One data file of a snapshot, relative to its step directory."""
+    """One data file of a snapshot, relative to its step directory, with its ``digest`` (lowercase hex) by
+    ``algorithm`` (SHA-256 unless said: the only one snapshots before BLAKE3 knew)."""
 
     path: str
     size: int
-    sha256: str
+    digest: str
+    algorithm: DigestAlgorithm = DigestAlgorithm.SHA256
+
+    def to_dict(self) -> dict[str, Any]:
+        """The entry as a manifest (or a sharded save's part file) stores it; SHA-256 in the version 1 form."""
+        if self.algorithm is DigestAlgorithm.SHA256:
+            return {"path": self.path, "size": self.size, "sha256": self.digest}
+        return {"path": self.path, "size": self.size, "algorithm": self.algorithm.value, "digest": self.digest}
+
+    @classmethod
+    def from_dict(cls, item: Any, *, format_version: int = FORMAT_VERSION) -> FileEntry:
+        """Parse one stored entry; :class:`ManifestError` names what is wrong (unknown algorithm, a digest
+        of the wrong length for its algorithm, missing fields)."""
+        if not isinstance(item, dict):
+            raise ManifestError(f"manifest file entry {item!r} is not an object")
+        path = item.get("path")
+        size = item.get("size")
+        if not isinstance(path, str) or not isinstance(size, int) or isinstance(size, bool):
+            raise ManifestError(f"manifest file entry {item!r} lacks a path or a size")
+        if "sha256" in item and "algorithm" not in item and "digest" not in item:
+            algorithm, digest = DigestAlgorithm.SHA256, item["sha256"]
+        elif format_version >= 2 and "algorithm" in item and "digest" in item and "sha256" not in item:
+            try:
+                algorithm = parse_algorithm(item["algorithm"])
+            except ValueError as exc:
+                raise ManifestError(f"manifest entry for {path!r}: {exc}") from None
+            digest = item["digest"]
+        else:
+            want = "sha256" if format_version < 2 else "sha256, or algorithm and digest"
+            raise ManifestError(f"manifest entry for {path!r} must name {want} (format_version {format_version})")
+        if not isinstance(digest, str) or not check_hex_digest(algorithm, digest):
+            raise ManifestError(
+                f"manifest entry for {path!r}: {algorithm.value} digest must be {algorithm.hex_length} lowercase "
+                f"hex characters, got {digest!r}"
+            )
+        return cls(path=path, size=size, digest=digest, algorithm=algorithm)
 
 
 @dataclass(frozen=True)
@@ -101,7 +147,7 @@ class Manifest:
     """What a committed snapshot consists of.  ``to_json`` adds a checksum of the manifest itself and, given
     a key, an HMAC-SHA256 of it: with the key, ``from_json`` accepts only manifests signed with that key, so
     whoever can write the storage but does not hold the job's key cannot make the job load their files
-    (the sha256 of every file is in the signed body)."""
+    (the digest of every file is in the signed body)."""
 
     step: int
     token: str
@@ -111,7 +157,11 @@ class Manifest:
     world_size: int
     writer_rank: int
     meta: Mapping[str, str] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+
+    @property
+    def format_version(self) -> int:
+        """1 when every file is SHA-256 (readable by releases before BLAKE3), else 2."""
+        return 1 if all(f.algorithm is DigestAlgorithm.SHA256 for f in self.files) else FORMAT_VERSION
 
     def _body(self) -> dict[str, Any]:
         return {
@@ -122,7 +172,7 @@ class Manifest:
             "created_unix": self.created_unix,
             "world_size": self.world_size,
             "writer_rank": self.writer_rank,
-            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
+            "files": [f.to_dict() for f in self.files],
             "meta": dict(sorted(self.meta.items())),
         }
 
@@ -158,21 +208,23 @@ class Manifest:
                 raise ManifestSignatureError("manifest is not signed (this job's are: not written by this job?)")
             if not hmac.compare_digest(signature, hmac.new(key, canonical, hashlib.sha256).hexdigest()):
                 raise ManifestSignatureError("manifest signature does not match this job's key (another job's?)")
-        if body.get("format_version") != FORMAT_VERSION:
-            raise ManifestError(f"unsupported manifest format_version {body.get('format_version')!r}")
+        version = body.get("format_version")
+        if version not in SUPPORTED_FORMAT_VERSIONS or isinstance(version, bool):
+            raise ManifestError(f"unsupported manifest format_version {version!r}")
+        files = body.get("files")
+        if not isinstance(files, list):
+            raise ManifestError("manifest field 'files' missing or not a list")
+        entries = tuple(FileEntry.from_dict(f, format_version=version) for f in files)
         try:
             manifest = cls(
                 step=int(body["step"]),
                 token=str(body["token"]),
                 kind=SnapshotKind(body["kind"]),
-                files=tuple(
-                    FileEntry(path=str(f["path"]), size=int(f["size"]), sha256=str(f["sha256"])) for f in body["files"]
-                ),
+                files=entries,
                 created_unix=float(body["created_unix"]),
                 world_size=int(body["world_size"]),
                 writer_rank=int(body["writer_rank"]),
                 meta={str(k): str(v) for k, v in body.get("meta", {}).items()},
-                format_version=int(body["format_version"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"manifest field missing or malformed ({exc!r})") from exc
@@ -191,7 +243,7 @@ class Manifest:
             parts = entry.path.split("/")
             if parts[0] != self.token or len(parts) < 2 or any(p in ("", ".", "..") for p in parts):
                 raise ManifestError(f"manifest file path {entry.path!r} is outside the snapshot's directory")
-            if entry.size < 0 or not re.fullmatch(r"[0-9a-f]{64}", entry.sha256):
+            if entry.size < 0 or not check_hex_digest(entry.algorithm, entry.digest):
                 raise ManifestError(f"manifest entry for {entry.path!r} is malformed")
             if entry.path in seen:
                 raise ManifestError(f"manifest lists {entry.path!r} twice")

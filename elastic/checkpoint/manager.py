@@ -1,7 +1,7 @@
 """The checkpoint manager over any fsspec URL: background saves, verified loads, retention.
 
 Background saves run in one writer *thread*, not a process.  Measured on 2 cores, the heavy parts of a
-save (``os.write``/socket sends and ``hashlib.sha256`` over multi-MiB chunks) release the GIL, so a thread
+save (``os.write``/socket sends, BLAKE3 or SHA-256 over multi-MiB chunks) release the GIL, so a thread
 does not hold the training loop back, while a process would need the state shipped through shared memory
 and a start-up of its own (and ``spawn`` re-imports the user's training script).  The training thread
 blocks only for copying the tensors into reused CPU buffers (see ``Stager``); CUDA tensors are only queued for

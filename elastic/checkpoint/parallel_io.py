@@ -1,6 +1,6 @@
 """A small pool of I/O threads for checkpoint files, running batches of tasks all-or-nothing.
 
-Checkpoint I/O parallelizes well in threads: ``os.write``/``readinto``, socket sends and ``hashlib.sha256`` on
+Checkpoint I/O parallelizes well in threads: ``os.write``/``readinto``, socket sends, BLAKE3 and SHA-256 on
 large buffers all release the GIL.  :meth:`IoPool.run_all` runs one batch (the files of a save, of a
 verification, of a load) and returns when every task of it has ended: when one task fails the others are
 told to stop (the ``stop`` event each task receives, checked between chunks), tasks not yet started are

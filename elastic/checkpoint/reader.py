@@ -2,7 +2,8 @@
 
 A step directory counts only if its ``manifest.json`` parses and checks out; one without a manifest is a
 save that never committed and is silently ignored.  Verification compares sizes from one listing first
-(cheap, catches truncation and missing files), then sha256 while reading (catches changed bytes).  Files
+(cheap, catches truncation and missing files), then each file's digest (BLAKE3, or SHA-256 for snapshots
+written before it) while reading (catches changed bytes).  Files
 are read in parallel on an :class:`~elastic.checkpoint.parallel_io.IoPool`, each by one task in chunks that
 are hashed as they arrive; a pack snapshot's tensor files land in one buffer, in host memory or, through
 small pinned host buffers, straight in a CUDA device's memory (:mod:`elastic.checkpoint.file_reads`).
@@ -37,8 +38,9 @@ from elastic.checkpoint.layout import (
 from elastic.checkpoint.parallel_io import IoPool, io_thread_count
 from elastic.checkpoint.segments import tensor_file_order
 from elastic.checkpoint.storage import CheckpointStorage
+from elastic.checkpoint.verification import VerifyMode
 
-__all__ = ["ScanEntry", "read_manifest", "read_pack", "scan", "verify_files"]
+__all__ = ["ScanEntry", "read_manifest", "read_pack", "scan", "verify_files", "verify_written"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,23 +110,46 @@ def verify_files(
     *,
     pool: IoPool | None = None,
     io_threads: int | None = None,
+    uncached: bool = False,
 ) -> None:
-    """Raise :class:`CheckpointCorruptError` unless every file has its manifest size and sha256.
+    """Raise :class:`CheckpointCorruptError` unless every file has its manifest size and digest.
 
     Sizes come from one listing; then every file is re-hashed, in parallel on ``pool`` (``None``: a pool of
-    ``io_threads`` for this call); the first mismatch stops the rest.
+    ``io_threads`` for this call); the first mismatch stops the rest.  ``uncached``: the files are read from
+    the medium, not from this host's page cache.
     """
     with _missing_is_corrupt():
         _check_sizes(storage, manifest)
         sdir = step_dir(manifest.step)
         tasks = [
             lambda stop, e=entry: read_file(
-                storage, f"{sdir}/{e.path}", e, ScratchSink(e.size, chunk_bytes), chunk_bytes, stop
+                storage, f"{sdir}/{e.path}", e, ScratchSink(e.size, chunk_bytes), chunk_bytes, stop, uncached=uncached
             )
             for entry in manifest.files
         ]
         with _pool_for(pool, io_threads) as run_on:
             run_on.run_all(tasks)
+
+
+def verify_written(
+    storage: CheckpointStorage,
+    manifest: Manifest,
+    mode: VerifyMode,
+    chunk_bytes: int = 8 << 20,
+    *,
+    pool: IoPool | None = None,
+    io_threads: int | None = None,
+) -> VerifyMode:
+    """Check a snapshot just written as ``mode`` says (``auto``: as the storage says, see
+    :mod:`elastic.checkpoint.verification`); the mode applied.  Raises :class:`CheckpointCorruptError`."""
+    resolved = storage.resolve_verify_mode(mode)
+    if resolved is VerifyMode.SIZE:
+        with _missing_is_corrupt():
+            _check_sizes(storage, manifest)
+    elif resolved.reads_data:
+        uncached = resolved is VerifyMode.READ_BACK_UNCACHED
+        verify_files(storage, manifest, chunk_bytes, pool=pool, io_threads=io_threads, uncached=uncached)
+    return resolved
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:

@@ -4,7 +4,7 @@ The tensors of a replicated snapshot form one logical byte stream (the 64-byte a
 :func:`elastic.checkpoint.codec.tensor_layout`).  It is stored as segment files ``tensors-00000.bin``,
 ``tensors-00001.bin``, ... of ``segment_bytes`` each (the last one shorter), cut at fixed offsets whatever
 the tensor boundaries, so a tensor may span segments.  Each segment is written, hashed and read back on its
-own (in parallel), and has its own size and sha256 in the manifest.  Snapshots written before segments
+own (in parallel), and has its own size and digest in the manifest.  Snapshots written before segments
 existed hold the same stream in one file, ``tensors.bin``; readers accept both.
 """
 

@@ -1,7 +1,7 @@
 """Sharded state (FSDP, DTensor) through ``torch.distributed.checkpoint``, committed by our manifest.
 
 DCP does the sharded work (planning, de-duplication, resharding on load, its async save); this module
-adds what it lacks for shared storage: a per-attempt directory, sha256 of every file, and the manifest as
+adds what it lacks for shared storage: a per-attempt directory, a digest of every file, and the manifest as
 the commit point.  DCP's storage writer is subclassed so that
 
 - ``write_data`` (every rank) hashes the files that rank wrote, reading them back, and publishes
@@ -16,7 +16,6 @@ background save never interleaves with the training loop's collectives.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import time
@@ -38,7 +37,8 @@ from elastic.checkpoint.api import (
     EventHook,
     Snapshot,
 )
-from elastic.checkpoint.layout import FileEntry, Manifest, SnapshotKind, manifest_path, step_dir
+from elastic.checkpoint.digest import DigestAlgorithm, new_hasher
+from elastic.checkpoint.layout import FileEntry, Manifest, ManifestError, SnapshotKind, manifest_path, step_dir
 from elastic.checkpoint.reader import verify_files
 from elastic.checkpoint.storage import CheckpointStorage, FsspecStorage, LocalStorage
 from elastic.checkpoint.writer import SaveTimings, check_fence, finish_commit, generation_meta, new_token
@@ -53,8 +53,8 @@ logger = logging.getLogger(__name__)
 _METADATA = ".metadata"
 
 
-def _hash_file(storage: CheckpointStorage, rel: str, chunk_bytes: int) -> tuple[int, str]:
-    hasher = hashlib.sha256()
+def _hash_file(storage: CheckpointStorage, rel: str, chunk_bytes: int, algorithm: DigestAlgorithm) -> tuple[int, str]:
+    hasher = new_hasher(algorithm)
     size = 0
     with storage.open_read(rel) as f:
         while block := f.read(chunk_bytes):
@@ -91,10 +91,11 @@ class _Commit:
 
     def after_write(self, rank: int, results: list[Any]) -> None:
         names = sorted({r.storage_data.relative_path for r in results})
+        algorithm = self.options.file_digest
         entries = []
         for name in names:
-            size, digest = _hash_file(self.storage, f"{self.rel}/{name}", self.options.chunk_bytes)
-            entries.append({"path": f"{self.token}/{name}", "size": size, "sha256": digest})
+            size, digest = _hash_file(self.storage, f"{self.rel}/{name}", self.options.chunk_bytes, algorithm)
+            entries.append(FileEntry(f"{self.token}/{name}", size, digest, algorithm).to_dict())
         self.storage.publish(f"{self.rel}/part-{rank:05d}.json", json.dumps(entries).encode())
         self.events("data_done")
 
@@ -105,12 +106,17 @@ class _Commit:
                 continue
             part = json.loads(self.storage.read_bytes(f"{self.rel}/part-{rank:05d}.json"))
             for item in part:
-                files[item["path"]] = FileEntry(item["path"], int(item["size"]), item["sha256"])
+                try:
+                    entry = FileEntry.from_dict(item)
+                except ManifestError as exc:
+                    raise CheckpointWriteError(f"rank {rank}'s part file is malformed: {exc}") from exc
+                files[entry.path] = entry
             for r in rank_results:
                 if f"{self.token}/{r.storage_data.relative_path}" not in files:
                     raise CheckpointWriteError(f"rank {rank} wrote {r.storage_data.relative_path} but did not hash it")
-        size, digest = _hash_file(self.storage, f"{self.rel}/{_METADATA}", self.options.chunk_bytes)
-        files[f"{self.token}/{_METADATA}"] = FileEntry(f"{self.token}/{_METADATA}", size, digest)
+        algorithm = self.options.file_digest
+        size, digest = _hash_file(self.storage, f"{self.rel}/{_METADATA}", self.options.chunk_bytes, algorithm)
+        files[f"{self.token}/{_METADATA}"] = FileEntry(f"{self.token}/{_METADATA}", size, digest, algorithm)
         manifest = Manifest(
             step=self.step,
             token=self.token,

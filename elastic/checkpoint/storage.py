@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from elastic.checkpoint.api import CheckpointStorageError, EventHook
+from elastic.checkpoint.filesystems import drop_cached_pages, filesystem_type, is_network_filesystem
 from elastic.checkpoint.lustre import apply_striping
+from elastic.checkpoint.verification import VerifyMode
 
 __all__ = [
     "BinaryReader",
@@ -85,6 +87,21 @@ class CheckpointStorage(ABC):
 
     @abstractmethod
     def open_read(self, rel: str) -> contextlib.AbstractContextManager[BinaryReader]: ...
+
+    def open_read_uncached(self, rel: str) -> contextlib.AbstractContextManager[BinaryReader]:
+        """Like :meth:`open_read`, but the bytes come from the medium, not from a cache on this host.  The
+        default suits back-ends without such a cache (object stores: every read is a request to the store);
+        :class:`LocalStorage` drops the file's cached pages first."""
+        return self.open_read(rel)
+
+    @property
+    def auto_verify_mode(self) -> VerifyMode:
+        """What ``verify_after_write="auto"`` means here (see :mod:`elastic.checkpoint.verification`)."""
+        return VerifyMode.SIZE
+
+    def resolve_verify_mode(self, mode: VerifyMode) -> VerifyMode:
+        """``mode``, with ``auto`` replaced by :attr:`auto_verify_mode`."""
+        return self.auto_verify_mode if mode is VerifyMode.AUTO else mode
 
     @abstractmethod
     def read_bytes(self, rel: str) -> bytes: ...
@@ -194,6 +211,7 @@ class LocalStorage(CheckpointStorage):
         self._url = url or str(self._root)
         self._stripe = stripe
         self._striped = False
+        self._fs_type: str | None = None
 
     @property
     def url(self) -> str:
@@ -261,6 +279,28 @@ class LocalStorage(CheckpointStorage):
         with open(self._path(rel), "rb", buffering=0) as f:
             yield f
 
+    @contextlib.contextmanager
+    def open_read_uncached(self, rel: str) -> Iterator[BinaryReader]:
+        """The file's cached pages are dropped before reading (the read reaches the medium) and again after
+        (a verification's read-back need not stay in memory); see :func:`drop_cached_pages`."""
+        with open(self._path(rel), "rb", buffering=0) as f:
+            drop_cached_pages(f.fileno())
+            try:
+                yield f
+            finally:
+                drop_cached_pages(f.fileno())
+
+    @property
+    def auto_verify_mode(self) -> VerifyMode:
+        """``size`` on a local file system (a read-back would read the page cache); ``read_back_uncached`` on a
+        network file system (Lustre, NFS, ...) or a FUSE mount, where it reads what the servers hold."""
+        if self._fs_type is None:
+            self._fs_type = filesystem_type(self._root) or "unknown"
+            logger.debug("checkpoint root %s is on a %s file system", self._root, self._fs_type)
+        if is_network_filesystem(self._fs_type):
+            return VerifyMode.READ_BACK_UNCACHED
+        return VerifyMode.SIZE
+
     def read_bytes(self, rel: str) -> bytes:
         return self._path(rel).read_bytes()
 
@@ -322,6 +362,12 @@ class FsspecStorage(CheckpointStorage):
     @property
     def is_object_store(self) -> bool:
         return self._object_store
+
+    @property
+    def auto_verify_mode(self) -> VerifyMode:
+        """``read_back_uncached`` on object stores (every read is a GET: it proves what the store holds);
+        ``size`` elsewhere (``memory://``: the bytes never left this process)."""
+        return VerifyMode.READ_BACK_UNCACHED if self._object_store else VerifyMode.SIZE
 
     def _path(self, rel: str) -> str:
         return f"{self._root}/{rel}" if rel else self._root

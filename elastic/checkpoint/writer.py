@@ -7,8 +7,10 @@ until the job is done.
 The data files are written in parallel on an :class:`~elastic.checkpoint.parallel_io.IoPool`: the skeleton,
 and the tensor stream cut into segment files (see :mod:`elastic.checkpoint.segments`).  Each segment is
 written in chunks straight from the staged tensors' memory through ``storage.open_write`` (fsync'd on
-POSIX; its own multipart upload on S3) while a sibling task hashes the same memory, so writing and sha256
-overlap even for a state of one segment, without reading anything back.  The first failure stops the
+POSIX; its own multipart upload on S3) while a sibling task hashes the same memory (BLAKE3 by default, see
+:mod:`elastic.checkpoint.digest`), so writing and hashing overlap even for a state of one segment, without
+reading anything back.  What is checked after the commit is ``options.verify_after_write`` (see
+:mod:`elastic.checkpoint.verification`).  The first failure stops the
 other tasks, all of them end, and only then is the attempt directory deleted and the error raised.
 """
 
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ import torch
 
 from elastic.checkpoint.api import CheckpointCorruptError, CheckpointFencedError, CheckpointOptions, EventHook
 from elastic.checkpoint.codec import SKELETON_NAME, encode_skeleton, segment_chunks, tensor_layout
+from elastic.checkpoint.digest import DigestAlgorithm, new_hasher
 from elastic.checkpoint.layout import (
     MANIFEST_NAME,
     FileEntry,
@@ -39,10 +41,11 @@ from elastic.checkpoint.layout import (
     step_dir,
 )
 from elastic.checkpoint.parallel_io import IoPool, check_stop, io_thread_count
-from elastic.checkpoint.reader import scan, verify_files
+from elastic.checkpoint.reader import scan, verify_written
 from elastic.checkpoint.segments import plan_segments
 from elastic.checkpoint.staging import FlatState
 from elastic.checkpoint.storage import CheckpointStorage
+from elastic.checkpoint.verification import VerifyMode
 
 __all__ = ["PackSaveJob", "SaveTimings", "apply_retention", "new_token"]
 
@@ -62,10 +65,11 @@ class SaveTimings:
     verify_s: float = 0.0
     cleanup_s: float = 0.0
     bytes_written: int = 0
+    verify_mode: str = ""  # the verification applied after the commit ("size", "read_back", ...; "" before)
 
 
-def _sha256(source: Callable[[], Iterable[memoryview]], stop: threading.Event) -> str:
-    hasher = hashlib.sha256()
+def _digest(algorithm: DigestAlgorithm, source: Callable[[], Iterable[memoryview]], stop: threading.Event) -> str:
+    hasher = new_hasher(algorithm)
     for chunk in source():
         check_stop(stop)
         hasher.update(chunk)
@@ -116,17 +120,18 @@ class PackSaveJob:
         ]
         for seg in plan_segments(total, self.options.segment_bytes):
             files.append((seg.name, seg.size, functools.partial(segment_chunks, tensors, table, seg, chunk)))
+        algorithm = self.options.file_digest
         tasks: list[Callable[[threading.Event], int | str]] = []
         for name, _size, source in files:  # a file's writer and hasher side by side: they run together
             tasks.append(functools.partial(self._write, f"{token}/{name}", source))
-            tasks.append(functools.partial(_sha256, source))
+            tasks.append(functools.partial(_digest, algorithm, source))
         results = pool.run_all(tasks)
         entries = []
         for index, (name, size, _source) in enumerate(files):
             written, digest = results[2 * index], results[2 * index + 1]
             if written != size or not isinstance(digest, str):
-                raise AssertionError(f"{name}: wrote {written!r} bytes of {size}, sha256 {digest!r}")
-            entries.append(FileEntry(f"{token}/{name}", size, digest))
+                raise AssertionError(f"{name}: wrote {written!r} bytes of {size}, digest {digest!r}")
+            entries.append(FileEntry(f"{token}/{name}", size, digest, algorithm))
         return tuple(entries)
 
     def run(self) -> Manifest:
@@ -206,18 +211,20 @@ def finish_commit(
     *,
     pool: IoPool | None = None,
 ) -> None:
-    """After a commit: verify the new snapshot (if configured; on ``pool``, else on a pool of
-    ``options.io_threads`` for the verification), then apply retention."""
-    if options.verify_after_write:
-        mark = time.perf_counter()
-        try:
-            verify_files(storage, manifest, options.chunk_bytes, pool=pool, io_threads=options.io_threads)
-        except CheckpointCorruptError as exc:
-            raise CheckpointCorruptError(
-                f"snapshot step {manifest.step} failed verification right after writing ({exc}); "
-                "older snapshots were kept"
-            ) from exc
-        timings.verify_s = time.perf_counter() - mark
+    """After a commit: verify the new snapshot as ``options.verify_after_write`` says (read-backs on ``pool``,
+    else on a pool of ``options.io_threads``), then apply retention."""
+    mark = time.perf_counter()
+    mode = storage.resolve_verify_mode(options.verify_mode)
+    try:
+        applied = verify_written(storage, manifest, mode, options.chunk_bytes, pool=pool, io_threads=options.io_threads)
+    except CheckpointCorruptError as exc:
+        raise CheckpointCorruptError(
+            f"snapshot step {manifest.step} failed verification ({mode.value}) right after writing ({exc}); "
+            "older snapshots were kept"
+        ) from exc
+    timings.verify_s = time.perf_counter() - mark
+    timings.verify_mode = applied.value
+    if applied is not VerifyMode.NONE:
         event("verified")
     mark = time.perf_counter()
     event("cleanup_begin")

@@ -83,7 +83,7 @@ def test_multi_segment_save_round_trips_bit_identically_with_one_manifest_entry_
     assert len(segments) == -(-total // SEGMENT) == 4
     assert [f.size for f in segments[:-1]] == [SEGMENT] * 3 and 0 < segments[-1].size <= SEGMENT
     assert sum(f.size for f in segments) == total
-    assert len({f.sha256 for f in segments}) == len(segments)  # a hash of each segment, not of the whole
+    assert len({f.digest for f in segments}) == len(segments)  # a hash of each segment, not of the whole
     assert {k: v for k, v in listed.items() if k != "manifest.json"} == {f.path: f.size for f in snap.manifest.files}
     assert io_threads_alive() == []
 
@@ -114,10 +114,10 @@ def test_a_flipped_byte_in_any_segment_or_the_skeleton_fails_verification_and_lo
     }[which]
     flip_byte(victim, 0.7)
     storage = LocalStorage(tmp_path)
-    with pytest.raises(CheckpointCorruptError, match=f"sha256 mismatch in .*/{victim.name}"):
+    with pytest.raises(CheckpointCorruptError, match=f"blake3 mismatch in .*/{victim.name}"):
         verify_files(storage, read_manifest(storage, 2), 4096, io_threads=3)
     with caplog.at_level(logging.WARNING), create_checkpoint_manager(str(tmp_path), options()) as mgr:
-        with pytest.raises(CheckpointCorruptError, match=f"sha256 mismatch in .*/{victim.name}"):
+        with pytest.raises(CheckpointCorruptError, match=f"blake3 mismatch in .*/{victim.name}"):
             mgr.load(2)
         snap = mgr.load_latest()
     assert snap is not None and snap.step == 1
@@ -340,7 +340,7 @@ def test_a_corrupt_segment_is_caught_on_the_cuda_path_too(tmp_path: Path, caplog
     assert snap is not None and snap.step == 1
     assert snap.state["model"]["weight"].is_cuda
     assert_same(_to_cpu(snap.state), make_state(1, **SHAPE))
-    assert "sha256 mismatch in" in unusable_warnings(caplog)[0]
+    assert "blake3 mismatch in" in unusable_warnings(caplog)[0]
 
 
 def test_scalars_of_a_device_load_come_back_on_cpu_with_their_values_and_dtypes() -> None:

@@ -41,7 +41,7 @@ def test_two_ranks_save_sharded_state_load_it_back_and_fall_back_on_corruption(
             "fallback_step": 1,
             "fallback_equal": True,
         }
-    assert "sha256 mismatch" in proc.stderr and "falling back to the previous snapshot" in proc.stderr
+    assert "blake3 mismatch" in proc.stderr and "falling back to the previous snapshot" in proc.stderr
 
     # a world of one process loads the snapshot written by two ranks (DCP reshards), verified first
     options = CheckpointOptions(layout=StateLayout.SHARDED, storage_options=target.storage_options)

@@ -22,7 +22,7 @@ OTHER = bytes(range(1, 33))
 
 
 def _manifest() -> Manifest:
-    files = (FileEntry(path="0123abcd/tensors.bin", size=3, sha256="0" * 64),)
+    files = (FileEntry(path="0123abcd/tensors.bin", size=3, digest="0" * 64),)
     return Manifest(step=7, token="0123abcd", kind=SnapshotKind.PACK, files=files, created_unix=1.0,
                     world_size=1, writer_rank=0)  # fmt: skip
 

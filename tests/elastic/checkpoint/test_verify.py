@@ -42,12 +42,12 @@ def test_corrupted_byte_falls_back_to_previous_snapshot_with_a_warning(
     with caplog.at_level(logging.WARNING), create_checkpoint_manager(str(tmp_path)) as mgr:
         assert mgr.latest_step() == 2  # committed, but its data no longer verifies
         snap = mgr.load_latest()
-        with pytest.raises(CheckpointCorruptError, match="sha256 mismatch"):
+        with pytest.raises(CheckpointCorruptError, match="blake3 mismatch"):
             mgr.load(2)
     assert snap is not None and snap.step == 1
     assert_same(snap.state, make_state(1, **SMALL))
     (warning,) = unusable_warnings(caplog)
-    assert "step 2" in warning and "sha256 mismatch" in warning and "previous snapshot" in warning
+    assert "step 2" in warning and "blake3 mismatch" in warning and "previous snapshot" in warning
 
 
 def test_corrupted_byte_on_s3_falls_back_too(s3_target: Target, caplog: pytest.LogCaptureFixture) -> None:
@@ -67,7 +67,7 @@ def test_corrupted_byte_on_s3_falls_back_too(s3_target: Target, caplog: pytest.L
     ):
         snap = mgr.load_latest()
     assert snap is not None and snap.step == 1
-    assert "sha256 mismatch in" in unusable_warnings(caplog)[0]
+    assert "blake3 mismatch in" in unusable_warnings(caplog)[0]
 
 
 def test_truncated_or_missing_data_is_skipped_by_size_check(
