@@ -6,7 +6,7 @@
 #
 # The suite runs in parallel (pytest-xdist): PYTEST_WORKERS worker processes, default 4 (on 2 cores most
 # tests wait on subprocesses, etcd and timers; tests/parallel.py hands the heavy ones, real training jobs, to
-# at most PYTEST_HEAVY_SLOTS=2 workers at a time). When an argument names a path
+# at most PYTEST_HEAVY_SLOTS=1 worker at a time). When an argument names a path
 # (`bash scripts/test.sh tests/elastic/test_lr.py`), the default is 0: serially, in this process.
 # PYTEST_WORKERS=N, or `-n N` among the arguments, decides either way; 0 is the serial run.
 set -euo pipefail
