@@ -23,6 +23,7 @@ from service.controller.leader import LeaderElection, create_election
 from service.controller.metrics import SCHEDULER_ACTIONS, Metrics
 from service.controller.reconcile import reconcile
 from service.core.config import Settings
+from service.core.metric_store import MetricsRecorder
 from service.core.store import ServiceStore
 from service.core.view import Plan, PlanOutcome, WriteFailure
 from service.core.view_cache import ViewCache
@@ -51,8 +52,12 @@ class Controller:
         self._identities = JobIdentities(store) if password_auth(store.client) else None
         self._cache: ViewCache | None = None  # the leader's view, kept between passes
         self._cache_fence: tuple[str, int] | None = None  # the leadership it was read under
+        # the jobs' metric series: appended to as progress reports arrive, written batched (leader only)
+        self._recorder = MetricsRecorder(store.client, store.keys,
+                                         flush_every=settings.metrics_flush_interval.total_seconds())  # fmt: skip
 
     def _drop_cache(self) -> None:
+        self._recorder.reset()
         if self._cache is not None:
             self._cache.close()
             self._cache = None
@@ -80,6 +85,7 @@ class Controller:
             cache = self._cache = ViewCache(self._store.client, self._store.keys)
         if fence != self._cache_fence:  # (newly) leader: whatever was cached, read everything again
             cache.reset()
+            self._recorder.reset()
             self._cache_fence = fence
         try:
             return self._pass(cache, fence, now, started)
@@ -91,6 +97,7 @@ class Controller:
         view = replace(cache.read(), write_failures=dict(self._write_failures))
         now = now or datetime.now(timezone.utc)
         plan = reconcile(view, now, self._settings.reconcile)
+        self._recorder.observe(view)
         if self._identities is not None:
             plan = self._identities.prepare(view, plan, fence, now)
         if not plan.empty:
@@ -104,9 +111,12 @@ class Controller:
             for update in plan.updates:
                 for event in update.events:
                     logger.info("job %s: %s", update.job_id, event.message)
+                if update.purge:
+                    self._recorder.forget([update.job_id])
                 if update.purge and update.job_id not in outcome.failed:
                     logger.info("job %s: deleted with its events (finished longer ago than the retention)",
                                 update.job_id)  # fmt: skip
+        self._recorder.flush(fence)
         if self._metrics is not None:
             self._metrics.reconcile_seconds.observe(time.monotonic() - started)
         return view.revision

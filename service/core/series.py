@@ -86,7 +86,7 @@ class SeriesLimits:
     chunk_points: int = 60
     full_chunks: int = 10
     window_points: int = 10
-    max_windows: int = 480
+    max_windows: int = 240
 
     def __post_init__(self) -> None:
         if self.chunk_points < 1 or self.full_chunks < 1 or self.window_points < 1 or self.max_windows < 2:
@@ -96,8 +96,9 @@ class SeriesLimits:
 def point_from_progress(progress: Progress, before: MetricPoint | None) -> MetricPoint:
     """The point of a (valid) progress report; ``before``: the job's previous point, for its steps/s."""
     rate = None
-    if (before is not None and progress.time > before.t and progress.step >= before.step
-            and progress.generation == before.generation and progress.restart_count == before.restart_count):  # fmt: skip
+    same_run = before is not None and (progress.generation, progress.restart_count) == (
+        before.generation, before.restart_count)  # fmt: skip
+    if before is not None and same_run and progress.time > before.t and progress.step >= before.step:
         rate = (progress.step - before.step) / (progress.time - before.t)
     saved = progress.extra.get("snapshots_saved")
     return MetricPoint(
@@ -129,13 +130,13 @@ def window_of(points: Sequence[MetricPoint]) -> MetricWindow:
     if not points:
         raise ValueError("a window of no points")
     aggs = {name: _agg(getattr(p, name) for p in points) for name in VALUES}
-    return MetricWindow(t_first=points[0].t, t_last=points[-1].t, n=len(points), **aggs)
+    return MetricWindow.model_validate({"t_first": points[0].t, "t_last": points[-1].t, "n": len(points), **aggs})
 
 
 def merge_windows(a: MetricWindow, b: MetricWindow) -> MetricWindow:
     """``a`` then ``b`` as one window: first of ``a``, last of ``b``, min and max of both (exact)."""
     aggs = {name: _merge_agg(getattr(a, name), getattr(b, name)) for name in VALUES}
-    return MetricWindow(t_first=a.t_first, t_last=b.t_last, n=a.n + b.n, **aggs)
+    return MetricWindow.model_validate({"t_first": a.t_first, "t_last": b.t_last, "n": a.n + b.n, **aggs})
 
 
 def _pairs(windows: Sequence[MetricWindow]) -> list[MetricWindow]:
