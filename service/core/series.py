@@ -37,7 +37,8 @@ __all__ = [
 ]
 
 #: the values of a point that windows aggregate (``t`` is the time, always increasing)
-VALUES = ("step", "loss", "steps_per_s", "world_size", "restart_count", "checkpoint_step", "snapshots_saved")
+VALUES = ("step", "loss", "steps_per_s", "world_size", "generation", "restart_count", "checkpoint_step",
+          "snapshots_saved")
 
 #: ``(first, last, min, max)`` of one value over a window's reports
 Agg = tuple[float, float, float, float]
@@ -74,6 +75,7 @@ class MetricWindow(BaseModel):
     restart_count: Agg
     loss: Agg | None = None
     steps_per_s: Agg | None = None
+    generation: Agg | None = None
     checkpoint_step: Agg | None = None
     snapshots_saved: Agg | None = None
 
