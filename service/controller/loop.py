@@ -186,6 +186,11 @@ class Controller:
         if self._thread is not None:
             self._thread.join(timeout=self._settings.reconcile_interval.total_seconds() * 3 + 5)
             self._thread = None
+        try:  # the metric series' last reports, not yet written (batched): before leadership is handed over
+            if self._cache_fence is not None:
+                self._recorder.flush(self._cache_fence, force=True)
+        except EtcdError as exc:
+            logger.warning("could not write the jobs' metric series: %s", exc)
         self._drop_cache()
         if resign:
             try:

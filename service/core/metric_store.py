@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from elastic.contract.progress import Progress
 from elastic.etcd import EtcdClient, EtcdConnectionError, EtcdError
 from service.core.keys import Keys
 from service.core.series import MetricPoint, MetricSeries, MetricWindow, SeriesLimits, point_from_progress
@@ -106,11 +107,14 @@ class MetricsRecorder:
         self._series: dict[str, MetricSeries] = {}
         self._pending: dict[str, _Pending] = {}
         self._flushed_at: float | None = None
+        # finished jobs are not held in memory once written: the time of the last report each one was seen with
+        self._settled: dict[str, float] = {}
 
     def reset(self) -> None:
         """Forget everything (leadership lost): the next leader reads the series back from etcd."""
         self._series.clear()
         self._pending.clear()
+        self._settled.clear()
         self._flushed_at = None
 
     def forget(self, job_ids: Iterable[str]) -> None:
@@ -118,6 +122,7 @@ class MetricsRecorder:
         for job_id in job_ids:
             self._series.pop(job_id, None)
             self._pending.pop(job_id, None)
+            self._settled.pop(job_id, None)
 
     def series(self, job_id: str) -> MetricSeries | None:
         return self._series.get(job_id)
@@ -125,35 +130,46 @@ class MetricsRecorder:
     def observe(self, view: ClusterView) -> int:
         """Append each job's progress report newer than its series' last point; returns how many were."""
         added = 0
-        for job_id in [j for j in self._series if j not in view.jobs]:  # deleted jobs
+        for job_id in [j for j in [*self._series, *self._settled] if j not in view.jobs]:  # deleted jobs
             self.forget([job_id])
         for job_id, progress in view.progress.items():
-            if job_id not in view.jobs:
+            entry = view.jobs.get(job_id)
+            if entry is None:
                 continue
+            settled = self._settled.get(job_id)
+            if settled is not None and progress.time <= settled:
+                continue  # a finished job's last report, already in its series (and out of memory)
             try:
                 series = self._series.get(job_id)
                 if series is None:
                     series = self._series[job_id] = read_series(self.client, self.keys, job_id, self.limits)
-                last = series.last_time
-                if last is not None and progress.time <= last:
-                    continue
-                before_first, before_windows = series.first_index, len(series.windows)
-                if not series.append(point_from_progress(progress, series.last)):
-                    continue
-                added += 1
-                pending = self._pending.setdefault(job_id, _Pending())
-                pending.chunks.add(series.chunk_of(series.count - 1))
-                if series.first_index != before_first or len(series.windows) != before_windows:
-                    pending.windows = True
-                    for chunk in range(series.chunk_of(before_first), series.chunk_of(series.first_index)):
-                        pending.folded.add(chunk)
-                        pending.chunks.discard(chunk)
+                added += self._append(job_id, series, progress)
+                if entry.status.state.terminal:  # its last report: held until written, then let go
+                    self._settled[job_id] = max(series.last_time or 0.0, progress.time)
+                    if job_id not in self._pending:
+                        del self._series[job_id]
             except EtcdConnectionError:
                 raise
             except (EtcdError, ValueError) as exc:  # a value the series refuses: this job's alone
                 logger.warning("job %s: its progress report was not added to its metric series: %s", job_id,
                                str(exc)[:300])  # fmt: skip
         return added
+
+    def _append(self, job_id: str, series: MetricSeries, progress: Progress) -> bool:
+        last = series.last_time
+        if last is not None and progress.time <= last:
+            return False
+        before_first, before_windows = series.first_index, len(series.windows)
+        if not series.append(point_from_progress(progress, series.last)):
+            return False
+        pending = self._pending.setdefault(job_id, _Pending())
+        pending.chunks.add(series.chunk_of(series.count - 1))
+        if series.first_index != before_first or len(series.windows) != before_windows:
+            pending.windows = True
+            for chunk in range(series.chunk_of(before_first), series.chunk_of(series.first_index)):
+                pending.folded.add(chunk)
+                pending.chunks.discard(chunk)
+        return True
 
     def flush(self, fence: tuple[str, int] | None, force: bool = False) -> int:
         """Write what changed, if ``flush_every`` passed since the last write (or ``force``): one transaction
@@ -189,6 +205,8 @@ class MetricsRecorder:
             if not ok:  # leadership lost: another leader writes from now on
                 self.reset()
                 return written
+            if job_id in self._settled:  # a finished job: nothing more will be appended
+                self._series.pop(job_id, None)
             written += 1
         return written
 

@@ -12,6 +12,7 @@ from elastic.contract.progress import Progress
 from elastic.etcd import EtcdClient, MemoryEtcdServer
 from service.core.metric_store import MetricsRecorder, read_series
 from service.core.models import JobRecord, JobSpec, JobStatus
+from service.core.states import JobState
 from service.core.store import ServiceStore, new_event
 from service.core.view import JobUpdate
 
@@ -154,3 +155,18 @@ def test_the_series_is_deleted_with_the_job(etcd_client: EtcdClient, key_prefix:
     assert store.client.get_prefix(store.keys.metrics_of("gone-1"))[0] == []
     recorder.observe(store.read_view())  # the job is gone from the view: the recorder forgets it
     assert recorder.series("gone-1") is None
+
+
+def test_a_finished_jobs_last_report_is_written_then_its_series_leaves_memory() -> None:
+    store = ServiceStore(MemoryEtcdServer().client(), "/t")
+    record = JobRecord(id="done-1", spec=JobSpec(name="job", entrypoint="train.py"), created_at=T0)
+    status = JobStatus(state=JobState.SUCCEEDED, created_at=T0, updated_at=T0)
+    store.create_job(record, status, new_event("submitted", "submitted", T0))
+    fence = _fence(store)
+    recorder = MetricsRecorder(store.client, store.keys)
+    store.client.put(store.keys.progress_of("done-1"), _report(0, random.Random(5)))
+    assert recorder.observe(store.read_view()) == 1
+    recorder.flush(fence, force=True)
+    assert recorder.series("done-1") is None and store.metric_series("done-1").count == 1
+    assert recorder.observe(store.read_view()) == 0  # the same report: not read again, not added again
+    assert recorder.series("done-1") is None
