@@ -25,7 +25,7 @@ from service.controller.reconcile import reconcile
 from service.core.config import Settings
 from service.core.metric_store import MetricsRecorder
 from service.core.store import ServiceStore
-from service.core.view import Plan, PlanOutcome, WriteFailure
+from service.core.view import ClusterView, Plan, PlanOutcome, WriteFailure
 from service.core.view_cache import ViewCache
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,6 @@ class Controller:
         view = replace(cache.read(), write_failures=dict(self._write_failures))
         now = now or datetime.now(timezone.utc)
         plan = reconcile(view, now, self._settings.reconcile)
-        self._recorder.observe(view)
         if self._identities is not None:
             plan = self._identities.prepare(view, plan, fence, now)
         if not plan.empty:
@@ -111,15 +110,26 @@ class Controller:
             for update in plan.updates:
                 for event in update.events:
                     logger.info("job %s: %s", update.job_id, event.message)
-                if update.purge:
-                    self._recorder.forget([update.job_id])
                 if update.purge and update.job_id not in outcome.failed:
                     logger.info("job %s: deleted with its events (finished longer ago than the retention)",
                                 update.job_id)  # fmt: skip
-        self._recorder.flush(fence)
+        self._record_metrics(view, plan, fence)
         if self._metrics is not None:
             self._metrics.reconcile_seconds.observe(time.monotonic() - started)
         return view.revision
+
+    def _record_metrics(self, view: ClusterView, plan: Plan, fence: tuple[str, int]) -> None:
+        """The jobs' new progress reports into their metric series, written batched. After the plan, and never
+        its failure: the series must not hold up reconciling (a job deleted by the plan is left out)."""
+        try:
+            self._recorder.observe(view)
+            self._recorder.forget(u.job_id for u in plan.updates if u.purge)
+            self._recorder.flush(fence)
+        except EtcdError as exc:
+            logger.warning("metric series not recorded this pass: %s", exc)
+        except Exception:
+            logger.exception("metric series not recorded this pass")
+            self._recorder.reset()
 
     def _count_actions(self, plan: Plan, written: list[KeyValue]) -> None:
         """``etrain_scheduler_actions_total``: the scheduling events (``SCHEDULER_ACTIONS``) of the updates
