@@ -116,6 +116,12 @@ def test_etrain_metrics_prints_the_series_as_a_table_and_as_csv(
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert [(r["step"], r["loss"], r["world_size"], r["steps_per_s"]) for r in rows] == [
         ("0", "1", "2", ""), ("10", "0.5", "2", "10"), ("20", "0.333333", "2", "10")]
+    assert main(["metrics", job_id, "--csv", "--max-points", "2", *common]) == 0  # older reports as a window
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [(r["reports"], r["step"], r["loss"], r["loss_min"], r["loss_max"]) for r in rows] == [
+        ("2", "10", "0.5", "0.5", "1"), ("1", "20", "0.333333", "0.333333", "0.333333")]
+    assert main(["metrics", job_id, "--max-points", "2", *common]) == 0
+    assert "0.5..1" in capsys.readouterr().out.splitlines()[1]
     assert main(["metrics", job_id, "--since", str(T0 + 1), "--json", *common]) == 0
     assert '"step": 20' in capsys.readouterr().out
     assert main(["metrics", "nope-1", *common]) == 3
