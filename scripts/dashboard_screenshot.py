@@ -1,9 +1,11 @@
 """Regenerate docs/img/dashboard.png: the dashboard's page of a running job that lost a node.
 
 Starts a whole service on this machine (etcd, a controller with tokens, three agents; LocalServiceCluster, as
-the tests do), submits examples/demo_job.py on 2..3 nodes, opens the job's page in headless Chromium signed in
-with a read token, SIGKILLs one agent once the job trains at world size 3, waits until it trains on at world
-size 2, and saves a screenshot of the page. About a minute and a half on 2 cores.
+the tests do), submits examples/demo_job.py on 2..3 nodes, SIGKILLs one agent once the job trains at world size
+3, waits until it trains on at world size 2, then opens the job's page in headless Chromium signed in with a read
+token (its charts start at the job's first report: the controller keeps the series) and saves a screenshot of
+the page. Paths of this machine (the repository, the cluster's work directory) are shown as ``/opt/etrain`` and
+``/shared`` in the picture. About a minute and a half on 2 cores.
 
     .venv/bin/python scripts/dashboard_screenshot.py [--out docs/img/dashboard.png] [--keep-workdir]
 
@@ -32,14 +34,30 @@ from service.testing.cluster import LocalServiceCluster  # noqa: E402
 CHROMIUM = "/usr/bin/chromium"
 SPEC: dict[str, Any] = {
     "name": "resnet-demo",
-    "entrypoint": str(REPO / "examples" / "demo_job.py"),
-    "args": ["--steps", "2000", "--checkpoint-every", "50", "--step-time", "0.05"],
+    "entrypoint": "demo_job.py",
+    "working_dir": str(REPO / "examples"),
+    "args": ["--steps", "2000", "--checkpoint-every", "100", "--step-time", "0.05"],
     "env": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
     "min_nodes": 2,
     "max_nodes": 3,
     "rendezvous": {"last_call_timeout": 1},
     "restart_policy": {"backoff_initial": 1},
 }
+
+
+#: the page's text with each [path, shown as] replaced, now and after each refresh of the page (an observer)
+_HIDE_PATHS = """(pairs) => {
+  const hide = () => {
+    const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+    for (let node = walk.nextNode(); node; node = walk.nextNode()) {
+      let text = node.nodeValue;
+      for (const [path, shown] of pairs) text = text.split(path).join(shown);
+      if (text !== node.nodeValue) node.nodeValue = text;
+    }
+  };
+  hide();
+  new MutationObserver(hide).observe(document.body, { subtree: true, childList: true, characterData: true });
+}"""
 
 
 def start_controller(cluster: LocalServiceCluster, admin: str, reader: str) -> ApiClient:
@@ -72,28 +90,32 @@ def main() -> int:
         wait_for(lambda: len(api.nodes()) == 3, 60, 0.5, what="3 nodes", retry_on=(ApiError,))
         job_id = api.submit(SPEC)["id"]
         print(f"job {job_id} submitted; dashboard at {cluster.url}/ui/#/jobs/{job_id}")
+
+        def at(size: int, steps: int) -> bool:
+            job = api.job(job_id)
+            return job["world_size"]["current"] == size and (job["progress"]["step"] or 0) >= steps
+
+        wait_for(lambda: at(3, 150), 120, 0.5, what="world size 3 and 150 steps", retry_on=(ApiError,))
+        victim = api.job(job_id)["nodes"][-1]
+        cluster.kill_agent(victim)
+        print(f"killed the agent of {victim}")
+        wait_for(lambda: api.job(job_id)["state"] == "running" and at(2, 0), 90, 0.5,
+                 what="the job to train on at world size 2", retry_on=(ApiError,))  # fmt: skip
+        time.sleep(12)  # a few more reports at world size 2
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
             page = browser.new_page(viewport={"width": args.width, "height": 1000}, device_scale_factor=1)
             errors: list[str] = []
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.goto(f"{cluster.url}/ui/#/jobs/{job_id}")  # open from the start: the page collects the series
+            page.goto(f"{cluster.url}/ui/#/jobs/{job_id}")  # opened now: the charts still start at the job's start
             page.fill("#token-input", reader)
             page.click("#token-submit")
             page.wait_for_selector("#job-head h1")
-
-            def at(size: int, steps: int) -> bool:
-                job = api.job(job_id)
-                return job["world_size"]["current"] == size and (job["progress"]["step"] or 0) >= steps
-
-            wait_for(lambda: at(3, 150), 120, 0.5, what="world size 3 and 150 steps", retry_on=(ApiError,))
-            victim = api.job(job_id)["nodes"][-1]
-            cluster.kill_agent(victim)
-            print(f"killed the agent of {victim}")
-            wait_for(lambda: api.job(job_id)["state"] == "running" and at(2, 0), 90, 0.5,
-                     what="the job to train on at world size 2", retry_on=(ApiError,))  # fmt: skip
-            time.sleep(12)  # a few more samples at world size 2
             page.wait_for_function("() => document.querySelector('#world-size-current')?.textContent === '2'")
+            page.wait_for_function("() => Number(document.querySelector('#svg-loss')?.dataset.points) >= 20")
+            time.sleep(4.5)  # two more refreshes: the logs and events in place
+            page.evaluate(_HIDE_PATHS, [[str(workdir.resolve()), "/shared"], [str(workdir), "/shared"],
+                                        [str(REPO), "/opt/etrain"]])  # fmt: skip
             args.out.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(args.out), full_page=True)
             browser.close()

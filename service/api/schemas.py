@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from service.core.models import Event, JobSpec, NodeInfo, Restarts, WorldSizeChange
+from service.core.series import MetricPoint, MetricWindow
 from service.core.states import JobState
 from service.core.view import JobEntry
 
@@ -109,6 +110,16 @@ class JobList(_View):
 class EventList(_View):
     job_id: str
     events: list[Event]
+
+
+class MetricSeriesView(_View):
+    """A job's metric series from its first report: ``windows`` (older reports, downsampled: each value's
+    ``[first, last, min, max]``) then ``points`` (the newest reports, as reported), both oldest first."""
+
+    job_id: str
+    count: int = Field(description="progress reports kept since the job's start (in windows and points)")
+    windows: list[MetricWindow]
+    points: list[MetricPoint]
 
 
 NodeModeName = Literal["active", "cordoned", "draining", "drained"]

@@ -8,6 +8,7 @@ error (HTTP status shown).
 from __future__ import annotations
 
 import argparse
+import csv
 import ipaddress
 import json
 import logging
@@ -26,7 +27,16 @@ from elastic import compat
 from elastic.contract import env as contract
 from elastic.etcd import EtcdConnectionError, EtcdError, check_reachable
 from elastic.etcd.config import EtcdOptions
-from service.cli.render import event_line, job_table, job_text, node_table, progress_line
+from service.cli.render import (
+    METRIC_COLUMNS,
+    event_line,
+    job_table,
+    job_text,
+    metric_rows,
+    metric_table,
+    node_table,
+    progress_line,
+)
 from service.client import ApiClient, ApiError, load_job_file
 from service.core.config import AgentSettings, ConfigError, Settings, load_quotas, load_tokens
 from service.core.keys import DEFAULT_PREFIX
@@ -273,6 +283,20 @@ def cmd_events(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_metrics(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        series = api.metrics(args.id, since=args.since, max_points=args.max_points)
+    if args.json:
+        print(json.dumps(series, indent=2))
+    elif args.csv:
+        out = csv.DictWriter(sys.stdout, fieldnames=METRIC_COLUMNS, lineterminator="\n")
+        out.writeheader()
+        out.writerows(metric_rows(series))
+    else:
+        print(metric_table(series))
+    return 0
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     with _client(args) as api:
         job = api.cancel(args.id)
@@ -447,6 +471,13 @@ def _parser() -> argparse.ArgumentParser:
     p = client_cmd("events", cmd_events, "a job's events")
     p.add_argument("id")
     p.add_argument("--json", action="store_true")
+    p = client_cmd("metrics", cmd_metrics, "a job's metric series from its start (step, loss, steps/s, world size)")
+    p.add_argument("id")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--csv", action="store_true", help="CSV, a row per window or point, every column")
+    fmt.add_argument("--json", action="store_true", help="the API's answer as it is")
+    p.add_argument("--since", type=float, help="only reports after this time (seconds since the epoch)")
+    p.add_argument("--max-points", type=int, help="at most this many rows (older reports merged; default 2000)")
     p = client_cmd("trace", cmd_trace, "a job's history as Chrome trace JSON (Perfetto, chrome://tracing)")
     p.add_argument("id")
     p.add_argument("-o", "--output", help="write it to this file (default: stdout)")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
-__all__ = ["event_line", "job_table", "job_text", "node_table", "progress_line"]
+__all__ = ["METRIC_COLUMNS", "event_line", "job_table", "job_text", "metric_rows", "metric_table", "node_table",
+           "progress_line"]
 
 
 def _clock(value: str | None) -> str:
@@ -137,3 +138,58 @@ def node_table(nodes: list[dict[str, Any]]) -> str:
 def _table(rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+#: the columns of ``etrain metrics`` (``--csv`` prints them all, in this order)
+METRIC_COLUMNS = ("time", "reports", "step", "loss", "loss_min", "loss_max", "steps_per_s", "steps_per_s_min",
+                  "steps_per_s_max", "world_size", "world_size_min", "world_size_max", "restart_count",
+                  "checkpoint_step", "snapshots_saved")  # fmt: skip
+
+
+def _iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _value(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float) and v.is_integer() and abs(v) < 2**53:
+        return str(int(v))
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def metric_rows(series: dict[str, Any]) -> list[dict[str, str]]:
+    """One row per window (its reports' last values, with min and max of loss, steps/s and world size) and per
+    point of ``GET /v1/jobs/{id}/metrics``, oldest first; ``time`` is the last report's (UTC)."""
+    rows: list[dict[str, str]] = []
+    for w in series.get("windows", []):
+        row = {"time": _iso(w["t_last"]), "reports": str(w["n"])}
+        for name in ("step", "loss", "steps_per_s", "world_size", "restart_count", "checkpoint_step",
+                     "snapshots_saved"):  # fmt: skip
+            agg = w.get(name)
+            row[name] = _value(agg[1]) if agg else ""
+            if name in ("loss", "steps_per_s", "world_size"):
+                row[name + "_min"], row[name + "_max"] = (_value(agg[2]), _value(agg[3])) if agg else ("", "")
+        rows.append(row)
+    for p in series.get("points", []):
+        row = {"time": _iso(p["t"]), "reports": "1"}
+        for name in ("step", "loss", "steps_per_s", "world_size", "restart_count", "checkpoint_step",
+                     "snapshots_saved"):  # fmt: skip
+            row[name] = _value(p.get(name))
+            if name in ("loss", "steps_per_s", "world_size"):
+                row[name + "_min"] = row[name + "_max"] = row[name]
+        rows.append(row)
+    return rows
+
+
+def metric_table(series: dict[str, Any]) -> str:
+    """``etrain metrics``: a row per window or point (min..max of a window's loss and steps/s shown)."""
+    rows = metric_rows(series)
+    if not rows:
+        return f"{series.get('job_id', '')}: no progress reported yet"
+    out = [("TIME", "REPORTS", "STEP", "LOSS", "LOSS MIN..MAX", "STEPS/S", "WORLD", "RESTARTS", "CKPT")]
+    for r in rows:
+        span = f"{r['loss_min']}..{r['loss_max']}" if r["reports"] != "1" and r["loss"] else ""
+        out.append((r["time"], r["reports"], r["step"], r["loss"] or "-", span, r["steps_per_s"] or "-",
+                    r["world_size"], r["restart_count"], r["checkpoint_step"] or "-"))  # fmt: skip
+    return _table(out)

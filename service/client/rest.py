@@ -93,6 +93,16 @@ class ApiClient:
         result: list[dict[str, Any]] = self._call("GET", f"/v1/jobs/{job_id}/events", params=params)["events"]
         return result
 
+    def metrics(self, job_id: str, since: float | None = None, max_points: int | None = None) -> dict[str, Any]:
+        """The job's metric series from its start (``GET /v1/jobs/{id}/metrics``)."""
+        params: dict[str, Any] = {}
+        if since is not None:
+            params["since"] = since
+        if max_points is not None:
+            params["max_points"] = max_points
+        result: dict[str, Any] = self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params or None)
+        return result
+
     def trace(self, job_id: str) -> dict[str, Any]:
         """The job's history as Chrome trace JSON (``GET /v1/jobs/{id}/trace``)."""
         result: dict[str, Any] = self._call("GET", f"/v1/jobs/{job_id}/trace")

@@ -23,8 +23,9 @@ from service.controller.leader import LeaderElection, create_election
 from service.controller.metrics import SCHEDULER_ACTIONS, Metrics
 from service.controller.reconcile import reconcile
 from service.core.config import Settings
+from service.core.metric_store import MetricsRecorder
 from service.core.store import ServiceStore
-from service.core.view import Plan, PlanOutcome, WriteFailure
+from service.core.view import ClusterView, Plan, PlanOutcome, WriteFailure
 from service.core.view_cache import ViewCache
 
 logger = logging.getLogger(__name__)
@@ -51,8 +52,12 @@ class Controller:
         self._identities = JobIdentities(store) if password_auth(store.client) else None
         self._cache: ViewCache | None = None  # the leader's view, kept between passes
         self._cache_fence: tuple[str, int] | None = None  # the leadership it was read under
+        # the jobs' metric series: appended to as progress reports arrive, written batched (leader only)
+        self._recorder = MetricsRecorder(store.client, store.keys,
+                                         flush_every=settings.metrics_flush_interval.total_seconds())  # fmt: skip
 
     def _drop_cache(self) -> None:
+        self._recorder.reset()
         if self._cache is not None:
             self._cache.close()
             self._cache = None
@@ -80,6 +85,7 @@ class Controller:
             cache = self._cache = ViewCache(self._store.client, self._store.keys)
         if fence != self._cache_fence:  # (newly) leader: whatever was cached, read everything again
             cache.reset()
+            self._recorder.reset()
             self._cache_fence = fence
         try:
             return self._pass(cache, fence, now, started)
@@ -107,9 +113,23 @@ class Controller:
                 if update.purge and update.job_id not in outcome.failed:
                     logger.info("job %s: deleted with its events (finished longer ago than the retention)",
                                 update.job_id)  # fmt: skip
+        self._record_metrics(view, plan, fence)
         if self._metrics is not None:
             self._metrics.reconcile_seconds.observe(time.monotonic() - started)
         return view.revision
+
+    def _record_metrics(self, view: ClusterView, plan: Plan, fence: tuple[str, int]) -> None:
+        """The jobs' new progress reports into their metric series, written batched. After the plan, and never
+        its failure: the series must not hold up reconciling (a job deleted by the plan is left out)."""
+        try:
+            self._recorder.observe(view)
+            self._recorder.forget(u.job_id for u in plan.updates if u.purge)
+            self._recorder.flush(fence)
+        except EtcdError as exc:
+            logger.warning("metric series not recorded this pass: %s", exc)
+        except Exception:
+            logger.exception("metric series not recorded this pass")
+            self._recorder.reset()
 
     def _count_actions(self, plan: Plan, written: list[KeyValue]) -> None:
         """``etrain_scheduler_actions_total``: the scheduling events (``SCHEDULER_ACTIONS``) of the updates
@@ -176,6 +196,11 @@ class Controller:
         if self._thread is not None:
             self._thread.join(timeout=self._settings.reconcile_interval.total_seconds() * 3 + 5)
             self._thread = None
+        try:  # the metric series' last reports, not yet written (batched): before leadership is handed over
+            if self._cache_fence is not None:
+                self._recorder.flush(self._cache_fence, force=True)
+        except EtcdError as exc:
+            logger.warning("could not write the jobs' metric series: %s", exc)
         self._drop_cache()
         if resign:
             try:

@@ -85,6 +85,10 @@ class _ServiceStoreCollector(Collector):
         ckpt = GaugeMetricFamily(
             "etrain_job_checkpoint_step", "Latest committed checkpoint step", labels=["job"]
         )
+        loss = GaugeMetricFamily("etrain_job_loss", "Latest loss reported by an active job", labels=["job"])
+        rate = GaugeMetricFamily(
+            "etrain_job_steps_per_second", "Steps per second between an active job's last two reports", labels=["job"]
+        )
         restarts = GaugeMetricFamily(
             "etrain_job_restarts", "Restarts of an active job by cause", labels=["job", "cause"]
         )
@@ -98,9 +102,13 @@ class _ServiceStoreCollector(Collector):
                 step.add_metric([job], st.step)
             if st.checkpoint is not None:
                 ckpt.add_metric([job], st.checkpoint.step)
+            if st.loss is not None:
+                loss.add_metric([job], st.loss)
+            if st.steps_per_s is not None:
+                rate.add_metric([job], st.steps_per_s)
             for cause, n in st.restarts.model_dump().items():
                 restarts.add_metric([job, cause], n)
-        yield from (world, step, ckpt, restarts)
+        yield from (world, step, ckpt, loss, rate, restarts)
         active = [e for e in jobs if not e.status.state.terminal]
         yield GaugeMetricFamily(
             "etrain_queue_length",

@@ -65,6 +65,9 @@ def _observe_progress(d: Decision, cfg: ReconcileConfig) -> None:
     at = _ts(prog.time)
     if st.progress_at is not None and at <= st.progress_at:
         return
+    st.steps_per_s = None
+    if st.progress_at is not None and st.step is not None and prog.step >= st.step:
+        st.steps_per_s = (prog.step - st.step) / (at - st.progress_at).total_seconds()
     st.progress_at, st.step, st.total_steps, st.loss = at, prog.step, prog.total_steps, prog.loss
     if prog.checkpoint_step is not None and (
         st.checkpoint is None

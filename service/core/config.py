@@ -76,6 +76,8 @@ class Settings:
     reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
     replica_id: str = field(default_factory=_default_replica_id)
     run_controller: bool = True  # False: serve the API only, never campaign for leadership
+    # how often the leader writes the jobs' metric series to etcd (service.core.metric_store): batched
+    metrics_flush_interval: timedelta = timedelta(seconds=5)
 
 
 @dataclass(frozen=True)

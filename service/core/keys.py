@@ -45,6 +45,7 @@ class Keys:
         self.reports = f"{root}/reports/"
         self.progress = f"{root}/progress/"
         self.nodectl = f"{root}/nodectl/"
+        self.metrics = f"{root}/metrics/"  # each job's metric series (service.core.metric_store)
         # beside the service's keys, not under them: the reconcile loop watches ``<root>/`` and torchrun's
         # rendezvous traffic (heartbeats, store keys) must not wake it; a grant on ``<root>`` covers both
         self.rdzv = f"{root}.rdzv"
@@ -82,6 +83,16 @@ class Keys:
 
     def nodectl_of(self, name: str) -> str:
         return self.nodectl + name
+
+    def metrics_of(self, job_id: str) -> str:
+        """The job's metric series: ``windows`` (its downsampled past) and ``points/<chunk>`` (the newest)."""
+        return f"{self.metrics}{job_id}/"
+
+    def metrics_windows(self, job_id: str) -> str:
+        return f"{self.metrics}{job_id}/windows"
+
+    def metrics_chunk(self, job_id: str, chunk: int) -> str:
+        return f"{self.metrics}{job_id}/points/{chunk:012d}"
 
 
 

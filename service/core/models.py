@@ -118,6 +118,8 @@ class JobStatus(_Record):
     step: int | None = None
     total_steps: int | None = None
     loss: float | None = None
+    # steps per second between the job's last two progress reports (None: its first, or across a restart)
+    steps_per_s: float | None = None
     progress_at: datetime | None = None
     last_error: str | None = None
     created_at: datetime

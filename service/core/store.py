@@ -12,6 +12,7 @@ Layout under the prefix (``/etrain`` by default)::
     reports/<id>/<node>        WorkerReport (agent)
     progress/<id>              Progress (the job's rank 0, via elastic.train.progress)
     nodectl/<name>             NodeControl: an operator's cordon / drain request (API; uncordon deletes it)
+    metrics/<id>/...           the job's metric series (leader; service.core.metric_store)
     identities/<id>            the job's own etcd user (service.controller.identities)
 
 and beside it, ``<prefix>.rdzv/<job id>-g<generation>/``: the jobs' torchrun rendezvous (etcd-v3 backend), kept
@@ -33,6 +34,7 @@ from elastic.contract.progress import Progress
 from elastic.etcd import EtcdClient, EtcdConnectionError, EtcdError, KeyValue
 from service.core.jobs import new_event, plan_resize
 from service.core.keys import DEFAULT_PREFIX, Keys, at_own_key, dump, load, load_progress, tail
+from service.core.metric_store import read_series
 from service.core.models import (
     Assignment,
     Event,
@@ -42,6 +44,7 @@ from service.core.models import (
     NodeInfo,
     WorkerReport,
 )
+from service.core.series import MetricSeries
 from service.core.view import ClusterView, JobEntry, JobUpdate, Plan, PlanOutcome
 from service.core.view_state import ViewState
 
@@ -159,6 +162,10 @@ class ServiceStore:
     def progress(self, job_id: str) -> Progress | None:
         kv, _ = self.client.get(self.keys.progress_of(job_id))
         return load_progress(kv, job_id) if kv is not None else None
+
+    def metric_series(self, job_id: str) -> MetricSeries:
+        """The job's metric series as stored (``service.core.metric_store``); empty when there is none."""
+        return read_series(self.client, self.keys, job_id)
 
     def resize_job(
         self,
@@ -296,7 +303,8 @@ class ServiceStore:
             ok, _ = self.client.commit(
                 deletes=[k.job(update.job_id), k.status_of(update.job_id), k.cancel_of(update.job_id),
                          k.progress_of(update.job_id)],
-                delete_prefixes=[k.events_of(update.job_id), k.reports_of(update.job_id)],
+                delete_prefixes=[k.events_of(update.job_id), k.reports_of(update.job_id),
+                                 k.metrics_of(update.job_id)],
                 expect=[(k.status_of(update.job_id), update.expected_revision)],
                 guard=fence,
             )  # fmt: skip

@@ -40,8 +40,9 @@ workers reported), ``step`` (the committed step at each checkpoint commit, a low
 then, and the latest reported step) and ``loss`` (the latest reported loss only).
 
 **What the service does not record, so the trace cannot show** (also in ``metadata.not_recorded``): a per-step
-progress history (only the latest report is kept: ``step`` has a point per checkpoint plus the latest, ``loss``
-one point); a snapshot's begin (commits only); torchrun's rendezvous rounds within a generation and the
+progress history (the trace uses the latest report only: ``step`` has a point per checkpoint plus the latest,
+``loss`` one point; the kept series of reports is ``GET /v1/jobs/{id}/metrics``); a snapshot's begin (commits
+only); torchrun's rendezvous rounds within a generation and the
 workers' own restarts within one (``status.restarts.in_place`` counts them, with no times); the start and exit
 of the torchrun of earlier generations (the agents' reports are replaced each generation); and a world size
 that did not change across a re-form (the controller records a change only). Generations and re-forms are
@@ -77,8 +78,9 @@ _START = re.compile(r"^generation (\d+) on \d+ node\(s\): (.*)$", re.DOTALL)
 _SNAPSHOT_STATS = ("snapshots_saved", "snapshots_deferred", "snapshots_skipped", "last_save_seconds")
 
 NOT_RECORDED = [
-    "per-step progress history: only the latest progress report is kept ('step' has a point per checkpoint "
-    "commit plus the latest report, 'loss' only the latest)",
+    "per-step progress history: the trace draws on the latest progress report only ('step' has a point per "
+    "checkpoint commit plus the latest report, 'loss' only the latest); the job's kept series of reports is "
+    "GET /v1/jobs/{id}/metrics (etrain metrics)",
     "a snapshot's begin time: only commits are recorded (instants, not durations)",
     "torchrun's rendezvous rounds and the workers' in-place restarts within a generation (counted in "
     "status.restarts.in_place, without times)",

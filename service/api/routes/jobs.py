@@ -10,7 +10,15 @@ from fastapi.exceptions import RequestValidationError
 
 from service.api.auth import Principal, require_admin, require_read
 from service.api.deps import get_metrics, get_settings, get_store
-from service.api.schemas import EventList, JobDetail, JobList, JobResize, job_detail, job_summary
+from service.api.schemas import (
+    EventList,
+    JobDetail,
+    JobList,
+    JobResize,
+    MetricSeriesView,
+    job_detail,
+    job_summary,
+)
 from service.controller.metrics import Metrics
 from service.core.config import Role, Settings
 from service.core.jobs import (
@@ -24,6 +32,7 @@ from service.core.jobs import (
     resolve_checkpoint_url,
 )
 from service.core.models import JobSpec, submit_problems
+from service.core.series import fit
 from service.core.states import JobState
 from service.core.store import JobExists, JobNotFound, ResizeConflict, ServiceStore
 from service.core.view import JobEntry
@@ -182,3 +191,23 @@ def job_events(
 ) -> EventList:
     _get(store, job_id)
     return EventList(job_id=job_id, events=store.events(job_id, after=after, limit=limit))
+
+
+@router.get(
+    "/jobs/{job_id}/metrics",
+    summary="A job's metric series (step, loss, steps/s, world size, restarts, snapshots) from its start",
+    responses=_NOT_FOUND,
+    dependencies=[Depends(require_read)],
+)
+def job_metrics(
+    job_id: str,
+    store: Annotated[ServiceStore, Depends(get_store)],
+    since: Annotated[float | None, Query(description="only reports after this time (seconds since the epoch; "
+                                         "a window ending after it is included whole)")] = None,
+    max_points: Annotated[int, Query(ge=2, le=100_000, description="at most this many windows and points "
+                                     "together (windows merged, then points folded into windows)")] = 2000,
+) -> MetricSeriesView:
+    _get(store, job_id)
+    series = store.metric_series(job_id)
+    windows, points = fit(*series.since(since), max_points)
+    return MetricSeriesView(job_id=job_id, count=series.count, windows=windows, points=points)

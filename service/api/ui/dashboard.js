@@ -7,8 +7,8 @@
 
 (() => {
   const TOKEN_KEY = "etrain.token";
-  const SERIES_KEY = "etrain.series.";
-  const MAX_SAMPLES = 1500;
+  const MAX_SERIES = 1500; // windows + points asked of GET /v1/jobs/{id}/metrics when a job's page opens
+  const MAX_MARKS = 200; // marks (world-size changes, restarts, snapshots) drawn on each chart's time axis
   const POLL_MS = { jobs: 3000, job: 2000, nodes: 5000 };
   const LOG_LINES = 200; // the job page shows the last lines of the job's logs
   const LOG_TAIL_BYTES = 32768; // asked of each node (GET /v1/jobs/{id}/logs?tail=)
@@ -349,38 +349,74 @@
   }
 
   // -- #/jobs/<id> ---------------------------------------------------------------------------------------------
-  function loadSeries(id) {
-    try {
-      const saved = JSON.parse(sessionStorage.getItem(SERIES_KEY + id) || "[]");
-      return Array.isArray(saved) ? saved : [];
-    } catch {
-      return [];
-    }
-  }
-  function saveSeries(id, samples) {
-    try {
-      sessionStorage.setItem(SERIES_KEY + id, JSON.stringify(samples.slice(-MAX_SAMPLES)));
-    } catch {
-      // storage full: the series lives on in memory
-    }
+  /** A job's metric series as this page holds it: read from the job's first report when the page opens (the
+   * controller keeps it: older reports as windows of [first, last, min, max]), then only the reports after the
+   * newest one held (?since=). ``entries``: windows and points, oldest first, times in seconds. */
+  function metricSeries(id) {
+    const s = { entries: [], count: 0, loaded: false };
+    const end = (e) => (e.n === undefined ? e.t : e.t_last);
+    s.refresh = async () => {
+      const last = s.loaded && s.entries.length ? end(s.entries[s.entries.length - 1]) : null;
+      const since = last === null ? "" : `&since=${last}`;
+      const body = await api(`v1/jobs/${encodeURIComponent(id)}/metrics?max_points=${MAX_SERIES}${since}`);
+      const fresh = [...body.windows, ...body.points];
+      if (last === null) s.entries = fresh;
+      else s.entries.push(...fresh.filter((e) => (e.n === undefined ? e.t : e.t_first) > last));
+      s.count = body.count;
+      s.loaded = s.entries.length <= 2 * MAX_SERIES; // grown too long: read it again, fitted, next time
+    };
+    return s;
   }
 
-  /** Steps per second between consecutive progress reports (none across a step going back: a restart). */
-  function rates(samples) {
+  /** ``name``'s curve ([{t: ms, v}]): a point as it is, a window as its first, min, max and last value. */
+  function curve(entries, name) {
     const out = [];
-    for (let i = 1; i < samples.length; i++) {
-      const a = samples[i - 1];
-      const b = samples[i];
-      if (b.step > a.step && b.t > a.t) out.push({ t: b.t, v: (b.step - a.step) / ((b.t - a.t) / 1000) });
+    for (const e of entries) {
+      if (e.n === undefined) {
+        if (e[name] !== null && e[name] !== undefined) out.push({ t: e.t * 1000, v: e[name] });
+      } else if (e[name]) {
+        const [first, last, lo, hi] = e[name];
+        const a = e.t_first * 1000;
+        const b = e.t_last * 1000;
+        out.push({ t: a, v: first });
+        if (b > a) out.push({ t: (a + b) / 2, v: lo }, { t: (a + b) / 2, v: hi }, { t: b, v: last });
+      }
     }
     return out;
   }
 
-  /** World size over time: the job's recorded history, then what this page saw; each change once, and the
+  /** Where the world size changed, the job restarted (a new generation, or torchrun's in-place restarts) and
+   * a snapshot was committed: [{t: ms, kind, text}], from the series (a window marks what changed within it). */
+  function seriesMarks(entries) {
+    const out = [];
+    const at = (e) => (e.n === undefined ? e.t : (e.t_first + e.t_last) / 2) * 1000;
+    const first = (e, k) => (e.n === undefined ? e[k] : e[k] ? e[k][0] : null);
+    const last = (e, k) => (e.n === undefined ? e[k] : e[k] ? e[k][1] : null);
+    const inside = (e, k) => e.n !== undefined && e[k] && e[k][2] !== e[k][3];
+    const changed = (prev, e, k) => {
+      const before = prev ? last(prev, k) : null;
+      const now = first(e, k);
+      return (before !== null && before !== undefined && now !== null && now !== undefined && now !== before) || inside(e, k);
+    };
+    let prev = null;
+    for (const e of entries) {
+      const t = at(e);
+      if (changed(prev, e, "world_size")) out.push({ t, kind: "world_size", text: `world size ${prev ? last(prev, "world_size") : "?"} → ${last(e, "world_size")}` });
+      if (changed(prev, e, "generation")) out.push({ t, kind: "restart", text: `restart: generation ${last(e, "generation")}` });
+      else if (changed(prev, e, "restart_count") && last(e, "restart_count") > (prev ? last(prev, "restart_count") : 0)) out.push({ t, kind: "restart", text: "restart: workers restarted in place" });
+      const ckpt = first(e, "checkpoint_step");
+      const newCkpt = prev && ckpt !== null && ckpt !== undefined && ckpt !== last(prev, "checkpoint_step");
+      if (newCkpt || inside(e, "checkpoint_step")) out.push({ t, kind: "snapshot", text: `snapshot committed at step ${last(e, "checkpoint_step")}` });
+      prev = e;
+    }
+    return out.slice(-MAX_MARKS);
+  }
+
+  /** World size over time: the job's recorded history, then its metric series; each change once, and the
    * latest time seen last (the step function is held to it). */
-  function worldSizes(job, samples) {
+  function worldSizes(job, sizes) {
     const points = job.world_size.history.map((c) => ({ t: new Date(c.at).getTime(), v: c.world_size }));
-    for (const s of samples) if (s.ws !== null && s.ws !== undefined) points.push({ t: s.t, v: s.ws });
+    points.push(...sizes);
     points.sort((a, b) => a.t - b.t);
     const changes = [];
     for (const p of points) if (!changes.length || changes[changes.length - 1].v !== p.v) changes.push(p);
@@ -399,8 +435,9 @@
     return out;
   }
 
-  /** A line chart of ``points`` ([{t: ms, v}]) as SVG; ``stepped``: a step function held to its last point. */
-  function lineChart(id, points, { stepped = false, integer = false, zero = false, note = "", values = null } = {}) {
+  /** A line chart of ``points`` ([{t: ms, v}]) as SVG; ``stepped``: a step function held to its last point;
+   * ``span``: the time axis [t0, t1] (ms; default: the points'); ``marks``: [{t, kind, text}] drawn across it. */
+  function lineChart(id, points, { stepped = false, integer = false, zero = false, note = "", values = null, span = null, marks = [] } = {}) {
     const W = 520;
     const H = 190;
     const L = 52;
@@ -420,8 +457,8 @@
       root.append(svg("text", { x: (L + W - R) / 2, y: H / 2, class: "chart-empty", "text-anchor": "middle" }, note || "no data yet"));
       return root;
     }
-    const t0 = points[0].t;
-    const t1 = Math.max(points[points.length - 1].t, t0 + 1000);
+    const t0 = span ? Math.min(span[0], points[0].t) : points[0].t;
+    const t1 = Math.max(span ? span[1] : 0, points[points.length - 1].t, t0 + 1000);
     let lo = Math.min(...points.map((p) => p.v));
     let hi = Math.max(...points.map((p) => p.v));
     if (zero) lo = Math.min(0, lo);
@@ -435,9 +472,14 @@
       root.append(svg("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), class: "grid-line" }));
       root.append(svg("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end", class: "tick" }, num(v, 3)));
     }
-    const span = t1 - t0;
+    const width = t1 - t0;
+    const shown = marks.filter((m) => m.t >= t0 && m.t <= t1);
+    root.setAttribute("data-marks", shown.map((m) => m.kind).join(","));
+    for (const m of shown) {
+      root.append(svg("line", { x1: x(m.t), x2: x(m.t), y1: T, y2: H - B, class: `mark mark-${m.kind}` }, svg("title", {}, `${clock(m.t)}: ${m.text}`)));
+    }
     for (let i = 0; i <= 3; i++) {
-      const t = t0 + (span * i) / 3;
+      const t = t0 + (width * i) / 3;
       const anchor = i === 0 ? "start" : i === 3 ? "end" : "middle";
       root.append(svg("text", { x: x(t), y: H - 8, "text-anchor": anchor, class: "tick" }, clock(t)));
     }
@@ -595,7 +637,7 @@
 
   function jobView(view, id) {
     document.title = `${id} · etrain`;
-    const samples = loadSeries(id);
+    const series = metricSeries(id);
     let events = [];
     let lastEvent = null;
     const head = h("div", { id: "job-head" });
@@ -631,7 +673,13 @@
         h(
           "p",
           { class: "muted note", id: "series-note" },
-          "The service keeps only a job's latest progress report, so loss and steps/s are sampled by this page while it is open (every 2 s; kept for this tab). World size also draws on the job's recorded history (its newest 100 changes).",
+          "From the job's first progress report: the controller keeps each job's series (the newest reports as they came, older ones downsampled, each stretch keeping its first, last, lowest and highest value), and this page adds the new reports as they arrive. Marks on the time axis: ",
+          h("span", { class: "legend mark-world_size" }, "world-size change"),
+          ", ",
+          h("span", { class: "legend mark-restart" }, "restart"),
+          ", ",
+          h("span", { class: "legend mark-snapshot" }, "snapshot"),
+          ".",
         ),
         charts,
       ),
@@ -699,15 +747,9 @@
       }
       await fetchEvents();
       await fetchLogs(job);
+      await series.refresh();
 
       const p = job.progress;
-      const t = p.updated_at ? new Date(p.updated_at).getTime() : null;
-      const last = samples[samples.length - 1];
-      if (t !== null && p.step !== null && (!last || last.t !== t || last.step !== p.step)) {
-        samples.push({ t, step: p.step, loss: p.loss, ws: job.world_size.current });
-        if (samples.length > MAX_SAMPLES) samples.splice(0, samples.length - MAX_SAMPLES);
-        saveSeries(id, samples);
-      }
 
       put(head,
         h("h1", {}, id, " ", stateBadge(job.state)),
@@ -734,18 +776,24 @@
         ]),
       );
 
-      const losses = samples.filter((s) => s.loss !== null && s.loss !== undefined).map((s) => ({ t: s.t, v: s.loss }));
-      const rate = rates(samples);
-      const sizes = worldSizes(job, samples);
-      const collecting = `${samples.length} sample(s) so far`;
+      const entries = series.entries;
+      const losses = curve(entries, "loss");
+      const rate = curve(entries, "steps_per_s");
+      const sizes = worldSizes(job, curve(entries, "world_size"));
+      const marks = seriesMarks(entries);
+      const times = [...sizes.points, ...losses, ...rate].map((q) => q.t);
+      const span = times.length ? [Math.min(...times), Math.max(...times)] : null;
+      const collecting = `${series.count} report(s) so far`;
+      charts.setAttribute("data-reports", String(series.count));
+      charts.setAttribute("data-first", entries.length ? String(entries[0].n === undefined ? entries[0].t : entries[0].t_first) : "");
       put(charts,
-        h("figure", { id: "chart-loss" }, h("figcaption", {}, "Loss"), lineChart("svg-loss", losses, { note: losses.length < 2 ? collecting : "" })),
-        h("figure", { id: "chart-rate" }, h("figcaption", {}, "Steps / s"), lineChart("svg-rate", rate, { zero: true, note: rate.length < 2 ? collecting : "" })),
+        h("figure", { id: "chart-loss" }, h("figcaption", {}, "Loss"), lineChart("svg-loss", losses, { note: losses.length < 2 ? collecting : "", span, marks })),
+        h("figure", { id: "chart-rate" }, h("figcaption", {}, "Steps / s"), lineChart("svg-rate", rate, { zero: true, note: rate.length < 2 ? collecting : "", span, marks })),
         h(
           "figure",
           { id: "chart-world-size" },
           h("figcaption", {}, "World size", h("span", { class: "muted", id: "world-size-changes" }, sizes.changes.length ? ` (${sizes.changes.map((c) => c.v).join(" → ")})` : "")),
-          lineChart("svg-world-size", sizes.points, { stepped: true, integer: true, zero: true, values: sizes.changes.map((c) => c.v) }),
+          lineChart("svg-world-size", sizes.points, { stepped: true, integer: true, zero: true, values: sizes.changes.map((c) => c.v), span, marks }),
         ),
       );
       put(restarts, ...restartsPanel(job, events));

@@ -18,7 +18,7 @@ from tests.service.conftest import make_settings
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_a_finished_job_is_deleted_with_its_events_reports_and_progress_after_the_retention(
+def test_a_finished_job_is_deleted_with_its_events_reports_progress_and_metric_series_after_the_retention(
     etcd_server: LocalEtcdCluster, etcd_client: EtcdClient, key_prefix: str
 ) -> None:
     store = ServiceStore(etcd_client, key_prefix)
@@ -35,12 +35,13 @@ def test_a_finished_job_is_deleted_with_its_events_reports_and_progress_after_th
         controller.tick()
         old = store.get_job("old-1")
         assert old is not None and old.status.state == JobState.CANCELLED
+        assert store.metric_series("old-1").count == 1  # its report, in its series
         controller.tick(now + timedelta(seconds=0.5))
         assert store.get_job("old-1") is not None  # within the retention
         controller.tick(datetime.now(timezone.utc) + timedelta(seconds=2))
         assert store.get_job("old-1") is None
         for prefix in (store.keys.events_of("old-1"), store.keys.reports_of("old-1"), store.keys.progress_of("old-1"),
-                       store.keys.cancel_of("old-1")):  # fmt: skip
+                       store.keys.cancel_of("old-1"), store.keys.metrics_of("old-1")):  # fmt: skip
             assert etcd_client.count_prefix(prefix) == 0, prefix
         live = store.get_job("live-1")
         assert live is not None and live.status.state == JobState.PENDING and store.events("live-1")

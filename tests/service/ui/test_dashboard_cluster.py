@@ -101,7 +101,7 @@ def test_job_page_shows_the_world_size_drop_after_an_agent_is_killed(
     ui.page.wait_for_function("() => /==> node-2 \\(generation/.test(document.querySelector('#job-logs')?.textContent)")
     assert "==> node-1 (generation " in ui.page.inner_text("#job-logs")
     # (functions, not expressions: Playwright evaluates an expression with eval, which the page's CSP forbids)
-    # the page samples progress as it polls: a few reports make the loss and steps/s curves
+    # the page reads the job's kept metric series and appends new reports: a few make the loss and steps/s curves
     ui.page.wait_for_function("() => Number(document.querySelector('#svg-rate')?.dataset.points) >= 2", timeout=30_000)
     ui.shot("job-world-size-2")
     victim = running_job.api.job(job_id)["nodes"][-1]
