@@ -41,6 +41,11 @@ With ``ElasticConfig(recovery="live")`` the workers form the job's process group
 survivors and continue in the same processes; joiners are admitted at a step boundary and receive the state
 from a member. See docs/live-recovery.md.
 
+A model the script sharded itself with FSDP2's ``fully_shard`` (restart mode) is not wrapped in DDP: gradient
+accumulation goes through ``set_requires_gradient_sync(False)``, a rank without samples in a micro-batch runs
+one with a zero weight (FSDP's collectives run in forward and backward), and snapshots use the sharded layout,
+restored into any world size (:mod:`elastic.train.sharded`). Live recovery refuses sharded models for now.
+
 The trainer composes one part per concern: the training cursor (step, data, LR: :mod:`elastic.train.cursor`),
 the snapshots (:mod:`elastic.train.snapshots`), the boundary's agreed flags (:mod:`elastic.train.boundary`),
 the stop timeout (:mod:`elastic.train.stop_timeout`), the live group and its retries (:mod:`elastic.train.live`
@@ -53,7 +58,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -77,6 +82,7 @@ from elastic.train.preemption import PreemptionWatcher
 from elastic.train.progress import create_reporter
 from elastic.train.sampler import ElasticSampler, split_sizes
 from elastic.train.schedule import SnapshotStats, WriterBusy
+from elastic.train.sharded import capture_sharded, gradient_sync_off
 from elastic.train.snapshots import LoopCheckpoints
 from elastic.train.stop_timeout import StopTimeout
 
@@ -112,6 +118,11 @@ class ElasticTrainer:
         self._live = None
         self._reducer: GradientReducer | None = None  # live: the gradient all-reduce, overlapped with backward
         self._recovery = config.resolved_recovery()
+        self._sharded = compat.is_sharded_module(model)
+        if self._sharded and self._recovery is RecoveryMode.LIVE:
+            raise ValueError("live recovery does not support sharded (FSDP2) models yet: its re-form rebuilds the "
+                             "group in the same processes, which fully_shard's mesh cannot follow; use "
+                             "recovery='restart' (torchrun's rendezvous without recovery=live)")  # fmt: skip
         if self._recovery is RecoveryMode.LIVE:
             if isinstance(model, DistributedDataParallel):
                 raise ValueError("live recovery wraps the model in DDP anew for each generation of the group: "
@@ -133,16 +144,17 @@ class ElasticTrainer:
         sampler = ElasticSampler(len(dataset), seed=config.seed, shuffle=config.shuffle)
         self.cursor = TrainingCursor(config.lr_policy, sampler, self.rank, self.world_size)
         live = self._recovery is RecoveryMode.LIVE
-        self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device, require_storage=not live)
+        self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device, require_storage=not live,
+                                            sharded=self._sharded)  # fmt: skip
         self._broken: BaseException | None = None  # live: a collective of this step failed
         if isinstance(model, DistributedDataParallel):
             # The user wrapped it already: restore into the module, then make replicas identical.
             self._module = model.module
             self._restore(self.rank, self.world_size)
             broadcast_module(model.module)
-            self.model: DistributedDataParallel | LiveDataParallel = model
+            self.model: torch.nn.Module = model
         else:
-            self._module = model.to(self.device)
+            self._module = model if self._sharded else model.to(self.device)  # fully_shard placed the shards
             if self._recovery is RecoveryMode.LIVE:
                 from elastic.train.live import LiveRecovery
 
@@ -163,6 +175,7 @@ class ElasticTrainer:
         self._loss_count = 0
         self._scale = 1.0
         self._backward_done = True
+        self._padding = False  # the micro-batch yielded is a sharded model's zero-weight one (see batches)
         self._stopped = False
         if abs(optimizer.param_groups[0]["lr"] - self.policy.base_lr) > 1e-12 and self.step == 0:
             logger.warning(
@@ -184,7 +197,9 @@ class ElasticTrainer:
             return torch.device("cuda", local)
         return torch.device("cpu")
 
-    def _wrap(self) -> DistributedDataParallel | LiveDataParallel:
+    def _wrap(self) -> torch.nn.Module:
+        if self._sharded:
+            return self._module  # FSDP2 reduce-scatters the gradients itself
         if self._recovery is RecoveryMode.LIVE:
             # no DDP: its reducer would keep a torn-down group's connections open (see elastic.live.grads);
             # ours holds no group, so one serves every generation
@@ -256,16 +271,19 @@ class ElasticTrainer:
             offset = 0
             for j, size in enumerate(split_sizes(len(mine), plan.accumulation_steps)):
                 last = j == plan.accumulation_steps - 1
-                with nullcontext() if last else self.model.no_sync():
+                with nullcontext() if last else self._no_sync():
                     idx = mine[offset : offset + size]
                     offset += size
-                    if size == 0:
+                    if size == 0 and not self._sharded:
                         if self._live is None:
                             self._zero_backward()
                     else:
+                        # a sharded model's collectives run in its forward and backward: a rank without samples
+                        # in this micro-batch runs one (the data set's first) with a zero weight
+                        self._padding = size == 0
                         self._scale = size * self.world_size / total  # exact mean over the global batch
                         self._backward_done = False
-                        yield self._batch(idx)
+                        yield self._batch(idx if size else [0])
                         if not self._backward_done:
                             raise RuntimeError("trainer.backward(loss) must be called once for every batch")
                 if self._broken is not None:
@@ -285,8 +303,9 @@ class ElasticTrainer:
         except RuntimeError as exc:
             self._collective_failed(exc)
             return
-        self._loss_sum += float(loss.detach()) * self._scale
-        self._loss_count += 1
+        if not self._padding:
+            self._loss_sum += float(loss.detach()) * self._scale
+            self._loss_count += 1
 
     def _collective_failed(self, exc: RuntimeError) -> None:
         """Live mode: a collective failed because the group broke; the step is dropped and the group
@@ -314,6 +333,13 @@ class ElasticTrainer:
         self._stop_timeout.restart_clock()
         self._progress.report(self.step, world_size=self.world_size, total_steps=self.config.total_steps,
                               nodes=self._round_nodes(), force=True)  # fmt: skip
+
+    def _no_sync(self) -> AbstractContextManager[Any]:
+        """No gradient all-reduce (DDP, live) or reduce-scatter (FSDP2) for this micro-batch."""
+        if self._sharded:
+            return gradient_sync_off(self._module)
+        assert isinstance(self.model, (DistributedDataParallel, LiveDataParallel))
+        return self.model.no_sync()
 
     def _batch(self, idx: Sequence[int]) -> Any:
         batch = self._collate([self._dataset[i] for i in idx])
@@ -435,8 +461,10 @@ class ElasticTrainer:
         return {k: float(v) / self.world_size for k, v in zip(keys, t.tolist(), strict=True)}
 
     # -- checkpoints ---------------------------------------------------------------------------------
-    def _capture(self) -> TrainingState:
+    def _capture(self) -> TrainingState | dict[str, Any]:
         """References to the full state (a collective: gathers every rank's RNG state)."""
+        if self._sharded:
+            return capture_sharded(self.step, self._module, self.optimizer, self.scheduler, **self.cursor.state())
         return capture_training_state(self.step, self._module, self.optimizer, self.scheduler, **self.cursor.state())
 
     def save(self, blocking: bool = False) -> None:
@@ -451,7 +479,7 @@ class ElasticTrainer:
     @property
     def resumed_from(self) -> str | None:
         """Which tier the start-up restore used: ``"durable"``, ``"node-local"``, or None (a fresh start)."""
-        return self._checkpoints.tiers.source
+        return self._checkpoints.source
 
     @property
     def stopped_by_preemption(self) -> bool:
