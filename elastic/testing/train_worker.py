@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from elastic import compat
 from elastic.checkpoint import CheckpointOptions
 from elastic.contract import env as worker_env
 from elastic.contract.lr import LRPolicy, LRRule
@@ -70,7 +71,7 @@ def full_state(trainer: ElasticTrainer) -> dict[str, object]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=options)
+    model_sd, optim_sd = get_state_dict(trainer.module, trainer.optimizer, options=options)
     return {"model": model_sd, "optim": optim_sd, "step": trainer.step, "world": trainer.world_size}
 
 
@@ -80,15 +81,15 @@ def _module_state(trainer: ElasticTrainer, fsdp: bool) -> dict[str, torch.Tensor
         model_sd = full_state(trainer)["model"]
         assert isinstance(model_sd, dict)
         return {k: v.clone() for k, v in model_sd.items()}
-    return {k: v.clone() for k, v in trainer.model.module.state_dict().items()}
+    return {k: v.clone() for k, v in trainer.module.state_dict().items()}
 
 
 def _digest(trainer: ElasticTrainer) -> str | None:
     """A hash of the replica's parameters and optimizer state: equal on every rank when replicas agree bit for bit."""
-    if not hasattr(trainer.model, "module"):
+    if compat.is_sharded_module(trainer.module):
         return None  # sharded: each rank holds other parameters
     h = hashlib.sha256()
-    for t in trainer.model.module.state_dict().values():
+    for t in trainer.module.state_dict().values():
         h.update(t.detach().cpu().numpy().tobytes())
     for state in trainer.optimizer.state.values():
         for v in state.values():
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.backward(F.cross_entropy(trainer.model(x), y))
     params = _module_state(trainer, args.fsdp)  # FSDP: gathered to rank 0 (a collective)
     if trainer.rank == 0 or args.fsdp:  # a sharded forward is a collective: every rank runs it
-        module = trainer.model if args.fsdp else trainer.model.module
+        module = trainer.module
         module.eval()
         with torch.no_grad():
             x_all, y_all = dataset.tensors

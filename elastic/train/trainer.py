@@ -222,6 +222,11 @@ class ElasticTrainer:
 
     # -- the cursor ----------------------------------------------------------------------------------
     @property
+    def module(self) -> torch.nn.Module:
+        """The model itself: the module inside :attr:`model`'s DDP (or live) wrapper, or the sharded model."""
+        return self._module
+
+    @property
     def step(self) -> int:
         return self.cursor.step
 

