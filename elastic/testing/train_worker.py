@@ -59,7 +59,7 @@ def _shard(model: nn.Module) -> nn.Module:
 
     dist.init_process_group("gloo")  # the mesh needs the group; the trainer then uses it
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
+    for layer in model.modules():
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
