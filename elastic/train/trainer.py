@@ -42,9 +42,8 @@ survivors and continue in the same processes; joiners are admitted at a step bou
 from a member. See docs/live-recovery.md.
 
 A model the script sharded itself with FSDP2's ``fully_shard`` (restart mode) is not wrapped in DDP: gradient
-accumulation goes through ``set_requires_gradient_sync(False)``, a rank without samples in a micro-batch runs
-one with a zero weight (FSDP's collectives run in forward and backward), and snapshots use the sharded layout,
-restored into any world size (:mod:`elastic.train.sharded`). Live recovery refuses sharded models for now.
+accumulation goes through ``set_requires_gradient_sync(False)`` and snapshots use the sharded layout, restored
+into any world size (:mod:`elastic.train.sharded`). Live recovery refuses sharded models for now.
 
 The trainer composes one part per concern: the training cursor (step, data, LR: :mod:`elastic.train.cursor`),
 the snapshots (:mod:`elastic.train.snapshots`), the boundary's agreed flags (:mod:`elastic.train.boundary`),
@@ -279,12 +278,11 @@ class ElasticTrainer:
                 with nullcontext() if last else self._no_sync():
                     idx = mine[offset : offset + size]
                     offset += size
-                    if size == 0 and not self._sharded:
-                        if self._live is None:
-                            self._zero_backward()
+                    if size == 0 and self._live is not None:
+                        pass  # live: this rank's reducer joins the step's all-reduce with zero gradients
                     else:
-                        # a sharded model's collectives run in its forward and backward: a rank without samples
-                        # in this micro-batch runs one (the data set's first) with a zero weight
+                        # DDP (prepared by its forward) and FSDP run their collectives in forward and backward: a
+                        # rank without samples in this micro-batch runs one (the data set's first), weight zero
                         self._padding = size == 0
                         self._scale = size * self.world_size / total  # exact mean over the global batch
                         self._backward_done = False
@@ -349,14 +347,6 @@ class ElasticTrainer:
     def _batch(self, idx: Sequence[int]) -> Any:
         batch = self._collate([self._dataset[i] for i in idx])
         return _to_device(batch, self.device)
-
-    def _zero_backward(self) -> None:
-        # A rank with no samples in this micro-batch still joins DDP's all-reduce, with zero gradients.
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        try:
-            torch.stack([p.sum() for p in params]).sum().mul(0.0).backward()
-        except RuntimeError as exc:
-            self._collective_failed(exc)
 
     def _finish_step(self, indices: Sequence[int], global_batch: int) -> None:
         self._stop_timeout.boundary()
