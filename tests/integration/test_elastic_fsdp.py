@@ -120,16 +120,17 @@ def test_fsdp2_corrupt_shard_file_falls_back_to_the_previous_snapshot(
     tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
     ck = ["--checkpoint-url", str(tmp_path / "ck"), "--save-every", "5", "--epochs", "3", "--fsdp"]
-    saved = _run(tmp_path, "saved", etcd_server, agents, 2, [*COMMON, *ck, "--max-steps", "10", "--dump-steps", "5,10"])
+    saved = _run(tmp_path, "saved", etcd_server, agents, 2, [*COMMON, *ck, "--max-steps", "10", "--dump-steps", "7,10"])
     shards = sorted((tmp_path / "ck" / "step-000000000010").glob("*/*.distcp"))
     assert shards, sorted(p.name for p in (tmp_path / "ck").rglob("*"))
     data = bytearray(shards[0].read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped bit, same size: only the digest can tell
     shards[0].write_bytes(bytes(data))
 
-    rec = _run(tmp_path, "resumed", etcd_server, agents, 2, [*COMMON, *ck, "--dump-start", "--max-steps", "7"])
-    _same_full_state(saved / "dump-step5.pt", rec / "dump-start.pt")
-    assert sorted({r["step"] for r in read_records(rec)}) == [6, 7]
+    # snapshots at 5, 7 (the epoch's end) and 10: the corrupt 10 is skipped, 7 restored
+    rec = _run(tmp_path, "resumed", etcd_server, agents, 2, [*COMMON, *ck, "--dump-start", "--max-steps", "9"])
+    _same_full_state(saved / "dump-step7.pt", rec / "dump-start.pt")
+    assert sorted({r["step"] for r in read_records(rec)}) == [8, 9]
     assert "checkpoint step 10" in agents[-1].log() and "unusable" in agents[-1].log(), agents[-1].log()[-3000:]
 
 
