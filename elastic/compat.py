@@ -21,6 +21,9 @@ suites on the oldest and newest torch of the range):
   it from whether a process group exists (:func:`dcp_no_dist`).
 - ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``: not private, a knob set for a torch 2.13 hang
   (:func:`disable_shared_rdzv_store`).
+- FSDP2's ``FSDPModule``: public in ``torch.distributed.fsdp`` on the supported torch releases; reached
+  through :func:`fsdp_module_class`, which falls back to its older home ``torch.distributed._composable.fsdp``
+  (:func:`fsdp_modules`, :func:`is_sharded_module`).
 """
 
 from __future__ import annotations
@@ -47,8 +50,11 @@ __all__ = [
     "dcp_no_dist",
     "destroy_process_group",
     "disable_shared_rdzv_store",
+    "fsdp_module_class",
+    "fsdp_modules",
     "fsspec_checkpoint_io",
     "fsspec_dcp_io",
+    "is_sharded_module",
     "parse_version",
     "private_api_problems",
     "rendezvous_store_info",
@@ -188,6 +194,32 @@ def dcp_no_dist(fn: Callable[..., Any], no_dist: bool) -> dict[str, Any]:
     single-process exactly when no default process group exists, which is when callers here ask for it.
     """
     return {"no_dist": no_dist} if "no_dist" in inspect.signature(fn).parameters else {}
+
+
+# -- FSDP2 ---------------------------------------------------------------------------------------------
+def fsdp_module_class() -> type | None:
+    """FSDP2's ``FSDPModule`` (the class ``fully_shard`` mixes into a module), or None where torch has none."""
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            cls = getattr(importlib.import_module(name), "FSDPModule", None)
+        except ImportError:  # pragma: no cover - torch without torch.distributed
+            continue
+        if isinstance(cls, type):
+            return cls
+    return None  # pragma: no cover - every supported torch has one
+
+
+def fsdp_modules(model: Any) -> list[Any]:
+    """The modules of ``model`` (itself included) that ``fully_shard`` sharded, outermost first."""
+    cls = fsdp_module_class()
+    if cls is None:  # pragma: no cover
+        return []
+    return [m for m in model.modules() if isinstance(m, cls)]
+
+
+def is_sharded_module(model: Any) -> bool:
+    """Whether ``model`` or one of its submodules was sharded with FSDP2's ``fully_shard``."""
+    return bool(fsdp_modules(model))
 
 
 #: How long :func:`destroy_process_group` lets other threads run before the group is destroyed.

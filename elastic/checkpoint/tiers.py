@@ -40,7 +40,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -267,8 +267,9 @@ class SnapshotTiers:
             self._local.prepare(state)
 
     def save_local(
-        self, step: int, capture: Callable[[], TrainingState], overlap_with: torch.optim.Optimizer | None
-    ) -> None:
+        self, step: int, capture: Callable[[], TrainingState | Mapping[str, Any]],
+        overlap_with: torch.optim.Optimizer | None,
+    ) -> None:  # fmt: skip
         """Take a node-local snapshot (a collective: ``capture`` gathers every rank's RNG state)."""
         started = time.perf_counter()
         self._last_started, self._last_step = time.monotonic(), step

@@ -6,6 +6,12 @@ in ``--record DIR/rank<R>.<pid>.jsonl``. At the end rank 0 evaluates the model o
 writes ``final.json`` (loss, step) and ``final_params.pt``; every rank writes ``final_params.rank<R>.pt`` and
 ``final.rank<R>.json`` (its attempt and step), so that replicas can be compared. Under the job service it
 reports progress (``elastic.train.progress``; a no-op elsewhere) and takes ``$ETRAIN_CHECKPOINT_URL`` by default.
+
+``--fsdp`` shards the MLP with FSDP2's ``fully_shard`` (each linear layer and the root) before handing it to the
+trainer; the final parameters are then the full state dict gathered to rank 0. ``--max-steps K`` stops the loop
+once step K is committed (its snapshot, when one is due, taken); ``--dump-steps K,...`` and ``--dump-start``
+write, from rank 0, the full model and optimizer state (``get_state_dict`` with ``full_state_dict=True``) at
+those steps and right after the trainer restored (``dump-step<K>.pt``, ``dump-start.pt``).
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from elastic import compat
 from elastic.checkpoint import CheckpointOptions
 from elastic.contract import env as worker_env
 from elastic.contract.lr import LRPolicy, LRRule
@@ -44,10 +52,44 @@ def make_model(seed: int, dropout: float = 0.1) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 4))
 
 
-def _digest(trainer: ElasticTrainer) -> str:
+def _shard(model: nn.Module) -> nn.Module:
+    """FSDP2 over the whole world: each linear layer a unit of its own, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")  # the mesh needs the group; the trainer then uses it
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state(trainer: ElasticTrainer) -> dict[str, object]:
+    """The full model and optimizer state, on rank 0 (a collective; other ranks get empty dicts)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_state_dict(trainer.module, trainer.optimizer, options=options)
+    return {"model": model_sd, "optim": optim_sd, "step": trainer.step, "world": trainer.world_size}
+
+
+def _module_state(trainer: ElasticTrainer, fsdp: bool) -> dict[str, torch.Tensor]:
+    """This rank's full copy of the parameters (DDP), or the gathered full state on rank 0 (FSDP; a collective)."""
+    if fsdp:
+        model_sd = full_state(trainer)["model"]
+        assert isinstance(model_sd, dict)
+        return {k: v.clone() for k, v in model_sd.items()}
+    return {k: v.clone() for k, v in trainer.module.state_dict().items()}
+
+
+def _digest(trainer: ElasticTrainer) -> str | None:
     """A hash of the replica's parameters and optimizer state: equal on every rank when replicas agree bit for bit."""
+    if compat.is_sharded_module(trainer.module):
+        return None  # sharded: each rank holds other parameters
     h = hashlib.sha256()
-    for t in trainer.model.module.state_dict().values():
+    for t in trainer.module.state_dict().values():
         h.update(t.detach().cpu().numpy().tobytes())
     for state in trainer.optimizer.state.values():
         for v in state.values():
@@ -80,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recovery", default=None, choices=[r.value for r in RecoveryMode],
                    help="default: live under a live rendezvous (--rdzv-conf recovery=live), else restart")  # fmt: skip
     p.add_argument("--live-ttl", type=float, default=3.0, help="live mode: each worker's lease, seconds")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2's fully_shard")
+    p.add_argument("--max-steps", type=int, default=0, help="stop once this step is committed (0: run the epochs)")
+    p.add_argument("--dump-steps", default="", help="comma-separated steps at which rank 0 dumps the full state")
+    p.add_argument("--dump-start", action="store_true", help="rank 0 dumps the full state right after the restore")
     args = p.parse_args(argv)
     if not args.checkpoint_url:
         p.error("--checkpoint-url (or $ETRAIN_CHECKPOINT_URL) is required")
@@ -91,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     attempt = f"{master}:{os.environ.get(worker_env.TORCHRUN_WORLD_SIZE)}"
     dataset = make_dataset(args.samples)
     model = make_model(args.seed, args.dropout)
+    if args.fsdp:
+        model = _shard(model)  # before the optimizer: fully_shard replaces the parameters
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     policy = LRPolicy(LRRule(args.lr_rule), args.lr, args.base_world, args.batch, warmup_steps=args.warmup)
     cap = ElasticConfig.local_max_overhead if args.local_max_overhead is None else args.local_max_overhead or None
@@ -130,18 +178,35 @@ def main(argv: list[str] | None = None) -> int:
     trained.append(trainer)
     log_file.append(args.record / f"rank{trainer.rank}.{os.getpid()}.jsonl")
     resumed_from.append(trainer.resumed_from)
+
+    def dump(name: str) -> None:
+        state = full_state(trainer)  # every rank: a collective
+        if trainer.rank == 0:
+            torch.save(state, args.record / f"{name}.pt")
+
+    if args.dump_start:
+        dump("dump-start")
+    dump_steps = {int(s) for s in args.dump_steps.split(",") if s}
+    dumped = -1
     for x, y in trainer.batches(epochs=args.epochs):
+        if trainer.step in dump_steps and trainer.step != dumped:
+            dump(f"dump-step{trainer.step}")
+            dumped = trainer.step
+        if args.max_steps and trainer.step >= args.max_steps:
+            break
         trainer.backward(F.cross_entropy(trainer.model(x), y))
-    if trainer.rank == 0:
-        module = trainer.model.module
+    params = _module_state(trainer, args.fsdp)  # FSDP: gathered to rank 0 (a collective)
+    if trainer.rank == 0 or args.fsdp:  # a sharded forward is a collective: every rank runs it
+        module = trainer.module
         module.eval()
         with torch.no_grad():
             x_all, y_all = dataset.tensors
             loss = float(F.cross_entropy(module(x_all), y_all))
-        torch.save({k: v.clone() for k, v in module.state_dict().items()}, args.record / "final_params.pt")
+    if trainer.rank == 0:
+        torch.save(params, args.record / "final_params.pt")
         (args.record / "final.json").write_text(json.dumps({"loss": loss, "step": trainer.step}))
-    params = {k: v.clone() for k, v in trainer.model.module.state_dict().items()}
-    torch.save(params, args.record / f"final_params.rank{trainer.rank}.pt")
+    if not args.fsdp:
+        torch.save(params, args.record / f"final_params.rank{trainer.rank}.pt")
     done = {"attempt": attempt, "step": trainer.step, "world": trainer.world_size, "pid": os.getpid(),
             "gen": trainer.generation}  # fmt: skip
     (args.record / f"final.rank{trainer.rank}.json").write_text(json.dumps(done))

@@ -6,6 +6,7 @@
 - :mod:`elastic.train.sampler`: the exactly-once, world-size-independent partition of each epoch;
 - :mod:`elastic.train.boundary`: the flags every rank agrees on at a step boundary;
 - :mod:`elastic.train.snapshots`: the loop's snapshots (restore, the step-boundary decisions, saves);
+- :mod:`elastic.train.sharded`: sharded (FSDP2) models: their snapshot layout and gradient accumulation;
 - :mod:`elastic.train.schedule`: when a snapshot is taken (pure: steps, time, a busy writer);
 - :mod:`elastic.train.preemption`: SIGTERM seen by a watcher thread, answered at the next boundary;
 - :mod:`elastic.train.progress`: progress reports to the job service (the wire format is

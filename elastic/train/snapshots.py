@@ -5,17 +5,23 @@ manager, the node-local tier, the schedule (``save_every_steps``, ``save_every``
 snapshot), failures of the storage (a grace time before training stops) and the SIGTERM save. Its step-boundary
 decisions use flags that every rank agrees on in the loop's one all-reduce per step (:meth:`local_flags`
 before it, :meth:`act` after it), so that every rank takes the same snapshots.
+
+For a sharded model (FSDP2, ``sharded=True``) the snapshots use the sharded layout (see
+:mod:`elastic.train.sharded`): every rank writes its shards, rank 0 commits the manifest, and a restore loads
+this world's shards of the newest snapshot that verifies, whatever world saved it. The node-local tier holds
+replicated state only: it is off for sharded models (logged).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from elastic.checkpoint import (
     CheckpointError,
@@ -26,7 +32,7 @@ from elastic.checkpoint import (
     create_checkpoint_manager,
     restore_training_state,
 )
-from elastic.checkpoint.api import CheckpointManager
+from elastic.checkpoint.api import CheckpointManager, StateLayout
 from elastic.checkpoint.layout import step_dir
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import CheckpointStorage
@@ -37,10 +43,15 @@ from elastic.train.config import ElasticConfig
 from elastic.train.cursor import TrainingCursor
 from elastic.train.preemption import save_on_notice
 from elastic.train.schedule import Boundary, SnapshotSchedule, SnapshotStats
+from elastic.train.sharded import apply_loaded, forget_optimizer_state, load_template
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoopCheckpoints"]
+__all__ = ["Capture", "LoopCheckpoints"]
+
+#: references to the full state, a collective: a :class:`TrainingState`, or a sharded model's mapping
+#: (:func:`elastic.train.sharded.capture_sharded`)
+Capture = Callable[[], TrainingState | Mapping[str, Any]]
 
 
 class LoopCheckpoints:
@@ -48,15 +59,22 @@ class LoopCheckpoints:
 
     def __init__(
         self, config: ElasticConfig, storage: CheckpointStorage | None, device: torch.device,
-        require_storage: bool = True,
+        require_storage: bool = True, sharded: bool = False,
     ) -> None:  # fmt: skip
         """``require_storage``: an unusable storage stops the worker at once (one clear line); else (a live
-        joiner takes its state from a peer) it is logged, and saves retry under ``save_failure_grace``."""
+        joiner takes its state from a peer) it is logged, and saves retry under ``save_failure_grace``.
+        ``sharded``: the model is sharded (FSDP2): snapshots in the sharded layout, no node-local tier."""
         self.config = config
-        self.manager = self._open(config, storage, require_storage)
-        self.tiers = create_snapshot_tiers(
-            self.manager, config.resolved_local_every_steps(), device, config.local_max_overhead
-        )
+        self.sharded = sharded
+        self._device = device
+        self.manager = self._open(config, storage, require_storage, sharded)
+        local_every = config.resolved_local_every_steps()
+        if sharded and local_every is not None:
+            logger.warning("node-local snapshots are off for a sharded (FSDP2) model: the node-local tier holds "
+                           "replicated state only; durable sharded snapshots go on")  # fmt: skip
+            local_every = None
+        self.tiers = create_snapshot_tiers(self.manager, local_every, device, config.local_max_overhead)
+        self._sharded_source: str | None = None
         self.schedule = SnapshotSchedule(
             config.save_every_steps, config.save_every, config.when_writer_busy, clock=time.monotonic()
         )
@@ -67,7 +85,7 @@ class LoopCheckpoints:
 
     @staticmethod
     def _open(
-        config: ElasticConfig, storage: CheckpointStorage | None, require_storage: bool
+        config: ElasticConfig, storage: CheckpointStorage | None, require_storage: bool, sharded: bool
     ) -> CheckpointManager | None:
         url = config.resolved_checkpoint_url() or (storage.url if storage is not None else None)
         if url is None:
@@ -79,6 +97,8 @@ class LoopCheckpoints:
             options = replace(options, signing_key=worker.checkpoint_key)
         if options.generation is None and worker.job is not None:  # fencing of an old generation's saves
             options = replace(options, generation=worker.job.generation)
+        if sharded and options.layout != StateLayout.SHARDED:
+            options = replace(options, layout=StateLayout.SHARDED, per_node=False)
         manager = create_checkpoint_manager(url, options, storage=storage)
         try:
             manager.check_storage()  # one clear line, before any training, if the storage is unusable
@@ -94,6 +114,8 @@ class LoopCheckpoints:
     ) -> bool:  # fmt: skip
         """Every rank restores the same snapshot: the newest verified durable one that rank 0 picks, or a
         newer node-local one that a surviving node holds (a collective). False: nothing to restore."""
+        if self.sharded:
+            return self._restore_sharded(model, optimizer, scheduler, cursor, rank, world_size)
         state = self.tiers.restore()
         if state is None:
             return False
@@ -102,6 +124,35 @@ class LoopCheckpoints:
         logger.info("resumed from step %d (epoch %d, position %d)", cursor.step, cursor.sampler.epoch,
                     cursor.sampler.position)  # fmt: skip
         return True
+
+    def _restore_sharded(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, cursor: TrainingCursor,
+        rank: int, world_size: int,
+    ) -> bool:  # fmt: skip
+        """A sharded model: every rank loads its shards of the newest durable snapshot that rank 0 verifies
+        (DCP reshards them from whatever world saved it), then the loop's state (cursor, RNG, scheduler)."""
+        if self.manager is None:
+            return False
+        newest = self.manager.latest_step() if rank == 0 else None  # manifests only: is there anything at all?
+        box = torch.tensor([-1 if newest is None else newest], device=self._device)
+        dist.broadcast(box, 0)
+        if int(box.item()) < 0:
+            return False
+        snapshot = self.manager.load_latest(template=load_template(model, optimizer))
+        if snapshot is None:  # every snapshot failed verification: a fresh start
+            forget_optimizer_state(optimizer)
+            return False
+        ts = apply_loaded(snapshot.state, model, optimizer, scheduler)
+        cursor.load(ts, rank, world_size)
+        self._sharded_source = "durable"
+        logger.info("resumed sharded state from step %d (saved by %d workers; epoch %d, position %d)", cursor.step,
+                    ts.world_size, cursor.sampler.epoch, cursor.sampler.position)  # fmt: skip
+        return True
+
+    @property
+    def source(self) -> str | None:
+        """Which tier the start-up restore used: ``"durable"``, ``"node-local"``, or None (a fresh start)."""
+        return self._sharded_source if self.sharded else self.tiers.source
 
     def warm_up(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, cursor: TrainingCursor
@@ -112,7 +163,7 @@ class LoopCheckpoints:
         step) and does the device's free memory reflect a step's peak (what device-side staging budgets
         from).  The state is captured as a save captures it, but with this rank's RNG state only (no
         collective; the RNG states come after the model's and optimizer's tensors, and are small host ones)."""
-        if self._warmed or self.manager is None:
+        if self._warmed or self.manager is None or self.sharded:  # DCP stages sharded state itself
             return
         self._warmed = True
         state = capture_training_state(cursor.step, model, optimizer, scheduler, gather_rng=False,
@@ -135,7 +186,7 @@ class LoopCheckpoints:
 
     def act(
         self, flags: BoundaryFlags, step: int, epoch_done: bool, rank: int, signalled_here: bool,
-        capture: Callable[[], TrainingState], optimizer: torch.optim.Optimizer,
+        capture: Capture, optimizer: torch.optim.Optimizer,
     ) -> bool:  # fmt: skip
         """Take the snapshots the agreed ``flags`` call for at this boundary (collectives on every rank).
         Returns whether this rank must stop now (it was SIGTERM'd and the step is saved)."""
@@ -162,16 +213,15 @@ class LoopCheckpoints:
             self.tiers.save_local(step, capture, overlap_with=optimizer)
         return False
 
-    def save(
-        self, step: int, capture: Callable[[], TrainingState], optimizer: torch.optim.Optimizer, blocking: bool
-    ) -> None:
+    def save(self, step: int, capture: Capture, optimizer: torch.optim.Optimizer, blocking: bool) -> None:
         """Snapshot the full state now (a collective: every rank must call it)."""
         if self.manager is None:
             return
         state = capture()
         # The optimizer's tensors are copied by the writer thread while the next forward/backward runs;
-        # the next optimizer.step() waits for that copy (see CheckpointManager.save).
-        overlap = None if blocking else optimizer
+        # the next optimizer.step() waits for that copy (see CheckpointManager.save). Sharded state: DCP
+        # copies every shard before save returns, and writes in the background.
+        overlap = None if blocking or self.sharded else optimizer
         try:
             self.manager.save(step, state, blocking=blocking, overlap_with=overlap)
             self._failing_since = None  # the previous save (if any) committed: the manager raises its failure here

@@ -41,6 +41,10 @@ With ``ElasticConfig(recovery="live")`` the workers form the job's process group
 survivors and continue in the same processes; joiners are admitted at a step boundary and receive the state
 from a member. See docs/live-recovery.md.
 
+A model the script sharded itself with FSDP2's ``fully_shard`` (restart mode) is not wrapped in DDP: gradient
+accumulation goes through ``set_requires_gradient_sync(False)`` and snapshots use the sharded layout, restored
+into any world size (:mod:`elastic.train.sharded`). Live recovery refuses sharded models for now.
+
 The trainer composes one part per concern: the training cursor (step, data, LR: :mod:`elastic.train.cursor`),
 the snapshots (:mod:`elastic.train.snapshots`), the boundary's agreed flags (:mod:`elastic.train.boundary`),
 the stop timeout (:mod:`elastic.train.stop_timeout`), the live group and its retries (:mod:`elastic.train.live`
@@ -53,7 +57,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -77,6 +81,7 @@ from elastic.train.preemption import PreemptionWatcher
 from elastic.train.progress import create_reporter
 from elastic.train.sampler import ElasticSampler, split_sizes
 from elastic.train.schedule import SnapshotStats, WriterBusy
+from elastic.train.sharded import capture_sharded, gradient_sync_off
 from elastic.train.snapshots import LoopCheckpoints
 from elastic.train.stop_timeout import StopTimeout
 
@@ -112,6 +117,11 @@ class ElasticTrainer:
         self._live = None
         self._reducer: GradientReducer | None = None  # live: the gradient all-reduce, overlapped with backward
         self._recovery = config.resolved_recovery()
+        self._sharded = compat.is_sharded_module(model)
+        if self._sharded and self._recovery is RecoveryMode.LIVE:
+            raise ValueError("live recovery does not support sharded (FSDP2) models yet: its re-form rebuilds the "
+                             "group in the same processes, which fully_shard's mesh cannot follow; use "
+                             "recovery='restart' (torchrun's rendezvous without recovery=live)")  # fmt: skip
         if self._recovery is RecoveryMode.LIVE:
             if isinstance(model, DistributedDataParallel):
                 raise ValueError("live recovery wraps the model in DDP anew for each generation of the group: "
@@ -133,16 +143,17 @@ class ElasticTrainer:
         sampler = ElasticSampler(len(dataset), seed=config.seed, shuffle=config.shuffle)
         self.cursor = TrainingCursor(config.lr_policy, sampler, self.rank, self.world_size)
         live = self._recovery is RecoveryMode.LIVE
-        self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device, require_storage=not live)
+        self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device, require_storage=not live,
+                                            sharded=self._sharded)  # fmt: skip
         self._broken: BaseException | None = None  # live: a collective of this step failed
         if isinstance(model, DistributedDataParallel):
             # The user wrapped it already: restore into the module, then make replicas identical.
             self._module = model.module
             self._restore(self.rank, self.world_size)
             broadcast_module(model.module)
-            self.model: DistributedDataParallel | LiveDataParallel = model
+            self.model: torch.nn.Module = model
         else:
-            self._module = model.to(self.device)
+            self._module = model if self._sharded else model.to(self.device)  # fully_shard placed the shards
             if self._recovery is RecoveryMode.LIVE:
                 from elastic.train.live import LiveRecovery
 
@@ -163,6 +174,7 @@ class ElasticTrainer:
         self._loss_count = 0
         self._scale = 1.0
         self._backward_done = True
+        self._padding = False  # the micro-batch yielded is a sharded model's zero-weight one (see batches)
         self._stopped = False
         if abs(optimizer.param_groups[0]["lr"] - self.policy.base_lr) > 1e-12 and self.step == 0:
             logger.warning(
@@ -184,7 +196,9 @@ class ElasticTrainer:
             return torch.device("cuda", local)
         return torch.device("cpu")
 
-    def _wrap(self) -> DistributedDataParallel | LiveDataParallel:
+    def _wrap(self) -> torch.nn.Module:
+        if self._sharded:
+            return self._module  # FSDP2 reduce-scatters the gradients itself
         if self._recovery is RecoveryMode.LIVE:
             # no DDP: its reducer would keep a torn-down group's connections open (see elastic.live.grads);
             # ours holds no group, so one serves every generation
@@ -206,6 +220,11 @@ class ElasticTrainer:
         return self._checkpoints.restore(self._module, self.optimizer, self.scheduler, self.cursor, rank, world_size)
 
     # -- the cursor ----------------------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model itself: the module inside :attr:`model`'s DDP (or live) wrapper, or the sharded model."""
+        return self._module
+
     @property
     def step(self) -> int:
         return self.cursor.step
@@ -256,16 +275,18 @@ class ElasticTrainer:
             offset = 0
             for j, size in enumerate(split_sizes(len(mine), plan.accumulation_steps)):
                 last = j == plan.accumulation_steps - 1
-                with nullcontext() if last else self.model.no_sync():
+                with nullcontext() if last else self._no_sync():
                     idx = mine[offset : offset + size]
                     offset += size
-                    if size == 0:
-                        if self._live is None:
-                            self._zero_backward()
+                    if size == 0 and self._live is not None:
+                        pass  # live: this rank's reducer joins the step's all-reduce with zero gradients
                     else:
+                        # DDP (prepared by its forward) and FSDP run their collectives in forward and backward: a
+                        # rank without samples in this micro-batch runs one (the data set's first), weight zero
+                        self._padding = size == 0
                         self._scale = size * self.world_size / total  # exact mean over the global batch
                         self._backward_done = False
-                        yield self._batch(idx)
+                        yield self._batch(idx if size else [0])
                         if not self._backward_done:
                             raise RuntimeError("trainer.backward(loss) must be called once for every batch")
                 if self._broken is not None:
@@ -285,8 +306,9 @@ class ElasticTrainer:
         except RuntimeError as exc:
             self._collective_failed(exc)
             return
-        self._loss_sum += float(loss.detach()) * self._scale
-        self._loss_count += 1
+        if not self._padding:
+            self._loss_sum += float(loss.detach()) * self._scale
+            self._loss_count += 1
 
     def _collective_failed(self, exc: RuntimeError) -> None:
         """Live mode: a collective failed because the group broke; the step is dropped and the group
@@ -315,17 +337,16 @@ class ElasticTrainer:
         self._progress.report(self.step, world_size=self.world_size, total_steps=self.config.total_steps,
                               nodes=self._round_nodes(), force=True)  # fmt: skip
 
+    def _no_sync(self) -> AbstractContextManager[Any]:
+        """No gradient all-reduce (DDP, live) or reduce-scatter (FSDP2) for this micro-batch."""
+        if self._sharded:
+            return gradient_sync_off(self._module)
+        assert isinstance(self.model, (DistributedDataParallel, LiveDataParallel))
+        return self.model.no_sync()
+
     def _batch(self, idx: Sequence[int]) -> Any:
         batch = self._collate([self._dataset[i] for i in idx])
         return _to_device(batch, self.device)
-
-    def _zero_backward(self) -> None:
-        # A rank with no samples in this micro-batch still joins DDP's all-reduce, with zero gradients.
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        try:
-            torch.stack([p.sum() for p in params]).sum().mul(0.0).backward()
-        except RuntimeError as exc:
-            self._collective_failed(exc)
 
     def _finish_step(self, indices: Sequence[int], global_batch: int) -> None:
         self._stop_timeout.boundary()
@@ -435,8 +456,10 @@ class ElasticTrainer:
         return {k: float(v) / self.world_size for k, v in zip(keys, t.tolist(), strict=True)}
 
     # -- checkpoints ---------------------------------------------------------------------------------
-    def _capture(self) -> TrainingState:
+    def _capture(self) -> TrainingState | dict[str, Any]:
         """References to the full state (a collective: gathers every rank's RNG state)."""
+        if self._sharded:
+            return capture_sharded(self.step, self._module, self.optimizer, self.scheduler, **self.cursor.state())
         return capture_training_state(self.step, self._module, self.optimizer, self.scheduler, **self.cursor.state())
 
     def save(self, blocking: bool = False) -> None:
@@ -451,7 +474,7 @@ class ElasticTrainer:
     @property
     def resumed_from(self) -> str | None:
         """Which tier the start-up restore used: ``"durable"``, ``"node-local"``, or None (a fresh start)."""
-        return self._checkpoints.tiers.source
+        return self._checkpoints.source
 
     @property
     def stopped_by_preemption(self) -> bool:

@@ -120,3 +120,10 @@ def test_the_shared_rdzv_store_switch_is_set_once_and_kept_unless_overridden() -
     assert env[compat.DISABLE_SHARED_RDZV_STORE] == "0"  # a caller's own choice stands
     compat.disable_shared_rdzv_store(env, override=True)
     assert env[compat.DISABLE_SHARED_RDZV_STORE] == "1"
+
+
+def test_fsdp2s_module_class_is_found_and_recognises_only_sharded_modules() -> None:
+    cls = compat.fsdp_module_class()
+    assert cls is not None and cls.__name__ == "FSDPModule"
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert not compat.is_sharded_module(plain) and compat.fsdp_modules(plain) == []

@@ -6,7 +6,6 @@ import json
 import uuid
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from elastic.contract.lr import LRPolicy, LRRule
 from elastic.testing.etcd_server import LocalEtcdCluster
 from elastic.testing.torchrun import TorchrunAgent, torchrun_command
 from elastic.testing.wait import wait_until
-from tests.integration.training_records import agent_logs, expected_factors, max_step, read_records
+from tests.integration.training_records import agent_logs, effective_records, expected_factors, max_step, read_records
 
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
 
@@ -27,17 +26,6 @@ def _agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnodes: st
         rdzv_conf={"last_call_timeout": 2}, max_restarts=5, script=WORKER, script_args=args,
     )  # fmt: skip
     return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}).start()
-
-
-def _effective(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-    """For each step, the records of the last attempt that committed it (earlier attempts were rolled back)."""
-    by_step: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    for r in records:
-        by_step[r["step"]][r["attempt"]].append(r)
-    out = {}
-    for step, attempts in by_step.items():
-        out[step] = max(attempts.values(), key=lambda rs: max(r["t"] for r in rs))
-    return out
 
 
 @pytest.mark.timeout(300)
@@ -98,7 +86,7 @@ def test_resizes_4_2_3_keep_lr_policy_exact_and_every_sample_once_per_epoch(
     for agent in (a, c):
         assert agent.wait(timeout=300) == 0, agent_logs(agents)
 
-    eff = _effective(read_records(rec))
+    eff = effective_records(read_records(rec))
     steps = sorted(eff)
     assert steps == list(range(1, steps[-1] + 1)), "every step committed exactly once"
     worlds = [eff[s][0]["world"] for s in steps]

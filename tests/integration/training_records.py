@@ -31,6 +31,14 @@ def agent_logs(agents: list[TorchrunAgent]) -> str:
     return "\n".join(f"--- {a.log_path.name}\n{a.log()[-2500:]}" for a in agents)
 
 
+def effective_records(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """For each step, the records of the last attempt that committed it (earlier attempts were rolled back)."""
+    by_step: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        by_step[r["step"]][r["attempt"]].append(r)
+    return {step: max(attempts.values(), key=lambda rs: max(r["t"] for r in rs)) for step, attempts in by_step.items()}
+
+
 def expected_factors(policy: LRPolicy, eff: dict[int, list[dict[str, Any]]]) -> dict[int, float]:
     """Replay the policy over the effective trajectory: a ramp starts wherever the world changed."""
     steps = sorted(eff)

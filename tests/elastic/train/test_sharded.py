@@ -1,0 +1,116 @@
+"""FSDP2 models in the elastic loop, in one process (a gloo world of one): the refusal of live recovery, the
+sharded snapshot's loop entry, and a save-then-resume through two trainers. The multi-worker cases (resharding
+into other world sizes, a corrupt shard, kills) run under torchrun in tests/integration/test_elastic_fsdp.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.utils.data import TensorDataset
+
+from elastic import compat
+from elastic.checkpoint import CheckpointOptions, StateLayout, create_checkpoint_manager
+from elastic.contract.lr import LRPolicy, LRRule
+from elastic.train.sharded import capture_sharded, loop_state
+from elastic.train.trainer import ElasticConfig, ElasticTrainer, RecoveryMode
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def group() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if dist.is_initialized():  # the trainer's close() leaves the group
+        compat.destroy_process_group()
+
+
+def _sharded_mlp(seed: int = 0) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 8, generator=g)
+    return TensorDataset(x, (x.sum(dim=1) > 0).long() + (x[:, 0] > 1).long())
+
+
+def _config(url: Path, recovery: RecoveryMode | None = None) -> ElasticConfig:
+    # fixed-global-batch 2 x 4 on one worker: two micro-batches per step (gradient sync off for the first)
+    policy = LRPolicy(LRRule.FIXED_GLOBAL_BATCH, 0.1, 2, 4)
+    return ElasticConfig(policy, str(url), save_every_steps=3, progress_every=0, recovery=recovery)
+
+
+def _full(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], Any]:
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+
+
+def test_a_sharded_model_is_refused_by_live_recovery_at_construction_naming_the_limitation(
+    group: None, tmp_path: Path
+) -> None:
+    model = _sharded_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"live recovery does not support sharded \(FSDP2\) models"):
+        ElasticTrainer(model, optimizer, _data(), _config(tmp_path, RecoveryMode.LIVE))
+
+
+def test_the_loop_entry_of_a_sharded_snapshot_holds_step_cursor_and_rng(group: None) -> None:
+    model = _sharded_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cursor = {"data_cursor": {"sampler": {"epoch": 2, "position": 8}}, "world_size": 1, "lr_reference": {},
+              "extras": {"lr_ramp": {"start_step": 0, "start_factor": 1.0, "target_factor": 1.0}}}  # fmt: skip
+    state = capture_sharded(17, model, optimizer, None, **cursor)
+    assert set(state) == {"model", "optim", "loop"} and isinstance(state["loop"], bytes)
+    loop = loop_state(state)
+    assert loop.step == 17 and dict(loop.data_cursor) == cursor["data_cursor"] and list(loop.rng) == [0]
+    assert torch.equal(loop.rng[0]["torch"], torch.get_rng_state())
+
+
+def test_a_trainer_saves_sharded_snapshots_and_the_next_one_resumes_the_full_state(
+    group: None, tmp_path: Path
+) -> None:
+    ck = tmp_path / "ck"
+    model = _sharded_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = ElasticTrainer(model, optimizer, _data(), _config(ck))
+    assert trainer.model is model, "no DDP wrap"
+    for x, y in trainer.batches(epochs=2):
+        if trainer.step >= 6:
+            break
+        trainer.backward(F.cross_entropy(trainer.model(x), y))
+    saved_model, saved_optim = _full(model, optimizer)
+    trainer.close()
+    reader = create_checkpoint_manager(str(ck), CheckpointOptions(layout=StateLayout.SHARDED))
+    assert [s.step for s in reader.list_snapshots()][-1] == 6
+    assert all(s.manifest.kind.value == "dcp" for s in reader.list_snapshots())
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model2 = _sharded_mlp(seed=99)  # other initial values: all of them must come from the snapshot
+    optimizer2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    trainer2 = ElasticTrainer(model2, optimizer2, _data(), _config(ck))
+    assert trainer2.step == 6 and trainer2.resumed_from == "durable"
+    got_model, got_optim = _full(model2, optimizer2)
+    assert got_model.keys() == saved_model.keys()
+    for k, v in saved_model.items():
+        assert torch.equal(got_model[k], v), k
+    assert got_optim["state"].keys() == saved_optim["state"].keys()
+    for k, per_param in saved_optim["state"].items():
+        assert torch.equal(got_optim["state"][k]["momentum_buffer"], per_param["momentum_buffer"]), k
+    trainer2.close()
