@@ -7,9 +7,12 @@ ISO 8601 durations (``PT5S``) and written back as seconds.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from datetime import datetime
 from enum import Enum
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,6 +55,7 @@ __all__ = [
     "Restarts",
     "WorkerReport",
     "WorldSizeChange",
+    "checked_logs_url",
     "checkpoint_prefix_owner",
     "checkpoint_url_within",
     "node_mode",
@@ -172,6 +176,48 @@ class NodeInfo(_Record):
     # ``GET /v1/jobs/{id}/logs`` there with ``logs_token`` as bearer token (never shown by the API)
     logs_url: str | None = None
     logs_token: str | None = Field(default=None, repr=False)
+
+
+#: host names an agent's ``logs_url`` may always name besides its registered hosts (one machine, no --rdzv-host)
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+#: ``scheme://netloc`` and at most a trailing ``/``: no path, query, fragment (even an empty one), nor whitespace
+_LOGS_URL = re.compile(r"https?://[^/?#\\\s]+/?")
+_HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_.-]{0,252})")
+
+
+def checked_logs_url(info: NodeInfo) -> str:
+    """The base URL of node ``info``'s log server, rebuilt from the checked parts of its ``logs_url``; raises
+    :class:`ValueError` saying what is wrong.
+
+    ``logs_url`` comes from etcd, written by whoever can write the node's key: the controller sends a request
+    (with the agent's token) only to ``http(s)://<host>:<port>`` where the scheme is http or https, the port a
+    number, ``host`` one of the node's registered hosts (``rdzv_host``, ``hostname``) or a loopback name, and
+    the URL has no user info, path, query or fragment. The caller appends its own fixed path."""
+    raw = info.logs_url or ""
+    if not _LOGS_URL.fullmatch(raw):
+        raise ValueError("it must be http(s)://HOST:PORT, without a path, query, fragment or spaces")
+    parts = urlsplit(raw)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError("its port is not a number from 1 to 65535") from None
+    if "@" in parts.netloc:
+        raise ValueError("it must carry no user info")
+    if port is None or port == 0:
+        raise ValueError("it names no port")
+    host = (parts.hostname or "").lower()
+    try:
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is None and not _HOST_NAME.fullmatch(host):
+        raise ValueError(f"its host {host!r} is no host name or IP address")
+    registered = {h.lower() for h in (info.rdzv_host, info.hostname) if h}
+    if host not in registered | _LOOPBACK_HOSTS:
+        raise ValueError(f"its host {host!r} is none of the node's registered hosts "
+                         f"({', '.join(sorted(registered)) or 'none'}) nor loopback")  # fmt: skip
+    shown = f"[{host}]" if ip is not None and ip.version == 6 else host
+    return f"{parts.scheme}://{shown}:{port}"
 
 
 class NodeMode(str, Enum):
