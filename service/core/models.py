@@ -42,6 +42,7 @@ __all__ = [
     "Assignment",
     "CheckpointInfo",
     "Event",
+    "EventMark",
     "JobRecord",
     "JobSpec",
     "JobStatus",
@@ -108,6 +109,16 @@ class CheckpointInfo(_Record):
     committed_at: datetime
 
 
+class EventMark(_Record):
+    """The newest event the controller wrote of a job: one that repeats it (same type and message) rewrites that
+    event with ``count`` + 1 instead of adding one (a job's events are bounded; see ``JobStatus.last_event``)."""
+
+    id: str
+    type: str
+    message: str
+    count: int = 1
+
+
 class JobStatus(_Record):
     """``<prefix>/status/<id>``: everything the controller decided and observed about one job."""
 
@@ -146,6 +157,8 @@ class JobStatus(_Record):
     # nodes this job lost (lease expired, or a torchrun killed in live mode) not yet replaced: it may take hot
     # spares for them
     lost_owed: int = 0
+    # the newest event the controller wrote: the same again only counts up its ``repeats``
+    last_event: EventMark | None = None
 
 
 class Event(_Record):

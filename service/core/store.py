@@ -60,6 +60,7 @@ __all__ = [
 _APPLY_THREADS = 8  # job transactions of one plan in flight at once
 _RESIZE_TRIES = 5  # a resize whose job record changed under it reads it again this many times
 _MAX_CONTROL_EVENTS = 100  # job events written with a node's control request (etcd: 128 ops per transaction)
+_DELETES_PER_TXN = 100  # old events deleted per transaction (etcd: 128 ops per transaction)
 
 
 class JobExists(Exception):
@@ -155,6 +156,18 @@ class ServiceStore:
         kvs, _ = self.client.get_prefix(prefix)
         out = [e for kv in kvs if (after is None or tail(kv, prefix) > after) and (e := load(Event, kv))]
         return out[-limit:] if after is None else out[:limit]
+
+    def trim_events(self, job_id: str, keep: int) -> int:
+        """Delete the job's oldest events beyond its newest ``keep`` (the leader bounds each job's events with it);
+        returns how many were deleted. Costs one count request when there is nothing to delete."""
+        prefix = self.keys.events_of(job_id)
+        if self.client.count_prefix(prefix) <= keep:
+            return 0
+        kvs, _ = self.client.get_prefix(prefix)
+        old = [kv.key for kv in kvs[: max(0, len(kvs) - keep)]]
+        for i in range(0, len(old), _DELETES_PER_TXN):
+            self.client.commit(deletes=old[i : i + _DELETES_PER_TXN])
+        return len(old)
 
     def progress(self, job_id: str) -> Progress | None:
         kv, _ = self.client.get(self.keys.progress_of(job_id))

@@ -74,6 +74,7 @@ class ReconcileConfig:
     write_failure_limit: int = 3  # a job whose update etcd refuses this many passes in a row fails
     terminal_retention: timedelta = timedelta(days=7)  # finished jobs (and their events) are then deleted
     history_limit: int = 100  # world-size changes kept per job status (the newest)
+    event_limit: int = 1000  # events kept per job (the newest; the leader deletes older ones)
     quotas: Quotas = field(default_factory=Quotas)
 
 
