@@ -91,6 +91,10 @@ class JobUpdate:
     clear_reports: bool = False
     clear_report_nodes: list[str] = field(default_factory=list)  # delete these nodes' reports of the job
     purge: bool = False  # delete the job with its status, events, reports and progress (retention over)
+    # jobs whose updates of the same plan must be applied before this one: they give up nodes this one is assigned
+    # (a preemption, a shrink, a release); if any of them is not applied this one is held back (decided again
+    # next pass), so a node is never booked by two jobs
+    after: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -106,8 +110,10 @@ class Plan:
 @dataclass(frozen=True)
 class PlanOutcome:
     """What applying a plan did: ``refused`` updates (stale status or lost leadership: decided again next
-    pass) and ``failed`` ones (job id -> etcd's refusal of that job's transaction; other jobs' parts were
-    still applied)."""
+    pass), ``failed`` ones (job id -> etcd's refusal of that job's transaction; other jobs' parts were
+    still applied) and ``held`` back ones (job ids: an update one of whose ``after`` jobs' updates was not applied;
+    also counted in ``refused``)."""
 
     refused: int = 0
     failed: Mapping[str, str] = field(default_factory=dict)
+    held: tuple[str, ...] = ()
