@@ -30,7 +30,7 @@ from service.core.store import create_store
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["create_app"]
+__all__ = ["METHOD_LABELS", "create_app", "method_label"]
 
 
 def _one_line(errors: list[dict[str, object]]) -> str:
@@ -39,6 +39,15 @@ def _one_line(errors: list[dict[str, object]]) -> str:
         loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]  # type: ignore[attr-defined]
         parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
     return "; ".join(parts)
+
+
+#: the ``method`` labels of ``etrain_http_requests_total``: any other method (a client makes them up at will, each
+#: would be a series of its own) is counted as ``other``
+METHOD_LABELS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def method_label(method: str) -> str:
+    return method if method in METHOD_LABELS else "other"
 
 
 class _RequestMetrics:
@@ -66,7 +75,7 @@ class _RequestMetrics:
             await self.app(scope, receive, send_and_note)
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")  # set by the router in this scope
-            self.metrics.http_requests.labels(scope["method"], route, str(status)).inc()
+            self.metrics.http_requests.labels(method_label(scope["method"]), route, str(status)).inc()
             self.metrics.http_seconds.labels(route).observe(time.monotonic() - started)
 
 
