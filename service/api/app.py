@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import elastic
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from service.api import dashboard
-from service.api.admission import DEFAULT_MAX_BODY_BYTES, Admission
+from service.api.admission import DEFAULT_MAX_BODY_BYTES, Admission, is_loopback_host
 from service.api.routes import jobs, logs, nodes, system, trace
 from service.controller.loop import Controller, create_controller
 from service.controller.metrics import Metrics, create_metrics
@@ -122,7 +122,11 @@ def create_app(settings: Settings, client: EtcdClient | None = None) -> FastAPI:
         logger.warning("%s %s: %s", request.method, request.url.path, exc)
         return JSONResponse({"detail": f"etcd unavailable: {exc}"}, status_code=503)
 
-    app.add_middleware(Admission, tokens=settings.tokens, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
+    # auth off on loopback: only the machine reaches the port, so a web page in a local browser must not act for
+    # its user (DNS rebinding, cross-site form posts)
+    loopback_only = settings.tokens is None and is_loopback_host(settings.host)
+    app.add_middleware(Admission, tokens=settings.tokens, max_body_bytes=DEFAULT_MAX_BODY_BYTES,
+                       loopback_only=loopback_only)  # fmt: skip
     app.add_middleware(_RequestMetrics, metrics=metrics)  # added last: outermost, it counts refusals too
 
     app.include_router(jobs.router)
