@@ -18,7 +18,7 @@ from collections.abc import Collection, Iterable
 from datetime import datetime
 from typing import Any
 
-from service.core.models import Assignment, Event, EventMark, JobStatus, RecoveryMode
+from service.core.models import Assignment, Event, EventMark, JobStatus, RecoveryMode, rdzv_run_id
 from service.core.states import JobState, Trigger, next_state
 from service.core.view import ClusterView, JobEntry, JobUpdate
 
@@ -137,6 +137,7 @@ class Decision:
                 checkpoint_url=self.record.checkpoint_url,
                 checkpoint_key=self.record.checkpoint_key,
                 assigned_at=self.now,
+                rdzv_run=rdzv_run_id(self.record.id, self.st.generation),
             )
             self.unassign.discard(node)
 

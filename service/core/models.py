@@ -61,6 +61,8 @@ __all__ = [
     "checkpoint_url_within",
     "node_mode",
     "normalize_checkpoint_url",
+    "rdzv_run_id",
+    "rdzv_runs_prefix",
     "submit_problems",
 ]
 
@@ -269,6 +271,17 @@ def node_mode(control: NodeControl | None, busy: bool) -> str:
     return control.mode.value
 
 
+def rdzv_runs_prefix(job_id: str) -> str:
+    """What every torchrun run id of job ``job_id`` starts with, and no other job's does: ``<job id>.g``. Job
+    names (``NAME_PATTERN``) and so job ids never hold a ``.``: no job id starts with another's followed by ``.``."""
+    return f"{job_id}.g"
+
+
+def rdzv_run_id(job_id: str, generation: int) -> str:
+    """torchrun's ``--rdzv-id`` of one generation of a job: ``<job id>.g<generation>``."""
+    return f"{rdzv_runs_prefix(job_id)}{generation}"
+
+
 class Assignment(_Record):
     """``<prefix>/assign/<node>/<job id>``: the controller asks a node to run one generation of a job."""
 
@@ -287,9 +300,13 @@ class Assignment(_Record):
     etcd_user: str | None = None
     etcd_password: str | None = Field(default=None, repr=False)
 
+    # torchrun's run id, chosen by the controller (``rdzv_run_id``); None (an older controller): the legacy
+    # ``<job id>-g<generation>``, which a job named ``<job id>-g...`` could share a grant prefix with
+    rdzv_run: str | None = None
+
     @property
     def rdzv_id(self) -> str:
-        return f"{self.job_id}-g{self.generation}"
+        return self.rdzv_run or f"{self.job_id}-g{self.generation}"
 
 
 class WorkerReport(_Record):

@@ -14,7 +14,7 @@ Layout under the prefix (``/etrain`` by default)::
     nodectl/<name>             NodeControl: an operator's cordon / drain request (API; uncordon deletes it)
     identities/<id>            the job's own etcd user (service.controller.identities)
 
-and beside it, ``<prefix>.rdzv/<job id>-g<generation>/``: the jobs' torchrun rendezvous (etcd-v3 backend), kept
+and beside it, ``<prefix>.rdzv/<job id>.g<generation>/``: the jobs' torchrun rendezvous (etcd-v3 backend), kept
 out of ``<prefix>/`` so that its traffic does not wake the reconcile loop.
 
 Controller writes are fenced: :meth:`ServiceStore.apply` commits one job's update in one transaction that also
