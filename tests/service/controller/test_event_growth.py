@@ -1,6 +1,7 @@
 """A job cannot grow its events without bound (real controller passes on a real etcd): a rank 0 that reports the
-same rejected checkpoint (an 8 KB path) on every pass leaves one event, its ``repeats`` counting the passes and its
-texts clipped; a job whose reports keep changing its world size keeps only the newest ``event_limit`` events."""
+same rejected checkpoint (a 4 KB path: an 8 KB event) on every pass leaves one event, its ``repeats`` counting the
+passes and its texts clipped; a job whose reports keep changing its world size keeps only the newest
+``event_limit`` events."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_the_same_rejected_checkpoint_on_every_pass_leaves_one_event_counting_th
         _report(store, 0)  # (its world size: an event of its own)
         controller.tick()
         before = len(store.events(JOB))
-        path = "/elsewhere/" + "x" * 8000  # outside the job's prefix
+        path = "/elsewhere/" + "x" * 4000  # outside the job's prefix (progress reports allow 4096 characters)
         for n in range(1, 41):
             _report(store, n, path=path)
             controller.tick()

@@ -16,7 +16,6 @@ from elastic.testing.etcd_server import LocalEtcdCluster
 from service.controller.loop import Controller
 from service.controller.reconcile import reconcile
 from service.core.models import JobRecord, JobSpec, JobStatus, NodeInfo
-from service.core.states import JobState
 from service.core.store import ServiceStore, new_event
 from tests.service.conftest import make_settings
 
@@ -79,7 +78,7 @@ def test_a_refused_release_holds_the_beneficiary_back(
         for _ in range(3):  # the next passes decide again: the preemption goes through whole
             controller.tick()
             assert len(_booked(store)) <= 1
-        assert _booked(store) == [HIGH] and _status(store, LOW).state == JobState.PENDING
+        assert _booked(store) == [HIGH] and _status(store, LOW).nodes == []  # preempted: waits for nodes
     finally:
         controller.stop()
 
@@ -106,6 +105,6 @@ def test_huge_node_lists_in_progress_cannot_make_a_victims_release_fail(
         for _ in range(3):
             controller.tick()
             assert len(_booked(store)) <= 1, _booked(store)  # never both jobs on n1
-        assert _booked(store) == [HIGH] and _status(store, LOW).state == JobState.PENDING
+        assert _booked(store) == [HIGH] and _status(store, LOW).nodes == []  # preempted: waits for nodes
     finally:
         controller.stop()
