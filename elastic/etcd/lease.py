@@ -1,9 +1,10 @@
 """A lease kept alive by a daemon thread, re-granted (and its keys re-written) if it is ever lost.
 
-Closing never holds a process for long while etcd is away: a lease whose etcd (same endpoints) a keep-alive or a
-revoke of this process found unreachable, with no success since, is closed without waiting for its keep-alive
-thread or revoking it (etcd drops it when its TTL runs out). So a process whose many handlers are released at
-exit (``atexit``) with etcd gone spends at most one request timeout finding that out, not one per lease.
+Closing never holds a process for long while etcd is away: a lease whose client a keep-alive or a revoke found
+unable to reach etcd, with no success since, is closed without waiting for its keep-alive thread or revoking it
+(etcd drops it when its TTL runs out). So a process whose many handlers are released at exit (``atexit``) with
+etcd gone spends about one request timeout finding that out (their keep-alives fail together), not one or two
+per lease.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -22,21 +24,22 @@ __all__ = ["LeaseKeeper"]
 
 #: how long a finding that etcd is unreachable counts when no request to it has succeeded since
 _UNREACHABLE_FOR = 60.0
-_unreachable: dict[str, float] = {}  # endpoints -> when a lease request last failed to reach them
+# client -> when a lease request of it last failed to reach etcd (per client: one may be cut off, another not)
+_unreachable: weakref.WeakKeyDictionary[EtcdClient, float] = weakref.WeakKeyDictionary()
 _unreachable_lock = threading.Lock()
 
 
 def _reached(client: EtcdClient, ok: bool) -> None:
     with _unreachable_lock:
         if ok:
-            _unreachable.pop(client.endpoints_label, None)
+            _unreachable.pop(client, None)
         else:
-            _unreachable[client.endpoints_label] = time.monotonic()
+            _unreachable[client] = time.monotonic()
 
 
 def _known_unreachable(client: EtcdClient) -> bool:
     with _unreachable_lock:
-        at = _unreachable.get(client.endpoints_label)
+        at = _unreachable.get(client)
     return at is not None and time.monotonic() - at < _UNREACHABLE_FOR
 
 
