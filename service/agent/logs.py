@@ -34,12 +34,12 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from io import BufferedIOBase
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 from urllib.parse import parse_qs, urlsplit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_TAIL", "JOB_ID_PATTERN", "LogServer", "log_path"]
+__all__ = ["DEFAULT_TAIL", "JOB_ID_PATTERN", "MAX_CONNECTIONS", "REQUEST_TIMEOUT", "LogServer", "log_path"]
 
 #: bytes from the end of a log sent when the request names no ``offset`` (nor ``tail``)
 DEFAULT_TAIL = 1 << 20
@@ -51,6 +51,12 @@ _GENERATION_DIR = re.compile(r"^g([0-9]{1,9})$")
 _PATH = re.compile(r"^/jobs/([^/]+)/logs$")
 _CHUNK = 64 * 1024
 _IDLE_WAIT = 0.25  # seconds between looks at a followed file that has not grown
+#: seconds a connection may take to send its request, and a send to the client may block
+REQUEST_TIMEOUT = 10.0
+#: connections served at once (each a thread; the controller holds one per followed log of this node)
+MAX_CONNECTIONS = 64
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 26\r\n"
+         b"Connection: close\r\n\r\ntoo many open connections\n")  # fmt: skip
 
 Running = Callable[[str, int], bool]
 """``(job id, generation) -> bool``: whether that generation's torchrun still runs on this node."""
@@ -66,12 +72,39 @@ class _BadRequest(Exception):
 
 
 class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once: one more is answered 503 and closed at once
+    (never a thread of its own)."""
+
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._max_connections = max_connections
         super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            logger.warning("logs: refusing a connection from %s: %d already open", client_address[0],
+                           self._max_connections)  # fmt: skip
+            try:
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class LogServer:
@@ -79,7 +112,16 @@ class LogServer:
     (``port`` 0: any free one, see :attr:`port`). ``running`` tells when a followed log is complete."""
 
     def __init__(
-        self, work_dir: Path, node: str, token: str, running: Running, host: str = "0.0.0.0", port: int = 0
+        self,
+        work_dir: Path,
+        node: str,
+        token: str,
+        running: Running,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        *,
+        request_timeout: float = REQUEST_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         if not token:
             raise ValueError("the log server needs a token")
@@ -88,7 +130,8 @@ class LogServer:
         self._token = token.encode()
         self._running = running
         self._closing = threading.Event()
-        self._server = _Server((host, port), self._handler())
+        self.request_timeout = request_timeout
+        self._server = _Server((host, port), self._handler(), max_connections)
         self._thread: threading.Thread | None = None
 
     @property
@@ -153,6 +196,10 @@ class LogServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            # the socket's timeout: a connection that sends no (whole) request in time, or a client that stops
+            # reading, is dropped and its thread ends
+            timeout = server.request_timeout
+
             def do_GET(self) -> None:
                 if not server.authorized(self.headers.get("Authorization")):
                     self._error(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
@@ -166,8 +213,8 @@ class LogServer:
                     self._serve(route.group(1), parse_qs(url.query))
                 except _BadRequest as exc:
                     self._error(400, str(exc))
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client went away
+                except (BrokenPipeError, ConnectionResetError, TimeoutError):
+                    pass  # the client went away, or stopped reading
 
             def _serve(self, job_id: str, query: dict[str, list[str]]) -> None:
                 if not _JOB_ID.match(job_id):

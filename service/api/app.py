@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import elastic
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from service.api import dashboard
-from service.api.admission import DEFAULT_MAX_BODY_BYTES, Admission
+from service.api.admission import DEFAULT_MAX_BODY_BYTES, Admission, is_loopback_host
 from service.api.routes import jobs, logs, nodes, system, trace
 from service.controller.loop import Controller, create_controller
 from service.controller.metrics import Metrics, create_metrics
@@ -30,7 +30,7 @@ from service.core.store import create_store
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["create_app"]
+__all__ = ["METHOD_LABELS", "create_app", "method_label"]
 
 
 def _one_line(errors: list[dict[str, object]]) -> str:
@@ -39,6 +39,15 @@ def _one_line(errors: list[dict[str, object]]) -> str:
         loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]  # type: ignore[attr-defined]
         parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
     return "; ".join(parts)
+
+
+#: the ``method`` labels of ``etrain_http_requests_total``: any other method (a client makes them up at will, each
+#: would be a series of its own) is counted as ``other``
+METHOD_LABELS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def method_label(method: str) -> str:
+    return method if method in METHOD_LABELS else "other"
 
 
 class _RequestMetrics:
@@ -66,7 +75,7 @@ class _RequestMetrics:
             await self.app(scope, receive, send_and_note)
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")  # set by the router in this scope
-            self.metrics.http_requests.labels(scope["method"], route, str(status)).inc()
+            self.metrics.http_requests.labels(method_label(scope["method"]), route, str(status)).inc()
             self.metrics.http_seconds.labels(route).observe(time.monotonic() - started)
 
 
@@ -113,7 +122,11 @@ def create_app(settings: Settings, client: EtcdClient | None = None) -> FastAPI:
         logger.warning("%s %s: %s", request.method, request.url.path, exc)
         return JSONResponse({"detail": f"etcd unavailable: {exc}"}, status_code=503)
 
-    app.add_middleware(Admission, tokens=settings.tokens, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
+    # auth off on loopback: only the machine reaches the port, so a web page in a local browser must not act for
+    # its user (DNS rebinding, cross-site form posts)
+    loopback_only = settings.tokens is None and is_loopback_host(settings.host)
+    app.add_middleware(Admission, tokens=settings.tokens, max_body_bytes=DEFAULT_MAX_BODY_BYTES,
+                       loopback_only=loopback_only)  # fmt: skip
     app.add_middleware(_RequestMetrics, metrics=metrics)  # added last: outermost, it counts refusals too
 
     app.include_router(jobs.router)

@@ -50,6 +50,9 @@ class ApiClient:
         self.close()
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        if method != "GET" and kwargs.get("json") is None:
+            # (a controller without tokens on loopback refuses state-changing requests of any other type)
+            kwargs["headers"] = {**kwargs.get("headers", {}), "Content-Type": "application/json"}
         try:
             resp = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:

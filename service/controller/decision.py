@@ -18,11 +18,20 @@ from collections.abc import Collection, Iterable
 from datetime import datetime
 from typing import Any
 
-from service.core.models import Assignment, Event, JobStatus, RecoveryMode
+from service.core.models import Assignment, Event, EventMark, JobStatus, RecoveryMode, rdzv_run_id
 from service.core.states import JobState, Trigger, next_state
 from service.core.view import ClusterView, JobEntry, JobUpdate
 
-__all__ = ["Decision", "copy_status"]
+__all__ = ["MAX_EVENT_TEXT", "Decision", "copy_status"]
+
+#: characters kept of an event's message and of each text in its data (a worker-chosen checkpoint path can be long)
+MAX_EVENT_TEXT = 1000
+
+
+def _clip(text: str) -> str:
+    if len(text) <= MAX_EVENT_TEXT:
+        return text
+    return f"{text[:MAX_EVENT_TEXT]}... ({len(text) - MAX_EVENT_TEXT} more characters)"
 
 
 def _event_id(now: datetime, seq: int) -> str:
@@ -53,6 +62,7 @@ class Decision:
         self.now = now
         self.st = copy_status(entry.status)
         self.events: list[Event] = []
+        self._seq = -1  # of this pass's event ids
         self.assign: dict[str, Assignment] = {}
         self.unassign: set[str] = set()
         self.clear_reports = False
@@ -80,8 +90,23 @@ class Decision:
 
     # -- helpers -------------------------------------------------------------------------------------
     def event(self, kind: str, message: str, **data: Any) -> None:
-        seq = len(self.events)
-        self.events.append(Event(id=_event_id(self.now, seq), time=self.now, type=kind, message=message, data=data))
+        """Add an event (message and data texts clipped to :data:`MAX_EVENT_TEXT`). The same type and message as
+        the job's newest controller event rewrites that one (``data.repeats``: how many times it happened, its
+        ``time`` the latest), so a condition seen on every pass adds nothing."""
+        message = _clip(message)
+        data = {k: _clip(v) if isinstance(v, str) else v for k, v in data.items()}
+        last = self.st.last_event
+        if last is not None and (last.type, last.message) == (kind, message):
+            count = last.count + 1
+            self.events = [e for e in self.events if e.id != last.id]
+            self.events.append(Event(id=last.id, time=self.now, type=kind, message=message,
+                                     data={**data, "repeats": count}))  # fmt: skip
+            self.st.last_event = last.model_copy(update={"count": count})
+            return
+        self._seq += 1
+        event = Event(id=_event_id(self.now, self._seq), time=self.now, type=kind, message=message, data=data)
+        self.events.append(event)
+        self.st.last_event = EventMark(id=event.id, type=kind, message=message)
 
     def move(self, trigger: Trigger, message: str) -> None:
         old = self.st.state
@@ -112,6 +137,7 @@ class Decision:
                 checkpoint_url=self.record.checkpoint_url,
                 checkpoint_key=self.record.checkpoint_key,
                 assigned_at=self.now,
+                rdzv_run=rdzv_run_id(self.record.id, self.st.generation),
             )
             self.unassign.discard(node)
 

@@ -6,9 +6,11 @@ every other job's state, the assignments and the leader key. Instead the leader 
 job's first assignment is written, an etcd user ``etrain-job-<job id>`` with a random password and a role of
 the same name granted:
 
-* ``readwrite`` on every key under ``<prefix>.rdzv/<job id>-g``: the torchrun rendezvous of all the job's
-  generations (run ids are ``<job id>-g<generation>``; the ``etcd-v3`` backend keeps a run's state and store
-  under ``<key_prefix>/<run id>/``, and the agents pass ``key_prefix=<prefix>.rdzv``);
+* ``readwrite`` on every key under ``<prefix>.rdzv/<job id>.g``: the torchrun rendezvous of all the job's
+  generations (run ids are ``<job id>.g<generation>``, ``service.core.models.rdzv_run_id``; the ``etcd-v3``
+  backend keeps a run's state and store under ``<key_prefix>/<run id>/``, and the agents pass
+  ``key_prefix=<prefix>.rdzv``). No job id holds a ``.``, so no other job's run falls under that prefix (with the
+  former ``-g`` a job named ``<job id>-g...`` did);
 * ``readwrite`` on ``<prefix>/progress/<job id>`` (rank 0's reports);
 * ``read`` on the key ``"\\0"``, which the etcd client reads to check that etcd answers (nothing is kept
   there).
@@ -45,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from elastic.etcd import EtcdAuth, EtcdClient, EtcdConnectionError, EtcdError, auth_of
 from elastic.etcd.api import RolePermission
+from service.core.models import rdzv_runs_prefix
 from service.core.store import Keys, ServiceStore, identities_prefix, identity_key
 from service.core.view import ClusterView, Plan
 
@@ -82,7 +85,7 @@ def job_principal(job_id: str) -> str:
 def job_permissions(keys: Keys, job_id: str) -> tuple[RolePermission, ...]:
     """What a job's role may do (see the module docstring)."""
     return (
-        RolePermission(f"{keys.rdzv}/{job_id}-g", "readwrite", prefix=True),
+        RolePermission(f"{keys.rdzv}/{rdzv_runs_prefix(job_id)}", "readwrite", prefix=True),
         RolePermission(keys.progress_of(job_id), "readwrite"),
         RolePermission(PING_KEY, "read"),
     )

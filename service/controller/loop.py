@@ -55,9 +55,12 @@ class Controller:
         # the jobs' metric series: appended to as progress reports arrive, written batched (leader only)
         self._recorder = MetricsRecorder(store.client, store.keys,
                                          flush_every=settings.metrics_flush_interval.total_seconds())  # fmt: skip
+        # job id -> events written since its events were last counted (absent: count at its next event)
+        self._events_since_trim: dict[str, int] = {}
 
     def _drop_cache(self) -> None:
         self._recorder.reset()
+        self._events_since_trim.clear()
         if self._cache is not None:
             self._cache.close()
             self._cache = None
@@ -107,6 +110,7 @@ class Controller:
                 self._metrics.refused_updates.inc(outcome.refused)
             self._count_write_failures(plan, outcome)
             self._count_actions(plan, written)
+            self._trim_events(plan, outcome)
             for update in plan.updates:
                 for event in update.events:
                     logger.info("job %s: %s", update.job_id, event.message)
@@ -142,6 +146,30 @@ class Controller:
             for event in update.events:
                 if event.type in SCHEDULER_ACTIONS and prefix + event.id in applied:
                     self._metrics.scheduler_actions.labels(event.type).inc()
+
+    def _trim_events(self, plan: Plan, outcome: PlanOutcome) -> None:
+        """Keep each job's events to ``event_limit`` (the newest): its events are counted at its first event
+        after this replica became leader, then after every tenth of the limit written, and the excess deleted."""
+        limit = self._settings.reconcile.event_limit
+        every = max(1, limit // 10)
+        for update in plan.updates:
+            if update.purge:
+                self._events_since_trim.pop(update.job_id, None)
+                continue
+            if not update.events or update.job_id in outcome.failed:
+                continue
+            since = self._events_since_trim.get(update.job_id, every - 1) + len(update.events)
+            if since < every:
+                self._events_since_trim[update.job_id] = since
+                continue
+            self._events_since_trim[update.job_id] = 0
+            try:
+                dropped = self._store.trim_events(update.job_id, limit)
+            except EtcdError as exc:
+                logger.warning("job %s: cannot delete its oldest events: %s", update.job_id, exc)
+                continue
+            if dropped:
+                logger.info("job %s: deleted its %d oldest events (keeping %d)", update.job_id, dropped, limit)
 
     def _count_write_failures(self, plan: Plan, outcome: PlanOutcome) -> None:
         """Consecutive refusals per job (the reconciler fails a job at ``write_failure_limit``)."""

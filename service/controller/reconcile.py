@@ -16,7 +16,8 @@ jobs without nodes start (FIFO) when enough eligible nodes are free; finally run
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 
 from service.controller.capacity import free_capacity
@@ -25,6 +26,8 @@ from service.controller.placement import place_jobs
 from service.controller.recovery import blame_nodes, judge_failure
 from service.core.jobs import checkpoint_claims
 from service.core.models import (
+    MAX_NODES_PER_JOB,
+    NODE_NAME_PATTERN,
     Assignment,
     CheckpointInfo,
     RecoveryMode,
@@ -36,6 +39,8 @@ from service.core.states import JobState, Trigger
 from service.core.view import ClusterView, JobEntry, JobUpdate, Plan, ReconcileConfig
 
 __all__ = ["reconcile"]
+
+_NODE_NAME = re.compile(NODE_NAME_PATTERN)
 
 
 def _finished_job(entry: JobEntry, view: ClusterView, now: datetime, current: Mapping[str, Assignment],
@@ -55,6 +60,11 @@ def _finished_job(entry: JobEntry, view: ClusterView, now: datetime, current: Ma
 
 def _ts(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=timezone.utc)
+
+
+def _node_names(reported: Sequence[str]) -> list[str]:
+    """The node names among a progress report's ``nodes``: at most ``MAX_NODES_PER_JOB``, each a valid name."""
+    return [n for n in reported if _NODE_NAME.fullmatch(n)][:MAX_NODES_PER_JOB]
 
 
 def _observe_progress(d: Decision, cfg: ReconcileConfig) -> None:
@@ -91,7 +101,9 @@ def _observe_progress(d: Decision, cfg: ReconcileConfig) -> None:
         st.world_size = prog.world_size
         # The workers say which nodes the round holds: a re-formed round reports before the controller
         # has seen the lost node's lease expire, while st.nodes still lists it.
-        nodes = list(prog.nodes) if prog.nodes is not None else list(st.nodes)
+        # (kept in the history and the event: only node names, at most a job's largest size, so that no report can
+        # make the status too large to write)
+        nodes = _node_names(prog.nodes) if prog.nodes is not None else list(st.nodes)
         st.world_size_history.append(
             WorldSizeChange(at=at, world_size=prog.world_size, nodes=nodes, generation=st.generation)
         )
@@ -280,7 +292,20 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
         upd = decided if isinstance(decided, JobUpdate) else decided.update()
         if upd is not None:
             plan.updates.append(upd)
+    _order_releases_first(plan)
     return plan
+
+
+def _order_releases_first(plan: Plan) -> None:
+    """An update assigning a node that another job's update of the plan unassigns is applied only after that one
+    (``JobUpdate.after``): a release etcd refuses then holds the new assignment back instead of booking the node
+    twice."""
+    releasing: dict[str, set[str]] = {}
+    for upd in plan.updates:
+        for node in upd.unassign:
+            releasing.setdefault(node, set()).add(upd.job_id)
+    for upd in plan.updates:
+        upd.after = sorted({job for node in upd.assign for job in releasing.get(node, ()) if job != upd.job_id})
 
 
 def _free_released(d: Decision, free: dict[str, int]) -> None:

@@ -7,9 +7,12 @@ ISO 8601 durations (``PT5S``) and written back as seconds.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from datetime import datetime
 from enum import Enum
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,6 +42,7 @@ __all__ = [
     "Assignment",
     "CheckpointInfo",
     "Event",
+    "EventMark",
     "JobRecord",
     "JobSpec",
     "JobStatus",
@@ -52,10 +56,13 @@ __all__ = [
     "Restarts",
     "WorkerReport",
     "WorldSizeChange",
+    "checked_logs_url",
     "checkpoint_prefix_owner",
     "checkpoint_url_within",
     "node_mode",
     "normalize_checkpoint_url",
+    "rdzv_run_id",
+    "rdzv_runs_prefix",
     "submit_problems",
 ]
 
@@ -104,6 +111,16 @@ class CheckpointInfo(_Record):
     committed_at: datetime
 
 
+class EventMark(_Record):
+    """The newest event the controller wrote of a job: one that repeats it (same type and message) rewrites that
+    event with ``count`` + 1 instead of adding one (a job's events are bounded; see ``JobStatus.last_event``)."""
+
+    id: str
+    type: str
+    message: str
+    count: int = 1
+
+
 class JobStatus(_Record):
     """``<prefix>/status/<id>``: everything the controller decided and observed about one job."""
 
@@ -144,6 +161,8 @@ class JobStatus(_Record):
     # nodes this job lost (lease expired, or a torchrun killed in live mode) not yet replaced: it may take hot
     # spares for them
     lost_owed: int = 0
+    # the newest event the controller wrote: the same again only counts up its ``repeats``
+    last_event: EventMark | None = None
 
 
 class Event(_Record):
@@ -174,6 +193,48 @@ class NodeInfo(_Record):
     # ``GET /v1/jobs/{id}/logs`` there with ``logs_token`` as bearer token (never shown by the API)
     logs_url: str | None = None
     logs_token: str | None = Field(default=None, repr=False)
+
+
+#: host names an agent's ``logs_url`` may always name besides its registered hosts (one machine, no --rdzv-host)
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+#: ``scheme://netloc`` and at most a trailing ``/``: no path, query, fragment (even an empty one), nor whitespace
+_LOGS_URL = re.compile(r"https?://[^/?#\\\s]+/?")
+_HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_.-]{0,252})")
+
+
+def checked_logs_url(info: NodeInfo) -> str:
+    """The base URL of node ``info``'s log server, rebuilt from the checked parts of its ``logs_url``; raises
+    :class:`ValueError` saying what is wrong.
+
+    ``logs_url`` comes from etcd, written by whoever can write the node's key: the controller sends a request
+    (with the agent's token) only to ``http(s)://<host>:<port>`` where the scheme is http or https, the port a
+    number, ``host`` one of the node's registered hosts (``rdzv_host``, ``hostname``) or a loopback name, and
+    the URL has no user info, path, query or fragment. The caller appends its own fixed path."""
+    raw = info.logs_url or ""
+    if not _LOGS_URL.fullmatch(raw):
+        raise ValueError("it must be http(s)://HOST:PORT, without a path, query, fragment or spaces")
+    parts = urlsplit(raw)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError("its port is not a number from 1 to 65535") from None
+    if "@" in parts.netloc:
+        raise ValueError("it must carry no user info")
+    if port is None or port == 0:
+        raise ValueError("it names no port")
+    host = (parts.hostname or "").lower()
+    try:
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is None and not _HOST_NAME.fullmatch(host):
+        raise ValueError(f"its host {host!r} is no host name or IP address")
+    registered = {h.lower() for h in (info.rdzv_host, info.hostname) if h}
+    if host not in registered | _LOOPBACK_HOSTS:
+        raise ValueError(f"its host {host!r} is none of the node's registered hosts "
+                         f"({', '.join(sorted(registered)) or 'none'}) nor loopback")  # fmt: skip
+    shown = f"[{host}]" if ip is not None and ip.version == 6 else host
+    return f"{parts.scheme}://{shown}:{port}"
 
 
 class NodeMode(str, Enum):
@@ -212,6 +273,17 @@ def node_mode(control: NodeControl | None, busy: bool) -> str:
     return control.mode.value
 
 
+def rdzv_runs_prefix(job_id: str) -> str:
+    """What every torchrun run id of job ``job_id`` starts with, and no other job's does: ``<job id>.g``. Job
+    names (``NAME_PATTERN``) and so job ids never hold a ``.``: no job id starts with another's followed by ``.``."""
+    return f"{job_id}.g"
+
+
+def rdzv_run_id(job_id: str, generation: int) -> str:
+    """torchrun's ``--rdzv-id`` of one generation of a job: ``<job id>.g<generation>``."""
+    return f"{rdzv_runs_prefix(job_id)}{generation}"
+
+
 class Assignment(_Record):
     """``<prefix>/assign/<node>/<job id>``: the controller asks a node to run one generation of a job."""
 
@@ -230,9 +302,13 @@ class Assignment(_Record):
     etcd_user: str | None = None
     etcd_password: str | None = Field(default=None, repr=False)
 
+    # torchrun's run id, chosen by the controller (``rdzv_run_id``); None (an older controller): the legacy
+    # ``<job id>-g<generation>``, which a job named ``<job id>-g...`` could share a grant prefix with
+    rdzv_run: str | None = None
+
     @property
     def rdzv_id(self) -> str:
-        return f"{self.job_id}-g{self.generation}"
+        return self.rdzv_run or f"{self.job_id}-g{self.generation}"
 
 
 class WorkerReport(_Record):

@@ -15,7 +15,7 @@ Layout under the prefix (``/etrain`` by default)::
     metrics/<id>/...           the job's metric series (leader; service.core.metric_store)
     identities/<id>            the job's own etcd user (service.controller.identities)
 
-and beside it, ``<prefix>.rdzv/<job id>-g<generation>/``: the jobs' torchrun rendezvous (etcd-v3 backend), kept
+and beside it, ``<prefix>.rdzv/<job id>.g<generation>/``: the jobs' torchrun rendezvous (etcd-v3 backend), kept
 out of ``<prefix>/`` so that its traffic does not wake the reconcile loop.
 
 Controller writes are fenced: :meth:`ServiceStore.apply` commits one job's update in one transaction that also
@@ -63,6 +63,7 @@ __all__ = [
 _APPLY_THREADS = 8  # job transactions of one plan in flight at once
 _RESIZE_TRIES = 5  # a resize whose job record changed under it reads it again this many times
 _MAX_CONTROL_EVENTS = 100  # job events written with a node's control request (etcd: 128 ops per transaction)
+_DELETES_PER_TXN = 100  # old events deleted per transaction (etcd: 128 ops per transaction)
 
 
 class JobExists(Exception):
@@ -158,6 +159,18 @@ class ServiceStore:
         kvs, _ = self.client.get_prefix(prefix)
         out = [e for kv in kvs if (after is None or tail(kv, prefix) > after) and (e := load(Event, kv))]
         return out[-limit:] if after is None else out[:limit]
+
+    def trim_events(self, job_id: str, keep: int) -> int:
+        """Delete the job's oldest events beyond its newest ``keep`` (the leader bounds each job's events with it);
+        returns how many were deleted. Costs one count request when there is nothing to delete."""
+        prefix = self.keys.events_of(job_id)
+        if self.client.count_prefix(prefix) <= keep:
+            return 0
+        kvs, _ = self.client.get_prefix(prefix)
+        old = [kv.key for kv in kvs[: max(0, len(kvs) - keep)]]
+        for i in range(0, len(old), _DELETES_PER_TXN):
+            self.client.commit(deletes=old[i : i + _DELETES_PER_TXN])
+        return len(old)
 
     def progress(self, job_id: str) -> Progress | None:
         kv, _ = self.client.get(self.keys.progress_of(job_id))
@@ -347,29 +360,52 @@ class ServiceStore:
         (too many operations, too large) is that job's failure alone. Unreachable etcd (or lost quorum)
         raises :class:`EtcdConnectionError`: nothing more can be written this pass.
 
-        The jobs' transactions (disjoint keys) are sent ``_APPLY_THREADS`` at a time: one after the other, a
-        pass that updates a few hundred jobs spent most of its time waiting for each answer in turn."""
+        An update with ``after`` jobs (they release nodes it is assigned) is sent only once their updates were
+        applied; if one of them was refused or failed it is held back (counted as refused: the next pass decides
+        again), so a node is never assigned to two jobs. The jobs' transactions of one round (disjoint keys) are
+        sent ``_APPLY_THREADS`` at a time: one after the other, a pass that updates a few hundred jobs spent most
+        of its time waiting for each answer in turn."""
         refused = 0
         failed: dict[str, str] = {}
-        updates = plan.updates
-        if len(updates) > 1:
-            with self._pool_lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(_APPLY_THREADS, thread_name_prefix="etrain-apply")
-                pool = self._pool
-            results = list(pool.map(lambda u: self._apply_one(u, fence), updates))
-        else:
-            results = [self._apply_one(u, fence) for u in updates]
-        for update, (ok, error, kvs) in zip(updates, results, strict=True):
-            if written is not None:
-                written += kvs
-            if error is not None:
-                failed[update.job_id] = error
-                logger.warning("etcd refused the update of job %s: %s", update.job_id, error)
-                continue
-            if not ok:
-                refused += 1
-                logger.info("update of job %s refused (status changed or leadership lost)", update.job_id)
+        done: set[str] = set()  # sent (or held back)
+        applied: set[str] = set()
+        held: list[str] = []
+        pending = list(plan.updates)
+        planned = {u.job_id for u in pending}
+        while pending:
+            stable = False
+            while not stable:  # hold back what needs an update that was not applied, then what needs those
+                stable = True
+                for update in list(pending):
+                    # (an ``after`` job missing from the plan had its update taken out: not applied either)
+                    missing = [a for a in update.after if a not in planned or (a in done and a not in applied)]
+                    if missing:
+                        pending.remove(update)
+                        held.append(update.job_id)
+                        done.add(update.job_id)
+                        stable = False
+                        logger.warning("update of job %s held back: the update of job %s, which gives up nodes "
+                                       "it takes, was not applied", update.job_id, ", ".join(missing))  # fmt: skip
+            waiting = {u.job_id for u in pending}
+            ready = [u for u in pending if not any(a in waiting and a != u.job_id for a in u.after)]
+            if not ready and pending:  # a cycle: none of it can be ordered safely
+                held += [u.job_id for u in pending]
+                break
+            for update, (ok, error, kvs) in zip(ready, self._send(ready, fence), strict=True):
+                done.add(update.job_id)
+                if written is not None:
+                    written += kvs
+                if error is not None:
+                    failed[update.job_id] = error
+                    logger.warning("etcd refused the update of job %s: %s", update.job_id, error)
+                elif not ok:
+                    refused += 1
+                    logger.info("update of job %s refused (status changed or leadership lost)", update.job_id)
+                else:
+                    applied.add(update.job_id)
+            sent = {u.job_id for u in ready}
+            pending = [u for u in pending if u.job_id not in sent]
+        refused += len(held)
         for node, job_id in plan.orphans:  # one by one: a bad key must not keep the others
             try:
                 ok, _ = self.client.commit(deletes=[self.keys.assignment(node, job_id)], guard=fence)
@@ -379,7 +415,17 @@ class ServiceStore:
                 logger.warning("cannot delete the orphaned assignment %s/%s: %s", node, job_id, exc)
                 continue
             refused += 0 if ok else 1
-        return PlanOutcome(refused=refused, failed=failed)
+        return PlanOutcome(refused=refused, failed=failed, held=tuple(held))
+
+    def _send(self, updates: list[JobUpdate], fence: tuple[str, int]) -> list[tuple[bool, str | None, list[KeyValue]]]:
+        """Each update's ``_apply_one``, ``_APPLY_THREADS`` at a time when there are several."""
+        if len(updates) <= 1:
+            return [self._apply_one(u, fence) for u in updates]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_APPLY_THREADS, thread_name_prefix="etrain-apply")
+            pool = self._pool
+        return list(pool.map(lambda u: self._apply_one(u, fence), updates))
 
 
 def identities_prefix(keys: Keys) -> str:

@@ -74,6 +74,7 @@ class ReconcileConfig:
     write_failure_limit: int = 3  # a job whose update etcd refuses this many passes in a row fails
     terminal_retention: timedelta = timedelta(days=7)  # finished jobs (and their events) are then deleted
     history_limit: int = 100  # world-size changes kept per job status (the newest)
+    event_limit: int = 1000  # events kept per job (the newest; the leader deletes older ones)
     quotas: Quotas = field(default_factory=Quotas)
 
 
@@ -90,6 +91,10 @@ class JobUpdate:
     clear_reports: bool = False
     clear_report_nodes: list[str] = field(default_factory=list)  # delete these nodes' reports of the job
     purge: bool = False  # delete the job with its status, events, reports and progress (retention over)
+    # jobs whose updates of the same plan must be applied before this one: they give up nodes this one is assigned
+    # (a preemption, a shrink, a release); if any of them is not applied this one is held back (decided again
+    # next pass), so a node is never booked by two jobs
+    after: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -105,8 +110,10 @@ class Plan:
 @dataclass(frozen=True)
 class PlanOutcome:
     """What applying a plan did: ``refused`` updates (stale status or lost leadership: decided again next
-    pass) and ``failed`` ones (job id -> etcd's refusal of that job's transaction; other jobs' parts were
-    still applied)."""
+    pass), ``failed`` ones (job id -> etcd's refusal of that job's transaction; other jobs' parts were
+    still applied) and ``held`` back ones (job ids: an update one of whose ``after`` jobs' updates was not applied;
+    also counted in ``refused``)."""
 
     refused: int = 0
     failed: Mapping[str, str] = field(default_factory=dict)
+    held: tuple[str, ...] = ()

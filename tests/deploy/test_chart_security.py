@@ -222,11 +222,19 @@ def _admitted(objects: list[mf.Manifest], source: _Pod, target: mf.Manifest, por
     ]
     if not policies:
         return True
+    def holds(p: dict[str, Any]) -> bool:  # a NetworkPolicyPort: a TCP connection to ``number``
+        if p.get("protocol", "TCP") != "TCP":
+            return False
+        if "port" not in p:
+            return True  # every port of the protocol
+        first = numbers.get(p["port"], p["port"])
+        return first == number if "endPort" not in p else first <= number <= p["endPort"]
+
     for policy in policies:
         assert policy.obj["spec"]["policyTypes"] == ["Ingress"]
         for rule in policy.obj["spec"].get("ingress", []):
             ports = rule.get("ports")
-            if ports is not None and not any(numbers.get(p["port"], p["port"]) == number for p in ports):
+            if ports is not None and not any(holds(p) for p in ports):
                 continue
             peers = rule.get("from")
             if peers is None or any(_peer_admits(p, source, policy.obj["metadata"]["namespace"]) for p in peers):
@@ -256,7 +264,8 @@ def test_network_policies_admit_only_controller_and_agents_to_etcd_and_agents_to
     everyone_here = {"controller", "agent", "etcd", "helm test pod", "other pod of the namespace"}
     assert who(controller, "http") == everyone_here | {"ingress controller"}
     assert who(agents, "health") == who(agents, 29500) == who(agents, 45123) == {"agent"}
-    assert who(agents, "logs") == {"agent", "controller"}  # the controller proxies the jobs' logs
+    assert who(agents, 8081) == who(agents, 8083) == who(agents, 1) == who(agents, 65535) == {"agent"}
+    assert who(agents, "logs") == {"controller"}  # the controller proxies the jobs' logs; no job's worker reads them
     # without the namespace-wide rule and the ingress, only the `helm test` pod (and extraFrom) remain
     monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     objects = render(chart, {"networkPolicy": {"controller": {"allowNamespace": False, "extraFrom": [monitoring]}}})

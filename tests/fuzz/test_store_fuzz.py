@@ -51,7 +51,7 @@ def victim_key(store: ServiceStore, family: str) -> str:
         "assign": k.assignment("n1", VICTIM),  # a live node: counted against its capacity
         "reports": k.report(VICTIM, "n1"),  # the victim runs on n1: its reports are looked at
         "progress": k.progress_of(VICTIM),
-        "rdzv": f"{k.rdzv}/{VICTIM}-g1/rdzv/state",  # the etcd-v3 rendezvous' state key of the victim's round
+        "rdzv": f"{k.rdzv}/{VICTIM}.g1/rdzv/state",  # the etcd-v3 rendezvous' state key of the victim's round
         "nodectl": k.nodectl_of(VICTIM_NODE),  # an operator's request about a node (not the bystander's)
     }[family]
 

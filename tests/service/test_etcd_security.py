@@ -324,26 +324,26 @@ def test_a_jobs_etcd_user_reaches_its_own_rendezvous_and_progress_but_nothing_of
     try:
         # allowed: the reachability check, its rendezvous (any generation) with leases and watches, its progress
         job.ping()
-        state = f"{keys.rdzv}/job-a1-g1/rdzv/state"
+        state = f"{keys.rdzv}/job-a1.g1/rdzv/state"
         lease = job.grant_lease(timedelta(seconds=10))
         ok, _, _, _ = job.compare_and_put(state, b"s", mod_revision=0, lease=lease,
-                                          read_prefix=f"{keys.rdzv}/job-a1-g1/rdzv/alive/")  # fmt: skip
+                                          read_prefix=f"{keys.rdzv}/job-a1.g1/rdzv/alive/")  # fmt: skip
         assert ok and job.keep_alive_once(lease) > 0
-        revision = job.put(f"{keys.rdzv}/job-a1-g7/store/k", b"v")
-        assert job.wait_for_event(f"{keys.rdzv}/job-a1-g7/", revision, timedelta(seconds=5), prefix=True)
-        assert job.get_with_prefix(state, f"{keys.rdzv}/job-a1-g1/")[0] is not None
+        revision = job.put(f"{keys.rdzv}/job-a1.g7/store/k", b"v")
+        assert job.wait_for_event(f"{keys.rdzv}/job-a1.g7/", revision, timedelta(seconds=5), prefix=True)
+        assert job.get_with_prefix(state, f"{keys.rdzv}/job-a1.g1/")[0] is not None
         job.revoke_lease(lease)
         assert job.get(state)[0] is None
         # the rendezvous itself, as torchrun runs it with the job's credentials (range compares included)
         settings = HandlerSettings(rules=RoundRules(1, 1, timedelta(seconds=1)))
-        handler = EtcdV3RendezvousHandler(job, "job-a1-g3", RendezvousKeys.of(keys.rdzv, "job-a1-g3"), settings)
+        handler = EtcdV3RendezvousHandler(job, "job-a1.g3", RendezvousKeys.of(keys.rdzv, "job-a1.g3"), settings)
         try:
             assert handler.next_rendezvous().world_size == 1
         finally:
             handler.release()
         # live recovery (recovery: live): the workers' own group under <key_prefix>/<run id>/live/, with the
         # job's credentials (ETRAIN_ETCD_*): registration on a lease, the generation's transaction, its end
-        live_keys = LiveKeys(RendezvousKeys.of(keys.rdzv, "job-a1-g3").live)
+        live_keys = LiveKeys(RendezvousKeys.of(keys.rdzv, "job-a1.g3").live)
         live = LiveSettings(1, 1, last_call=timedelta(seconds=0.1), join_timeout=timedelta(seconds=20))
         member = LiveMembership(job, live_keys, new_worker_id("n1", 0), live, node="n1")
         try:
@@ -363,7 +363,7 @@ def test_a_jobs_etcd_user_reaches_its_own_rendezvous_and_progress_but_nothing_of
             lambda: job.get_prefix(keys.jobs),
             lambda: job.get(keys.assignment("n1", "job-a1")),
             lambda: job.get(identity_key(keys, "job-a1")),
-            lambda: job.put(f"{keys.rdzv}/job-b2-g1/rdzv/state", b"x"),
+            lambda: job.put(f"{keys.rdzv}/job-b2.g1/rdzv/state", b"x"),
             lambda: job.get_prefix(keys.rdzv + "/"),
         ]
         for i, attempt in enumerate(refused):

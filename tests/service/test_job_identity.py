@@ -102,16 +102,44 @@ def test_assignments_carry_their_jobs_user_and_password_and_an_update_without_a_
 
 
 def test_a_jobs_role_covers_the_rendezvous_of_its_generations_and_its_progress_key_only() -> None:
+    from service.core.models import rdzv_run_id
+
     keys = Keys("/etrain")
     rdzv, progress, ping = job_permissions(keys, "j-1a2b")
     assert (progress, ping) == (RolePermission("/etrain/progress/j-1a2b", "readwrite"), RolePermission("\0", "read"))
     assert rdzv.prefix and rdzv.perm == "readwrite"
     for generation in (1, 2, 17):  # where the etcd-v3 backend keeps the run that the agent names
-        layout = RendezvousKeys.of(keys.rdzv, f"j-1a2b-g{generation}")
+        layout = RendezvousKeys.of(keys.rdzv, rdzv_run_id("j-1a2b", generation))
         assert all(k.startswith(rdzv.key) for k in (layout.base, layout.assign(3), layout.store, layout.closed,
                                                       layout.live + "gen"))  # live recovery's group
-    for other in ("/etrain.rdzv/j-1a2bc-g1/rdzv/state", "/etrain.rdzv/j-1a2-g1/rdzv/state", "/etrain/progress/j-1a2bc"):
+    for other in ("/etrain.rdzv/j-1a2bc.g1/rdzv/state", "/etrain.rdzv/j-1a2.g1/rdzv/state", "/etrain/progress/j-1a2bc",
+                  "/etrain.rdzv/j-1a2b-g1/rdzv/state"):  # fmt: skip
         assert not other.startswith(rdzv.key) and other != progress.key
+
+
+def test_a_jobs_grant_covers_no_run_of_a_job_named_after_it() -> None:
+    """Job ``j-1a2b3c4d`` and a job whose name is ``j-1a2b3c4d-g1`` (a valid name), so whose id starts with the
+    first's followed by ``-g``: the first job's grant covers none of the second's rendezvous keys."""
+    import re
+
+    from service.core.spec import NAME_PATTERN
+    from tests.service.controller.cluster_sim import Cluster
+    from tests.service.controller.cluster_sim import spec as sim_spec
+
+    first, second = "j-1a2b3c4d", "j-1a2b3c4d-g1-0badcafe"
+    assert re.match(NAME_PATTERN, second.rsplit("-", 1)[0])
+    c = Cluster()
+    c.add_nodes("a", "b")
+    c.add_job(first, sim_spec(min_nodes=1, max_nodes=1))
+    c.add_job(second, sim_spec(min_nodes=1, max_nodes=1))
+    c.tick(NOW)
+    runs = {a.job_id: a.rdzv_id for jobs in c.assignments.values() for a in jobs.values()}
+    keys = Keys("/etrain")
+    grant = job_permissions(keys, first)[0]
+    own, other = (RendezvousKeys.of(keys.rdzv, runs[j]) for j in (first, second))
+    assert own.base.startswith(grant.key) and own.store.startswith(grant.key)
+    for key in (other.base, other.assign(1), other.store, other.closed, other.live + "gen"):
+        assert not key.startswith(grant.key), (key, grant.key)
 
 
 # -- the leader on the in-memory etcd ------------------------------------------------------------------

@@ -14,7 +14,11 @@ This route finds the nodes, asks their agents, and streams the answers on as ``t
   any time). With several nodes the lines are interleaved as they come, each prefixed ``[node-a] ``.
 * ``tail=N``: each node's log from ``N`` bytes before its end (default 1 MiB), starting at a whole line.
 
-A read token suffices, as for the job's events. Errors: 404 unknown job (or no such log), 503 node offline or its
+Logs hold whatever the workers print, so a read token gets 403 (the job's details withhold the log tail of
+``last_error`` from read tokens too); an admin token reads them. Each agent is asked only at the address rebuilt from
+the checked parts of its ``logs_url`` (:func:`~service.core.models.checked_logs_url`: http(s), one of the node's
+registered hosts, a numeric port, nothing else) and this route's fixed path: a node record that names anything else
+gets a 502 naming the node and nothing is sent to it. Errors: 404 unknown job (or no such log), 503 node offline or its
 agent unreachable, 409 its agent serves no logs (no ``--logs-port``), 502 the agent answered an error. With
 several nodes, a node that cannot be read gets a note in its section instead, and the request fails only when
 none can.
@@ -34,12 +38,13 @@ from fastapi import APIRouter, Depends, HTTPException, Query, status
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from service.api.auth import require_read
+from service.api.auth import Principal, require_read
 from service.api.deps import get_store
-from service.core.models import NODE_NAME_PATTERN, NodeInfo
+from service.core.config import Role
+from service.core.models import NODE_NAME_PATTERN, NodeInfo, checked_logs_url
 from service.core.store import ServiceStore
 
-__all__ = ["CONNECT_TIMEOUT", "DEFAULT_TAIL", "READ_TIMEOUT", "router"]
+__all__ = ["CONNECT_TIMEOUT", "DEFAULT_TAIL", "READ_ONLY_REFUSAL", "READ_TIMEOUT", "router"]
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 
@@ -50,6 +55,16 @@ CONNECT_TIMEOUT = 5.0
 READ_TIMEOUT = 30.0
 _MAX_LINE = 64 * 1024  # a longer line (a progress bar's carriage returns) is passed on in pieces when following
 _TEXT = "text/plain; charset=utf-8"
+#: the 403 a read token gets
+READ_ONLY_REFUSAL = ("job logs hold whatever the workers print, so read tokens cannot read them (job details "
+                     "withhold the workers' log tail from read tokens too): use an admin token")  # fmt: skip
+
+
+async def _may_read_logs(principal: Annotated[Principal, Depends(require_read)]) -> Principal:
+    """Admin tokens (and auth off) read logs; a read token gets 403 with :data:`READ_ONLY_REFUSAL`."""
+    if principal.role != Role.ADMIN:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, detail=f"token {principal.name!r}: {READ_ONLY_REFUSAL}")
+    return principal
 
 
 @dataclass(frozen=True)
@@ -104,18 +119,23 @@ async def _open(client: httpx.AsyncClient, job_id: str, src: _Source, tail_bytes
         out.problem = (409, f"the agent of node {node} does not serve job logs: start it with --logs-port "
                             "(ETRAIN_LOGS_PORT)")  # fmt: skip
         return out
+    try:
+        base = checked_logs_url(info)
+    except ValueError as exc:
+        out.problem = (502, f"node {node} published a logs_url that is refused ({exc}): nothing was sent to it")
+        return out
     params: dict[str, Any] = {"tail": tail_bytes}
     if src.generation is not None:
         params["generation"] = src.generation
     if follow:
         params["follow"] = 1
     try:
-        request = client.build_request("GET", f"{info.logs_url}/jobs/{quote(job_id, safe='')}/logs", params=params,
+        request = client.build_request("GET", f"{base}/jobs/{quote(job_id, safe='')}/logs", params=params,
                                        headers={"Authorization": f"Bearer {info.logs_token}"})  # fmt: skip
         resp = await client.send(request, stream=True)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         why = str(exc) or type(exc).__name__
-        out.problem = (503, f"cannot reach the agent of node {node} at {info.logs_url}: {why}")
+        out.problem = (503, f"cannot reach the agent of node {node} at {base}: {why}")
         return out
     if resp.status_code == 200:
         out.response = resp
@@ -255,10 +275,11 @@ def _failure(opened: Sequence[_Opened], job_id: str, generation: int | None) -> 
         200: {"description": "the log text", "content": {"text/plain": {}}},
         404: {"description": "no job with this id, or no such log"},
         409: {"description": "the node's agent serves no logs (started without --logs-port)"},
-        502: {"description": "the node's agent answered with an error"},
+        502: {"description": "the node's agent answered with an error, or its node record names a refused logs_url"},
+        403: {"description": "a read token: logs need an admin token"},
         503: {"description": "the node is offline or its agent unreachable"},
     },
-    dependencies=[Depends(require_read)],
+    dependencies=[Depends(_may_read_logs)],
 )
 async def job_logs(
     job_id: str,
@@ -269,7 +290,8 @@ async def job_logs(
     tail: Annotated[int, Query(ge=0, le=2**40, description="bytes of each log from before its end")] = DEFAULT_TAIL,
 ) -> StreamingResponse:
     sources, gen = await run_in_threadpool(_plan, store, job_id, node, generation)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None if follow else READ_TIMEOUT, connect=CONNECT_TIMEOUT))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None if follow else READ_TIMEOUT, connect=CONNECT_TIMEOUT),
+                               follow_redirects=False, trust_env=False)  # only the checked address, no proxy
     opened: list[_Opened] = []
     try:
         opened = list(await asyncio.gather(*(_open(client, job_id, s, tail, follow) for s in sources)))

@@ -706,6 +706,7 @@
       } catch (err) {
         if (err instanceof AuthError) throw err;
         logsNote.textContent = `Logs unavailable: ${err.message}`;
+        if (err.status === 403) logsDone = true; // a read token: logs need an admin token, asking again cannot help
         return;
       }
       // each node's section ("==> node (generation G) <==" and its lines) keeps its share of the lines shown

@@ -52,9 +52,9 @@ def test_logs_of_every_node_one_node_and_the_errors(
         path = log_path(agent.settings.work_dir, job_id, 1, name)
         path.parent.mkdir(parents=True)
         path.write_text(f"+ torchrun ...\n{name} says hello\n{name} step 10")  # the last line unfinished
-    reader = {"Authorization": f"Bearer {READER}"}
+    reader = {"Authorization": f"Bearer {ADMIN}"}  # logs need an admin token (test_logs_hardening)
 
-    resp = api.get(f"/v1/jobs/{job_id}/logs", headers=reader)  # a read token suffices
+    resp = api.get(f"/v1/jobs/{job_id}/logs", headers=reader)
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
     assert resp.headers["x-etrain-generation"] == "1"
     assert resp.text == (
@@ -140,7 +140,7 @@ def test_follow_interleaves_both_nodes_lines_until_the_job_ends(
     threads = [threading.Thread(target=a.run, args=(stop,), daemon=True) for a in agents]
     for t in threads:
         t.start()
-    http = httpx.Client(base_url=live_server, headers={"Authorization": f"Bearer {READER}"}, timeout=10)
+    http = httpx.Client(base_url=live_server, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10)
     admin = {"Authorization": f"Bearer {ADMIN}"}
     try:
         spec = {**SPEC, "entrypoint": str(script), "args": [str(done)], "rendezvous": {"last_call_timeout": 1}}

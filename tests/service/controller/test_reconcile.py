@@ -48,7 +48,7 @@ def test_pending_job_starts_on_up_to_max_nodes_when_min_are_free() -> None:
     assert st.state == JobState.RUNNING and st.generation == 1
     assert st.nodes == ["a", "b", "c"]
     assert c.assigned("j1") == {"a": 1, "b": 1, "c": 1}
-    assert c.assignments["a"]["j1"].rdzv_id == "j1-g1"
+    assert c.assignments["a"]["j1"].rdzv_id == "j1.g1"
 
 
 def test_pending_job_waits_without_holding_nodes_when_fewer_than_min() -> None:
