@@ -28,7 +28,7 @@ from elastic.etcd import EtcdConnectionError, EtcdError, check_reachable
 from elastic.etcd.config import EtcdOptions
 from service.cli.render import event_line, job_table, job_text, node_table, progress_line
 from service.client import ApiClient, ApiError, load_job_file
-from service.core.config import AgentSettings, ConfigError, Settings, load_quotas, load_tokens
+from service.core.config import AgentSettings, ConfigError, Settings, UidRange, load_quotas, load_tokens
 from service.core.keys import DEFAULT_PREFIX
 from service.core.view import Quotas, ReconcileConfig
 
@@ -55,6 +55,8 @@ ENV_SPARE = "ETRAIN_SPARE"
 ENV_LOGS_PORT = "ETRAIN_LOGS_PORT"
 ENV_LOGS_HOST = "ETRAIN_LOGS_HOST"
 ENV_LEASE_TTL = "ETRAIN_LEASE_TTL"
+ENV_JOB_UID_RANGE = "ETRAIN_JOB_UID_RANGE"
+ENV_JOB_OWNER = "ETRAIN_JOB_OWNER"
 ENV_SERVER = "ETRAIN_SERVER"
 ENV_TOKEN = "ETRAIN_TOKEN"
 ENV_TOKEN_FILE = "ETRAIN_TOKEN_FILE"
@@ -202,6 +204,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except compat.TorchCompatError as exc:
         return _fail(f"agent: {exc}")
     try:
+        uids = UidRange.parse(args.job_uid_range) if args.job_uid_range else None
+    except ValueError as exc:
+        return _fail(f"agent: --job-uid-range: {exc}")
+    try:
         etcd = _etcd_options(args)
         settings = AgentSettings(
             etcd=etcd,
@@ -216,6 +222,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
             logs_port=args.logs_port,
             logs_host=args.logs_host,
             lease_ttl=timedelta(seconds=args.lease_ttl),
+            job_uid_range=uids,
+            job_owner=args.job_owner or None,
         )
         _check_etcd(etcd)
         agent = create_agent(settings)
@@ -429,6 +437,10 @@ def _parser() -> argparse.ArgumentParser:
     _add(p, "--logs-host", ENV_LOGS_HOST, "address the logs port binds", "0.0.0.0")
     _add(p, "--lease-ttl", ENV_LEASE_TTL, "node lease TTL, seconds: how fast a dead node is noticed", "10",
          type=float)  # fmt: skip
+    _add(p, "--job-uid-range", ENV_JOB_UID_RANGE, "LOW-HIGH: run each job as a uid and gid of its own from this range "
+         "(needs root or CAP_SETUID/SETGID/CHOWN)")  # fmt: skip
+    _add(p, "--job-owner", ENV_JOB_OWNER, "run only this user's jobs (a token's name); for an agent that cannot "
+         "switch uid")  # fmt: skip
     p.set_defaults(fn=cmd_agent)
 
     p = client_cmd("submit", cmd_submit, "submit a job file (YAML/JSON)")

@@ -36,6 +36,7 @@ __all__ = [
     "Role",
     "Settings",
     "TokenEntry",
+    "UidRange",
     "load_quotas",
     "load_tokens",
 ]
@@ -55,6 +56,36 @@ class TokenEntry:
     token: str
     role: Role
     name: str
+
+
+@dataclass(frozen=True)
+class UidRange:
+    """Uids (and gids of the same numbers) ``low..high``, both included, for jobs' processes."""
+
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.low <= self.high < 2**31:
+            raise ValueError(f"a uid range must be LOW-HIGH with 1 <= LOW <= HIGH < 2^31, got {self.low}-{self.high}")
+
+    @classmethod
+    def parse(cls, text: str) -> UidRange:
+        """``"20000-29999"``; ValueError (one line) otherwise."""
+        low, sep, high = text.strip().partition("-")
+        if not sep or not low.isdigit() or not high.isdigit():
+            raise ValueError(f"a uid range is LOW-HIGH (e.g. 20000-29999), got {text!r}")
+        return cls(int(low), int(high))
+
+    @property
+    def size(self) -> int:
+        return self.high - self.low + 1
+
+    def __contains__(self, uid: object) -> bool:
+        return isinstance(uid, int) and self.low <= uid <= self.high
+
+    def __str__(self) -> str:
+        return f"{self.low}-{self.high}"
 
 
 def _default_replica_id() -> str:
@@ -100,6 +131,11 @@ class AgentSettings:
     stop_grace: timedelta = timedelta(seconds=15)
     python: str = sys.executable
     extra_env: Mapping[str, str] = field(default_factory=dict)  # added to every worker's environment
+    # each job's torchrun runs as a uid (and gid) of its own from this range (service.agent.isolation); None: as
+    # the agent's uid
+    job_uid_range: UidRange | None = None
+    # the one owner (a token's name) whose jobs this node runs, when jobs share the agent's uid
+    job_owner: str | None = None
 
 
 def _parse_tokens(data: Any, source: str) -> tuple[TokenEntry, ...]:
