@@ -1,4 +1,4 @@
-"""``etrain logs JOB -f`` (the CLI as a process, a read token from the environment) follows a job training on two
+"""``etrain logs JOB -f`` (the CLI as a process, an admin token from the environment) follows a job training on two
 agents of a whole local service (etcd, the controller with tokens, agents serving their logs): it prints the
 workers' lines while they train and exits 0 once the job has ended."""
 
@@ -29,7 +29,7 @@ def test_logs_follow_prints_lines_while_the_job_trains_and_exits_when_it_ends(cl
              and all(r.state == "running" for r in cluster.reports(job_id).values()), 60)  # fmt: skip
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETRAIN_")}
-    env.update(ETRAIN_TOKEN=READER, PYTHONPATH=str(REPO))
+    env.update(ETRAIN_TOKEN=ADMIN, PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "logs", job_id, "-f", "--server", cluster.url],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     lines: list[str] = []

@@ -14,10 +14,10 @@ This route finds the nodes, asks their agents, and streams the answers on as ``t
   any time). With several nodes the lines are interleaved as they come, each prefixed ``[node-a] ``.
 * ``tail=N``: each node's log from ``N`` bytes before its end (default 1 MiB), starting at a whole line.
 
-A read token suffices, as for the job's events. Errors: 404 unknown job (or no such log), 503 node offline or its
-agent unreachable, 409 its agent serves no logs (no ``--logs-port``), 502 the agent answered an error. With
-several nodes, a node that cannot be read gets a note in its section instead, and the request fails only when
-none can.
+A user token on its own job, or an admin token (read tokens get 403: logs hold whatever the workers print).
+Errors: 404 unknown job (or no such log), 503 node offline or its agent unreachable, 409 its agent serves no
+logs (no ``--logs-port``), 502 the agent answered an error. With several nodes, a node that cannot be read gets a
+note in its section instead, and the request fails only when none can.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, status
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from service.api.auth import require_read
+from service.api.auth import Principal, check_owner, require_user
 from service.api.deps import get_store
 from service.core.models import NODE_NAME_PATTERN, NodeInfo
 from service.core.store import ServiceStore
@@ -258,16 +258,19 @@ def _failure(opened: Sequence[_Opened], job_id: str, generation: int | None) -> 
         502: {"description": "the node's agent answered with an error"},
         503: {"description": "the node is offline or its agent unreachable"},
     },
-    dependencies=[Depends(require_read)],
 )
 async def job_logs(
     job_id: str,
+    principal: Annotated[Principal, Depends(require_user)],
     store: Annotated[ServiceStore, Depends(get_store)],
     node: Annotated[str | None, Query(pattern=NODE_NAME_PATTERN, description="only this node's log")] = None,
     generation: Annotated[int | None, Query(ge=1, le=2**31, description="default: current (or last)")] = None,
     follow: Annotated[bool, Query(description="keep streaming until the torchruns end")] = False,
     tail: Annotated[int, Query(ge=0, le=2**40, description="bytes of each log from before its end")] = DEFAULT_TAIL,
 ) -> StreamingResponse:
+    entry = await run_in_threadpool(store.get_job, job_id)
+    if entry is not None:  # (an unknown job: 404 from _plan)
+        check_owner(principal, job_id, entry.record.submitted_by, "read the logs of")
     sources, gen = await run_in_threadpool(_plan, store, job_id, node, generation)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None if follow else READ_TIMEOUT, connect=CONNECT_TIMEOUT))
     opened: list[_Opened] = []
