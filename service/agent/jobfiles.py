@@ -76,6 +76,7 @@ class JobFiles:
                 problem = secret_exposure(path, s.job_uid_range)
                 if problem:
                     raise IsolationError(f"{problem}: jobs on this node could read it")
+            self._reachable_work_dir()
             logger.info("jobs run as uids of their own from %s (no supplementary groups)", s.job_uid_range)
             return Isolation.UID
         for path in secrets_:
@@ -92,6 +93,19 @@ class JobFiles:
             "files; start the agent with --job-uid-range (root or CAP_SETUID/SETGID/CHOWN) or --job-owner NAME", me
         )
         return Isolation.NONE
+
+    def _reachable_work_dir(self) -> None:
+        """``<work dir>/jobs`` made 0711 (the jobs' uids reach their own directories below it, but list nothing);
+        an :class:`IsolationError` when a directory above it is not searchable by them."""
+        jobs = (self.settings.work_dir / "jobs").resolve()
+        jobs.mkdir(parents=True, exist_ok=True)
+        os.chmod(jobs, 0o711)
+        for d in jobs.parents:
+            mode = d.stat().st_mode
+            if not mode & 0o001:
+                raise IsolationError(f"the jobs' uids cannot reach their private directories under {jobs}: {d} is "
+                                     f"not searchable by other users (mode {mode & 0o7777:04o}; add o+x, or choose "
+                                     "another --work-dir)")  # fmt: skip
 
     def _private_dir(self, job_id: str) -> Path:
         return (self.settings.work_dir / "jobs" / job_id / "private").resolve()

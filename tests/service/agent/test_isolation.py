@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -60,23 +62,34 @@ def test_a_secret_readable_by_every_user_or_owned_by_a_job_uid_is_named(tmp_path
         assert "readable by group 20004" in (secret_exposure(f, R) or "")
 
 
-def _settings(tmp_path: Path, pw: Path, job_uid_range: UidRange | None = None,
+def _settings(work: Path, pw: Path, job_uid_range: UidRange | None = None,
               job_owner: str | None = None) -> AgentSettings:  # fmt: skip
     etcd = EtcdOptions("e:1", ca_cert="ca.pem", user="agent", password_file=str(pw))
-    return AgentSettings(etcd=etcd, node_name="n1", work_dir=tmp_path / "work", job_uid_range=job_uid_range,
+    return AgentSettings(etcd=etcd, node_name="n1", work_dir=work, job_uid_range=job_uid_range,
                          job_owner=job_owner)  # fmt: skip
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a uid range needs root")
-def test_an_agent_with_a_uid_range_refuses_to_start_with_a_password_file_jobs_could_read(tmp_path: Path) -> None:
+def test_an_agent_with_a_uid_range_refuses_secrets_jobs_could_read_and_a_work_dir_they_cannot_reach(
+    tmp_path: Path,
+) -> None:
     pw = tmp_path / "pw"
     pw.write_text("agent-pw\n")
     pw.chmod(0o644)
     with pytest.raises(AgentError, match=r"pw is readable by every user .*: jobs on this node could read it"):
-        NodeAgent(_settings(tmp_path, pw, job_uid_range=R), MemoryEtcdClient())
+        NodeAgent(_settings(tmp_path / "work", pw, job_uid_range=R), MemoryEtcdClient())
     pw.chmod(0o400)
-    agent = NodeAgent(_settings(tmp_path, pw, job_uid_range=R), MemoryEtcdClient())
-    assert agent.isolation is Isolation.UID and agent._node_info().isolation is Isolation.UID
+    tmp_path.chmod(0o700)  # (pytest's own directories are root's only)
+    with pytest.raises(AgentError, match=f"{tmp_path} is not searchable by other users"):
+        NodeAgent(_settings(tmp_path / "work", pw, job_uid_range=R), MemoryEtcdClient())
+    reachable = Path(tempfile.mkdtemp(prefix="etrain-isolation-"))
+    try:
+        reachable.chmod(0o755)
+        agent = NodeAgent(_settings(reachable / "work", pw, job_uid_range=R), MemoryEtcdClient())
+        assert agent.isolation is Isolation.UID and agent._node_info().isolation is Isolation.UID
+        assert (reachable / "work" / "jobs").stat().st_mode & 0o777 == 0o711  # reachable, not listable
+    finally:
+        shutil.rmtree(reachable)
 
 
 def test_an_agent_without_a_uid_range_says_how_its_jobs_share_its_uid(
@@ -85,10 +98,10 @@ def test_an_agent_without_a_uid_range_says_how_its_jobs_share_its_uid(
     pw = tmp_path / "pw"
     pw.write_text("agent-pw\n")
     pw.chmod(0o600)
-    shared = NodeAgent(_settings(tmp_path, pw), MemoryEtcdClient())
+    shared = NodeAgent(_settings(tmp_path / "work", pw), MemoryEtcdClient())
     assert shared.isolation is Isolation.NONE
     assert "a job can read the others' secrets" in caplog.text
-    owned = NodeAgent(_settings(tmp_path, pw, job_owner="alice"), MemoryEtcdClient())
+    owned = NodeAgent(_settings(tmp_path / "work", pw, job_owner="alice"), MemoryEtcdClient())
     info = owned._node_info()
     assert (info.isolation, info.owner) == (Isolation.OWNER, "alice")
     assert "only jobs of alice are placed here" in caplog.text

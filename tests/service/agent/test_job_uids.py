@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import tempfile
 import textwrap
@@ -87,9 +88,7 @@ def shared(tmp_path: Path) -> Iterator[Path]:
     (d / "probe.py").write_text(PROBE)
     (d / "probe.py").chmod(0o644)
     yield d
-    for p in sorted(d.rglob("*"), reverse=True):
-        p.unlink() if not p.is_dir() else p.rmdir()
-    d.rmdir()
+    shutil.rmtree(d)
 
 
 def _spec(name: str, shared: Path, *args: str, warm: bool) -> dict[str, Any]:
@@ -108,7 +107,9 @@ def test_two_jobs_on_one_agent_run_as_distinct_uids_and_cannot_read_each_others_
     agent_secret.chmod(0o400)
     try:
         api = cluster.start_controller()
-        cluster.start_agent("n1", nproc_per_node=2, extra_args=["--job-uid-range", f"{UIDS[0]}-{UIDS[1]}"])
+        work = shared / "agent-work"  # a work dir the jobs' uids can reach their private directories in
+        cluster.start_agent("n1", nproc_per_node=2,
+                            extra_args=["--job-uid-range", f"{UIDS[0]}-{UIDS[1]}", "--work-dir", str(work)])  # fmt: skip
         wait_api("the agent", lambda: [n for n in api.nodes() if n["name"] == "n1"], 60)
         assert next(n for n in api.nodes() if n["name"] == "n1")["isolation"] == "uid"
         victim = api.submit(_spec("victim", shared, "victim", warm=False))["id"]
@@ -116,8 +117,7 @@ def test_two_jobs_on_one_agent_run_as_distinct_uids_and_cannot_read_each_others_
         agent_pid = str(cluster.agents["n1"].pid)
         attacker = api.submit(_spec("attacker", shared, "attacker", agent_pid, str(agent_secret), warm=True))["id"]
         wait_api("the attacker's worker", lambda: (shared / "attacker.json").exists(), 90)
-        work = tmp_path / "svc" / "agents" / "n1" / "jobs"
-        private = work / victim / "private"
+        private = work / "jobs" / victim / "private"
         st = private.stat()
         key = (private / "checkpoint-key").stat()
         (shared / "done").write_text("")
