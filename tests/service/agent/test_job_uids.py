@@ -108,8 +108,8 @@ def test_two_jobs_on_one_agent_run_as_distinct_uids_and_cannot_read_each_others_
     try:
         api = cluster.start_controller()
         work = shared / "agent-work"  # a work dir the jobs' uids can reach their private directories in
-        cluster.start_agent("n1", nproc_per_node=2,
-                            extra_args=["--job-uid-range", f"{UIDS[0]}-{UIDS[1]}", "--work-dir", str(work)])  # fmt: skip
+        flags = ["--job-uid-range", f"{UIDS[0]}-{UIDS[1]}", "--work-dir", str(work)]
+        cluster.start_agent("n1", nproc_per_node=2, extra_args=flags)
         wait_api("the agent", lambda: [n for n in api.nodes() if n["name"] == "n1"], 60)
         assert next(n for n in api.nodes() if n["name"] == "n1")["isolation"] == "uid"
         victim = api.submit(_spec("victim", shared, "victim", warm=False))["id"]
