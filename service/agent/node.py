@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -40,7 +40,7 @@ from elastic.contract import env as contract
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from elastic.etcd.lease import LeaseKeeper
 from service.agent.health import HealthServer, HealthStatus, judge_health
-from service.agent.isolation import JobUser, UidRangeExhausted
+from service.agent.isolation import UidRangeExhausted
 from service.agent.jobfiles import IsolationError, JobFiles
 from service.agent.launcher import JobIdentityError, TorchrunProcess, rdzv_conf, torchrun_command, worker_env
 from service.agent.logs import LogServer, log_path
@@ -76,12 +76,9 @@ class WorkerProcess(Protocol):
         ...
 
 
-class Launcher(Protocol):
-    """Starts ``(command, environment, working directory, log path)``, as ``user`` when given (only then is it
-    passed); raises ``OSError`` if it cannot."""
-
-    def __call__(self, cmd: Sequence[str], env: Mapping[str, str], cwd: str, log: Path, /,
-                 user: JobUser | None = None) -> WorkerProcess: ...  # fmt: skip
+Launcher = Callable[[Sequence[str], Mapping[str, str], str, Path], WorkerProcess]
+"""Starts ``(command, environment, working directory, log path)``; raises ``OSError`` if it cannot. (A job that runs
+as a uid of its own is always started by :meth:`TorchrunProcess.start`.)"""
 
 
 @dataclass
@@ -109,7 +106,7 @@ class NodeAgent:
         self, settings: AgentSettings, client: EtcdClient | None = None, *, launcher: Launcher | None = None
     ) -> None:
         self.settings = settings
-        self._launcher: Launcher = launcher if launcher is not None else TorchrunProcess.start
+        self._launcher: Launcher | None = launcher  # None: TorchrunProcess.start
         self._own_client = client is None
         self._etcd_config = settings.etcd.config()
         self.client = client or create_client(self._etcd_config)
@@ -266,10 +263,12 @@ class NodeAgent:
             )
             return
         try:
-            if files.user is None:
+            if self._launcher is None:
+                proc: WorkerProcess = TorchrunProcess.start(cmd, env, cwd, log, user=files.user)
+            elif files.user is None:
                 proc = self._launcher(cmd, env, cwd, log)
             else:
-                proc = self._launcher(cmd, env, cwd, log, user=files.user)
+                raise OSError("this agent's launcher cannot run a job as a uid of its own")
         except OSError as exc:
             self._finished.add(_once(a))
             self._report(
