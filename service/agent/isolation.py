@@ -6,10 +6,10 @@ as a uid and gid of its own from that range, with no supplementary groups. A job
 etcd password, its manifest-signing key, copies of the etcd client TLS files it needs. Another job's uid cannot
 read them, nor its ``/proc/<pid>/environ``, nor anything of the agent's that is not world-readable.
 
-Needs root or the capabilities SETUID, SETGID and CHOWN. An agent without them cannot switch uid: it then runs
-every job as its own uid, and with ``--job-owner NAME`` only that owner's jobs (placement sends it no other's,
-see :class:`service.core.models.NodeInfo`); without either it runs anyone's jobs as itself, which it says at
-start: jobs on such a node can read each other's secrets.
+Needs root or the capabilities SETUID, SETGID, CHOWN and KILL (to stop the jobs' processes). An agent without them
+cannot switch uid: it then runs every job as its own uid, and with ``--job-owner NAME`` only that owner's jobs
+(placement sends it no other's, see :class:`service.core.models.NodeInfo`); without either it runs anyone's jobs
+as itself, which it says at start: jobs on such a node can read each other's secrets.
 
 The uid of a job is :func:`allocate_uid`, a pure function of the job id and the uids of the jobs running on the
 node: deterministic, collision-free among the running jobs, released when the job leaves the node.
@@ -45,7 +45,7 @@ __all__ = [
     "secret_exposure",
 ]
 
-_CAP_CHOWN, _CAP_SETGID, _CAP_SETUID = 0, 6, 7
+_CAP_CHOWN, _CAP_KILL, _CAP_SETGID, _CAP_SETUID = 0, 5, 6, 7
 
 
 class UidRangeExhausted(RuntimeError):
@@ -93,10 +93,10 @@ def _effective_caps() -> int:
 
 
 def can_switch_uid() -> bool:
-    """Whether this process may run children as other uids and hand them files: root, or the capabilities
-    SETUID, SETGID and CHOWN."""
+    """Whether this process may run children as other uids, hand them files and signal them: the capabilities
+    SETUID, SETGID, CHOWN and KILL (root has them unless they were dropped)."""
     caps = _effective_caps()
-    needed = (1 << _CAP_SETUID) | (1 << _CAP_SETGID) | (1 << _CAP_CHOWN)
+    needed = (1 << _CAP_SETUID) | (1 << _CAP_SETGID) | (1 << _CAP_CHOWN) | (1 << _CAP_KILL)
     return caps & needed == needed
 
 
@@ -141,6 +141,7 @@ def remove_private_dir(path: Path) -> None:
     me, my_group = os.geteuid(), os.getegid()
     try:
         os.chown(path, me, my_group, follow_symlinks=False)
+        os.chmod(path, 0o700)
         for root, dirs, files in os.walk(path):
             for name in (*dirs, *files):
                 os.chown(os.path.join(root, name), me, my_group, follow_symlinks=False)

@@ -69,7 +69,7 @@ class JobFiles:
         if s.job_uid_range is not None:
             if not can_switch_uid():
                 raise IsolationError(
-                    f"--job-uid-range {s.job_uid_range} needs root or the capabilities SETUID, SETGID and CHOWN; "
+                    f"--job-uid-range {s.job_uid_range} needs root or the capabilities SETUID, SETGID, CHOWN and KILL; "
                     "without them start the agent with --job-owner NAME instead (one owner's jobs, as the agent's uid)"
                 )
             for path in secrets_:
@@ -90,7 +90,7 @@ class JobFiles:
             return Isolation.OWNER
         logger.warning(
             "jobs of every owner run as this agent's uid %d: a job can read the others' secrets and this agent's "
-            "files; start the agent with --job-uid-range (root or CAP_SETUID/SETGID/CHOWN) or --job-owner NAME", me
+            "files; start the agent with --job-uid-range (root or CAP_SETUID/SETGID/CHOWN/KILL) or --job-owner NAME", me
         )
         return Isolation.NONE
 

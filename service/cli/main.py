@@ -438,7 +438,7 @@ def _parser() -> argparse.ArgumentParser:
     _add(p, "--lease-ttl", ENV_LEASE_TTL, "node lease TTL, seconds: how fast a dead node is noticed", "10",
          type=float)  # fmt: skip
     _add(p, "--job-uid-range", ENV_JOB_UID_RANGE, "LOW-HIGH: run each job as a uid and gid of its own from this range "
-         "(needs root or CAP_SETUID/SETGID/CHOWN)")  # fmt: skip
+         "(needs root or CAP_SETUID/SETGID/CHOWN/KILL)")  # fmt: skip
     _add(p, "--job-owner", ENV_JOB_OWNER, "run only this user's jobs (a token's name); for an agent that cannot "
          "switch uid")  # fmt: skip
     p.set_defaults(fn=cmd_agent)
