@@ -414,7 +414,8 @@ def _parser() -> argparse.ArgumentParser:
     _add(p, "--job-retention", ENV_JOB_RETENTION, "finished jobs (with their events) are deleted this many seconds "
          "after they end", str(7 * 24 * 3600), type=float)  # fmt: skip
     _add(p, "--quotas", ENV_QUOTAS_FILE, "YAML/JSON node quotas {users: {NAME: N}, queues: {QUEUE: N}, "
-         "default_user: N}; none: no quotas")  # fmt: skip
+         "default_user: N, limits: {default: L, users: {NAME: L}}} (L: what user tokens submit: max_priority, queues, "
+         "max_pending); none: no quotas")  # fmt: skip
     p.add_argument("--insecure", action="store_true", default=_env(ENV_INSECURE, "") or False,
                    help=f"serve a non-loopback --host without --tokens-file: anyone reaching it is admin "
                    f"({ENV_INSECURE})")  # fmt: skip
