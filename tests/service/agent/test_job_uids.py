@@ -3,7 +3,8 @@
 Real etcd, controller and one agent (``etrain agent --job-uid-range``, as root), stock torchrun: two jobs share the
 node. The victim job's worker records where its secrets are and waits; the attacker job's worker tries to read
 them (its private directory, its checkpoint key file, ``/proc/<pid>/environ`` of the victim's worker) and the
-agent's own (its ``/proc/<pid>/environ`` and its client key file), and records what each attempt raised.
+agent's own (its ``/proc/<pid>/environ``, a root-only 0400 file as the chart mounts its secrets), and records
+what each attempt raised.
 """
 
 from __future__ import annotations
@@ -101,8 +102,10 @@ def test_two_jobs_on_one_agent_run_as_distinct_uids_and_cannot_read_each_others_
     tmp_path: Path, shared: Path
 ) -> None:
     cluster = LocalServiceCluster(tmp_path / "svc")
-    # a secret of the agent's, as an operator mounts it (0400, root's): the agent's etcd client key, say
-    agent_secret = tmp_path / "agent-client.key"
+    # a file as the chart mounts the agent's secrets (its etcd client key, its etcd password: root's, 0400), in a
+    # directory every uid may enter: only its mode keeps the jobs out (this etcd has no TLS or auth to give the
+    # agent a real one; the agent's refusal of readable ones is tests/service/agent/test_isolation.py)
+    agent_secret = shared / "agent-client.key"
     agent_secret.write_text("agent-only\n")
     agent_secret.chmod(0o400)
     try:
