@@ -127,7 +127,8 @@ class JobFiles:
         self._secrets.add(a.job_id)
         make_private_dir(private)
         os.chmod(private.parent, 0o711)  # the job's directory: the agent's logs below, its private one reachable
-        password_file = key_file = None
+        password_file: Path | None = None
+        key_file: Path | None = None
         if a.etcd_user and a.etcd_password:
             password_file = private / "etcd-password"
             write_secret(password_file, a.etcd_password)
