@@ -407,7 +407,7 @@ def _parser() -> argparse.ArgumentParser:
     _add(p, "--host", ENV_HOST, default="0.0.0.0")
     _add(p, "--port", ENV_PORT, default="8080", type=int)
     _add(p, "--tokens-file", ENV_TOKENS_FILE,
-         "YAML/JSON {tokens: [{token, role: admin|read, name}]}; none: auth off")  # fmt: skip
+         "YAML/JSON {tokens: [{token, role: admin|user|read, name}]}; none: auth off")  # fmt: skip
     _add(p, "--checkpoint-root", ENV_CHECKPOINT_ROOT,
          "jobs' checkpoints must lie below this URL; default <root>/<job id>")  # fmt: skip
     _add(p, "--leader-ttl", ENV_LEADER_TTL, "leader lease TTL, seconds", "5", type=float)
