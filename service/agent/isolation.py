@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import stat
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ __all__ = [
     "allocate_uids",
     "can_switch_uid",
     "hand_over",
+    "kill_processes_of",
     "make_private_dir",
     "remove_private_dir",
     "secret_exposure",
@@ -98,6 +100,24 @@ def can_switch_uid() -> bool:
     caps = _effective_caps()
     needed = (1 << _CAP_SETUID) | (1 << _CAP_SETGID) | (1 << _CAP_CHOWN) | (1 << _CAP_KILL)
     return caps & needed == needed
+
+
+def kill_processes_of(uid: int) -> int:
+    """SIGKILL every process whose real or effective uid is ``uid`` (a job's processes that escaped its torchrun's
+    tree, e.g. by daemonizing, must not outlive the job: the uid goes to another job next); returns how many."""
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            line = next(x for x in (entry / "status").read_text().splitlines() if x.startswith("Uid:"))
+            real, effective = (int(v) for v in line.split()[1:3])
+            if uid in (real, effective):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+        except (OSError, StopIteration, ValueError):
+            continue  # gone meanwhile, or not ours to read
+    return killed
 
 
 def secret_exposure(path: str | Path, uids: UidRange | None) -> str | None:

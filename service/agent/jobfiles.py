@@ -22,6 +22,7 @@ from service.agent.isolation import (
     allocate_uids,
     can_switch_uid,
     hand_over,
+    kill_processes_of,
     make_private_dir,
     remove_private_dir,
     secret_exposure,
@@ -114,8 +115,11 @@ class JobFiles:
         uids = self.settings.job_uid_range
         if uids is None:
             return None
+        fresh = job_id not in self._uids
         self._uids = allocate_uids(self._uids, [*self._uids, job_id], uids)
         uid = self._uids[job_id]
+        if fresh and kill_processes_of(uid):  # left by an earlier agent's job (its pdeath signal ignored)
+            logger.warning("uid %d: killed the processes an earlier job left before giving it to job %s", uid, job_id)
         return JobUser(uid, uid)
 
     def prepare(self, a: Assignment) -> PreparedJob:
@@ -152,7 +156,9 @@ class JobFiles:
         """Delete the private directories of jobs no longer assigned to this node, and release their uids."""
         for job_id in self._secrets - set(assigned):
             self._secrets.discard(job_id)
-            self._uids.pop(job_id, None)
+            uid = self._uids.pop(job_id, None)
+            if uid is not None and (n := kill_processes_of(uid)):  # escaped the torchrun's tree: not past the job
+                logger.warning("job %s: killed %d process(es) of its uid %d left after it", job_id, n, uid)
             try:
                 remove_private_dir(self._private_dir(job_id))
             except OSError as exc:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -11,7 +13,13 @@ import pytest
 
 from elastic.etcd.config import EtcdOptions
 from elastic.etcd.memory import MemoryEtcdClient
-from service.agent.isolation import UidRangeExhausted, allocate_uid, allocate_uids, secret_exposure
+from service.agent.isolation import (
+    UidRangeExhausted,
+    allocate_uid,
+    allocate_uids,
+    kill_processes_of,
+    secret_exposure,
+)
 from service.agent.node import AgentError, NodeAgent
 from service.core.config import AgentSettings, UidRange
 from service.core.models import Isolation
@@ -105,3 +113,15 @@ def test_an_agent_without_a_uid_range_says_how_its_jobs_share_its_uid(
     info = owned._node_info()
     assert (info.isolation, info.owner) == (Isolation.OWNER, "alice")
     assert "only jobs of alice are placed here" in caplog.text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a process as another uid needs root")
+def test_a_released_uid_has_no_process_left_even_one_that_escaped_its_torchruns_tree() -> None:
+    uid = 23197  # a uid no other test uses
+    escaped = subprocess.Popen(["sleep", "60"], user=uid, group=uid, extra_groups=[], start_new_session=True)
+    try:
+        assert kill_processes_of(uid) == 1
+        assert escaped.wait(timeout=10) == -signal.SIGKILL
+        assert kill_processes_of(uid) == 0
+    finally:
+        escaped.kill()
