@@ -42,7 +42,7 @@ def test_every_part_is_optional(tmp_path: Path, data: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("data", "words"),
     [
-        ({"user": {"alice": 4}}, "unknown key(s) user (expected users, queues, default_user)"),
+        ({"user": {"alice": 4}}, "unknown key(s) user (expected users, queues, default_user, limits)"),
         ({"users": {"alice": -1}}, "users.alice must be a whole number of nodes >= 0, got -1"),
         ({"users": {"alice": 2.5}}, "users.alice must be a whole number of nodes >= 0, got 2.5"),
         ({"users": {"alice": True}}, "users.alice must be a whole number of nodes >= 0, got True"),
