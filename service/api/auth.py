@@ -88,8 +88,9 @@ def require(role: Role) -> Callable[..., Awaitable[Principal]]:
             )
         if _RANK[principal.role] < _RANK[role]:
             what = "is read-only" if principal.role == Role.READ else f"has role {principal.role.value}"
-            raise HTTPException(status.HTTP_403_FORBIDDEN, detail=f"token {principal.name!r} {what}: this needs a "
-                                f"{role.value} token")  # fmt: skip
+            article = "an" if role == Role.ADMIN else "a"
+            raise HTTPException(status.HTTP_403_FORBIDDEN, detail=f"token {principal.name!r} {what}: this needs "
+                                f"{article} {role.value} token")  # fmt: skip
         return principal
 
     return dependency
