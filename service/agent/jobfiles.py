@@ -36,6 +36,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["IsolationError", "JobFiles", "PreparedJob"]
 
 
+def _not_searchable(path: Path) -> str | None:
+    """Which directory above ``path`` other users cannot pass through (None: they reach it)."""
+    for d in path.parents:
+        mode = d.stat().st_mode
+        if not mode & 0o001:
+            return f"{d} is not searchable by other users (mode {mode & 0o7777:04o})"
+    return None
+
+
 class IsolationError(RuntimeError):
     """The agent cannot keep jobs apart as configured (one line)."""
 
@@ -78,6 +87,10 @@ class JobFiles:
                 if problem:
                     raise IsolationError(f"{problem}: jobs on this node could read it")
             self._reachable_work_dir()
+            unreachable = _not_searchable(Path(s.python).resolve())
+            if unreachable:
+                logger.warning("the jobs' uids cannot run %s: %s; give the agent --python an interpreter they can run",
+                               s.python, unreachable)  # fmt: skip
             logger.info("jobs run as uids of their own from %s (no supplementary groups)", s.job_uid_range)
             return Isolation.UID
         for path in secrets_:
@@ -101,12 +114,10 @@ class JobFiles:
         jobs = (self.settings.work_dir / "jobs").resolve()
         jobs.mkdir(parents=True, exist_ok=True)
         os.chmod(jobs, 0o711)
-        for d in jobs.parents:
-            mode = d.stat().st_mode
-            if not mode & 0o001:
-                raise IsolationError(f"the jobs' uids cannot reach their private directories under {jobs}: {d} is "
-                                     f"not searchable by other users (mode {mode & 0o7777:04o}; add o+x, or choose "
-                                     "another --work-dir)")  # fmt: skip
+        unreachable = _not_searchable(jobs)
+        if unreachable:
+            raise IsolationError(f"the jobs' uids cannot reach their private directories under {jobs}: {unreachable} "
+                                 "(add o+x, or choose another --work-dir)")  # fmt: skip
 
     def _private_dir(self, job_id: str) -> Path:
         return (self.settings.work_dir / "jobs" / job_id / "private").resolve()

@@ -57,6 +57,7 @@ ENV_LOGS_HOST = "ETRAIN_LOGS_HOST"
 ENV_LEASE_TTL = "ETRAIN_LEASE_TTL"
 ENV_JOB_UID_RANGE = "ETRAIN_JOB_UID_RANGE"
 ENV_JOB_OWNER = "ETRAIN_JOB_OWNER"
+ENV_PYTHON = "ETRAIN_PYTHON"
 ENV_SERVER = "ETRAIN_SERVER"
 ENV_TOKEN = "ETRAIN_TOKEN"
 ENV_TOKEN_FILE = "ETRAIN_TOKEN_FILE"
@@ -224,6 +225,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             lease_ttl=timedelta(seconds=args.lease_ttl),
             job_uid_range=uids,
             job_owner=args.job_owner or None,
+            python=args.python or sys.executable,
         )
         _check_etcd(etcd)
         agent = create_agent(settings)
@@ -440,6 +442,7 @@ def _parser() -> argparse.ArgumentParser:
          type=float)  # fmt: skip
     _add(p, "--job-uid-range", ENV_JOB_UID_RANGE, "LOW-HIGH: run each job as a uid and gid of its own from this range "
          "(needs root or CAP_SETUID/SETGID/CHOWN/KILL)")  # fmt: skip
+    _add(p, "--python", ENV_PYTHON, "the interpreter torchrun and the workers run on (default: the agent's)")
     _add(p, "--job-owner", ENV_JOB_OWNER, "run only this user's jobs (a token's name); for an agent that cannot "
          "switch uid")  # fmt: skip
     p.set_defaults(fn=cmd_agent)

@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 import stat
+import sys
+import sysconfig
 import tempfile
 import textwrap
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from service.testing.cluster import LocalServiceCluster
+from service.testing.cluster import REPO, LocalServiceCluster
 from tests.integration.service_harness import wait_api
 
 pytestmark = [
@@ -92,9 +94,21 @@ def shared(tmp_path: Path) -> Iterator[Path]:
     shutil.rmtree(d)
 
 
+def _job_python() -> str:
+    """An interpreter every uid may run (this one may live under a root-only directory, as pyenv's under /root);
+    the jobs get this environment's packages through PYTHONPATH (:func:`_spec`)."""
+    for candidate in (sys.executable, f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"):
+        real = Path(candidate).resolve()
+        if real.exists() and all(p.stat().st_mode & 0o001 for p in real.parents):
+            return candidate
+    pytest.skip(f"no Python {sys.version_info.major}.{sys.version_info.minor} that other uids may run")
+
+
 def _spec(name: str, shared: Path, *args: str, warm: bool) -> dict[str, Any]:
+    path = os.pathsep.join((str(REPO), sysconfig.get_paths()["purelib"]))
     return {"name": name, "entrypoint": str(shared / "probe.py"), "args": [str(shared), *args],
             "working_dir": str(shared), "warm_start": warm, "rendezvous": {"last_call_timeout": 1},
+            "env": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"},
             "restart_policy": {"max_failures": 0, "max_worker_restarts": 0}}  # fmt: skip
 
 
@@ -111,7 +125,7 @@ def test_two_jobs_on_one_agent_run_as_distinct_uids_and_cannot_read_each_others_
     try:
         api = cluster.start_controller()
         work = shared / "agent-work"  # a work dir the jobs' uids can reach their private directories in
-        flags = ["--job-uid-range", f"{UIDS[0]}-{UIDS[1]}", "--work-dir", str(work)]
+        flags = ["--job-uid-range", f"{UIDS[0]}-{UIDS[1]}", "--work-dir", str(work), "--python", _job_python()]
         cluster.start_agent("n1", nproc_per_node=2, extra_args=flags)
         wait_api("the agent", lambda: [n for n in api.nodes() if n["name"] == "n1"], 60)
         assert next(n for n in api.nodes() if n["name"] == "n1")["isolation"] == "uid"
