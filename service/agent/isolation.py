@@ -43,6 +43,7 @@ __all__ = [
     "hand_over",
     "kill_processes_of",
     "make_private_dir",
+    "not_searchable",
     "remove_private_dir",
     "secret_exposure",
 ]
@@ -118,6 +119,17 @@ def kill_processes_of(uid: int) -> int:
         except (OSError, StopIteration, ValueError):
             continue  # gone meanwhile, or not ours to read
     return killed
+
+
+def not_searchable(path: Path, itself: bool = False) -> str | None:
+    """Which directory above ``path`` (``itself``: or ``path``, a directory) other users cannot pass through (None:
+    they reach it)."""
+    real = path.resolve()
+    for d in (real, *real.parents) if itself else real.parents:
+        mode = d.stat().st_mode
+        if not mode & 0o001:
+            return f"{d} is not searchable by other users (mode {mode & 0o7777:04o})"
+    return None
 
 
 def secret_exposure(path: str | Path, uids: UidRange | None) -> str | None:

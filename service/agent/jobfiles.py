@@ -24,6 +24,7 @@ from service.agent.isolation import (
     hand_over,
     kill_processes_of,
     make_private_dir,
+    not_searchable,
     remove_private_dir,
     secret_exposure,
 )
@@ -34,15 +35,6 @@ from service.core.models import Assignment, Isolation
 logger = logging.getLogger(__name__)
 
 __all__ = ["IsolationError", "JobFiles", "PreparedJob"]
-
-
-def _not_searchable(path: Path) -> str | None:
-    """Which directory above ``path`` other users cannot pass through (None: they reach it)."""
-    for d in path.parents:
-        mode = d.stat().st_mode
-        if not mode & 0o001:
-            return f"{d} is not searchable by other users (mode {mode & 0o7777:04o})"
-    return None
 
 
 class IsolationError(RuntimeError):
@@ -87,7 +79,7 @@ class JobFiles:
                 if problem:
                     raise IsolationError(f"{problem}: jobs on this node could read it")
             self._reachable_work_dir()
-            unreachable = _not_searchable(Path(s.python).resolve())
+            unreachable = not_searchable(Path(s.python).resolve())
             if unreachable:
                 logger.warning("the jobs' uids cannot run %s: %s; give the agent --python an interpreter they can run",
                                s.python, unreachable)  # fmt: skip
@@ -114,7 +106,7 @@ class JobFiles:
         jobs = (self.settings.work_dir / "jobs").resolve()
         jobs.mkdir(parents=True, exist_ok=True)
         os.chmod(jobs, 0o711)
-        unreachable = _not_searchable(jobs)
+        unreachable = not_searchable(jobs)
         if unreachable:
             raise IsolationError(f"the jobs' uids cannot reach their private directories under {jobs}: {unreachable} "
                                  "(add o+x, or choose another --work-dir)")  # fmt: skip
@@ -132,6 +124,12 @@ class JobFiles:
         if fresh and kill_processes_of(uid):  # left by an earlier agent's job (its pdeath signal ignored)
             logger.warning("uid %d: killed the processes an earlier job left before giving it to job %s", uid, job_id)
         return JobUser(uid, uid)
+
+    def unreachable_cwd(self, cwd: Path) -> str | None:
+        """Why a job that runs as a uid of its own cannot work in ``cwd`` (None: it can, or it runs as the agent)."""
+        if self.settings.job_uid_range is None:
+            return None
+        return not_searchable(cwd, itself=True)
 
     def prepare(self, a: Assignment) -> PreparedJob:
         """The job's private directory (0700) and its secrets in it (0600), handed to its uid: its etcd password,

@@ -262,6 +262,12 @@ class NodeAgent:
                 )
             )
             return
+        unreachable = self._jobs.unreachable_cwd(Path(cwd))
+        if unreachable:  # the job's uid could not work there (and its workers would fail without a word)
+            self._finished.add(_once(a))
+            self._report(base.model_copy(update={"state": "launch_failed", "error": f"working_dir {cwd}: the job's "
+                                                 f"uid cannot enter it: {unreachable}"}))  # fmt: skip
+            return
         try:
             if self._launcher is None:
                 proc: WorkerProcess = TorchrunProcess.start(cmd, env, cwd, log, user=files.user)

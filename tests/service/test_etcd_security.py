@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -159,7 +160,8 @@ class _Service:
         return proc
 
     def run_one_node_job(
-        self, script_text: str | None = None, agent_args: tuple[str, ...] = (), where: Path | None = None
+        self, script_text: str | None = None, agent_args: tuple[str, ...] = (), where: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> dict[str, object]:
         """``where``: the directory of the agent's work dir and the job's script (default: the service's)."""
         where = where or self.workdir
@@ -187,7 +189,8 @@ class _Service:
         script.write_text(
             script_text or "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
         )
-        job = api.submit({"name": "tls", "entrypoint": str(script), "rendezvous": {"last_call_timeout": 1}})
+        job = api.submit({"name": "tls", "entrypoint": str(script), "rendezvous": {"last_call_timeout": 1},
+                          "env": env or {}, "working_dir": str(where)})  # fmt: skip
         done = wait_api(
             "the job to end", lambda: (j := api.job(job["id"]))["state"] in ("succeeded", "failed") and j, 90
         )
@@ -444,22 +447,34 @@ def test_a_job_runs_as_its_own_etcd_user_without_the_control_planes_credentials_
 
 
 _PROBE = """
-import json, os, sys
-from elastic.train.progress import create_reporter
-reporter = create_reporter()
-reporter.report(7, world_size=1, total_steps=7, force=True)
-reporter.close()
+import json, os, sys, traceback
 def attempt(path):
     try:
         open(path).read()
         return "read"
     except PermissionError:
         return "PermissionError"
-files = {k: os.environ[k] for k in ("ETRAIN_ETCD_CA_CERT", "ETRAIN_ETCD_PASSWORD_FILE")}
+try:
+    from elastic.train.progress import create_reporter
+    reporter = create_reporter()
+    reporter.report(7, world_size=1, total_steps=7, force=True)
+    reporter.close()
+    files = {k: os.environ[k] for k in ("ETRAIN_ETCD_CA_CERT", "ETRAIN_ETCD_PASSWORD_FILE")}
+    seen = {"uid": os.getuid(), "agent_password_file": attempt(AGENT_PW), "files": files,
+            "own": {k: attempt(v) for k, v in files.items()}}
+except Exception:
+    seen = {"error": traceback.format_exc()}
 with open(DUMP, "w") as fh:
-    json.dump({"uid": os.getuid(), "agent_password_file": attempt(AGENT_PW), "files": files,
-               "own": {k: attempt(v) for k, v in files.items()}}, fh)
+    json.dump(seen, fh)
 """
+
+
+def _job_python() -> str:
+    for candidate in (sys.executable, f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"):
+        real = Path(candidate).resolve()
+        if real.exists() and all(p.stat().st_mode & 0o001 for p in real.parents):
+            return candidate
+    pytest.skip(f"no Python {sys.version_info.major}.{sys.version_info.minor} that other uids may run")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching jobs' uids needs root")
@@ -479,14 +494,18 @@ def test_a_job_on_a_uid_of_its_own_reaches_etcd_with_its_own_files_and_cannot_re
         service = _Service(tmp_path, tls_etcd, flags)
         dump = shared / "worker.json"
         script = f"DUMP, AGENT_PW = {str(dump)!r}, {str(password_file)!r}\n" + _PROBE
+        python = _job_python()  # the jobs' uids must be able to run it, with this environment's packages
+        path = os.pathsep.join((str(_ROOT), sysconfig.get_paths()["purelib"]))
         try:
-            job = service.run_one_node_job(script, agent_args=("--job-uid-range", "23100-23199"), where=shared)
+            job = service.run_one_node_job(script, agent_args=("--job-uid-range", "23100-23199", "--python", python),
+                                           where=shared, env={"PYTHONPATH": path})  # fmt: skip
         finally:
             service.stop()
+        seen = json.loads(dump.read_text())
+        assert "error" not in seen, seen.get("error")
         assert job["state"] == "succeeded", job["last_error"]  # its rendezvous: TLS with its own CA copy, its user
         progress = job["progress"]
         assert isinstance(progress, dict) and progress["step"] == 7  # reported under its own etcd user
-        seen = json.loads(dump.read_text())
         assert 23100 <= seen["uid"] <= 23199
         assert seen["agent_password_file"] == "PermissionError"
         private = shared / "work" / "jobs" / str(job["id"]) / "private"
