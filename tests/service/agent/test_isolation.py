@@ -130,18 +130,15 @@ def test_a_released_uid_has_no_process_left_even_one_that_escaped_its_torchruns_
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a uid range needs root")
 def test_a_job_whose_uid_cannot_enter_its_working_dir_fails_to_launch_saying_why(tmp_path: Path) -> None:
-    pw = tmp_path / "pw"
-    pw.write_text("agent-pw\n")
-    pw.chmod(0o600)
     tmp_path.chmod(0o700)
     reachable = Path(tempfile.mkdtemp(prefix="etrain-isolation-"))
     try:
         reachable.chmod(0o755)
-        etcd = EtcdOptions("e:1", user="agent", password_file=str(pw))
+        etcd = EtcdOptions("e:1")
         settings = AgentSettings(etcd=etcd, node_name="n1", work_dir=reachable / "work", job_uid_range=R)
         agent = NodeAgent(settings, MemoryEtcdClient())
         spec = JobSpec.model_validate({"name": "j", "entrypoint": "train.py", "working_dir": str(tmp_path)})
-        a = Assignment(job_id="j-1", generation=1, spec=spec, etcd_user="etrain-job-j-1", etcd_password="pw",
+        a = Assignment(job_id="j-1", generation=1, spec=spec, checkpoint_key="ab" * 32,
                        assigned_at=datetime.now(timezone.utc))  # fmt: skip
         agent.sync({"j-1": a})
         kv, _ = agent.client.get(agent.store.keys.report("j-1", "n1"))
