@@ -142,7 +142,7 @@ def test_follow_interleaves_both_nodes_lines_until_the_job_ends(
     threads = [threading.Thread(target=a.run, args=(stop,), daemon=True) for a in agents]
     for t in threads:
         t.start()
-    http = httpx.Client(base_url=live_server, headers={"Authorization": f"Bearer {READER}"}, timeout=10)
+    http = httpx.Client(base_url=live_server, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10)
     admin = {"Authorization": f"Bearer {ADMIN}"}
     try:
         spec = {**SPEC, "entrypoint": str(script), "args": [str(done)], "rendezvous": {"last_call_timeout": 1}}
