@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AGENT_WRITTEN",
     "CHECKPOINT_KEY",
+    "CHECKPOINT_KEY_FILE",
     "CHECKPOINT_URL",
     "ETCD_CA_CERT",
     "ETCD_CERT",
@@ -102,6 +103,9 @@ MAX_NODES = "ETRAIN_MAX_NODES"
 JOB_ID = "ETRAIN_JOB_ID"
 CHECKPOINT_URL = "ETRAIN_CHECKPOINT_URL"
 CHECKPOINT_KEY = "ETRAIN_CHECKPOINT_KEY"  # hex HMAC key of the job's snapshot manifests (CheckpointOptions)
+# a file holding that key in hex (what the service's agent writes: a secret belongs in a file of the job's uid,
+# never in an environment)
+CHECKPOINT_KEY_FILE = "ETRAIN_CHECKPOINT_KEY_FILE"
 LOCAL_SNAPSHOT_EVERY = "ETRAIN_LOCAL_SNAPSHOT_EVERY"
 ETCD_ENDPOINTS = "ETRAIN_ETCD_ENDPOINTS"
 ETCD_CA_CERT = "ETRAIN_ETCD_CA_CERT"
@@ -136,7 +140,8 @@ _JOB_VARIABLES = (JOB_NAME, GENERATION, NODE_NAME, PROGRESS_KEY, LR_POLICY, MIN_
 _ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)
 #: Every variable :meth:`WorkerEnv.apply` owns: inherited values of these never reach the workers.
 AGENT_WRITTEN = frozenset(
-    (*_JOB_VARIABLES, JOB_ID, CHECKPOINT_URL, CHECKPOINT_KEY, LOCAL_SNAPSHOT_EVERY, *_ETCD_VARIABLES)
+    (*_JOB_VARIABLES, JOB_ID, CHECKPOINT_URL, CHECKPOINT_KEY, CHECKPOINT_KEY_FILE, LOCAL_SNAPSHOT_EVERY,
+     *_ETCD_VARIABLES)
 )
 
 _T = TypeVar("_T")
@@ -329,6 +334,14 @@ def _hex_key(raw: str) -> bytes:
     return key
 
 
+def _key_file(path: str) -> bytes:
+    try:
+        raw = Path(path).read_text().strip()
+    except OSError as exc:
+        raise WorkerEnvError(f"{CHECKPOINT_KEY_FILE}: cannot read {path}: {exc.strerror or exc}") from None
+    return _hex_key(raw)
+
+
 def _get(env: Mapping[str, str], name: str, parse: Callable[[str], _T]) -> _T | None:
     raw = env.get(name, "").strip()
     return parse(raw) if raw else None
@@ -345,7 +358,9 @@ class WorkerEnv:
     local_snapshot_every: int = 0  # node-local snapshots every N steps; 0: off
     etcd: EtcdOptions | None = None
     checkpoint_key: bytes | None = field(default=None, repr=False)  # signs the job's snapshots
-    live: LiveEnv | None = None  # the live group (live recovery), when the handler or a user set one
+    live: LiveEnv | None = None
+    # where the key is read from (``ETRAIN_CHECKPOINT_KEY_FILE``): written instead of the key itself
+    checkpoint_key_file: str | None = None  # the live group (live recovery), when the handler or a user set one
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> WorkerEnv:
@@ -358,8 +373,9 @@ class WorkerEnv:
             checkpoint_url=env.get(CHECKPOINT_URL) or None,
             local_snapshot_every=_get(env, LOCAL_SNAPSHOT_EVERY, _local_every) or 0,
             etcd=_etcd_from_environ(env),
-            checkpoint_key=_get(env, CHECKPOINT_KEY, _hex_key),
+            checkpoint_key=_get(env, CHECKPOINT_KEY, _hex_key) or _get(env, CHECKPOINT_KEY_FILE, _key_file),
             live=LiveEnv.from_environ(env),
+            checkpoint_key_file=env.get(CHECKPOINT_KEY_FILE) or None,
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -372,7 +388,9 @@ class WorkerEnv:
         out[LOCAL_SNAPSHOT_EVERY] = str(self.local_snapshot_every)
         if self.etcd is not None:
             out.update(_etcd_to_environ(self.etcd))
-        if self.checkpoint_key is not None:
+        if self.checkpoint_key_file:
+            out[CHECKPOINT_KEY_FILE] = self.checkpoint_key_file
+        elif self.checkpoint_key is not None:
             out[CHECKPOINT_KEY] = self.checkpoint_key.hex()
         if self.live is not None:
             out.update(self.live.to_environ())

@@ -27,6 +27,7 @@ from elastic.etcd.config import EtcdOptions
 from elastic.prefork import worker_tree
 from elastic.proctree import alive, descendants, process_stat
 from elastic.torchrun_cli import TorchrunCommand
+from service.agent.isolation import JobUser
 from service.core.models import Assignment
 
 logger = logging.getLogger(__name__)
@@ -154,12 +155,17 @@ def worker_env(
     etcd: EtcdOptions,
     extra: Mapping[str, str] | None = None,
     socket_ifname: str | None = None,
+    checkpoint_key_file: Path | None = None,
+    home: Path | None = None,
 ) -> dict[str, str]:
     """torchrun's environment (inherited by the workers): base, extra, the node's collective interface,
     the spec's env, then the service's (:class:`elastic.contract.env.WorkerEnv`, replacing any inherited value).
 
     ``socket_ifname`` (the agent's ``--socket-ifname``) is the network interface the workers' collectives
     bind: it becomes ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``, which a job's own env still overrides.
+    ``checkpoint_key_file``: the job's manifest-signing key lies in that file (``ETRAIN_CHECKPOINT_KEY_FILE``) and
+    is not put in the environment. ``home``: the job runs as a uid of its own (``service.agent.isolation``), with
+    this ``HOME`` and a ``USER``/``LOGNAME`` of that uid (never the agent's).
     """
     spec = assignment.spec
     nic = {"GLOO_SOCKET_IFNAME": socket_ifname, "NCCL_SOCKET_IFNAME": socket_ifname} if socket_ifname else {}
@@ -180,7 +186,11 @@ def worker_env(
         local_snapshot_every=spec.local_snapshot_every,  # read by elastic.train.trainer; 0: off
         etcd=etcd,
         checkpoint_key=bytes.fromhex(assignment.checkpoint_key) if assignment.checkpoint_key else None,
+        checkpoint_key_file=str(checkpoint_key_file) if checkpoint_key_file else None,
     ).apply(env)
+    if home is not None:
+        env["HOME"] = str(home)
+        env["USER"] = env["LOGNAME"] = f"etrain-{assignment.job_id}"
     disable_shared_rdzv_store(env, override=True)
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -214,10 +224,15 @@ class TorchrunProcess:
         self.started = time.time()
 
     @classmethod
-    def start(cls, cmd: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path) -> TorchrunProcess:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+    def start(
+        cls, cmd: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path, user: JobUser | None = None
+    ) -> TorchrunProcess:
+        """Start ``cmd``; with ``user`` as that uid and gid, without supplementary groups (the log is opened by
+        the agent, 0600, and handed over as stdout: the job writes it, another job's uid cannot read it)."""
+        log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         parent = os.getpid()
-        with open(log_path, "ab") as log:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "ab") as log:
             log.write(f"+ {' '.join(cmd)}\n".encode())
             log.flush()
             popen = subprocess.Popen(
@@ -228,7 +243,12 @@ class TorchrunProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=lambda: _child_setup(parent),  # only prctl and getppid: safe with threads
+                # only prctl and getppid: safe with threads; runs after the uid switch, which would clear the
+                # parent-death signal
+                preexec_fn=lambda: _child_setup(parent),
+                user=None if user is None else user.uid,
+                group=None if user is None else user.gid,
+                extra_groups=None if user is None else [],
             )
         return cls(popen, log_path)
 

@@ -38,18 +38,11 @@ from typing import Literal, Protocol
 from elastic import prefork
 from elastic.contract import env as contract
 from elastic.etcd import EtcdClient, EtcdError, create_client
-from elastic.etcd.config import EtcdOptions
 from elastic.etcd.lease import LeaseKeeper
 from service.agent.health import HealthServer, HealthStatus, judge_health
-from service.agent.launcher import (
-    JobIdentityError,
-    TorchrunProcess,
-    job_etcd,
-    rdzv_conf,
-    torchrun_command,
-    worker_env,
-    write_secret,
-)
+from service.agent.isolation import UidRangeExhausted
+from service.agent.jobfiles import IsolationError, JobFiles
+from service.agent.launcher import JobIdentityError, TorchrunProcess, rdzv_conf, torchrun_command, worker_env
 from service.agent.logs import LogServer, log_path
 from service.core.config import AgentSettings
 from service.core.models import Assignment, NodeInfo, WorkerReport
@@ -84,7 +77,8 @@ class WorkerProcess(Protocol):
 
 
 Launcher = Callable[[Sequence[str], Mapping[str, str], str, Path], WorkerProcess]
-"""Starts ``(command, environment, working directory, log path)``; raises ``OSError`` if it cannot."""
+"""Starts ``(command, environment, working directory, log path)``; raises ``OSError`` if it cannot. (A job that runs
+as a uid of its own is always started by :meth:`TorchrunProcess.start`.)"""
 
 
 @dataclass
@@ -112,12 +106,18 @@ class NodeAgent:
         self, settings: AgentSettings, client: EtcdClient | None = None, *, launcher: Launcher | None = None
     ) -> None:
         self.settings = settings
-        self._launcher: Launcher = launcher if launcher is not None else TorchrunProcess.start
+        self._launcher: Launcher | None = launcher  # None: TorchrunProcess.start
         self._own_client = client is None
         self._etcd_config = settings.etcd.config()
         self.client = client or create_client(self._etcd_config)
         self.store: ServiceStore = create_store(self.client, settings.prefix)
-        self._secrets: set[str] = set()  # jobs whose etcd password file this agent wrote
+        try:  # each job's private files and uid (service.agent.jobfiles)
+            self._jobs = JobFiles(settings)
+        except IsolationError as exc:
+            if self._own_client:
+                self.client.close()
+            raise AgentError(str(exc)) from None
+        self.isolation = self._jobs.isolation
         self.incarnation = uuid.uuid4().hex[:12]
         self._running: dict[str, _Running] = {}
         self._stopping: dict[str, _Running] = {}  # taken out of _running, stop() in progress
@@ -154,6 +154,8 @@ class NodeAgent:
             logs_url=self.logs_url,
             logs_token=self.logs_token if self._logs is not None else None,
             spare=s.spare,
+            isolation=self.isolation,
+            owner=s.job_owner,
         )
 
     def _wait_name_free(self) -> None:
@@ -212,37 +214,25 @@ class NodeAgent:
                 logger.warning("cannot report %s/%s yet: %s", job_id, report.generation, exc)
                 return
 
-    def _secret_path(self, job_id: str) -> Path:
-        return self.settings.work_dir / "jobs" / job_id / "etcd-password"
-
-    def _job_etcd(self, a: Assignment) -> EtcdOptions:
-        """The job's own etcd connection (:func:`job_etcd`), its password written to a 0600 file first."""
-        password_file = None
-        if a.etcd_user and a.etcd_password:
-            password_file = self._secret_path(a.job_id).resolve()
-            write_secret(password_file, a.etcd_password)
-            self._secrets.add(a.job_id)
-        return job_etcd(self.settings.etcd, a, password_file)
-
     def _forget_secrets(self, assigned: Iterable[str]) -> None:
-        """Delete the password files of jobs no longer assigned to this node."""
-        for job_id in self._secrets - set(assigned):
-            self._secrets.discard(job_id)
-            try:
-                self._secret_path(job_id).unlink(missing_ok=True)
-            except OSError as exc:
-                logger.warning("cannot delete the etcd password file of job %s: %s", job_id, exc)
+        self._jobs.forget(assigned)
 
     def _launch(self, a: Assignment) -> None:
         s = self.settings
         log = log_path(s.work_dir, a.job_id, a.generation, s.node_name)
         base = WorkerReport(job_id=a.job_id, node=s.node_name, generation=a.generation, state="running")
-        try:
-            etcd = self._job_etcd(a)
-        except (JobIdentityError, OSError) as exc:
+        if s.job_owner and a.owner != s.job_owner:
             self._finished.add(_once(a))
-            self._report(base.model_copy(update={"state": "launch_failed", "error": f"etcd identity: {exc}"}))
+            self._report(base.model_copy(update={"state": "launch_failed", "error": f"this node runs only the jobs "
+                                                 f"of {s.job_owner} (--job-owner), not of {a.owner}"}))  # fmt: skip
             return
+        try:
+            files = self._jobs.prepare(a)
+        except (JobIdentityError, UidRangeExhausted, OSError) as exc:
+            self._finished.add(_once(a))
+            self._report(base.model_copy(update={"state": "launch_failed", "error": f"job identity: {exc}"}))
+            return
+        etcd = files.etcd
         env = worker_env(
             a,
             base=os.environ,
@@ -251,8 +241,10 @@ class NodeAgent:
             etcd=etcd,
             extra=s.extra_env,
             socket_ifname=s.socket_ifname,
+            checkpoint_key_file=files.key_file,
+            home=files.home,
         )
-        if s.spare and a.spec.warm_start:
+        if s.spare and a.spec.warm_start and files.user is None:  # the agent's zygote runs as the agent's uid
             env[contract.PREFORK_OWNER] = str(os.getpid())
         cmd = torchrun_command(
             a,
@@ -270,8 +262,19 @@ class NodeAgent:
                 )
             )
             return
+        unreachable = self._jobs.unreachable_cwd(Path(cwd))
+        if unreachable:  # the job's uid could not work there (and its workers would fail without a word)
+            self._finished.add(_once(a))
+            self._report(base.model_copy(update={"state": "launch_failed", "error": f"working_dir {cwd}: the job's "
+                                                 f"uid cannot enter it: {unreachable}"}))  # fmt: skip
+            return
         try:
-            proc = self._launcher(cmd, env, cwd, log)
+            if self._launcher is None:
+                proc: WorkerProcess = TorchrunProcess.start(cmd, env, cwd, log, user=files.user)
+            elif files.user is None:
+                proc = self._launcher(cmd, env, cwd, log)
+            else:
+                raise OSError("this agent's launcher cannot run a job as a uid of its own")
         except OSError as exc:
             self._finished.add(_once(a))
             self._report(
@@ -280,9 +283,8 @@ class NodeAgent:
             return
         with self._lock:
             self._running[a.job_id] = _Running(a, proc)
-        logger.info(
-            "job %s generation %d: torchrun pid %d, log %s", a.job_id, a.generation, proc.pid, log
-        )
+        logger.info("job %s generation %d: torchrun pid %d, log %s%s", a.job_id, a.generation, proc.pid, log,
+                    f", uid {files.user.uid}" if files.user else "")  # fmt: skip
         self._report(base.model_copy(update={"pid": proc.pid, "started_at": _now()}))
 
     def _stop(self, job_id: str, reason: str) -> None:

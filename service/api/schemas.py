@@ -195,16 +195,18 @@ def job_summary(entry: JobEntry) -> JobSummary:
 
 
 REDACTED = "<redacted>"
-LOG_TAIL_HIDDEN = "(the workers' log tail is shown to admin tokens only)"
+LOG_TAIL_HIDDEN = "(the workers' log tail is shown to the job's owner and admin tokens only)"
 
 
 def job_detail(entry: JobEntry, *, secrets: bool) -> JobDetail:
-    """The job as the API shows it. ``secrets`` False (read tokens): the values of ``spec.env`` (users pass
-    credentials there) and the workers' log tail in ``last_error`` are withheld."""
+    """The job as the API shows it. ``secrets`` False (read tokens, other users' tokens): the values of ``spec.env``
+    (users pass credentials there), ``spec.args`` and the workers' log tail in ``last_error`` are withheld."""
     st, rec = entry.status, entry.record
     policy = rec.spec.restart_policy
     ckpt = st.checkpoint
-    spec = rec.spec if secrets else rec.spec.model_copy(update={"env": dict.fromkeys(rec.spec.env, REDACTED)})
+    spec = rec.spec if secrets else rec.spec.model_copy(
+        update={"env": dict.fromkeys(rec.spec.env, REDACTED), "args": [REDACTED] * len(rec.spec.args)}
+    )
     last_error = st.last_error
     if not secrets and last_error is not None and "\n" in last_error:
         last_error = last_error.split("\n", 1)[0] + "\n" + LOG_TAIL_HIDDEN

@@ -38,7 +38,7 @@ from service.cli.render import (
     progress_line,
 )
 from service.client import ApiClient, ApiError, load_job_file
-from service.core.config import AgentSettings, ConfigError, Settings, load_quotas, load_tokens
+from service.core.config import AgentSettings, ConfigError, Settings, UidRange, load_quotas, load_tokens
 from service.core.keys import DEFAULT_PREFIX
 from service.core.view import Quotas, ReconcileConfig
 
@@ -65,6 +65,9 @@ ENV_SPARE = "ETRAIN_SPARE"
 ENV_LOGS_PORT = "ETRAIN_LOGS_PORT"
 ENV_LOGS_HOST = "ETRAIN_LOGS_HOST"
 ENV_LEASE_TTL = "ETRAIN_LEASE_TTL"
+ENV_JOB_UID_RANGE = "ETRAIN_JOB_UID_RANGE"
+ENV_JOB_OWNER = "ETRAIN_JOB_OWNER"
+ENV_PYTHON = "ETRAIN_PYTHON"
 ENV_SERVER = "ETRAIN_SERVER"
 ENV_TOKEN = "ETRAIN_TOKEN"
 ENV_TOKEN_FILE = "ETRAIN_TOKEN_FILE"
@@ -212,6 +215,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except compat.TorchCompatError as exc:
         return _fail(f"agent: {exc}")
     try:
+        uids = UidRange.parse(args.job_uid_range) if args.job_uid_range else None
+    except ValueError as exc:
+        return _fail(f"agent: --job-uid-range: {exc}")
+    try:
         etcd = _etcd_options(args)
         settings = AgentSettings(
             etcd=etcd,
@@ -226,6 +233,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
             logs_port=args.logs_port,
             logs_host=args.logs_host,
             lease_ttl=timedelta(seconds=args.lease_ttl),
+            job_uid_range=uids,
+            job_owner=args.job_owner or None,
+            python=args.python or sys.executable,
         )
         _check_etcd(etcd)
         agent = create_agent(settings)
@@ -423,14 +433,15 @@ def _parser() -> argparse.ArgumentParser:
     _add(p, "--host", ENV_HOST, default="0.0.0.0")
     _add(p, "--port", ENV_PORT, default="8080", type=int)
     _add(p, "--tokens-file", ENV_TOKENS_FILE,
-         "YAML/JSON {tokens: [{token, role: admin|read, name}]}; none: auth off")  # fmt: skip
+         "YAML/JSON {tokens: [{token, role: admin|user|read, name}]}; none: auth off")  # fmt: skip
     _add(p, "--checkpoint-root", ENV_CHECKPOINT_ROOT,
          "jobs' checkpoints must lie below this URL; default <root>/<job id>")  # fmt: skip
     _add(p, "--leader-ttl", ENV_LEADER_TTL, "leader lease TTL, seconds", "5", type=float)
     _add(p, "--job-retention", ENV_JOB_RETENTION, "finished jobs (with their events) are deleted this many seconds "
          "after they end", str(7 * 24 * 3600), type=float)  # fmt: skip
     _add(p, "--quotas", ENV_QUOTAS_FILE, "YAML/JSON node quotas {users: {NAME: N}, queues: {QUEUE: N}, "
-         "default_user: N}; none: no quotas")  # fmt: skip
+         "default_user: N, limits: {default: L, users: {NAME: L}}} (L: what user tokens submit: max_priority, queues, "
+         "max_pending); none: no quotas")  # fmt: skip
     p.add_argument("--insecure", action="store_true", default=_env(ENV_INSECURE, "") or False,
                    help=f"serve a non-loopback --host without --tokens-file: anyone reaching it is admin "
                    f"({ENV_INSECURE})")  # fmt: skip
@@ -453,6 +464,11 @@ def _parser() -> argparse.ArgumentParser:
     _add(p, "--logs-host", ENV_LOGS_HOST, "address the logs port binds", "0.0.0.0")
     _add(p, "--lease-ttl", ENV_LEASE_TTL, "node lease TTL, seconds: how fast a dead node is noticed", "10",
          type=float)  # fmt: skip
+    _add(p, "--job-uid-range", ENV_JOB_UID_RANGE, "LOW-HIGH: run each job as a uid and gid of its own from this range "
+         "(needs root or CAP_SETUID/SETGID/CHOWN/KILL)")  # fmt: skip
+    _add(p, "--python", ENV_PYTHON, "the interpreter torchrun and the workers run on (default: the agent's)")
+    _add(p, "--job-owner", ENV_JOB_OWNER, "run only this user's jobs (a token's name); for an agent that cannot "
+         "switch uid")  # fmt: skip
     p.set_defaults(fn=cmd_agent)
 
     p = client_cmd("submit", cmd_submit, "submit a job file (YAML/JSON)")

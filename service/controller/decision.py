@@ -136,6 +136,7 @@ class Decision:
                 spec=self.spec,
                 checkpoint_url=self.record.checkpoint_url,
                 checkpoint_key=self.record.checkpoint_key,
+                owner=self.record.submitted_by,
                 assigned_at=self.now,
                 rdzv_run=rdzv_run_id(self.record.id, self.st.generation),
             )

@@ -74,8 +74,10 @@ class _Release:
 
 class _Pass:
     def __init__(self, decisions: Sequence[Decision], free: dict[str, int], claimed: dict[str, str],
-                 controls: Mapping[str, NodeControl], quotas: Quotas, spares: Collection[str]) -> None:  # fmt: skip
+                 controls: Mapping[str, NodeControl], quotas: Quotas, spares: Collection[str],
+                 owners: Mapping[str, str]) -> None:  # fmt: skip
         self.decisions = sorted(decisions, key=Decision.order)
+        self.owners = owners
         self.controls = controls
         self.spares = set(spares)
         self.free = free  # every live node's free slots (controlled ones included: releases count there too)
@@ -102,7 +104,9 @@ class _Pass:
         self.held.add(d, len(nodes))
 
     def avoid(self, d: Decision) -> set[str]:
-        return blacklisted_nodes(d.st, d.now) | set(d.st.nodes)
+        """Nodes ``d`` may not be placed on now: blacklisted, held already, or running only another owner's jobs."""
+        foreign = {n for n, owner in self.owners.items() if owner != d.user}
+        return blacklisted_nodes(d.st, d.now) | set(d.st.nodes) | foreign
 
     # -- 1. drains -------------------------------------------------------------------------------------
     def drain(self) -> None:
@@ -323,11 +327,13 @@ class _Pass:
 
 
 def place_jobs(decisions: Sequence[Decision], free: dict[str, int], claimed: dict[str, str],
-               controls: Mapping[str, NodeControl], quotas: Quotas, spares: Collection[str] = ()) -> None:  # fmt: skip
+               controls: Mapping[str, NodeControl], quotas: Quotas, spares: Collection[str] = (),
+               owners: Mapping[str, str] | None = None) -> None:  # fmt: skip
     """Run the placement pass over the jobs still active after the per-job rules (see the module docstring).
     ``free``: live node -> free slots (changed in place); ``claimed``: started job -> checkpoint prefix; ``spares``:
-    the hot spares among the live nodes."""
-    p = _Pass(decisions, free, claimed, controls, quotas, spares)
+    the hot spares among the live nodes; ``owners``: node -> the one owner whose jobs it runs (an agent that
+    cannot give jobs uids of their own, ``--job-owner``): no other owner's job is placed there."""
+    p = _Pass(decisions, free, claimed, controls, quotas, spares, owners or {})
     p.drain()
     p.replace_lost()
     p.resize()

@@ -287,7 +287,9 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
                 st.disrupted_at = None
                 d.move(Trigger.RESUME, f"running on {len(st.nodes)} node(s) (the job reports no progress)")
     spares = [name for name, info in view.nodes.items() if info.spare]
-    place_jobs([d for d in schedulable if not d.st.state.terminal], free, claimed, view.controls, cfg.quotas, spares)
+    owners = {name: info.owner for name, info in view.nodes.items() if info.owner is not None}
+    place_jobs([d for d in schedulable if not d.st.state.terminal], free, claimed, view.controls, cfg.quotas, spares,
+               owners)  # fmt: skip
     for decided in decisions:
         upd = decided if isinstance(decided, JobUpdate) else decided.update()
         if upd is not None:

@@ -25,7 +25,7 @@ import yaml
 from elastic.etcd.config import EtcdOptions  # the settings' etcd connection (re-exported: one class)
 from service.core.keys import DEFAULT_PREFIX
 from service.core.models import NAME_PATTERN
-from service.core.view import Quotas, ReconcileConfig
+from service.core.view import Quotas, ReconcileConfig, SubmitLimits
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ __all__ = [
     "Role",
     "Settings",
     "TokenEntry",
+    "UidRange",
     "load_quotas",
     "load_tokens",
 ]
@@ -46,7 +47,13 @@ class ConfigError(ValueError):
 
 
 class Role(str, Enum):
+    """What a token may do (``service.api.auth``)."""
+
+    #: an operator: everything, on every job and node
     ADMIN = "admin"
+    #: submit jobs (within the quotas file's ``limits``); resize, cancel and read the logs of its own jobs
+    USER = "user"
+    #: status only: no logs, no env values, no args
     READ = "read"
 
 
@@ -55,6 +62,36 @@ class TokenEntry:
     token: str
     role: Role
     name: str
+
+
+@dataclass(frozen=True)
+class UidRange:
+    """Uids (and gids of the same numbers) ``low..high``, both included, for jobs' processes."""
+
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.low <= self.high < 2**31:
+            raise ValueError(f"a uid range must be LOW-HIGH with 1 <= LOW <= HIGH < 2^31, got {self.low}-{self.high}")
+
+    @classmethod
+    def parse(cls, text: str) -> UidRange:
+        """``"20000-29999"``; ValueError (one line) otherwise."""
+        low, sep, high = text.strip().partition("-")
+        if not sep or not low.isdigit() or not high.isdigit():
+            raise ValueError(f"a uid range is LOW-HIGH (e.g. 20000-29999), got {text!r}")
+        return cls(int(low), int(high))
+
+    @property
+    def size(self) -> int:
+        return self.high - self.low + 1
+
+    def __contains__(self, uid: object) -> bool:
+        return isinstance(uid, int) and self.low <= uid <= self.high
+
+    def __str__(self) -> str:
+        return f"{self.low}-{self.high}"
 
 
 def _default_replica_id() -> str:
@@ -102,6 +139,11 @@ class AgentSettings:
     stop_grace: timedelta = timedelta(seconds=15)
     python: str = sys.executable
     extra_env: Mapping[str, str] = field(default_factory=dict)  # added to every worker's environment
+    # each job's torchrun runs as a uid (and gid) of its own from this range (service.agent.isolation); None: as
+    # the agent's uid
+    job_uid_range: UidRange | None = None
+    # the one owner (a token's name) whose jobs this node runs, when jobs share the agent's uid
+    job_owner: str | None = None
 
 
 def _parse_tokens(data: Any, source: str) -> tuple[TokenEntry, ...]:
@@ -118,7 +160,7 @@ def _parse_tokens(data: Any, source: str) -> tuple[TokenEntry, ...]:
         try:
             parsed_role = Role(role)
         except ValueError:
-            raise ConfigError(f"{source}: tokens[{i}].role must be 'admin' or 'read', got {role!r}") from None
+            raise ConfigError(f"{source}: tokens[{i}].role must be 'admin', 'user' or 'read', got {role!r}") from None
         if token in seen:
             raise ConfigError(f"{source}: tokens[{i}] repeats a token")
         if len(token) < 16:
@@ -142,11 +184,12 @@ def _read_config_file(path: str | Path, what: str) -> Any:
 
 
 def load_tokens(path: str | Path) -> tuple[TokenEntry, ...]:
-    """Read ``{tokens: [{token, role: admin|read, name}]}`` from a YAML or JSON file."""
+    """Read ``{tokens: [{token, role: admin|user|read, name}]}`` from a YAML or JSON file."""
     return _parse_tokens(_read_config_file(path, "tokens"), str(path))
 
 
-_QUOTA_KEYS = ("users", "queues", "default_user")
+_QUOTA_KEYS = ("users", "queues", "default_user", "limits")
+_LIMIT_KEYS = ("max_priority", "queues", "max_pending")
 _QUEUE_NAME = re.compile(NAME_PATTERN)
 
 
@@ -173,14 +216,47 @@ def _quota_map(data: Any, key: str, source: str) -> dict[str, int]:
     return out
 
 
+def _limits(data: Any, where: str) -> SubmitLimits:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping with max_priority, queues and/or max_pending")
+    unknown = sorted(str(k) for k in data if k not in _LIMIT_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (expected {', '.join(_LIMIT_KEYS)})")
+    prio, queues, pending = data.get("max_priority"), data.get("queues"), data.get("max_pending")
+    if prio is not None and (isinstance(prio, bool) or not isinstance(prio, int) or not -1000 <= prio <= 1000):
+        raise ConfigError(f"{where}.max_priority must be a whole number from -1000 to 1000, got {prio!r}")
+    if queues is not None:
+        if not isinstance(queues, list) or not all(isinstance(q, str) and _QUEUE_NAME.match(q) for q in queues):
+            raise ConfigError(f"{where}.queues must be a list of queue names, got {queues!r}")
+    if pending is not None and (isinstance(pending, bool) or not isinstance(pending, int) or pending < 0):
+        raise ConfigError(f"{where}.max_pending must be a whole number >= 0, got {pending!r}")
+    return SubmitLimits(max_priority=prio, queues=None if queues is None else frozenset(queues), max_pending=pending)
+
+
+def _parse_limits(data: Any, source: str) -> tuple[dict[str, SubmitLimits], SubmitLimits]:
+    if data is None:
+        return {}, SubmitLimits()
+    if not isinstance(data, dict) or any(k not in ("default", "users") for k in data):
+        raise ConfigError(f"{source}: limits must be a mapping with default and/or users")
+    users = data.get("users") or {}
+    if not isinstance(users, dict) or not all(isinstance(n, str) and n.strip() for n in users):
+        raise ConfigError(f"{source}: limits.users must be a mapping of user name to limits")
+    default = _limits(data["default"], f"{source}: limits.default") if "default" in data else SubmitLimits()
+    return {n: _limits(v, f"{source}: limits.users.{n}") for n, v in users.items()}, default
+
+
 def _parse_quotas(data: Any, source: str) -> Quotas:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping with users, queues and/or default_user")
     unknown = sorted(str(k) for k in data if k not in _QUOTA_KEYS)
     if unknown:
-        raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)} (expected users, queues, default_user)")
+        raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)} (expected users, queues, default_user, "
+                          "limits)")  # fmt: skip
     default = data.get("default_user")
+    limits, default_limits = _parse_limits(data.get("limits"), source)
     return Quotas(
+        limits=limits,
+        default_limits=default_limits,
         users=_quota_map(data, "users", source),
         queues=_quota_map(data, "queues", source),
         default_user=None if default is None else _quota(default, f"{source}: default_user"),
@@ -190,5 +266,7 @@ def _parse_quotas(data: Any, source: str) -> Quotas:
 def load_quotas(path: str | Path) -> Quotas:
     """Read the node quotas ``{users: {NAME: N}, queues: {QUEUE: N}, default_user: N}`` (each part optional; N:
     nodes held at once by the active jobs of that user or queue, >= 0) from a YAML or JSON file. A user is
-    a token's name (``--tokens-file``); one not listed gets ``default_user`` (absent: no limit)."""
+    a token's name (``--tokens-file``); one not listed gets ``default_user`` (absent: no limit). ``limits:
+    {default: L, users: {NAME: L}}`` bounds what ``user`` tokens submit, ``L`` being ``{max_priority: P, queues:
+    [QUEUE, ...], max_pending: N}`` (each optional; a user's unset ones from ``default``)."""
     return _parse_quotas(_read_config_file(path, "quotas"), str(path))

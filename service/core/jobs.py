@@ -6,6 +6,7 @@ the records the store reads (``service.core.store`` only persists them; the API 
   the spec's own limits are ``service.core.models.submit_problems``.
 - resize: :func:`plan_resize` (the new record and its ``resize`` event, or nothing to write), raising
   :class:`JobFinished` or :class:`InvalidResize`; :func:`resized_spec` validates the new spec as a submit would.
+- who may submit what: :func:`submit_refusal` (a ``user`` token's limits: priority, queues, pending jobs).
 - checkpoint-prefix ownership: :func:`checkpoint_claims`, the one rule of which jobs hold their prefix, used by
   the submit (:func:`checkpoint_prefix_conflict`) and the reconcile loop (``started_only``).
 """
@@ -29,7 +30,8 @@ from service.core.models import (
     normalize_checkpoint_url,
     submit_problems,
 )
-from service.core.view import JobEntry
+from service.core.states import JobState
+from service.core.view import JobEntry, SubmitLimits
 
 __all__ = [
     "CheckpointOutsideRoot",
@@ -44,6 +46,7 @@ __all__ = [
     "resize_changes",
     "resized_spec",
     "resolve_checkpoint_url",
+    "submit_refusal",
 ]
 
 
@@ -179,3 +182,21 @@ def plan_resize(
     event = new_event("resize", message + (f" (by {requested_by})" if requested_by else ""), now,
                       requested_by=requested_by, **data)  # fmt: skip
     return record.model_copy(update={"spec": spec}), event
+
+
+def submit_refusal(spec: JobSpec, user: str, limits: SubmitLimits, jobs: Iterable[JobEntry]) -> tuple[int, str] | None:
+    """Why ``user`` (a ``user`` token's name) may not submit ``spec`` now, as ``(HTTP status, message)``: 403 for a
+    priority above its maximum or a queue it may not use, 429 while it has ``max_pending`` jobs pending; None: it
+    may. ``jobs``: every job the store holds."""
+    if limits.max_priority is not None and spec.priority > limits.max_priority:
+        return 403, (f"priority {spec.priority} is above the maximum of user {user} ({limits.max_priority}; the "
+                     "quotas file's limits)")  # fmt: skip
+    if spec.queue is not None and limits.queues is not None and spec.queue not in limits.queues:
+        allowed = ", ".join(sorted(limits.queues)) or "none"
+        return 403, f"user {user} may not submit to queue {spec.queue} (its queues: {allowed})"
+    if limits.max_pending is not None:
+        pending = sum(1 for e in jobs if e.record.submitted_by == user and e.status.state == JobState.PENDING)
+        if pending >= limits.max_pending:
+            return 429, (f"user {user} has {pending} pending job(s), its most (max_pending {limits.max_pending}): "
+                         "submit again when one has started or ended")  # fmt: skip
+    return None

@@ -43,6 +43,7 @@ __all__ = [
     "CheckpointInfo",
     "Event",
     "EventMark",
+    "Isolation",
     "JobRecord",
     "JobSpec",
     "JobStatus",
@@ -175,6 +176,17 @@ class Event(_Record):
     data: dict[str, Any] = Field(default_factory=dict)
 
 
+class Isolation(str, Enum):
+    """How the jobs on a node are kept apart (reported in the node's registration)."""
+
+    #: each job runs as a uid and gid of its own (``--job-uid-range``)
+    UID = "uid"
+    #: the agent cannot switch uid: jobs run as the agent's uid, and only one owner's (``--job-owner``)
+    OWNER = "owner"
+    #: jobs of any owner run as the agent's uid: they can read each other's secrets (and the agent's files)
+    NONE = "none"
+
+
 class NodeInfo(_Record):
     """``<prefix>/nodes/<name>``: a live agent (the key lives on the agent's lease)."""
 
@@ -193,6 +205,10 @@ class NodeInfo(_Record):
     # ``GET /v1/jobs/{id}/logs`` there with ``logs_token`` as bearer token (never shown by the API)
     logs_url: str | None = None
     logs_token: str | None = Field(default=None, repr=False)
+    # how the jobs on this node are kept apart (service.agent.isolation); with ``owner`` set only that owner's
+    # jobs are placed here (an agent that cannot switch uid, started with --job-owner)
+    isolation: Isolation = Isolation.NONE
+    owner: str | None = None
 
 
 #: host names an agent's ``logs_url`` may always name besides its registered hosts (one machine, no --rdzv-host)
@@ -301,6 +317,8 @@ class Assignment(_Record):
     # control plane's user. None: the control plane uses no etcd password (jobs share its identity).
     etcd_user: str | None = None
     etcd_password: str | None = Field(default=None, repr=False)
+    # who submitted the job (its record's ``submitted_by``): an agent that runs one owner's jobs only refuses others
+    owner: str | None = None
 
     # torchrun's run id, chosen by the controller (``rdzv_run_id``); None (an older controller): the legacy
     # ``<job id>-g<generation>``, which a job named ``<job id>-g...`` could share a grant prefix with

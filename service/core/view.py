@@ -14,7 +14,8 @@ from datetime import timedelta
 from elastic.contract.progress import Progress
 from service.core.models import Assignment, Event, JobRecord, JobStatus, NodeControl, NodeInfo, WorkerReport
 
-__all__ = ["ClusterView", "JobEntry", "JobUpdate", "Plan", "PlanOutcome", "Quotas", "ReconcileConfig", "WriteFailure"]
+__all__ = ["ClusterView", "JobEntry", "JobUpdate", "Plan", "PlanOutcome", "Quotas", "ReconcileConfig", "SubmitLimits",
+           "WriteFailure"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,23 @@ class ClusterView:
 
 
 @dataclass(frozen=True)
+class SubmitLimits:
+    """What a ``user`` token may submit (the quotas file's ``limits``; admin tokens have none). None: no limit."""
+
+    max_priority: int | None = None  # the highest spec.priority it may give
+    queues: frozenset[str] | None = None  # the queues its jobs may name (a job without a queue: always)
+    max_pending: int | None = None  # its jobs waiting to start (state pending) at once
+
+    def over(self, fallback: SubmitLimits) -> SubmitLimits:
+        """These limits, each one unset taken from ``fallback``."""
+        return SubmitLimits(
+            max_priority=self.max_priority if self.max_priority is not None else fallback.max_priority,
+            queues=self.queues if self.queues is not None else fallback.queues,
+            max_pending=self.max_pending if self.max_pending is not None else fallback.max_pending,
+        )
+
+
+@dataclass(frozen=True)
 class Quotas:
     """Node quotas (nodes held at once by a user's or a queue's active jobs). A job counts against its
     submitter's quota (``users``, else ``default_user``) and its spec's ``queue`` quota (``queues``); None or
@@ -56,6 +74,12 @@ class Quotas:
     users: Mapping[str, int] = field(default_factory=dict)
     queues: Mapping[str, int] = field(default_factory=dict)
     default_user: int | None = None
+    # what ``user`` tokens may submit: per user name, each unset limit taken from ``default_limits``
+    limits: Mapping[str, SubmitLimits] = field(default_factory=dict)
+    default_limits: SubmitLimits = field(default_factory=SubmitLimits)
+
+    def submit_limits(self, user: str) -> SubmitLimits:
+        return self.limits.get(user, SubmitLimits()).over(self.default_limits)
 
     def user_limit(self, user: str | None) -> int | None:
         return self.users.get(user or "", self.default_user)

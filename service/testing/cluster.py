@@ -139,15 +139,17 @@ class LocalServiceCluster:
         self.controller.send_signal(signal.SIGKILL)
         self.controller.wait()
 
-    def start_agent(self, name: str, nproc_per_node: int | None = None, *, spare: bool = False) -> None:
+    def start_agent(self, name: str, nproc_per_node: int | None = None, *, spare: bool = False,
+                    extra_args: Sequence[str] = ()) -> None:  # fmt: skip
         """Start agent ``name`` (its job logs served on a free port, for ``etrain logs``; ``spare``: a hot
-        spare)."""
+        spare; ``extra_args``: more ``etrain agent`` flags)."""
         args = ["agent", "--node-name", name, "--work-dir", str(self.workdir / "agents" / name),
                 "--lease-ttl", str(self.lease_ttl), "--logs-port", str(free_port())]  # fmt: skip
         if nproc_per_node is not None:
             args += ["--nproc-per-node", str(nproc_per_node)]
         if spare:
             args.append("--spare")
+        args += extra_args
         # inherited by torchrun and its workers: elastic/testing/train_worker.py records it ("agent") with each step
         env = {"TEST_AGENT_NAME": name}
         if self.network is None:

@@ -212,13 +212,26 @@ def _pod_problems(m: Manifest) -> list[str]:
     return errs
 
 
+#: what an agent that runs jobs as uids of their own keeps (it runs as root with only these)
+JOB_ISOLATION_CAPS = {"CHOWN", "KILL", "SETGID", "SETUID"}
+
+
+def _isolating_agent(spec: dict[str, Any]) -> bool:
+    """An agent container with --job-uid-range, whose root keeps no capability beyond :data:`JOB_ISOLATION_CAPS`."""
+    cs = spec["containers"]
+    return len(cs) == 1 and cs[0]["name"] == "agent" and "ETRAIN_JOB_UID_RANGE" in env_of(cs[0]) and set(
+        ((cs[0].get("securityContext") or {}).get("capabilities") or {}).get("add") or []
+    ) <= JOB_ISOLATION_CAPS
+
+
 def security_problems(m: Manifest) -> list[str]:
-    """What keeps a pod from running non-root with a read-only root file system and no privileges."""
+    """What keeps a pod from running non-root with a read-only root file system and no privileges (an agent that
+    runs jobs as uids of their own: as root, with every capability dropped but :data:`JOB_ISOLATION_CAPS`)."""
     errs: list[str] = []
     spec = pod_spec(m)
     psc = spec.get("securityContext") or {}
     where = f"{m.kind}/{m.name}"
-    if psc.get("runAsNonRoot") is not True or int(psc.get("runAsUser", 0)) == 0:
+    if (psc.get("runAsNonRoot") is not True or int(psc.get("runAsUser", 0)) == 0) and not _isolating_agent(spec):
         errs.append(f"{where}: pod does not run as a non-root user")
     if (psc.get("seccompProfile") or {}).get("type") != "RuntimeDefault":
         errs.append(f"{where}: no RuntimeDefault seccomp profile")
@@ -230,6 +243,9 @@ def security_problems(m: Manifest) -> list[str]:
             errs.append(f"{where}/{c['name']}: root file system is writable")
         if "ALL" not in ((csc.get("capabilities") or {}).get("drop") or []):
             errs.append(f"{where}/{c['name']}: capabilities are not all dropped")
+        added = set((csc.get("capabilities") or {}).get("add") or [])
+        if added and not (_isolating_agent(spec) and added <= JOB_ISOLATION_CAPS):
+            errs.append(f"{where}/{c['name']}: capabilities added: {sorted(added)}")
         if "resources" not in c or not c["resources"]:
             errs.append(f"{where}/{c['name']}: no resources")
     return errs

@@ -193,6 +193,9 @@ def etrain_process(
     files = write_mounted_secrets(objects, workload, container, tmp / f"{name}-files")
     env = expand_env(container["env"], {"HOME": str(tmp), **overrides}, fields or {})
     env = {k: files.get(v, etcd.localize(v) if etcd else v) for k, v in env.items()}
+    # the container's per-job uids (root with four capabilities, a work dir of its own) are checked on the rendered
+    # objects (test_chart_security); this local process keeps pytest's root-only directories: no uid switch here
+    env.pop("ETRAIN_JOB_UID_RANGE", None)
     argv = [
         sys.executable,
         "-c",

@@ -484,7 +484,7 @@ _SCHEMA_FAILS = [
     ),
     pytest.param(
         {"auth": {"enabled": True, "tokens": [{"name": "x", "role": "root", "token": "t" * 20}]}},
-        "at '/auth/tokens/0/role': value must be one of 'admin', 'read'",
+        "at '/auth/tokens/0/role': value must be one of 'admin', 'user', 'read'",
         id="role",
     ),
     pytest.param(

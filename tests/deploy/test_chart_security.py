@@ -469,3 +469,30 @@ def test_helm_upgrade_keeps_generated_tokens_and_certificates(chart: helm.Chart)
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert "etcd.example.org" in sans.get_values_for_type(x509.DNSName)
     assert keys(renamed, "-etcd-client-tls") == keys(installed, "-etcd-client-tls")
+
+
+def test_agents_run_each_job_as_a_uid_of_its_own_as_root_with_four_capabilities_and_root_only_secrets(
+    chart: helm.Chart,
+) -> None:
+    objects = render(chart, {})
+    agents = mf.one(objects, "StatefulSet", "-agent")
+    agent = mf.container(agents, "agent")
+    psc = mf.pod_spec(agents)["securityContext"]
+    assert (psc["runAsUser"], psc["runAsGroup"], psc["runAsNonRoot"]) == (0, 0, False)
+    assert psc["seccompProfile"] == {"type": "RuntimeDefault"}
+    csc = agent["securityContext"]
+    assert csc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "KILL", "SETGID", "SETUID"]}
+    assert csc["allowPrivilegeEscalation"] is False and csc["readOnlyRootFilesystem"] is True
+    assert mf.env_of(agent)["ETRAIN_JOB_UID_RANGE"] == "20000-29999"
+    files = rd.mounted_secret_keys(agents, agent)
+    assert files and {mode for _, _, mode in files.values()} == {0o400}  # the client key: root's only
+    controller = _controller(objects)
+    assert {mode for _, _, mode in rd.mounted_secret_keys(mf.one(objects, "Deployment"), controller).values()} == {
+        0o440
+    }  # the controller runs as 10001 (the pods' fsGroup) and runs no job
+    shared = render(chart, {"agent": {"jobIsolation": {"enabled": False}}})
+    agents = mf.one(shared, "StatefulSet", "-agent")
+    agent = mf.container(agents, "agent")
+    assert mf.pod_spec(agents)["securityContext"]["runAsUser"] == 10001
+    assert "add" not in agent["securityContext"]["capabilities"] and "ETRAIN_JOB_UID_RANGE" not in mf.env_of(agent)
+    assert {mode for _, _, mode in rd.mounted_secret_keys(agents, agent).values()} == {0o440}

@@ -1,6 +1,6 @@
-"""``etrain logs JOB -f`` (the CLI as a process, an admin token from the environment: logs need one) follows a job
-training on two agents of a whole local service (etcd, the controller with tokens, agents serving their logs): it
-prints the workers' lines while they train and exits 0 once the job has ended."""
+"""``etrain logs JOB -f`` (the CLI as a process, an admin token from the environment) follows a job training on two
+agents of a whole local service (etcd, the controller with tokens, agents serving their logs): it prints the
+workers' lines while they train and exits 0 once the job has ended."""
 
 from __future__ import annotations
 

@@ -19,13 +19,16 @@ from service.core.view import ReconcileConfig
 
 ADMIN = "admin-token-0123456789"
 READER = "read-token-0123456789"
+USER = "user-token-0123456789"  # role user, named carol
+OTHER_USER = "user-token-9876543210"  # role user, named dave
 
 
 def make_settings(etcd: LocalEtcdCluster, prefix: str, **kw: object) -> Settings:
     base: dict[str, object] = {
         "etcd": EtcdOptions(etcd.endpoints, connect_timeout=timedelta(seconds=2)),
         "prefix": prefix,
-        "tokens": (TokenEntry(ADMIN, Role.ADMIN, "alice"), TokenEntry(READER, Role.READ, "bob")),
+        "tokens": (TokenEntry(ADMIN, Role.ADMIN, "alice"), TokenEntry(READER, Role.READ, "bob"),
+                   TokenEntry(USER, Role.USER, "carol"), TokenEntry(OTHER_USER, Role.USER, "dave")),
         "leader_ttl": timedelta(seconds=2),
         "reconcile_interval": timedelta(seconds=0.3),
         "reconcile": ReconcileConfig(success_grace=timedelta(seconds=5), failure_settle=timedelta(seconds=1)),

@@ -11,6 +11,8 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
+import tempfile
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -157,7 +159,12 @@ class _Service:
         self.procs.append(proc)
         return proc
 
-    def run_one_node_job(self, script_text: str | None = None) -> dict[str, object]:
+    def run_one_node_job(
+        self, script_text: str | None = None, agent_args: tuple[str, ...] = (), where: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> dict[str, object]:
+        """``where``: the directory of the agent's work dir and the job's script (default: the service's)."""
+        where = where or self.workdir
         port = free_port()
         self.etrain(
             "controller", "controller", "--host", "127.0.0.1", "--port", str(port), "--leader-ttl", "2"
@@ -168,20 +175,22 @@ class _Service:
             "--node-name",
             "n1",
             "--work-dir",
-            str(self.workdir / "work"),
+            str(where / "work"),
             "--rdzv-host",
             "127.0.0.1",
             "--lease-ttl",
             "2",
+            *agent_args,
         )
         api = ApiClient(f"http://127.0.0.1:{port}")
         wait_api("the controller", api.ready, 60)
         wait_api("the node", lambda: len(api.nodes()) == 1, 60)
-        script = self.workdir / "worker.py"
+        script = where / "worker.py"
         script.write_text(
             script_text or "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
         )
-        job = api.submit({"name": "tls", "entrypoint": str(script), "rendezvous": {"last_call_timeout": 1}})
+        job = api.submit({"name": "tls", "entrypoint": str(script), "rendezvous": {"last_call_timeout": 1},
+                          "env": env or {}, "working_dir": str(where)})  # fmt: skip
         done = wait_api(
             "the job to end", lambda: (j := api.job(job["id"]))["state"] in ("succeeded", "failed") and j, 90
         )
@@ -423,7 +432,7 @@ def test_a_job_runs_as_its_own_etcd_user_without_the_control_planes_credentials_
     user = f"etrain-job-{job['id']}"
     assert env["ETRAIN_ETCD_USER"] == user
     secret = Path(env["ETRAIN_ETCD_PASSWORD_FILE"])
-    assert secret.parent.name == job["id"] and not secret.exists()  # deleted when the job left the node
+    assert secret.parent.parent.name == job["id"] and not secret.exists()  # deleted when the job left the node
     assert {k: v for k, v in env.items() if _ROOT_PW in v or str(tmp_path / "pw") in v} == {}
     assert "root" not in [v for k, v in env.items() if k.startswith("ETRAIN_ETCD")]
     assert "user=root" not in env.get("PET_RDZV_CONF", "")
@@ -435,3 +444,74 @@ def test_a_job_runs_as_its_own_etcd_user_without_the_control_planes_credentials_
         assert not [u for u in root.user_list() if u.startswith("etrain-job-")]
     finally:
         root.close()
+
+
+_PROBE = """
+import json, os, sys, traceback
+def attempt(path):
+    try:
+        open(path).read()
+        return "read"
+    except PermissionError:
+        return "PermissionError"
+try:
+    from elastic.train.progress import create_reporter
+    reporter = create_reporter()
+    reporter.report(7, world_size=1, total_steps=7, force=True)
+    reporter.close()
+    files = {k: os.environ[k] for k in ("ETRAIN_ETCD_CA_CERT", "ETRAIN_ETCD_PASSWORD_FILE")}
+    seen = {"uid": os.getuid(), "agent_password_file": attempt(AGENT_PW), "files": files,
+            "own": {k: attempt(v) for k, v in files.items()}}
+except Exception:
+    seen = {"error": traceback.format_exc()}
+with open(DUMP, "w") as fh:
+    json.dump(seen, fh)
+"""
+
+
+def _job_python() -> str:
+    for candidate in (sys.executable, f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"):
+        real = Path(candidate).resolve()
+        if real.exists() and all(p.stat().st_mode & 0o001 for p in real.parents):
+            return candidate
+    pytest.skip(f"no Python {sys.version_info.major}.{sys.version_info.minor} that other uids may run")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching jobs' uids needs root")
+@pytest.mark.parametrize("tls_etcd", [False], indirect=True)
+def test_a_job_on_a_uid_of_its_own_reaches_etcd_with_its_own_files_and_cannot_read_the_agents_password_file(
+    tls_etcd: str, certs: Path, tmp_path: Path
+) -> None:
+    _enable_auth(tls_etcd, certs)
+    shared = Path(tempfile.mkdtemp(prefix="etrain-uid-etcd-"))  # every uid may enter it (pytest's are root's)
+    try:
+        shared.chmod(0o777)
+        password_file = shared / "agent-pw"  # the agent's own etcd password, 0600 as it must be: refused otherwise
+        password_file.write_text(_ROOT_PW + "\n")
+        password_file.chmod(0o600)
+        flags = ["--etcd-ca-cert", str(certs / "ca.pem"), "--etcd-user", "root", "--etcd-password-file",
+                 str(password_file)]  # fmt: skip
+        service = _Service(tmp_path, tls_etcd, flags)
+        dump = shared / "worker.json"
+        script = f"DUMP, AGENT_PW = {str(dump)!r}, {str(password_file)!r}\n" + _PROBE
+        python = _job_python()  # the jobs' uids must be able to run it, with this environment's packages
+        path = os.pathsep.join((str(_ROOT), sysconfig.get_paths()["purelib"]))
+        try:
+            job = service.run_one_node_job(script, agent_args=("--job-uid-range", "23100-23199", "--python", python),
+                                           where=shared, env={"PYTHONPATH": path})  # fmt: skip
+        finally:
+            service.stop()
+        seen = json.loads(dump.read_text())
+        assert "error" not in seen, seen.get("error")
+        assert job["state"] == "succeeded", job["last_error"]  # its rendezvous: TLS with its own CA copy, its user
+        progress = job["progress"]
+        assert isinstance(progress, dict) and progress["step"] == 7  # reported under its own etcd user
+        assert 23100 <= seen["uid"] <= 23199
+        assert seen["agent_password_file"] == "PermissionError"
+        private = shared / "work" / "jobs" / str(job["id"]) / "private"
+        assert seen["files"] == {"ETRAIN_ETCD_CA_CERT": str(private / "etcd-ca.pem"),
+                                 "ETRAIN_ETCD_PASSWORD_FILE": str(private / "etcd-password")}  # fmt: skip
+        assert seen["own"] == {"ETRAIN_ETCD_CA_CERT": "read", "ETRAIN_ETCD_PASSWORD_FILE": "read"}
+        assert not private.exists()  # deleted when the job left the node
+    finally:
+        shutil.rmtree(shared)

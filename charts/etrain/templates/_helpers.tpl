@@ -316,38 +316,42 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
-{{/* Volumes shared by controller and agents. */}}
+{{/* Volumes shared by controller and agents: call with the root context, or (dict "ctx" . "secretMode" "0400") for
+the Secrets' file mode (default 0440: the pods' fsGroup reads them; 0400: root only, for an agent whose jobs run as
+uids of their own). */}}
 {{- define "etrain.commonVolumes" -}}
+{{- $ctx := .ctx | default . }}
+{{- $mode := .secretMode | default "0440" }}
 - name: tmp
   emptyDir: {}
-{{- if eq .Values.storage.type "pvc" }}
+{{- if eq $ctx.Values.storage.type "pvc" }}
 - name: shared
   persistentVolumeClaim:
-    claimName: {{ include "etrain.storage.claimName" . }}
+    claimName: {{ include "etrain.storage.claimName" $ctx }}
 {{- end }}
-{{- if include "etrain.etcd.clientUsesTls" . }}
+{{- if include "etrain.etcd.clientUsesTls" $ctx }}
 - name: etcd-tls
   secret:
-    secretName: {{ include "etrain.etcd.clientTlsSecret" . }}
-    defaultMode: 0440
+    secretName: {{ include "etrain.etcd.clientTlsSecret" $ctx }}
+    defaultMode: {{ $mode }}
     items:
       - key: ca.crt
         path: ca.crt
-      {{- if include "etrain.etcd.clientPresentsCert" . }}
+      {{- if include "etrain.etcd.clientPresentsCert" $ctx }}
       - key: tls.crt
         path: tls.crt
       - key: tls.key
         path: tls.key
       {{- end }}
 {{- end }}
-{{- if include "etrain.etcd.isExternal" . }}
-{{- if .Values.etcd.external.auth.username }}
+{{- if include "etrain.etcd.isExternal" $ctx }}
+{{- if $ctx.Values.etcd.external.auth.username }}
 - name: etcd-auth
   secret:
-    secretName: {{ .Values.etcd.external.auth.existingSecret }}
-    defaultMode: 0440
+    secretName: {{ $ctx.Values.etcd.external.auth.existingSecret }}
+    defaultMode: {{ $mode }}
     items:
-      - key: {{ .Values.etcd.external.auth.passwordKey }}
+      - key: {{ $ctx.Values.etcd.external.auth.passwordKey }}
         path: password
 {{- end }}
 {{- end }}

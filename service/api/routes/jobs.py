@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, status
 from fastapi.exceptions import RequestValidationError
 
-from service.api.auth import Principal, require_admin, require_read
+from service.api.auth import Principal, check_owner, owns, require_read, require_user
 from service.api.deps import get_metrics, get_settings, get_store
 from service.api.schemas import (
     EventList,
@@ -30,6 +30,7 @@ from service.core.jobs import (
     new_job,
     new_job_id,
     resolve_checkpoint_url,
+    submit_refusal,
 )
 from service.core.models import JobSpec, submit_problems
 from service.core.series import fit
@@ -65,11 +66,15 @@ def _get(store: ServiceStore, job_id: str) -> JobEntry:
     "/jobs",
     status_code=status.HTTP_201_CREATED,
     summary="Submit a job",
-    responses={409: {"description": "the checkpoint prefix overlaps an active job's"}},
+    responses={
+        403: {"description": "a user token's priority above its maximum, or a queue it may not use"},
+        409: {"description": "the checkpoint prefix overlaps an active job's"},
+        429: {"description": "the user has as many pending jobs as its limits allow"},
+    },
 )
 def submit_job(
     spec: JobSpec,
-    principal: Annotated[Principal, Depends(require_admin)],
+    principal: Annotated[Principal, Depends(require_user)],
     store: Annotated[ServiceStore, Depends(get_store)],
     settings: Annotated[Settings, Depends(get_settings)],
     metrics: Annotated[Metrics, Depends(get_metrics)],
@@ -79,6 +84,11 @@ def submit_job(
         raise RequestValidationError(
             [{"type": "value_error", "loc": ("body", field), "msg": msg, "input": None} for field, msg in problems]
         )
+    if principal.role == Role.USER:  # admin tokens (operators) have no submit limits
+        refusal = submit_refusal(spec, principal.name, settings.reconcile.quotas.submit_limits(principal.name),
+                                 store.list_jobs())  # fmt: skip
+        if refusal is not None:
+            raise HTTPException(refusal[0], detail=refusal[1])
     now = datetime.now(timezone.utc)
     job_id = new_job_id(spec)
     url = _resolve_checkpoint_url(spec, settings.checkpoint_root, job_id)
@@ -117,28 +127,32 @@ def _cursor(entry: JobEntry) -> str:
     return f"{entry.record.created_at.astimezone(timezone.utc).strftime('%Y%m%dT%H%M%S.%fZ')}~{entry.record.id}"
 
 
-@router.get("/jobs/{job_id}", summary="Job status (read tokens: env values and log tails withheld)",
+@router.get("/jobs/{job_id}", summary="Job status (but to its owner and admins: env values, args and log tails "
+            "withheld)",
             responses=_NOT_FOUND)  # fmt: skip
 def get_job(
     job_id: str,
     principal: Annotated[Principal, Depends(require_read)],
     store: Annotated[ServiceStore, Depends(get_store)],
 ) -> JobDetail:
-    return job_detail(_get(store, job_id), secrets=principal.role == Role.ADMIN)
+    entry = _get(store, job_id)
+    return job_detail(entry, secrets=owns(principal, entry.record.submitted_by))
 
 
 @router.patch(
     "/jobs/{job_id}",
     summary="Resize a job: new min_nodes and/or max_nodes (the leader grows or shrinks it, shrinking after a "
     "snapshot)",
-    responses={**_NOT_FOUND, 409: {"description": "the job already finished, or kept changing (retry)"}},
+    responses={**_NOT_FOUND, 403: {"description": "another user's job"},
+               409: {"description": "the job already finished, or kept changing (retry)"}},
 )
 def resize_job(
     job_id: str,
     body: JobResize,
-    principal: Annotated[Principal, Depends(require_admin)],
+    principal: Annotated[Principal, Depends(require_user)],
     store: Annotated[ServiceStore, Depends(get_store)],
 ) -> JobDetail:
+    check_owner(principal, job_id, _get(store, job_id).record.submitted_by, "resize")
     try:
         entry = store.resize_job(job_id, body.min_nodes, body.max_nodes, requested_by=principal.name)
     except JobNotFound:
@@ -157,14 +171,16 @@ def resize_job(
     "/jobs/{job_id}/cancel",
     status_code=status.HTTP_202_ACCEPTED,
     summary="Cancel a job (the leader stops its workers)",
-    responses={**_NOT_FOUND, 409: {"description": "the job already finished"}},
+    responses={**_NOT_FOUND, 403: {"description": "another user's job"},
+               409: {"description": "the job already finished"}},
 )
 def cancel_job(
     job_id: str,
-    principal: Annotated[Principal, Depends(require_admin)],
+    principal: Annotated[Principal, Depends(require_user)],
     store: Annotated[ServiceStore, Depends(get_store)],
 ) -> JobDetail:
     entry = _get(store, job_id)
+    check_owner(principal, job_id, entry.record.submitted_by, "cancel")
     if entry.status.state.terminal:
         raise HTTPException(
             status.HTTP_409_CONFLICT, detail=f"job {job_id} already {entry.status.state.value}"

@@ -14,14 +14,14 @@ This route finds the nodes, asks their agents, and streams the answers on as ``t
   any time). With several nodes the lines are interleaved as they come, each prefixed ``[node-a] ``.
 * ``tail=N``: each node's log from ``N`` bytes before its end (default 1 MiB), starting at a whole line.
 
-Logs hold whatever the workers print, so a read token gets 403 (the job's details withhold the log tail of
-``last_error`` from read tokens too); an admin token reads them. Each agent is asked only at the address rebuilt from
-the checked parts of its ``logs_url`` (:func:`~service.core.models.checked_logs_url`: http(s), one of the node's
-registered hosts, a numeric port, nothing else) and this route's fixed path: a node record that names anything else
-gets a 502 naming the node and nothing is sent to it. Errors: 404 unknown job (or no such log), 503 node offline or its
-agent unreachable, 409 its agent serves no logs (no ``--logs-port``), 502 the agent answered an error. With
-several nodes, a node that cannot be read gets a note in its section instead, and the request fails only when
-none can.
+A user token on its own job, or an admin token: a read token gets 403 (logs hold whatever the workers print, and
+the job's details withhold the log tail of ``last_error`` from read tokens too). Each agent is asked only at the
+address rebuilt from the checked parts of its ``logs_url`` (:func:`~service.core.models.checked_logs_url`: http(s),
+one of the node's registered hosts, a numeric port, nothing else) and this route's fixed path: a node record that
+names anything else gets a 502 naming the node and nothing is sent to it. Errors: 404 unknown job (or no such log),
+503 node offline or its agent unreachable, 409 its agent serves no logs (no ``--logs-port``), 502 the agent
+answered an error. With several nodes, a node that cannot be read gets a note in its section instead, and the
+request fails only when none can.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, status
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from service.api.auth import Principal, require_read
+from service.api.auth import Principal, check_owner, require_read
 from service.api.deps import get_store
 from service.core.config import Role
 from service.core.models import NODE_NAME_PATTERN, NodeInfo, checked_logs_url
@@ -57,13 +57,17 @@ _MAX_LINE = 64 * 1024  # a longer line (a progress bar's carriage returns) is pa
 _TEXT = "text/plain; charset=utf-8"
 #: the 403 a read token gets
 READ_ONLY_REFUSAL = ("job logs hold whatever the workers print, so read tokens cannot read them (job details "
-                     "withhold the workers' log tail from read tokens too): use an admin token")  # fmt: skip
+                     "withhold the workers' log tail from read tokens too): use the job owner's or an admin "
+                     "token")  # fmt: skip
 
 
 async def _may_read_logs(principal: Annotated[Principal, Depends(require_read)]) -> Principal:
-    """Admin tokens (and auth off) read logs; a read token gets 403 with :data:`READ_ONLY_REFUSAL`."""
-    if principal.role != Role.ADMIN:
-        raise HTTPException(status.HTTP_403_FORBIDDEN, detail=f"token {principal.name!r}: {READ_ONLY_REFUSAL}")
+    """User tokens (their own jobs: :func:`job_logs` checks) and admin tokens (and auth off) read logs; a read token
+    gets 403 with :data:`READ_ONLY_REFUSAL`."""
+    if principal.role == Role.READ:
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN, detail=f"token {principal.name!r} is read-only: {READ_ONLY_REFUSAL}"
+        )
     return principal
 
 
@@ -276,19 +280,22 @@ def _failure(opened: Sequence[_Opened], job_id: str, generation: int | None) -> 
         404: {"description": "no job with this id, or no such log"},
         409: {"description": "the node's agent serves no logs (started without --logs-port)"},
         502: {"description": "the node's agent answered with an error, or its node record names a refused logs_url"},
-        403: {"description": "a read token: logs need an admin token"},
+        403: {"description": "a read token, or a user token on another user's job"},
         503: {"description": "the node is offline or its agent unreachable"},
     },
-    dependencies=[Depends(_may_read_logs)],
 )
 async def job_logs(
     job_id: str,
+    principal: Annotated[Principal, Depends(_may_read_logs)],
     store: Annotated[ServiceStore, Depends(get_store)],
     node: Annotated[str | None, Query(pattern=NODE_NAME_PATTERN, description="only this node's log")] = None,
     generation: Annotated[int | None, Query(ge=1, le=2**31, description="default: current (or last)")] = None,
     follow: Annotated[bool, Query(description="keep streaming until the torchruns end")] = False,
     tail: Annotated[int, Query(ge=0, le=2**40, description="bytes of each log from before its end")] = DEFAULT_TAIL,
 ) -> StreamingResponse:
+    entry = await run_in_threadpool(store.get_job, job_id)
+    if entry is not None:  # (an unknown job: 404 from _plan)
+        check_owner(principal, job_id, entry.record.submitted_by, "read the logs of")
     sources, gen = await run_in_threadpool(_plan, store, job_id, node, generation)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None if follow else READ_TIMEOUT, connect=CONNECT_TIMEOUT),
                                follow_redirects=False, trust_env=False)  # only the checked address, no proxy

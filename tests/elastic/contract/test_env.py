@@ -41,9 +41,23 @@ def _full(tmp_path: Path) -> WorkerEnv:
 def test_what_the_writer_writes_the_parser_reads_back(tmp_path: Path) -> None:
     written = _full(tmp_path)
     environ = written.to_environ()
-    assert set(environ) == contract.AGENT_WRITTEN  # every variable of the contract, each once
+    # every variable of the contract, each once (the key itself, or the file that holds it: one of the two)
+    assert set(environ) == contract.AGENT_WRITTEN - {contract.CHECKPOINT_KEY_FILE}
     assert WorkerEnv.from_environ(environ) == written
     assert WorkerEnv.from_environ({**environ, "PATH": "/bin", contract.PREFORK: "0"}) == written
+
+
+def test_a_checkpoint_key_in_a_file_is_read_from_it_and_never_written_to_the_environment(tmp_path: Path) -> None:
+    key_file = tmp_path / "checkpoint-key"
+    key_file.write_text(bytes(range(32)).hex() + "\n")
+    written = replace(_full(tmp_path), checkpoint_key_file=str(key_file))
+    environ = written.to_environ()
+    assert set(environ) == contract.AGENT_WRITTEN - {contract.CHECKPOINT_KEY}
+    assert bytes(range(32)).hex() not in " ".join(environ.values())
+    assert WorkerEnv.from_environ(environ) == written  # the key read back from the file
+    key_file.unlink()
+    with pytest.raises(WorkerEnvError, match="ETRAIN_CHECKPOINT_KEY_FILE: cannot read"):
+        WorkerEnv.from_environ(environ)
 
 
 def test_the_policy_travels_in_its_one_shape() -> None:

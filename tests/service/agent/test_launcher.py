@@ -206,16 +206,32 @@ def test_the_agent_gives_torchrun_and_workers_the_jobs_etcd_user_and_a_0600_pass
     agent, launched = _agent(tmp_path, etcd)
     agent.sync({"j-abc": _with_identity(_assignment())})
     [(cmd, env)] = launched
-    secret = (tmp_path / "work" / "jobs" / "j-abc" / "etcd-password").resolve()
+    secret = (tmp_path / "work" / "jobs" / "j-abc" / "private" / "etcd-password").resolve()
     assert secret.read_text() == "job-pw\n" and secret.stat().st_mode & 0o777 == 0o600
+    assert secret.parent.stat().st_mode & 0o777 == 0o700
     conf = dict(kv.split("=", 1) for kv in next(c for c in cmd if c.startswith("--rdzv-conf="))[12:].split(","))
     assert (conf["user"], conf["password_file"]) == ("etrain-job-j-abc", str(secret))
     assert (env["ETRAIN_ETCD_USER"], env["ETRAIN_ETCD_PASSWORD_FILE"]) == ("etrain-job-j-abc", str(secret))
     everything = " ".join(cmd) + " ".join(f"{k}={v}" for k, v in env.items())
     assert "control-plane-pw" not in everything and "job-pw" not in everything
     assert str(tmp_path / "root-pw") not in everything and "user=root" not in everything
-    agent.sync({})  # unassigned: torchrun stopped, the password file deleted
-    assert not secret.exists()
+    agent.sync({})  # unassigned: torchrun stopped, the private directory deleted
+    assert not secret.exists() and not secret.parent.exists()
+
+
+def test_the_agent_gives_workers_their_checkpoint_key_in_a_0600_file_never_in_the_environment(
+    tmp_path: Path,
+) -> None:
+    agent, launched = _agent(tmp_path, EtcdOptions("e:1"))
+    agent.sync({"j-abc": _assignment().model_copy(update={"checkpoint_key": "cd" * 32})})
+    [(cmd, env)] = launched
+    key = (tmp_path / "work" / "jobs" / "j-abc" / "private" / "checkpoint-key").resolve()
+    assert "ETRAIN_CHECKPOINT_KEY" not in env and env["ETRAIN_CHECKPOINT_KEY_FILE"] == str(key)
+    assert key.stat().st_mode & 0o777 == 0o600
+    assert WorkerEnv.from_environ(env).checkpoint_key == bytes.fromhex("cd" * 32)  # what the workers read
+    assert "cd" * 32 not in " ".join(cmd) + " ".join(env.values())
+    agent.sync({})
+    assert not key.exists()
 
 
 def test_an_agent_with_an_etcd_user_refuses_to_launch_a_job_that_has_no_identity_of_its_own(

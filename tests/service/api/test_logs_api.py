@@ -52,7 +52,9 @@ def test_logs_of_every_node_one_node_and_the_errors(
         path = log_path(agent.settings.work_dir, job_id, 1, name)
         path.parent.mkdir(parents=True)
         path.write_text(f"+ torchrun ...\n{name} says hello\n{name} step 10")  # the last line unfinished
-    reader = {"Authorization": f"Bearer {ADMIN}"}  # logs need an admin token (test_logs_hardening)
+    read_only = api.get(f"/v1/jobs/{job_id}/logs", headers={"Authorization": f"Bearer {READER}"})
+    assert read_only.status_code == 403 and "read-only" in read_only.json()["detail"]  # logs: not for read tokens
+    reader = {"Authorization": f"Bearer {ADMIN}"}
 
     resp = api.get(f"/v1/jobs/{job_id}/logs", headers=reader)
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")

@@ -49,7 +49,7 @@ def test_bad_tokens_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text(yaml.safe_dump({"tokens": [{"token": "x" * 20, "role": "root"}]}))
     code, _, err, _ = _etrain("controller", "--etcd", "127.0.0.1:1", "--tokens-file", str(tokens))
-    assert code == 2 and err.strip().count("\n") == 0 and "tokens[0].role must be 'admin' or 'read'" in err
+    assert code == 2 and err.strip().count("\n") == 0 and "tokens[0].role must be 'admin', 'user' or 'read'" in err
 
 
 def test_missing_endpoints_are_named(monkeypatch: pytest.MonkeyPatch) -> None:

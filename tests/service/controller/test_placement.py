@@ -394,3 +394,15 @@ def test_property_lost_nodes_and_hot_spares_keep_the_invariants_and_spares_only_
                     ran[job_id] = ran.get(job_id, 0) + 1
                     if ran[job_id] >= jobs[int(job_id[1:])][6]:
                         c.jobs[job_id] = e.__class__(e.record, st, e.status_revision, cancel_requested=True)
+
+
+def test_a_node_that_runs_one_owners_jobs_gets_no_other_owners_job() -> None:
+    c = Cluster()
+    c.add_nodes("a", "b")
+    c.nodes["a"] = NodeInfo(name="a", capacity=1, incarnation="x", registered_at=T0, owner="alice")
+    c.add_job("bob1", _job(1, 2), user="bob")
+    t = _settle(c, 1)
+    assert c.status("bob1").nodes == ["b"]  # never alice's node, though it is free
+    c.add_job("alice1", _job(1, 2), user="alice", at=_s(t))
+    t = _settle(c, t)
+    assert c.status("alice1").nodes == ["a"]

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from service.core.config import ConfigError, load_quotas
-from service.core.view import Quotas
+from service.core.view import Quotas, SubmitLimits
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -42,7 +42,7 @@ def test_every_part_is_optional(tmp_path: Path, data: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("data", "words"),
     [
-        ({"user": {"alice": 4}}, "unknown key(s) user (expected users, queues, default_user)"),
+        ({"user": {"alice": 4}}, "unknown key(s) user (expected users, queues, default_user, limits)"),
         ({"users": {"alice": -1}}, "users.alice must be a whole number of nodes >= 0, got -1"),
         ({"users": {"alice": 2.5}}, "users.alice must be a whole number of nodes >= 0, got 2.5"),
         ({"users": {"alice": True}}, "users.alice must be a whole number of nodes >= 0, got True"),
@@ -72,3 +72,30 @@ def test_a_missing_or_unparsable_file_is_a_config_error(tmp_path: Path) -> None:
     bad.write_text("users: {alice: [1\n")
     with pytest.raises(ConfigError, match="not valid YAML/JSON"):
         load_quotas(bad)
+
+
+def test_limits_bound_what_user_tokens_submit_each_unset_one_taken_from_the_default(tmp_path: Path) -> None:
+    quotas = load_quotas(_write(tmp_path, {"limits": {
+        "default": {"max_priority": 0, "max_pending": 10},
+        "users": {"alice": {"max_priority": 100, "queues": ["team-a"]}, "bob": {"max_pending": 1}},
+    }}))  # fmt: skip
+    assert quotas.submit_limits("alice") == SubmitLimits(max_priority=100, queues=frozenset({"team-a"}), max_pending=10)
+    assert quotas.submit_limits("bob") == SubmitLimits(max_priority=0, queues=None, max_pending=1)
+    assert quotas.submit_limits("carol") == SubmitLimits(max_priority=0, max_pending=10)
+    assert load_quotas(_write(tmp_path, {})).submit_limits("anyone") == SubmitLimits()  # none: no limit
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ({"default": {"max_priority": 2000}}, "limits.default.max_priority must be a whole number from -1000 to 1000"),
+        ({"users": {"a": {"queues": ["Team A"]}}}, "limits.users.a.queues must be a list of queue names"),
+        ({"users": {"a": {"max_pending": -1}}}, "limits.users.a.max_pending must be a whole number >= 0"),
+        ({"users": {"a": {"priority": 1}}}, "limits.users.a: unknown key(s) priority"),
+        ({"alice": {"max_priority": 1}}, "limits must be a mapping with default and/or users"),
+    ],
+)
+def test_a_bad_limit_is_refused_in_one_line_naming_it(tmp_path: Path, limits: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_quotas(_write(tmp_path, {"limits": limits}))
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -95,7 +95,7 @@ def test_job_page_shows_the_world_size_drop_after_an_agent_is_killed(
     ui: UiPage, running_job: RunningJob, tmp_path: Path
 ) -> None:
     cluster, job_id = running_job.cluster, running_job.job_id
-    ui.sign_in(cluster.url, ADMIN, route=f"#/jobs/{job_id}")  # logs need an admin token
+    ui.sign_in(cluster.url, ADMIN, route=f"#/jobs/{job_id}")  # logs: for the job's owner and admins
     ui.page.wait_for_function("() => document.querySelector('#world-size-current')?.textContent === '2'")
     # the job's logs, read from both agents through the controller, each node's section headed
     ui.page.wait_for_function("() => /==> node-2 \\(generation/.test(document.querySelector('#job-logs')?.textContent)")

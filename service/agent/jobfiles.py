@@ -1,0 +1,174 @@
+"""A node agent's side of job isolation: each job's private directory, secrets and uid (the rules and the system
+calls are :mod:`service.agent.isolation`; this is the agent's state: which job holds which uid and directory).
+
+Per job, ``<work dir>/jobs/<job>/private`` (0700) holds its secrets, 0600 each: ``etcd-password`` (its own etcd
+user's), ``checkpoint-key`` (its manifest-signing key, ``ETRAIN_CHECKPOINT_KEY_FILE``: never in the environment)
+and, when it runs as a uid of its own, copies of the etcd TLS files (``etcd-ca.pem``, ``etcd-cert.pem``,
+``etcd-key.pem``; the agent's own stay unreadable to jobs). The directory is deleted, and the uid released, when
+the job leaves the node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from elastic.etcd.config import EtcdOptions
+from service.agent.isolation import (
+    JobUser,
+    allocate_uids,
+    can_switch_uid,
+    hand_over,
+    kill_processes_of,
+    make_private_dir,
+    not_searchable,
+    remove_private_dir,
+    secret_exposure,
+)
+from service.agent.launcher import job_etcd, write_secret
+from service.core.config import AgentSettings
+from service.core.models import Assignment, Isolation
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["IsolationError", "JobFiles", "PreparedJob"]
+
+
+class IsolationError(RuntimeError):
+    """The agent cannot keep jobs apart as configured (one line)."""
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """What a job gets on this node before its torchrun starts (:meth:`JobFiles.prepare`)."""
+
+    etcd: EtcdOptions
+    key_file: Path | None
+    home: Path | None  # set when the job runs as a uid of its own
+    user: JobUser | None
+
+
+class JobFiles:
+    """Each job's private directory, secrets and uid on one node; checks at creation how jobs are kept apart."""
+
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
+        self._secrets: set[str] = set()  # jobs whose private directory this agent made
+        self._uids: dict[str, int] = {}  # job -> the uid its torchrun runs as (with a uid range)
+        self.isolation = self._check()
+
+    def uid_of(self, job_id: str) -> int | None:
+        return self._uids.get(job_id)
+
+    def _check(self) -> Isolation:
+        """How this node keeps its jobs apart (``service.agent.isolation``); an :class:`IsolationError` when the uid
+        range cannot work or a secret of the agent's would be readable by jobs."""
+        s = self.settings
+        secrets_ = [f for f in (s.etcd.password_file, s.etcd.cert_key) if f]
+        if s.job_uid_range is not None:
+            if not can_switch_uid():
+                raise IsolationError(
+                    f"--job-uid-range {s.job_uid_range} needs root or the capabilities SETUID, SETGID, CHOWN and KILL; "
+                    "without them start the agent with --job-owner NAME instead (one owner's jobs, as the agent's uid)"
+                )
+            for path in secrets_:
+                problem = secret_exposure(path, s.job_uid_range)
+                if problem:
+                    raise IsolationError(f"{problem}: jobs on this node could read it")
+            self._reachable_work_dir()
+            unreachable = not_searchable(Path(s.python).resolve())
+            if unreachable:
+                logger.warning("the jobs' uids cannot run %s: %s; give the agent --python an interpreter they can run",
+                               s.python, unreachable)  # fmt: skip
+            logger.info("jobs run as uids of their own from %s (no supplementary groups)", s.job_uid_range)
+            return Isolation.UID
+        for path in secrets_:
+            problem = secret_exposure(path, None)
+            if problem:
+                logger.warning("%s: every job on this node can read it", problem)
+        me = os.geteuid()
+        if s.job_owner:
+            logger.warning("jobs run as this agent's uid %d: only jobs of %s are placed here (--job-owner)", me,
+                           s.job_owner)  # fmt: skip
+            return Isolation.OWNER
+        logger.warning(
+            "jobs of every owner run as this agent's uid %d: a job can read the others' secrets and this agent's "
+            "files; start the agent with --job-uid-range (root or CAP_SETUID/SETGID/CHOWN/KILL) or --job-owner NAME", me
+        )
+        return Isolation.NONE
+
+    def _reachable_work_dir(self) -> None:
+        """``<work dir>/jobs`` made 0711 (the jobs' uids reach their own directories below it, but list nothing);
+        an :class:`IsolationError` when a directory above it is not searchable by them."""
+        jobs = (self.settings.work_dir / "jobs").resolve()
+        jobs.mkdir(parents=True, exist_ok=True)
+        os.chmod(jobs, 0o711)
+        unreachable = not_searchable(jobs)
+        if unreachable:
+            raise IsolationError(f"the jobs' uids cannot reach their private directories under {jobs}: {unreachable} "
+                                 "(add o+x, or choose another --work-dir)")  # fmt: skip
+
+    def _private_dir(self, job_id: str) -> Path:
+        return (self.settings.work_dir / "jobs" / job_id / "private").resolve()
+
+    def _job_user(self, job_id: str) -> JobUser | None:
+        uids = self.settings.job_uid_range
+        if uids is None:
+            return None
+        fresh = job_id not in self._uids
+        self._uids = allocate_uids(self._uids, [*self._uids, job_id], uids)
+        uid = self._uids[job_id]
+        if fresh and kill_processes_of(uid):  # left by an earlier agent's job (its pdeath signal ignored)
+            logger.warning("uid %d: killed the processes an earlier job left before giving it to job %s", uid, job_id)
+        return JobUser(uid, uid)
+
+    def unreachable_cwd(self, cwd: Path) -> str | None:
+        """Why a job that runs as a uid of its own cannot work in ``cwd`` (None: it can, or it runs as the agent)."""
+        if self.settings.job_uid_range is None:
+            return None
+        return not_searchable(cwd, itself=True)
+
+    def prepare(self, a: Assignment) -> PreparedJob:
+        """The job's private directory (0700) and its secrets in it (0600), handed to its uid: its etcd password,
+        its manifest-signing key and, when it runs as a uid of its own, copies of the etcd TLS files; then its
+        etcd connection (:func:`job_etcd`)."""
+        user = self._job_user(a.job_id)
+        private = self._private_dir(a.job_id)
+        self._secrets.add(a.job_id)
+        make_private_dir(private)
+        os.chmod(private.parent, 0o711)  # the job's directory: the agent's logs below, its private one reachable
+        password_file: Path | None = None
+        key_file: Path | None = None
+        if a.etcd_user and a.etcd_password:
+            password_file = private / "etcd-password"
+            write_secret(password_file, a.etcd_password)
+        if a.checkpoint_key:
+            key_file = private / "checkpoint-key"
+            write_secret(key_file, a.checkpoint_key)
+        etcd = job_etcd(self.settings.etcd, a, password_file)
+        if user is not None:  # the agent's TLS files stay its own (0400/0600): the job gets copies of its uid
+            def copy(path: str | None, name: str) -> str | None:
+                if not path:
+                    return None
+                write_secret(private / name, Path(path).read_text().rstrip("\n"))
+                return str(private / name)
+
+            etcd = replace(etcd, ca_cert=copy(etcd.ca_cert, "etcd-ca.pem"), cert=copy(etcd.cert, "etcd-cert.pem"),
+                           cert_key=copy(etcd.cert_key, "etcd-key.pem"))  # fmt: skip
+            hand_over(private, user)
+        return PreparedJob(etcd, key_file, private if user is not None else None, user)
+
+    def forget(self, assigned: Iterable[str]) -> None:
+        """Delete the private directories of jobs no longer assigned to this node, and release their uids."""
+        for job_id in self._secrets - set(assigned):
+            self._secrets.discard(job_id)
+            uid = self._uids.pop(job_id, None)
+            if uid is not None and (n := kill_processes_of(uid)):  # escaped the torchrun's tree: not past the job
+                logger.warning("job %s: killed %d process(es) of its uid %d left after it", job_id, n, uid)
+            try:
+                remove_private_dir(self._private_dir(job_id))
+            except OSError as exc:
+                logger.warning("cannot delete the private directory of job %s: %s", job_id, exc)
