@@ -4,11 +4,11 @@
 # (scripts/compat.sh: the elastic/ suites on the oldest and the newest supported torch).
 # Extra arguments go to pytest.
 #
-# The suite runs in parallel (pytest-xdist): PYTEST_WORKERS worker processes, default 4 (on 2 cores most
-# tests wait on subprocesses, etcd and timers; tests/parallel.py hands the heavy ones, real training jobs, to
-# at most PYTEST_HEAVY_SLOTS=1 worker at a time). When an argument names a path
-# (`bash scripts/test.sh tests/elastic/test_lr.py`), the default is 0: serially, in this process.
-# PYTEST_WORKERS=N, or `-n N` among the arguments, decides either way; 0 is the serial run.
+# The suite runs serially by default. PYTEST_WORKERS=N (or `-n N` among the arguments) runs it in parallel
+# (pytest-xdist; tests/parallel.py hands the heavy units, real training jobs, to at most PYTEST_HEAVY_SLOTS=1
+# worker at a time). Not the default yet: on this 2-core VM (2026-11-26) four workers took 20-39 min, not the
+# 15 aimed at, and scenario tests with timing (a joiner arriving after the job's last step, a chaos job ending
+# before its last fault) failed under the load; see README "Development".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -18,11 +18,7 @@ PY="$VENV/bin/python"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 echo "== ruff"; $PY -m ruff check elastic service tests bench examples
 echo "== mypy"; $PY -m mypy
-workers=4
-for arg in "$@"; do
-  if [ -e "${arg%%::*}" ]; then workers=0; break; fi  # a path or a test id: a quick look at a part
-done
-workers=${PYTEST_WORKERS:-$workers}
+workers=${PYTEST_WORKERS:-0}
 echo "== pytest ($workers workers)"; $PY -m pytest -q -ra --durations=15 -m "not slow" -n "$workers" "$@"
 case "${COMPAT:-${CI:-}}" in
   1|true) echo "== torch compatibility"; bash scripts/compat.sh ;;
