@@ -112,13 +112,13 @@ class Workload:
         return out
 
 
-def pinned_copy_seconds(workload: Workload, repeats: int) -> list[float]:
-    """A device-to-host copy of the whole state into pinned buffers allocated beforehand (the floor for any
-    staging of CUDA state): median-able seconds per copy, or [] on CPU."""
+def copy_seconds(workload: Workload, repeats: int, buffer_like: Any) -> list[float]:
+    """Seconds per copy of the whole state into buffers ``buffer_like(tensor)`` allocated beforehand, or [] on
+    CPU (a warm-up copy first)."""
     if workload.device.type != "cuda":
         return []
     sources = workload.tensors()
-    buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in sources]
+    buffers = [buffer_like(t) for t in sources]
 
     def copy_all() -> None:
         for buf, src in zip(buffers, sources, strict=True):
@@ -127,3 +127,9 @@ def pinned_copy_seconds(workload: Workload, repeats: int) -> list[float]:
     copy_all()
     workload.sync()
     return [workload.timed(copy_all) for _ in range(repeats)]
+
+
+def pinned_copy_seconds(workload: Workload, repeats: int) -> list[float]:
+    """A device-to-host copy of the whole state into pinned buffers allocated beforehand (the floor for any
+    staging of CUDA state): median-able seconds per copy, or [] on CPU."""
+    return copy_seconds(workload, repeats, lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True))

@@ -44,7 +44,7 @@ STALL_STEPS = 4
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from _workload import GiB, MiB, Workload, pick_device, pinned_copy_seconds, state_bytes  # noqa: E402
+from _workload import GiB, MiB, Workload, copy_seconds, pick_device, pinned_copy_seconds, state_bytes  # noqa: E402
 
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager  # noqa: E402
 from elastic.testing.s3_server import LocalS3Server  # noqa: E402
@@ -178,18 +178,7 @@ class DcpRun:
 def device_copy_seconds(workload: Workload, repeats: int) -> list[float]:
     """A device-to-device copy of the whole state into buffers allocated beforehand (the floor for device-side
     staging): seconds per copy, or [] on CPU."""
-    if workload.device.type != "cuda":
-        return []
-    sources = workload.tensors()
-    buffers = [torch.empty_like(t) for t in sources]
-
-    def copy_all() -> None:
-        for buf, src in zip(buffers, sources, strict=True):
-            buf.copy_(src, non_blocking=True)
-
-    copy_all()
-    workload.sync()
-    return [workload.timed(copy_all) for _ in range(repeats)]
+    return copy_seconds(workload, repeats, torch.empty_like)
 
 
 def warm_first_save(url: str, workload: Workload) -> dict[str, Any]:
