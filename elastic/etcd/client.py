@@ -41,6 +41,7 @@ from elastic.etcd.api import (
     prefix_end,
 )
 from elastic.etcd.config import EtcdConfig
+from elastic.etcd.grpc_errors import RpcFailure, classify, is_deadline
 from elastic.etcd.txn import Compare, TxnOp, TxnResult
 
 logger = logging.getLogger(__name__)
@@ -63,18 +64,14 @@ class _Retry:
     last_exc: BaseException | None = field(default=None)
 
 
-_AUTH_OLD_REVISION = "revision of auth store is old"
-_LEASE_NOT_FOUND = "requested lease not found"
+def _status(exc: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else None
+    return code, str(details if details is not None else exc)
 
 
 def _is_deadline(exc: grpc.RpcError) -> bool:
-    """The call's own timeout passed. A watch stream cut by its deadline may also end with status UNKNOWN
-    and the details "context deadline exceeded" (seen with etcd 3.x): that is a timeout, not a failure."""
-    code = exc.code()
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return True
-    details = exc.details() if hasattr(exc, "details") else ""
-    return code == grpc.StatusCode.UNKNOWN and "deadline" in str(details)
+    return is_deadline(*_status(exc))
 
 
 _PERM_TYPES: dict[Permission, int] = {"read": 0, "write": 1, "readwrite": 2}  # authpb.Permission.Type
@@ -194,28 +191,17 @@ class GrpcEtcdClient(TxnEtcdClient, EtcdAuth):
             except _RETRYABLE as exc:
                 retry.last_exc = exc
             except grpc.RpcError as exc:
-                code = exc.code() if hasattr(exc, "code") else None
+                failure = classify(*_status(exc))
                 if generation is not None and self._replaced(generation):
                     # Another thread's reset closed the channel under this call ("Channel closed!").
                     retry.last_exc = exc
-                elif code == grpc.StatusCode.UNAUTHENTICATED or (
-                    code == grpc.StatusCode.INVALID_ARGUMENT
-                    and ("token" in str(exc.details() if hasattr(exc, "details") else exc))
-                ):
+                elif failure is RpcFailure.REAUTHENTICATE:
                     # The auth token expired: a new client authenticates again.
                     retry.last_exc = exc
                     self._reset(generation)
-                elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                elif failure is RpcFailure.RETRY:
                     retry.last_exc = exc
-                elif code == grpc.StatusCode.INVALID_ARGUMENT and _AUTH_OLD_REVISION in str(
-                    exc.details() if hasattr(exc, "details") else exc
-                ):
-                    # A user or role changed while the request was in flight: etcd refused it unapplied (the
-                    # Go client retries this too). Jobs' users come and go, so this happens under load.
-                    retry.last_exc = exc
-                elif code == grpc.StatusCode.NOT_FOUND and _LEASE_NOT_FOUND in str(
-                    exc.details() if hasattr(exc, "details") else exc
-                ):
+                elif failure is RpcFailure.LEASE_GONE:
                     raise EtcdLeaseNotFoundError(f"etcd at {self.endpoints_label}: the lease is gone: {exc}") from exc
                 else:
                     raise EtcdError(f"etcd at {self.endpoints_label} refused the request: {exc}") from exc
