@@ -1,8 +1,8 @@
 """The real :class:`~elastic.etcd.api.EtcdClient`: gRPC through ``python3-etcd3`` (imported as ``etcd3``).
 
-This module is the project's only user of the etcd client library, its private parts included (the
-``kvstub``/``channel`` stubs, ``timeout``, ``call_credentials``, ``metadata`` of
-``etcd3.MultiEndpointEtcd3Client``, which ``tests/elastic/etcd/test_etcd3_surface.py`` pins). Each
+This module and its auth mixin (:mod:`elastic.etcd.grpc_auth`) are the project's only users of the etcd
+client library, its private parts included (the ``kvstub``/``authstub``/``channel`` stubs, ``timeout``,
+``call_credentials``, ``metadata`` of ``etcd3.MultiEndpointEtcd3Client``, which ``tests/elastic/etcd/test_etcd3_surface.py`` pins). Each
 operation retries across the configured endpoints until a deadline and turns every third-party failure
 into :class:`EtcdConnectionError` (naming the endpoints) or :class:`EtcdError`.
 
@@ -24,23 +24,20 @@ import etcd3
 import grpc
 from etcd3 import etcdrpc
 from etcd3 import exceptions as etcd_exc
-from etcd3.etcdrpc import auth_pb2
 
 from elastic.etcd._grpc_txn import key_value as _kv
 from elastic.etcd._grpc_txn import txn_request, txn_result
 from elastic.etcd.api import (
-    EtcdAuth,
     EtcdClient,
     EtcdConnectionError,
     EtcdError,
     EtcdLeaseNotFoundError,
     KeyValue,
-    Permission,
-    RolePermission,
     TxnEtcdClient,
     prefix_end,
 )
 from elastic.etcd.config import EtcdConfig
+from elastic.etcd.grpc_auth import GrpcAuthMixin
 from elastic.etcd.grpc_errors import RpcFailure, classify, is_deadline
 from elastic.etcd.txn import Compare, TxnOp, TxnResult
 
@@ -74,17 +71,6 @@ def _is_deadline(exc: grpc.RpcError) -> bool:
     return is_deadline(*_status(exc))
 
 
-_PERM_TYPES: dict[Permission, int] = {"read": 0, "write": 1, "readwrite": 2}  # authpb.Permission.Type
-_PERM_NAMES: dict[int, Permission] = {v: k for k, v in _PERM_TYPES.items()}
-
-
-def _auth_refusal(exc: grpc.RpcError, phrase: str) -> bool:
-    """etcd's answer to a user or role request is ``phrase`` ("already exists", "not found"): the state
-    asked for holds already (etcd says so with FAILED_PRECONDITION and a message)."""
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    return exc.code() == grpc.StatusCode.FAILED_PRECONDITION and phrase in str(details)
-
-
 _RETRYABLE = (
     etcd_exc.ConnectionFailedError,
     etcd_exc.ConnectionTimeoutError,
@@ -93,7 +79,7 @@ _RETRYABLE = (
 )
 
 
-class GrpcEtcdClient(TxnEtcdClient, EtcdAuth):
+class GrpcEtcdClient(GrpcAuthMixin, TxnEtcdClient):
     """The real :class:`EtcdClient`: gRPC to one cluster (one or more endpoints, with failover).
 
     Operations retry on connection failures, moving to the next endpoint, until ``config.op_timeout``
@@ -437,66 +423,6 @@ class GrpcEtcdClient(TxnEtcdClient, EtcdAuth):
         finally:
             done.set()
             stream.cancel()
-
-    # -- users and roles (etcd auth) -----------------------------------------------------------------
-    # A request retried after a lost answer meets its own effect ("already exists", "not found"): that is
-    # the answer the first try would have had, so these calls are safe to retry.
-    def _auth_call(self, method: str, request: Any, unless: str | None = None) -> Any:
-        """``AuthStub.<method>(request)``; None when etcd refuses it with ``unless`` in its message."""
-
-        def op(c: Any) -> Any:
-            try:
-                return getattr(c.authstub, method)(
-                    request, c.timeout, credentials=c.call_credentials, metadata=c.metadata
-                )
-            except grpc.RpcError as exc:
-                if unless is not None and _auth_refusal(exc, unless):
-                    return None
-                raise
-
-        return self._call(op)
-
-    def user_add(self, name: str, password: str) -> bool:
-        req = etcdrpc.AuthUserAddRequest(name=name, password=password)
-        return self._auth_call("UserAdd", req, unless="already exists") is not None
-
-    def user_change_password(self, name: str, password: str) -> None:
-        self._auth_call("UserChangePassword", etcdrpc.AuthUserChangePasswordRequest(name=name, password=password))
-
-    def user_delete(self, name: str) -> bool:
-        return self._auth_call("UserDelete", etcdrpc.AuthUserDeleteRequest(name=name), unless="not found") is not None
-
-    def user_list(self) -> list[str]:
-        resp = self._auth_call("UserList", etcdrpc.AuthUserListRequest())
-        return sorted(str(u) for u in resp.users)
-
-    def user_grant_role(self, user: str, role: str) -> None:
-        self._auth_call("UserGrantRole", etcdrpc.AuthUserGrantRoleRequest(user=user, role=role))
-
-    def role_add(self, name: str) -> bool:
-        return self._auth_call("RoleAdd", etcdrpc.AuthRoleAddRequest(name=name), unless="already exists") is not None
-
-    def role_delete(self, name: str) -> bool:
-        return self._auth_call("RoleDelete", etcdrpc.AuthRoleDeleteRequest(role=name), unless="not found") is not None
-
-    def role_grant_permission(self, role: str, permission: RolePermission) -> None:
-        if not permission.key:
-            raise EtcdError("an empty key cannot be granted")
-        perm = auth_pb2.Permission(permType=_PERM_TYPES[permission.perm], key=permission.key.encode())
-        if permission.prefix:
-            perm.range_end = prefix_end(permission.key)
-        self._auth_call("RoleGrantPermission", etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm))
-
-    def role_permissions(self, role: str) -> list[RolePermission]:
-        resp = self._auth_call("RoleGet", etcdrpc.AuthRoleGetRequest(role=role))
-        out: list[RolePermission] = []
-        for p in resp.perm:
-            key = bytes(p.key).decode(errors="replace")
-            end = bytes(p.range_end)
-            if end and end != prefix_end(key):
-                continue  # a range that is neither one key nor a prefix
-            out.append(RolePermission(key=key, perm=_PERM_NAMES[int(p.permType)], prefix=bool(end)))
-        return sorted(out, key=lambda r: (r.key, r.prefix))
 
 
 def create_client(config: EtcdConfig) -> GrpcEtcdClient:

@@ -243,7 +243,7 @@ def test_controller_quotas_come_from_the_flag_or_the_environment(
 ) -> None:
     import uvicorn
 
-    import service.cli.main as cli
+    import service.cli.servers as cli
 
     started: list[object] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **_kw: started.append(app))

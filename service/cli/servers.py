@@ -1,0 +1,239 @@
+"""``etrain controller``, ``etrain agent`` and ``etrain etcd-bootstrap``: the commands that run the service.
+
+The etcd connection and the node name come from the variables the agent passes to workers
+(:mod:`elastic.contract.env`), so that one set of variables serves both; the rest are the CLI's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import signal
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from elastic import compat
+from elastic.contract import env as contract
+from elastic.etcd import EtcdError, check_reachable
+from elastic.etcd.config import EtcdOptions
+from service.cli.common import add_flag, env_or, fail, first_line, setup_logging
+from service.core.config import AgentSettings, ConfigError, Settings, UidRange, load_quotas, load_tokens
+from service.core.keys import DEFAULT_PREFIX
+from service.core.view import Quotas, ReconcileConfig
+
+__all__ = ["add_server_commands"]
+
+# The variables that give flags their defaults: the CLI's own here; the etcd connection and the node name
+# are the names the agent passes to workers (elastic.contract.env), so that one set of variables serves both.
+ENV_ETCD_CONNECT_TIMEOUT = "ETRAIN_ETCD_CONNECT_TIMEOUT"
+ENV_PREFIX = "ETRAIN_PREFIX"
+ENV_LOG_LEVEL = "ETRAIN_LOG_LEVEL"
+ENV_HOST = "ETRAIN_HOST"
+ENV_PORT = "ETRAIN_PORT"
+ENV_TOKENS_FILE = "ETRAIN_TOKENS_FILE"
+ENV_CHECKPOINT_ROOT = "ETRAIN_CHECKPOINT_ROOT"
+ENV_LEADER_TTL = "ETRAIN_LEADER_TTL"
+ENV_NPROC_PER_NODE = "ETRAIN_NPROC_PER_NODE"
+ENV_WORK_DIR = "ETRAIN_WORK_DIR"
+ENV_RDZV_HOST = "ETRAIN_RDZV_HOST"
+ENV_SOCKET_IFNAME = "ETRAIN_SOCKET_IFNAME"
+ENV_HEALTH_PORT = "ETRAIN_HEALTH_PORT"
+ENV_SPARE = "ETRAIN_SPARE"
+ENV_LOGS_PORT = "ETRAIN_LOGS_PORT"
+ENV_LOGS_HOST = "ETRAIN_LOGS_HOST"
+ENV_LEASE_TTL = "ETRAIN_LEASE_TTL"
+ENV_JOB_UID_RANGE = "ETRAIN_JOB_UID_RANGE"
+ENV_JOB_OWNER = "ETRAIN_JOB_OWNER"
+ENV_PYTHON = "ETRAIN_PYTHON"
+ENV_INSECURE = "ETRAIN_INSECURE"
+ENV_JOB_RETENTION = "ETRAIN_JOB_RETENTION"
+ENV_QUOTAS_FILE = "ETRAIN_QUOTAS_FILE"
+
+
+def _add_etcd_flags(p: argparse.ArgumentParser) -> None:
+    add_flag(p, "--etcd", contract.ETCD_ENDPOINTS, "etcd endpoints host:port,...")
+    add_flag(p, "--etcd-ca-cert", contract.ETCD_CA_CERT, "CA bundle")
+    add_flag(p, "--etcd-cert", contract.ETCD_CERT, "client certificate")
+    add_flag(p, "--etcd-key", contract.ETCD_KEY, "client key")
+    add_flag(p, "--etcd-user", contract.ETCD_USER, "etcd user")
+    add_flag(p, "--etcd-password-file", contract.ETCD_PASSWORD_FILE, "file holding the etcd password")
+    add_flag(p, "--etcd-connect-timeout", ENV_ETCD_CONNECT_TIMEOUT, "seconds to wait for etcd at start-up", "5",
+         type=float)  # fmt: skip
+    add_flag(p, "--prefix", ENV_PREFIX, "etcd key prefix", DEFAULT_PREFIX)
+    add_flag(p, "--log-level", ENV_LOG_LEVEL, default="info")
+
+
+def _etcd_options(args: argparse.Namespace) -> EtcdOptions:
+    if not args.etcd:
+        raise ConfigError(f"no etcd endpoints: pass --etcd or set {contract.ETCD_ENDPOINTS}")
+    if args.etcd_user and not args.etcd_password_file:
+        raise ConfigError("--etcd-user needs --etcd-password-file")
+    return EtcdOptions(
+        endpoints=args.etcd,
+        ca_cert=args.etcd_ca_cert,
+        cert=args.etcd_cert,
+        cert_key=args.etcd_key,
+        user=args.etcd_user,
+        password_file=args.etcd_password_file,
+        connect_timeout=timedelta(seconds=args.etcd_connect_timeout),
+    )
+
+
+def _check_etcd(options: EtcdOptions) -> None:
+    try:
+        config = options.config()
+    except ValueError as exc:
+        raise ConfigError(f"etcd settings: {exc}") from exc
+    check_reachable(config, timeout=options.connect_timeout)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _truthy(value: object) -> bool:
+    return value is True or str(value).lower() in ("1", "true", "yes")
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.api.app import create_app
+
+    setup_logging(args.log_level)
+    try:
+        etcd = _etcd_options(args)
+        tokens = load_tokens(args.tokens_file) if args.tokens_file else None
+        if tokens is None and not _loopback(args.host) and not _truthy(args.insecure):
+            raise ConfigError(
+                f"refusing to serve the API on {args.host} without --tokens-file: anyone reaching the port would "
+                "be admin (give --tokens-file, bind a loopback --host, or pass --insecure)"
+            )
+        if args.job_retention <= 0:
+            raise ConfigError("--job-retention must be > 0 seconds")
+        quotas = load_quotas(args.quotas) if args.quotas else Quotas()
+        settings = Settings(
+            etcd=etcd,
+            prefix=args.prefix,
+            host=args.host,
+            port=args.port,
+            tokens=tokens,
+            checkpoint_root=args.checkpoint_root,
+            leader_ttl=timedelta(seconds=args.leader_ttl),
+            reconcile=ReconcileConfig(terminal_retention=timedelta(seconds=args.job_retention), quotas=quotas),
+        )
+        _check_etcd(etcd)
+    except ConfigError as exc:
+        return fail(str(exc))
+    except EtcdError as exc:
+        return fail(f"controller: {first_line(exc)}")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level.lower(),
+        lifespan="on",
+    )
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from service.agent.node import AgentError, create_agent
+
+    setup_logging(args.log_level)
+    if not args.node_name:
+        return fail(f"agent: --node-name (or {contract.NODE_NAME}) is required")
+    try:
+        compat.check_torch()  # the torch its torchrun runs on: refuse a node that could not train
+    except compat.TorchCompatError as exc:
+        return fail(f"agent: {exc}")
+    try:
+        uids = UidRange.parse(args.job_uid_range) if args.job_uid_range else None
+    except ValueError as exc:
+        return fail(f"agent: --job-uid-range: {exc}")
+    try:
+        etcd = _etcd_options(args)
+        settings = AgentSettings(
+            etcd=etcd,
+            node_name=args.node_name,
+            prefix=args.prefix,
+            nproc_per_node=args.nproc_per_node,
+            work_dir=Path(args.work_dir).resolve(),
+            rdzv_host=args.rdzv_host,
+            socket_ifname=args.socket_ifname,
+            health_port=args.health_port,
+            spare=bool(args.spare),
+            logs_port=args.logs_port,
+            logs_host=args.logs_host,
+            lease_ttl=timedelta(seconds=args.lease_ttl),
+            job_uid_range=uids,
+            job_owner=args.job_owner or None,
+            python=args.python or sys.executable,
+        )
+        _check_etcd(etcd)
+        agent = create_agent(settings)
+        agent.register()
+    except ConfigError as exc:
+        return fail(str(exc))
+    except (EtcdError, AgentError) as exc:
+        return fail(f"agent: {first_line(exc)}")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    agent.run(stop)
+    return 0
+
+
+def add_server_commands(sub: Any) -> None:
+    """The server commands, added to the ``etrain`` parser's subcommands ``sub``."""
+    p = sub.add_parser("controller", help="run the REST controller (one or more replicas)")
+    _add_etcd_flags(p)
+    add_flag(p, "--host", ENV_HOST, default="0.0.0.0")
+    add_flag(p, "--port", ENV_PORT, default="8080", type=int)
+    add_flag(p, "--tokens-file", ENV_TOKENS_FILE,
+         "YAML/JSON {tokens: [{token, role: admin|user|read, name}]}; none: auth off")  # fmt: skip
+    add_flag(p, "--checkpoint-root", ENV_CHECKPOINT_ROOT,
+         "jobs' checkpoints must lie below this URL; default <root>/<job id>")  # fmt: skip
+    add_flag(p, "--leader-ttl", ENV_LEADER_TTL, "leader lease TTL, seconds", "5", type=float)
+    add_flag(p, "--job-retention", ENV_JOB_RETENTION, "finished jobs (with their events) are deleted this many seconds "
+         "after they end", str(7 * 24 * 3600), type=float)  # fmt: skip
+    add_flag(p, "--quotas", ENV_QUOTAS_FILE, "YAML/JSON node quotas {users: {NAME: N}, queues: {QUEUE: N}, "
+         "default_user: N, limits: {default: L, users: {NAME: L}}} (L: what user tokens submit: max_priority, queues, "
+         "max_pending); none: no quotas")  # fmt: skip
+    p.add_argument("--insecure", action="store_true", default=env_or(ENV_INSECURE, "") or False,
+                   help=f"serve a non-loopback --host without --tokens-file: anyone reaching it is admin "
+                   f"({ENV_INSECURE})")  # fmt: skip
+    p.set_defaults(fn=cmd_controller)
+
+    p = sub.add_parser("agent", help="run a node agent (one per node)")
+    _add_etcd_flags(p)
+    add_flag(p, "--node-name", contract.NODE_NAME, "unique node name")
+    add_flag(p, "--nproc-per-node", ENV_NPROC_PER_NODE, "worker slots of this node", "1", type=int)
+    add_flag(p, "--work-dir", ENV_WORK_DIR, "where job logs go", "etrain-work")
+    add_flag(p, "--rdzv-host", ENV_RDZV_HOST, "address other nodes reach this node's workers at")
+    add_flag(p, "--socket-ifname", ENV_SOCKET_IFNAME, "network interface of the workers' collectives: their "
+         "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless the job's env sets them")  # fmt: skip
+    add_flag(p, "--health-port", ENV_HEALTH_PORT, "serve GET /healthz on this port; 0: off", "0", type=int)
+    p.add_argument("--spare", action="store_true", default=env_or(ENV_SPARE, "") not in ("", "0", "false"),
+                   help="a hot spare: held back for jobs that lost a node, which it joins first; keeps a zygote "
+                   f"with torch imported for their workers ({ENV_SPARE})")  # fmt: skip
+    add_flag(p, "--logs-port", ENV_LOGS_PORT,
+             "serve the jobs' logs to the controller (etrain logs) on this port; 0: off", "0", type=int)  # fmt: skip
+    add_flag(p, "--logs-host", ENV_LOGS_HOST, "address the logs port binds", "0.0.0.0")
+    add_flag(p, "--lease-ttl", ENV_LEASE_TTL, "node lease TTL, seconds: how fast a dead node is noticed", "10",
+         type=float)  # fmt: skip
+    add_flag(p, "--job-uid-range", ENV_JOB_UID_RANGE,
+             "LOW-HIGH: run each job as a uid and gid of its own from this range "
+             "(needs root or CAP_SETUID/SETGID/CHOWN/KILL)")  # fmt: skip
+    add_flag(p, "--python", ENV_PYTHON, "the interpreter torchrun and the workers run on (default: the agent's)")
+    add_flag(p, "--job-owner", ENV_JOB_OWNER, "run only this user's jobs (a token's name); for an agent that cannot "
+         "switch uid")  # fmt: skip
+    p.set_defaults(fn=cmd_agent)
