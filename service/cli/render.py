@@ -6,16 +6,8 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-__all__ = [
-    "METRIC_COLUMNS",
-    "event_line",
-    "job_table",
-    "job_text",
-    "metric_rows",
-    "metric_table",
-    "node_table",
-    "progress_line",
-]
+__all__ = ["METRIC_COLUMNS", "event_line", "job_table", "job_text", "metric_rows", "metric_table", "node_table",
+           "progress_line"]
 
 
 def _clock(value: str | None) -> str:
@@ -88,7 +80,8 @@ def job_text(job: dict[str, Any]) -> str:
     )
     if ckpt.get("step") is not None:
         lines.append(
-            f"checkpoint step {ckpt['step']} at {ckpt.get('path') or '-'} ({_clock(ckpt.get('committed_at'))})"
+            f"checkpoint step {ckpt['step']} at {ckpt.get('path') or '-'}"
+            f" ({_clock(ckpt.get('committed_at'))})"
         )
     else:
         lines.append("checkpoint none committed yet")
@@ -105,7 +98,9 @@ def job_table(jobs: list[dict[str, Any]]) -> str:
     for j in jobs:
         r = j["restarts"]
         step = (
-            "-" if j.get("step") is None else f"{j['step']}" + (f"/{j['total_steps']}" if j.get("total_steps") else "")
+            "-"
+            if j.get("step") is None
+            else f"{j['step']}" + (f"/{j['total_steps']}" if j.get("total_steps") else "")
         )
         rows.append(
             (

@@ -18,7 +18,7 @@ from typing import Any
 from elastic import compat
 from elastic.contract import env as contract
 from elastic.etcd import EtcdError, check_reachable
-from elastic.etcd.config import EtcdOptions
+from elastic.etcd.config import EtcdOptions, read_password_file
 from service.cli.common import add_flag, env_or, fail, first_line, setup_logging
 from service.core.config import AgentSettings, ConfigError, Settings, UidRange, load_quotas, load_tokens
 from service.core.keys import DEFAULT_PREFIX
@@ -31,6 +31,8 @@ __all__ = ["add_server_commands"]
 ENV_ETCD_CONNECT_TIMEOUT = "ETRAIN_ETCD_CONNECT_TIMEOUT"
 ENV_PREFIX = "ETRAIN_PREFIX"
 ENV_LOG_LEVEL = "ETRAIN_LOG_LEVEL"
+ENV_ETCD_AGENT_USER = "ETRAIN_ETCD_AGENT_USER"
+ENV_ETCD_AGENT_PASSWORD_FILE = "ETRAIN_ETCD_AGENT_PASSWORD_FILE"
 ENV_HOST = "ETRAIN_HOST"
 ENV_PORT = "ETRAIN_PORT"
 ENV_TOKENS_FILE = "ETRAIN_TOKENS_FILE"
@@ -145,6 +147,33 @@ def cmd_controller(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_etcd_bootstrap(args: argparse.Namespace) -> int:
+    from service.controller.etcd_bootstrap import ROOT, AuthBootstrap, bootstrap_etcd_auth
+
+    setup_logging(args.log_level)
+    try:
+        if (args.etcd_user or ROOT) != ROOT:
+            raise ConfigError(f"etcd-bootstrap: --etcd-user must be {ROOT!r} (its password file is root's password)")
+        if not args.etcd_password_file or not args.agent_password_file:
+            raise ConfigError("etcd-bootstrap: give --etcd-password-file (root's) and --agent-password-file")
+        args.etcd_user = ROOT
+        config = _etcd_options(args).config()
+        assert config.password is not None
+        plan = AuthBootstrap(
+            root_password=config.password,
+            agent_user=args.agent_user,
+            agent_password=read_password_file(args.agent_password_file),
+            prefix=args.prefix,
+        )
+        outcome = bootstrap_etcd_auth(config, plan)
+    except (ConfigError, ValueError, OSError) as exc:
+        return fail(str(exc))
+    except EtcdError as exc:
+        return fail(first_line(exc))
+    print(f"etcd authentication {outcome.value}: users {ROOT!r} and {plan.agent_user!r}")
+    return 0
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     from service.agent.node import AgentError, create_agent
 
@@ -237,3 +266,10 @@ def add_server_commands(sub: Any) -> None:
     add_flag(p, "--job-owner", ENV_JOB_OWNER, "run only this user's jobs (a token's name); for an agent that cannot "
          "switch uid")  # fmt: skip
     p.set_defaults(fn=cmd_agent)
+
+    p = sub.add_parser("etcd-bootstrap", help="make etcd's root and agent users, then turn etcd authentication on "
+                       "(idempotent; the chart's controller pod runs it first)")  # fmt: skip
+    _add_etcd_flags(p)
+    add_flag(p, "--agent-user", ENV_ETCD_AGENT_USER, "the agents' etcd user", "etrain-agent")
+    add_flag(p, "--agent-password-file", ENV_ETCD_AGENT_PASSWORD_FILE, "file holding the agents' etcd password")
+    p.set_defaults(fn=cmd_etcd_bootstrap)

@@ -16,6 +16,7 @@ from elastic.testing.etcd_server import LocalEtcdCluster, free_port
 from service.api.app import create_app
 from service.core.config import EtcdOptions, Role, Settings, TokenEntry
 from service.core.view import ReconcileConfig
+from tests.service.tls_etcd import certs, tls_etcd  # noqa: F401  (fixtures of the TLS etcd tests)
 
 ADMIN = "admin-token-0123456789"
 READER = "read-token-0123456789"
@@ -65,3 +66,4 @@ def live_server(settings: Settings) -> Iterator[str]:
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(timeout=15)
+

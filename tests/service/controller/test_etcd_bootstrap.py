@@ -1,0 +1,146 @@
+"""``etrain etcd-bootstrap`` on a real etcd (TLS, no users yet): root and the agents' user made, auth turned on,
+the agents' user confined to the service's keys, idempotent, and the service then runs a job with it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic.etcd import EtcdConfig, EtcdError, GrpcEtcdClient, create_client
+from service.controller.etcd_bootstrap import (
+    AGENT_ROLE,
+    AuthBootstrap,
+    BootstrapError,
+    BootstrapOutcome,
+    agent_permissions,
+    bootstrap_etcd_auth,
+)
+from tests.service.tls_etcd import Service
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make certificates"),
+    pytest.mark.parametrize("tls_etcd", [False], indirect=True),
+]
+_ROOT = Path(__file__).resolve().parents[3]
+PLAN = AuthBootstrap(root_password="r00t-pw", agent_user="etrain-agent", agent_password="ag3nt-pw", prefix="/etrain")
+
+
+def _config(endpoint: str, certs: Path, user: str | None = None, password: str | None = None) -> EtcdConfig:
+    options = {"ca_cert": str(certs / "ca.pem"), "op_timeout": "5", "user": user, "password": password}
+    return EtcdConfig.from_options(endpoint, options)
+
+
+def _client(endpoint: str, certs: Path, user: str | None = None, password: str | None = None) -> GrpcEtcdClient:
+    return create_client(_config(endpoint, certs, user, password))
+
+
+def test_bootstrap_turns_auth_on_and_the_agents_user_reaches_the_service_keys_but_manages_no_users(
+    tls_etcd: str, certs: Path
+) -> None:
+    assert bootstrap_etcd_auth(_config(tls_etcd, certs), PLAN) is BootstrapOutcome.ENABLED
+    anonymous = _client(tls_etcd, certs)
+    with pytest.raises(EtcdError):
+        anonymous.get("/etrain/jobs/x")  # no user: refused now
+    anonymous.close()
+    agent = _client(tls_etcd, certs, "etrain-agent", "ag3nt-pw")
+    try:
+        agent.put("/etrain/nodes/n1", b"up")
+        agent.put("/etrain.rdzv/job-1.g1/state", b"s")
+        assert agent.get("/etrain/nodes/n1")[0] is not None
+        for key in ("/other/key", "/etrain2/x", "/etrainx"):
+            with pytest.raises(EtcdError, match="permission denied"):
+                agent.put(key, b"no")
+        with pytest.raises(EtcdError):
+            agent.user_add("mallory", "pw")
+    finally:
+        agent.close()
+    root = _client(tls_etcd, certs, "root", "r00t-pw")
+    try:
+        assert sorted(root.user_list()) == ["etrain-agent", "root"]
+        expected = sorted(agent_permissions("/etrain"), key=lambda p: (p.key, p.prefix))
+        assert root.role_permissions(AGENT_ROLE) == expected
+    finally:
+        root.close()
+
+
+def test_bootstrap_again_confirms_and_a_changed_agent_password_takes_effect(tls_etcd: str, certs: Path) -> None:
+    bootstrap_etcd_auth(_config(tls_etcd, certs), PLAN)
+    rotated = AuthBootstrap(PLAN.root_password, PLAN.agent_user, "n3w-pw", PLAN.prefix)
+    assert bootstrap_etcd_auth(_config(tls_etcd, certs), rotated) is BootstrapOutcome.CONFIRMED
+    new = _client(tls_etcd, certs, "etrain-agent", "n3w-pw")
+    try:
+        new.put("/etrain/nodes/n1", b"up")
+    finally:
+        new.close()
+    with pytest.raises(EtcdError, match="authentication failed"):
+        old = _client(tls_etcd, certs, "etrain-agent", "ag3nt-pw")
+        try:
+            old.put("/etrain/nodes/n1", b"up")
+        finally:
+            old.close()
+
+
+def test_bootstrap_with_a_root_password_other_than_the_one_set_says_so_and_changes_nothing(
+    tls_etcd: str, certs: Path
+) -> None:
+    bootstrap_etcd_auth(_config(tls_etcd, certs), PLAN)
+    wrong = AuthBootstrap("not-it", PLAN.agent_user, "other-pw", PLAN.prefix)
+    with pytest.raises(BootstrapError, match="cannot manage users with the given password"):
+        bootstrap_etcd_auth(_config(tls_etcd, certs), wrong)
+    agent = _client(tls_etcd, certs, "etrain-agent", "ag3nt-pw")  # its password is unchanged
+    try:
+        agent.put("/etrain/nodes/n1", b"up")
+    finally:
+        agent.close()
+
+
+def test_the_bootstrapped_agents_user_runs_a_job_with_the_controller_as_root(
+    tls_etcd: str, certs: Path, tmp_path: Path
+) -> None:
+    """The command as the chart runs it, then the controller (root) and an agent under the agents' user:
+    every key the agent touches while a job runs is inside its role."""
+    (tmp_path / "root-pw").write_text("r00t-pw\n")
+    (tmp_path / "agent-pw").write_text("ag3nt-pw\n")
+    ca = ["--etcd-ca-cert", str(certs / "ca.pem")]
+    command = [sys.executable, "-m", "service.cli", "etcd-bootstrap", "--etcd", tls_etcd, *ca, "--etcd-password-file",
+               str(tmp_path / "root-pw"), "--agent-password-file", str(tmp_path / "agent-pw")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=_ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "etcd authentication enabled: users 'root' and 'etrain-agent'"
+    again = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=_ROOT)
+    assert again.returncode == 0 and "confirmed" in again.stdout, again.stderr
+
+    controller = ["--etcd-user", "root", "--etcd-password-file", str(tmp_path / "root-pw")]
+    agent = ["--etcd-user", "etrain-agent", "--etcd-password-file", str(tmp_path / "agent-pw")]
+    service = Service(tmp_path, tls_etcd, ca, role_flags={"controller": controller, "agent": agent})
+    try:
+        job = service.run_one_node_job()
+    finally:
+        service.stop()
+    assert job["state"] == "succeeded", job["last_error"]
+    agent_log = (tmp_path / "agent.log").read_text()
+    assert "permission denied" not in agent_log
+
+
+def test_the_command_refuses_a_user_other_than_root_and_a_missing_agent_password(tls_etcd: str, certs: Path,
+                                                                                 tmp_path: Path) -> None:  # fmt: skip
+    (tmp_path / "pw").write_text("x\n")
+    base = [sys.executable, "-m", "service.cli", "etcd-bootstrap", "--etcd", tls_etcd, "--etcd-ca-cert",
+            str(certs / "ca.pem"), "--etcd-password-file", str(tmp_path / "pw")]  # fmt: skip
+    other = subprocess.run([*base, "--etcd-user", "alice", "--agent-password-file", str(tmp_path / "pw")],
+                           capture_output=True, text=True, timeout=60, cwd=_ROOT)  # fmt: skip
+    assert other.returncode == 2 and "--etcd-user must be 'root'" in other.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETRAIN_")}
+    missing = subprocess.run(base, capture_output=True, text=True, timeout=60, cwd=_ROOT, env=env)
+    assert missing.returncode == 2 and "--agent-password-file" in missing.stderr
+    anonymous = _client(tls_etcd, certs)
+    try:
+        assert anonymous.user_list() == []  # nothing was made
+    finally:
+        anonymous.close()
