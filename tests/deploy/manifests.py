@@ -93,7 +93,9 @@ def pods(manifests: Iterable[Manifest]) -> Iterator[Manifest]:
 
 
 def container(m: Manifest, name: str) -> dict[str, Any]:
-    for c in pod_spec(m)["containers"]:
+    """The container (or init container) ``name`` of a workload's pod."""
+    spec = pod_spec(m)
+    for c in [*spec["containers"], *spec.get("initContainers", [])]:
         if c["name"] == name:
             return dict(c)
     raise AssertionError(f"{m.kind}/{m.name} has no container {name!r}")

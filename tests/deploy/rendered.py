@@ -209,6 +209,20 @@ def etrain_process(
         return subprocess.Popen(argv, env=full_env, stdout=out, stderr=subprocess.STDOUT)
 
 
+def run_etcd_bootstrap(
+    objects: list[mf.Manifest], etcd: RenderedEtcd, tmp: Path, overrides: dict[str, str] | None = None,
+    timeout: float = 60,
+) -> str:
+    """Run the controller pod's init container ``etcd-bootstrap`` (as the kubelet would, before the controller)
+    to its end; returns what it printed. With the chart's defaults the etcd has no users before it."""
+    deploy = mf.one(objects, "Deployment")
+    proc = etrain_process(objects, deploy, "etcd-bootstrap", etcd, tmp, overrides or {})
+    code = proc.wait(timeout=timeout)
+    out = (tmp / "etcd-bootstrap.log").read_text()
+    assert code == 0, out
+    return out
+
+
 def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
     proc.terminate()
     try:

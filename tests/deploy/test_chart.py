@@ -632,6 +632,7 @@ def test_rendered_controller_command_serves_readyz_for_the_helm_test_script(
 
     objects = render(chart, by_name("auth") | {"etcd": {"replicas": 1, "tls": {"extraSANs": ["127.0.0.1"]}}})
     etcd = rd.RenderedEtcd(objects, tmp_path / "etcd").start()
+    rd.run_etcd_bootstrap(objects, etcd, tmp_path)  # the controller pod's init container: etcd's users
     port = free_port()
     deploy = mf.one(objects, "Deployment")
     overrides = {"ETRAIN_HOST": "127.0.0.1", "ETRAIN_PORT": str(port)}
@@ -670,6 +671,8 @@ def test_rendered_agent_command_starts_an_agent_that_answers_healthz(chart: helm
         "ETRAIN_HEALTH_PORT": str(port),
         "ETRAIN_WORK_DIR": str(tmp_path / "work"),
     }
+    # the controller pod's init container: etcd's users; the agents' user gets the (overridden) prefix's keys
+    rd.run_etcd_bootstrap(objects, etcd, tmp_path, {"ETRAIN_PREFIX": overrides["ETRAIN_PREFIX"]})
     env = rd.expand_env(mf.container(agents, "agent")["env"], overrides, fields)
     assert env["ETRAIN_NODE_NAME"] == "demo-etrain-agent-0" and env["ETRAIN_RDZV_HOST"] == "127.0.0.1"
     proc = rd.etrain_process(objects, agents, "agent", etcd, tmp_path, overrides, fields)

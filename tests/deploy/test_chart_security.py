@@ -128,7 +128,16 @@ def test_defaults_run_etcd_with_mutual_tls_and_a_certificate_for_every_member(ch
         assert files[env["ETRAIN_ETCD_CERT"]][:2] == (client_secret, "tls.crt")
         assert files[env["ETRAIN_ETCD_KEY"]][:2] == (client_secret, "tls.key")
         tokens = {f"{RELEASE}-etrain-auth"} if name == "controller" else set()
-        assert {secret for secret, _, _ in files.values()} == {client_secret} | tokens
+        users = f"{RELEASE}-etrain-etcd-users"
+        assert {secret for secret, _, _ in files.values()} == {client_secret, users} | tokens
+        # etcd users (etcd.auth): the controller is root; an agent holds its own user's password, never root's
+        etcd_keys = {key for secret, key, _ in files.values() if secret == users}
+        if name == "controller":
+            assert env["ETRAIN_ETCD_USER"] == "root" and etcd_keys == {"root-password", "agent-password"}
+            assert files[env["ETRAIN_ETCD_PASSWORD_FILE"]][:2] == (users, "root-password")
+        else:
+            assert env["ETRAIN_ETCD_USER"] == "etrain-agent" and etcd_keys == {"agent-password"}
+            assert files[env["ETRAIN_ETCD_PASSWORD_FILE"]][:2] == (users, "agent-password")
         assert all(e.startswith("https://") for e in env["ETRAIN_ETCD_ENDPOINTS"].split(","))
     role = mf.one(objects, "Role")
     assert role.obj["rules"][0]["resourceNames"] == [f"{RELEASE}-etrain-auth", f"{RELEASE}-etrain-etcd-client-tls"]
@@ -149,7 +158,7 @@ def test_extra_sans_reach_the_generated_certificate(chart: helm.Chart) -> None:
 
 def test_existing_tls_secrets_replace_the_generated_certificates(chart: helm.Chart) -> None:
     objects = render(chart, {"etcd": {"tls": {"existingSecret": "etcd-server", "existingClientSecret": "etcd-client"}}})
-    assert [m for m in objects if m.kind == "Secret" and "etcd" in m.name] == []
+    assert [m.name for m in objects if m.kind == "Secret" and "etcd" in m.name] == [f"{RELEASE}-etrain-etcd-users"]
     volumes = {v["name"]: v for v in mf.pod_spec(mf.one(objects, "StatefulSet", "-etcd"))["volumes"]}
     assert volumes["tls"]["secret"]["secretName"] == "etcd-server"
     volumes = {v["name"]: v for v in mf.pod_spec(mf.one(objects, "Deployment"))["volumes"]}
@@ -329,7 +338,18 @@ def test_rendered_etcd_refuses_clients_without_a_certificate_and_the_rendered_co
         proc = rd.etrain_process(objects, deploy, "controller", etcd, tmp_path, no_cert, log=log)
         assert proc.wait(timeout=60) == 2, log.read_text()
 
-        # ... and with the rendered env (client certificate, generated tokens) it serves the API
+        # the init container makes etcd's users and turns authentication on: a client certificate alone (the
+        # one jobs hold too) reads nothing now; the controller is root, the agents their own user
+        assert "etcd authentication enabled" in rd.run_etcd_bootstrap(objects, etcd, tmp_path)
+        cert = {"ca_cert": ca, "cert": files[env["ETRAIN_ETCD_CERT"]], "cert_key": files[env["ETRAIN_ETCD_KEY"]]}
+        cert_only = create_client(EtcdConfig.from_options(endpoints, {**cert, "op_timeout": "2"}))
+        try:
+            with pytest.raises(EtcdError):
+                cert_only.get("/etrain/jobs/planted")
+        finally:
+            cert_only.close()
+
+        # ... and with the rendered env (client certificate, root's password, generated tokens) it serves the API
         port = free_port()
         proc = rd.etrain_process(
             objects, deploy, "controller", etcd, tmp_path, {"ETRAIN_HOST": "127.0.0.1", "ETRAIN_PORT": str(port)}
@@ -420,7 +440,7 @@ def _stored(m: mf.Manifest) -> dict[str, Any]:
     return obj
 
 
-def test_helm_upgrade_keeps_generated_tokens_and_certificates(chart: helm.Chart) -> None:
+def test_helm_upgrade_keeps_generated_tokens_certificates_and_etcd_passwords(chart: helm.Chart) -> None:
     """Install, then upgrade against a loopback API server holding the installed Secrets: `lookup` finds
     them, so tokens, CA and certificates stay (and the controller's checksum, so no restart); changing the
     certificate's names re-signs only the server certificate, with the same CA."""
@@ -469,6 +489,10 @@ def test_helm_upgrade_keeps_generated_tokens_and_certificates(chart: helm.Chart)
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert "etcd.example.org" in sans.get_values_for_type(x509.DNSName)
     assert keys(renamed, "-etcd-client-tls") == keys(installed, "-etcd-client-tls")
+    # etcd keeps its users in its data: their passwords must outlive upgrades (and differ from each other)
+    users = keys(installed, "-etcd-users")
+    assert keys(upgraded, "-etcd-users") == users and len(users["root-password"]) >= 32
+    assert users["root-password"] != users["agent-password"]
 
 
 def test_agents_run_each_job_as_a_uid_of_its_own_as_root_with_four_capabilities_and_root_only_secrets(
@@ -496,3 +520,31 @@ def test_agents_run_each_job_as_a_uid_of_its_own_as_root_with_four_capabilities_
     assert mf.pod_spec(agents)["securityContext"]["runAsUser"] == 10001
     assert "add" not in agent["securityContext"]["capabilities"] and "ETRAIN_JOB_UID_RANGE" not in mf.env_of(agent)
     assert {mode for _, _, mode in rd.mounted_secret_keys(agents, agent).values()} == {0o440}
+
+
+def test_in_cluster_etcd_users_follow_etcd_auth_and_tls_and_the_agents_user_cannot_be_root(chart: helm.Chart) -> None:
+    """etcd.auth on (the default) gives the controller pod the bootstrap init container; off, or without TLS (no
+    password crosses plain gRPC), nothing of it renders; root as the agents' user is refused with the key named."""
+
+    def bootstrap(objects: list[mf.Manifest]) -> list[str]:
+        return [c["name"] for c in mf.pod_spec(mf.one(objects, "Deployment")).get("initContainers", [])]
+
+    on = render(chart)
+    assert bootstrap(on) == ["etcd-bootstrap"]
+    init = mf.env_of(mf.container(mf.one(on, "Deployment"), "etcd-bootstrap"))
+    assert init["ETRAIN_ETCD_USER"] == "root" and init["ETRAIN_ETCD_AGENT_USER"] == "etrain-agent"
+    assert not {k for k in init if k.startswith("AWS_")}  # the bootstrap gets etcd's settings only
+    plain = {"etcd": {"tls": {"enabled": False, "allowInsecure": True}}}
+    for objects in (render(chart, {"etcd": {"auth": {"enabled": False}}}), render(chart, plain)):
+        assert bootstrap(objects) == []
+        assert not [m for m in objects if m.kind == "Secret" and m.name.endswith("-etcd-users")]
+        pods = ((mf.one(objects, "Deployment"), "controller"), (mf.one(objects, "StatefulSet", "-agent"), "agent"))
+        for workload, name in pods:
+            assert "ETRAIN_ETCD_USER" not in mf.env_of(mf.container(workload, name))
+    with pytest.raises(helm.HelmRenderError) as info:
+        render(chart, {"etcd": {"auth": {"agentUser": "root"}}})
+    assert "etcd.auth.agentUser must be a user name other than root" in str(info.value)
+    existing = render(chart, {"etcd": {"auth": {"existingSecret": "my-etcd-users"}}})
+    assert not [m for m in existing if m.kind == "Secret" and m.name.endswith("-etcd-users")]
+    volumes = {v["name"]: v for v in mf.pod_spec(mf.one(existing, "StatefulSet", "-agent"))["volumes"]}
+    assert volumes["etcd-auth"]["secret"]["secretName"] == "my-etcd-users"

@@ -82,6 +82,22 @@ app.kubernetes.io/component: {{ .component }}
 {{- if and (not (include "etrain.etcd.isExternal" .)) .Values.etcd.tls.enabled }}true{{ end }}
 {{- end }}
 
+{{/* True (non-empty) when the in-cluster etcd has users (etcd.auth.enabled, over TLS only: passwords on plain gRPC
+would be readable on the network): the controller is root, agents etcd.auth.agentUser. */}}
+{{- define "etrain.etcd.inClusterAuth" -}}
+{{- if and (include "etrain.etcd.inClusterTls" .) .Values.etcd.auth.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The Secret with the in-cluster etcd's root-password and agent-password. */}}
+{{- define "etrain.etcd.authSecret" -}}
+{{- default (printf "%s-etcd-users" (include "etrain.fullname" .)) .Values.etcd.auth.existingSecret }}
+{{- end }}
+
+{{/* True (non-empty) when the component's pods authenticate to etcd with a user and password file. */}}
+{{- define "etrain.etcd.usesPassword" -}}
+{{- if or (include "etrain.etcd.inClusterAuth" .) (and (include "etrain.etcd.isExternal" .) .Values.etcd.external.auth.username) }}true{{ end }}
+{{- end }}
+
 {{/* URL scheme of the in-cluster etcd's client and peer URLs. */}}
 {{- define "etrain.etcd.scheme" -}}
 {{- ternary "https" "http" (not (empty (include "etrain.etcd.inClusterTls" .))) }}
@@ -227,18 +243,13 @@ app.kubernetes.io/component: {{ .component }}
 {{- else }}1{{ end }}
 {{- end }}
 
-{{/* Environment shared by controller and agents: etcd, prefix, storage credentials. */}}
-{{- define "etrain.commonEnv" -}}
+{{/* etcd connection of a component (endpoints, TLS files, user and password file): call with
+(dict "ctx" . "component" "controller"|"agent"). */}}
+{{- define "etrain.etcdEnv" -}}
+{{- $component := .component }}
+{{- with .ctx -}}
 - name: ETRAIN_ETCD_ENDPOINTS
   value: {{ include "etrain.etcd.endpoints" . | quote }}
-- name: ETRAIN_PREFIX
-  value: {{ .Values.prefix | quote }}
-- name: TORCH_DISABLE_SHARE_RDZV_TCP_STORE
-  value: "1"
-- name: PYTHONUNBUFFERED
-  value: "1"
-- name: HOME
-  value: /tmp
 {{- if include "etrain.etcd.clientUsesTls" . }}
 - name: ETRAIN_ETCD_CA_CERT
   value: /etc/etrain/etcd-tls/ca.crt
@@ -249,14 +260,35 @@ app.kubernetes.io/component: {{ .component }}
   value: /etc/etrain/etcd-tls/tls.key
 {{- end }}
 {{- end }}
-{{- if include "etrain.etcd.isExternal" . }}
-{{- if .Values.etcd.external.auth.username }}
+{{- if include "etrain.etcd.inClusterAuth" . }}
+- name: ETRAIN_ETCD_USER
+  value: {{ ternary "root" .Values.etcd.auth.agentUser (eq $component "controller") | quote }}
+- name: ETRAIN_ETCD_PASSWORD_FILE
+  value: /etc/etrain/etcd-auth/password
+{{- else if include "etrain.etcd.usesPassword" . }}
 - name: ETRAIN_ETCD_USER
   value: {{ .Values.etcd.external.auth.username | quote }}
 - name: ETRAIN_ETCD_PASSWORD_FILE
   value: /etc/etrain/etcd-auth/password
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* Environment shared by controller and agents: etcd, prefix, storage credentials. Call with
+(dict "ctx" . "component" "controller"|"agent"): with the in-cluster etcd's users, the controller is root and the
+agents are etcd.auth.agentUser. */}}
+{{- define "etrain.commonEnv" -}}
+{{- $component := .component }}
+{{- with .ctx }}
+{{- include "etrain.etcdEnv" (dict "ctx" . "component" $component) }}
+- name: ETRAIN_PREFIX
+  value: {{ .Values.prefix | quote }}
+- name: TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+  value: "1"
+- name: PYTHONUNBUFFERED
+  value: "1"
+- name: HOME
+  value: /tmp
 {{- if eq .Values.storage.type "s3" }}
 {{- with .Values.storage.s3 }}
 {{- if not .useAmbientCredentials }}
@@ -293,6 +325,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- end }}
 
 {{/* Volume mounts shared by controller and agents. */}}
 {{- define "etrain.commonVolumeMounts" -}}
@@ -307,18 +340,17 @@ app.kubernetes.io/component: {{ .component }}
   mountPath: /etc/etrain/etcd-tls
   readOnly: true
 {{- end }}
-{{- if include "etrain.etcd.isExternal" . }}
-{{- if .Values.etcd.external.auth.username }}
+{{- if include "etrain.etcd.usesPassword" . }}
 - name: etcd-auth
   mountPath: /etc/etrain/etcd-auth
   readOnly: true
 {{- end }}
 {{- end }}
-{{- end }}
 
-{{/* Volumes shared by controller and agents: call with the root context, or (dict "ctx" . "secretMode" "0400") for
-the Secrets' file mode (default 0440: the pods' fsGroup reads them; 0400: root only, for an agent whose jobs run as
-uids of their own). */}}
+{{/* Volumes shared by controller and agents: call with (dict "ctx" . "component" "controller"|"agent"), and
+"secretMode" "0400" for the Secrets' file mode (default 0440: the pods' fsGroup reads them; 0400: root only, for an
+agent whose jobs run as uids of their own). The controller's etcd-auth volume holds root's password and the agents'
+(for its init container); an agent's holds the agents' only. */}}
 {{- define "etrain.commonVolumes" -}}
 {{- $ctx := .ctx | default . }}
 {{- $mode := .secretMode | default "0440" }}
@@ -344,8 +376,22 @@ uids of their own). */}}
         path: tls.key
       {{- end }}
 {{- end }}
-{{- if include "etrain.etcd.isExternal" $ctx }}
-{{- if $ctx.Values.etcd.external.auth.username }}
+{{- if include "etrain.etcd.inClusterAuth" $ctx }}
+- name: etcd-auth
+  secret:
+    secretName: {{ include "etrain.etcd.authSecret" $ctx }}
+    defaultMode: {{ $mode }}
+    items:
+      {{- if eq .component "controller" }}
+      - key: root-password
+        path: password
+      - key: agent-password
+        path: agent-password
+      {{- else }}
+      - key: agent-password
+        path: password
+      {{- end }}
+{{- else if include "etrain.etcd.usesPassword" $ctx }}
 - name: etcd-auth
   secret:
     secretName: {{ $ctx.Values.etcd.external.auth.existingSecret }}
@@ -353,7 +399,6 @@ uids of their own). */}}
     items:
       - key: {{ $ctx.Values.etcd.external.auth.passwordKey }}
         path: password
-{{- end }}
 {{- end }}
 {{- end }}
 

@@ -57,6 +57,9 @@ line by design; the chart's tests therefore render with each values file.)
 {{- if and (not $v.etcd.tls.enabled) (or $v.etcd.tls.existingSecret $v.etcd.tls.existingClientSecret $v.etcd.tls.extraSANs) }}
 {{- fail "etrain: etcd.tls.existingSecret, etcd.tls.existingClientSecret and etcd.tls.extraSANs need etcd.tls.enabled=true." }}
 {{- end }}
+{{- if and $v.etcd.auth.enabled (or (not $v.etcd.auth.agentUser) (eq (toString $v.etcd.auth.agentUser) "root")) }}
+{{- fail "etrain: etcd.auth.agentUser must be a user name other than root: the agents get the release's keys only, root stays with the controller." }}
+{{- end }}
 {{- if and $v.etcd.tls.existingClientSecret (not $v.etcd.tls.existingSecret) }}
 {{- fail "etrain: etcd.tls.existingClientSecret needs etcd.tls.existingSecret: a client certificate from your CA cannot be checked by members whose certificates the chart generates with its own CA." }}
 {{- end }}
