@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import urllib.parse
 from datetime import datetime, timezone
 from typing import TypeVar
 
@@ -46,6 +47,7 @@ class Keys:
         self.progress = f"{root}/progress/"
         self.nodectl = f"{root}/nodectl/"
         self.metrics = f"{root}/metrics/"  # each job's metric series (service.core.metric_store)
+        self.submitters = f"{root}/submitters/"  # one key per user that submitted: serializes its submits
         # beside the service's keys, not under them: the reconcile loop watches ``<root>/`` and torchrun's
         # rendezvous traffic (heartbeats, store keys) must not wake it; a grant on ``<root>`` covers both
         self.rdzv = f"{root}.rdzv"
@@ -77,6 +79,10 @@ class Keys:
 
     def report(self, job_id: str, node: str) -> str:
         return f"{self.reports}{job_id}/{node}"
+
+    def submitter(self, user: str) -> str:
+        """The key a user's submits bump (names are quoted: a user name may hold any character)."""
+        return self.submitters + urllib.parse.quote(user, safe="")
 
     def progress_of(self, job_id: str) -> str:
         return self.progress + job_id

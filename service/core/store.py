@@ -70,6 +70,10 @@ class JobExists(Exception):
     """A job with this id is already stored."""
 
 
+class SubmitRaced(Exception):
+    """Another submit of the same user committed between this one's read and its write: read again."""
+
+
 class JobNotFound(LookupError):
     """No readable job with this id."""
 
@@ -88,19 +92,37 @@ class ServiceStore:
         self._pool_lock = threading.Lock()
 
     # -- jobs (API side) -----------------------------------------------------------------------------
-    def create_job(self, record: JobRecord, status: JobStatus, event: Event) -> None:
-        """Store a new job atomically; raises :class:`JobExists` if the id is taken."""
+    def create_job(
+        self, record: JobRecord, status: JobStatus, event: Event, submitter: tuple[str, int] | None = None
+    ) -> None:
+        """Store a new job atomically; raises :class:`JobExists` if the id is taken. ``submitter``: ``(user, the
+        revision :meth:`jobs_for_submit` returned)``: the job is stored only if no other submit of that user
+        committed since that read (else :class:`SubmitRaced`), so a check made on that read (the user's pending
+        jobs) still holds when the job is written."""
         k = self.keys
-        ok, _ = self.client.commit(
-            puts=[
-                (k.job(record.id), dump(record)),
-                (k.status_of(record.id), dump(status)),
-                (k.events_of(record.id) + event.id, dump(event)),
-            ],
-            expect=[(k.job(record.id), 0), (k.status_of(record.id), 0)],
-        )
+        puts = [
+            (k.job(record.id), dump(record)),
+            (k.status_of(record.id), dump(status)),
+            (k.events_of(record.id) + event.id, dump(event)),
+        ]
+        expect = [(k.job(record.id), 0), (k.status_of(record.id), 0)]
+        if submitter is not None:
+            puts.append((k.submitter(submitter[0]), record.id.encode()))
+            expect.append((k.submitter(submitter[0]), submitter[1]))
+        ok, _ = self.client.commit(puts=puts, expect=expect)
         if not ok:
+            if submitter is not None and self.client.get(k.job(record.id))[0] is None:
+                raise SubmitRaced(submitter[0])
             raise JobExists(record.id)
+
+    def jobs_for_submit(self, user: str) -> tuple[list[JobEntry], int]:
+        """Every job, and the mod revision of ``user``'s submitter key (0: none yet), read at one revision: pass
+        both to :meth:`create_job` to store a job only while what was checked on this read holds."""
+        k = self.keys
+        (recs, sts, cancels, mine), _ = self.client.read_prefixes([k.jobs, k.status, k.cancel, k.submitter(user)])
+        own = next((kv.mod_revision for kv in mine if kv.key == k.submitter(user)), 0)
+        entries = self._entries(recs, sts, cancels).values()
+        return sorted(entries, key=lambda e: (e.record.created_at, e.record.id)), own
 
     def get_job(self, job_id: str) -> JobEntry | None:
         k = self.keys

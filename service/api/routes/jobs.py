@@ -35,7 +35,7 @@ from service.core.jobs import (
 from service.core.models import JobSpec, submit_problems
 from service.core.series import fit
 from service.core.states import JobState
-from service.core.store import JobExists, JobNotFound, ResizeConflict, ServiceStore
+from service.core.store import JobExists, JobNotFound, ResizeConflict, ServiceStore, SubmitRaced
 from service.core.view import JobEntry
 
 __all__ = ["router"]
@@ -62,6 +62,23 @@ def _get(store: ServiceStore, job_id: str) -> JobEntry:
     return entry
 
 
+_SUBMIT_TRIES = 8  # a user's submit that raced another of its submits checks its limits again this many times
+
+
+def _check_submit_limits(
+    spec: JobSpec, principal: Principal, store: ServiceStore, settings: Settings
+) -> tuple[str, int] | None:
+    """Raise 403/429 when a ``user`` token may not submit ``spec`` now; else what :meth:`ServiceStore.create_job`
+    needs to store the job only while the check still holds (None for admin tokens: operators have no limits)."""
+    if principal.role != Role.USER:
+        return None
+    jobs, revision = store.jobs_for_submit(principal.name)
+    refusal = submit_refusal(spec, principal.name, settings.reconcile.quotas.submit_limits(principal.name), jobs)
+    if refusal is not None:
+        raise HTTPException(refusal[0], detail=refusal[1])
+    return principal.name, revision
+
+
 @router.post(
     "/jobs",
     status_code=status.HTTP_201_CREATED,
@@ -70,6 +87,7 @@ def _get(store: ServiceStore, job_id: str) -> JobEntry:
         403: {"description": "a user token's priority above its maximum, or a queue it may not use"},
         409: {"description": "the checkpoint prefix overlaps an active job's"},
         429: {"description": "the user has as many pending jobs as its limits allow"},
+        503: {"description": "the user's own submits kept racing each other; retry"},
     },
 )
 def submit_job(
@@ -84,11 +102,7 @@ def submit_job(
         raise RequestValidationError(
             [{"type": "value_error", "loc": ("body", field), "msg": msg, "input": None} for field, msg in problems]
         )
-    if principal.role == Role.USER:  # admin tokens (operators) have no submit limits
-        refusal = submit_refusal(spec, principal.name, settings.reconcile.quotas.submit_limits(principal.name),
-                                 store.list_jobs())  # fmt: skip
-        if refusal is not None:
-            raise HTTPException(refusal[0], detail=refusal[1])
+    submitter = _check_submit_limits(spec, principal, store, settings)
     now = datetime.now(timezone.utc)
     job_id = new_job_id(spec)
     url = _resolve_checkpoint_url(spec, settings.checkpoint_root, job_id)
@@ -100,10 +114,17 @@ def submit_job(
                 detail=f"checkpoint_url {url} overlaps the checkpoint prefix of active job {owner}",
             )
     record, job_status, event = new_job(spec, job_id, url, principal.name, now)
-    try:
-        store.create_job(record, job_status, event)
-    except JobExists:  # 32 random bits collided: the client may simply retry
-        raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job id {job_id} exists; retry") from None
+    for _ in range(_SUBMIT_TRIES):
+        try:
+            store.create_job(record, job_status, event, submitter)
+            break
+        except JobExists:  # 32 random bits collided: the client may simply retry
+            raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job id {job_id} exists; retry") from None
+        except SubmitRaced:  # another submit of this user landed since the check: check again
+            submitter = _check_submit_limits(spec, principal, store, settings)
+    else:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE,
+                            detail=f"user {principal.name} submitted too many jobs at once; retry")  # fmt: skip
     metrics.jobs_submitted.inc()
     return job_detail(JobEntry(record, job_status, 0), secrets=True)
 

@@ -4,6 +4,7 @@ tokens see status without env values, args or logs, and the quotas file's limits
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -106,3 +107,12 @@ def test_a_users_pending_jobs_are_capped_and_another_user_is_not_held_by_it(api:
     assert api.post(f"/v1/jobs/{first}/cancel", headers=_as(USER)).status_code == 202
     # a cancelled job stops counting once the leader has ended it
     wait_for(lambda: _submit(api, USER).status_code == 201, 20, 0.2, what="room for one more pending job")
+
+
+def test_concurrent_submits_of_one_user_never_exceed_its_pending_cap(api: TestClient) -> None:
+    """Twelve submits of carol (max_pending 2) at once: each checks its cap on a read that the write requires to
+    be current (a submit another one overtook checks again), so exactly two are stored."""
+    with ThreadPoolExecutor(12) as pool:
+        codes = sorted(pool.map(lambda _: _submit(api, USER).status_code, range(12)))
+    assert codes == [201, 201] + [429] * 10
+    assert len(api.get("/v1/jobs", headers=_as(USER)).json()["jobs"]) == 2

@@ -10,7 +10,7 @@ from elastic.contract.progress import Progress
 from elastic.etcd import EtcdConnectionError, MemoryEtcdClient, MemoryEtcdServer
 from service.core.models import Assignment, Event, JobRecord, JobSpec, JobStatus, NodeInfo, WorkerReport
 from service.core.states import JobState
-from service.core.store import JobExists, ServiceStore, new_event
+from service.core.store import JobExists, ServiceStore, SubmitRaced, new_event
 from service.core.view import JobUpdate, Plan
 
 pytestmark = pytest.mark.timeout(30)
@@ -242,3 +242,33 @@ def test_apply_plan_raises_when_etcd_is_unreachable(store: ServiceStore, client:
     client.set_reachable(False)
     with pytest.raises(EtcdConnectionError):
         store.apply_plan(Plan(updates=[update]), fence)
+
+
+def _pending(store: ServiceStore, job_id: str, user: str) -> tuple[JobRecord, JobStatus, Event]:
+    spec = JobSpec(name="j", entrypoint="t.py")
+    record = JobRecord(id=job_id, spec=spec, created_at=T0, submitted_by=user)
+    return record, JobStatus(state=JobState.PENDING, created_at=T0, updated_at=T0), _event("submitted")
+
+
+def test_a_users_submit_checked_on_a_read_another_of_its_submits_outdated_is_refused_unwritten(
+    store: ServiceStore,
+) -> None:
+    """Two submits of carol read the same jobs (both would pass a cap of one pending job); the first commits, the
+    second's write is refused (SubmitRaced) and stores nothing, so its caller checks again on a fresh read."""
+    jobs_a, rev_a = store.jobs_for_submit("carol")
+    jobs_b, rev_b = store.jobs_for_submit("carol")
+    assert jobs_a == jobs_b == [] and rev_a == rev_b == 0
+    store.create_job(*_pending(store, "a-1", "carol"), submitter=("carol", rev_a))
+    with pytest.raises(SubmitRaced):
+        store.create_job(*_pending(store, "b-1", "carol"), submitter=("carol", rev_b))
+    assert store.get_job("b-1") is None
+    jobs, rev = store.jobs_for_submit("carol")
+    assert [e.record.id for e in jobs] == ["a-1"] and rev > 0
+    store.create_job(*_pending(store, "c-1", "carol"), submitter=("carol", rev))  # a fresh read commits
+    # another user's submits are not held by carol's, and a taken id is still JobExists
+    dave = store.jobs_for_submit("dave")[1]
+    store.create_job(*_pending(store, "d-1", "dave"), submitter=("dave", dave))
+    with pytest.raises(JobExists):
+        store.create_job(*_pending(store, "d-1", "dave"), submitter=("dave", store.jobs_for_submit("dave")[1]))
+    # a user name that prefixes another's has a key of its own
+    assert store.jobs_for_submit("car")[1] == 0 and store.keys.submitter("a/b") == store.keys.submitters + "a%2Fb"
