@@ -52,13 +52,20 @@ def make_model(seed: int, dropout: float = 0.1) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 4))
 
 
-def _shard(model: nn.Module) -> nn.Module:
-    """FSDP2 over the whole world: each linear layer a unit of its own, then the root."""
+def _shard(model: nn.Module, hsdp_shard: int = 0) -> nn.Module:
+    """FSDP2 over the whole world (``hsdp_shard`` 0), or HSDP: a 2-D mesh of world / ``hsdp_shard`` replicas, each
+    sharded over ``hsdp_shard`` ranks; each linear layer a unit of its own, then the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")  # the mesh needs the group; the trainer then uses it
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if hsdp_shard:
+        if world % hsdp_shard:
+            raise SystemExit(f"--hsdp-shard {hsdp_shard} does not divide the world size {world}")
+        mesh = init_device_mesh("cpu", (world // hsdp_shard, hsdp_shard), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     for layer in model.modules():
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -123,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="default: live under a live rendezvous (--rdzv-conf recovery=live), else restart")  # fmt: skip
     p.add_argument("--live-ttl", type=float, default=3.0, help="live mode: each worker's lease, seconds")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2's fully_shard")
+    p.add_argument("--hsdp-shard", type=int, default=0,
+                   help="with --fsdp: HSDP, replicas of this many shards each (a 2-D mesh); 0: one shard per rank")
     p.add_argument("--max-steps", type=int, default=0, help="stop once this step is committed (0: run the epochs)")
     p.add_argument("--dump-steps", default="", help="comma-separated steps at which rank 0 dumps the full state")
     p.add_argument("--dump-start", action="store_true", help="rank 0 dumps the full state right after the restore")
@@ -138,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     dataset = make_dataset(args.samples)
     model = make_model(args.seed, args.dropout)
     if args.fsdp:
-        model = _shard(model)  # before the optimizer: fully_shard replaces the parameters
+        model = _shard(model, args.hsdp_shard)  # before the optimizer: fully_shard replaces the parameters
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     policy = LRPolicy(LRRule(args.lr_rule), args.lr, args.base_world, args.batch, warmup_steps=args.warmup)
     cap = ElasticConfig.local_max_overhead if args.local_max_overhead is None else args.local_max_overhead or None

@@ -200,3 +200,33 @@ def test_fsdp2_resizes_4_2_3_with_kills_commit_every_step_once_and_every_sample_
         assert all(r["lr"] == lr * expected[s] for r in eff[s]), (s, [r["lr"] for r in eff[s]], lr * expected[s])
     assert sorted({r["epoch"] for s in steps for r in eff[s]}) == [0, 1, 2]
     assert_every_sample_once_per_epoch(eff, n)
+
+
+@pytest.mark.timeout(400)
+def test_hsdp_2x2_trains_like_ddp_and_its_snapshot_restores_the_same_full_state_as_fsdp_and_as_hsdp_3x1(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
+) -> None:
+    """HSDP (a 2-D mesh: 2 replicas x 2 shards, set up by the script) through the loop: the gradients reduce
+    across shards and replicas to the parameters a DDP run of the same job reaches; its snapshot (DCP, resharded
+    on load) restores the same full model and optimizer state on 2 workers sharded as FSDP and on 3 workers as
+    HSDP 3 x 1, and training goes on."""
+    ck = ["--save-every", "5", "--epochs", "2"]
+    hsdp = _run(tmp_path, "hsdp", etcd_server, agents, 4,
+                [*COMMON, *ck, "--fsdp", "--hsdp-shard", "2", "--dump-steps", "10",
+                 "--checkpoint-url", str(tmp_path / "ck")])  # fmt: skip
+    ddp = _run(tmp_path, "ddp", etcd_server, agents, 4, [*COMMON, *ck, "--checkpoint-url", str(tmp_path / "ck-ddp")])
+    got, want = torch.load(hsdp / "final_params.pt"), torch.load(ddp / "final_params.pt")
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=1e-5, atol=1e-6), (k, (got[k] - want[k]).abs().max())
+
+    # the same 10 steps again, stopped there, then resumed in other shapes
+    stopped = ["--checkpoint-url", str(tmp_path / "ck-stop"), "--save-every", "5", "--epochs", "3"]
+    hsdp_2x2 = ["--fsdp", "--hsdp-shard", "2"]
+    saved = _run(tmp_path, "saved", etcd_server, agents, 4,
+                 [*COMMON, *stopped, *hsdp_2x2, "--max-steps", "10", "--dump-steps", "10"])  # fmt: skip
+    for world, shape in ((2, []), (3, ["--hsdp-shard", "1"])):
+        rec = _run(tmp_path, f"resumed{world}", etcd_server, agents, world,
+                   [*COMMON, *stopped, "--fsdp", *shape, "--dump-start", "--max-steps", str(10 + world)])  # fmt: skip
+        _same_full_state(saved / "dump-step10.pt", rec / "dump-start.pt")
+        assert sorted({r["step"] for r in read_records(rec)}) == list(range(11, 11 + world)), world
