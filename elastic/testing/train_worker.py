@@ -47,9 +47,12 @@ def make_dataset(n: int, seed: int = 1234) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def make_model(seed: int, dropout: float = 0.1) -> nn.Module:
+def make_model(seed: int, dropout: float = 0.1, hidden: int = 32, depth: int = 0) -> nn.Module:
+    """16 -> ``hidden`` (-> ``hidden``, ``depth`` times) -> 4; the defaults are the tests' small MLP (benchmarks make
+    it bigger to have state worth loading)."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 4))
+    middle = [m for _ in range(depth) for m in (nn.Linear(hidden, hidden), nn.ReLU())]
+    return nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Dropout(dropout), *middle, nn.Linear(hidden, 4))
 
 
 def _shard(model: nn.Module, hsdp_shard: int = 0) -> nn.Module:
@@ -120,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--hidden", type=int, default=32, help="the MLP's width")
+    p.add_argument("--depth", type=int, default=0, help="hidden x hidden layers between the first and the last")
     p.add_argument("--keep-last", type=int, default=100)
     p.add_argument("--local-every", type=int, default=0, help="node-local snapshot every N steps (0: off)")
     p.add_argument("--local-max-overhead", type=float, default=None,
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     master = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     attempt = f"{master}:{os.environ.get(worker_env.TORCHRUN_WORLD_SIZE)}"
     dataset = make_dataset(args.samples)
-    model = make_model(args.seed, args.dropout)
+    model = make_model(args.seed, args.dropout, args.hidden, args.depth)
     if args.fsdp:
         model = _shard(model, args.hsdp_shard)  # before the optimizer: fully_shard replaces the parameters
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
