@@ -14,6 +14,7 @@ from elastic.contract.lr import LRPolicy, LRRule
 from elastic.testing.etcd_server import LocalEtcdCluster
 from elastic.testing.torchrun import TorchrunAgent, torchrun_command
 from elastic.testing.wait import wait_until
+from tests.integration.convergence import assert_converges
 from tests.integration.training_records import (
     agent_logs,
     assert_every_sample_once_per_epoch,
@@ -230,3 +231,21 @@ def test_hsdp_2x2_trains_like_ddp_and_its_snapshot_restores_the_same_full_state_
                    [*COMMON, *stopped, "--fsdp", *shape, "--dump-start", "--max-steps", str(10 + world)])  # fmt: skip
         _same_full_state(saved / "dump-step10.pt", rec / "dump-start.pt")
         assert sorted({r["step"] for r in read_records(rec)}) == list(range(11, 11 + world)), world
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_resized_run_converges_within_2_percent_of_fixed_world_small_form(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
+) -> None:
+    """An FSDP2 job resized 4 -> 2 -> 3 workers (a node SIGKILLed, then one joins; each world reshards the last
+    snapshot) ends within 2 % of the final loss of the same job on 4 workers throughout."""
+    assert_converges(tmp_path, etcd_server, agents, "fixed-global-batch", seed=0, extra=["--fsdp"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_fsdp2_resized_run_converges_within_2_percent_of_fixed_world_3_seeds(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent], seed: int
+) -> None:
+    assert_converges(tmp_path, etcd_server, agents, "fixed-global-batch", seed, extra=["--fsdp"])

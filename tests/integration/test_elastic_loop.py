@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -12,20 +11,13 @@ import torch
 
 from elastic.contract.lr import LRPolicy, LRRule
 from elastic.testing.etcd_server import LocalEtcdCluster
-from elastic.testing.torchrun import TorchrunAgent, torchrun_command
+from elastic.testing.torchrun import TorchrunAgent
 from elastic.testing.wait import wait_until
+from tests.integration.convergence import assert_converges
+from tests.integration.convergence import start_agent as _agent
 from tests.integration.training_records import agent_logs, effective_records, expected_factors, max_step, read_records
 
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
-
-
-def _agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnodes: str, nproc: int,
-           args: list[str]) -> TorchrunAgent:  # fmt: skip
-    cmd = torchrun_command(
-        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
-        rdzv_conf={"last_call_timeout": 2}, max_restarts=5, script=WORKER, script_args=args,
-    )  # fmt: skip
-    return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}).start()
 
 
 @pytest.mark.timeout(300)
@@ -111,53 +103,11 @@ def test_resizes_4_2_3_keep_lr_policy_exact_and_every_sample_once_per_epoch(
         assert sorted(seen) == list(range(n)), f"epoch {epoch}: a sample was skipped or repeated"
 
 
-def _final_loss(
-    tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, seed: int, resize: bool
-) -> float:
-    rec = tmp / f"{rule}-{seed}-{'resized' if resize else 'fixed'}"
-    run_id = f"conv-{uuid.uuid4().hex[:6]}"
-    # No dropout and enough epochs to converge: the comparison is about the resizes, not about noise.
-    args = ["--epochs", "8", "--samples", "480", "--batch", "4", "--lr", "0.05", "--lr-rule", rule,
-            "--base-world", "4", "--warmup", "3", "--save-every", "8", "--seed", str(seed), "--dropout", "0",
-            "--checkpoint-url", str(rec / "ck"), "--record", str(rec)]  # fmt: skip
-    if not resize:
-        a = _agent(tmp, f"{rec.name}-a", etcd, run_id, "2:2", 2, args)
-        b = _agent(tmp, f"{rec.name}-b", etcd, run_id, "2:2", 2, args)
-        agents += [a, b]
-        for agent in (a, b):
-            assert agent.wait(timeout=300) == 0, agent_logs(agents)
-    else:
-        slow = [*args, "--step-sleep", "0.05"]
-        a = _agent(tmp, f"{rec.name}-a", etcd, run_id, "1:3", 2, slow)
-        b = _agent(tmp, f"{rec.name}-b", etcd, run_id, "1:3", 2, slow)
-        agents += [a, b]
-        assert wait_until(lambda: max_step(rec) >= 40, 150), agent_logs(agents)
-        b.kill_tree()
-        assert wait_until(lambda: any(r["world"] == 2 for r in read_records(rec)), 120), agent_logs(agents)
-        shrunk_at = max_step(rec)
-        assert wait_until(lambda: max_step(rec) >= shrunk_at + 40, 150), agent_logs(agents)
-        c = _agent(tmp, f"{rec.name}-c", etcd, run_id, "1:3", 1, slow)
-        agents.append(c)
-        for agent in (a, c):
-            assert agent.wait(timeout=300) == 0, agent_logs(agents)
-        worlds = [r["world"] for r in sorted(read_records(rec), key=lambda r: r["t"])]
-        assert 3 in worlds and 2 in worlds and 4 in worlds
-    return float(json.loads((rec / "final.json").read_text())["loss"])
-
-
-def _convergence(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, seed: int) -> None:
-    fixed = _final_loss(tmp, etcd, agents, rule, seed, resize=False)
-    resized = _final_loss(tmp, etcd, agents, rule, seed, resize=True)
-    print(f"convergence {rule} seed {seed}: fixed 4 workers {fixed:.5f}, resized 4->2->3 {resized:.5f}, "
-          f"{100 * (resized - fixed) / fixed:+.2f} %")  # fmt: skip
-    assert abs(resized - fixed) <= 0.02 * fixed
-
-
 @pytest.mark.timeout(600)
 def test_resized_run_converges_within_2_percent_of_fixed_world_small_form(
     tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
-    _convergence(tmp_path, etcd_server, agents, "fixed-global-batch", seed=0)
+    assert_converges(tmp_path, etcd_server, agents, "fixed-global-batch", seed=0)
 
 
 @pytest.mark.slow
@@ -167,7 +117,7 @@ def test_resized_run_converges_within_2_percent_of_fixed_world_small_form(
 def test_resized_run_converges_within_2_percent_of_fixed_world_3_seeds(
     tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, seed: int
 ) -> None:
-    _convergence(tmp_path, etcd_server, agents, rule, seed)
+    assert_converges(tmp_path, etcd_server, agents, rule, seed)
 
 
 @pytest.mark.timeout(300)
