@@ -11,6 +11,8 @@ reads the loss once per step (a host sync, as any loop that logs its loss does).
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
 import os
 import sys
@@ -102,6 +104,16 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3 if args.model == "char" else 1e-5)
     times: list[float] = []
     cpu: list[float] = []
+    thread_cpu: list[float] = []  # the main thread's CPU (the rest of the process's is the writer's, hasher's, ...)
+    gc_pauses: list[tuple[float, float]] = []  # (start, end) of each collection, perf_counter
+
+    def on_gc(phase: str, _info: dict[str, Any]) -> None:
+        if phase == "start":
+            gc_pauses.append((time.perf_counter(), 0.0))
+        elif gc_pauses:
+            gc_pauses[-1] = (gc_pauses[-1][0], time.perf_counter())
+
+    gc.callbacks.append(on_gc)
     save_every = args.save_every if args.checkpoint_url else 0
 
     if args.mode == "plain":
@@ -124,6 +136,7 @@ def main() -> None:
                     torch.save(state, Path(args.checkpoint_url) / "latest.pt")
                 times.append(time.perf_counter())
                 cpu.append(time.process_time())
+                thread_cpu.append(time.thread_time())
                 if len(times) >= args.steps:
                     break
             epoch += 1
@@ -145,6 +158,7 @@ def main() -> None:
             if len(times) < trainer.step:  # one optimizer step completed inside batches()
                 times.append(time.perf_counter())
                 cpu.append(time.process_time())
+                thread_cpu.append(time.thread_time())
             if trainer.step >= args.steps:
                 break
         trainer.close()
@@ -153,9 +167,15 @@ def main() -> None:
         rate = (len(steady) - 1) / (steady[-1] - steady[0])
         cpu_steady = cpu[args.warmup :]
         cpu_rate = (len(cpu_steady) - 1) / (cpu_steady[-1] - cpu_steady[0])  # steps per CPU-second of rank 0
-        args.out.write_text(
-            json.dumps({"mode": args.mode, "steps_per_s": rate, "steps_per_cpu_s": cpu_rate, "steps": len(times)})
-        )
+        start, end = steady[0], steady[-1]
+        gc_s = sum(min(b, end) - max(a, start) for a, b in gc_pauses if b > start and a < end)
+        args.out.write_text(json.dumps({
+            "mode": args.mode, "steps_per_s": rate, "steps_per_cpu_s": cpu_rate, "steps": len(times),
+            # the steady steps one by one (bench/_attribution.py): times[k] ends step k + 1
+            "step_seconds": [b - a for a, b in itertools.pairwise(steady)],
+            "first_step": args.warmup + 2, "gc_s": gc_s,
+            "main_cpu_s": thread_cpu[-1] - thread_cpu[args.warmup], "process_cpu_s": cpu_steady[-1] - cpu_steady[0],
+        }))  # fmt: skip
     if dist.is_initialized():
         # the plain loop's last collective may still be draining in gloo's threads ("terminate called without
         # an active exception" at exit, seen once in three runs): a barrier, then the drained teardown

@@ -18,6 +18,11 @@ On ``--device cuda``: an MLP + AdamW with ``--state-gib`` GiB of state (default 
 the checkpoint intervals of ``--save-every`` (default ``0,50,10``; 0 = no checkpoints), so that each system's
 rate with a snapshot every K steps is set against its rate without; goal: a durable snapshot every 50 steps
 keeps >= 0.95 of the no-checkpoint rate (when the disk can absorb it).
+With interval 0 among ``--save-every``, each run with snapshots is also set against the same round's run of the same
+system without (bench/_attribution.py; issue 29, part 3): milliseconds per snapshot lost in the save's own steps
+(the save call, the fence, the stall of the steps the copy overlaps) and in the rest of the interval (the drain on
+the copy engine, the writer's and hasher's threads, the allocator), with GC pauses and the background threads' CPU
+measured directly.
 
     python bench/loop_overhead_bench.py [--rounds 3] [--steps 400] [--with-local] [--with-live]
     python bench/loop_overhead_bench.py --model mlp --agents 2 --with-live --save-every 0
@@ -39,6 +44,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from _attribution import NEAR_STEPS, StepTrace, attribute  # bench/ is the script's directory: on sys.path
+
 from elastic import compat
 from elastic.contract.env import LOCAL_SNAPSHOT_DIR, LOCAL_SNAPSHOT_EVERY
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
@@ -49,7 +56,7 @@ WORKER = HERE / "_overhead_worker.py"
 
 def _run(
     mode: str, etcd: LocalEtcdCluster, args: argparse.Namespace, work: Path, save_every: int
-) -> tuple[float, float]:
+) -> dict[str, Any]:
     out = work / f"{mode}-{uuid.uuid4().hex[:6]}.json"
     run_id = f"ovh-{uuid.uuid4().hex[:6]}"
     if mode == "plain":  # stock torchrun: one agent standalone, several on torch's c10d rendezvous
@@ -88,8 +95,25 @@ def _run(
     for agent, (_, stderr) in zip(agents, results, strict=True):
         if agent.returncode != 0:
             raise RuntimeError(f"{mode} run failed ({agent.returncode}):\n{stderr[-4000:]}")
-    got = json.loads(out.read_text())
-    return float(got["steps_per_s"]), float(got["steps_per_cpu_s"])
+    got: dict[str, Any] = json.loads(out.read_text())
+    return got
+
+
+def _print_attribution(traces: dict[tuple[str, int], list[StepTrace]], modes: list[str],
+                       intervals: list[int]) -> dict[str, Any]:  # fmt: skip
+    """Each round's run with snapshots against the same round's run of the same system without (issue 29, part 3:
+    bench/_attribution.py); medians over the rounds, milliseconds per snapshot."""
+    out: dict[str, Any] = {}
+    for mode in modes:
+        for every in (k for k in intervals if k):
+            rows = [attribute(t, b, every) for t, b in zip(traces[mode, every], traces[mode, 0], strict=True)]
+            med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+            out[f"{mode}/{every}"] = {"median": med, "rounds": rows}
+            print(f"{mode}, a snapshot every {every} steps, vs no snapshots (ms per snapshot, median of {len(rows)} "
+                  f"rounds; base step {med['base_step_ms']:.2f} ms): loss {med['loss_ms']:.1f} = save's "
+                  f"{NEAR_STEPS} steps {med['near_ms']:.1f} + the other {every - NEAR_STEPS} {med['far_ms']:.1f}; "
+                  f"GC {med['gc_ms']:+.1f}, background threads' CPU {med['background_cpu_ms']:+.1f}")  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -131,11 +155,14 @@ def main() -> None:
     modes = ("plain", "elastic", *extra)
     rates: dict[tuple[str, int], list[float]] = {(m, k): [] for m in modes for k in intervals}
     cpu_rates: dict[tuple[str, int], list[float]] = {(m, k): [] for m in modes for k in intervals}
+    traces: dict[tuple[str, int], list[StepTrace]] = {(m, k): [] for m in modes for k in intervals}
     with LocalEtcdCluster(1, workdir=work / "etcd") as etcd:
         for i in range(args.rounds):
             order = [(m, k) for k in intervals for m in modes]
             for mode, every in order if i % 2 == 0 else reversed(order):
-                rate, cpu_rate = _run(mode, etcd, args, work, every)
+                got = _run(mode, etcd, args, work, every)
+                rate, cpu_rate = float(got["steps_per_s"]), float(got["steps_per_cpu_s"])
+                traces[mode, every].append(StepTrace.from_json(got))
                 rates[mode, every].append(rate)
                 cpu_rates[mode, every].append(cpu_rate)
                 print(f"round {i + 1} {mode:13s} snapshot every {every or '-':>4} steps: {rate:7.2f} steps/s wall, "
@@ -207,6 +234,8 @@ def main() -> None:
         )
         print(f"live recovery median {med(lv):.2f} steps/s: {med(lv) / med(el):.3f} of the elastic loop with DDP "
               f"({lc:.3f} per CPU-second of rank 0; goal >= 0.97: {'met' if med(lv) / med(el) >= 0.97 else 'MISSED'})")
+    if 0 in intervals:
+        result["attribution"] = _print_attribution(traces, [m for m in modes if m != "plain"], intervals)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")

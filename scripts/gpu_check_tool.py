@@ -91,7 +91,13 @@ def figure(kind: str, path: Path) -> str:
         out = f"elastic/DDP {r['ratio_median']:.3f}"
         if "live_vs_elastic_ratio" in r:  # the live row (--with-live): live's own all-reduce vs DDP, same loop
             out += f", live/DDP {r['live_vs_elastic_ratio']:.3f}"
-        return out + f" (step rates, a snapshot every {r['checkpoint_every_steps']} steps)"
+        out += f" (step rates, a snapshot every {r['checkpoint_every_steps']} steps)"
+        attribution = (r.get("attribution") or {}).get(f"elastic/{r['checkpoint_every_steps']}")
+        if attribution:  # issue 29, part 3: where the snapshot's cost goes (bench/_attribution.py)
+            m = attribution["median"]
+            out += (f"; per snapshot {m['loss_ms']:.0f} ms = save's steps {m['near_ms']:.0f} + rest {m['far_ms']:.0f}, "
+                    f"GC {m['gc_ms']:+.0f}, bg CPU {m['background_cpu_ms']:+.0f}")  # fmt: skip
+        return out
     raise SystemExit(f"unknown figure kind {kind}")
 
 
