@@ -10,16 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from elastic.contract.lr import LRPolicy, LRRule
 from elastic.testing.etcd_server import LocalEtcdCluster
 from elastic.testing.torchrun import TorchrunAgent, torchrun_command
 from elastic.testing.wait import wait_until
-from tests.integration.convergence import assert_converges
+from tests.integration.scenarios import assert_converges, assert_resizes_4_2_3
 from tests.integration.training_records import (
     agent_logs,
-    assert_every_sample_once_per_epoch,
-    effective_records,
-    expected_factors,
     max_step,
     read_records,
 )
@@ -166,41 +162,8 @@ def test_fsdp2_resizes_4_2_3_with_kills_commit_every_step_once_and_every_sample_
     """A node of a 4-worker FSDP job SIGKILLed (4 -> 2), then a node joins (2 -> 3): each new world reshards the
     last snapshot; the effective steps are 1..N once each, the LR follows the policy and its warmup ramp exactly,
     every sample is consumed once per epoch."""
-    rec = tmp_path / "rec"
-    run_id = f"fsdp-resize-{uuid.uuid4().hex[:6]}"
-    n, batch, lr, warmup = 240, 4, 0.05, 3
-    args = ["--fsdp", "--epochs", "3", "--samples", str(n), "--batch", str(batch), "--lr", str(lr),
-            "--lr-rule", "linear", "--base-world", "4", "--warmup", str(warmup), "--save-every", "4",
-            "--step-sleep", "0.05", "--checkpoint-url", str(tmp_path / "ck"), "--record", str(rec)]  # fmt: skip
-    a = _agent(tmp_path, "a", etcd_server, 2, args, run_id=run_id, nnodes="1:3")
-    b = _agent(tmp_path, "b", etcd_server, 2, args, run_id=run_id, nnodes="1:3")
-    agents += [a, b]
-
-    def world_reached(w: int, after: int = 0) -> bool:
-        return any(r["world"] == w and r["step"] > after for r in read_records(rec))
-
-    assert wait_until(lambda: world_reached(4), 150), agent_logs(agents)
-    assert wait_until(lambda: max_step(rec) >= 10, 120), agent_logs(agents)
-    b.kill_tree()  # a node dies mid-epoch: 4 -> 2
-    assert wait_until(lambda: world_reached(2, after=8), 120), agent_logs(agents)
-    shrunk_at = max_step(rec)
-    assert wait_until(lambda: max_step(rec) >= shrunk_at + 6, 120), agent_logs(agents)
-    c = _agent(tmp_path, "c", etcd_server, 1, args, run_id=run_id, nnodes="1:3")  # a node joins: 2 -> 3
-    agents.append(c)
-    for agent in (a, c):
-        assert agent.wait(timeout=300) == 0, agent_logs(agents)
-
-    eff = effective_records(read_records(rec))
-    steps = sorted(eff)
-    assert steps == list(range(1, steps[-1] + 1)), "every step committed exactly once"
-    worlds = [eff[s][0]["world"] for s in steps]
-    assert [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]] == [4, 2, 3], worlds
-    expected = expected_factors(LRPolicy(LRRule.LINEAR, lr, 4, batch, warmup_steps=warmup), eff)
-    for s in steps:
-        assert len(eff[s]) == eff[s][0]["world"], f"step {s}: one record per rank"
-        assert all(r["lr"] == lr * expected[s] for r in eff[s]), (s, [r["lr"] for r in eff[s]], lr * expected[s])
-    assert sorted({r["epoch"] for s in steps for r in eff[s]}) == [0, 1, 2]
-    assert_every_sample_once_per_epoch(eff, n)
+    assert_resizes_4_2_3(tmp_path, etcd_server, agents, "linear", samples=240, epochs=3, step_sleep=0.05,
+                         extra=["--fsdp"])
 
 
 @pytest.mark.timeout(400)

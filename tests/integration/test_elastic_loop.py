@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import uuid
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 
-from elastic.contract.lr import LRPolicy, LRRule
+from elastic.contract.lr import LRRule
 from elastic.testing.etcd_server import LocalEtcdCluster
 from elastic.testing.torchrun import TorchrunAgent
 from elastic.testing.wait import wait_until
-from tests.integration.convergence import assert_converges
-from tests.integration.convergence import start_agent as _agent
-from tests.integration.training_records import agent_logs, effective_records, expected_factors, max_step, read_records
+from tests.integration.scenarios import assert_converges, assert_resizes_4_2_3
+from tests.integration.scenarios import start_agent as _agent
+from tests.integration.training_records import agent_logs, max_step, read_records
 
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
 
@@ -54,53 +53,7 @@ def test_kill_and_resume_at_same_world_gives_bit_identical_params(
 def test_resizes_4_2_3_keep_lr_policy_exact_and_every_sample_once_per_epoch(
     tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str
 ) -> None:
-    rec = tmp_path / "rec"
-    run_id = f"resize-{uuid.uuid4().hex[:6]}"
-    n, batch, lr, warmup = 480, 4, 0.05, 3
-    args = ["--epochs", "4", "--samples", str(n), "--batch", str(batch), "--lr", str(lr), "--lr-rule", rule,
-            "--base-world", "4", "--warmup", str(warmup), "--save-every", "4", "--step-sleep", "0.04",
-            "--checkpoint-url", str(tmp_path / "ck"), "--record", str(rec)]  # fmt: skip
-    a = _agent(tmp_path, "a", etcd_server, run_id, "1:3", 2, args)
-    b = _agent(tmp_path, "b", etcd_server, run_id, "1:3", 2, args)
-    agents += [a, b]
-
-    def world_reached(w: int, after: int = 0) -> bool:
-        return any(r["world"] == w and r["step"] > after for r in read_records(rec))
-
-    assert wait_until(lambda: world_reached(4), 150), agent_logs(agents)
-    assert wait_until(lambda: max_step(rec) >= 10, 120), agent_logs(agents)
-    b.kill_tree()  # a node dies mid-epoch: 4 -> 2
-    assert wait_until(lambda: world_reached(2, after=8), 120), agent_logs(agents)
-    shrunk_at = max_step(rec)
-    assert wait_until(lambda: max_step(rec) >= shrunk_at + 6, 120), agent_logs(agents)
-    c = _agent(tmp_path, "c", etcd_server, run_id, "1:3", 1, args)  # a node joins: 2 -> 3
-    agents.append(c)
-    for agent in (a, c):
-        assert agent.wait(timeout=300) == 0, agent_logs(agents)
-
-    eff = effective_records(read_records(rec))
-    steps = sorted(eff)
-    assert steps == list(range(1, steps[-1] + 1)), "every step committed exactly once"
-    worlds = [eff[s][0]["world"] for s in steps]
-    changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
-    assert changes == [4, 2, 3], changes
-
-    policy = LRPolicy(LRRule(rule), lr, 4, batch, warmup_steps=warmup)
-    expected = expected_factors(policy, eff)
-    for s in steps:
-        assert len(eff[s]) == eff[s][0]["world"], f"step {s}: one record per rank"
-        for r in eff[s]:
-            assert r["lr"] == lr * expected[s], (s, r["lr"], lr * expected[s])
-    # Steady state after the last resize: the policy's exact target LR.
-    assert eff[steps[-1]][0]["lr"] == policy.target_lr(3)
-
-    per_epoch: dict[int, list[int]] = defaultdict(list)
-    for s in steps:
-        for r in eff[s]:
-            per_epoch[r["epoch"]].extend(r["indices"])
-    assert sorted(per_epoch) == [0, 1, 2, 3]
-    for epoch, seen in per_epoch.items():
-        assert sorted(seen) == list(range(n)), f"epoch {epoch}: a sample was skipped or repeated"
+    assert_resizes_4_2_3(tmp_path, etcd_server, agents, rule, samples=480, epochs=4, step_sleep=0.04)
 
 
 @pytest.mark.timeout(600)

@@ -1,5 +1,6 @@
-"""The convergence scenario shared by the loop's tests (DDP and FSDP2): a 4-worker run against the same run resized
-4 -> 2 -> 3 workers, final losses within 2 %; and the torchrun agent those tests start."""
+"""Scenarios shared by the loop's tests of DDP and FSDP2 models (train_worker.py; ``extra`` adds ``--fsdp``): the
+4 -> 2 -> 3 resize with its LR and exactly-once checks, and the convergence of a resized run against a fixed-world
+one; and the torchrun agent those tests start."""
 
 from __future__ import annotations
 
@@ -8,10 +9,18 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from elastic.contract.lr import LRPolicy, LRRule
 from elastic.testing.etcd_server import LocalEtcdCluster
 from elastic.testing.torchrun import TorchrunAgent, torchrun_command
 from elastic.testing.wait import wait_until
-from tests.integration.training_records import agent_logs, max_step, read_records
+from tests.integration.training_records import (
+    agent_logs,
+    assert_every_sample_once_per_epoch,
+    effective_records,
+    expected_factors,
+    max_step,
+    read_records,
+)
 
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
 
@@ -24,6 +33,53 @@ def start_agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnode
         rdzv_conf={"last_call_timeout": 2}, max_restarts=5, script=WORKER, script_args=args,
     )  # fmt: skip
     return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}).start()
+
+
+def assert_resizes_4_2_3(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, *, samples: int,
+                         epochs: int, step_sleep: float, extra: Sequence[str] = ()) -> None:  # fmt: skip
+    """Two agents of 2 workers (world 4); one SIGKILLed mid-epoch (4 -> 2); then a node of 1 worker joins (2 -> 3).
+    Every step is committed exactly once, the LR follows ``rule`` and its warmup ramp exactly (the policy's target
+    LR at the end), every record of a step comes from one rank of its world, every sample is consumed once per
+    epoch."""
+    rec = tmp / "rec"
+    run_id = f"resize-{uuid.uuid4().hex[:6]}"
+    batch, lr, warmup = 4, 0.05, 3
+    args = ["--epochs", str(epochs), "--samples", str(samples), "--batch", str(batch), "--lr", str(lr), "--lr-rule",
+            rule, "--base-world", "4", "--warmup", str(warmup), "--save-every", "4", "--step-sleep", str(step_sleep),
+            "--checkpoint-url", str(tmp / "ck"), "--record", str(rec), *extra]  # fmt: skip
+    a = start_agent(tmp, "a", etcd, run_id, "1:3", 2, args)
+    b = start_agent(tmp, "b", etcd, run_id, "1:3", 2, args)
+    agents += [a, b]
+
+    def world_reached(w: int, after: int = 0) -> bool:
+        return any(r["world"] == w and r["step"] > after for r in read_records(rec))
+
+    assert wait_until(lambda: world_reached(4), 150), agent_logs(agents)
+    assert wait_until(lambda: max_step(rec) >= 10, 120), agent_logs(agents)
+    b.kill_tree()  # a node dies mid-epoch: 4 -> 2
+    assert wait_until(lambda: world_reached(2, after=8), 120), agent_logs(agents)
+    shrunk_at = max_step(rec)
+    assert wait_until(lambda: max_step(rec) >= shrunk_at + 6, 120), agent_logs(agents)
+    c = start_agent(tmp, "c", etcd, run_id, "1:3", 1, args)  # a node joins: 2 -> 3
+    agents.append(c)
+    for agent in (a, c):
+        assert agent.wait(timeout=300) == 0, agent_logs(agents)
+
+    eff = effective_records(read_records(rec))
+    steps = sorted(eff)
+    assert steps == list(range(1, steps[-1] + 1)), "every step committed exactly once"
+    worlds = [eff[s][0]["world"] for s in steps]
+    changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
+    assert changes == [4, 2, 3], changes
+    policy = LRPolicy(LRRule(rule), lr, 4, batch, warmup_steps=warmup)
+    expected = expected_factors(policy, eff)
+    for s in steps:
+        assert len(eff[s]) == eff[s][0]["world"], f"step {s}: one record per rank"
+        for r in eff[s]:
+            assert r["lr"] == lr * expected[s], (s, r["lr"], lr * expected[s])
+    assert eff[steps[-1]][0]["lr"] == policy.target_lr(3)  # steady state after the last resize: the exact target
+    assert sorted({r["epoch"] for s in steps for r in eff[s]}) == list(range(epochs))
+    assert_every_sample_once_per_epoch(eff, samples)
 
 
 def final_loss(
