@@ -89,14 +89,18 @@ def bootstrap_etcd_auth(config: EtcdConfig, plan: AuthBootstrap) -> BootstrapOut
     try:
         auth_on = _auth_enabled(anonymous)
         if not auth_on:
-            _ensure(anonymous, plan, set_root_password=True)
             try:
+                _ensure(anonymous, plan, set_root_password=True)
                 anonymous.auth_enable()
+                logger.info("etcd authentication turned on; users %s and %s made", ROOT, plan.agent_user)
+            except EtcdConnectionError:
+                raise
             except EtcdError as exc:
-                # Another replica turned it on between the probe and here: fine if root can log in now.
-                if _auth_enabled(anonymous):
-                    raise BootstrapError(f"etcd bootstrap: turning authentication on failed: {exc}") from exc
-            logger.info("etcd authentication turned on; users %s and %s made", ROOT, plan.agent_user)
+                # Another replica turned it on midway (its requests without a user are refused now): the root
+                # path below finishes the work; anything else is a real failure.
+                if not _auth_enabled(anonymous):
+                    raise BootstrapError(f"etcd bootstrap: setting up users failed: {exc}") from exc
+                logger.info("etcd authentication was turned on by another bootstrap meanwhile")
     finally:
         anonymous.close()
     root = create_client(dataclasses.replace(config, user=ROOT, password=plan.root_password))

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,19 @@ def test_bootstrap_again_confirms_and_a_changed_agent_password_takes_effect(tls_
             old.put("/etrain/nodes/n1", b"up")
         finally:
             old.close()
+
+
+def test_bootstraps_of_several_controller_replicas_at_once_all_succeed(tls_etcd: str, certs: Path) -> None:
+    """Three controller pods' init containers at the same moment: each ends well (one or more turn auth on, the
+    others confirm after it), and the users are as one bootstrap leaves them."""
+    with ThreadPoolExecutor(3) as pool:
+        outcomes = list(pool.map(lambda _: bootstrap_etcd_auth(_config(tls_etcd, certs), PLAN), range(3)))
+    assert BootstrapOutcome.ENABLED in outcomes and set(outcomes) <= set(BootstrapOutcome), outcomes
+    agent = _client(tls_etcd, certs, "etrain-agent", "ag3nt-pw")
+    try:
+        agent.put("/etrain/nodes/n1", b"up")
+    finally:
+        agent.close()
 
 
 def test_bootstrap_with_a_root_password_other_than_the_one_set_says_so_and_changes_nothing(
