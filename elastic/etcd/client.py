@@ -2,9 +2,10 @@
 
 This module and its auth mixin (:mod:`elastic.etcd.grpc_auth`) are the project's only users of the etcd
 client library, its private parts included (the ``kvstub``/``authstub``/``channel`` stubs, ``timeout``,
-``call_credentials``, ``metadata`` of ``etcd3.MultiEndpointEtcd3Client``, which ``tests/elastic/etcd/test_etcd3_surface.py`` pins). Each
-operation retries across the configured endpoints until a deadline and turns every third-party failure
-into :class:`EtcdConnectionError` (naming the endpoints) or :class:`EtcdError`.
+``call_credentials``, ``metadata`` of ``etcd3.MultiEndpointEtcd3Client``, which
+``tests/elastic/etcd/test_etcd3_surface.py`` pins). Each operation retries across the configured endpoints until
+a deadline and turns every third-party failure into :class:`EtcdConnectionError` (naming the endpoints) or
+:class:`EtcdError`; :mod:`elastic.etcd.grpc_errors` says which failures are retried.
 
 Blocking waits use an etcd watch stream that starts at a known revision, so no change between a read
 and the wait can be missed, and nothing polls.
@@ -59,6 +60,7 @@ class _Retry:
     deadline: float
     attempts: int = 0
     last_exc: BaseException | None = field(default=None)
+    auth_off: bool = False  # etcd said its authentication is not on (a user is configured)
 
 
 def _status(exc: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:
@@ -187,6 +189,10 @@ class GrpcEtcdClient(GrpcAuthMixin, TxnEtcdClient):
                     self._reset(generation)
                 elif failure is RpcFailure.RETRY:
                     retry.last_exc = exc
+                elif failure is RpcFailure.AUTH_OFF:
+                    retry.last_exc = exc
+                    retry.auth_off = True
+                    self._reset(generation)  # log in afresh once etcd's users are on
                 elif failure is RpcFailure.LEASE_GONE:
                     raise EtcdLeaseNotFoundError(f"etcd at {self.endpoints_label}: the lease is gone: {exc}") from exc
                 else:
@@ -200,6 +206,12 @@ class GrpcEtcdClient(GrpcAuthMixin, TxnEtcdClient):
                 retry.last_exc = exc
             retry.attempts += 1
             if time.monotonic() >= retry.deadline:
+                if retry.auth_off:
+                    raise EtcdError(
+                        f"etcd at {self.endpoints_label} has no authentication turned on, but user "
+                        f"{self._config.user!r} is configured (waited {limit:.1f}s for it to be turned on, e.g. by "
+                        "etrain etcd-bootstrap)"
+                    ) from retry.last_exc
                 raise EtcdConnectionError(
                     f"etcd unreachable at {self.endpoints_label} after {limit:.1f}s ({type(retry.last_exc).__name__})"
                 ) from retry.last_exc

@@ -13,6 +13,9 @@ etcd's transient refusals, all retried until the operation's deadline:
   for read index": the same election window, named by etcd (``rpctypes`` in etcd's ``api/v3rpc``).
 - ``INVALID_ARGUMENT`` "revision of auth store is old": a user or role changed while the request was in
   flight; etcd refused it unapplied (the Go client retries this too).
+- ``FAILED_PRECONDITION`` "authentication is not enabled" to a client that has a user: etcd's users are about to
+  be turned on (the chart's agents may start before the controller's ``etrain etcd-bootstrap`` has run). The
+  client logs in again until the deadline, then says what it waited for.
 
 A retried write is safe in this project: puts are idempotent and every compare-and-set compares a value or
 revision, so a write that did apply before its answer was lost makes the retry's compare fail, which the
@@ -29,6 +32,7 @@ __all__ = ["RpcFailure", "classify", "is_deadline"]
 
 AUTH_OLD_REVISION = "revision of auth store is old"
 LEASE_NOT_FOUND = "requested lease not found"
+AUTH_NOT_ENABLED = "authentication is not enabled"
 
 _TRANSIENT_DETAILS = (
     "context deadline exceeded",
@@ -47,6 +51,7 @@ class RpcFailure(str, Enum):
 
     RETRY = "retry"  # transient: try again (another endpoint, after a pause) until the deadline
     REAUTHENTICATE = "reauthenticate"  # the auth token expired: a new client logs in again, then retry
+    AUTH_OFF = "auth_off"  # a user is configured but etcd's authentication is not on (yet): log in again, later
     LEASE_GONE = "lease_gone"  # the lease expired or was revoked: EtcdLeaseNotFoundError
     REFUSED = "refused"  # a real refusal (bad request, permission denied): EtcdError at once
 
@@ -59,6 +64,8 @@ def classify(code: grpc.StatusCode | None, details: str) -> RpcFailure:
         return RpcFailure.REAUTHENTICATE
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return RpcFailure.RETRY
+    if code == grpc.StatusCode.FAILED_PRECONDITION and AUTH_NOT_ENABLED in details:
+        return RpcFailure.AUTH_OFF
     if code == grpc.StatusCode.NOT_FOUND and LEASE_NOT_FOUND in details:
         return RpcFailure.LEASE_GONE
     if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):

@@ -137,6 +137,7 @@ def test_defaults_run_etcd_with_mutual_tls_and_a_certificate_for_every_member(ch
             assert files[env["ETRAIN_ETCD_PASSWORD_FILE"]][:2] == (users, "root-password")
         else:
             assert env["ETRAIN_ETCD_USER"] == "etrain-agent" and etcd_keys == {"agent-password"}
+            assert env["ETRAIN_ETCD_CONNECT_TIMEOUT"] == "90"  # waits for the controller's bootstrap
             assert files[env["ETRAIN_ETCD_PASSWORD_FILE"]][:2] == (users, "agent-password")
         assert all(e.startswith("https://") for e in env["ETRAIN_ETCD_ENDPOINTS"].split(","))
     role = mf.one(objects, "Role")

@@ -41,6 +41,10 @@ def test_an_expired_token_makes_the_client_log_in_again(code: grpc.StatusCode, d
     assert classify(code, details) is RpcFailure.REAUTHENTICATE
 
 
+def test_auth_not_yet_on_for_a_client_with_a_user_is_waited_for() -> None:
+    assert classify(S.FAILED_PRECONDITION, "etcdserver: authentication is not enabled") is RpcFailure.AUTH_OFF
+
+
 def test_a_missing_lease_is_reported_as_gone_not_retried() -> None:
     assert classify(S.NOT_FOUND, "etcdserver: requested lease not found") is RpcFailure.LEASE_GONE
 

@@ -7,7 +7,10 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -85,6 +88,24 @@ def test_bootstrap_again_confirms_and_a_changed_agent_password_takes_effect(tls_
             old.put("/etrain/nodes/n1", b"up")
         finally:
             old.close()
+
+
+def test_an_agent_started_before_the_bootstrap_waits_for_etcd_users_and_says_what_it_waited_for(
+    tls_etcd: str, certs: Path
+) -> None:
+    """The chart's agents may start before the controller's init container: a client with a user waits (its
+    timeout) for authentication to be turned on, logs in then, and says so plainly when it never is."""
+    early = _client(tls_etcd, certs, "etrain-agent", "ag3nt-pw")
+    try:
+        with pytest.raises(EtcdError, match="has no authentication turned on, but user 'etrain-agent' is configured"):
+            early.ping(timeout=timedelta(seconds=1))
+        threading.Timer(1.5, lambda: bootstrap_etcd_auth(_config(tls_etcd, certs), PLAN)).start()
+        started = time.monotonic()
+        early.ping(timeout=timedelta(seconds=30))  # logs in once the bootstrap has turned auth on
+        assert 1.0 < time.monotonic() - started < 30
+        early.put("/etrain/nodes/n1", b"up")
+    finally:
+        early.close()
 
 
 def test_bootstraps_of_several_controller_replicas_at_once_all_succeed(tls_etcd: str, certs: Path) -> None:
