@@ -82,7 +82,18 @@ class _Server(ThreadingHTTPServer):
             self.address_family = socket.AF_INET6
         self._slots = threading.BoundedSemaphore(max_connections)
         self._max_connections = max_connections
+        self._open = 0
+        self._open_lock = threading.Lock()
         super().__init__(address, handler)
+
+    @property
+    def open_connections(self) -> int:
+        """Connections being served now (each with its thread)."""
+        return self._open
+
+    def _count(self, delta: int) -> None:
+        with self._open_lock:
+            self._open += delta
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -94,9 +105,11 @@ class _Server(ThreadingHTTPServer):
                 pass
             self.shutdown_request(request)
             return
+        self._count(1)
         try:
             super().process_request(request, client_address)
         except BaseException:
+            self._count(-1)
             self._slots.release()
             raise
 
@@ -104,6 +117,7 @@ class _Server(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self._count(-1)
             self._slots.release()
 
 
@@ -137,6 +151,11 @@ class LogServer:
     @property
     def port(self) -> int:
         return int(self._server.server_address[1])
+
+    @property
+    def open_connections(self) -> int:
+        """Requests being served now (a followed log holds its connection until it ends)."""
+        return self._server.open_connections
 
     def start(self) -> LogServer:
         self._thread = threading.Thread(target=self._server.serve_forever, name="agent-logs", daemon=True)

@@ -404,6 +404,11 @@ class NodeAgent:
 
     # -- job logs ------------------------------------------------------------------------------------
     @property
+    def log_server(self) -> LogServer | None:
+        """The server of this node's job logs (``--logs-port``), None while it does not run."""
+        return self._logs
+
+    @property
     def logs_url(self) -> str | None:
         """Where the controller reaches this agent's log server: ``rdzv_host``, else a specific ``logs_host``,
         else 127.0.0.1 (one machine); None while it does not run."""

@@ -166,7 +166,9 @@ def test_follow_interleaves_both_nodes_lines_until_the_job_ends(
         assert not ended.is_set()
 
         def agent_streams() -> int:
-            return sum("process_request" in t.name for t in threading.enumerate() if t.is_alive())
+            """Connections the two agents' log servers serve now (not threads by name: other tests' servers in
+            this process may have some of their own)."""
+            return sum(a.log_server.open_connections for a in agents if a.log_server is not None)
 
         assert agent_streams() == 2  # the follower's, one on each agent
         with http.stream("GET", f"/v1/jobs/{job_id}/logs", params={"follow": "true", "node": "node-a"},
