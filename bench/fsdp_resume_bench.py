@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE))
 from _stats import summarize  # noqa: E402
 
 from elastic.testing.etcd_server import LocalEtcdCluster  # noqa: E402
-from elastic.testing.torchrun import torchrun_command  # noqa: E402
+from elastic.testing.torchrun import read_jsonl, torchrun_command  # noqa: E402
 
 WORKER = str(REPO / "elastic" / "testing" / "train_worker.py")
 
@@ -103,10 +103,7 @@ def _model_args(args: argparse.Namespace) -> list[str]:
 
 
 def _first_step_time(records: Path) -> float:
-    times = []
-    for path in records.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            times.append(json.loads(line)["t"])
+    times = [r["t"] for path in records.glob("*.jsonl") for r in read_jsonl(path)]
     if not times:
         raise SystemExit(f"no step recorded under {records}")
     return min(times)
