@@ -181,6 +181,7 @@ class ShardedCheckpointer:
         self._options = options
         self._events: EventHook = events or (lambda _name: None)
         self._group: Any = None
+        self._world: Any = None  # the default group that ``_group`` was made in (live mode makes new ones)
         self._future: Any = None
         self.last_committed_step: int | None = None  # on the coordinator (rank 0), where the commit happens
         self._step: int | None = None
@@ -189,8 +190,9 @@ class ShardedCheckpointer:
     def _pg(self) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        if self._group is None:  # collective: every rank reaches this on its first save/load
-            self._group = dist.new_group(backend="gloo")
+        world = dist.group.WORLD
+        if self._group is None or self._world is not world:  # collective: every rank's first save/load in a group
+            self._group, self._world = dist.new_group(backend="gloo"), world
         return self._group
 
     def _broadcast(self, value: Any) -> Any:

@@ -42,6 +42,7 @@ from elastic.live.protocol import (
     WaitUntil,
     WorkerRecord,
     found_decision,
+    next_members,
     reform_decision,
 )
 
@@ -70,9 +71,10 @@ class JobFinishedError(MembershipError):
 
 
 def new_worker_id(node: str, local_rank: int) -> str:
-    """A worker id unique across restarts: node, local rank, pid and a random suffix (no '/')."""
+    """A worker id unique across restarts: node, local rank, pid and a random suffix (no '/'). Ids in sorted
+    order (a founded generation's rank order) keep each node's workers together, by local rank (zero-padded)."""
     safe = node.replace("/", "_") or "node"
-    return f"{safe}-{local_rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    return f"{safe}-{local_rank:04d}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 class LiveSettings:
@@ -87,9 +89,14 @@ class LiveSettings:
         last_call: timedelta = timedelta(seconds=1),
         join_timeout: timedelta = timedelta(minutes=10),
         reform_timeout: timedelta = timedelta(seconds=60),
+        granularity: int = 1,
     ) -> None:
         if not 1 <= min_workers <= max_workers:
             raise ValueError(f"need 1 <= min_workers <= max_workers, got {min_workers}, {max_workers}")
+        if granularity < 1:
+            raise ValueError(f"granularity must be >= 1, got {granularity}")
+        #: workers join in whole groups of this many (a sharded model's replica: see protocol.next_members)
+        self.granularity = granularity
         self.min_workers, self.max_workers = min_workers, max_workers
         self.ttl, self.settle, self.last_call = ttl, settle, last_call
         self.join_timeout, self.reform_timeout = join_timeout, reform_timeout
@@ -189,8 +196,8 @@ class LiveMembership:
         """Whether a worker waits to be admitted into the generation after ``gen`` (etcd is read only when
         the watch saw a change)."""
         self._refresh()
-        members = set(gen.members)
-        return len(members) < self.settings.max_workers and any(w not in members for w in self._joining)
+        s = self.settings
+        return len(next_members(gen, gen.members, self._joining, s.max_workers, s.granularity)) > len(gen.members)
 
     def alive(self) -> frozenset[str]:
         """The registered workers, as of the last change the watch saw."""
@@ -251,7 +258,7 @@ class LiveMembership:
                 else:
                     min_reached = None
                 since = timedelta(seconds=now - min_reached) if min_reached is not None else None
-                decision = found_decision(founders, s.min_workers, s.max_workers, since, s.last_call)
+                decision = found_decision(founders, s.min_workers, s.max_workers, since, s.last_call, s.granularity)
                 if isinstance(decision, CommitNow):
                     if decision.members[0] == self.wid:  # the first in id order commits; others wait for it
                         number = (gen.number + 1) if gen is not None else 1
@@ -292,7 +299,8 @@ class LiveMembership:
             now = time.monotonic()
             first_seen = first_seen if first_seen is not None else now
             since = timedelta(seconds=now - first_seen)
-            decision = reform_decision(gen, ready, workers, since, s.settle, s.max_workers, joining, s.min_workers)
+            decision = reform_decision(gen, ready, workers, since, s.settle, s.max_workers, joining, s.min_workers,
+                                       s.granularity)  # fmt: skip
             if isinstance(decision, CommitNow):
                 # the first ready member in rank order commits; the others wait for it (or take over once
                 # it is gone: it is then neither ready nor alive)

@@ -42,6 +42,7 @@ __all__ = [
     "next_members",
     "reform_decision",
     "sync_plan",
+    "whole_groups",
 ]
 
 
@@ -149,16 +150,26 @@ class Generation:
             raise LiveProtocolError(f"not a live generation: {exc}") from None
 
 
+def whole_groups(count: int, granularity: int, at_least: int = 0) -> int:
+    """The most workers of ``count`` that form whole groups of ``granularity`` (a sharded model's replicas), not
+    fewer than ``at_least`` (members are never dropped to round down: the trainer then falls back)."""
+    if granularity < 1:
+        raise ValueError(f"granularity must be >= 1, got {granularity}")
+    return max(count - count % granularity, min(at_least, count))
+
+
 def next_members(
-    current: Generation, ready: Iterable[str], joining: Iterable[str], max_workers: int
+    current: Generation, ready: Iterable[str], joining: Iterable[str], max_workers: int, granularity: int = 1
 ) -> tuple[str, ...]:
     """The next generation's members: the ready members of ``current`` in their rank order, then the
-    joiners that are not members in id order, at most ``max_workers`` in all."""
+    joiners that are not members in id order, at most ``max_workers`` in all; with ``granularity`` > 1 (a
+    sharded model's replica size) joiners are admitted only in numbers that keep the world a multiple of it."""
     ready_set = set(ready)
     survivors = [m for m in current.members if m in ready_set]
     old = set(current.members)
     joiners = sorted(w for w in set(joining) if w not in old)
-    return tuple([*survivors, *joiners][:max_workers])
+    members = [*survivors, *joiners][:max_workers]
+    return tuple(members[: whole_groups(len(members), granularity, at_least=len(survivors))])
 
 
 @dataclass(frozen=True)
@@ -182,6 +193,7 @@ def reform_decision(
     max_workers: int,
     joining: Iterable[str] = (),
     min_workers: int = 1,
+    granularity: int = 1,
 ) -> CommitNow | WaitUntil:
     """Whether the ready members of ``current`` may commit the next generation now (with the ``joining``
     workers admitted).
@@ -191,7 +203,7 @@ def reform_decision(
     first member asked; one that asks later joins the generation after. Fewer than ``min_workers``: wait
     for joiners (the caller gives up after its timeout and falls back to the restart path)."""
     ready_set, alive_set = set(ready), set(alive)
-    members = next_members(current, ready_set, joining, max_workers)
+    members = next_members(current, ready_set, joining, max_workers, granularity)
     if not any(m in ready_set for m in current.members):
         return WaitUntil(settle)
     waiting_for = [m for m in current.members if m in alive_set and m not in ready_set]
@@ -204,11 +216,13 @@ def reform_decision(
 
 def found_decision(
     registered: Sequence[str], min_workers: int, max_workers: int, since_min_reached: timedelta | None,
-    last_call: timedelta,
+    last_call: timedelta, granularity: int = 1,
 ) -> CommitNow | WaitUntil | None:  # fmt: skip
     """Whether the registered workers (no live generation) found one now: ``max_workers`` registered, or at
-    least ``min_workers`` for ``last_call`` (latecomers of a start join in one go). None: too few."""
+    least ``min_workers`` for ``last_call`` (latecomers of a start join in one go). None: too few. With
+    ``granularity`` > 1 only whole groups of it found (the rest join later, as joiners)."""
     workers = sorted(registered)
+    workers = workers[: whole_groups(min(len(workers), max_workers), granularity)]
     if len(workers) >= max_workers:
         return CommitNow(tuple(workers[:max_workers]))
     if len(workers) < min_workers or since_min_reached is None:

@@ -46,8 +46,9 @@ def _slots(skeleton: Any) -> list[_TensorSlot]:
     return [o for o in iter_leaves(skeleton) if isinstance(o, _TensorSlot)]
 
 
-def broadcast_state(state: Any, src: int, device: torch.device) -> Any:
-    """``state`` from rank ``src`` on every rank (a collective; on ``src`` its own ``state`` is returned).
+def broadcast_state(state: Any, src: int, device: torch.device, group: dist.ProcessGroup | None = None) -> Any:
+    """``state`` from rank ``src`` on every rank of ``group`` (default: the world; ``src`` is a global rank;
+    a collective; on ``src`` its own ``state`` is returned).
 
     ``device``: where this rank keeps tensors that lived on an accelerator at the source (the process
     group's device); tensors the source held on the CPU stay on the CPU (gloo sends them as they are,
@@ -56,21 +57,21 @@ def broadcast_state(state: Any, src: int, device: torch.device) -> Any:
     tensors: list[torch.Tensor] = []
     skeleton = _skeleton(state, tensors) if rank == src else None
     box = [skeleton]
-    dist.broadcast_object_list(box, src=src, device=device if device.type != "cpu" else None)
+    dist.broadcast_object_list(box, src=src, group=group, device=device if device.type != "cpu" else None)
     skeleton = box[0]
     slots = sorted(_slots(skeleton), key=lambda s: s.index)
-    nccl = dist.get_backend() == "nccl"
+    nccl = dist.get_backend(group) == "nccl"
     received: list[torch.Tensor] = []
     for slot in slots:
         if rank == src:
             t = tensors[slot.index]
             wire = t if (not nccl or t.device.type != "cpu") else t.to(device)
-            dist.broadcast(wire.contiguous(), src)
+            dist.broadcast(wire.contiguous(), src, group=group)
             received.append(t)
         else:
             home = device if slot.on_device else torch.device("cpu")
             wire_device = device if nccl else home
             t = torch.empty(slot.shape, dtype=slot.dtype, device=wire_device)
-            dist.broadcast(t, src)
+            dist.broadcast(t, src, group=group)
             received.append(t if t.device == home else t.to(home))
     return state if rank == src else _fill(skeleton, received)

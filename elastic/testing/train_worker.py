@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import TensorDataset
 
 from elastic import compat
@@ -55,11 +56,21 @@ def make_model(seed: int, dropout: float = 0.1, hidden: int = 32, depth: int = 0
     return nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Dropout(dropout), *middle, nn.Linear(hidden, 4))
 
 
+def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """``fully_shard`` each linear layer, then the root, on the trainer's mesh (``--parallelize``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def _shard(model: nn.Module, hsdp_shard: int = 0) -> nn.Module:
     """FSDP2 over the whole world (``hsdp_shard`` 0), or HSDP: a 2-D mesh of world / ``hsdp_shard`` replicas, each
     sharded over ``hsdp_shard`` ranks; each linear layer a unit of its own, then the root."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")  # the mesh needs the group; the trainer then uses it
     world = dist.get_world_size()
@@ -69,11 +80,7 @@ def _shard(model: nn.Module, hsdp_shard: int = 0) -> nn.Module:
         mesh = init_device_mesh("cpu", (world // hsdp_shard, hsdp_shard), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world,))
-    for layer in model.modules():
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return parallelize(model, mesh)
 
 
 def full_state(trainer: ElasticTrainer) -> dict[str, object]:
@@ -94,17 +101,26 @@ def _module_state(trainer: ElasticTrainer, fsdp: bool) -> dict[str, torch.Tensor
     return {k: v.clone() for k, v in trainer.module.state_dict().items()}
 
 
-def _digest(trainer: ElasticTrainer) -> str | None:
-    """A hash of the replica's parameters and optimizer state: equal on every rank when replicas agree bit for bit."""
-    if compat.is_sharded_module(trainer.module):
-        return None  # sharded: each rank holds other parameters
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _digest(trainer: ElasticTrainer, sharded: bool = False) -> str | None:
+    """A hash of the replica's parameters and optimizer state: equal on every rank when replicas agree bit for bit.
+    ``sharded`` (``--parallelize``): of this rank's shards, equal on the ranks of one shard index."""
+    if compat.is_sharded_module(trainer.module) and not sharded:
+        return None  # sharded by the script: each rank holds other parameters
     h = hashlib.sha256()
-    for t in trainer.module.state_dict().values():
-        h.update(t.detach().cpu().numpy().tobytes())
+    module = trainer.module
+    tensors = [p for _, p in module.named_parameters()] if sharded else list(module.state_dict().values())
+    for t in tensors:
+        h.update(_local(t).detach().cpu().numpy().tobytes())
     for state in trainer.optimizer.state.values():
         for v in state.values():
             if isinstance(v, torch.Tensor):
-                h.update(v.detach().cpu().numpy().tobytes())
+                h.update(_local(v).detach().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -137,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2's fully_shard")
     p.add_argument("--hsdp-shard", type=int, default=0,
                    help="with --fsdp: HSDP, replicas of this many shards each (a 2-D mesh); 0: one shard per rank")
+    p.add_argument("--parallelize", action="store_true",
+                   help="with --fsdp: hand the trainer the unsharded MLP and parallelize= (it shards it for each "
+                   "world; live mode needs this)")  # fmt: skip
+    p.add_argument("--shard-size", type=int, default=0,
+                   help="with --parallelize: ranks per replica (0: the node's workers)")  # fmt: skip
     p.add_argument("--max-steps", type=int, default=0, help="stop once this step is committed (0: run the epochs)")
     p.add_argument("--dump-steps", default="", help="comma-separated steps at which rank 0 dumps the full state")
     p.add_argument("--dump-start", action="store_true", help="rank 0 dumps the full state right after the restore")
@@ -151,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     attempt = f"{master}:{os.environ.get(worker_env.TORCHRUN_WORLD_SIZE)}"
     dataset = make_dataset(args.samples)
     model = make_model(args.seed, args.dropout, args.hidden, args.depth)
-    if args.fsdp:
+    if args.fsdp and not args.parallelize:
         model = _shard(model, args.hsdp_shard)  # before the optimizer: fully_shard replaces the parameters
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     policy = LRPolicy(LRRule(args.lr_rule), args.lr, args.base_world, args.batch, warmup_steps=args.warmup)
@@ -168,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_timeout=timedelta(seconds=args.stop_timeout) if args.stop_timeout > 0 else None,
         recovery=RecoveryMode(args.recovery) if args.recovery else None,
         live=LiveOptions(ttl=timedelta(seconds=args.live_ttl)),
+        shard_size=args.shard_size or None,
     )
     log_file: list[Path] = []
     resumed_from: list[str | None] = []
@@ -175,11 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     reporter = create_reporter(rank=0)  # reports only what rank 0 records (see on_step)
 
     def on_step(info: StepInfo) -> None:
+        shard_size = trained[0].shard_size if trained else None
         record = {"step": info.step, "epoch": info.epoch, "rank": info.rank, "world": info.world_size,
                   "lr": info.lr, "indices": list(info.indices), "restart": restart, "t": time.time(),
                   "attempt": attempt if info.generation is None else f"gen{info.generation}",
                   "gen": info.generation, "late": info.late, "pid": os.getpid(),
-                  "agent": os.environ.get("TEST_AGENT_NAME"), "digest": _digest(trained[0]) if trained else None,
+                  "agent": os.environ.get("TEST_AGENT_NAME"),
+                  "digest": _digest(trained[0], args.parallelize) if trained else None,
+                  "shard": info.rank % shard_size if shard_size else None,
                   "resumed_from": resumed_from[0] if resumed_from else None}  # fmt: skip
         with open(log_file[0], "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -188,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.step_sleep:
             time.sleep(args.step_sleep)
 
-    trainer = ElasticTrainer(model, optimizer, dataset, config, on_step=on_step)
+    trainer = ElasticTrainer(model, optimizer, dataset, config, on_step=on_step,
+                             parallelize=parallelize if args.parallelize else None)  # fmt: skip
     trained.append(trainer)
     log_file.append(args.record / f"rank{trainer.rank}.{os.getpid()}.jsonl")
     resumed_from.append(trainer.resumed_from)

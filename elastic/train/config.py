@@ -76,6 +76,9 @@ class ElasticConfig:
     # worker's environment names a live group (torchrun's etcd-v3 handler with recovery=live), else "restart"
     recovery: RecoveryMode | None = None
     live: LiveOptions = field(default_factory=LiveOptions)
+    # a model passed with parallelize=: the ranks of one replica (the mesh's "shard" dimension); None: one node's
+    # workers (HSDP with a node as the replica); the world size for plain FSDP (see elastic/train/parallel.py)
+    shard_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.recovery is not None:
@@ -89,6 +92,8 @@ class ElasticConfig:
             raise ValueError(f"save_failure_grace must be >= 0, got {self.save_failure_grace}")
         if self.local_max_overhead is not None and not 0 < self.local_max_overhead < 1:
             raise ValueError(f"local_max_overhead must be in (0, 1) or None, got {self.local_max_overhead}")
+        if self.shard_size is not None and self.shard_size < 1:
+            raise ValueError(f"shard_size must be >= 1 or None, got {self.shard_size}")
         if self.local_every_steps is not None and self.local_every_steps < 1:
             raise ValueError(f"local_every_steps must be >= 1 or None, got {self.local_every_steps}")
 

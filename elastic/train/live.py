@@ -16,6 +16,7 @@ trainer's (:mod:`elastic.train.trainer`).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -32,8 +33,10 @@ from elastic.live.grads import broadcast_module
 from elastic.live.group import EXIT_LIVE_FALLBACK, LiveGroup, is_peer_failure
 from elastic.live.membership import LiveMembership, LiveSettings, MembershipError, new_worker_id
 from elastic.live.protocol import Generation, LiveKeys, MemberState, ReformReason, StepAttempt, sync_plan
+from elastic.live.state_sync import broadcast_state
 from elastic.train.config import ElasticConfig, StepInfo
 from elastic.train.cursor import TrainingCursor
+from elastic.train.parallel import ShardedModel, ShardSources, shard_sources
 from elastic.train.sampler import ElasticSampler
 
 logger = logging.getLogger(__name__)
@@ -45,8 +48,9 @@ class LiveSetupError(RuntimeError):
     """Live recovery was asked for but the worker's environment does not say where its group lives."""
 
 
-def open_live_group(config: ElasticConfig) -> LiveGroup:
-    """Register this worker in its job's live group (it joins with :meth:`LiveGroup.join`)."""
+def open_live_group(config: ElasticConfig, granularity: int = 1) -> LiveGroup:
+    """Register this worker in its job's live group (it joins with :meth:`LiveGroup.join`); ``granularity``:
+    workers join in whole groups of this many (a sharded model's replica size)."""
     env = WorkerEnv.from_environ()
     if env.live is None:
         raise LiveSetupError(f"recovery='live' needs {LIVE_PREFIX}: run under torchrun with --rdzv-backend=etcd-v3 "
@@ -55,11 +59,12 @@ def open_live_group(config: ElasticConfig) -> LiveGroup:
         raise LiveSetupError("recovery='live' needs the etcd connection (ETRAIN_ETCD_ENDPOINTS)")
     torchrun = TorchrunEnv.from_environ()
     per_node, local_rank = torchrun.local_world_size, torchrun.local_rank
-    node = env.job.node_name if env.job is not None else socket.gethostname()
+    # outside the service, the host and the torchrun agent (the worker's parent): agents sharing a host are nodes
+    node = env.job.node_name if env.job is not None else f"{socket.gethostname()}.{os.getppid()}"
     o = config.live
     settings = LiveSettings(
         env.live.min_nodes * per_node, env.live.max_nodes * per_node, ttl=o.ttl, settle=o.settle,
-        last_call=o.last_call, join_timeout=o.join_timeout, reform_timeout=o.reform_timeout,
+        last_call=o.last_call, join_timeout=o.join_timeout, reform_timeout=o.reform_timeout, granularity=granularity,
     )  # fmt: skip
     client = create_client(env.etcd.config())
     keys = LiveKeys(env.live.prefix)
@@ -81,12 +86,14 @@ class Attempt:
 
 class LiveRecovery:
     """See the module docstring. ``record`` runs the user's step hook; ``restore_from_storage`` restores
-    the newest snapshot into a founded generation (a collective), returning whether there was one."""
+    the newest snapshot into a founded generation (a collective), returning whether there was one.
+    ``module``: the replicated module, or the :class:`~elastic.train.parallel.ShardedModel` that each generation
+    shards anew (its members keep or receive each shard, see :meth:`_sync_shards`)."""
 
     def __init__(
         self,
         group: LiveGroup,
-        module: torch.nn.Module,
+        module: torch.nn.Module | ShardedModel,
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         cursor: TrainingCursor,
@@ -96,7 +103,9 @@ class LiveRecovery:
         shared: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
     ) -> None:
         self.group = group
-        self._module, self._optimizer, self._scheduler = module, optimizer, scheduler
+        self._sharding = module if isinstance(module, ShardedModel) else None
+        self._replicated = module if isinstance(module, torch.nn.Module) else None
+        self._optimizer, self._scheduler = optimizer, scheduler
         self._cursor, self._device, self._record = cursor, device, record
         self._restore_from_storage = restore_from_storage
         # (get, set) of per-worker state that decides collectives and must be equal on every member (the
@@ -167,14 +176,20 @@ class LiveRecovery:
     def after_generation(self, gen: Generation) -> None:
         """Make this member's state the generation's (a collective over the new process group)."""
         rank, world = dist.get_rank(), dist.get_world_size()
+        kept = self._build_shards(rank, world) if self._sharding is not None else False
         if gen.reason is ReformReason.FOUNDED:
             # no live member to copy from: the newest snapshot, as a restart would (or a fresh start)
-            if not self._restore_from_storage(rank, world):
+            restored = self._restore_from_storage(rank, world)
+            if not restored:
                 self._cursor.resize(rank, world)
-            broadcast_module(self._module)  # identical replicas from the start, as DDP's constructor makes them
+            if self._replicated is not None:
+                broadcast_module(self._replicated)  # identical replicas from the start, as DDP's constructor makes them
+            elif not restored:  # each shard index's replicas take replica 0's initial values
+                n = self._shards.shard_size
+                self._share_shard(ShardSources(tuple(range(n)), (True,) * n), rank, world, joiner=False)
             source = 0
         else:
-            source = self._sync(gen, rank, world)
+            source = self._sync(gen, rank, world, kept)
         if self._shared is not None:
             get, put = self._shared
             box = [get() if rank == source else None]
@@ -191,12 +206,31 @@ class LiveRecovery:
         step = self._cursor.step if self.has_state else -1
         return MemberState(self.group.wid, step, attempt, self.recorded, self.recorded_rank)
 
-    def _sync(self, gen: Generation, rank: int, world: int) -> int:
+    @property
+    def _shards(self) -> ShardedModel:
+        assert self._sharding is not None
+        return self._sharding
+
+    def _build_shards(self, rank: int, world: int) -> bool:
+        """Shard the model for this generation (see :class:`ShardedModel`); whether this member kept its shard.
+        A world that is no whole number of replicas (a node lost part of its workers) takes the restart path."""
+        try:
+            return self._shards.build(rank, world)
+        except ValueError as exc:
+            logger.error("live group: %s: cannot shard the model for this generation; falling back to the restart "
+                         "path (exit %d)", exc, EXIT_LIVE_FALLBACK)  # fmt: skip
+            raise SystemExit(EXIT_LIVE_FALLBACK) from exc
+
+    def _sync(self, gen: Generation, rank: int, world: int, kept: bool = False) -> int:
         """Bring every member to the newest applied step; returns the source member's rank."""
         states: list[Any] = [None] * world
         dist.all_gather_object(states, self._member_state())
         plan = sync_plan(states)
-        if plan.broadcast:
+        if self._sharding is not None:
+            if not self._sync_shards(plan.step, states, rank, world, kept):
+                self.recorded, self.recorded_rank = self._cursor.step, None  # rolled back: those steps come again
+                return plan.source
+        elif plan.broadcast:
             mine = states[rank]
             self._receive(plan.source, rank, world, joiner=mine.step < 0)
         else:
@@ -208,13 +242,57 @@ class LiveRecovery:
         self.recorded = max(self.recorded, plan.step)
         return plan.source
 
-    def _receive(self, source: int, rank: int, world: int, joiner: bool) -> None:
-        from elastic.live.state_sync import broadcast_state
+    def _sync_shards(self, step: int, states: list[Any], rank: int, world: int, kept: bool) -> bool:
+        """Each member takes its shard from a member of its replicate group that kept it at ``step`` (the shard
+        groups of surviving replicas are untouched). No full replica of ``step`` left: every member restores the
+        newest durable snapshot (DCP reshards it) and False is returned; no snapshot either: the restart path."""
+        claims: list[Any] = [None] * world
+        dist.all_gather_object(claims, kept)
+        plan = shard_sources([s.step for s in states], [bool(c) for c in claims], step, self._shards.shard_size)
+        if plan is not None:
+            self._share_shard(plan, rank, world, joiner=states[rank].step < 0)
+            return True
+        logger.warning("live group: no full replica of step %d survived; restoring the newest durable snapshot "
+                       "(resharded for %d workers)", step, world)  # fmt: skip
+        if not self._restore_from_storage(rank, world):
+            logger.error("live group: no durable snapshot to restore the sharded model from; falling back to the "
+                         "restart path (exit %d)", EXIT_LIVE_FALLBACK)  # fmt: skip
+            raise SystemExit(EXIT_LIVE_FALLBACK)
+        return False
 
+    def _share_shard(self, plan: ShardSources, rank: int, world: int, joiner: bool) -> None:
+        """Within this rank's replicate group, the plan's source sends its shard and the loop's state to the
+        others, when any of them needs it (a collective over the group; every group decides alike)."""
+        index = rank % self._shards.shard_size
+        source = plan.sources[index]
+        if not plan.needed[index]:
+            self._cursor.resize(rank, world)
+            return
         started = time.perf_counter()
         payload: Any = None
         if rank == source:
-            ts = capture_training_state(self._cursor.step, self._module, self._optimizer, self._scheduler,
+            ts = capture_training_state(self._cursor.step, torch.nn.Module(), None, self._scheduler,
+                                        gather_rng=False, **self._cursor.state())  # fmt: skip
+            loop = ts.to_dict()
+            loop["rng"] = {source: ts.rng[min(ts.rng)]}
+            payload = {"loop": loop, "shards": self._shards.local_payload()}
+        received = broadcast_state(payload, source, self._device, group=self._shards.replicate_group())
+        if rank == source:
+            self._cursor.resize(rank, world)
+            return
+        self._shards.apply_payload(received["shards"])
+        ts = TrainingState.from_dict(received["loop"])
+        restore_training_state(ts, None, None, self._scheduler, restore_rng=joiner, rank=source)
+        self._cursor.load(ts, rank, world)
+        logger.info("live group: received shard %d of step %d from rank %d in %.3f s", index, ts.step, source,
+                    time.perf_counter() - started)  # fmt: skip
+
+    def _receive(self, source: int, rank: int, world: int, joiner: bool) -> None:
+        assert self._replicated is not None
+        started = time.perf_counter()
+        payload: Any = None
+        if rank == source:
+            ts = capture_training_state(self._cursor.step, self._replicated, self._optimizer, self._scheduler,
                                         gather_rng=False, **self._cursor.state())  # fmt: skip
             payload = ts.to_dict()
             payload["rng"] = {source: ts.rng[min(ts.rng)]}
@@ -226,7 +304,8 @@ class LiveRecovery:
             return
         ts = TrainingState.from_dict(received)
         # a joiner takes the source's RNG state; a member a step behind keeps its own
-        restore_training_state(ts, self._module, self._optimizer, self._scheduler, restore_rng=joiner, rank=source)
+        restore_training_state(ts, self._replicated, self._optimizer, self._scheduler, restore_rng=joiner,
+                               rank=source)  # fmt: skip
         self._cursor.load(ts, rank, world)
         logger.info("live group: received the training state of step %d from rank %d in %.3f s", ts.step, source,
                     time.perf_counter() - started)  # fmt: skip

@@ -43,7 +43,10 @@ from a member. See docs/live-recovery.md.
 
 A model the script sharded itself with FSDP2's ``fully_shard`` (restart mode) is not wrapped in DDP: gradient
 accumulation goes through ``set_requires_gradient_sync(False)`` and snapshots use the sharded layout, restored
-into any world size (:mod:`elastic.train.sharded`). Live recovery refuses sharded models for now.
+into any world size (:mod:`elastic.train.sharded`). Or the script passes the unsharded module and
+``parallelize=fn(module, mesh)``: the trainer shards it for each world on a (replicate, shard) mesh (HSDP, a
+node per replica by default; :mod:`elastic.train.parallel`), which live recovery needs: a new generation keeps
+the shards of surviving replicas in place and sends a joiner each shard from a replica that holds it.
 
 The trainer composes one part per concern: the training cursor (step, data, LR: :mod:`elastic.train.cursor`),
 the snapshots (:mod:`elastic.train.snapshots`), the boundary's agreed flags (:mod:`elastic.train.boundary`),
@@ -77,6 +80,7 @@ from elastic.live.protocol import ReformReason
 from elastic.train.boundary import BoundaryFlags
 from elastic.train.config import ElasticConfig, LiveOptions, RecoveryMode, StepInfo
 from elastic.train.cursor import TrainingCursor
+from elastic.train.parallel import GuardedForward, Parallelize, ShardedModel, ShardLayout
 from elastic.train.preemption import PreemptionWatcher
 from elastic.train.progress import create_reporter
 from elastic.train.sampler import ElasticSampler, split_sizes
@@ -106,6 +110,7 @@ class ElasticTrainer:
         collate_fn: Callable[[list[Any]], Any] = default_collate,
         on_step: Callable[[StepInfo], None] | None = None,
         checkpoint_storage: CheckpointStorage | None = None,
+        parallelize: Parallelize | None = None,
     ) -> None:
         compat.check_torch_version()
         self.config = config
@@ -117,19 +122,16 @@ class ElasticTrainer:
         self._live = None
         self._reducer: GradientReducer | None = None  # live: the gradient all-reduce, overlapped with backward
         self._recovery = config.resolved_recovery()
-        self._sharded = compat.is_sharded_module(model)
-        if self._sharded and self._recovery is RecoveryMode.LIVE:
-            raise ValueError("live recovery does not support sharded (FSDP2) models yet: its re-form rebuilds the "
-                             "group in the same processes, which fully_shard's mesh cannot follow; use "
-                             "recovery='restart' (torchrun's rendezvous without recovery=live)")  # fmt: skip
+        self._check_model(model, parallelize)
+        self._sharded = parallelize is not None or compat.is_sharded_module(model)
+        shard_size = 1
+        if parallelize is not None:
+            shard_size = ShardLayout.replica_size(config.shard_size, TorchrunEnv.from_environ().local_world_size)
         if self._recovery is RecoveryMode.LIVE:
-            if isinstance(model, DistributedDataParallel):
-                raise ValueError("live recovery wraps the model in DDP anew for each generation of the group: "
-                                 "pass the module itself, not a DistributedDataParallel")  # fmt: skip
             from elastic.live.membership import JobFinishedError
             from elastic.train.live import open_live_group
 
-            group = open_live_group(config)
+            group = open_live_group(config, granularity=shard_size)
             try:
                 generation = group.join()
             except JobFinishedError:
@@ -146,23 +148,28 @@ class ElasticTrainer:
         self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device, require_storage=not live,
                                             sharded=self._sharded)  # fmt: skip
         self._broken: BaseException | None = None  # live: a collective of this step failed
+        self._parallel: ShardedModel | None = None  # a model the trainer shards for each world
+        if parallelize is not None:
+            self._parallel = ShardedModel(model, parallelize, optimizer, shard_size, self.device)
         if isinstance(model, DistributedDataParallel):
             # The user wrapped it already: restore into the module, then make replicas identical.
-            self._module = model.module
+            self._plain_module = model.module
             self._restore(self.rank, self.world_size)
             broadcast_module(model.module)
             self.model: torch.nn.Module = model
         else:
-            self._module = model if self._sharded else model.to(self.device)  # fully_shard placed the shards
+            self._plain_module = model if self._sharded else model.to(self.device)  # fully_shard placed the shards
             if self._recovery is RecoveryMode.LIVE:
                 from elastic.train.live import LiveRecovery
 
-                self._live = LiveRecovery(group, self._module, optimizer, scheduler, self.cursor, self.device,
-                                          self._record, self._restore, shared=(self._get_schedule,
-                                          self._set_schedule))  # fmt: skip
+                self._live = LiveRecovery(group, self._parallel or self._plain_module, optimizer, scheduler,
+                                          self.cursor, self.device, self._record, self._restore,
+                                          shared=(self._get_schedule, self._set_schedule))  # fmt: skip
                 self._live.after_generation(generation)
                 group.start_watchdog(config.live.stuck_grace or config.live.ttl + timedelta(seconds=2))
             else:
+                if self._parallel is not None:
+                    self._parallel.build(self.rank, self.world_size)
                 self._restore(self.rank, self.world_size)
             self.model = self._wrap()  # broadcasts rank 0's state
         self._stop_timeout = StopTimeout(config.stop_timeout, lambda: self.step)
@@ -183,6 +190,24 @@ class ElasticTrainer:
             )  # fmt: skip
 
     # -- set-up --------------------------------------------------------------------------------------
+    def _check_model(self, model: torch.nn.Module, parallelize: Parallelize | None) -> None:
+        """Refuse what the recovery mode cannot train (before any process group forms)."""
+        live = self._recovery is RecoveryMode.LIVE
+        if parallelize is not None and (compat.is_sharded_module(model) or isinstance(model, DistributedDataParallel)):
+            raise ValueError("with parallelize=, pass the unsharded, unwrapped module: the trainer shards it for "
+                             "each world")  # fmt: skip
+        if live and compat.is_sharded_module(model):
+            raise ValueError("live recovery shards the model anew for each generation of the group, which a module "
+                             "sharded already cannot follow: pass the unsharded module and parallelize=fn(module, "
+                             "mesh) (see elastic.train.parallel), or use recovery='restart'")  # fmt: skip
+        if live and isinstance(model, DistributedDataParallel):
+            raise ValueError("live recovery wraps the model in DDP anew for each generation of the group: "
+                             "pass the module itself, not a DistributedDataParallel")  # fmt: skip
+
+    @property
+    def _module(self) -> torch.nn.Module:
+        return self._parallel.module if self._parallel is not None else self._plain_module
+
     def _init_process_group(self) -> None:
         if dist.is_initialized():
             return
@@ -197,8 +222,10 @@ class ElasticTrainer:
         return torch.device("cpu")
 
     def _wrap(self) -> torch.nn.Module:
-        if self._sharded:
-            return self._module  # FSDP2 reduce-scatters the gradients itself
+        if self._sharded:  # FSDP2 reduce-scatters the gradients itself
+            if self._live is not None and self._parallel is not None:
+                return GuardedForward(self._module, self._parallel, self._peer_failed)  # its forward's all-gathers
+            return self._module
         if self._recovery is RecoveryMode.LIVE:
             # no DDP: its reducer would keep a torn-down group's connections open (see elastic.live.grads);
             # ours holds no group, so one serves every generation
@@ -249,6 +276,11 @@ class ElasticTrainer:
         """Live recovery: the number of the live group's generation this worker trains in (else None)."""
         gen = self._live.group.generation if self._live is not None else None
         return gen.number if gen is not None else None
+
+    @property
+    def shard_size(self) -> int | None:
+        """A model passed with ``parallelize=``: the ranks of one replica (the mesh's "shard" dimension)."""
+        return self._parallel.shard_size if self._parallel is not None else None
 
     # -- the loop ------------------------------------------------------------------------------------
     def batches(self, epoch: int | None = None, *, epochs: int | None = None) -> Iterator[Any]:
@@ -313,13 +345,20 @@ class ElasticTrainer:
     def _collective_failed(self, exc: RuntimeError) -> None:
         """Live mode: a collective failed because the group broke; the step is dropped and the group
         re-forms at the end of it. Otherwise (restart mode, or the training code's own error): raise."""
+        if not self._peer_failed(exc):
+            raise exc
+
+    def _peer_failed(self, exc: RuntimeError) -> bool:
+        """Whether ``exc`` is a lost peer in live mode: then the step is marked broken (see _collective_failed)."""
         from elastic.live.group import is_peer_failure
 
         if self._live is None or not is_peer_failure(exc):
-            raise exc
-        logger.warning("live group: a collective of step %d failed (%s); re-forming", self.step + 1,
-                       str(exc).splitlines()[0][:200])  # fmt: skip
-        self._broken = exc
+            return False
+        if self._broken is None:
+            logger.warning("live group: a collective of step %d failed (%s); re-forming", self.step + 1,
+                           str(exc).splitlines()[0][:200])  # fmt: skip
+            self._broken = exc
+        return True
 
     def _recover(self, reason: ReformReason) -> None:
         assert self._live is not None

@@ -33,18 +33,21 @@ WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "trai
 SAMPLES, BATCH, LR, WARMUP, BASE_WORLD = 360, 4, 0.05, 3, 3
 
 
-def _args(tmp: Path, epochs: int) -> list[str]:
-    return ["--recovery", "live", "--epochs", str(epochs), "--samples", str(SAMPLES), "--batch", str(BATCH),
+def _args(tmp: Path, epochs: int, extra: tuple[str, ...] = ()) -> list[str]:
+    return [*extra, "--recovery", "live", "--epochs", str(epochs), "--samples", str(SAMPLES), "--batch", str(BATCH),
             "--lr", str(LR), "--lr-rule", "linear", "--base-world", str(BASE_WORLD), "--warmup", str(WARMUP),
             "--save-every", "10", "--step-sleep", "0.08", "--checkpoint-url", str(tmp / "ck"),
             "--record", str(tmp / "rec")]  # fmt: skip
 
 
-def _agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, epochs: int) -> TorchrunAgent:
+def _agent(
+    tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, epochs: int, nnodes: str = "2:3", nproc: int = 1,
+    extra: tuple[str, ...] = (),
+) -> TorchrunAgent:  # fmt: skip
     cmd = torchrun_command(
-        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes="2:3", nproc=1,
+        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
         rdzv_conf={"recovery": "live", "last_call_timeout": 1}, max_restarts=5, script=WORKER,
-        script_args=_args(tmp, epochs),
+        script_args=_args(tmp, epochs, extra),
     )  # fmt: skip
     return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING", "TEST_AGENT_NAME": name}).start()
 
@@ -72,15 +75,19 @@ def _check_run(rec: Path, agents: list[TorchrunAgent]) -> dict[int, list[dict[st
         assert len(world) == 1, f"step {s} recorded by two worlds: {by[s]}"
         ranks = sorted(r["rank"] for r in by[s])
         assert ranks == list(range(world.pop())), f"step {s}: one record per rank, exactly once: {ranks}"
-        digests = {r["digest"] for r in by[s] if not r["late"]}
-        assert len(digests) == 1, f"step {s}: replicas differ: {digests}"
+        shards: dict[int | None, set[str]] = defaultdict(set)  # sharded (HSDP): one digest per shard index
+        for r in by[s]:
+            if not r["late"]:
+                shards[r.get("shard")].add(r["digest"])
+        for shard, digests in shards.items():
+            assert len(digests) == 1, f"step {s}, shard {shard}: replicas differ: {digests}"
     assert_every_sample_once_per_epoch(by, SAMPLES)
     policy = LRPolicy(LRRule.LINEAR, LR, BASE_WORLD, BATCH, warmup_steps=WARMUP)
     expected = expected_factors(policy, by)
     for s in steps:
         for r in by[s]:
             assert r["lr"] == pytest.approx(LR * expected[s], rel=1e-12), (s, r["lr"], LR * expected[s])
-    final = [p for p in rec.glob("final_params.rank*.pt")]
+    final = [p for p in rec.glob("final.rank*.json")]
     assert len(final) >= 2
     return by
 
@@ -140,3 +147,36 @@ def test_live_node_loss_then_a_replacement_node_joins_with_the_state_of_a_peer(
     with create_checkpoint_manager(str(tmp_path / "ck")) as manager:
         state = manager.load_latest().training_state()
     assert state.model and not any(k.startswith("module.") for k in state.model), list(state.model)
+
+
+@pytest.mark.timeout(300)
+def test_live_hsdp_node_loss_keeps_the_survivors_shards_and_a_joiner_takes_each_shard_from_the_surviving_replica(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
+) -> None:
+    """HSDP, 2 nodes x 2 workers (a node a replica of 2 shards), the trainer sharding the model for each generation
+    (``parallelize=``): node b SIGKILLed -> a's workers go on as one replica in the same processes, shards in place;
+    node c joins -> each of its workers receives the shard of its index from a's; replicas identical every step."""
+    rec = tmp_path / "rec"
+    run_id = f"live-hsdp-{uuid.uuid4().hex[:6]}"
+    hsdp = ("--fsdp", "--parallelize")
+    agents += [_agent(tmp_path, n, etcd_server, run_id, epochs=6, nnodes="1:2", nproc=2, extra=hsdp) for n in "ab"]
+    assert wait_until(lambda: any(r["world"] == 4 for r in read_records(rec)), 120), agent_logs(agents)
+    assert wait_until(lambda: max_step(rec) >= 15, 120), agent_logs(agents)
+    agents[1].kill_tree()  # node b (a replica) dies with its agent: 4 -> 2
+    assert wait_until(lambda: _worlds(read_records(rec))[-1:] == [2], 60), agent_logs(agents)
+    shrunk_at = max_step(rec)
+    agents.append(_agent(tmp_path, "c", etcd_server, run_id, epochs=6, nnodes="1:2", nproc=2, extra=hsdp))
+    for agent in (agents[0], agents[2]):
+        assert agent.wait(timeout=240) == 0, agent_logs(agents)
+
+    records = read_records(rec)
+    by = _check_run(rec, agents)
+    assert _worlds(records) == [4, 2, 4], _worlds(records)
+    assert len(_pids(records, "a")) == 2, "a survivor's worker was restarted"
+    assert {r["restart"] for r in records if r["agent"] == "a"} == {0}
+    first_c = min(r["step"] for r in records if r["agent"] == "c")
+    assert first_c > shrunk_at, "the joiner trained from the live shards, not from a snapshot or step 0"
+    # the joiner's first step: its shards (digest per shard index) are the surviving replica's
+    for r in by[first_c]:
+        assert r["shard"] == r["rank"] % 2
+    assert {r["shard"] for r in by[first_c] if r["agent"] == "c"} == {0, 1}
