@@ -54,9 +54,11 @@ class Group:
         max_workers: int,
         ttl: timedelta = timedelta(seconds=3),
         join_timeout: timedelta = timedelta(seconds=15),
+        granularity: int = 1,
     ) -> LiveMembership:
         settings = LiveSettings(min_workers, max_workers, ttl=ttl, settle=SETTLE, last_call=LAST_CALL,
-                                join_timeout=join_timeout, reform_timeout=timedelta(seconds=15))  # fmt: skip
+                                join_timeout=join_timeout, reform_timeout=timedelta(seconds=15),
+                                granularity=granularity)  # fmt: skip
         m = LiveMembership(self.client(), self.keys, wid, settings, node="test")
         self.members.append(m)
         return m
@@ -178,6 +180,27 @@ def test_a_full_generation_reports_no_joiner_waiting(group: Group) -> None:
     with pytest.raises(LiveTimeoutError, match="w-2"):
         waiting.result(timeout=10)
     assert a.current() == gen1
+
+
+@pytest.mark.timeout(60)
+def test_with_a_granularity_of_2_a_lone_joiner_is_not_waiting_until_its_partner_registers_then_both_join(
+    group: Group,
+) -> None:
+    members = [group.member(w, 2, 4, granularity=2) for w in ("w-a0", "w-a1")]
+    gen1 = group.all(*(m.join for m in members))[0]
+    a, b = members
+    first = group.member("w-c0", 2, 4, granularity=2)
+    joined_first = group.start(first.join)
+    assert wait_until(lambda: "w-c0" in a.alive(), 10)
+    time.sleep(0.3)
+    assert not a.joiners_waiting(gen1), "half a replica must not be admitted"
+    second = group.member("w-c1", 2, 4, granularity=2)
+    joined_second = group.start(second.join)
+    assert wait_until(lambda: a.joiners_waiting(gen1) and b.joiners_waiting(gen1), 10), "the pair never showed"
+    gens = group.all(lambda: a.reform(gen1, ReformReason.ADMIT), lambda: b.reform(gen1, ReformReason.ADMIT))
+    expected = Generation(2, ("w-a0", "w-a1", "w-c0", "w-c1"), ReformReason.ADMIT)
+    assert gens == [expected, expected]
+    assert joined_first.result(timeout=10) == expected and joined_second.result(timeout=10) == expected
 
 
 # -- failures ------------------------------------------------------------------------------------------

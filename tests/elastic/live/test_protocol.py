@@ -21,6 +21,7 @@ from elastic.live.protocol import (
     next_members,
     reform_decision,
     sync_plan,
+    whole_groups,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -52,6 +53,39 @@ def test_next_members_keeps_survivors_rank_order_then_joiners_in_id_order_capped
     ready: set[str], joining: tuple[str, ...], max_workers: int, expected: tuple[str, ...]
 ) -> None:
     assert next_members(GEN, ready, joining, max_workers) == expected
+
+
+@pytest.mark.parametrize(
+    ("ready", "joining", "max_workers", "expected"),
+    [
+        pytest.param({"a", "c"}, ("e",), 8, ("c", "a"), id="one-joiner-of-a-pair-waits-for-its-partner"),
+        pytest.param({"a", "c"}, ("f", "e"), 8, ("c", "a", "e", "f"), id="a-whole-pair-is-admitted"),
+        pytest.param({"a", "c"}, ("g", "f", "e"), 8, ("c", "a", "e", "f"), id="the-odd-joiner-waits"),
+        pytest.param({"a", "c", "d"}, ("e",), 8, ("c", "a", "d", "e"), id="a-joiner-completes-a-broken-pair"),
+        pytest.param({"a", "c", "d"}, (), 8, ("c", "a", "d"), id="survivors-are-never-dropped-to-round-down"),
+        pytest.param({"a", "c"}, ("f", "e"), 3, ("c", "a"), id="max-would-split-a-pair"),
+    ],
+)
+@pytest.mark.timeout(10)
+def test_next_members_with_a_granularity_admits_joiners_only_in_whole_groups(
+    ready: set[str], joining: tuple[str, ...], max_workers: int, expected: tuple[str, ...]
+) -> None:
+    assert next_members(GEN, ready, joining, max_workers, granularity=2) == expected
+
+
+@pytest.mark.timeout(10)
+def test_whole_groups_rounds_down_but_never_below_at_least_and_refuses_granularity_zero() -> None:
+    assert [whole_groups(n, 2) for n in range(6)] == [0, 0, 2, 2, 4, 4]
+    assert whole_groups(3, 2, at_least=3) == 3 and whole_groups(5, 4, at_least=2) == 4
+    with pytest.raises(ValueError, match="granularity"):
+        whole_groups(4, 0)
+
+
+@pytest.mark.timeout(10)
+def test_found_decision_with_a_granularity_founds_whole_groups_only() -> None:
+    assert found_decision(["a", "b", "c"], 2, 4, s(2), LAST_CALL, granularity=2) == CommitNow(("a", "b"))
+    assert found_decision(["a", "b", "c", "d"], 2, 4, s(0), LAST_CALL, granularity=2) == CommitNow(("a", "b", "c", "d"))
+    assert found_decision(["a"], 1, 4, s(2), LAST_CALL, granularity=2) is None  # no whole group yet
 
 
 # -- reform_decision ---------------------------------------------------------------------------------

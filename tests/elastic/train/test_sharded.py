@@ -46,6 +46,21 @@ def _sharded_mlp(seed: int = 0) -> nn.Module:
     return model
 
 
+def _plain_mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _parallelize(model: nn.Module, mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    assert mesh.mesh_dim_names == ("replicate", "shard")
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def _data() -> TensorDataset:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(40, 8, generator=g)
@@ -62,13 +77,20 @@ def _full(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str,
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
 
 
-def test_a_sharded_model_is_refused_by_live_recovery_at_construction_naming_the_limitation(
+def test_a_model_sharded_already_is_refused_by_live_recovery_at_construction_naming_parallelize(
     group: None, tmp_path: Path
 ) -> None:
     model = _sharded_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"live recovery does not support sharded \(FSDP2\) models"):
+    with pytest.raises(ValueError, match=r"pass the unsharded module and parallelize="):
         ElasticTrainer(model, optimizer, _data(), _config(tmp_path, RecoveryMode.LIVE))
+
+
+def test_parallelize_with_a_module_sharded_already_is_refused(group: None, tmp_path: Path) -> None:
+    model = _sharded_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"with parallelize=, pass the unsharded"):
+        ElasticTrainer(model, optimizer, _data(), _config(tmp_path), parallelize=_parallelize)
 
 
 def test_the_loop_entry_of_a_sharded_snapshot_holds_step_cursor_and_rng(group: None) -> None:
@@ -113,4 +135,48 @@ def test_a_trainer_saves_sharded_snapshots_and_the_next_one_resumes_the_full_sta
     assert got_optim["state"].keys() == saved_optim["state"].keys()
     for k, per_param in saved_optim["state"].items():
         assert torch.equal(got_optim["state"][k]["momentum_buffer"], per_param["momentum_buffer"]), k
+    trainer2.close()
+
+
+def test_with_parallelize_the_trainer_shards_the_model_trains_it_like_the_script_sharded_one_and_resumes_it(
+    group: None, tmp_path: Path
+) -> None:
+    """Restart mode: ``parallelize=`` gives the same training as a model the script sharded itself (bit for bit),
+    the optimizer made over the unsharded module follows the shards, and the snapshot resumes the full state."""
+    ck, ck_ref = tmp_path / "ck", tmp_path / "ref"
+    reference = _sharded_mlp()
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    ref = ElasticTrainer(reference, ref_optimizer, _data(), _config(ck_ref))
+    for x, y in ref.batches(epochs=2):
+        if ref.step >= 6:
+            break
+        ref.backward(F.cross_entropy(ref.model(x), y))
+    want_model, want_optim = _full(reference, ref_optimizer)
+    ref.close()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = _plain_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = ElasticTrainer(model, optimizer, _data(), _config(ck), parallelize=_parallelize)
+    assert compat.is_sharded_module(trainer.module) and trainer.shard_size == 1
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in trainer.module.parameters()]
+    for x, y in trainer.batches(epochs=2):
+        if trainer.step >= 6:
+            break
+        trainer.backward(F.cross_entropy(trainer.model(x), y))
+    got_model, got_optim = _full(trainer.module, optimizer)
+    for k, v in want_model.items():
+        assert torch.equal(got_model[k], v), k
+    for k, per_param in want_optim["state"].items():
+        assert torch.equal(got_optim["state"][k]["momentum_buffer"], per_param["momentum_buffer"]), k
+    trainer.close()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model2 = _plain_mlp(seed=99)
+    optimizer2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    trainer2 = ElasticTrainer(model2, optimizer2, _data(), _config(ck), parallelize=_parallelize)
+    assert trainer2.step == 6 and trainer2.resumed_from == "durable"
+    resumed_model, _ = _full(trainer2.module, optimizer2)
+    for k, v in want_model.items():
+        assert torch.equal(resumed_model[k], v), k
     trainer2.close()
