@@ -20,6 +20,10 @@ worker joins at a step boundary.
    each replacement node's first step from its agent's start, and the survivor's worker PID changes.
 
     python bench/recovery_bench.py [--trials 3] [--goodput-duration 120] [--systems etcd-v3-live,etcd-v3-warm]
+
+A sharded model: ``--systems hsdp-live,hsdp-restart,hsdp-c10d`` runs the same with FSDP2 HSDP, two workers per
+agent (a node is one replica of two shards): live recovery with ``parallelize=`` against restart mode (a DCP
+reshard at each world) on etcd-v3 and on stock torchrun's c10d.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class System:
     prefork: bool = False
     local_every: int = 0  # node-local snapshot every N steps (elastic/checkpoint/tiers.py); 0: off
     worker_args: tuple[str, ...] = ()  # extra train_worker.py arguments (live recovery: --recovery live)
+    nproc: int = 1  # workers per agent (HSDP: a node's workers are one replica's shards)
 
     def endpoint(self, etcd: LocalEtcdCluster) -> str:
         return etcd.endpoints if self.backend == "etcd-v3" else f"127.0.0.1:{free_port()}"
@@ -80,6 +85,20 @@ SYSTEMS = {
         System("etcd-v3", "this project, cold starts (warm_start=false)", "etcd-v3", {"last_call_timeout": 1}),
         System("c10d", "torchrun c10d (defaults)", "c10d", {}),
         System("c10d-tuned", "torchrun c10d (last_call_timeout=1)", "c10d", {"last_call_timeout": 1}),
+    )
+}
+# A sharded model (FSDP2 HSDP: a node a replica of 2 shards), 2 workers per agent; chosen with --systems.
+_HSDP = ("--fsdp", "--hsdp-shard", "2")
+HSDP_SYSTEMS = {
+    s.key: s
+    for s in (
+        System("hsdp-live", "HSDP, live recovery (parallelize=: shards kept in place)", "etcd-v3",
+               {"last_call_timeout": 1, "recovery": "live"}, True,
+               worker_args=("--recovery", "live", "--fsdp", "--parallelize"), nproc=2),
+        System("hsdp-restart", "HSDP, etcd-v3 restart + warm starts (DCP reshard)", "etcd-v3",
+               {"last_call_timeout": 1}, True, worker_args=_HSDP, nproc=2),
+        System("hsdp-c10d", "HSDP, torchrun c10d (last_call_timeout=1)", "c10d", {"last_call_timeout": 1},
+               worker_args=_HSDP, nproc=2),
     )
 }
 # Faster failure detection: a node's liveness lease of 1 s instead of the default 2 s.
@@ -120,7 +139,8 @@ class Job:
                 "--base-world", "2", "--save-every", str(w.save_every), "--step-sleep", str(w.step_sleep),
                 "--dropout", "0", "--local-every", str(self.system.local_every), *self.system.worker_args]  # fmt: skip
         cmd = torchrun_command(
-            backend=self.system.backend, endpoint=self.endpoint, run_id=self.run_id, nnodes="1:2", nproc=1,
+            backend=self.system.backend, endpoint=self.endpoint, run_id=self.run_id, nnodes="1:2",
+            nproc=self.system.nproc,
             rdzv_conf=self.system.conf, max_restarts=100, script=WORKER, script_args=args,
             prefork=self.system.prefork,
         )  # fmt: skip
@@ -243,13 +263,14 @@ def join(job: Job, name: str, timeout: float) -> tuple[TorchrunAgent, dict[str, 
 def kill_trial(system: System, etcd: LocalEtcdCluster, workdir: Path, workload: Workload,
                rng: random.Random) -> dict[str, dict[str, float]]:  # fmt: skip
     job = Job(system, etcd, workdir, workload)
+    node = system.nproc  # a node's workers: the world is 2 nodes, then 1
     phase = workload.save_every * workload.step_sleep  # a random point of the checkpoint cycle
     try:
         a = job.start_agent("a")
         time.sleep(1.0)  # with c10d the first agent hosts the store: b is the one killed
         b = job.start_agent("b")
-        if not wait_until(lambda: job.steps_at_world(2) >= 20, 180):
-            raise job.fail("a world of 2 never formed")
+        if not wait_until(lambda: job.steps_at_world(2 * node) >= 20, 180):
+            raise job.fail("a world of 2 nodes never formed")
         time.sleep(rng.uniform(0, phase))
         survivor = job.worker_of(a)
         if not survivor:
@@ -258,29 +279,29 @@ def kill_trial(system: System, etcd: LocalEtcdCluster, workdir: Path, workload: 
         worker = recovery(job, worker_killed, world=None)
         worker["survivor_pid_changed"] = float(job.worker_of(a) != survivor)
         resumed = time.time()
-        if not wait_until(lambda: job.steps_at_world(2, after=resumed) >= 15, 180):
+        if not wait_until(lambda: job.steps_at_world(2 * node, after=resumed) >= 15, 180):
             raise job.fail("the world of 2 never came back after the worker kill")
         time.sleep(rng.uniform(0, phase))
         survivor = job.worker_of(a)
         node_killed = b.kill_tree()
-        node = recovery(job, node_killed, world=1)
-        node["survivor_pid_changed"] = float(job.worker_of(a) != survivor)
+        lost_node = recovery(job, node_killed, world=node)
+        lost_node["survivor_pid_changed"] = float(job.worker_of(a) != survivor)
         alone = time.time()  # a replacement node, once the survivor trains alone
-        if not wait_until(lambda: job.steps_at_world(1, after=alone) >= 10, 180):
+        if not wait_until(lambda: job.steps_at_world(node, after=alone) >= 10, 180):
             raise job.fail("the survivor did not go on alone after the node kill")
         survivor = job.worker_of(a)
         _, joined = join(job, "c", 180)
         if joined is None:
             raise job.fail("the replacement node's worker recorded no step within 180s")
         joined_at = time.time()
-        if not wait_until(lambda: job.steps_at_world(2, after=joined_at) >= 3, 60):
+        if not wait_until(lambda: job.steps_at_world(2 * node, after=joined_at) >= 3, 60):
             raise job.fail("no world of 2 after the replacement node joined")
         replacement = {**joined, "survivor_pid_changed": float(job.worker_of(a) != survivor)}
         if system.conf.get("recovery") == "live":  # every later generation is in: re-done steps, if any
             records = job.records()
             worker["lost_steps"] = live_lost_steps(records, worker_killed)
-            node["lost_steps"] = live_lost_steps(records, node_killed)
-        return {"worker_kill": worker, "node_kill": node, "join": replacement}
+            lost_node["lost_steps"] = live_lost_steps(records, node_killed)
+        return {"worker_kill": worker, "node_kill": lost_node, "join": replacement}
     finally:
         job.stop()
 
@@ -320,8 +341,8 @@ def goodput_trial(system: System, etcd: LocalEtcdCluster, workdir: Path, workloa
         a = job.start_agent("a")
         time.sleep(1.0)
         b = job.start_agent("b")
-        if not wait_until(lambda: job.steps_at_world(2) >= 5, 180):
-            raise job.fail("a world of 2 never formed")
+        if not wait_until(lambda: job.steps_at_world(2 * system.nproc) >= 5, 180):
+            raise job.fail("a world of 2 nodes never formed")
         t0 = time.time()
         faults: list[dict[str, Any]] = []
         survivor: list[frozenset[int]] = []  # agent a's worker before each failure, and at the end
@@ -443,7 +464,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=HERE / "results" / "recovery.json")
     parser.add_argument("--keep-workdir", action="store_true", help="keep the agents' logs and records")
     args = parser.parse_args()
-    systems = [SYSTEMS[k] if k in SYSTEMS else FAST_DETECT for k in args.systems.split(",")]
+    known = {**SYSTEMS, **HSDP_SYSTEMS, FAST_DETECT.key: FAST_DETECT}
+    unknown = [k for k in args.systems.split(",") if k not in known]
+    if unknown:
+        parser.error(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    systems = [known[k] for k in args.systems.split(",")]
     workload = Workload(save_every=args.save_every, step_sleep=args.step_sleep)
     workdir = Path(tempfile.mkdtemp(prefix="recovery-bench-"))
     result: dict[str, Any] = {

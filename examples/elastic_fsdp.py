@@ -5,10 +5,18 @@ Plain torchrun (any number of workers; a world-size change reshards the last sna
     torchrun --nnodes=1:3 --nproc-per-node=2 --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 \
         --rdzv-id=fsdp examples/elastic_fsdp.py --checkpoint-url /tmp/ckpt/fsdp
 
-``--shard-size N`` (N dividing the world size) makes it HSDP: world / N replicas, each sharded over N ranks (on
-GPUs, N = the GPUs of a node: shards talk over NVLink, replicas across nodes). Under the service, submit it as
-the entrypoint of a job (``etrain submit``, see examples/demo_job.yaml); the agent passes the checkpoint URL.
-The loop's sharded snapshots and their rules: docs/checkpoints.md, "Sharded models (FSDP2) in the elastic loop".
+The script hands the trainer the unsharded model and ``parallelize``, which the trainer calls for each world on
+a (replicate, shard) mesh: HSDP, world / N replicas each sharded over N ranks, N = ``--shard-size`` or by default
+a node's workers (on GPUs: shards talk over NVLink, replicas across nodes; on one node that is plain FSDP). With
+live recovery (``--rdzv-conf recovery=live``) a lost node takes one replica away, the other nodes' workers go on
+in the same processes with their shards in place, and a joining node receives each shard from a replica::
+
+    torchrun --nnodes=1:3 --nproc-per-node=2 --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 \
+        --rdzv-id=fsdp --rdzv-conf recovery=live examples/elastic_fsdp.py --checkpoint-url /tmp/ckpt/fsdp
+
+Under the service, submit it as the entrypoint of a job (``etrain submit``, see examples/demo_job.yaml; the
+job spec's ``recovery: live`` for live recovery); the agent passes the checkpoint URL. The loop's sharded
+snapshots and their rules: docs/checkpoints.md, "Sharded models (FSDP2) in the elastic loop".
 """
 
 import argparse
@@ -17,10 +25,10 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from common import DATA, CharDataset, TinyTransformer, setup_logging
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from elastic.contract.lr import LRPolicy
@@ -29,16 +37,12 @@ from elastic.train.trainer import ElasticConfig, ElasticTrainer
 log = logging.getLogger("fsdp")
 
 
-def mesh_of(shard_size: int) -> DeviceMesh:
-    """FSDP over every rank (``shard_size`` 0), or HSDP: replicas x ``shard_size`` shards."""
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    world = dist.get_world_size()
-    if not shard_size or shard_size == world:
-        return init_device_mesh(device, (world,))
-    if world % shard_size:
-        raise SystemExit(f"--shard-size {shard_size} does not divide the world size {world}")
-    return init_device_mesh(device, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Each transformer block a unit (its parameters gathered only while it runs), the rest at the root."""
+    for block in model.blocks.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def main() -> None:
@@ -49,7 +53,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--lr-rule", default="sqrt")
     parser.add_argument("--base-world", type=int, default=2)
-    parser.add_argument("--shard-size", type=int, default=0, help="HSDP: ranks per replica (0: plain FSDP)")
+    parser.add_argument("--shard-size", type=int, default=0, help="HSDP: ranks per replica (0: a node's workers)")
     parser.add_argument("--checkpoint-url", default=None)
     parser.add_argument("--text", default=str(DATA / "tiny_shakespeare.txt"))
     args = parser.parse_args()
@@ -59,15 +63,14 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dataset = CharDataset(Path(args.text))
     model = TinyTransformer(len(dataset.chars))  # the same initial weights on every rank (seeded)
-    mesh = mesh_of(args.shard_size)
-    for block in model.blocks.layers:
-        fully_shard(block, mesh=mesh)  # each transformer block a unit: its parameters gathered only while it runs
-    fully_shard(model, mesh=mesh)  # the rest (embeddings, head) at the root
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after fully_shard: over the sharded parameters
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # the trainer points it at each world's shards
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=len(dataset) // args.batch)
     policy = LRPolicy(args.lr_rule, args.lr, args.base_world, args.batch, warmup_steps=20)
-    config = ElasticConfig(policy, args.checkpoint_url, save_every_steps=50, progress_every=20)
-    trainer = ElasticTrainer(model, optimizer, dataset, config, scheduler=scheduler)
+    config = ElasticConfig(policy, args.checkpoint_url, save_every_steps=50, progress_every=20,
+                           shard_size=args.shard_size or None)  # fmt: skip
+    trainer = ElasticTrainer(model, optimizer, dataset, config, scheduler=scheduler, parallelize=parallelize)
+    mesh = trainer.mesh
+    assert mesh is not None
     log.info("world %d, mesh %s, resumed at step %d", trainer.world_size, tuple(mesh.shape), trainer.step)
     for x, y in trainer.batches(epochs=args.epochs):
         if args.max_steps and trainer.step >= args.max_steps:

@@ -76,7 +76,7 @@ def test_elastic_fsdp_trains_sharded_then_resumes_as_hsdp_on_4_workers(etcd_serv
     ck = ["--checkpoint-url", str(tmp_path / "ck")]
     first = _torchrun(etcd_server, "elastic_fsdp.py", [*ck, "--max-steps", "60"])
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "world 2, mesh (2,), resumed at step 0" in first.stderr, first.stderr[-3000:]
+    assert "world 2, mesh (1, 2), resumed at step 0" in first.stderr, first.stderr[-3000:]
     assert "done at step 60" in first.stderr, first.stderr[-3000:]
     assert list((tmp_path / "ck").glob("step-000000000050/*/*.distcp")), "a sharded (DCP) snapshot"
     again = _torchrun(etcd_server, "elastic_fsdp.py", [*ck, "--max-steps", "70", "--shard-size", "2"], nproc=4)

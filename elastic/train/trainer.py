@@ -278,6 +278,11 @@ class ElasticTrainer:
         return gen.number if gen is not None else None
 
     @property
+    def mesh(self) -> Any:
+        """A model passed with ``parallelize=``: the current world's (replicate, shard) ``DeviceMesh`` (else None)."""
+        return self._parallel.mesh if self._parallel is not None else None
+
+    @property
     def shard_size(self) -> int | None:
         """A model passed with ``parallelize=``: the ranks of one replica (the mesh's "shard" dimension)."""
         return self._parallel.shard_size if self._parallel is not None else None
