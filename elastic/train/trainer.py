@@ -315,7 +315,7 @@ class ElasticTrainer:
                 with nullcontext() if last else self._no_sync():
                     idx = mine[offset : offset + size]
                     offset += size
-                    if size == 0 and self._live is not None:
+                    if size == 0 and self._live is not None and not self._sharded:
                         pass  # live: this rank's reducer joins the step's all-reduce with zero gradients
                     else:
                         # DDP (prepared by its forward) and FSDP run their collectives in forward and backward: a
