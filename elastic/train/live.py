@@ -31,7 +31,7 @@ from elastic.contract.env import LIVE_PREFIX, TorchrunEnv, WorkerEnv
 from elastic.etcd import create_client
 from elastic.live.grads import broadcast_module
 from elastic.live.group import EXIT_LIVE_FALLBACK, LiveGroup, is_peer_failure
-from elastic.live.membership import LiveMembership, LiveSettings, MembershipError, new_worker_id
+from elastic.live.membership import JobFinishedError, LiveMembership, LiveSettings, MembershipError, new_worker_id
 from elastic.live.protocol import Generation, LiveKeys, MemberState, ReformReason, StepAttempt, sync_plan
 from elastic.live.state_sync import broadcast_state
 from elastic.train.config import ElasticConfig, StepInfo
@@ -41,7 +41,7 @@ from elastic.train.sampler import ElasticSampler
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Attempt", "LiveRecovery", "LiveSetupError", "open_live_group"]
+__all__ = ["Attempt", "LiveRecovery", "LiveSetupError", "join_live_group", "open_live_group"]
 
 
 class LiveSetupError(RuntimeError):
@@ -72,6 +72,18 @@ def open_live_group(config: ElasticConfig, granularity: int = 1) -> LiveGroup:
     backend = config.resolved_backend()
     device = torch.device("cuda", local_rank) if backend == "nccl" else None
     return LiveGroup(client, keys, membership, backend, config.timeout, device=device)
+
+
+def join_live_group(config: ElasticConfig, granularity: int = 1) -> tuple[LiveGroup, Generation]:
+    """Register (:func:`open_live_group`) and wait to be a member of a generation; exit 0 when the job finished
+    before this worker was admitted (nothing to do)."""
+    group = open_live_group(config, granularity)
+    try:
+        return group, group.join()
+    except JobFinishedError:
+        group.close()
+        logger.warning("live group: the job finished before this worker was admitted; nothing to do")
+        raise SystemExit(0) from None
 
 
 @dataclass

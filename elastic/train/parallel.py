@@ -42,6 +42,7 @@ __all__ = [
     "ShardLayout",
     "ShardSources",
     "ShardedModel",
+    "check_model",
     "shard_sources",
 ]
 
@@ -125,6 +126,25 @@ def meta_copy(module: nn.Module) -> nn.Module:
     for b in module.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(module, memo)
+
+
+def check_model(model: nn.Module, parallelize: Parallelize | None, live: bool) -> None:
+    """Refuse what the recovery mode cannot train, before any process group forms (ValueError)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from elastic import compat
+
+    wrapped, sharded = isinstance(model, DistributedDataParallel), compat.is_sharded_module(model)
+    if parallelize is not None and (sharded or wrapped):
+        raise ValueError("with parallelize=, pass the unsharded, unwrapped module: the trainer shards it for each "
+                         "world")  # fmt: skip
+    if live and sharded:
+        raise ValueError("live recovery shards the model anew for each generation of the group, which a module "
+                         "sharded already cannot follow: pass the unsharded module and parallelize=fn(module, mesh) "
+                         "(see elastic.train.parallel), or use recovery='restart'")  # fmt: skip
+    if live and wrapped:
+        raise ValueError("live recovery wraps the model in DDP anew for each generation of the group: pass the "
+                         "module itself, not a DistributedDataParallel")  # fmt: skip
 
 
 class ShardedModel:

@@ -175,6 +175,16 @@ class LoopCheckpoints:
             logger.warning("checkpoint staging warm-up not started: %s", exc)
 
     # -- the step boundary -----------------------------------------------------------------------------
+    def share_schedule(self) -> Any:
+        """The snapshot schedule as a member sends it to a new generation's others (live mode: it decides
+        collectives, so every member must hold the same); its clock as an age, since clocks differ between hosts."""
+        return self.schedule, time.monotonic() - self.schedule.clock
+
+    def adopt_schedule(self, shared: Any) -> None:
+        """Take a member's :meth:`share_schedule`."""
+        schedule, age = shared
+        self.schedule = replace(schedule, clock=time.monotonic() - age)
+
     def local_flags(self, step: int, now: float, signalled: bool, rank: int) -> BoundaryFlags:
         """This rank's view of the snapshot flags (see :class:`BoundaryFlags`), before the group agrees."""
         return BoundaryFlags(

@@ -24,29 +24,19 @@ scheduler, advances the data cursor, saves snapshots on a step/time schedule (as
 node-local ones in memory, see ``elastic/checkpoint/tiers.py``), logs progress averaged over workers, and
 on SIGTERM saves synchronously at the step boundary and stops.
 
-A snapshot that falls due while the previous one is still being written does not stall the loop (with
-``when_writer_busy="defer"``, the default): it is taken at the first step boundary at which the writer is
-free, holding the newest state then, while the fixed multiples of ``save_every_steps`` go on (one falling due
-while one is pending is counted as skipped). The decisions are :mod:`elastic.train.schedule`'s, on flags
-every rank agrees on in the all-reduce each step already does; counters in :attr:`ElasticTrainer.snapshot_stats`.
-A snapshot still pending when the job ends (``close(finished=True)``) is taken there, synchronously.
-
-A SIGTERM'd worker that cannot reach the step boundary within ``stop_timeout`` (at least three times the
-slowest of the last steps) is blocked in a collective with a peer that vanished without closing its
-connections (a network partition, a host gone dark): it exits at once with 128+signal and no final save,
-and the group re-forms from the last snapshot, instead of waiting for torchrun's SIGKILL 30 s later.
+A snapshot due while the last one is still being written is deferred, never stalling the loop
+(:mod:`elastic.train.schedule`); a SIGTERM'd worker stuck in a collective with a vanished peer exits after
+``stop_timeout`` without the final save (:mod:`elastic.train.stop_timeout`).
 
 With ``ElasticConfig(recovery="live")`` the workers form the job's process group themselves
 (:mod:`elastic.live`): a failed collective makes the survivors drop the step in progress, re-form over the
 survivors and continue in the same processes; joiners are admitted at a step boundary and receive the state
 from a member. See docs/live-recovery.md.
 
-A model the script sharded itself with FSDP2's ``fully_shard`` (restart mode) is not wrapped in DDP: gradient
-accumulation goes through ``set_requires_gradient_sync(False)`` and snapshots use the sharded layout, restored
-into any world size (:mod:`elastic.train.sharded`). Or the script passes the unsharded module and
-``parallelize=fn(module, mesh)``: the trainer shards it for each world on a (replicate, shard) mesh (HSDP, a
-node per replica by default; :mod:`elastic.train.parallel`), which live recovery needs: a new generation keeps
-the shards of surviving replicas in place and sends a joiner each shard from a replica that holds it.
+Sharded models (FSDP2, HSDP) are not wrapped in DDP: the script passes the unsharded module and
+``parallelize=fn(module, mesh)``, sharded anew for each world (:mod:`elastic.train.parallel`; live recovery keeps
+the surviving replicas' shards in place), or, in restart mode, a module it sharded itself; their snapshots use
+the sharded layout (:mod:`elastic.train.sharded`).
 
 The trainer composes one part per concern: the training cursor (step, data, LR: :mod:`elastic.train.cursor`),
 the snapshots (:mod:`elastic.train.snapshots`), the boundary's agreed flags (:mod:`elastic.train.boundary`),
@@ -73,14 +63,15 @@ from elastic import compat
 from elastic.checkpoint import capture_training_state
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import CheckpointStorage
-from elastic.contract.env import TorchrunEnv, WorkerEnv
+from elastic.contract.env import TorchrunEnv
 from elastic.contract.lr import LRPolicy, scaled_lr
 from elastic.live.grads import GradientReducer, LiveDataParallel, broadcast_module
 from elastic.live.protocol import ReformReason
 from elastic.train.boundary import BoundaryFlags
+from elastic.train.collectives import mean_over_workers, round_node_names
 from elastic.train.config import ElasticConfig, LiveOptions, RecoveryMode, StepInfo
 from elastic.train.cursor import TrainingCursor
-from elastic.train.parallel import GuardedForward, Parallelize, ShardedModel, ShardLayout
+from elastic.train.parallel import GuardedForward, Parallelize, ShardedModel, ShardLayout, check_model
 from elastic.train.preemption import PreemptionWatcher
 from elastic.train.progress import create_reporter
 from elastic.train.sampler import ElasticSampler, split_sizes
@@ -122,22 +113,15 @@ class ElasticTrainer:
         self._live = None
         self._reducer: GradientReducer | None = None  # live: the gradient all-reduce, overlapped with backward
         self._recovery = config.resolved_recovery()
-        self._check_model(model, parallelize)
+        check_model(model, parallelize, live=self._recovery is RecoveryMode.LIVE)
         self._sharded = parallelize is not None or compat.is_sharded_module(model)
         shard_size = 1
         if parallelize is not None:
             shard_size = ShardLayout.replica_size(config.shard_size, TorchrunEnv.from_environ().local_world_size)
         if self._recovery is RecoveryMode.LIVE:
-            from elastic.live.membership import JobFinishedError
-            from elastic.train.live import open_live_group
+            from elastic.train.live import join_live_group
 
-            group = open_live_group(config, granularity=shard_size)
-            try:
-                generation = group.join()
-            except JobFinishedError:
-                group.close()
-                logger.warning("live group: the job finished before this worker was admitted; nothing to do")
-                raise SystemExit(0) from None
+            group, generation = join_live_group(config, granularity=shard_size)
         else:
             self._init_process_group()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -164,7 +148,8 @@ class ElasticTrainer:
 
                 self._live = LiveRecovery(group, self._parallel or self._plain_module, optimizer, scheduler,
                                           self.cursor, self.device, self._record, self._restore,
-                                          shared=(self._get_schedule, self._set_schedule))  # fmt: skip
+                                          shared=(self._checkpoints.share_schedule,
+                                                  self._checkpoints.adopt_schedule))  # fmt: skip
                 self._live.after_generation(generation)
                 group.start_watchdog(config.live.stuck_grace or config.live.ttl + timedelta(seconds=2))
             else:
@@ -176,7 +161,7 @@ class ElasticTrainer:
         self._preemption = PreemptionWatcher(on_signal=self._stop_timeout.arm).install()
         self._progress = create_reporter(rank=self.rank)  # a no-op outside the job service and off rank 0
         self._progress.report(self.step, world_size=self.world_size, total_steps=config.total_steps,
-                              nodes=self._round_nodes(), force=True)  # fmt: skip
+                              nodes=round_node_names(), force=True)  # fmt: skip
         self._loss_sum = 0.0
         self._loss_count = 0
         self._scale = 1.0
@@ -190,20 +175,6 @@ class ElasticTrainer:
             )  # fmt: skip
 
     # -- set-up --------------------------------------------------------------------------------------
-    def _check_model(self, model: torch.nn.Module, parallelize: Parallelize | None) -> None:
-        """Refuse what the recovery mode cannot train (before any process group forms)."""
-        live = self._recovery is RecoveryMode.LIVE
-        if parallelize is not None and (compat.is_sharded_module(model) or isinstance(model, DistributedDataParallel)):
-            raise ValueError("with parallelize=, pass the unsharded, unwrapped module: the trainer shards it for "
-                             "each world")  # fmt: skip
-        if live and compat.is_sharded_module(model):
-            raise ValueError("live recovery shards the model anew for each generation of the group, which a module "
-                             "sharded already cannot follow: pass the unsharded module and parallelize=fn(module, "
-                             "mesh) (see elastic.train.parallel), or use recovery='restart'")  # fmt: skip
-        if live and isinstance(model, DistributedDataParallel):
-            raise ValueError("live recovery wraps the model in DDP anew for each generation of the group: "
-                             "pass the module itself, not a DistributedDataParallel")  # fmt: skip
-
     @property
     def _module(self) -> torch.nn.Module:
         return self._parallel.module if self._parallel is not None else self._plain_module
@@ -234,14 +205,6 @@ class ElasticTrainer:
             return LiveDataParallel(self._module, self._reducer)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(self._module, device_ids=device_ids)
-
-    def _get_schedule(self) -> Any:
-        schedule = self._checkpoints.schedule
-        return schedule, time.monotonic() - schedule.clock  # clocks differ between hosts: send the age
-
-    def _set_schedule(self, shared: Any) -> None:
-        schedule, age = shared
-        self._checkpoints.schedule = dataclasses.replace(schedule, clock=time.monotonic() - age)
 
     def _restore(self, rank: int, world_size: int) -> bool:
         return self._checkpoints.restore(self._module, self.optimizer, self.scheduler, self.cursor, rank, world_size)
@@ -379,7 +342,7 @@ class ElasticTrainer:
         self.model = self._wrap()
         self._stop_timeout.restart_clock()
         self._progress.report(self.step, world_size=self.world_size, total_steps=self.config.total_steps,
-                              nodes=self._round_nodes(), force=True)  # fmt: skip
+                              nodes=round_node_names(), force=True)  # fmt: skip
 
     def _no_sync(self) -> AbstractContextManager[Any]:
         """No gradient all-reduce (DDP, live) or reduce-scatter (FSDP2) for this micro-batch."""
@@ -462,17 +425,6 @@ class ElasticTrainer:
         if flags.signalled and self._live is not None:
             self._recover(ReformReason.FAILURE)  # the signalled members leave: re-form without them
 
-    def _round_nodes(self) -> list[str] | None:
-        """The service's names of this round's nodes (one all-gather per start), or None outside the service.
-
-        The job service sets ``ETRAIN_NODE_NAME`` for every worker of a job, so every rank takes part."""
-        job = WorkerEnv.from_environ().job
-        if job is None:
-            return None
-        names: list[Any] = [None] * self.world_size
-        dist.all_gather_object(names, job.node_name)
-        return sorted({str(n) for n in names})
-
     def _maybe_report(self, lr: float, loss: float | None) -> None:
         every = self.config.progress_every
         if every <= 0 or self.step % every != 0:
@@ -494,10 +446,7 @@ class ElasticTrainer:
 
     def average(self, values: dict[str, float]) -> dict[str, float]:
         """Mean of each value over all workers (one all-reduce); a collective: every rank must call it."""
-        keys = sorted(values)
-        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return {k: float(v) / self.world_size for k, v in zip(keys, t.tolist(), strict=True)}
+        return mean_over_workers(values, self.device)
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _capture(self) -> TrainingState | dict[str, Any]:
