@@ -58,7 +58,14 @@ from elastic.runtime_dir import private_dir
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SnapshotTiers", "create_snapshot_tiers", "default_local_root", "local_tier_dir"]
+__all__ = [
+    "LOCAL_OPTIONS",
+    "PrivateStorage",
+    "SnapshotTiers",
+    "create_snapshot_tiers",
+    "default_local_root",
+    "local_tier_dir",
+]
 
 LOCAL_OPTIONS = CheckpointOptions(keep_last=1, per_node=True, verify_after_write=False, lustre_striping=False)
 _MAX_SLOTS = 64
@@ -75,7 +82,7 @@ def default_local_root() -> Path:
     return base / f"etrain-{os.getuid()}"
 
 
-class _PrivateStorage(LocalStorage):
+class PrivateStorage(LocalStorage):
     """:class:`LocalStorage` whose files are 0600 and directories 0700 whatever the umask (all of it lives in
     a private directory already: this keeps a copy or a loosened parent from exposing the state)."""
 
@@ -141,7 +148,7 @@ class SnapshotTiers:
                 logger.warning("node-local snapshots off on this node (durable ones go on): %s", exc)
                 self._dir, self._writer = None, False
             else:
-                storage = _PrivateStorage(slot, url=str(slot))
+                storage = PrivateStorage(slot, url=str(slot))
                 self._local = create_checkpoint_manager(str(slot), self._options, storage=storage)
                 self._local.check_storage()
 

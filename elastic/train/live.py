@@ -36,7 +36,7 @@ from elastic.live.protocol import Generation, LiveKeys, MemberState, ReformReaso
 from elastic.live.state_sync import broadcast_state
 from elastic.train.config import ElasticConfig, StepInfo
 from elastic.train.cursor import TrainingCursor
-from elastic.train.parallel import ShardedModel, ShardSources, shard_sources
+from elastic.train.parallel import ShardedModel, ShardSources, shard_sources, share_shards
 from elastic.train.sampler import ElasticSampler
 
 logger = logging.getLogger(__name__)
@@ -275,29 +275,23 @@ class LiveRecovery:
     def _share_shard(self, plan: ShardSources, rank: int, world: int, joiner: bool) -> None:
         """Within this rank's replicate group, the plan's source sends its shard and the loop's state to the
         others, when any of them needs it (a collective over the group; every group decides alike)."""
-        index = rank % self._shards.shard_size
-        source = plan.sources[index]
-        if not plan.needed[index]:
-            self._cursor.resize(rank, world)
-            return
+        source = plan.sources[rank % self._shards.shard_size]
         started = time.perf_counter()
-        payload: Any = None
+        loop: dict[str, Any] | None = None
         if rank == source:
             ts = capture_training_state(self._cursor.step, torch.nn.Module(), None, self._scheduler,
                                         gather_rng=False, **self._cursor.state())  # fmt: skip
             loop = ts.to_dict()
             loop["rng"] = {source: ts.rng[min(ts.rng)]}
-            payload = {"loop": loop, "shards": self._shards.local_payload()}
-        received = broadcast_state(payload, source, self._device, group=self._shards.replicate_group())
-        if rank == source:
+        received = share_shards(self._shards, plan, rank, self._device, loop)
+        if received is None or rank == source:
             self._cursor.resize(rank, world)
             return
-        self._shards.apply_payload(received["shards"])
-        ts = TrainingState.from_dict(received["loop"])
+        ts = TrainingState.from_dict(received)
         restore_training_state(ts, None, None, self._scheduler, restore_rng=joiner, rank=source)
         self._cursor.load(ts, rank, world)
-        logger.info("live group: received shard %d of step %d from rank %d in %.3f s", index, ts.step, source,
-                    time.perf_counter() - started)  # fmt: skip
+        logger.info("live group: received shard %d of step %d from rank %d in %.3f s",
+                    rank % self._shards.shard_size, ts.step, source, time.perf_counter() - started)  # fmt: skip
 
     def _receive(self, source: int, rank: int, world: int, joiner: bool) -> None:
         assert self._replicated is not None

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from elastic.checkpoint.tree import iter_leaves, map_leaves
+from elastic.live.state_sync import broadcast_state
 
 __all__ = [
     "REPLICATE",
@@ -44,6 +45,7 @@ __all__ = [
     "ShardedModel",
     "check_model",
     "shard_sources",
+    "share_shards",
 ]
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,25 @@ def shard_sources(steps: Sequence[int], kept: Sequence[bool], step: int, shard_s
         sources.append(holders[0])
         needed.append(any(r not in holders for r in group))
     return ShardSources(tuple(sources), tuple(needed))
+
+
+def share_shards(
+    sharded: ShardedModel, plan: ShardSources, rank: int, device: torch.device, loop: dict[str, Any] | None,
+    needed_only: bool = True,
+) -> dict[str, Any] | None:  # fmt: skip
+    """Within this rank's replicate group, the plan's source sends its shard (:meth:`ShardedModel.local_payload`)
+    and ``loop`` (the loop's state: on the source only) to the others, which take the shard as theirs; every rank
+    gets ``loop`` back. A collective over the replicate groups; with ``needed_only``, a group none of whose members
+    needs the shard (``plan.needed``) sends nothing and its ranks get None."""
+    index = rank % sharded.shard_size
+    source = plan.sources[index]
+    if needed_only and not plan.needed[index]:
+        return None
+    payload = {"loop": loop, "shards": sharded.local_payload()} if rank == source else None
+    received = broadcast_state(payload, source, device, group=sharded.replicate_group())
+    if rank != source:
+        sharded.apply_payload(received["shards"])
+    return dict(received["loop"]) if received["loop"] is not None else None
 
 
 def _local(t: Any) -> torch.Tensor:

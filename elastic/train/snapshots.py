@@ -41,8 +41,10 @@ from elastic.contract.env import WorkerEnv
 from elastic.train.boundary import BoundaryFlags
 from elastic.train.config import ElasticConfig
 from elastic.train.cursor import TrainingCursor
+from elastic.train.parallel import ShardedModel
 from elastic.train.preemption import save_on_notice
 from elastic.train.schedule import Boundary, SnapshotSchedule, SnapshotStats
+from elastic.train.shard_tier import ShardTier, create_shard_tier
 from elastic.train.sharded import apply_loaded, forget_optimizer_state, load_template
 
 logger = logging.getLogger(__name__)
@@ -59,19 +61,29 @@ class LoopCheckpoints:
 
     def __init__(
         self, config: ElasticConfig, storage: CheckpointStorage | None, device: torch.device,
-        require_storage: bool = True, sharded: bool = False,
+        require_storage: bool = True, sharded: bool = False, shards: ShardedModel | None = None,
+        loop_state: Callable[[], dict[str, Any]] | None = None,
     ) -> None:  # fmt: skip
         """``require_storage``: an unusable storage stops the worker at once (one clear line); else (a live
         joiner takes its state from a peer) it is logged, and saves retry under ``save_failure_grace``.
-        ``sharded``: the model is sharded (FSDP2): snapshots in the sharded layout, no node-local tier."""
+        ``sharded``: the model is sharded (FSDP2): snapshots in the sharded layout; node-local ones per shard
+        when the trainer shards it (``shards``, with ``loop_state``: the loop's state of this rank), else none."""
         self.config = config
         self.sharded = sharded
         self._device = device
         self.manager = self._open(config, storage, require_storage, sharded)
         local_every = config.resolved_local_every_steps()
+        self.shard_tier: ShardTier | None = None
+        self._loop_state = loop_state
         if sharded and local_every is not None:
-            logger.warning("node-local snapshots are off for a sharded (FSDP2) model: the node-local tier holds "
-                           "replicated state only; durable sharded snapshots go on")  # fmt: skip
+            if shards is not None and loop_state is not None:
+                key = self.manager.options.signing_key if self.manager is not None else None
+                self.shard_tier = create_shard_tier(shards, self.manager.url if self.manager is not None else None,
+                                                    local_every, device, key, config.local_max_overhead)  # fmt: skip
+            else:
+                logger.warning("node-local snapshots are off for a model the script sharded itself: pass the "
+                               "unsharded one and parallelize= for node-local shard snapshots; durable sharded "
+                               "snapshots go on")  # fmt: skip
             local_every = None
         self.tiers = create_snapshot_tiers(self.manager, local_every, device, config.local_max_overhead)
         self._sharded_source: str | None = None
@@ -129,14 +141,22 @@ class LoopCheckpoints:
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, cursor: TrainingCursor,
         rank: int, world_size: int,
     ) -> bool:  # fmt: skip
-        """A sharded model: every rank loads its shards of the newest durable snapshot that rank 0 verifies
-        (DCP reshards them from whatever world saved it), then the loop's state (cursor, RNG, scheduler)."""
-        if self.manager is None:
-            return False
-        newest = self.manager.latest_step() if rank == 0 else None  # manifests only: is there anything at all?
+        """A sharded model: this node's shard snapshots when they are newer than every durable one and cover every
+        shard (:class:`~elastic.train.shard_tier.ShardTier`), else every rank loads its shards of the newest
+        durable snapshot that rank 0 verifies (DCP reshards them from whatever world saved it); then the loop's
+        state (cursor, RNG, scheduler)."""
+        newest = self.manager.latest_step() if rank == 0 and self.manager is not None else None  # manifests only
         box = torch.tensor([-1 if newest is None else newest], device=self._device)
         dist.broadcast(box, 0)
-        if int(box.item()) < 0:
+        if self.shard_tier is not None:  # this node's shards, when newer than the newest durable snapshot
+            local = self.shard_tier.restore(int(box.item()))
+            if local is not None:
+                ts = restore_training_state(local, None, None, scheduler)
+                cursor.load(ts, rank, world_size)
+                self._sharded_source = "node-local"
+                logger.info("resumed sharded state from node-local shard snapshots of step %d", cursor.step)
+                return True
+        if self.manager is None or int(box.item()) < 0:
             return False
         snapshot = self.manager.load_latest(template=load_template(model, optimizer))
         if snapshot is None:  # every snapshot failed verification: a fresh start
@@ -190,7 +210,7 @@ class LoopCheckpoints:
         return BoundaryFlags(
             time_due=self.schedule.time_due(now),
             signalled=signalled,
-            local_due=rank == 0 and self.tiers.want_local(step),
+            local_due=rank == 0 and (self.shard_tier or self.tiers).want_local(step),
             writer_busy=self.manager is not None and self.manager.in_flight,
         )
 
@@ -218,7 +238,10 @@ class LoopCheckpoints:
                          self.schedule.stats.last_saved_step)  # fmt: skip
         if decision.take:
             self.save(step, capture, optimizer, blocking=False)
-            self.tiers.note_durable(step)
+            (self.shard_tier or self.tiers).note_durable(step)
+        elif flags.local_due and self.shard_tier is not None:
+            assert self._loop_state is not None
+            self.shard_tier.save_local(step, self._loop_state)
         elif flags.local_due:
             self.tiers.save_local(step, capture, overlap_with=optimizer)
         return False
@@ -276,5 +299,7 @@ class LoopCheckpoints:
             return
         self._closed = True
         self.tiers.close(finished=finished)
+        if self.shard_tier is not None:
+            self.shard_tier.close(finished=finished)
         if self.manager is not None:
             self.manager.close()

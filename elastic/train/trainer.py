@@ -129,12 +129,13 @@ class ElasticTrainer:
         sampler = ElasticSampler(len(dataset), seed=config.seed, shuffle=config.shuffle)
         self.cursor = TrainingCursor(config.lr_policy, sampler, self.rank, self.world_size)
         live = self._recovery is RecoveryMode.LIVE
-        self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device, require_storage=not live,
-                                            sharded=self._sharded)  # fmt: skip
-        self._broken: BaseException | None = None  # live: a collective of this step failed
         self._parallel: ShardedModel | None = None  # a model the trainer shards for each world
         if parallelize is not None:
             self._parallel = ShardedModel(model, parallelize, optimizer, shard_size, self.device)
+        self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device, require_storage=not live,
+                                            sharded=self._sharded, shards=self._parallel,
+                                            loop_state=self._loop_state)  # fmt: skip
+        self._broken: BaseException | None = None  # live: a collective of this step failed
         if isinstance(model, DistributedDataParallel):
             # The user wrapped it already: restore into the module, then make replicas identical.
             self._plain_module = model.module
@@ -449,6 +450,11 @@ class ElasticTrainer:
         return mean_over_workers(values, self.device)
 
     # -- checkpoints ---------------------------------------------------------------------------------
+    def _loop_state(self) -> dict[str, Any]:
+        """The loop's state without the model's (this rank's RNG only: no collective)."""
+        return capture_training_state(self.step, torch.nn.Module(), None, self.scheduler, gather_rng=False,
+                                      **self.cursor.state()).to_dict()  # fmt: skip
+
     def _capture(self) -> TrainingState | dict[str, Any]:
         """References to the full state (a collective: gathers every rank's RNG state)."""
         if self._sharded:

@@ -19,12 +19,13 @@ WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "trai
 
 
 def _start(
-    tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, local_every: int, nproc: int = 1
-) -> TorchrunAgent:
+    tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, local_every: int, nproc: int = 1,
+    extra: tuple[str, ...] = (),
+) -> TorchrunAgent:  # fmt: skip
     args = ["--epochs", "2", "--samples", "480", "--batch", "4", "--lr-rule", "linear", "--base-world", "2",
             "--save-every", "1000", "--local-every", str(local_every), "--local-max-overhead", "0",
             "--step-sleep", "0.05",
-            "--checkpoint-url", str(tmp / "ck"), "--record", str(tmp / "rec")]  # fmt: skip
+            "--checkpoint-url", str(tmp / "ck"), "--record", str(tmp / "rec"), *extra]  # fmt: skip
     cmd = torchrun_command(
         backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes="1:2", nproc=nproc,
         rdzv_conf={"last_call_timeout": 1}, max_restarts=5, script=WORKER, script_args=args, prefork=True,
@@ -64,11 +65,12 @@ def _max_step(tmp: Path) -> int:
 
 
 def _two_agents_at_step_12(
-    tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], local_every: int, nproc: int = 1
-) -> tuple[TorchrunAgent, TorchrunAgent]:
+    tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], local_every: int, nproc: int = 1,
+    extra: tuple[str, ...] = (),
+) -> tuple[TorchrunAgent, TorchrunAgent]:  # fmt: skip
     run_id = f"local-{uuid.uuid4().hex[:6]}"
-    a = _start(tmp, "a", etcd, run_id, local_every=local_every, nproc=nproc)
-    b = _start(tmp, "b", etcd, run_id, local_every=local_every, nproc=nproc)
+    a = _start(tmp, "a", etcd, run_id, local_every=local_every, nproc=nproc, extra=extra)
+    b = _start(tmp, "b", etcd, run_id, local_every=local_every, nproc=nproc, extra=extra)
     agents += [a, b]
     assert wait_until(lambda: _max_step(tmp) >= 12, 150), _logs(agents)
     return a, b
@@ -115,3 +117,26 @@ def test_with_two_workers_per_node_one_writes_per_node_and_a_worker_kill_redoes_
     lost = _lost_by(tmp_path, b.kill_workers(), agents)
     assert lost <= 1, f"worker kill re-did {lost} steps\n{_logs(agents)}"
     assert not list((tmp_path / "ck").glob("step-*")), "durable snapshots exist: the check proves nothing"
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_shard_snapshots_every_rank_writes_its_shard_and_worker_and_node_kills_redo_at_most_one_step(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
+) -> None:
+    """A sharded model (``parallelize=``, HSDP: a node a replica of 2 shards), restart mode: every rank keeps its
+    shard in its node's tier; after a worker kill and after a node kill the new world takes them (each shard index
+    from a rank that has it), not the durable snapshot (none is taken)."""
+    a, b = _two_agents_at_step_12(tmp_path, etcd_server, agents, local_every=1, nproc=2,
+                                  extra=("--fsdp", "--parallelize"))  # fmt: skip
+    slots = sorted(p.name for p in (tmp_path / "shm").glob("*/shards/n*") if p.is_dir())
+    assert slots == ["n2-i0-0", "n2-i0-1", "n2-i1-0", "n2-i1-1"], slots
+    lost_worker = _lost_by(tmp_path, b.kill_workers(), agents)
+    assert lost_worker <= 1, f"worker kill re-did {lost_worker} steps\n{_logs(agents)}"
+    start = _max_step(tmp_path)
+    assert wait_until(lambda: _max_step(tmp_path) >= start + 10, 120), _logs(agents)
+    lost_node = _lost_by(tmp_path, b.kill_tree(), agents)
+    assert lost_node <= 1, f"node kill re-did {lost_node} steps\n{_logs(agents)}"
+    assert {r["resumed_from"] for r in _records(tmp_path) if r["restart"]} == {"node-local"}
+    assert not list((tmp_path / "ck").glob("step-*")), "durable snapshots exist: the check proves nothing"
+    assert a.wait(timeout=200) == 0, _logs(agents)
+    assert not [p for p in (tmp_path / "shm").glob("*") if p.is_dir()], "the finished job left its local tier"

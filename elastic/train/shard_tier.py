@@ -1,0 +1,232 @@
+"""Node-local snapshots of a sharded model (``parallelize=``): every rank keeps its own shard in memory.
+
+The replicated tier (:mod:`elastic.checkpoint.tiers`) has one writer per node, whose copy is the whole state. Here
+every rank writes its shard (parameters, buffers, optimizer state: :meth:`ShardedModel.local_payload`) and the
+loop's state to a slot of its own on its node, under the same private directory, file modes and signing key as
+the replicated tier. A slot is named after the shard it holds, ``n<shard_size>-i<shard_index>-<k>`` (``k``: the
+first one free; each writer holds an exclusive ``flock`` on its slot for its lifetime).
+
+:meth:`ShardTier.restore` is a collective, run before the durable restore: every rank finds, among its node's
+slots, the newest snapshot of the shard it holds in the new world; the newest step any rank has is used when it is
+newer than the newest durable snapshot and every shard index has a rank holding it at that step
+(:func:`~elastic.train.parallel.shard_sources`). Those ranks load and verify theirs and send each shard over its
+replicate group to the others (:func:`~elastic.train.parallel.share_shards`). Otherwise, or when a load fails
+anywhere, the caller restores the durable snapshot (DCP reshards it). A save is a best effort, as in the
+replicated tier: a slot still writing skips that step, a failed write is a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.checkpoint import create_checkpoint_manager
+from elastic.checkpoint.api import CheckpointError
+from elastic.checkpoint.manager import FsspecCheckpointManager
+from elastic.checkpoint.state import TrainingState
+from elastic.checkpoint.tiers import LOCAL_OPTIONS, PrivateStorage, default_local_root, local_tier_dir
+from elastic.contract.env import TorchrunEnv, WorkerEnv
+from elastic.runtime_dir import private_dir
+from elastic.train.parallel import ShardedModel, shard_sources, share_shards
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ShardTier", "create_shard_tier"]
+
+_MAX_SLOTS = 64
+
+
+class _SlotManager(FsspecCheckpointManager):
+    """A manager of one rank's own slot: it writes whatever this rank's rank or local rank (a slot holds one shard,
+    written by the rank that holds it)."""
+
+    @property
+    def is_writer(self) -> bool:
+        return True
+
+
+class ShardTier:
+    """See the module docstring. ``local_dir`` None: off (restore finds nothing, saves do nothing)."""
+
+    def __init__(
+        self, sharded: ShardedModel, local_dir: Path | None, every: int | None, device: torch.device,
+        signing_key: bytes | None = None, max_overhead: float | None = None,
+    ) -> None:  # fmt: skip
+        if local_dir is not None and (every is None or every < 1):
+            raise ValueError(f"local_every_steps must be >= 1 with a local tier, got {every}")
+        self._sharded, self._dir, self._every, self._device = sharded, local_dir, every, device
+        self._options = replace(LOCAL_OPTIONS, signing_key=signing_key)
+        self._max_overhead = max_overhead
+        self._local: FsspecCheckpointManager | None = None
+        self._slot: Path | None = None
+        self._lock_fd: int | None = None
+        self._last_step = 0
+        self._last_started: float | None = None
+        self._blocking_s = 0.0
+        self._warned = False
+        if local_dir is not None:
+            try:
+                private_dir(local_dir)
+            except OSError as exc:
+                logger.warning("node-local shard snapshots off on this node (durable ones go on): %s", exc)
+                self._dir = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._dir is not None
+
+    # -- slots ---------------------------------------------------------------------------------------
+    def _prefix(self) -> str:
+        layout = self._sharded.layout
+        assert layout is not None, "the model is built for the world first"
+        return f"n{layout.shard_size}-i{layout.shard_index}-"
+
+    def _claim(self) -> FsspecCheckpointManager | None:
+        """This rank's slot for the shard it holds now (claimed again when the layout changed)."""
+        if self._dir is None:
+            return None
+        prefix = self._prefix()
+        if self._slot is not None and self._slot.name.startswith(prefix):
+            return self._local
+        self._release()
+        for k in range(_MAX_SLOTS):
+            slot = self._dir / f"{prefix}{k}"
+            fd = os.open(f"{slot}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._lock_fd, self._slot = fd, slot
+            self._local = _SlotManager(PrivateStorage(slot, url=str(slot)), self._options)
+            return self._local
+        logger.warning("node-local shard snapshots: all %d slots for %s* are held", _MAX_SLOTS, prefix)
+        return None
+
+    def _release(self) -> None:
+        if self._local is not None:
+            try:
+                self._local.close()
+            except CheckpointError as exc:
+                logger.warning("last node-local shard snapshot failed: %s", exc)
+            self._local = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd, self._slot = None, None
+
+    def _newest(self) -> tuple[int, Path | None]:
+        """The newest committed step among this node's slots of the shard this rank holds now."""
+        best: tuple[int, Path | None] = (-1, None)
+        if self._dir is None:
+            return best
+        for slot in sorted(p for p in self._dir.glob(f"{self._prefix()}*") if p.is_dir()):
+            try:
+                with create_checkpoint_manager(str(slot), self._options) as reader:
+                    step = reader.latest_step()
+            except CheckpointError as exc:
+                logger.warning("node-local shard slot %s unreadable: %s", slot, exc)
+                continue
+            if step is not None and step > best[0]:
+                best = (step, slot)
+        return best
+
+    # -- restore -------------------------------------------------------------------------------------
+    def restore(self, durable_step: int) -> TrainingState | None:
+        """The loop's state of the newest node-local step newer than ``durable_step`` (-1: none) that every shard
+        index has, with this rank's shard set from it; None: restore the durable snapshot (a collective)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        step, slot = self._newest()
+        steps: list[Any] = [None] * world
+        dist.all_gather_object(steps, step)
+        best = max(steps)
+        plan = shard_sources(steps, [s == best for s in steps], best, self._sharded.shard_size)
+        if best <= durable_step or plan is None:
+            if best > durable_step:
+                logger.info("node-local shard snapshots of step %d do not cover every shard; using a durable one", best)
+            return None
+        source = plan.sources[rank % self._sharded.shard_size]
+        loop: dict[str, Any] | None = None
+        failed = torch.zeros(1, device=self._device)
+        if rank == source:
+            assert slot is not None
+            try:
+                with create_checkpoint_manager(str(slot), self._options) as reader:
+                    saved = reader.load(best).state
+                self._sharded.apply_payload(saved["shards"])
+                loop = dict(saved["loop"])
+            except (CheckpointError, KeyError, ValueError) as exc:
+                logger.warning("node-local shard snapshot step %d in %s is unusable (%s)", best, slot, exc)
+                failed.fill_(1)
+        dist.all_reduce(failed)
+        if failed.item():
+            logger.warning("node-local shard snapshots of step %d unusable on some rank; using a durable one", best)
+            return None
+        received = share_shards(self._sharded, plan, rank, self._device, loop, needed_only=False)
+        assert received is not None  # every group sends (needed_only=False), with the source's loop state
+        logger.info("resuming from node-local shard snapshots of step %d (shard from rank %d)", best, source)
+        return TrainingState.from_dict(received)
+
+    # -- save ----------------------------------------------------------------------------------------
+    def want_local(self, step: int) -> bool:
+        """As the replicated tier's (``local_every_steps``, spaced out under ``max_overhead``)."""
+        if self._dir is None or self._every is None or step - self._last_step < self._every:
+            return False
+        if self._max_overhead is None or self._last_started is None:
+            return True
+        writer = self._local.last_timings if self._local is not None else None
+        writer_s = writer.data_s + writer.commit_s + writer.verify_s + writer.cleanup_s if writer else 0.0
+        return time.monotonic() - self._last_started >= (self._blocking_s + writer_s) / self._max_overhead
+
+    def note_durable(self, step: int) -> None:
+        self._last_step = step
+
+    def save_local(self, step: int, loop: Callable[[], dict[str, Any]]) -> None:
+        """This rank's shard and ``loop()`` (the loop's state, no collective) into its slot: copied before this
+        returns (no fence on the optimizer: its parameters are DTensors), written in the background."""
+        started = time.perf_counter()
+        self._last_started, self._last_step = time.monotonic(), step
+        local = self._claim()
+        if local is not None and not local.in_flight:
+            try:
+                local.save(step, {"loop": loop(), "shards": self._sharded.local_payload()})
+            except CheckpointError as exc:
+                if not self._warned:
+                    logger.warning("node-local shard snapshots failing (durable ones go on): %s", exc)
+                    self._warned = True
+        self._blocking_s = time.perf_counter() - started
+
+    def close(self, finished: bool = False) -> None:
+        """Flush this rank's slot; ``finished`` (the job is done; a collective): once every rank flushed, delete the
+        job's local tier on this node."""
+        self._release()
+        if not finished or self._dir is None:
+            return
+        if dist.is_initialized():
+            dist.barrier()  # no rank still writes its last snapshot into what is deleted
+        if TorchrunEnv.from_environ().local_rank == 0:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self._dir.parent.rmdir()  # the job's directory, when nothing else is left in it
+
+
+def create_shard_tier(
+    sharded: ShardedModel, durable_url: str | None, every: int | None, device: torch.device,
+    signing_key: bytes | None, max_overhead: float | None,
+) -> ShardTier:  # fmt: skip
+    """The tier for a worker started by torchrun: on when ``every`` is set, under the job's local tier directory."""
+    local_dir = None
+    if every is not None:
+        job_id = WorkerEnv.from_environ().job_id or TorchrunEnv.from_environ().run_id
+        local_dir = local_tier_dir(default_local_root(), durable_url, job_id) / "shards"
+    return ShardTier(sharded, local_dir, every, device, signing_key, max_overhead)
