@@ -94,6 +94,13 @@ def _check_run(
     return by
 
 
+def _assert_worlds(records: list[dict[str, Any]], expected: list[int]) -> None:
+    """The run went through ``expected`` (start, fault, recovery); on a loaded machine the first generation may
+    have been founded before the last node's workers registered (they then joined it): a smaller world first."""
+    worlds = _worlds(records)
+    assert worlds[-len(expected) :] == expected and set(worlds) <= set(expected), worlds
+
+
 def _pids(records: list[dict[str, Any]], agent: str) -> set[int]:
     return {r["pid"] for r in records if r["agent"] == agent and not r["late"]}
 
@@ -116,7 +123,7 @@ def test_live_worker_crash_survivors_keep_their_processes_and_the_restarted_work
 
     records = read_records(rec)
     _check_run(rec, agents)
-    assert _worlds(records) == [3, 2, 3], _worlds(records)
+    _assert_worlds(records, [3, 2, 3])
     assert len(_pids(records, "a")) == 1 and len(_pids(records, "b")) == 1, "a survivor's worker was restarted"
     assert len(_pids(records, "c")) == 2, "c's worker was restarted once and rejoined"
     assert {r["restart"] for r in records if r["agent"] in ("a", "b")} == {0}
@@ -141,7 +148,7 @@ def test_live_node_loss_then_a_replacement_node_joins_with_the_state_of_a_peer(
 
     records = read_records(rec)
     _check_run(rec, agents)
-    assert _worlds(records) == [3, 2, 3], _worlds(records)
+    _assert_worlds(records, [3, 2, 3])
     assert len(_pids(records, "a")) == 1 and len(_pids(records, "b")) == 1, "a survivor's worker was restarted"
     first_d = min(r["step"] for r in records if r["agent"] == "d")
     assert first_d > shrunk_at, "the replacement trained from the live state, not from step 0"
@@ -178,7 +185,7 @@ def test_live_hsdp_node_loss_keeps_the_survivors_shards_and_a_joiner_takes_each_
     records = read_records(rec)
     policy = LRPolicy(LRRule.FIXED_GLOBAL_BATCH, LR, 4, BATCH, warmup_steps=WARMUP)
     by = _check_run(rec, agents, samples, policy)
-    assert _worlds(records) == [4, 2, 4], _worlds(records)
+    _assert_worlds(records, [4, 2, 4])
     assert len(_pids(records, "a")) == 2, "a survivor's worker was restarted"
     assert {r["restart"] for r in records if r["agent"] == "a"} == {0}
     first_c = min(r["step"] for r in records if r["agent"] == "c")
