@@ -19,7 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastic.live.state_sync import broadcast_state
-from elastic.train.parallel import GuardedForward, ShardedModel, ShardLayout, ShardSources, meta_copy, shard_sources
+from elastic.train.parallel import (
+    GuardedForward,
+    ShardedModel,
+    ShardLayout,
+    ShardSources,
+    meta_copy,
+    shard_sources,
+    share_shards,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -229,3 +237,53 @@ def test_a_replica_leaves_and_a_new_one_joins_survivors_keep_their_shards_joiner
     # and the replicas stay identical while training on together
     assert r[0]["d3b"] == r[2]["d3b"] and r[1]["d3b"] == r[3]["d3b"] and r[0]["d3b"] != r[0]["d3"]
     assert time.monotonic() - started < 170
+
+
+# -- CUDA (scripts/gpu_check.sh): the same re-form in place on a GPU, at the world size one GPU allows ----------
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(180)
+def test_on_cuda_a_re_formed_nccl_group_keeps_the_shards_in_place_and_shares_them_over_its_replicate_group() -> None:
+    """World size 1 under NCCL: shard on the GPU, train, tear the group down and form a new one (a live re-form),
+    build again (the shards and AdamW state kept on the device), send the shard over the 1-rank replicate group
+    (NCCL broadcasts from the GPU), and the guard's placeholder lands on the GPU."""
+    assert not dist.is_initialized(), "another test left a process group behind"
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 4))
+        model.register_buffer("scale", torch.full((4,), 0.5), persistent=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        sharded = ShardedModel(model.to(device), _parallelize, optimizer, 1, device)
+        assert sharded.build(0, 1) is False
+        x, y = torch.randn(8, 16, device=device), torch.randint(0, 4, (8,), device=device)
+        for _ in range(3):
+            F.cross_entropy(sharded.module(x) * sharded.module.get_buffer("scale"), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        def state() -> list[torch.Tensor]:
+            from torch.distributed.tensor import DTensor
+
+            tensors = [*sharded.module.parameters(), *(v for st in optimizer.state.values() for v in st.values())]
+            return [(t.to_local() if isinstance(t, DTensor) else t).detach().clone() for t in tensors]
+
+        before = state()
+        dist.destroy_process_group()
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+        assert sharded.build(0, 1) is True
+        assert all(p.device == device for p in sharded.module.parameters())
+        assert all(torch.equal(a, b) for a, b in zip(state(), before, strict=True)), "the shards moved"
+        loop = share_shards(sharded, ShardSources((0,), (True,)), 0, device, {"step": 3}, needed_only=False)
+        assert loop == {"step": 3}
+        out = GuardedForward(sharded.module, sharded, lambda exc: True).forward(x)
+        assert out.device == device
+        placeholder = sharded.placeholder((x,), {})
+        assert placeholder.device == device and placeholder.shape == (8, 4)
+        F.cross_entropy(sharded.module(x), y).backward()
+        optimizer.step()
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
