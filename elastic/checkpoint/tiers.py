@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "LOCAL_OPTIONS",
+    "LocalSpacing",
     "PrivateStorage",
     "SnapshotTiers",
     "create_snapshot_tiers",
@@ -111,6 +112,31 @@ def local_tier_dir(root: Path, durable_url: str | None, job_id: str | None) -> P
     return root / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+class LocalSpacing:
+    """When a node-local snapshot is due (this tier's and the sharded one's, elastic/train/shard_tier.py):
+    ``every`` steps since the last snapshot (a durable one counts), and, with ``max_overhead``, enough time since
+    the last one that its measured cost (the loop blocked in capture and copy, plus the writer's time) stays under
+    that fraction of the time between them."""
+
+    def __init__(self, every: int | None, max_overhead: float | None) -> None:
+        self.every, self.max_overhead = every, max_overhead
+        self.last_step = 0
+        self.last_started: float | None = None
+        self.blocking_s = 0.0
+
+    def due(self, step: int, writer: Any) -> bool:
+        """``writer``: the local manager's ``last_timings`` (None: not known yet)."""
+        if self.every is None or step - self.last_step < self.every:
+            return False
+        if self.max_overhead is None or self.last_started is None:
+            return True
+        writer_s = writer.data_s + writer.commit_s + writer.verify_s + writer.cleanup_s if writer else 0.0
+        return time.monotonic() - self.last_started >= (self.blocking_s + writer_s) / self.max_overhead
+
+    def started(self, step: int) -> None:
+        self.last_started, self.last_step = time.monotonic(), step
+
+
 class SnapshotTiers:
     """See the module docstring. ``durable`` or ``local_dir`` may be None (that tier is off)."""
 
@@ -126,12 +152,8 @@ class SnapshotTiers:
             raise ValueError(f"local_every_steps must be >= 1 with a local tier, got {local_every_steps}")
         self.durable = durable
         self._dir = local_dir
-        self._every = local_every_steps
+        self._spacing = LocalSpacing(local_every_steps, max_overhead)
         self._device = device
-        self._max_overhead = max_overhead
-        self._last_step = 0
-        self._last_started: float | None = None
-        self._blocking_s = 0.0
         self._writer = local_dir is not None and TorchrunEnv.from_environ().local_rank == 0
         self._lock_fd: int | None = None
         self._local: FsspecCheckpointManager | None = None
@@ -255,22 +277,16 @@ class SnapshotTiers:
         0's answer for every rank): ``local_every_steps`` since the last snapshot, and, with
         ``max_overhead``, enough time since the last one that its measured cost (the loop blocked in
         capture and copy, plus the writer's time) stays under that fraction of the time between them."""
-        if self._dir is None or self._every is None or step - self._last_step < self._every:
-            return False
-        if self._max_overhead is None or self._last_started is None:
-            return True
-        writer = self._local.last_timings if self._local is not None else None
-        writer_s = writer.data_s + writer.commit_s + writer.verify_s + writer.cleanup_s if writer else 0.0
-        return time.monotonic() - self._last_started >= (self._blocking_s + writer_s) / self._max_overhead
+        return self._dir is not None and self._spacing.due(step, self._local.last_timings if self._local else None)
 
     def note_durable(self, step: int) -> None:
         """A durable snapshot was taken at ``step``: the next local one is counted from there."""
-        self._last_step = step
+        self._spacing.last_step = step
 
     def prepare(self, state: TrainingState) -> None:
         """Have the local tier's manager warm its staging buffers up for ``state`` (see
         ``CheckpointManager.prepare``); nothing when this rank writes no local snapshots."""
-        if self._local is not None and self._every is not None:
+        if self._local is not None and self._spacing.every is not None:
             self._local.prepare(state)
 
     def save_local(
@@ -279,7 +295,7 @@ class SnapshotTiers:
     ) -> None:  # fmt: skip
         """Take a node-local snapshot (a collective: ``capture`` gathers every rank's RNG state)."""
         started = time.perf_counter()
-        self._last_started, self._last_step = time.monotonic(), step
+        self._spacing.started(step)
         state = capture()
         local = self._local
         if local is not None and not local.in_flight:  # else not a writer, or the last one still being written
@@ -289,7 +305,7 @@ class SnapshotTiers:
                 if not self._warned:
                     logger.warning("node-local snapshots failing (durable ones go on): %s", exc)
                     self._warned = True
-        self._blocking_s = time.perf_counter() - started
+        self._spacing.blocking_s = time.perf_counter() - started
 
     def close(self, finished: bool = False) -> None:
         """Flush the local tier; with ``finished`` (the job is done) delete this node's local snapshots."""

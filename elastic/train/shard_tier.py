@@ -35,7 +35,7 @@ from elastic.checkpoint import create_checkpoint_manager
 from elastic.checkpoint.api import CheckpointError
 from elastic.checkpoint.manager import FsspecCheckpointManager
 from elastic.checkpoint.state import TrainingState
-from elastic.checkpoint.tiers import LOCAL_OPTIONS, PrivateStorage, default_local_root, local_tier_dir
+from elastic.checkpoint.tiers import LOCAL_OPTIONS, LocalSpacing, PrivateStorage, default_local_root, local_tier_dir
 from elastic.contract.env import TorchrunEnv, WorkerEnv
 from elastic.runtime_dir import private_dir
 from elastic.train.parallel import ShardedModel, shard_sources, share_shards
@@ -65,15 +65,12 @@ class ShardTier:
     ) -> None:  # fmt: skip
         if local_dir is not None and (every is None or every < 1):
             raise ValueError(f"local_every_steps must be >= 1 with a local tier, got {every}")
-        self._sharded, self._dir, self._every, self._device = sharded, local_dir, every, device
+        self._sharded, self._dir, self._device = sharded, local_dir, device
         self._options = replace(LOCAL_OPTIONS, signing_key=signing_key)
-        self._max_overhead = max_overhead
+        self._spacing = LocalSpacing(every, max_overhead)
         self._local: FsspecCheckpointManager | None = None
         self._slot: Path | None = None
         self._lock_fd: int | None = None
-        self._last_step = 0
-        self._last_started: float | None = None
-        self._blocking_s = 0.0
         self._warned = False
         if local_dir is not None:
             try:
@@ -179,23 +176,17 @@ class ShardTier:
 
     # -- save ----------------------------------------------------------------------------------------
     def want_local(self, step: int) -> bool:
-        """As the replicated tier's (``local_every_steps``, spaced out under ``max_overhead``)."""
-        if self._dir is None or self._every is None or step - self._last_step < self._every:
-            return False
-        if self._max_overhead is None or self._last_started is None:
-            return True
-        writer = self._local.last_timings if self._local is not None else None
-        writer_s = writer.data_s + writer.commit_s + writer.verify_s + writer.cleanup_s if writer else 0.0
-        return time.monotonic() - self._last_started >= (self._blocking_s + writer_s) / self._max_overhead
+        """As the replicated tier's (:class:`~elastic.checkpoint.tiers.LocalSpacing`)."""
+        return self._dir is not None and self._spacing.due(step, self._local.last_timings if self._local else None)
 
     def note_durable(self, step: int) -> None:
-        self._last_step = step
+        self._spacing.last_step = step
 
     def save_local(self, step: int, loop: Callable[[], dict[str, Any]]) -> None:
         """This rank's shard and ``loop()`` (the loop's state, no collective) into its slot: copied before this
         returns (no fence on the optimizer: its parameters are DTensors), written in the background."""
         started = time.perf_counter()
-        self._last_started, self._last_step = time.monotonic(), step
+        self._spacing.started(step)
         local = self._claim()
         if local is not None and not local.in_flight:
             try:
@@ -204,7 +195,7 @@ class ShardTier:
                 if not self._warned:
                     logger.warning("node-local shard snapshots failing (durable ones go on): %s", exc)
                     self._warned = True
-        self._blocking_s = time.perf_counter() - started
+        self._spacing.blocking_s = time.perf_counter() - started
 
     def close(self, finished: bool = False) -> None:
         """Flush this rank's slot; ``finished`` (the job is done; a collective): once every rank flushed, delete the

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastic.live.state_sync import broadcast_state
+from elastic.testing.train_worker import parallelize as _parallelize
 from elastic.train.parallel import (
     GuardedForward,
     ShardedModel,
@@ -129,16 +130,6 @@ def test_the_forward_guard_turns_a_lost_peer_into_a_placeholder_shaped_like_the_
 
 
 # -- four processes: a live HSDP life cycle ----------------------------------------------------------------
-def _parallelize(model: nn.Module, mesh: Any) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.modules():
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def _digest(sharded: ShardedModel, optimizer: torch.optim.Optimizer) -> str:
     """This rank's shards and optimizer state, and the non-persistent buffer."""
     from torch.distributed.tensor import DTensor

@@ -18,20 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastic.checkpoint.state import capture_training_state
+from elastic.testing.train_worker import parallelize as _parallelize
 from elastic.train.parallel import ShardedModel
 from elastic.train.shard_tier import ShardTier
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _parallelize(model: nn.Module, mesh: Any) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.modules():
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def _fresh(seed: int) -> tuple[ShardedModel, torch.optim.Optimizer]:
