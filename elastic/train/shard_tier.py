@@ -66,7 +66,8 @@ class ShardTier:
         if local_dir is not None and (every is None or every < 1):
             raise ValueError(f"local_every_steps must be >= 1 with a local tier, got {every}")
         self._sharded, self._dir, self._device = sharded, local_dir, device
-        self._options = replace(LOCAL_OPTIONS, signing_key=signing_key)
+        # two per slot: the step before the newest is still whole where a failure cut the newest's writes short
+        self._options = replace(LOCAL_OPTIONS, keep_last=2, signing_key=signing_key)
         self._spacing = LocalSpacing(every, max_overhead)
         self._local: FsspecCheckpointManager | None = None
         self._slot: Path | None = None
@@ -122,41 +123,50 @@ class ShardTier:
             os.close(self._lock_fd)
             self._lock_fd, self._slot = None, None
 
-    def _newest(self) -> tuple[int, Path | None]:
-        """The newest committed step among this node's slots of the shard this rank holds now."""
-        best: tuple[int, Path | None] = (-1, None)
+    def _available(self) -> dict[int, Path]:
+        """Every committed step among this node's slots of the shard this rank holds now, and a slot holding it."""
+        found: dict[int, Path] = {}
         if self._dir is None:
-            return best
+            return found
         for slot in sorted(p for p in self._dir.glob(f"{self._prefix()}*") if p.is_dir()):
             try:
                 with create_checkpoint_manager(str(slot), self._options) as reader:
-                    step = reader.latest_step()
+                    steps = [info.step for info in reader.list_snapshots()]
             except CheckpointError as exc:
                 logger.warning("node-local shard slot %s unreadable: %s", slot, exc)
                 continue
-            if step is not None and step > best[0]:
-                best = (step, slot)
-        return best
+            for step in steps:
+                found.setdefault(step, slot)
+        return found
 
     # -- restore -------------------------------------------------------------------------------------
     def restore(self, durable_step: int) -> TrainingState | None:
         """The loop's state of the newest node-local step newer than ``durable_step`` (-1: none) that every shard
-        index has, with this rank's shard set from it; None: restore the durable snapshot (a collective)."""
+        index has, with this rank's shard set from it; None: restore the durable snapshot (a collective).
+
+        Each slot keeps its last two snapshots: a failure can interrupt some ranks' writes of the newest step, and
+        the step before is then the newest that every shard has."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        step, slot = self._newest()
-        steps: list[Any] = [None] * world
-        dist.all_gather_object(steps, step)
-        best = max(steps)
-        plan = shard_sources(steps, [s == best for s in steps], best, self._sharded.shard_size)
-        if best <= durable_step or plan is None:
-            if best > durable_step:
-                logger.info("node-local shard snapshots of step %d do not cover every shard; using a durable one", best)
+        available = self._available()
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, sorted(available))
+        plan, best = None, -1
+        for step in sorted({s for steps in gathered for s in steps if s > durable_step}, reverse=True):
+            held = [step in steps for steps in gathered]
+            plan = shard_sources([step if h else -1 for h in held], held, step, self._sharded.shard_size)
+            if plan is not None:
+                best = step
+                break
+        if plan is None:
+            if any(gathered):
+                logger.info("no node-local shard snapshot newer than the durable step %d covers every shard; using "
+                            "a durable one", durable_step)  # fmt: skip
             return None
         source = plan.sources[rank % self._sharded.shard_size]
         loop: dict[str, Any] | None = None
         failed = torch.zeros(1, device=self._device)
         if rank == source:
-            assert slot is not None
+            slot = available[best]
             try:
                 with create_checkpoint_manager(str(slot), self._options) as reader:
                     saved = reader.load(best).state

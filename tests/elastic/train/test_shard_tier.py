@@ -1,7 +1,8 @@
 """Node-local snapshots of a sharded model (elastic.train.shard_tier), in four real gloo processes sharing one
-"node" directory: every rank writes its shard; new trainers' models (a restart) take the newest local step when
-every shard index has it, bit for bit, also into a smaller world; a corrupt shard file, a missing shard index or
-an older local step than the durable one sends the caller to the durable snapshot."""
+"node" directory: every rank writes its shard; new trainers' models (a restart) take the newest local step that
+every shard index has (not a newer one only some shards reached), bit for bit, also into a smaller world; a
+corrupt shard file, a missing shard index or an older local step than the durable one sends the caller to the
+durable snapshot."""
 
 from __future__ import annotations
 
@@ -76,9 +77,13 @@ def _worker(rank: int, tmp: str) -> None:
     tier.save_local(3, lambda: _loop(3))
     out["saved"] = _digest(sharded, optimizer)
     _train(sharded, optimizer, 2)  # the live state moves on after the snapshot
+    if rank % 2 == 1:  # step 4 reaches shard 1's slots only (a failure cut shard 0's writes short)
+        assert tier.want_local(4)
+        tier.save_local(4, lambda: _loop(4))
     tier.close()  # flushed (and the slot released, as at a worker's exit)
 
-    # a restart at the same world: every shard index is there, newer than the durable snapshot (step 1)
+    # a restart at the same world: step 3 is the newest that every shard index has (step 4 only shard 1), newer
+    # than the durable snapshot (step 1)
     tier, sharded, optimizer = _restart(tier_dir, rank, 4)
     ts = tier.restore(durable_step=1)
     out["step"], out["cursor"] = (ts.step, dict(ts.data_cursor)) if ts is not None else (None, None)
