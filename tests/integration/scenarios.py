@@ -27,10 +27,13 @@ WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "trai
 
 def start_agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnodes: str, nproc: int,
                 args: list[str]) -> TorchrunAgent:  # fmt: skip
-    """A torchrun agent of train_worker.py on the etcd-v3 rendezvous (``max_restarts`` 5), logging to ``<name>.log``."""
+    """A torchrun agent of train_worker.py on the etcd-v3 rendezvous (``max_restarts`` 5), logging to ``<name>.log``.
+    Its workers start warm (``-m elastic.prefork``, the service's default): torch is imported once per agent, not
+    on every (re)start; cold starts are tested with the same rendezvous in ``test_torchrun_etcd_v3.py``."""
     cmd = torchrun_command(
         backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
         rdzv_conf={"last_call_timeout": 2}, max_restarts=5, script=WORKER, script_args=args,
+        prefork=True,
     )  # fmt: skip
     return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}).start()
 

@@ -33,6 +33,7 @@ def _agent(tmp: Path, name: str, etcd: LocalEtcdCluster, nproc: int, args: list[
     cmd = torchrun_command(
         backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id or f"{name}-{uuid.uuid4().hex[:6]}", nnodes=nnodes,
         nproc=nproc, rdzv_conf={"last_call_timeout": 2}, max_restarts=5, script=WORKER, script_args=args,
+        prefork=True,
     )  # fmt: skip
     return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}).start()
 

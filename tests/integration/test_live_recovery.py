@@ -42,12 +42,13 @@ def _args(tmp: Path, epochs: int, extra: tuple[str, ...] = ()) -> list[str]:
 
 def _agent(
     tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, epochs: int, nnodes: str = "2:3", nproc: int = 1,
-    extra: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (), warm: bool = True,
 ) -> TorchrunAgent:  # fmt: skip
+    """A live-mode agent; ``warm``: its workers fork from the agent's prefork zygote (the service's default)."""
     cmd = torchrun_command(
         backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
         rdzv_conf={"recovery": "live", "last_call_timeout": 1}, max_restarts=5, script=WORKER,
-        script_args=_args(tmp, epochs, extra),
+        script_args=_args(tmp, epochs, extra), prefork=warm,
     )  # fmt: skip
     return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING", "TEST_AGENT_NAME": name}).start()
 
@@ -111,7 +112,9 @@ def test_live_worker_crash_survivors_keep_their_processes_and_the_restarted_work
 ) -> None:
     rec = tmp_path / "rec"
     run_id = f"live-crash-{uuid.uuid4().hex[:6]}"
-    agents += [_agent(tmp_path, name, etcd_server, run_id, epochs=8) for name in ("a", "b", "c")]
+    # cold starts: a worker forked warm is back in time to join the re-form of its own crash (3 -> 3, seen);
+    # this test is about the 3 -> 2 -> 3 path
+    agents += [_agent(tmp_path, name, etcd_server, run_id, epochs=8, warm=False) for name in ("a", "b", "c")]
     assert wait_until(lambda: any(r["world"] == 3 for r in read_records(rec)), 120), agent_logs(agents)
     assert wait_until(lambda: max_step(rec) >= 20, 120), agent_logs(agents)
     agents[2].kill_workers()  # c's worker crashes: its agent alone restarts it; a and b go on
