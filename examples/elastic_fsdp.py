@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--lr-rule", default="sqrt")
     parser.add_argument("--base-world", type=int, default=2)
     parser.add_argument("--shard-size", type=int, default=0, help="HSDP: ranks per replica (0: a node's workers)")
+    parser.add_argument("--save-every", type=int, default=50, help="a sharded snapshot every this many steps")
     parser.add_argument("--checkpoint-url", default=None)
     parser.add_argument("--text", default=str(DATA / "tiny_shakespeare.txt"))
     args = parser.parse_args()
@@ -66,7 +67,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # the trainer points it at each world's shards
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=len(dataset) // args.batch)
     policy = LRPolicy(args.lr_rule, args.lr, args.base_world, args.batch, warmup_steps=20)
-    config = ElasticConfig(policy, args.checkpoint_url, save_every_steps=50, progress_every=20,
+    config = ElasticConfig(policy, args.checkpoint_url, save_every_steps=args.save_every, progress_every=20,
                            shard_size=args.shard_size or None)  # fmt: skip
     trainer = ElasticTrainer(model, optimizer, dataset, config, scheduler=scheduler, parallelize=parallelize)
     mesh = trainer.mesh

@@ -71,15 +71,15 @@ def test_elastic_chargpt_trains_on_the_committed_text(etcd_server: LocalEtcdClus
 @pytest.mark.timeout(300)
 def test_elastic_fsdp_trains_sharded_then_resumes_as_hsdp_on_4_workers(etcd_server: LocalEtcdCluster,
                                                                       tmp_path: Path) -> None:  # fmt: skip
-    """The FSDP2 example on 2 workers to step 60 (a sharded snapshot every 50 steps), then on 4 workers as HSDP
-    (2 replicas x 2 shards): the step-50 snapshot is resharded on load and training goes on from there."""
-    ck = ["--checkpoint-url", str(tmp_path / "ck")]
-    first = _torchrun(etcd_server, "elastic_fsdp.py", [*ck, "--max-steps", "60"])
+    """The FSDP2 example on 2 workers to step 12 (a sharded snapshot every 10 steps), then on 4 workers as HSDP
+    (2 replicas x 2 shards): the step-10 snapshot is resharded on load and training goes on from there."""
+    ck = ["--checkpoint-url", str(tmp_path / "ck"), "--save-every", "10"]
+    first = _torchrun(etcd_server, "elastic_fsdp.py", [*ck, "--max-steps", "12"])
     assert first.returncode == 0, first.stderr[-3000:]
     assert "world 2, mesh (1, 2), resumed at step 0" in first.stderr, first.stderr[-3000:]
-    assert "done at step 60" in first.stderr, first.stderr[-3000:]
-    assert list((tmp_path / "ck").glob("step-000000000050/*/*.distcp")), "a sharded (DCP) snapshot"
-    again = _torchrun(etcd_server, "elastic_fsdp.py", [*ck, "--max-steps", "70", "--shard-size", "2"], nproc=4)
+    assert "done at step 12" in first.stderr, first.stderr[-3000:]
+    assert list((tmp_path / "ck").glob("step-000000000010/*/*.distcp")), "a sharded (DCP) snapshot"
+    again = _torchrun(etcd_server, "elastic_fsdp.py", [*ck, "--max-steps", "14", "--shard-size", "2"], nproc=4)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "world 4, mesh (2, 2), resumed at step 50" in again.stderr, again.stderr[-3000:]
-    assert "done at step 70" in again.stderr, again.stderr[-3000:]
+    assert "world 4, mesh (2, 2), resumed at step 10" in again.stderr, again.stderr[-3000:]
+    assert "done at step 14" in again.stderr, again.stderr[-3000:]
