@@ -38,10 +38,9 @@ Sharded models (FSDP2, HSDP) are not wrapped in DDP: the script passes the unsha
 the surviving replicas' shards in place), or, in restart mode, a module it sharded itself; their snapshots use
 the sharded layout (:mod:`elastic.train.sharded`).
 
-The trainer composes one part per concern: the training cursor (step, data, LR: :mod:`elastic.train.cursor`),
-the snapshots (:mod:`elastic.train.snapshots`), the boundary's agreed flags (:mod:`elastic.train.boundary`),
-the stop timeout (:mod:`elastic.train.stop_timeout`), the live group and its retries (:mod:`elastic.train.live`
-over :mod:`elastic.live`), progress (:mod:`elastic.train.progress`).
+One part per concern: the cursor (step, data, LR: :mod:`~elastic.train.cursor`), batches, the process group
+(:mod:`~elastic.train.collectives`), snapshots, the boundary's agreed flags, the stop timeout, the live group
+(:mod:`~elastic.train.live` over :mod:`elastic.live`), progress: each a module of :mod:`elastic.train`.
 """
 
 from __future__ import annotations
@@ -67,8 +66,15 @@ from elastic.contract.env import TorchrunEnv
 from elastic.contract.lr import LRPolicy, scaled_lr
 from elastic.live.grads import GradientReducer, LiveDataParallel, broadcast_module
 from elastic.live.protocol import ReformReason
+from elastic.train.batching import make_batch
 from elastic.train.boundary import BoundaryFlags
-from elastic.train.collectives import mean_over_workers, round_node_names
+from elastic.train.collectives import (
+    group_device,
+    join_process_group,
+    log_mean_loss,
+    mean_over_workers,
+    round_node_names,
+)
 from elastic.train.config import ElasticConfig, LiveOptions, RecoveryMode, StepInfo
 from elastic.train.cursor import TrainingCursor
 from elastic.train.parallel import GuardedForward, Parallelize, ShardedModel, ShardLayout, check_model
@@ -123,9 +129,9 @@ class ElasticTrainer:
 
             group, generation = join_live_group(config, granularity=shard_size)
         else:
-            self._init_process_group()
+            join_process_group(self.config.resolved_backend(), self.config.timeout)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = self._pick_device()
+        self.device = group_device()
         sampler = ElasticSampler(len(dataset), seed=config.seed, shuffle=config.shuffle)
         self.cursor = TrainingCursor(config.lr_policy, sampler, self.rank, self.world_size)
         live = self._recovery is RecoveryMode.LIVE
@@ -163,10 +169,8 @@ class ElasticTrainer:
         self._progress = create_reporter(rank=self.rank)  # a no-op outside the job service and off rank 0
         self._progress.report(self.step, world_size=self.world_size, total_steps=config.total_steps,
                               nodes=round_node_names(), force=True)  # fmt: skip
-        self._loss_sum = 0.0
-        self._loss_count = 0
-        self._scale = 1.0
-        self._backward_done = True
+        self._loss_sum, self._loss_count = 0.0, 0
+        self._scale, self._backward_done = 1.0, True
         self._padding = False  # the micro-batch yielded is a sharded model's zero-weight one (see batches)
         self._stopped = False
         if abs(optimizer.param_groups[0]["lr"] - self.policy.base_lr) > 1e-12 and self.step == 0:
@@ -179,19 +183,6 @@ class ElasticTrainer:
     @property
     def _module(self) -> torch.nn.Module:
         return self._parallel.module if self._parallel is not None else self._plain_module
-
-    def _init_process_group(self) -> None:
-        if dist.is_initialized():
-            return
-        backend = self.config.resolved_backend()
-        dist.init_process_group(backend, timeout=self.config.timeout)
-
-    def _pick_device(self) -> torch.device:
-        if dist.get_backend() == "nccl":
-            local = TorchrunEnv.from_environ().local_rank
-            torch.cuda.set_device(local)
-            return torch.device("cuda", local)
-        return torch.device("cpu")
 
     def _wrap(self) -> torch.nn.Module:
         if self._sharded:  # FSDP2 reduce-scatters the gradients itself
@@ -353,8 +344,7 @@ class ElasticTrainer:
         return self.model.no_sync()
 
     def _batch(self, idx: Sequence[int]) -> Any:
-        batch = self._collate([self._dataset[i] for i in idx])
-        return _to_device(batch, self.device)
+        return make_batch(self._dataset, idx, self._collate, self.device)
 
     def _finish_step(self, indices: Sequence[int], global_batch: int) -> None:
         self._stop_timeout.boundary()
@@ -428,13 +418,8 @@ class ElasticTrainer:
 
     def _maybe_report(self, lr: float, loss: float | None) -> None:
         every = self.config.progress_every
-        if every <= 0 or self.step % every != 0:
-            return
-        mean = self.average({"loss": loss if loss is not None else 0.0})["loss"]
-        if self.rank == 0:
-            logger.info(
-                "step %d epoch %d loss %.5f world %d lr %.6g", self.step, self.sampler.epoch, mean, self.world_size, lr
-            )
+        if every > 0 and self.step % every == 0:
+            log_mean_loss(self.step, self.sampler.epoch, loss, lr, self.rank, self.device)
 
     def _publish_progress(self, lr: float, loss: float | None) -> None:
         """Progress for the job service (rank 0 only, throttled by the reporter; a no-op elsewhere)."""
@@ -512,14 +497,3 @@ class ElasticTrainer:
     def __exit__(self, *exc: object) -> None:
         self.close(finished=exc[0] is None)
 
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
