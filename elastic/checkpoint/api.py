@@ -242,6 +242,7 @@ class CheckpointManager(ABC):
     - ``load_latest()`` returns the newest snapshot that passes verification (sizes and digests), warning
       about each newer one it skips, or ``None`` (logged once) when there is none.
     - ``close()`` waits for the in-flight save and raises its error; the manager is unusable afterwards.
+    - ``abandon()`` gives an in-flight save that needs the process group up (its error is logged, not raised).
     - Retention runs after a save is committed and verified and only deletes snapshots older than it.
     """
 
@@ -297,6 +298,14 @@ class CheckpointManager(ABC):
     @abstractmethod
     def wait(self) -> None:
         """Block until no save is in flight; raise the error of a failed background save."""
+
+    def abandon(self) -> None:
+        """A live re-form after a failure is about to replace the process group: stop waiting for a background
+        save that still needs the old group's collectives (the sharded layout gathers its shards' metadata when
+        their writes are done). Its outcome is logged, never raised by a later ``save``, ``wait`` or ``close``;
+        it commits only if every rank's part did, so the committed snapshots are never torn. The default does
+        nothing: saves of the replicated layout run no collective in the background and go on."""
+        return None
 
     @property
     @abstractmethod

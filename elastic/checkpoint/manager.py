@@ -289,6 +289,10 @@ class FsspecCheckpointManager(CheckpointManager):
             return True
         return self._future is not None and not self._future.done()
 
+    def abandon(self) -> None:
+        if self._sharded is not None:
+            self._sharded.abandon()
+
     def wait(self) -> None:
         if self._sharded is not None:
             self._sharded.wait()

@@ -271,6 +271,22 @@ class ShardedCheckpointer:
     def in_flight(self) -> bool:
         return self._future is not None and not self._future.done()
 
+    def abandon(self) -> None:
+        """Stop waiting for the in-flight save (see :meth:`CheckpointManager.abandon`): its error is logged."""
+        future, self._future = self._future, None
+        if future is None:
+            return
+        step, url = self._step, self._storage.url
+
+        def log_failure(done: Any) -> None:
+            exc = done.exception()
+            if exc is not None:
+                first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+                logger.warning("sharded checkpoint step %d to %s, given up at a re-form, did not commit: %s",
+                               step, url, first)  # fmt: skip
+
+        future.add_done_callback(log_failure)
+
     def wait(self) -> None:
         future, self._future = self._future, None
         if future is None:

@@ -289,6 +289,25 @@ class LoopCheckpoints:
             return {"checkpoint_step": pending, "checkpoint_path": f"{self.manager.url}/{step_dir(pending)}"}
         return {}
 
+    def before_reform(self, admit: bool) -> None:
+        """A live re-form is about to replace the process group, which a sharded save in flight still uses (DCP
+        gathers the shards' metadata once their writes are done). ``admit`` (every member is alive and at this
+        boundary): wait for that save to commit; a failure of it counts as a failed save (warned about, retried
+        at the next one). After a failure (``admit`` False) it cannot finish its collectives: given up, its
+        error logged (:meth:`CheckpointManager.abandon`), so that it never fails a later save or the exit."""
+        if self.manager is None:
+            return
+        if not admit:
+            self.manager.abandon()
+            return
+        if not self.sharded:
+            return  # replicated saves run no collective in the background
+        try:
+            self.manager.wait()
+        except CheckpointWriteError as exc:
+            self._failing_since = self._failing_since if self._failing_since is not None else time.monotonic()
+            logger.warning("checkpoint save failed before the re-form that admits new workers: %s", exc)
+
     @property
     def stats(self) -> SnapshotStats:
         return self.schedule.stats

@@ -268,8 +268,7 @@ class ElasticTrainer:
             for j, size in enumerate(split_sizes(len(mine), plan.accumulation_steps)):
                 last = j == plan.accumulation_steps - 1
                 with nullcontext() if last else self._no_sync():
-                    idx = mine[offset : offset + size]
-                    offset += size
+                    idx, offset = mine[offset : offset + size], offset + size
                     if size == 0 and self._live is not None and not self._sharded:
                         pass  # live: this rank's reducer joins the step's all-reduce with zero gradients
                     else:
@@ -324,6 +323,7 @@ class ElasticTrainer:
         assert self._live is not None
         if self._reducer is not None:
             self._reducer.reset()  # the dropped step's in-flight buckets belong to the broken group
+        self._checkpoints.before_reform(admit=reason is ReformReason.ADMIT)  # a sharded save uses the old group
         self._live.recover(reason)
         self._broken = None
         was_first = self.rank == 0

@@ -16,6 +16,7 @@ from elastic.testing.wait import wait_until
 from tests.integration.training_records import (
     agent_logs,
     assert_every_sample_once_per_epoch,
+    assert_exits_ok,
     effective_records,
     expected_factors,
     max_step,
@@ -66,7 +67,7 @@ def assert_resizes_4_2_3(tmp: Path, etcd: LocalEtcdCluster, agents: list[Torchru
     c = start_agent(tmp, "c", etcd, run_id, "1:3", 1, args)  # a node joins: 2 -> 3
     agents.append(c)
     for agent in (a, c):
-        assert agent.wait(timeout=300) == 0, agent_logs(agents)
+        assert_exits_ok(agent, agents, 300)
 
     eff = effective_records(read_records(rec))
     steps = sorted(eff)
@@ -102,7 +103,7 @@ def final_loss(
         b = start_agent(tmp, f"{rec.name}-b", etcd, run_id, "2:2", 2, args)
         agents += [a, b]
         for agent in (a, b):
-            assert agent.wait(timeout=300) == 0, agent_logs(agents)
+            assert_exits_ok(agent, agents, 300)
     else:
         slow = [*args, "--step-sleep", "0.05"]
         a = start_agent(tmp, f"{rec.name}-a", etcd, run_id, "1:3", 2, slow)
@@ -116,7 +117,7 @@ def final_loss(
         c = start_agent(tmp, f"{rec.name}-c", etcd, run_id, "1:3", 1, slow)
         agents.append(c)
         for agent in (a, c):
-            assert agent.wait(timeout=300) == 0, agent_logs(agents)
+            assert_exits_ok(agent, agents, 300)
         worlds = [r["world"] for r in sorted(read_records(rec), key=lambda r: r["t"])]
         assert 3 in worlds and 2 in worlds and 4 in worlds
     return float(json.loads((rec / "final.json").read_text())["loss"])

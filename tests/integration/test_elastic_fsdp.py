@@ -16,6 +16,7 @@ from elastic.testing.wait import wait_until
 from tests.integration.scenarios import assert_converges, assert_resizes_4_2_3
 from tests.integration.training_records import (
     agent_logs,
+    assert_exits_ok,
     max_step,
     read_records,
 )
@@ -44,7 +45,7 @@ def _run(tmp: Path, name: str, etcd: LocalEtcdCluster, agents: list[TorchrunAgen
     rec = tmp / name
     a = _agent(tmp, name, etcd, nproc, [*args, "--record", str(rec)])
     agents.append(a)
-    assert a.wait(timeout=200) == 0, agent_logs(agents)
+    assert_exits_ok(a, agents, 200)
     return rec
 
 
@@ -147,7 +148,7 @@ def test_fsdp2_kill_and_resume_at_same_world_gives_bit_identical_final_state(
     agents.append(b)
     assert wait_until(lambda: max_step(run) >= 13, 120), agent_logs(agents)
     b.kill_workers()
-    assert b.wait(timeout=200) == 0, agent_logs(agents)
+    assert_exits_ok(b, agents, 200)
 
     assert {r["restart"] for r in read_records(run)} == {0, 1}, "killed once, restarted once"
     ref_params, run_params = torch.load(ref / "final_params.pt"), torch.load(run / "final_params.pt")

@@ -14,7 +14,7 @@ from elastic.testing.torchrun import TorchrunAgent
 from elastic.testing.wait import wait_until
 from tests.integration.scenarios import assert_converges, assert_resizes_4_2_3
 from tests.integration.scenarios import start_agent as _agent
-from tests.integration.training_records import agent_logs, max_step, read_records
+from tests.integration.training_records import agent_logs, assert_exits_ok, max_step, read_records
 
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
 
@@ -28,7 +28,7 @@ def test_kill_and_resume_at_same_world_gives_bit_identical_params(
     a = _agent(tmp_path, "ref", etcd_server, f"ref-{uuid.uuid4().hex[:6]}", "1", 2,
                [*common, "--checkpoint-url", str(tmp_path / "ck-ref"), "--record", str(ref)])  # fmt: skip
     agents.append(a)
-    assert a.wait(timeout=200) == 0, agent_logs(agents)
+    assert_exits_ok(a, agents, 200)
 
     run = tmp_path / "run"
     b = _agent(tmp_path, "run", etcd_server, f"run-{uuid.uuid4().hex[:6]}", "1", 2,
@@ -37,7 +37,7 @@ def test_kill_and_resume_at_same_world_gives_bit_identical_params(
     agents.append(b)
     assert wait_until(lambda: max_step(run) >= 13, 120), agent_logs(agents)
     b.kill_workers()  # SIGKILL every worker mid-run: torchrun restarts the group from the last snapshot
-    assert b.wait(timeout=200) == 0, agent_logs(agents)
+    assert_exits_ok(b, agents, 200)
 
     restarts = {r["restart"] for r in read_records(run)}
     assert restarts == {0, 1}, "the group was killed once and restarted once"
@@ -92,7 +92,7 @@ def test_sigterm_of_one_node_saves_synchronously_and_loses_no_step(
     assert wait_until(lambda: max_step(rec) >= 15, 150), agent_logs(agents)
     b.kill_tree(signal.SIGTERM)
     assert wait_until(lambda: any(r["world"] == 1 for r in read_records(rec)), 120), agent_logs(agents)
-    assert a.wait(timeout=200) == 0, agent_logs(agents)
+    assert_exits_ok(a, agents, 200)
 
     records = read_records(rec)
     before = [r for r in records if r["world"] == 2]

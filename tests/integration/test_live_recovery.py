@@ -24,6 +24,7 @@ from elastic.testing.wait import wait_until
 from tests.integration.training_records import (
     agent_logs,
     assert_every_sample_once_per_epoch,
+    assert_exits_ok,
     expected_factors,
     max_step,
     read_records,
@@ -122,7 +123,7 @@ def test_live_worker_crash_survivors_keep_their_processes_and_the_restarted_work
         agent_logs(agents)
     )
     for agent in agents:
-        assert agent.wait(timeout=240) == 0, agent_logs(agents)
+        assert_exits_ok(agent, agents, 240)
 
     records = read_records(rec)
     _check_run(rec, agents)
@@ -147,7 +148,7 @@ def test_live_node_loss_then_a_replacement_node_joins_with_the_state_of_a_peer(
     # a replacement node (2 -> 3), started at once: 8 epochs leave it about 200 steps (> 15 s) to join
     agents.append(_agent(tmp_path, "d", etcd_server, run_id, epochs=8))
     for agent in (agents[0], agents[1], agents[3]):
-        assert agent.wait(timeout=240) == 0, agent_logs(agents)
+        assert_exits_ok(agent, agents, 240)
 
     records = read_records(rec)
     _check_run(rec, agents)
@@ -183,7 +184,7 @@ def test_live_hsdp_node_loss_keeps_the_survivors_shards_and_a_joiner_takes_each_
     shrunk_at = max_step(rec)
     agents.append(_agent(tmp_path, "c", etcd_server, run_id, epochs=10, nnodes="1:2", nproc=2, extra=hsdp))
     for agent in (agents[0], agents[2]):
-        assert agent.wait(timeout=240) == 0, agent_logs(agents)
+        assert_exits_ok(agent, agents, 240)
 
     records = read_records(rec)
     policy = LRPolicy(LRRule.FIXED_GLOBAL_BATCH, LR, 4, BATCH, warmup_steps=WARMUP)

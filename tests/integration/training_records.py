@@ -4,6 +4,7 @@ the integration tests share: the LR policy replayed over a run's worlds, every s
 from __future__ import annotations
 
 import json
+import subprocess
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,15 @@ def max_step(rec: Path) -> int:
 
 def agent_logs(agents: list[TorchrunAgent]) -> str:
     return "\n".join(f"--- {a.log_path.name}\n{a.log()[-2500:]}" for a in agents)
+
+
+def assert_exits_ok(agent: TorchrunAgent, agents: list[TorchrunAgent], timeout: float) -> None:
+    """``agent`` exits 0 within ``timeout`` seconds; a failure or a hang fails with every agent's log tail."""
+    try:
+        code = agent.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{agent.log_path.name} still running after {timeout} s\n{agent_logs(agents)}") from None
+    assert code == 0, f"{agent.log_path.name} exited {code}\n{agent_logs(agents)}"
 
 
 def effective_records(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:

@@ -4,6 +4,8 @@ into other world sizes, a corrupt shard, kills) run under torchrun in tests/inte
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,10 @@ from torch.utils.data import TensorDataset
 
 from elastic import compat
 from elastic.checkpoint import CheckpointOptions, StateLayout, create_checkpoint_manager
+from elastic.checkpoint.storage import LocalStorage
 from elastic.contract.lr import LRPolicy, LRRule
 from elastic.train.sharded import capture_sharded, loop_state
+from elastic.train.snapshots import LoopCheckpoints
 from elastic.train.trainer import ElasticConfig, ElasticTrainer, RecoveryMode
 
 pytestmark = pytest.mark.timeout(120)
@@ -180,3 +184,68 @@ def test_with_parallelize_the_trainer_shards_the_model_trains_it_like_the_script
     for k, v in want_model.items():
         assert torch.equal(resumed_model[k], v), k
     trainer2.close()
+
+
+class _SlowCommit(LocalStorage):
+    """A local directory whose commit (the manifest's ``publish``) takes ``delay`` seconds more, or fails."""
+
+    def __init__(self, root: Path, delay: float, fail: bool = False) -> None:
+        super().__init__(root)
+        self.delay, self.fail = delay, fail
+
+    def publish(self, rel: str, data: bytes) -> None:
+        if not rel.startswith(".probe"):
+            time.sleep(self.delay)
+            if self.fail:
+                raise OSError("the storage refused the manifest")
+        super().publish(rel, data)
+
+
+def _in_flight_sharded_save(tmp_path: Path, storage: LocalStorage) -> tuple[LoopCheckpoints, float]:
+    """A sharded model's loop checkpoints with the background save of step 5 in flight; when it started."""
+    model = _sharded_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpoints = LoopCheckpoints(_config(tmp_path / "ck"), storage, torch.device("cpu"), sharded=True)
+    cursor = {"data_cursor": {}, "world_size": 1, "lr_reference": {}, "extras": {}}
+    started = time.monotonic()
+    checkpoints.save(5, lambda: capture_sharded(5, model, optimizer, None, **cursor), optimizer, blocking=False)
+    assert checkpoints.manager is not None and checkpoints.manager.in_flight
+    return checkpoints, started
+
+
+def _reform() -> None:
+    """What a live re-form does to the process group: replaced (every group, the sharded saver's too)."""
+    compat.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def test_a_live_admission_waits_for_the_sharded_save_in_flight_which_commits_before_the_group_is_replaced(
+    group: None, tmp_path: Path
+) -> None:
+    checkpoints, started = _in_flight_sharded_save(tmp_path, _SlowCommit(tmp_path / "ck", 1.0))
+    checkpoints.before_reform(admit=True)
+    manager = checkpoints.manager
+    assert manager is not None and not manager.in_flight and time.monotonic() - started >= 1.0
+    assert manager.last_committed_step == 5
+    _reform()
+    checkpoints.close(finished=True)  # nothing pending: no error
+    with create_checkpoint_manager(str(tmp_path / "ck"), CheckpointOptions(layout=StateLayout.SHARDED)) as reader:
+        assert [s.step for s in reader.list_snapshots()] == [5]
+
+
+def test_after_a_live_failure_the_sharded_save_in_flight_is_given_up_its_error_logged_and_never_raised(
+    group: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    checkpoints, _ = _in_flight_sharded_save(tmp_path, _SlowCommit(tmp_path / "ck", 0.5, fail=True))
+    checkpoints.before_reform(admit=False)  # returns at once: the failed member's part will never come
+    manager = checkpoints.manager
+    assert manager is not None and not manager.in_flight
+    _reform()
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.sharded"):
+        checkpoints.close(finished=True)  # waits for nothing, raises nothing
+        deadline = time.monotonic() + 30
+        while "given up at a re-form, did not commit" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert "sharded checkpoint step 5" in caplog.text and "did not commit" in caplog.text
+    with create_checkpoint_manager(str(tmp_path / "ck"), CheckpointOptions(layout=StateLayout.SHARDED)) as reader:
+        assert reader.list_snapshots() == []
