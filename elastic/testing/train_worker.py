@@ -12,6 +12,12 @@ trainer; the final parameters are then the full state dict gathered to rank 0. `
 once step K is committed (its snapshot, when one is due, taken); ``--dump-steps K,...`` and ``--dump-start``
 write, from rank 0, the full model and optimizer state (``get_state_dict`` with ``full_state_dict=True``) at
 those steps and right after the trainer restored (``dump-step<K>.pt``, ``dump-start.pt``).
+
+``--hold-file PATH --hold-epoch E``: from the first step of epoch E on, each step waits, after its record is
+written, while PATH exists (a SIGTERM ends the wait at once: torchrun re-forming for a joiner; ``--hold-max S``
+bounds one step's wait, for live recovery, which admits joiners at step boundaries). A scenario test creates PATH
+and removes it once the kills and joins it waits for happened, so that however slow the machine, the job cannot
+end before them.
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -161,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=0, help="stop once this step is committed (0: run the epochs)")
     p.add_argument("--dump-steps", default="", help="comma-separated steps at which rank 0 dumps the full state")
     p.add_argument("--dump-start", action="store_true", help="rank 0 dumps the full state right after the restore")
+    p.add_argument("--hold-file", type=Path, default=None, help="see the module docstring")
+    p.add_argument("--hold-epoch", type=int, default=0, help="with --hold-file: the epoch from which steps wait")
+    p.add_argument("--hold-max", type=float, default=0.0, help="with --hold-file: one step's wait at most (0: none)")
     args = p.parse_args(argv)
     if not args.checkpoint_url:
         p.error("--checkpoint-url (or $ETRAIN_CHECKPOINT_URL) is required")
@@ -212,9 +224,26 @@ def main(argv: list[str] | None = None) -> int:
             reporter.report(info.step, world_size=info.world_size, loss=info.loss)
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if args.hold_file is not None and info.epoch >= args.hold_epoch:
+            hold(args.hold_file, args.hold_max)
+
+    terminated = threading.Event()
+
+    def hold(path: Path, most: float) -> None:
+        deadline = time.monotonic() + most if most > 0 else None
+        while path.exists() and not terminated.is_set() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.05)
 
     trainer = ElasticTrainer(model, optimizer, dataset, config, on_step=on_step,
                              parallelize=parallelize if args.parallelize else None)  # fmt: skip
+    trainers_handler = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:  # ends a hold; the trainer's handler does the rest
+        terminated.set()
+        if callable(trainers_handler):
+            trainers_handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     trained.append(trainer)
     log_file.append(args.record / f"rank{trainer.rank}.{os.getpid()}.jsonl")
     resumed_from.append(trainer.resumed_from)

@@ -39,6 +39,13 @@ def start_agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnode
     return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}).start()
 
 
+def hold_last_epoch(path: Path, epochs: int) -> list[str]:
+    """train_worker.py's arguments to hold the job at each step of its last epoch while ``path`` exists (created
+    here): the scenario removes it once its kills and joins happened, so a slow machine cannot end the job first."""
+    path.touch()
+    return ["--hold-file", str(path), "--hold-epoch", str(epochs - 1)]
+
+
 def assert_resizes_4_2_3(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, *, samples: int,
                          epochs: int, step_sleep: float, extra: Sequence[str] = ()) -> None:  # fmt: skip
     """Two agents of 2 workers (world 4); one SIGKILLed mid-epoch (4 -> 2); then a node of 1 worker joins (2 -> 3).
@@ -50,7 +57,8 @@ def assert_resizes_4_2_3(tmp: Path, etcd: LocalEtcdCluster, agents: list[Torchru
     batch, lr, warmup = 4, 0.05, 3
     args = ["--epochs", str(epochs), "--samples", str(samples), "--batch", str(batch), "--lr", str(lr), "--lr-rule",
             rule, "--base-world", "4", "--warmup", str(warmup), "--save-every", "4", "--step-sleep", str(step_sleep),
-            "--checkpoint-url", str(tmp / "ck"), "--record", str(rec), *extra]  # fmt: skip
+            "--checkpoint-url", str(tmp / "ck"), "--record", str(rec), *extra,
+            *hold_last_epoch(tmp / "hold", epochs)]  # fmt: skip
     a = start_agent(tmp, "a", etcd, run_id, "1:3", 2, args)
     b = start_agent(tmp, "b", etcd, run_id, "1:3", 2, args)
     agents += [a, b]
@@ -66,6 +74,8 @@ def assert_resizes_4_2_3(tmp: Path, etcd: LocalEtcdCluster, agents: list[Torchru
     assert wait_until(lambda: max_step(rec) >= shrunk_at + 6, 120), agent_logs(agents)
     c = start_agent(tmp, "c", etcd, run_id, "1:3", 1, args)  # a node joins: 2 -> 3
     agents.append(c)
+    assert wait_until(lambda: world_reached(3), 150), agent_logs(agents)
+    (tmp / "hold").unlink()  # the last epoch may go on
     for agent in (a, c):
         assert_exits_ok(agent, agents, 300)
 
@@ -105,7 +115,7 @@ def final_loss(
         for agent in (a, b):
             assert_exits_ok(agent, agents, 300)
     else:
-        slow = [*args, "--step-sleep", "0.05"]
+        slow = [*args, "--step-sleep", "0.02", *hold_last_epoch(rec.with_name(f"{rec.name}.hold"), 8)]
         a = start_agent(tmp, f"{rec.name}-a", etcd, run_id, "1:3", 2, slow)
         b = start_agent(tmp, f"{rec.name}-b", etcd, run_id, "1:3", 2, slow)
         agents += [a, b]
@@ -116,6 +126,8 @@ def final_loss(
         assert wait_until(lambda: max_step(rec) >= shrunk_at + 40, 150), agent_logs(agents)
         c = start_agent(tmp, f"{rec.name}-c", etcd, run_id, "1:3", 1, slow)
         agents.append(c)
+        assert wait_until(lambda: any(r["world"] == 3 for r in read_records(rec)), 150), agent_logs(agents)
+        rec.with_name(f"{rec.name}.hold").unlink()  # the last epoch may go on
         for agent in (a, c):
             assert_exits_ok(agent, agents, 300)
         worlds = [r["world"] for r in sorted(read_records(rec), key=lambda r: r["t"])]
