@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic.contract.env import PREFORK, PREFORK_DIR
+from elastic.contract.env import PREFORK, PREFORK_CLIENT, PREFORK_DIR
 from elastic.proctree import descendants, process_stat
 from elastic.runtime_dir import private_dir
 
@@ -100,6 +100,18 @@ def worker_tree(root: int) -> list[tuple[int, int]]:
         if child is not None:
             out.append(child)
     return out
+
+
+def launcher_pid() -> int:
+    """The pid of the process that launched this worker (its torchrun agent): the parent, or for a worker a
+    zygote forked, the parent of the client it runs for (the zygote may serve several agents:
+    ``ETRAIN_PREFORK_OWNER``)."""
+    raw = os.environ.get(PREFORK_CLIENT, "")
+    if raw.isdigit() and int(raw) != os.getpid():
+        st = process_stat(int(raw))
+        if st is not None:
+            return st[0]
+    return os.getppid()
 
 
 def prefork_enabled() -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic import compat
+from elastic.contract.env import PREFORK_OWNER
 from elastic.prefork import worker_tree
 from elastic.torchrun_cli import TorchrunCommand, format_rdzv_conf
 
@@ -49,6 +50,14 @@ def torchrun_command(
         local_addr=local_addr,
         prefork=prefork,
     ).argv()
+
+
+def shared_zygote() -> dict[str, str]:
+    """The environment that has warm (``prefork=True``) agents fork their workers from one zygote owned by this
+    process (``ETRAIN_PREFORK_OWNER``, as a hot spare's node agent does for the jobs it joins) instead of one
+    zygote per agent: a test process starting many agents imports torch for their workers once. The zygote exits
+    with this process; a killed agent's workers are still killed with it (:meth:`TorchrunAgent.kill_tree`)."""
+    return {PREFORK_OWNER: str(os.getpid())}
 
 
 @dataclass

@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             reporter.report(info.step, world_size=info.world_size, loss=info.loss)
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        if args.hold_file is not None and info.epoch >= args.hold_epoch:
+        if args.hold_file is not None and info.epoch >= args.hold_epoch and not info.late:
             hold(args.hold_file, args.hold_max)
 
     terminated = threading.Event()

@@ -16,7 +16,6 @@ trainer's (:mod:`elastic.train.trainer`).
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from elastic.live.group import EXIT_LIVE_FALLBACK, LiveGroup, is_peer_failure
 from elastic.live.membership import JobFinishedError, LiveMembership, LiveSettings, MembershipError, new_worker_id
 from elastic.live.protocol import Generation, LiveKeys, MemberState, ReformReason, StepAttempt, sync_plan
 from elastic.live.state_sync import broadcast_state
+from elastic.prefork.common import launcher_pid
 from elastic.train.config import ElasticConfig, StepInfo
 from elastic.train.cursor import TrainingCursor
 from elastic.train.parallel import ShardedModel, ShardSources, shard_sources, share_shards
@@ -59,8 +59,8 @@ def open_live_group(config: ElasticConfig, granularity: int = 1) -> LiveGroup:
         raise LiveSetupError("recovery='live' needs the etcd connection (ETRAIN_ETCD_ENDPOINTS)")
     torchrun = TorchrunEnv.from_environ()
     per_node, local_rank = torchrun.local_world_size, torchrun.local_rank
-    # outside the service, the host and the torchrun agent (the worker's parent): agents sharing a host are nodes
-    node = env.job.node_name if env.job is not None else f"{socket.gethostname()}.{os.getppid()}"
+    # outside the service, the host and the torchrun agent (the worker's launcher): agents sharing a host are nodes
+    node = env.job.node_name if env.job is not None else f"{socket.gethostname()}.{launcher_pid()}"
     o = config.live
     settings = LiveSettings(
         env.live.min_nodes * per_node, env.live.max_nodes * per_node, ttl=o.ttl, settle=o.settle,

@@ -43,7 +43,8 @@ SCRIPT = textwrap.dedent(
     info = {"warm": warm, "pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:], "cwd": os.getcwd(),
             "env": os.environ.get("PREFORK_TEST"), "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
             "zygote_started": started(os.getppid()), "client_started": started(client),
-            "sigpipe_ignored": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN}
+            "sigpipe_ignored": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
+            "launcher": __import__("elastic.prefork.common").prefork.common.launcher_pid()}
     with open(out, "a") as f:
         f.write(json.dumps(info) + "\\n")
     print("stdout reaches the client's stdout", flush=True)
@@ -111,6 +112,27 @@ def test_workers_are_forked_warm_from_one_zygote_with_their_args_env_cwd_and_exi
     # ... which ended with its owner (the shell standing in for the torchrun agent)
     assert wait_until(lambda: process_stat(int(str(first["ppid"]))) is None, 10)
     assert not [p for p in Path(env["ETRAIN_PREFORK_DIR"]).iterdir() if p.name != "clients"]  # nothing left behind
+
+
+def test_workers_of_two_launchers_forked_by_one_shared_zygote_each_name_their_own_launcher(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """With ``ETRAIN_PREFORK_OWNER`` one zygote forks the workers of several agents (a hot spare's, or a test's):
+    a worker's parent is then that zygote, and ``launcher_pid()`` (which live recovery names a worker's node by)
+    is still the process that started its client."""
+    owner = subprocess.Popen(["sleep", "90"])
+    try:
+        shared = dict(env, ETRAIN_PREFORK_OWNER=str(owner.pid))
+        launchers = [subprocess.Popen(["bash", "-c", f"{CLIENT}; true"], cwd=tmp_path / "work", env=shared)
+                     for _ in range(2)]  # fmt: skip
+        assert [p.wait(timeout=90) for p in launchers] == [0, 0]
+        records = _records(env)
+        assert len(records) == 2 and all(r["warm"] for r in records)
+        assert len({r["ppid"] for r in records}) == 1 and records[0]["ppid"] not in (p.pid for p in launchers)
+        assert sorted(int(str(r["launcher"])) for r in records) == sorted(p.pid for p in launchers)
+    finally:
+        owner.kill()
+        owner.wait()
 
 
 def test_signals_reach_the_worker_and_a_killed_client_takes_its_worker_along(

@@ -19,7 +19,7 @@ import pytest
 from elastic.checkpoint import create_checkpoint_manager
 from elastic.contract.lr import LRPolicy, LRRule
 from elastic.testing.etcd_server import LocalEtcdCluster
-from elastic.testing.torchrun import TorchrunAgent, torchrun_command
+from elastic.testing.torchrun import TorchrunAgent, shared_zygote, torchrun_command
 from elastic.testing.wait import wait_until
 from tests.integration.training_records import (
     agent_logs,
@@ -45,13 +45,24 @@ def _agent(
     tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, epochs: int, nnodes: str = "2:3", nproc: int = 1,
     extra: tuple[str, ...] = (), warm: bool = True,
 ) -> TorchrunAgent:  # fmt: skip
-    """A live-mode agent; ``warm``: its workers fork from the agent's prefork zygote (the service's default)."""
+    """A live-mode agent; ``warm``: its workers fork from the agent's prefork zygote (the service's default). Its
+    last epoch's steps wait up to 0.5 s each while ``tmp/hold`` exists (made by :func:`_hold`): a joiner is admitted
+    at a step boundary, so the job is slowed, not stopped, until the test saw it join."""
+    hold = ("--hold-file", str(tmp / "hold"), "--hold-epoch", str(epochs - 1), "--hold-max", "0.5")
     cmd = torchrun_command(
         backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
         rdzv_conf={"recovery": "live", "last_call_timeout": 1}, max_restarts=5, script=WORKER,
-        script_args=_args(tmp, epochs, extra), prefork=warm,
+        script_args=_args(tmp, epochs, (*extra, *hold)), prefork=warm,
     )  # fmt: skip
-    return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING", "TEST_AGENT_NAME": name}).start()
+    env = {"LOGLEVEL": "WARNING", "TEST_AGENT_NAME": name, **shared_zygote()}
+    return TorchrunAgent(cmd, tmp / f"{name}.log", env=env).start()
+
+
+def _hold(tmp: Path) -> Path:
+    """The file that slows the last epoch of :func:`_agent`'s job while it exists; the test removes it."""
+    path = tmp / "hold"
+    path.touch()
+    return path
 
 
 def _by_step(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
@@ -115,6 +126,7 @@ def test_live_worker_crash_survivors_keep_their_processes_and_the_restarted_work
     run_id = f"live-crash-{uuid.uuid4().hex[:6]}"
     # cold starts: a worker forked warm is back in time to join the re-form of its own crash (3 -> 3, seen);
     # this test is about the 3 -> 2 -> 3 path
+    hold = _hold(tmp_path)
     agents += [_agent(tmp_path, name, etcd_server, run_id, epochs=8, warm=False) for name in ("a", "b", "c")]
     assert wait_until(lambda: any(r["world"] == 3 for r in read_records(rec)), 120), agent_logs(agents)
     assert wait_until(lambda: max_step(rec) >= 20, 120), agent_logs(agents)
@@ -122,6 +134,7 @@ def test_live_worker_crash_survivors_keep_their_processes_and_the_restarted_work
     assert wait_until(lambda: _worlds(read_records(rec))[-1:] == [3] and len(_worlds(read_records(rec))) >= 3, 120), (
         agent_logs(agents)
     )
+    hold.unlink()
     for agent in agents:
         assert_exits_ok(agent, agents, 240)
 
@@ -139,14 +152,18 @@ def test_live_node_loss_then_a_replacement_node_joins_with_the_state_of_a_peer(
 ) -> None:
     rec = tmp_path / "rec"
     run_id = f"live-node-{uuid.uuid4().hex[:6]}"
+    hold = _hold(tmp_path)
     agents += [_agent(tmp_path, name, etcd_server, run_id, epochs=8) for name in ("a", "b", "c")]
     assert wait_until(lambda: any(r["world"] == 3 for r in read_records(rec)), 120), agent_logs(agents)
     assert wait_until(lambda: max_step(rec) >= 20, 120), agent_logs(agents)
     agents[2].kill_tree()  # node c dies with its agent: 3 -> 2
     assert wait_until(lambda: _worlds(read_records(rec))[-1:] == [2], 60), agent_logs(agents)
     shrunk_at = max_step(rec)
-    # a replacement node (2 -> 3), started at once: 8 epochs leave it about 200 steps (> 15 s) to join
+    # a replacement node (2 -> 3), started at once: 8 epochs leave it about 200 steps (> 15 s) to join, and the last
+    # epoch is slowed until it did
     agents.append(_agent(tmp_path, "d", etcd_server, run_id, epochs=8))
+    assert wait_until(lambda: any(r["agent"] == "d" for r in read_records(rec)), 150), agent_logs(agents)
+    hold.unlink()
     for agent in (agents[0], agents[1], agents[3]):
         assert_exits_ok(agent, agents, 240)
 
@@ -176,6 +193,7 @@ def test_live_hsdp_node_loss_keeps_the_survivors_shards_and_a_joiner_takes_each_
     samples = 16 * 22 + 2
     hsdp = ("--fsdp", "--parallelize", "--lr-rule", "fixed-global-batch", "--base-world", "4",
             "--samples", str(samples))  # fmt: skip
+    hold = _hold(tmp_path)
     agents += [_agent(tmp_path, n, etcd_server, run_id, epochs=10, nnodes="1:2", nproc=2, extra=hsdp) for n in "ab"]
     assert wait_until(lambda: any(r["world"] == 4 for r in read_records(rec)), 120), agent_logs(agents)
     assert wait_until(lambda: max_step(rec) >= 15, 120), agent_logs(agents)
@@ -183,6 +201,8 @@ def test_live_hsdp_node_loss_keeps_the_survivors_shards_and_a_joiner_takes_each_
     assert wait_until(lambda: _worlds(read_records(rec))[-1:] == [2], 60), agent_logs(agents)
     shrunk_at = max_step(rec)
     agents.append(_agent(tmp_path, "c", etcd_server, run_id, epochs=10, nnodes="1:2", nproc=2, extra=hsdp))
+    assert wait_until(lambda: any(r["agent"] == "c" for r in read_records(rec)), 150), agent_logs(agents)
+    hold.unlink()
     for agent in (agents[0], agents[2]):
         assert_exits_ok(agent, agents, 240)
 
