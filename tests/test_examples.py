@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from elastic.testing.etcd_server import LocalEtcdCluster
+from elastic.testing.torchrun import shared_zygote
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -38,25 +39,33 @@ def test_elastic_digits_changes_at_most_10_lines_of_the_ddp_script() -> None:
 
 
 def _torchrun(
-    etcd: LocalEtcdCluster, script: str, args: list[str], nproc: int = 2, env: dict[str, str] | None = None
+    etcd: LocalEtcdCluster, script: str, args: list[str], nproc: int = 2, env: dict[str, str] | None = None,
+    warm: bool = True,
 ) -> subprocess.CompletedProcess[str]:
+    """The README's command; ``warm``: with ``-m elastic.prefork`` (its warm starts), the workers forked from this
+    test process's zygote (one torch import for the suite's runs: ``shared_zygote``)."""
+    prefork = ["-m", "elastic.prefork"] if warm else []
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
         "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoints}", f"--rdzv-id=ex-{uuid.uuid4().hex[:6]}",
-        str(EXAMPLES / script), *args,
+        *prefork, str(EXAMPLES / script), *args,
     ]  # fmt: skip
     full_env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", **(env or {}))
+    if warm:
+        full_env.update(shared_zygote())
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=full_env, cwd=EXAMPLES)
 
 
 @pytest.mark.timeout(300)
 def test_elastic_digits_trains_and_resumes_from_its_checkpoint(etcd_server: LocalEtcdCluster, tmp_path: Path) -> None:
     ck = str(tmp_path / "ck")
-    first = _torchrun(etcd_server, "elastic_digits.py", ["--epochs", "2"], env={"ETRAIN_CHECKPOINT_URL": ck})
+    # cold, as the README's first command: the others start warm
+    env = {"ETRAIN_CHECKPOINT_URL": ck}
+    first = _torchrun(etcd_server, "elastic_digits.py", ["--epochs", "2"], env=env, warm=False)
     assert first.returncode == 0, first.stderr[-3000:]
     # 1797 samples, global batch 2 x 32: 29 steps per epoch.
     assert "world 2" in first.stderr and "epoch 1 done at step 58" in first.stderr, first.stderr[-3000:]
-    again = _torchrun(etcd_server, "elastic_digits.py", ["--epochs", "3"], env={"ETRAIN_CHECKPOINT_URL": ck})
+    again = _torchrun(etcd_server, "elastic_digits.py", ["--epochs", "3"], env=env, warm=False)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from step 58" in again.stderr and "epoch 2 done at step 87" in again.stderr, again.stderr[-3000:]
 
