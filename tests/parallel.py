@@ -21,9 +21,8 @@ ports of its own (``ETRAIN_PORT_RANGE``, ``tests/conftest.py``) and under its ow
 directory.
 
 ``--durations-out PATH`` writes a run's durations in ``tests/durations.json``'s format (per test: wall
-seconds of setup + call + teardown, and the CPU seconds of the test's process and of the subprocesses it
-waited for; tests under 0.5 s of both are left out). Refresh that file from a serial run after adding or
-changing slow tests::
+seconds of setup + call + teardown, and the machine's busy CPU seconds meanwhile, :func:`_cpu_seconds`; tests
+under 0.5 s of both are left out). Refresh that file from a serial run after adding or changing slow tests::
 
     .venv/bin/python -m pytest -m "not slow" -n 0 --durations-out tests/durations.json
 """
@@ -213,8 +212,21 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def _cpu_seconds() -> float:
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    """Busy CPU seconds of the whole machine (``/proc/stat``): a test's processes include some it never waits
+    for (agents, zygotes and the workers they fork), which ``getrusage`` misses. So a serial run's figures are the
+    tests' own; a parallel run's include their neighbours'. Where ``/proc/stat`` cannot be read: this process
+    and the children it waited for."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+        return (user + nice + system + irq + softirq + steal) / _CLOCK_TICKS
+    except (OSError, ValueError):
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 _cpu_start: dict[str, float] = {}
