@@ -6,9 +6,9 @@
 #
 # The suite runs serially by default. PYTEST_WORKERS=N (or `-n N` among the arguments) runs it in parallel
 # (pytest-xdist; tests/parallel.py hands the heavy units, real training jobs, to at most PYTEST_HEAVY_SLOTS=1
-# worker at a time). Not the default yet: on this 2-core VM (2026-11-26) four workers took 20-39 min, not the
-# 15 aimed at, and scenario tests with timing (a joiner arriving after the job's last step, a chaos job ending
-# before its last fault) failed under the load; see README "Development".
+# worker at a time). Not the default: on this 2-core VM four workers took 20-39 min (2026-11-26) and 29.5 min
+# with two heavy slots (2026-11-27, serial: 30 min), not the 15 aimed at, and timing-bound tests (a chaos job
+# ending before its last fault, a fail-fast bound) failed under the load; see README "Development".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
