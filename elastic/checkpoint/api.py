@@ -242,7 +242,7 @@ class CheckpointManager(ABC):
     - ``load_latest()`` returns the newest snapshot that passes verification (sizes and digests), warning
       about each newer one it skips, or ``None`` (logged once) when there is none.
     - ``close()`` waits for the in-flight save and raises its error; the manager is unusable afterwards.
-    - ``abandon()`` gives an in-flight save that needs the process group up (its error is logged, not raised).
+    - ``abandon()`` gives up an in-flight save that needs the process group (its error is logged, not raised).
     - Retention runs after a save is committed and verified and only deletes snapshots older than it.
     """
 
