@@ -19,6 +19,7 @@ from tests.integration.training_records import (
     assert_exits_ok,
     effective_records,
     expected_factors,
+    hold_args,
     max_step,
     read_records,
 )
@@ -43,7 +44,7 @@ def hold_last_epoch(path: Path, epochs: int) -> list[str]:
     """train_worker.py's arguments to hold the job at each step of its last epoch while ``path`` exists (created
     here): the scenario removes it once its kills and joins happened, so a slow machine cannot end the job first."""
     path.touch()
-    return ["--hold-file", str(path), "--hold-epoch", str(epochs - 1)]
+    return hold_args(path, epochs)
 
 
 def assert_resizes_4_2_3(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, *, samples: int,

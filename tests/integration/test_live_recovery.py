@@ -26,6 +26,7 @@ from tests.integration.training_records import (
     assert_every_sample_once_per_epoch,
     assert_exits_ok,
     expected_factors,
+    hold_args,
     max_step,
     read_records,
 )
@@ -48,7 +49,7 @@ def _agent(
     """A live-mode agent; ``warm``: its workers fork from the agent's prefork zygote (the service's default). Its
     last epoch's steps wait up to 0.5 s each while ``tmp/hold`` exists (made by :func:`_hold`): a joiner is admitted
     at a step boundary, so the job is slowed, not stopped, until the test saw it join."""
-    hold = ("--hold-file", str(tmp / "hold"), "--hold-epoch", str(epochs - 1), "--hold-max", "0.5")
+    hold = hold_args(tmp / "hold", epochs, most=0.5)
     cmd = torchrun_command(
         backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
         rdzv_conf={"recovery": "live", "last_call_timeout": 1}, max_restarts=5, script=WORKER,

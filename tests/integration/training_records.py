@@ -32,6 +32,12 @@ def agent_logs(agents: list[TorchrunAgent]) -> str:
     return "\n".join(f"--- {a.log_path.name}\n{a.log()[-2500:]}" for a in agents)
 
 
+def hold_args(path: Path, epochs: int, most: float = 0.0) -> list[str]:
+    """train_worker.py's arguments that hold each step of the job's last epoch while ``path`` exists (``most``:
+    seconds one step waits at most, 0 none; see the worker's docstring)."""
+    return ["--hold-file", str(path), "--hold-epoch", str(epochs - 1), "--hold-max", str(most)]
+
+
 def assert_exits_ok(agent: TorchrunAgent, agents: list[TorchrunAgent], timeout: float) -> None:
     """``agent`` exits 0 within ``timeout`` seconds; a failure or a hang fails with every agent's log tail."""
     try:

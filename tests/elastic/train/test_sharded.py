@@ -20,11 +20,11 @@ from torch.utils.data import TensorDataset
 
 from elastic import compat
 from elastic.checkpoint import CheckpointOptions, StateLayout, create_checkpoint_manager
-from elastic.checkpoint.storage import LocalStorage
 from elastic.contract.lr import LRPolicy, LRRule
 from elastic.train.sharded import capture_sharded, loop_state
 from elastic.train.snapshots import LoopCheckpoints
 from elastic.train.trainer import ElasticConfig, ElasticTrainer, RecoveryMode
+from tests.elastic.train._deferral_worker import SlowStorage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -186,22 +186,17 @@ def test_with_parallelize_the_trainer_shards_the_model_trains_it_like_the_script
     trainer2.close()
 
 
-class _SlowCommit(LocalStorage):
-    """A local directory whose commit (the manifest's ``publish``) takes ``delay`` seconds more, or fails."""
-
-    def __init__(self, root: Path, delay: float, fail: bool = False) -> None:
-        super().__init__(root)
-        self.delay, self.fail = delay, fail
+class _FailingCommit(SlowStorage):
+    """:class:`SlowStorage` whose commit, once its delay is over, fails."""
 
     def publish(self, rel: str, data: bytes) -> None:
-        if not rel.startswith(".probe"):
-            time.sleep(self.delay)
-            if self.fail:
-                raise OSError("the storage refused the manifest")
-        super().publish(rel, data)
+        if rel.startswith(".probe"):
+            return super().publish(rel, data)
+        time.sleep(self.delay)
+        raise OSError("the storage refused the manifest")
 
 
-def _in_flight_sharded_save(tmp_path: Path, storage: LocalStorage) -> tuple[LoopCheckpoints, float]:
+def _in_flight_sharded_save(tmp_path: Path, storage: SlowStorage) -> tuple[LoopCheckpoints, float]:
     """A sharded model's loop checkpoints with the background save of step 5 in flight; when it started."""
     model = _sharded_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -222,7 +217,7 @@ def _reform() -> None:
 def test_a_live_admission_waits_for_the_sharded_save_in_flight_which_commits_before_the_group_is_replaced(
     group: None, tmp_path: Path
 ) -> None:
-    checkpoints, started = _in_flight_sharded_save(tmp_path, _SlowCommit(tmp_path / "ck", 1.0))
+    checkpoints, started = _in_flight_sharded_save(tmp_path, SlowStorage(tmp_path / "ck", 1.0))
     checkpoints.before_reform(admit=True)
     manager = checkpoints.manager
     assert manager is not None and not manager.in_flight and time.monotonic() - started >= 1.0
@@ -236,7 +231,7 @@ def test_a_live_admission_waits_for_the_sharded_save_in_flight_which_commits_bef
 def test_after_a_live_failure_the_sharded_save_in_flight_is_given_up_its_error_logged_and_never_raised(
     group: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    checkpoints, _ = _in_flight_sharded_save(tmp_path, _SlowCommit(tmp_path / "ck", 0.5, fail=True))
+    checkpoints, _ = _in_flight_sharded_save(tmp_path, _FailingCommit(tmp_path / "ck", 0.5))
     checkpoints.before_reform(admit=False)  # returns at once: the failed member's part will never come
     manager = checkpoints.manager
     assert manager is not None and not manager.in_flight
