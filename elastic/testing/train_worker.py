@@ -28,7 +28,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -227,11 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.hold_file is not None and info.epoch >= args.hold_epoch and not info.late:
             hold(args.hold_file, args.hold_max)
 
-    terminated = threading.Event()
+    terminated: list[int] = []  # a SIGTERM came; no lock: the handler may run inside itself (a second signal)
 
     def hold(path: Path, most: float) -> None:
         deadline = time.monotonic() + most if most > 0 else None
-        while path.exists() and not terminated.is_set() and (deadline is None or time.monotonic() < deadline):
+        while path.exists() and not terminated and (deadline is None or time.monotonic() < deadline):
             time.sleep(0.05)
 
     trainer = ElasticTrainer(model, optimizer, dataset, config, on_step=on_step,
@@ -239,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     trainers_handler = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:  # ends a hold; the trainer's handler does the rest
-        terminated.set()
+        terminated.append(signum)
         if callable(trainers_handler):
             trainers_handler(signum, frame)
 

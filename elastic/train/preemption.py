@@ -46,16 +46,18 @@ class PreemptionWatcher:
         self._signals = tuple(signals)
         self._on_signal = on_signal
         self._previous: dict[signal.Signals, Any] = {}
+        # no lock on the handler's path: a second signal runs the handler inside the first one (torchrun's SIGTERM
+        # right after the scheduler's), and a lock taken there would deadlock the main thread
         self._received: signal.Signals | None = None
-        self._event = threading.Event()
-        self._lock = threading.Lock()
+        self._requested = False
+        self._told = False  # on_signal was called (from one place only: the wakeup thread, or the handler)
         self._wakeup_w: int | None = None
 
     def install(self) -> PreemptionWatcher:
+        if self._on_signal is not None:  # first: whether the handler or the thread tells is settled before a signal
+            self._watch_wakeup_fd()
         for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._handle)
-        if self._on_signal is not None:
-            self._watch_wakeup_fd()
         return self
 
     def uninstall(self) -> None:
@@ -85,27 +87,31 @@ class PreemptionWatcher:
                 while data := os.read(r, 64):
                     for signum in data:
                         if signum in wanted:
-                            self._notify(signal.Signals(signum))
+                            self._record(signal.Signals(signum))
+                            self._tell(signal.Signals(signum))
             finally:
                 os.close(r)
 
         threading.Thread(target=read, name="preemption-wakeup", daemon=True).start()
 
-    def _notify(self, sig: signal.Signals) -> None:
-        with self._lock:
-            first = self._received is None
-            if first:
-                self._received = sig
-        self._event.set()
-        if first and self._on_signal is not None:
+    def _record(self, sig: signal.Signals) -> None:
+        if self._received is None:
+            self._received = sig
+        self._requested = True
+
+    def _tell(self, sig: signal.Signals) -> None:
+        if not self._told and self._on_signal is not None:
+            self._told = True
             self._on_signal(sig)
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        self._notify(signal.Signals(signum))
+        self._record(signal.Signals(signum))
+        if self._wakeup_w is None:  # no wakeup thread (the fd was taken): the handler tells
+            self._tell(signal.Signals(signum))
 
     @property
     def requested(self) -> bool:
-        return self._event.is_set()
+        return self._requested
 
     @property
     def signal_name(self) -> str | None:
@@ -113,7 +119,7 @@ class PreemptionWatcher:
 
     def request(self) -> None:
         """Flag a preemption without a signal (e.g. from a scheduler's HTTP notice)."""
-        self._event.set()
+        self._requested = True
 
     def final_save(self, manager: CheckpointManager, step: int, state: Mapping[str, Any] | Any) -> bool:
         """If a preemption was requested: save ``state`` synchronously, close ``manager``, return True.

@@ -10,9 +10,12 @@ torchrun's SIGKILL 30 s later.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -65,6 +68,8 @@ class StopTimeout:
             )  # fmt: skip
             for handler in logging.getLogger().handlers:
                 handler.flush()
+            with contextlib.suppress(Exception):  # where each thread was: the hung collective, for the report
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             os._exit(128 + int(sig))
 
         threading.Thread(target=watchdog, name="stop-timeout", daemon=True).start()

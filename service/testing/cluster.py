@@ -25,7 +25,8 @@ from typing import Protocol
 from elastic import compat
 from elastic.contract import env as worker_env
 from elastic.etcd import create_client
-from elastic.proctree import descendants, process_stat
+from elastic.prefork.common import worker_tree
+from elastic.proctree import process_stat
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
 from elastic.testing.wait import wait_for
 from service.client import ApiClient, ApiError
@@ -68,8 +69,14 @@ class LocalServiceCluster:
         lease_ttl: float = 2.0,
         etcd_members: int = 1,
         network: Network | None = None,
+        shared_zygote: bool = False,
     ) -> None:
         self.workdir = workdir
+        # the jobs of every agent in this process's network namespace, not a spare and with no flags of its own
+        # (job uids), fork their workers from one zygote of this process's (elastic.prefork,
+        # ETRAIN_PREFORK_OWNER): one torch import for a suite's jobs instead of one per torchrun. Not for
+        # benchmarks of start-up, nor where agents stand for separate hosts (``network``).
+        self.shared_zygote = shared_zygote
         self.prefix = prefix
         self.lease_ttl = lease_ttl
         self.network = network
@@ -152,6 +159,8 @@ class LocalServiceCluster:
         args += extra_args
         # inherited by torchrun and its workers: elastic/testing/train_worker.py records it ("agent") with each step
         env = {"TEST_AGENT_NAME": name}
+        if self.shared_zygote and self.network is None and not spare and not extra_args:
+            env[worker_env.PREFORK_OWNER] = str(os.getpid())
         if self.network is None:
             self.agents[name] = self._spawn(name, [*args, "--rdzv-host", "127.0.0.1"], extra_env=env)
             return
@@ -173,12 +182,13 @@ class LocalServiceCluster:
         return {r.node: r for kv in kvs if (r := WorkerReport.model_validate_json(kv.value))}
 
     def job_processes(self, job_id: str) -> list[tuple[int, int]]:
-        """``(pid, start time)`` of every torchrun of the job and their workers, from the agents' reports."""
+        """``(pid, start time)`` of every torchrun of the job and their workers (also those a zygote forked), from
+        the agents' reports."""
         procs: list[tuple[int, int]] = []
         for r in self.reports(job_id).values():
             if r.state == "running" and r.pid and (st := process_stat(r.pid)) is not None:
                 procs.append((r.pid, st[1]))
-                procs += descendants(r.pid)
+                procs += worker_tree(r.pid)  # with the workers a zygote forked
         return procs
 
     def stop(self) -> None:

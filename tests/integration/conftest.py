@@ -28,7 +28,7 @@ def cluster(tmp_path: Path) -> Iterator[LocalServiceCluster]:
     """etcd under ``tmp_path``; the test starts the controller and the agents it needs. All stopped at the end."""
     from service.testing.cluster import LocalServiceCluster
 
-    c = LocalServiceCluster(tmp_path)
+    c = LocalServiceCluster(tmp_path, shared_zygote=True)
     try:
         yield c
     finally:

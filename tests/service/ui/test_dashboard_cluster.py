@@ -46,7 +46,7 @@ def running_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningJob
     reason = browser_missing()
     if reason:
         pytest.skip(reason)
-    cluster = LocalServiceCluster(tmp_path_factory.mktemp("ui-cluster"))
+    cluster = LocalServiceCluster(tmp_path_factory.mktemp("ui-cluster"), shared_zygote=True)
     try:
         api = start_controller_with_tokens(cluster, {ADMIN: "admin", READER: "read"})
         for name in ("node-1", "node-2"):
