@@ -188,7 +188,7 @@ def test_losing_one_of_three_etcd_members_causes_no_worker_failure(
     _train_through_etcd_fault(tmp_path, etcd_cluster3, agents, lose_two_members_in_turn)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_unreachable_etcd_fails_fast_with_one_line_naming_the_endpoint(tmp_path: Path) -> None:
     port = free_port()
     cmd = torchrun_command(
@@ -200,13 +200,15 @@ def test_unreachable_etcd_fails_fast_with_one_line_naming_the_endpoint(tmp_path:
         script_args=["--out", str(tmp_path)],
     )
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=50)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if f"127.0.0.1:{port}" in ln]
     assert lines, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert elapsed < 2 + 15, f"took {elapsed:.1f}s"
+    # 2 s of connect timeout, the rest torch's start-up (3 s here idle, 18 s seen with the suite in parallel on
+    # two cores): far below the rendezvous's join timeout (600 s), what a retrying client would take
+    assert elapsed < 2 + 45, f"took {elapsed:.1f}s"
 
 
 def test_etcd_v3_is_registered_through_the_torchrun_handlers_entry_point() -> None:
