@@ -90,3 +90,20 @@ def test_on_signal_is_called_once_and_another_owners_wakeup_fd_is_left_alone(fd_
         os.close(r)
         os.close(w)
     assert now == (w if fd_taken else -1)  # uninstall gave the owner's fd back (or none)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("teller", ["thread", "handler-tells"])
+def test_a_second_sigterm_at_any_point_of_the_handler_runs_it_again_without_deadlock(teller: str) -> None:
+    """torchrun's SIGTERM right after the scheduler's: the handler runs inside itself. Before the fix it took a
+    lock (``threading.Event.set``) and the second run waited for the first forever, so the worker reached no step
+    boundary and exited without its final save."""
+    cmd = [sys.executable, "-m", "tests.elastic.train._reentrant_signal", teller]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired as exc:  # SIGKILLed by run(): SIGTERM is what hangs it
+        raise AssertionError("the handler deadlocked on a second SIGTERM") from exc
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("ok requested=True signal=SIGTERM second_signals="), proc.stdout
+    assert int(proc.stdout.split("second_signals=")[1]) >= 3, proc.stdout  # the hook did interrupt the handler
