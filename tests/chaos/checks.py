@@ -18,7 +18,9 @@ generation *founded* anew (no live member left: the restart path) resumes from s
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from datetime import datetime
@@ -38,6 +40,39 @@ def read_records(rec: Path) -> list[Record]:
     for f in sorted(rec.glob("rank*.jsonl")):
         out.extend(read_jsonl(f))
     return out
+
+
+class RecordReader:
+    """:func:`read_records` of ``rec`` for a poller: each file is read on from where the last call stopped,
+    instead of parsing every record again (the runner reads them several times a second; some 3,000 records
+    re-parsed each time cost it about 30 CPU s a session). Returns copies; safe from several threads."""
+
+    def __init__(self, rec: Path) -> None:
+        self.rec = rec
+        self._files: dict[Path, tuple[int, list[Record]]] = {}  # file -> (bytes consumed, its whole lines' records)
+        self._lock = threading.Lock()
+
+    def __call__(self) -> list[Record]:
+        out: list[Record] = []
+        with self._lock:
+            for f in sorted(self.rec.glob("rank*.jsonl")):
+                offset, records = self._files.get(f, (0, []))
+                try:
+                    with f.open("rb") as fh:
+                        fh.seek(offset)
+                        data = fh.read()
+                except FileNotFoundError:
+                    data = b""
+                end = data.rfind(b"\n") + 1  # whole lines are consumed; a last line without its newline is not
+                for line in data[:end].splitlines():
+                    with contextlib.suppress(json.JSONDecodeError):  # a line cut by a kill
+                        records.append(json.loads(line))
+                self._files[f] = (offset + end, records)
+                out.extend(dict(r) for r in records)
+                with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):  # as read_jsonl: if whole
+                    if data[end:].strip():
+                        out.append(json.loads(data[end:]))
+        return out
 
 
 def effective(records: Iterable[Record]) -> dict[int, list[Record]]:

@@ -92,6 +92,7 @@ from service.testing.cluster import LocalServiceCluster
 from tests.chaos.checks import (
     ApiHistory,
     Record,
+    RecordReader,
     check_exactly_once,
     check_partitions_dropped_and_rejoined,
     check_reforms_redo_nothing,
@@ -102,7 +103,6 @@ from tests.chaos.checks import (
     durable_resume_points,
     founded_attempts,
     label_live_attempts,
-    read_records,
     redone_steps,
     resume_points,
     training_impact,
@@ -252,6 +252,7 @@ class ChaosRunner:
         self.second_jobs: list[tuple[Fault, str]] = []
         self.second_problems: list[str] = []
         self.rec = workdir / "records"
+        self._read_records = RecordReader(self.rec)
         self.history = ApiHistory()
         # (unix time, node or None, what): what may have replaced a node's workers (live: the pid check)
         self.disturbances: list[tuple[float, str | None, str]] = []
@@ -338,13 +339,13 @@ class ChaosRunner:
     def records(self) -> list[Record]:
         """The workers' records; in live recovery with each attempt named after its job generation too
         (``checks.label_live_attempts``)."""
-        records = read_records(self.rec)
+        records = self._read_records()
         if self.config.live:
             records = label_live_attempts(records, self.generation_starts())
         return records
 
     def max_step(self, after: float = 0.0) -> int:
-        return max((r["step"] for r in read_records(self.rec) if r["t"] > after), default=0)
+        return max((r["step"] for r in self._read_records() if r["t"] > after), default=0)
 
     def _past(self, after: float, goal: int) -> bool:
         return self.max_step(after=after) >= goal

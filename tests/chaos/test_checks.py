@@ -12,6 +12,7 @@ import torch
 
 from tests.chaos.checks import (
     ApiHistory,
+    RecordReader,
     check_exactly_once,
     check_partitions_dropped_and_rejoined,
     check_reforms_redo_nothing,
@@ -22,6 +23,7 @@ from tests.chaos.checks import (
     effective,
     founded_attempts,
     label_live_attempts,
+    read_records,
     training_impact,
 )
 
@@ -237,3 +239,26 @@ def test_the_node_a_fault_disturbed_is_read_from_its_target_and_live_runs_carry_
     assert config.live and ChaosConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="recovery"):
         ChaosConfig(recovery="inplace")
+
+
+def test_the_incremental_record_reader_returns_what_a_full_read_does_as_files_grow_and_lines_are_cut(
+    tmp_path: Path,
+) -> None:
+    read = RecordReader(tmp_path)
+    assert read() == [] == read_records(tmp_path)
+    a = tmp_path / "rank0.1.jsonl"
+    a.write_text('{"step": 1}\n{"step": 2}\n')
+    assert read() == read_records(tmp_path) == [{"step": 1}, {"step": 2}]
+    with a.open("a") as f:
+        f.write('{"step": 3}\n{"ste')  # a line being written (or cut by a kill): not a record
+    assert read() == read_records(tmp_path) == [{"step": 1}, {"step": 2}, {"step": 3}]
+    with a.open("a") as f:
+        f.write('p": 4}')  # whole, its newline not yet written: counted, as by read_records
+    assert read() == read_records(tmp_path) == [{"step": 1}, {"step": 2}, {"step": 3}, {"step": 4}]
+    with a.open("a") as f:
+        f.write('\n{"step": 5}\n')
+    (tmp_path / "rank1.2.jsonl").write_text('{"step": 9}\n')
+    first = read()
+    assert first == read_records(tmp_path) and [r["step"] for r in first] == [1, 2, 3, 4, 5, 9]
+    first[0]["step"] = 100  # the caller's copy
+    assert read()[0] == {"step": 1}
