@@ -14,20 +14,21 @@ import pytest
 from elastic.testing.etcd_server import LocalEtcdCluster
 from elastic.testing.torchrun import TorchrunAgent, read_jsonl, shared_zygote, torchrun_command
 from elastic.testing.wait import wait_until
+from tests.integration.training_records import hold_args
 
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
 
 
 def _start(
     tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, local_every: int, nproc: int = 1,
-    extra: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (), nnodes: str = "1:2",
 ) -> TorchrunAgent:  # fmt: skip
     args = ["--epochs", "2", "--samples", "480", "--batch", "4", "--lr-rule", "linear", "--base-world", "2",
             "--save-every", "1000", "--local-every", str(local_every), "--local-max-overhead", "0",
             "--step-sleep", "0.05",
             "--checkpoint-url", str(tmp / "ck"), "--record", str(tmp / "rec"), *extra]  # fmt: skip
     cmd = torchrun_command(
-        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes="1:2", nproc=nproc,
+        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
         rdzv_conf={"last_call_timeout": 1}, max_restarts=5, script=WORKER, script_args=args, prefork=True,
     )  # fmt: skip
     env = {"LOGLEVEL": "INFO", "ETRAIN_LOCAL_SNAPSHOT_DIR": str(tmp / "shm"), **shared_zygote()}
@@ -74,12 +75,20 @@ def _assert_no_durable_snapshot_to_resume_from(tmp: Path) -> None:
 
 def _two_agents_at_step_12(
     tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], local_every: int, nproc: int = 1,
-    extra: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (), nnodes: str = "1:2",
 ) -> tuple[TorchrunAgent, TorchrunAgent]:  # fmt: skip
+    """On a loaded machine the second agent may start after the first formed a world of one; torchrun's re-form
+    for it then takes a durable SIGTERM snapshot. So each step waits (``--hold-file``) until both agents trained
+    in one world (2 * nproc ranks), and such a snapshot is of step 1 at most; ``nnodes="2"`` where only workers are killed."""
     run_id = f"local-{uuid.uuid4().hex[:6]}"
-    a = _start(tmp, "a", etcd, run_id, local_every=local_every, nproc=nproc, extra=extra)
-    b = _start(tmp, "b", etcd, run_id, local_every=local_every, nproc=nproc, extra=extra)
+    hold = tmp / "hold"
+    hold.touch()
+    extra = (*extra, *hold_args(hold, 1))
+    a = _start(tmp, "a", etcd, run_id, local_every=local_every, nproc=nproc, extra=extra, nnodes=nnodes)
+    b = _start(tmp, "b", etcd, run_id, local_every=local_every, nproc=nproc, extra=extra, nnodes=nnodes)
     agents += [a, b]
+    assert wait_until(lambda: any(r["world"] == 2 * nproc for r in _records(tmp)), 150), _logs(agents)
+    hold.unlink()
     assert wait_until(lambda: _max_step(tmp) >= 12, 150), _logs(agents)
     return a, b
 
@@ -110,7 +119,7 @@ def test_without_node_local_snapshots_the_same_worker_kill_restarts_from_the_las
     tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
     """The control: the check above can fail (no local tier, no durable snapshot yet: back to step 0)."""
-    _, b = _two_agents_at_step_12(tmp_path, etcd_server, agents, local_every=0)
+    _, b = _two_agents_at_step_12(tmp_path, etcd_server, agents, local_every=0, nnodes="2")
     assert _lost_by(tmp_path, b.kill_workers(), agents) >= 12
     assert not (tmp_path / "shm").exists()
 
@@ -119,7 +128,7 @@ def test_without_node_local_snapshots_the_same_worker_kill_restarts_from_the_las
 def test_with_two_workers_per_node_one_writes_per_node_and_a_worker_kill_redoes_at_most_one_step(
     tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
-    _, b = _two_agents_at_step_12(tmp_path, etcd_server, agents, local_every=1, nproc=2)
+    _, b = _two_agents_at_step_12(tmp_path, etcd_server, agents, local_every=1, nproc=2, nnodes="2")
     # LOCAL_RANK 0 of each agent writes; the LOCAL_RANK 1 workers never claim a slot
     assert _slots(tmp_path) == ["slot-0", "slot-1"]
     lost = _lost_by(tmp_path, b.kill_workers(), agents)
