@@ -79,7 +79,8 @@ def _two_agents_at_step_12(
 ) -> tuple[TorchrunAgent, TorchrunAgent]:  # fmt: skip
     """On a loaded machine the second agent may start after the first formed a world of one; torchrun's re-form
     for it then takes a durable SIGTERM snapshot. So each step waits (``--hold-file``) until both agents trained
-    in one world (2 * nproc ranks), and such a snapshot is of step 1 at most; ``nnodes="2"`` where only workers are killed."""
+    in one world (2 * nproc ranks), and such a snapshot is of step 1 at most; ``nnodes="2"`` where only workers
+    are killed."""
     run_id = f"local-{uuid.uuid4().hex[:6]}"
     hold = tmp / "hold"
     hold.touch()
