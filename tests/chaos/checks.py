@@ -44,8 +44,8 @@ def read_records(rec: Path) -> list[Record]:
 
 class RecordReader:
     """:func:`read_records` of ``rec`` for a poller: each file is read on from where the last call stopped,
-    instead of parsing every record again (the runner reads them several times a second; some 3,000 records
-    re-parsed each time cost it about 30 CPU s a session). Returns copies; safe from several threads."""
+    instead of parsing every record again (the runner reads them several times a second, some 3,000 records by
+    the short form's end). Returns copies; safe from several threads."""
 
     def __init__(self, rec: Path) -> None:
         self.rec = rec
