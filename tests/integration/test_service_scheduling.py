@@ -114,7 +114,10 @@ def test_a_high_priority_job_shrinks_a_low_one_which_grows_back_both_exactly_onc
 
     assert _check_elastic_loop(high_rec, 160) == [2]
     low_worlds = _check_elastic_loop(low_rec, 360)
-    assert low_worlds[:3] == [3, 1, 3], low_worlds
+    assert low_worlds[:2] == [3, 1], low_worlds
+    # back to 3: the two freed nodes in one re-form, or (on a loaded machine, the second arriving after the
+    # first's last call) one after the other
+    assert low_worlds[2:3] == [3] or low_worlds[2:4] == [2, 3], low_worlds
     for final in (low_final, high_final):
         assert final["restarts"]["failure"] == 0, final["restarts"]
     assert low_final["restarts"]["planned"] == 2 and low_final["restarts"]["preempted"] == 0
