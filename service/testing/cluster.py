@@ -28,6 +28,7 @@ from elastic.etcd import create_client
 from elastic.prefork.common import worker_tree
 from elastic.proctree import process_stat
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
+from elastic.testing.torchrun import shared_zygote
 from elastic.testing.wait import wait_for
 from service.client import ApiClient, ApiError
 from service.core.keys import DEFAULT_PREFIX
@@ -160,7 +161,7 @@ class LocalServiceCluster:
         # inherited by torchrun and its workers: elastic/testing/train_worker.py records it ("agent") with each step
         env = {"TEST_AGENT_NAME": name}
         if self.shared_zygote and self.network is None and not spare and not extra_args:
-            env[worker_env.PREFORK_OWNER] = str(os.getpid())
+            env.update(shared_zygote())
         if self.network is None:
             self.agents[name] = self._spawn(name, [*args, "--rdzv-host", "127.0.0.1"], extra_env=env)
             return
