@@ -58,6 +58,12 @@ class ChaosConfig:
     outage_s: float = 10.0  # length of an etcd_outage and of a storage_outage
     s3_keep_last: int = 6  # the job's keep_last on S3 (each commit reads every kept manifest, see runner)
     recovery: str = "restart"  # the job spec's recovery: "restart" or "live" (RECOVERY_MODES)
+    #: the job's last ``hold_epochs`` epochs run slow (each step waits ``hold_max_s`` more) until the runner has
+    #: injected its last fault: runway beyond :attr:`epochs` for a loaded machine, where faults settle more slowly
+    #: than steps run (a parallel suite's chaos job once neared its end after 9 of 11 faults). ``hold_max_s`` stays
+    #: under the 1 s within which a steady job's newest record must be (the runner's ``_quiet``).
+    hold_epochs: int = 6
+    hold_max_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.recovery not in RECOVERY_MODES:

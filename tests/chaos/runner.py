@@ -252,6 +252,7 @@ class ChaosRunner:
         self.second_jobs: list[tuple[Fault, str]] = []
         self.second_problems: list[str] = []
         self.rec = workdir / "records"
+        self.hold = workdir / "hold"  # exists until the last fault was injected (ChaosConfig.hold_epochs)
         self._read_records = RecordReader(self.rec)
         self.history = ApiHistory()
         # (unix time, node or None, what): what may have replaced a node's workers (live: the pid check)
@@ -274,6 +275,9 @@ class ChaosRunner:
                 "--batch", str(c.batch), "--lr-rule", "fixed-global-batch", "--base-world", str(c.nodes),
                 "--save-every", str(c.save_every), "--step-sleep", str(c.step_sleep), "--dropout", "0",
                 "--keep-last", "1000000"]  # fmt: skip
+        if c.hold_epochs > 0:  # a slow tail until the last fault (ChaosConfig.hold_epochs)
+            args += ["--hold-file", str(self.hold), "--hold-epoch", str(max(0, c.epochs - c.hold_epochs)),
+                     "--hold-max", str(c.hold_max_s)]  # fmt: skip
         env = {"OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
         if self.network is None:
             env["GLOO_SOCKET_IFNAME"] = "lo"  # in namespaces the agents give their node's interface
@@ -681,6 +685,7 @@ class ChaosRunner:
                 self.cluster.start_agent(f"node-{i}", self.slots)
             if not self.wait("the nodes", lambda: len(api.nodes()) == c.nodes, 60):
                 raise RuntimeError("the node agents never registered")
+            self.hold.touch()
             self.job_id = report.job_id = api.submit(self.job_spec())["id"]
             poller = self.poller = _Poller(self.cluster, self.job_id, history)
             poller.start()
@@ -728,6 +733,7 @@ class ChaosRunner:
                     )
                     break
                 self.pause(self.rng.uniform(0, 2))
+            self.hold.unlink(missing_ok=True)  # the job's tail may run at full pace
             self.wait("pending actions", lambda: not self.pending, 15)
 
             def finished() -> bool:
@@ -742,6 +748,7 @@ class ChaosRunner:
             checkpoint_url = ((poller.last_job or {}).get("checkpoint") or {}).get("url") or ""
             self._check(history, checkpoint_url, total)
         finally:
+            self.hold.unlink(missing_ok=True)
             if poller is not None:
                 poller.stop_event.set()
             if self.verifier is not None:
