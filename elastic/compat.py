@@ -28,13 +28,17 @@ suites on the oldest and newest torch of the range):
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import inspect
+import logging
 import os
 import re
 import sys
 import time
 from collections.abc import Callable, MutableMapping
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -46,8 +50,10 @@ __all__ = [
     "UnsupportedTorchError",
     "abort_process_group",
     "check_torch",
+    "check_torch_once",
     "check_torch_version",
     "dcp_no_dist",
+    "default_check_cache",
     "destroy_process_group",
     "disable_shared_rdzv_store",
     "fsdp_module_class",
@@ -147,6 +153,64 @@ def check_torch(version: str | None = None) -> None:
             f"torch {version or 'installed'} lacks what the etcd-v3 rendezvous relies on: "
             f"{'; '.join(problems)} (see elastic/compat.py)"
         )
+
+
+#: the files of a torch installation whose identity (path, inode, size, modification time) stands for it in
+#: :func:`check_torch_once`'s record, with this module's own source (a changed check is run again)
+_INSTALLATION_FILES = ("__init__.py", "version.py", "distributed/elastic/rendezvous/api.py")
+logger = logging.getLogger(__name__)
+
+
+def default_check_cache() -> Path:
+    """Where :func:`check_torch_once` records a passed check: ``$XDG_CACHE_HOME/elastic-train`` (``~/.cache``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "elastic-train"
+
+
+def _installation_key() -> str | None:
+    """A digest naming the torch that ``import torch`` would load, found without importing it (None: not found)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    package = Path(spec.origin).parent
+    digest = hashlib.sha256("\0".join((sys.executable, sys.version, spec.origin)).encode())
+    try:
+        for name in _INSTALLATION_FILES:
+            st = (package / name).stat()
+            digest.update(f"\0{name}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}".encode())
+        digest.update((package / "version.py").read_bytes())
+        digest.update(Path(__file__).read_bytes())
+    except OSError:
+        return None
+    return digest.hexdigest()[:40]
+
+
+def check_torch_once(cache: Path | None = None) -> None:
+    """:func:`check_torch` for a process that does not import torch itself (the node agent: its torchrun does),
+    run once per torch installation: a pass is recorded in ``cache`` (:func:`default_check_cache`) under a digest
+    of the installation (:func:`_installation_key`) and of this module, and a later start that finds it skips
+    the check and its import of torch (about 3 CPU seconds). A failed check is never recorded; with torch
+    already imported (whose version a caller may have changed), or the installation not found, the check
+    always runs. torchrun's own start (:mod:`elastic.rendezvous.plugin`) checks again in any case."""
+    from elastic.runtime_dir import private_dir
+
+    key = None if "torch" in sys.modules else _installation_key()
+    cache = cache if cache is not None else default_check_cache()
+    record = cache / f"torch-ok-{key}"
+    if key is not None:
+        try:
+            private_dir(cache)  # ours alone: a record anyone else could leave is never trusted
+            if record.is_file():
+                return
+        except OSError as exc:
+            logger.debug("torch check: no record kept or read in %s: %s", cache, exc)
+            key = None
+    check_torch()
+    if key is not None:
+        try:
+            record.touch()
+        except OSError as exc:  # the check passed; only its record could not be kept
+            logger.debug("torch check: cannot record the pass in %s: %s", cache, exc)
 
 
 # -- agent internals ----------------------------------------------------------------------------------

@@ -181,7 +181,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if not args.node_name:
         return fail(f"agent: --node-name (or {contract.NODE_NAME}) is required")
     try:
-        compat.check_torch()  # the torch its torchrun runs on: refuse a node that could not train
+        compat.check_torch_once()  # the torch its torchrun runs on: refuse a node that could not train
     except compat.TorchCompatError as exc:
         return fail(f"agent: {exc}")
     try:

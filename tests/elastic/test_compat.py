@@ -6,6 +6,7 @@ the oldest and the newest torch of the range; CI runs it on both.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -127,3 +128,54 @@ def test_fsdp2s_module_class_is_found_and_recognises_only_sharded_modules() -> N
     assert cls is not None and cls.__name__ == "FSDPModule"
     plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
     assert not compat.is_sharded_module(plain) and compat.fsdp_modules(plain) == []
+
+
+# -- the node agent's start-up check, once per installation -------------------------------------------------
+_ONCE = (
+    "import sys\n"
+    "from pathlib import Path\n"
+    "from elastic import compat\n"
+    "try:\n"
+    "    compat.check_torch_once(Path(sys.argv[1]))\n"
+    "except compat.TorchCompatError as exc:\n"
+    "    print('refused', exc)\n"
+    "print('torch imported' if 'torch' in sys.modules else 'torch not imported')\n"
+)
+
+
+def _check_once(cache: Path, pythonpath: Path | None = None) -> str:
+    """A fresh interpreter's :func:`compat.check_torch_once` on ``cache``: what it printed."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT) if pythonpath is None else f"{pythonpath}:{ROOT}"
+    proc = subprocess.run([sys.executable, "-c", _ONCE, str(cache)], capture_output=True, text=True, env=env,
+                          timeout=50, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_a_passed_check_is_recorded_and_the_next_start_on_the_same_torch_skips_importing_it(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    assert _check_once(cache) == "torch imported\n"  # checked, and the pass recorded
+    records = list(cache.glob("torch-ok-*"))
+    assert len(records) == 1 and (cache.stat().st_mode & 0o777) == 0o700
+    assert _check_once(cache) == "torch not imported\n"
+
+
+def test_another_torch_installation_is_checked_again_and_a_refusal_is_never_recorded(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    assert _check_once(cache) == "torch imported\n"
+    fake = tmp_path / "site" / "torch"  # another torch first on the path: one outside the supported range
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '2.16.0'\n")
+    (fake / "version.py").write_text("__version__ = '2.16.0'\n")
+    for _ in range(2):  # refused each time: the first refusal left no record behind
+        out = _check_once(cache, pythonpath=tmp_path / "site")
+        assert out.startswith("refused elastic-train supports") and "2.16.0" in out, out
+    assert len(list(cache.glob("torch-ok-*"))) == 1
+
+
+def test_a_record_in_a_directory_others_can_write_is_not_trusted(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    assert _check_once(cache) == "torch imported\n"
+    cache.chmod(0o777)  # anyone could have left the record: the check runs (and nothing is recorded there)
+    assert _check_once(cache) == "torch imported\n"
