@@ -16,13 +16,9 @@ import pytest
 
 from elastic.contract.lr import LRPolicy, LRRule
 from service.testing.cluster import REPO, LocalServiceCluster
+from tests.integration.scenarios import hold_last_epoch
 from tests.integration.service_harness import wait_api
-from tests.integration.training_records import (
-    assert_every_sample_once_per_epoch,
-    expected_factors,
-    hold_args,
-    read_records,
-)
+from tests.integration.training_records import assert_every_sample_once_per_epoch, expected_factors, read_records
 
 WORKER = str(REPO / "elastic" / "testing" / "train_worker.py")
 BATCH, LR, WARMUP, BASE_WORLD = 4, 0.05, 2, 2
@@ -30,14 +26,15 @@ BATCH, LR, WARMUP, BASE_WORLD = 4, 0.05, 2, 2
 
 def _spec(name: str, rec: Path, *, samples: int, epochs: int, min_nodes: int, max_nodes: int, priority: int = 0,
           sleep: float = 0.05, recovery: str = "restart", hold: Path | None = None) -> dict[str, Any]:  # fmt: skip
-    """The test worker's job; with ``hold``, its last epoch waits at each step while that file exists."""
+    """The test worker's job; with ``hold``, its last epoch waits at each step while that file (created here)
+    exists."""
     return {
         "name": name,
         "entrypoint": WORKER,
         "args": ["--epochs", str(epochs), "--samples", str(samples), "--batch", str(BATCH), "--lr", str(LR),
                  "--lr-rule", "linear", "--base-world", str(BASE_WORLD), "--warmup", str(WARMUP),
                  "--save-every", "10", "--step-sleep", str(sleep), "--record", str(rec),
-                 *(hold_args(hold, epochs) if hold is not None else [])],
+                 *(hold_last_epoch(hold, epochs) if hold is not None else [])],
         "env": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
         "min_nodes": min_nodes,
         "max_nodes": max_nodes,
@@ -108,7 +105,6 @@ def test_a_high_priority_job_shrinks_a_low_one_which_grows_back_both_exactly_onc
     # the low job cannot end before it is back on 3 nodes, however slow the machine: its last epoch waits for this
     # file to go (on a loaded machine it once trained its last steps at world 1 while the high job ran)
     hold = tmp_path / "hold"
-    hold.touch()
     low = api.submit(_spec("low", low_rec, samples=360, epochs=3, min_nodes=1, max_nodes=3, hold=hold))["id"]
     wait_api("the low job at world 3", lambda: 3 in _worlds(low_rec) and max(
         (r["step"] for r in read_records(low_rec)), default=0) >= 5, 150)  # fmt: skip
