@@ -91,14 +91,29 @@ def forked_worker(client_pid: int) -> int | None:
 
 
 def worker_tree(root: int) -> list[tuple[int, int]]:
-    """:func:`elastic.proctree.descendants` of ``root``, each prefork client followed by the worker it runs
-    (which is the zygote's child, not the client's)."""
+    """:func:`elastic.proctree.descendants` of ``root``, each prefork client followed by the process it runs
+    (the zygote's child, not the client's) and that process's own tree. ``root`` itself may be a client: the
+    tree then starts with its forked child (e.g. a torchrun agent forked warm, :mod:`elastic.testing.torchrun`)."""
     out: list[tuple[int, int]] = []
-    for proc in descendants(root):
-        out.append(proc)
-        child = _forked(proc[0])
-        if child is not None:
+    seen: set[int] = {root}
+
+    def follow(pid: int) -> None:
+        child = _forked(pid)
+        if child is not None and child[0] not in seen:
+            seen.add(child[0])
             out.append(child)
+            walk(child[0])
+
+    def walk(top: int) -> None:
+        for proc in descendants(top):
+            if proc[0] in seen:
+                continue
+            seen.add(proc[0])
+            out.append(proc)
+            follow(proc[0])
+
+    follow(root)
+    walk(root)
     return out
 
 

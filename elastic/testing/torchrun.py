@@ -14,7 +14,7 @@ from typing import Any
 
 from elastic import compat
 from elastic.contract.env import PREFORK_OWNER
-from elastic.prefork import worker_tree
+from elastic.prefork import forked_worker, worker_tree
 from elastic.torchrun_cli import TorchrunCommand, format_rdzv_conf
 
 WORKER = str(Path(__file__).with_name("allreduce_worker.py"))
@@ -60,30 +60,55 @@ def shared_zygote() -> dict[str, str]:
     return {PREFORK_OWNER: str(os.getpid())}
 
 
+_TORCHRUN = ["-m", "torch.distributed.run"]
+
+
+def forked_command(cmd: list[str]) -> list[str]:
+    """``cmd`` (a ``python -m torch.distributed.run ...`` command) as a prefork client whose child, forked from
+    the shared zygote, runs that torchrun (:mod:`elastic.testing.forked_torchrun`)."""
+    if cmd[1:3] != _TORCHRUN:
+        raise ValueError(f"not a `python -m torch.distributed.run` command: {cmd[:3]}")
+    return [cmd[0], "-m", "elastic.prefork", "-m", "elastic.testing.forked_torchrun", *cmd[3:]]
+
+
 @dataclass
 class TorchrunAgent:
-    """One torchrun agent and its workers, in a process group of their own."""
+    """One torchrun agent and its workers, in a process group of their own.
+
+    ``forked``: the agent itself is forked from this process's zygote (:func:`shared_zygote`, which its workers
+    use too) instead of starting a fresh interpreter that imports torch: :attr:`process` is then the prefork
+    client, which forwards signals to torchrun and exits as it does, and :attr:`agent_pid` is torchrun's pid."""
 
     cmd: list[str]
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen[bytes] | None = None
+    forked: bool = False
 
     def start(self) -> TorchrunAgent:
         env = dict(os.environ)
         compat.disable_shared_rdzv_store(env)  # for the c10d baselines too: the same setting as etcd-v3
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.forked:
+            env.update(shared_zygote())
         env.update(self.env)
+        cmd = forked_command(self.cmd) if self.forked else self.cmd
         log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         return self
 
     @property
     def pid(self) -> int:
+        """The process this harness started (for a forked agent, the prefork client)."""
         assert self.process is not None
         return self.process.pid
+
+    @property
+    def agent_pid(self) -> int | None:
+        """torchrun's pid: :attr:`pid`, or for a forked agent the child the zygote forked (None until it is)."""
+        return forked_worker(self.pid) if self.forked else self.pid
 
     def kill_tree(self, sig: int = signal.SIGKILL) -> float:
         """Signal the agent and every descendant (torchrun puts workers in sessions of their own, so a
@@ -97,7 +122,8 @@ class TorchrunAgent:
         if self.process is None:
             return time.time()
         now = time.time()
-        for pid, _ in worker_tree(self.process.pid):
+        agent = self.agent_pid
+        for pid, _ in worker_tree(agent) if agent is not None else []:
             _signal(pid, sig)
         return now
 
@@ -126,13 +152,20 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def kill_tree(root: int, sig: int = signal.SIGKILL) -> float:
-    """Freeze ``root`` (so it spawns nothing new), then signal it and all its descendants."""
-    _signal(root, signal.SIGSTOP)
+    """Freeze ``root`` (so it spawns nothing new), then signal it and all its descendants. A ``root`` that is a
+    prefork client (a forked agent) is frozen with the process it runs; that process is signalled directly and the
+    client, which would forward the signal a second time, only by SIGKILL."""
+    forked = forked_worker(root)
+    frozen = [root] if forked is None else [root, forked]
+    for pid in frozen:
+        _signal(pid, signal.SIGSTOP)
     now = time.time()
-    for pid in [root, *(p for p, _ in worker_tree(root))]:
+    own = [root] if forked is None or sig == signal.SIGKILL else []
+    for pid in [*own, *(p for p, _ in worker_tree(root))]:
         _signal(pid, sig)
     if sig != signal.SIGKILL:
-        _signal(root, signal.SIGCONT)
+        for pid in frozen:
+            _signal(pid, signal.SIGCONT)
     return now
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from elastic.contract.lr import LRPolicy, LRRule
 from elastic.testing.etcd_server import LocalEtcdCluster
-from elastic.testing.torchrun import TorchrunAgent, shared_zygote, torchrun_command
+from elastic.testing.torchrun import TorchrunAgent, torchrun_command
 from elastic.testing.wait import wait_until
 from tests.integration.training_records import (
     agent_logs,
@@ -37,7 +37,7 @@ def start_agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnode
         rdzv_conf={"last_call_timeout": 2}, max_restarts=5, script=WORKER, script_args=args,
         prefork=True,
     )  # fmt: skip
-    return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING", **shared_zygote()}).start()
+    return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}, forked=True).start()
 
 
 def hold_last_epoch(path: Path, epochs: int) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from elastic.testing.etcd_server import LocalEtcdCluster
-from elastic.testing.torchrun import TorchrunAgent, shared_zygote, torchrun_command
+from elastic.testing.torchrun import TorchrunAgent, torchrun_command
 from elastic.testing.wait import wait_until
 from tests.integration.scenarios import assert_converges, assert_resizes_4_2_3
 from tests.integration.training_records import (
@@ -36,7 +36,7 @@ def _agent(tmp: Path, name: str, etcd: LocalEtcdCluster, nproc: int, args: list[
         nproc=nproc, rdzv_conf={"last_call_timeout": 2}, max_restarts=5, script=WORKER, script_args=args,
         prefork=True,
     )  # fmt: skip
-    return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING", **shared_zygote()}).start()
+    return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}, forked=True).start()
 
 
 def _run(tmp: Path, name: str, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], nproc: int,

@@ -19,7 +19,7 @@ import pytest
 from elastic.checkpoint import create_checkpoint_manager
 from elastic.contract.lr import LRPolicy, LRRule
 from elastic.testing.etcd_server import LocalEtcdCluster
-from elastic.testing.torchrun import TorchrunAgent, shared_zygote, torchrun_command
+from elastic.testing.torchrun import TorchrunAgent, torchrun_command
 from elastic.testing.wait import wait_until
 from tests.integration.training_records import (
     agent_logs,
@@ -55,8 +55,8 @@ def _agent(
         rdzv_conf={"recovery": "live", "last_call_timeout": 1}, max_restarts=5, script=WORKER,
         script_args=_args(tmp, epochs, (*extra, *hold)), prefork=warm,
     )  # fmt: skip
-    env = {"LOGLEVEL": "WARNING", "TEST_AGENT_NAME": name, **shared_zygote()}
-    return TorchrunAgent(cmd, tmp / f"{name}.log", env=env).start()
+    env = {"LOGLEVEL": "WARNING", "TEST_AGENT_NAME": name}
+    return TorchrunAgent(cmd, tmp / f"{name}.log", env=env, forked=True).start()
 
 
 def _hold(tmp: Path) -> Path:

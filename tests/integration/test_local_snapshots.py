@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from elastic.testing.etcd_server import LocalEtcdCluster
-from elastic.testing.torchrun import TorchrunAgent, read_jsonl, shared_zygote, torchrun_command
+from elastic.testing.torchrun import TorchrunAgent, read_jsonl, torchrun_command
 from elastic.testing.wait import wait_until
 from tests.integration.training_records import hold_args
 
@@ -31,8 +31,8 @@ def _start(
         backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
         rdzv_conf={"last_call_timeout": 1}, max_restarts=5, script=WORKER, script_args=args, prefork=True,
     )  # fmt: skip
-    env = {"LOGLEVEL": "INFO", "ETRAIN_LOCAL_SNAPSHOT_DIR": str(tmp / "shm"), **shared_zygote()}
-    return TorchrunAgent(cmd, tmp / f"{name}.log", env=env).start()
+    env = {"LOGLEVEL": "INFO", "ETRAIN_LOCAL_SNAPSHOT_DIR": str(tmp / "shm")}
+    return TorchrunAgent(cmd, tmp / f"{name}.log", env=env, forked=True).start()
 
 
 def _records(tmp: Path) -> list[dict[str, object]]:
