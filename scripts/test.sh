@@ -16,10 +16,19 @@ VENV=${VENV:-.venv}
 export PATH="$PWD/$VENV/bin:$PATH"  # torchrun, etrain and the interpreter of the environment
 PY="$VENV/bin/python"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-echo "== ruff"; $PY -m ruff check elastic service tests bench examples
-echo "== mypy"; $PY -m mypy
+# ruff and mypy run beside the suite (a serial suite leaves one of two cores mostly idle; mypy's ~1 CPU-minute
+# then costs no wall time); their output comes after the suite's, and either failing fails the run.
+lint_log=$(mktemp)
+( echo "== ruff"; $PY -m ruff check elastic service tests bench examples && echo "== mypy" && $PY -m mypy ) \
+  >"$lint_log" 2>&1 &
+lint=$!
 workers=${PYTEST_WORKERS:-0}
-echo "== pytest ($workers workers)"; $PY -m pytest -q -ra --durations=15 -m "not slow" -n "$workers" "$@"
+echo "== pytest ($workers workers)"
+suite=0; $PY -m pytest -q -ra --durations=15 -m "not slow" -n "$workers" "$@" || suite=$?
+lint_rc=0; wait "$lint" || lint_rc=$?
+cat "$lint_log"; rm -f "$lint_log"
+if [ "$lint_rc" != 0 ]; then echo "== ruff/mypy failed (exit $lint_rc)"; fi
+if [ "$suite" != 0 ] || [ "$lint_rc" != 0 ]; then exit $(( suite ? suite : lint_rc )); fi
 case "${COMPAT:-${CI:-}}" in
   1|true) echo "== torch compatibility"; bash scripts/compat.sh ;;
 esac
