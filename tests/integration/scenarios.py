@@ -40,11 +40,13 @@ def start_agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnode
     return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}, forked=True).start()
 
 
-def hold_last_epoch(path: Path, epochs: int) -> list[str]:
+def hold_last_epoch(path: Path, epochs: int, most: float = 0.0) -> list[str]:
     """train_worker.py's arguments to hold the job at each step of its last epoch while ``path`` exists (created
-    here): the scenario removes it once its kills and joins happened, so a slow machine cannot end the job first."""
+    here): the scenario removes it once its kills and joins happened, so a slow machine cannot end the job first.
+    ``most``: seconds one step waits at most (0: until the file goes; a live job admits a joiner only at a later
+    step boundary, so it needs a bound)."""
     path.touch()
-    return hold_args(path, epochs)
+    return hold_args(path, epochs, most)
 
 
 def assert_resizes_4_2_3(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, *, samples: int,

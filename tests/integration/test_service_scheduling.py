@@ -27,14 +27,14 @@ BATCH, LR, WARMUP, BASE_WORLD = 4, 0.05, 2, 2
 def _spec(name: str, rec: Path, *, samples: int, epochs: int, min_nodes: int, max_nodes: int, priority: int = 0,
           sleep: float = 0.05, recovery: str = "restart", hold: Path | None = None) -> dict[str, Any]:  # fmt: skip
     """The test worker's job; with ``hold``, its last epoch waits at each step while that file (created here)
-    exists."""
+    exists (a live job's steps 0.5 s at most each: it admits joiners at step boundaries)."""
     return {
         "name": name,
         "entrypoint": WORKER,
         "args": ["--epochs", str(epochs), "--samples", str(samples), "--batch", str(BATCH), "--lr", str(LR),
                  "--lr-rule", "linear", "--base-world", str(BASE_WORLD), "--warmup", str(WARMUP),
                  "--save-every", "10", "--step-sleep", str(sleep), "--record", str(rec),
-                 *(hold_last_epoch(hold, epochs) if hold is not None else [])],
+                 *(hold_last_epoch(hold, epochs, 0.5 if recovery == "live" else 0.0) if hold is not None else [])],
         "env": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
         "min_nodes": min_nodes,
         "max_nodes": max_nodes,
@@ -174,7 +174,10 @@ def test_a_hot_spare_replaces_a_killed_node_its_workers_forked_from_its_warm_zyg
     spare = next(n for n in api.nodes() if n["name"] == "spare-1")
     assert spare["spare"] is True
     rec = tmp_path / "rec"
-    job = api.submit(_spec("spared", rec, samples=320, epochs=3, min_nodes=1, max_nodes=3, recovery="live"))["id"]
+    # the last epoch holds until the spare's worker trained: on a loaded machine the job could end at world 1 first
+    hold = tmp_path / "hold"
+    job = api.submit(_spec("spared", rec, samples=320, epochs=3, min_nodes=1, max_nodes=3, recovery="live",
+                           hold=hold))["id"]  # fmt: skip
     wait_api("the job at world 2", lambda: 2 in _worlds(rec) and max(
         (r["step"] for r in read_records(rec)), default=0) >= 5, 150)  # fmt: skip
     nodes = sorted(api.job(job)["nodes"])
@@ -188,6 +191,7 @@ def test_a_hot_spare_replaces_a_killed_node_its_workers_forked_from_its_warm_zyg
     spare_pids = {r["pid"] for r in read_records(rec) if r["agent"] == "spare-1"}
     parents = {_parent(pid) for pid in spare_pids} - {None}
     assert parents == {zygotes[0]}, (spare_pids, parents, zygotes)  # forked from the zygote warm since start
+    hold.unlink()
     final = _finished(api, job, 200)
     assert final["restarts"]["failure"] == 0, final["restarts"]
     _check_elastic_loop(rec, 320)
