@@ -28,7 +28,11 @@ def _agent(
     steps: int,
     step_time: float = 0.1,
     nproc: int = 1,
+    forked: bool = True,
 ) -> TorchrunAgent:
+    """An agent of the cold all-reduce worker; ``forked``: torchrun itself forked from this process's zygote (no
+    torch import per agent, see :class:`TorchrunAgent`); the first test and the hang test run it as a fresh
+    process, as a user's shell does."""
     cmd = torchrun_command(
         backend="etcd-v3",
         endpoint=endpoint,
@@ -38,7 +42,7 @@ def _agent(
         rdzv_conf=RDZV_CONF,
         script_args=["--out", str(out), "--steps", str(steps), "--step-time", str(step_time)],
     )
-    return TorchrunAgent(cmd, tmp_path / f"{name}.log").start()
+    return TorchrunAgent(cmd, tmp_path / f"{name}.log", forked=forked).start()
 
 
 def _logs(agents: list[TorchrunAgent]) -> str:
@@ -57,9 +61,8 @@ def test_agents_form_one_world_and_allreduce_checks_out(
     out = tmp_path / "out"
     run_id = f"form-{uuid.uuid4().hex[:6]}"
     for i in range(n_agents):
-        agents.append(
-            _agent(tmp_path, f"a{i}", etcd_server.endpoints, run_id, f"{n_agents}:{n_agents}", out, steps=5)
-        )
+        nnodes = f"{n_agents}:{n_agents}"
+        agents.append(_agent(tmp_path, f"a{i}", etcd_server.endpoints, run_id, nnodes, out, steps=5, forked=False))
     for a in agents:
         assert a.wait(timeout=150) == 0, _logs(agents)
     steps = read_jsonl(out / "steps.jsonl")
@@ -121,8 +124,8 @@ def test_lost_member_whose_workers_hang_instead_of_crashing_is_re_formed_without
 
     out = tmp_path / "out"
     run_id = f"hang-{uuid.uuid4().hex[:6]}"
-    a = _agent(tmp_path, "a", etcd_server.endpoints, run_id, "1:2", out, steps=100_000, step_time=0.05)
-    b = _agent(tmp_path, "b", etcd_server.endpoints, run_id, "1:2", out, steps=100_000, step_time=0.05)
+    a = _agent(tmp_path, "a", etcd_server.endpoints, run_id, "1:2", out, steps=100_000, step_time=0.05, forked=False)
+    b = _agent(tmp_path, "b", etcd_server.endpoints, run_id, "1:2", out, steps=100_000, step_time=0.05, forked=False)
     agents += [a, b]
     assert wait_until(lambda: _worlds(out).count(2) >= 10, 120), _logs(agents)
     frozen = [pid for pid, _ in descendants(b.pid)]
