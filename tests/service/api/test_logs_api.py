@@ -175,7 +175,7 @@ def test_follow_interleaves_both_nodes_lines_until_the_job_ends(
                          timeout=None) as other:  # fmt: skip
             assert other.status_code == 200 and other.headers["x-etrain-node"] == "node-a"
             assert next(other.iter_raw()).startswith(b"+ ")  # a single node's log comes as it is
-            wait_for(lambda: agent_streams() == 3, 10, what="a third stream")
+            wait_for(lambda: _exactly(agent_streams(), 3), 10, what="a third stream", retry_on=(ValueError,))
         # that client hung up: the controller lets go of the agent's stream, the agent of the file
         wait_for(lambda: agent_streams() == 2, 10, what="the hung-up follower's stream to end")
         assert not ended.is_set()
@@ -197,3 +197,10 @@ def test_follow_interleaves_both_nodes_lines_until_the_job_ends(
         for t in threads:
             t.join(timeout=30)
         http.close()
+
+
+def _exactly(value: int, expected: int) -> bool:
+    """``value == expected``, else a ValueError naming ``value`` (``wait_for`` reports the last one on timeout)."""
+    if value != expected:
+        raise ValueError(f"{value}, not {expected}")
+    return True
