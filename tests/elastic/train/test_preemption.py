@@ -23,13 +23,23 @@ def _run(url: str, progress: Path, mode: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+def _step(progress: Path) -> int:
+    """The step the trainer last wrote to ``progress``, -1 before the first (read once: the trainer rewrites the
+    file, and a second read can find it empty, which a serial run once did)."""
+    try:
+        text = progress.read_text()
+    except FileNotFoundError:
+        return -1
+    return int(text) if text.isdigit() else -1
+
+
 @pytest.mark.timeout(90)
 def test_sigterm_writes_a_final_synchronous_snapshot_of_the_current_step(tmp_path: Path) -> None:
     progress = tmp_path / "progress"
     proc = _run(str(tmp_path / "ckpt"), progress, "train")
     try:
         deadline = time.monotonic() + 60
-        while not (progress.exists() and progress.read_text().isdigit() and int(progress.read_text()) >= 7):
+        while _step(progress) < 7:
             assert proc.poll() is None and time.monotonic() < deadline, "trainer did not get going"
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
