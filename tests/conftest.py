@@ -17,6 +17,7 @@ import pytest
 from elastic.etcd import EtcdClient, create_client
 from elastic.testing.etcd_server import LocalEtcdCluster
 from elastic.testing.ports import PORT_RANGE_ENV
+from elastic.testing.torchrun import TorchrunAgent
 from tests.parallel import (  # noqa: F401  (hooks of the parallel run)
     pytest_addoption,
     pytest_configure_node,
@@ -81,3 +82,12 @@ def etcd_client(etcd_server: LocalEtcdCluster) -> Iterator[EtcdClient]:
 def key_prefix() -> str:
     """A prefix no other test uses."""
     return f"/test/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def agents() -> Iterator[list[TorchrunAgent]]:
+    """Agents a test started (append them here): each is stopped with its whole process tree at the end."""
+    started: list[TorchrunAgent] = []
+    yield started
+    for a in started:
+        a.stop()

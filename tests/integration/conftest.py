@@ -8,19 +8,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from elastic.testing.torchrun import TorchrunAgent
-
 if TYPE_CHECKING:  # the torch compatibility runs install the library without the service's extras
     from service.testing.cluster import LocalServiceCluster
-
-
-@pytest.fixture
-def agents() -> Iterator[list[TorchrunAgent]]:
-    """Agents a test started (append them here): each is stopped with its whole process tree at the end."""
-    started: list[TorchrunAgent] = []
-    yield started
-    for a in started:
-        a.stop()
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import re
 import signal
 import textwrap
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,14 +33,6 @@ SCRIPT = textwrap.dedent(
     sys.exit(int(os.environ.get("CODE", "0")))
     """
 )
-
-
-@pytest.fixture
-def agents() -> Iterator[list[TorchrunAgent]]:
-    started: list[TorchrunAgent] = []
-    yield started
-    for agent in started:
-        agent.stop()
 
 
 def _agent(tmp: Path, etcd: LocalEtcdCluster, env: dict[str, str], max_restarts: int = 0) -> TorchrunAgent:
