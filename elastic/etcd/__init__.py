@@ -9,6 +9,7 @@ general transaction of the :mod:`elastic.etcd.txn` parts (re-exported here).
 from elastic.etcd.api import (
     EtcdAuth,
     EtcdClient,
+    EtcdClientClosedError,
     EtcdConnectionError,
     EtcdError,
     EtcdLeaseNotFoundError,
@@ -37,6 +38,7 @@ __all__ = [
     "DeleteOp",
     "EtcdAuth",
     "EtcdClient",
+    "EtcdClientClosedError",
     "EtcdConfig",
     "EtcdConnectionError",
     "EtcdError",

@@ -51,6 +51,7 @@ from elastic.etcd.types import KeyValue
 __all__ = [
     "EtcdAuth",
     "EtcdClient",
+    "EtcdClientClosedError",
     "EtcdConnectionError",
     "EtcdError",
     "EtcdLeaseNotFoundError",
@@ -69,6 +70,11 @@ class EtcdError(Exception):
 
 class EtcdConnectionError(EtcdError):
     """No configured etcd endpoint answered within the deadline."""
+
+
+class EtcdClientClosedError(EtcdConnectionError):
+    """The client was closed (:meth:`EtcdClient.close`): it never reconnects, so a thread still using it cannot
+    re-open a connection nobody would close."""
 
 
 class EtcdLeaseNotFoundError(EtcdError):
@@ -123,7 +129,9 @@ class EtcdClient(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release the connection (idempotent)."""
+        """Release the connection (idempotent). It is final: afterwards every request and
+        :meth:`wait_for_event` raise :class:`EtcdClientClosedError`, :meth:`watch_revisions` returns, and
+        nothing reconnects (a thread its owner did not stop cannot open a connection that nobody closes)."""
 
     # -- reads ---------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -243,7 +251,8 @@ class EtcdClient(abc.ABC):
     ) -> None:
         """Stream changes of ``key`` (or keys under it) from ``start_revision`` until ``stop`` is set,
         calling ``on_revision(revision)`` with the newest revision of each batch of changes, in increasing
-        order. Nothing is missed across broken connections. Runs in the caller's thread."""
+        order. Nothing is missed across broken connections. Runs in the caller's thread; returns once ``stop``
+        is set or the client is closed."""
 
 
 class TxnEtcdClient(EtcdClient):

@@ -30,6 +30,7 @@ from elastic.etcd._grpc_txn import key_value as _kv
 from elastic.etcd._grpc_txn import txn_request, txn_result
 from elastic.etcd.api import (
     EtcdClient,
+    EtcdClientClosedError,
     EtcdConnectionError,
     EtcdError,
     EtcdLeaseNotFoundError,
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "EtcdClient",
+    "EtcdClientClosedError",
     "EtcdConnectionError",
     "EtcdError",
     "GrpcEtcdClient",
@@ -97,6 +99,7 @@ class GrpcEtcdClient(GrpcAuthMixin, TxnEtcdClient):
         # the generation it saw fail, and an error from a generation already replaced (whose channel another
         # thread's reset closed under it) is retried, never reported.
         self._generation = 0
+        self._closed = False  # close() is final: nothing connects again (EtcdClient.close)
 
     # -- connection ----------------------------------------------------------------------------------
     @property
@@ -136,6 +139,8 @@ class GrpcEtcdClient(GrpcAuthMixin, TxnEtcdClient):
     def _current(self) -> tuple[Any, int]:
         """The shared library client (connecting it if none) and its generation."""
         with self._lock:
+            if self._closed:
+                raise EtcdClientClosedError(f"the etcd client of {self.endpoints_label} is closed")
             if self._client is None:
                 self._client = self._connect()
             return self._client, self._generation
@@ -166,6 +171,8 @@ class GrpcEtcdClient(GrpcAuthMixin, TxnEtcdClient):
                 logger.debug("closing the etcd client failed", exc_info=True)
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self._reset()
 
     def _call(self, fn: Any, *, timeout: timedelta | None = None) -> Any:
@@ -176,6 +183,8 @@ class GrpcEtcdClient(GrpcAuthMixin, TxnEtcdClient):
             try:
                 client, generation = self._current()
                 return fn(client)
+            except EtcdClientClosedError:
+                raise
             except _RETRYABLE as exc:
                 retry.last_exc = exc
             except grpc.RpcError as exc:
@@ -392,6 +401,8 @@ class GrpcEtcdClient(GrpcAuthMixin, TxnEtcdClient):
                             revision = max(int(e.kv.mod_revision) for e in resp.events)
                             next_revision = revision + 1
                             on_revision(revision)
+                except EtcdClientClosedError:
+                    return  # closed under the watch: it ends (EtcdClient.close)
                 except grpc.RpcError as exc:
                     if stop.is_set():
                         return

@@ -20,7 +20,15 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
-from elastic.etcd.api import EtcdAuth, EtcdConnectionError, KeyValue, RolePermission, TxnEtcdClient, prefix_end
+from elastic.etcd.api import (
+    EtcdAuth,
+    EtcdClientClosedError,
+    EtcdConnectionError,
+    KeyValue,
+    RolePermission,
+    TxnEtcdClient,
+    prefix_end,
+)
 from elastic.etcd.config import EtcdConfig
 from elastic.etcd.memory_server import TICK, ManualClock, MemoryAuth, MemoryCluster, check_key
 from elastic.etcd.txn import Compare, DeleteOp, GetOp, PutOp, TxnOp, TxnResult
@@ -48,6 +56,7 @@ class MemoryEtcdClient(TxnEtcdClient, EtcdAuth):
         self._config = config if config is not None else EtcdConfig(endpoints=((self.server.name, 0),))
         self._reachable = threading.Event()
         self._reachable.set()
+        self._closed = False  # close() is final, as the gRPC client's (EtcdClient.close)
 
     @property
     def config(self) -> EtcdConfig:
@@ -65,6 +74,8 @@ class MemoryEtcdClient(TxnEtcdClient, EtcdAuth):
             self._reachable.clear()
 
     def _check(self) -> None:
+        if self._closed:
+            raise EtcdClientClosedError(f"the etcd client of {self.endpoints_label} is closed")
         if not self._reachable.is_set():
             raise EtcdConnectionError(f"etcd unreachable at {self.endpoints_label} (client cut off)")
 
@@ -76,8 +87,8 @@ class MemoryEtcdClient(TxnEtcdClient, EtcdAuth):
         self._check()
         return self.server.revision
 
-    def close(self) -> None:  # nothing to release: the server outlives its clients
-        pass
+    def close(self) -> None:  # the server outlives its clients; the client is done with
+        self._closed = True
 
     # -- reads ---------------------------------------------------------------------------------------
     def _read(self, gets: Sequence[GetOp]) -> tuple[list[list[KeyValue]], int]:
@@ -130,6 +141,8 @@ class MemoryEtcdClient(TxnEtcdClient, EtcdAuth):
         deadline = time.monotonic() + timeout.total_seconds()
         start: int | None = None
         while True:
+            if self._closed:
+                self._check()  # raises
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
@@ -152,7 +165,7 @@ class MemoryEtcdClient(TxnEtcdClient, EtcdAuth):
     ) -> None:
         raw, end = self._watch_range(key, prefix)
         next_revision: int | None = None
-        while not stop.is_set():
+        while not stop.is_set() and not self._closed:
             if not self._reachable.is_set():
                 stop.wait(TICK)
                 continue

@@ -421,6 +421,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if watch is not None:
             SHARED_WATCHERS.release(self._client, self._keys.rounds, watch)
         self._leases.close()
+        atexit.unregister(self.release)  # released: nothing left for exit, and the handler may be collected
 
     # -- helpers -------------------------------------------------------------------------------------
     def _ensure_rounds_watch(self, start_revision: int) -> None:

@@ -155,3 +155,4 @@ class LiveRendezvousHandler(RendezvousHandler):
                 return
             self._released = True
         self._leases.close()
+        atexit.unregister(self.release)  # released: nothing left for exit, and the handler may be collected

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Mapping
 
 from torch.distributed.elastic.rendezvous import (
@@ -206,5 +207,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         handler = LiveRendezvousHandler(client, params.run_id, keys, settings, local_addr=params.local_addr)
     else:
         handler = EtcdV3RendezvousHandler(client, params.run_id, keys, settings, local_addr=params.local_addr)
+    # the client lives as long as its handler (queries such as is_closed() still read etcd after shutdown()):
+    # a process that makes and drops handlers, as a test does, leaks no gRPC channel that keeps reconnecting
+    weakref.finalize(handler, client.close)
     handler.register()
     return handler

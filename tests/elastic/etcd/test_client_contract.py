@@ -21,7 +21,9 @@ from elastic.etcd import (
     DeleteOp,
     EtcdAuth,
     EtcdClient,
+    EtcdClientClosedError,
     EtcdConfig,
+    EtcdConnectionError,
     EtcdError,
     EtcdLeaseNotFoundError,
     GetOp,
@@ -52,12 +54,30 @@ def test_ping_returns_the_current_revision(client: EtcdClient, key_prefix: str) 
     assert client.ping(timeout=timedelta(seconds=2)) == client.get(key_prefix + "/k")[1]
 
 
-def test_a_closed_client_serves_its_next_request(client: EtcdClient, key_prefix: str) -> None:
-    client.put(key_prefix + "/k", b"v")
+def test_close_is_final_requests_and_waits_raise_closed_and_a_running_watch_returns(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    # a thread its owner did not stop must not re-open a connection that nobody would close (each leaked gRPC
+    # channel keeps reconnecting and pinging: a suite's worker once spent 0.8 cores on them, idle)
+    start = client.put(key_prefix + "/k", b"v")
+    seen, stop, watcher = watch_in_thread(client, key_prefix + "/", start + 1, prefix=True)
+    client.put(key_prefix + "/k", b"v2")
+    assert seen.wait_for(start + 1, 10), seen.seen
     client.close()
-    client.close()
-    kv, _ = client.get(key_prefix + "/k")
-    assert kv is not None and kv.value == b"v"
+    client.close()  # idempotent
+    watcher.join(10)
+    assert not watcher.is_alive() and not stop.is_set()  # ended by the close alone
+    for request in (
+        lambda: client.get(key_prefix + "/k"),
+        lambda: client.put(key_prefix + "/k", b"v3"),
+        client.ping,
+        lambda: client.grant_lease(timedelta(seconds=5)),
+        lambda: client.wait_for_event(key_prefix + "/k", 0, SHORT),
+    ):
+        with pytest.raises(EtcdClientClosedError, match="closed"):
+            request()
+    with pytest.raises(EtcdConnectionError):  # a connection error to callers that handle those
+        client.get(key_prefix + "/k")
 
 
 # -- revisions ---------------------------------------------------------------------------------------

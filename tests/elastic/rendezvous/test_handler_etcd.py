@@ -6,6 +6,7 @@ Real etcd; members that die are real processes killed with SIGKILL.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic.etcd import MemoryEtcdServer, create_client
+from elastic.etcd import EtcdClientClosedError, MemoryEtcdServer, create_client
 from elastic.etcd.lease import LeaseKeeper
 from elastic.rendezvous.etcd_v3_handler import EtcdV3RendezvousHandler, HandlerSettings
 from elastic.rendezvous.plugin import DEFAULT_KEY_PREFIX, create_handler
@@ -193,6 +194,23 @@ def test_a_node_stopped_by_a_signal_leaves_the_rendezvous_open_for_the_others(
     assert a.next_rendezvous().world_size == 1
     assert a.shutdown()  # an ordinary shutdown (the job is over) still closes it
     assert a.is_closed()
+
+
+def test_the_client_the_plugin_made_for_a_handler_is_closed_once_the_handler_is_dropped(
+    etcd_server: LocalEtcdCluster,
+) -> None:
+    # a process that makes and drops handlers (a test run) must not keep their gRPC channels reconnecting
+    params = RendezvousParameters("etcd-v3", etcd_server.endpoints, f"d-{uuid.uuid4().hex[:6]}", 1, 1,
+                                  local_addr="127.0.0.1")  # fmt: skip
+    handler = create_handler(params)
+    client = handler._client  # private: the plugin's client, which the handler's lifetime must bound
+    assert handler.next_rendezvous().world_size == 1
+    assert handler.shutdown()
+    assert handler.is_closed()  # still answers after shutdown: the client outlives release()
+    del handler
+    gc.collect()
+    with pytest.raises(EtcdClientClosedError):
+        client.ping()
 
 
 @pytest.mark.parametrize("n", [64])

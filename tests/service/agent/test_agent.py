@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic.etcd import create_client
 from elastic.proctree import alive, descendants, process_stat
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
 from elastic.testing.wait import wait_for
@@ -21,6 +22,7 @@ from service.agent.launcher import TorchrunProcess
 from service.agent.node import AgentError, NodeAgent, create_agent
 from service.core.config import AgentSettings, EtcdOptions
 from service.core.models import Assignment, JobSpec, WorkerReport
+from service.core.store import create_store
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -107,7 +109,12 @@ def test_agent_registers_serves_health_and_leaves_on_stop(
         }
     stop.set()
     thread.join(timeout=30)
-    assert agent.store.list_nodes()[0] == []
+    assert not thread.is_alive()
+    observer = create_client(etcd_server.config())  # the agent closed its own client on its way out
+    try:
+        assert create_store(observer, key_prefix).list_nodes()[0] == []
+    finally:
+        observer.close()
 
 
 def test_a_second_agent_with_a_live_name_is_refused(
