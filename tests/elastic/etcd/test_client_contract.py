@@ -692,9 +692,10 @@ def test_a_second_client_of_the_cluster_sees_the_writes_and_wakes_the_watches_of
 ) -> None:
     other = cluster.new_client()
     start = client.ping() + 1
-    later(0.2, lambda: other.put(key_prefix + "/k", b"from other"))
+    writer = later(0.2, lambda: other.put(key_prefix + "/k", b"from other"))
     assert client.wait_for_event(key_prefix + "/k", start, timedelta(seconds=20)) is True
     assert client.get(key_prefix + "/k")[0].value == b"from other"  # type: ignore[union-attr]
+    writer.join(20)  # a put applied but not yet answered (a loaded machine) retries: other must stay open till then
 
 
 def test_watch_revisions_replays_from_its_start_then_reports_new_changes_in_increasing_order(
