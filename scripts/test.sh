@@ -6,9 +6,9 @@
 #
 # The suite runs serially by default. PYTEST_WORKERS=N (or `-n N` among the arguments) runs it in parallel
 # (pytest-xdist; tests/parallel.py hands the heavy units, real training jobs, to at most PYTEST_HEAVY_SLOTS,
-# default 2, workers at a time). On this 2-core VM a fresh clone took 25.4 and 26.9 min in all with four workers
-# (2026-11-27, second session; serially 34.6 min), but not yet green every time: each parallel run failed one to
-# three timing-bound tests, a different set each time (each fixed since). See README "Development".
+# default 2, workers at a time). On this 2-core VM a fresh clone took 24.1 min in all with four workers
+# (2026-11-27, sixth session; serially 37.8 min), but not yet green every time: each parallel run fails one to
+# five timing-bound tests, a different set each time. See README "Development".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
