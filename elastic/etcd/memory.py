@@ -73,9 +73,12 @@ class MemoryEtcdClient(TxnEtcdClient, EtcdAuth):
         else:
             self._reachable.clear()
 
-    def _check(self) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise EtcdClientClosedError(f"the etcd client of {self.endpoints_label} is closed")
+
+    def _check(self) -> None:
+        self._check_open()
         if not self._reachable.is_set():
             raise EtcdConnectionError(f"etcd unreachable at {self.endpoints_label} (client cut off)")
 
@@ -141,8 +144,7 @@ class MemoryEtcdClient(TxnEtcdClient, EtcdAuth):
         deadline = time.monotonic() + timeout.total_seconds()
         start: int | None = None
         while True:
-            if self._closed:
-                self._check()  # raises
+            self._check_open()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
