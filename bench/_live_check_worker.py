@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastic.contract.lr import LRPolicy, LRRule
+from elastic.interpreter import freeze_at_exit
 from elastic.train.trainer import ElasticConfig, ElasticTrainer, LiveOptions, RecoveryMode, StepInfo
 
 FEATURES, CLASSES = 64, 8
@@ -84,4 +85,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_at_exit()  # exit skips the collector's pass over torch's objects (elastic.interpreter)
     sys.exit(main())

@@ -25,7 +25,9 @@ Contract and limits: the child is a fork of an interpreter that imported torch b
 CUDA, started a thread of its own or opened a process group, so it behaves like a fresh worker with two
 exceptions: ``sys.modules`` already holds the preloaded modules (module-level state they compute from the
 environment at import, e.g. ``TORCH_LOGS``, comes from the agent's environment, which is the same for every
-worker of a torchrun agent), and Python's hash seed is the zygote's. Interpreter shutdown in the child runs
+worker of a torchrun agent), and Python's hash seed is the zygote's. What the preload created is frozen
+(:func:`elastic.interpreter.loading`: the collector never traverses it again, in the zygote or a child, and a
+child's collections leave those pages shared). Interpreter shutdown in the child runs
 ``atexit`` handlers and joins non-daemon threads, then exits without running object finalisers. With
 ``ETRAIN_PREFORK=0``, or if the zygote cannot be started, the script runs in the client process itself
 (a cold start, with a warning in the second case).

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.contract.env import PREFORK_PRELOAD
+from elastic.interpreter import loading
 from elastic.prefork.common import (
     DEFAULT_PRELOAD,
     HEADER_SIZE,
@@ -85,7 +86,8 @@ def serve(path: Path, owner: int) -> int:
     owner_fd = os.pidfd_open(owner)
     if sys.path and sys.path[0] == os.getcwd():
         sys.path.pop(0)  # `-m` put the start-up directory first; a worker's sys.path[0] is its script's
-    _preload()
+    with loading():  # the collector paused while importing, the modules frozen before the first fork
+        _preload()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA
         logger.error("a preloaded module initialised CUDA: no zygote for agent %d (workers start cold)", owner)

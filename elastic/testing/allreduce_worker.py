@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from elastic import compat
 from elastic.contract import env as contract
+from elastic.interpreter import freeze_at_exit
 
 
 def _append(path: Path, record: dict[str, object]) -> None:
@@ -98,4 +99,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_at_exit()  # exit skips the collector's pass over torch's objects (elastic.interpreter)
     sys.exit(main())

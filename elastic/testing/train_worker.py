@@ -44,6 +44,7 @@ from elastic import compat
 from elastic.checkpoint import CheckpointOptions
 from elastic.contract import env as worker_env
 from elastic.contract.lr import LRPolicy, LRRule
+from elastic.interpreter import freeze_at_exit
 from elastic.train.progress import create_reporter
 from elastic.train.trainer import ElasticConfig, ElasticTrainer, LiveOptions, RecoveryMode, StepInfo
 
@@ -284,4 +285,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_at_exit()  # exit skips the collector's pass over torch's objects (elastic.interpreter)
     sys.exit(main())

@@ -44,6 +44,7 @@ SCRIPT = textwrap.dedent(
             "env": os.environ.get("PREFORK_TEST"), "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
             "zygote_started": started(os.getppid()), "client_started": started(client),
             "sigpipe_ignored": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
+            "frozen": __import__("gc").get_freeze_count(), "gc_enabled": __import__("gc").isenabled(),
             "launcher": __import__("elastic.prefork.common").prefork.common.launcher_pid()}
     with open(out, "a") as f:
         f.write(json.dumps(info) + "\\n")
@@ -106,6 +107,8 @@ def test_workers_are_forked_warm_from_one_zygote_with_their_args_env_cwd_and_exi
     assert owner.stdout.count("stdout reaches the client's stdout") == 2
     first, second = _records(env)
     assert first["warm"] and second["warm"]  # torch was imported before the script's first line
+    # what the preload created is frozen (elastic.interpreter.loading): torch's objects alone are >100,000
+    assert int(str(first["frozen"])) > 100_000 and first["gc_enabled"], first
     assert first["ppid"] == second["ppid"]  # both forked by the same zygote ...
     assert first["argv"] == ["--flag", "a b"] and first["env"] == "yes"
     assert first["cwd"] == str(tmp_path / "work")
@@ -183,6 +186,7 @@ def test_worker_dying_of_a_signal_makes_the_client_die_of_it_and_prefork_off_run
     assert "rc=137" in owner.stdout, owner.stderr  # 128 + SIGKILL, as if the client itself had been killed
     killed, cold = _records(env)
     assert killed["warm"] and not cold["warm"]  # ETRAIN_PREFORK=0: an ordinary cold start in the client
+    assert cold["frozen"] == 0 and cold["gc_enabled"]  # nothing imposed on a script that runs in its own process
     # as in a fresh interpreter, a write to a closed socket raises instead of killing the worker
     assert killed["sigpipe_ignored"] and cold["sigpipe_ignored"]
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
+from elastic.interpreter import freeze_at_exit
 from tests.elastic.checkpoint._helpers import make_state
 
 ROWS, COLS = 1500, 2000  # 12 MB of tensors: several 1 MiB chunks, and S3 multipart parts of 5 MiB
@@ -60,4 +61,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    freeze_at_exit()  # exit skips the collector's pass over torch's objects (elastic.interpreter)
     main()

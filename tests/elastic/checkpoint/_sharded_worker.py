@@ -18,6 +18,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from elastic import compat
 from elastic.checkpoint import CheckpointOptions, StateLayout, create_checkpoint_manager
 from elastic.checkpoint.layout import step_dir
+from elastic.interpreter import freeze_at_exit
 
 
 def full_state(step: int) -> dict[str, torch.Tensor]:
@@ -91,4 +92,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    freeze_at_exit()  # exit skips the collector's pass over torch's objects (elastic.interpreter)
     main()

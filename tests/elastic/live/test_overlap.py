@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from elastic.live.buckets import assign_buckets
 from elastic.live.grads import GradientReadyTwiceError, GradientReducer, LiveDataParallel
+from tests.ranks import start_ranks
 
 
 class Probe(torch.autograd.Function):
@@ -273,8 +273,7 @@ def _two_rank_worker(rank: int, store_path: str, out: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_two_ranks_get_the_post_backward_all_reduce_bit_for_bit(tmp_path: Path) -> None:
-    mp.start_processes(_two_rank_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
-                       start_method="spawn")  # fmt: skip
+    start_ranks(_two_rank_worker, (str(tmp_path / "store"), str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for key, tensors in ranks[0].items():
         if key.endswith("/stats"):

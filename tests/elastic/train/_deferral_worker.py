@@ -24,6 +24,7 @@ from torch.utils.data import TensorDataset
 from elastic.checkpoint import CheckpointOptions
 from elastic.checkpoint.storage import LocalStorage
 from elastic.contract.lr import LRPolicy, LRRule
+from elastic.interpreter import freeze_at_exit
 from elastic.train.trainer import ElasticConfig, ElasticTrainer, SnapshotStats, StepInfo, WriterBusy
 
 BATCH = 4
@@ -114,4 +115,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    freeze_at_exit()  # exit skips the collector's pass over torch's objects (elastic.interpreter)
     main()

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from elastic.checkpoint import CheckpointOptions, capture_training_state, create_checkpoint_manager
+from elastic.interpreter import freeze_at_exit
 from elastic.train.preemption import PreemptionWatcher
 
 
@@ -61,4 +62,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    freeze_at_exit()  # exit skips the collector's pass over torch's objects (elastic.interpreter)
     main()

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -29,6 +28,7 @@ from elastic.train.parallel import (
     shard_sources,
     share_shards,
 )
+from tests.ranks import start_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -211,7 +211,7 @@ def _life_cycle(rank: int, tmp: str) -> None:
 @pytest.mark.timeout(180)
 def test_a_replica_leaves_and_a_new_one_joins_survivors_keep_their_shards_joiners_receive_them(tmp_path: Path) -> None:
     started = time.monotonic()
-    mp.start_processes(_life_cycle, args=(str(tmp_path),), nprocs=4, start_method="spawn")
+    start_ranks(_life_cycle, (str(tmp_path),), 4)
     r = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in range(4)]
     assert [x["kept1"] for x in r] == [False] * 4
     assert r[0]["d1"] == r[2]["d1"] and r[1]["d1"] == r[3]["d1"] and r[0]["d1"] != r[1]["d1"]

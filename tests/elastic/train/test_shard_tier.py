@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -22,6 +21,7 @@ from elastic.checkpoint.state import capture_training_state
 from elastic.testing.train_worker import parallelize as _parallelize
 from elastic.train.parallel import ShardedModel
 from elastic.train.shard_tier import ShardTier
+from tests.ranks import start_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -116,7 +116,7 @@ def _worker(rank: int, tmp: str) -> None:
 def test_shard_snapshots_restore_bit_for_bit_when_every_shard_is_there_else_the_durable_one_is_used(
     tmp_path: Path,
 ) -> None:
-    mp.start_processes(_worker, args=(str(tmp_path),), nprocs=4, start_method="spawn")
+    start_ranks(_worker, (str(tmp_path),), 4)
     r = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in range(4)]
     assert sorted(p.name for p in (tmp_path / "tier").iterdir() if p.is_dir()) == [
         "n2-i0-0", "n2-i0-1", "n2-i1-0", "n2-i1-1"
