@@ -41,8 +41,9 @@ fi
 PY="$VENV/bin/python"
 
 quiet_pip() {
-  # pip's notes about unreadable local index folders are noise; its errors still show, and fail the script
-  "$PY" -m pip install -q "$@" 2> >(grep -vE "^WARNING: (Location|Running pip)" >&2)
+  # pip's notes about unreadable local index folders are noise; its errors still show, and fail the script.
+  # --no-compile: the modules are compiled once at the end, on every core (pip compiles on one)
+  "$PY" -m pip install -q --no-compile "$@" 2> >(grep -vE "^WARNING: (Location|Running pip)" >&2)
 }
 
 # The pip that venv bundles (23.x) resolves the [dev] extras by backtracking into another torch: a current one.
@@ -58,4 +59,8 @@ fi
 "$PY" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$VENV/torch-pin.txt"
 echo "setup: pip install -e .[dev] into $VENV ($(cat "$VENV/torch-pin.txt"))"
 quiet_pip -c "$VENV/torch-pin.txt" -e ".[dev]"
+# Compiled modules for everything installed (this image sets PYTHONDONTWRITEBYTECODE=1: a module without its .pyc
+# would be compiled again by every process that imports it). A file that does not compile (some packages ship
+# templates or Python 2 examples) is skipped, as pip skips it.
+"$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 "$PY" -c 'import elastic, service, etcd3, torch, sklearn; print("setup: ok, torch", torch.__version__)'
