@@ -6,8 +6,8 @@
 #
 # The suite runs serially by default. PYTEST_WORKERS=N (or `-n N` among the arguments) runs it in parallel
 # (pytest-xdist; tests/parallel.py hands the heavy units, real training jobs, to at most PYTEST_HEAVY_SLOTS,
-# default 2, workers at a time). On this 2-core VM a fresh clone took 24.1 min in all with four workers
-# (2026-11-27, sixth session; serially 37.8 min), but not yet green every time: each parallel run fails one to
+# default 2, workers at a time). On this 2-core VM a fresh clone took 22.9 min in all with four workers
+# (2026-11-28, seventh session; serially 37.8 min, 2026-11-27), but not yet green every time: each parallel run fails one to
 # five timing-bound tests, a different set each time. See README "Development".
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from elastic.checkpoint import CheckpointOptions, capture_training_state, create_checkpoint_manager
-from elastic.interpreter import freeze_at_exit
 from elastic.train.preemption import PreemptionWatcher
 
 
@@ -62,5 +61,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    freeze_at_exit()  # exit skips the collector's pass over torch's objects (elastic.interpreter)
+    # no elastic.interpreter.freeze_at_exit() here: "exit" is a user script's interpreter exit, as it is
     main()
