@@ -32,10 +32,6 @@ __all__ = ["freeze_at_exit", "loading"]
 _registered = False
 
 
-def _freeze() -> None:
-    gc.freeze()
-
-
 def freeze_at_exit() -> None:
     """Freeze every object alive when the interpreter exits, before its final collection (idempotent).
 
@@ -43,7 +39,7 @@ def freeze_at_exit() -> None:
     in reverse order) and before the interpreter's own shutdown."""
     global _registered
     if not _registered:
-        atexit.register(_freeze)
+        atexit.register(gc.freeze)
         _registered = True
 
 

@@ -61,5 +61,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # no elastic.interpreter.freeze_at_exit() here: "exit" is a user script's interpreter exit, as it is
+    # no elastic.interpreter.freeze_at_exit() here: the "exit" mode tests a user script's own interpreter exit
     main()
