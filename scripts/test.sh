@@ -27,9 +27,19 @@ lint_log=$(mktemp)
   >"$lint_log" 2>&1 &
 lint=$!
 workers=${PYTEST_WORKERS:-0}
+parallel=$([ "$workers" != 0 ] && echo 1 || echo 0)
+for arg in "$@"; do case "$arg" in -n|-n?*|--numprocesses*) parallel=1 ;; esac; done
+# In a parallel run the tests marked `solo` (a tight wall-clock bound, which other tests' load on the cores would
+# break) run afterwards, alone, once ruff and mypy are done too.
+marks="not slow"; [ "$parallel" = 1 ] && marks="not slow and not solo"
 echo "== pytest ($workers workers)"
-suite=0; $PY -m pytest -q -ra --durations=15 -m "not slow" -n "$workers" "$@" || suite=$?
+suite=0; $PY -m pytest -q -ra --durations=15 -m "$marks" -n "$workers" "$@" || suite=$?
 lint_rc=0; wait "$lint" || lint_rc=$?
+if [ "$parallel" = 1 ]; then
+  echo "== pytest: the solo tests, alone"
+  solo=0; $PY -m pytest -q -ra -m "solo and not slow" "$@" -n 0 || solo=$?
+  if [ "$solo" != 0 ] && [ "$solo" != 5 ]; then suite=$(( suite ? suite : solo )); fi  # 5: none selected
+fi
 cat "$lint_log"; rm -f "$lint_log"
 if [ "$lint_rc" != 0 ]; then echo "== ruff/mypy failed (exit $lint_rc)"; fi
 if [ "$suite" != 0 ] || [ "$lint_rc" != 0 ]; then exit $(( suite ? suite : lint_rc )); fi

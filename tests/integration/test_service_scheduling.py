@@ -109,6 +109,10 @@ def test_a_high_priority_job_shrinks_a_low_one_which_grows_back_both_exactly_onc
     wait_api("the low job at world 3", lambda: 3 in _worlds(low_rec) and max(
         (r["step"] for r in read_records(low_rec)), default=0) >= 5, 150)  # fmt: skip
 
+    # where the job first trained at world 3: on a loaded machine its three torchruns can start further apart than
+    # the rendezvous's last call (1 s), and the job then forms at world 1 or 2 first and grows (not a planned move)
+    full = _worlds(low_rec).index(3)
+
     high = api.submit(_spec("high", high_rec, samples=160, epochs=1, min_nodes=2, max_nodes=2, priority=10))["id"]
     wait_api("the high job on 2 nodes", lambda: len(api.job(high)["nodes"]) == 2, 60)
     shrunk = api.job(low)
@@ -117,16 +121,18 @@ def test_a_high_priority_job_shrinks_a_low_one_which_grows_back_both_exactly_onc
 
     high_final = _finished(api, high, 180)
     wait_api("the low job back on 3 nodes", lambda: len(api.job(low)["nodes"]) == 3, 90)
-    wait_api("the low job training at world 3 again", lambda: 3 in _worlds(low_rec)[2:], 120)
+    wait_api("the low job training at world 3 again", lambda: 3 in _worlds(low_rec)[full + 2 :], 120)
     hold.unlink()
     low_final = _finished(api, low, 240)
 
     assert _check_elastic_loop(high_rec, 160) == [2]
     low_worlds = _check_elastic_loop(low_rec, 360)
-    assert low_worlds[:2] == [3, 1], low_worlds
+    assert set(low_worlds[:full]) <= {1, 2}, low_worlds
+    assert low_worlds[full : full + 2] == [3, 1], low_worlds
     # back to 3: the two freed nodes in one re-form, or (on a loaded machine, the second arriving after the
     # first's last call) one after the other
-    assert low_worlds[2:3] == [3] or low_worlds[2:4] == [2, 3], low_worlds
+    back = low_worlds[full + 2 :]
+    assert back[:1] == [3] or back[:2] == [2, 3], low_worlds
     for final in (low_final, high_final):
         assert final["restarts"]["failure"] == 0, final["restarts"]
     assert low_final["restarts"]["planned"] == 2 and low_final["restarts"]["preempted"] == 0

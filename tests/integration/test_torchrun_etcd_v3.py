@@ -30,9 +30,9 @@ def _agent(
     nproc: int = 1,
     forked: bool = True,
 ) -> TorchrunAgent:
-    """An agent of the cold all-reduce worker; ``forked``: torchrun itself forked from this process's zygote (no
-    torch import per agent, see :class:`TorchrunAgent`); the first test and the hang test run it as a fresh
-    process, as a user's shell does."""
+    """An agent of the all-reduce worker; ``forked``: torchrun itself forked from this process's zygote (no torch
+    import per agent, see :class:`TorchrunAgent`) and its workers forked from the same zygote (``prefork``);
+    the first test and the hang test run agent and workers as fresh processes, as a user's shell does."""
     cmd = torchrun_command(
         backend="etcd-v3",
         endpoint=endpoint,
@@ -41,6 +41,7 @@ def _agent(
         nproc=nproc,
         rdzv_conf=RDZV_CONF,
         script_args=["--out", str(out), "--steps", str(steps), "--step-time", str(step_time)],
+        prefork=forked,
     )
     return TorchrunAgent(cmd, tmp_path / f"{name}.log", forked=forked).start()
 

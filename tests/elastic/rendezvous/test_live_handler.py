@@ -81,6 +81,7 @@ def _present(client: EtcdClient, keys: RendezvousKeys, handler: LiveRendezvousHa
     return client.get(keys.alive_key(handler.node_id))[0] is not None
 
 
+@pytest.mark.solo  # each answer within 0.5 s: runs alone in a parallel scripts/test.sh
 @pytest.mark.timeout(60)
 def test_each_of_three_nodes_gets_rank_0_of_a_world_of_1_at_once_without_waiting_for_the_others(
     client: CountingEtcdClient, made: list[LiveRendezvousHandler | EtcdV3RendezvousHandler]

@@ -227,6 +227,7 @@ def watcher(etcd_member: LocalEtcdCluster) -> Iterator[EtcdClient]:
     client.close()
 
 
+@pytest.mark.solo  # 100 reports within 50 ms: runs alone in a parallel scripts/test.sh
 @pytest.mark.timeout(90)
 def test_report_returns_at_once_while_etcd_is_stopped_and_the_latest_report_lands_when_it_is_back(
     etcd_member: LocalEtcdCluster, watcher: EtcdClient
@@ -277,6 +278,7 @@ def test_close_writes_the_last_report_even_when_the_throttle_held_it(
     assert _read(watcher) == p
 
 
+@pytest.mark.solo  # a 0.9-1.5 s window: runs alone in a parallel scripts/test.sh
 @pytest.mark.timeout(60)
 def test_close_waits_a_bounded_time_while_etcd_is_stopped(etcd_member: LocalEtcdCluster) -> None:
     reporter = create_reporter(_reporter_env(etcd_member))

@@ -63,6 +63,7 @@ def _deferred_then_taken(run: Run) -> list[tuple[int, int]]:
     return out
 
 
+@pytest.mark.solo  # bounds each step's wall time: runs alone in a parallel scripts/test.sh
 def test_with_defer_a_slow_save_stalls_no_step_and_the_deferred_snapshot_holds_the_newer_step(
     tmp_path: Path, group: None
 ) -> None:
@@ -142,6 +143,7 @@ def test_the_final_state_is_committed_with_a_save_in_flight_and_one_pending(
         _assert_holds(reader, run, 12)
 
 
+@pytest.mark.solo  # bounds each step's wall time: runs alone in a parallel scripts/test.sh
 @pytest.mark.timeout(180)
 def test_two_ranks_take_each_deferred_snapshot_at_the_same_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
