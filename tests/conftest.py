@@ -20,6 +20,7 @@ from elastic.testing.ports import PORT_RANGE_ENV
 from elastic.testing.torchrun import TorchrunAgent
 from tests.parallel import (  # noqa: F401  (hooks of the parallel run)
     pytest_addoption,
+    pytest_collection_modifyitems,
     pytest_configure_node,
     pytest_runtest_logreport,
     pytest_runtest_makereport,

@@ -212,6 +212,51 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return None
 
 
+#: how much longer a test may run in a parallel run's worker before pytest-timeout stops it (its ``timeout`` mark,
+#: or the ini's): those limits are hang guards, and a worker shares two cores with three others and their jobs
+#: (a cold trainer's 7 CPU-s took over 50 s there once). ``PYTEST_TIMEOUT_SCALE`` overrides. Assertions on speed
+#: are the tests' own (``solo`` marks the tight ones) and are not scaled.
+TIMEOUT_SCALE = 3.0
+
+
+def timeout_scale() -> float:
+    """The factor for hang guards here: 1 outside an xdist worker, else ``PYTEST_TIMEOUT_SCALE`` (default
+    :data:`TIMEOUT_SCALE`)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return 1.0
+    try:
+        return max(1.0, float(os.environ.get("PYTEST_TIMEOUT_SCALE", TIMEOUT_SCALE)))
+    except ValueError:
+        return TIMEOUT_SCALE
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a parallel run's worker, each test's pytest-timeout limit times :func:`timeout_scale`."""
+    scale = timeout_scale()
+    if scale == 1.0:
+        return
+    default = _ini_timeout(config)
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        if mark is not None and (mark.args or "timeout" in mark.kwargs):
+            limit = mark.args[0] if mark.args else mark.kwargs["timeout"]
+            kwargs = {k: v for k, v in mark.kwargs.items() if k != "timeout"}
+        elif default:
+            limit, kwargs = default, {}
+        else:
+            continue
+        item.add_marker(pytest.mark.timeout(float(limit) * scale, **kwargs), append=False)
+
+
+def _ini_timeout(config: pytest.Config) -> float | None:
+    """The ini's ``timeout`` (pytest-timeout's option; None without the plugin or the setting)."""
+    try:
+        raw = config.getini("timeout")
+        return float(raw) if raw else None
+    except (ValueError, TypeError):
+        return None
+
+
 def _cpu_seconds() -> float:
     """Busy CPU seconds of the whole machine (``/proc/stat``): a test's processes include some it never waits
     for (agents, zygotes and the workers they fork), which ``getrusage`` misses. So a serial run's figures are the

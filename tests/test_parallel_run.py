@@ -1,0 +1,49 @@
+"""The parallel run's hooks (``tests/parallel.py``), in a pytest of their own: hang guards scale in xdist workers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+INNER = """
+import pytest
+
+@pytest.mark.timeout(10)
+def test_marked(request):
+    mark = request.node.get_closest_marker("timeout")
+    assert float(mark.args[0]) == {marked}, mark
+
+def test_unmarked(request):
+    mark = request.node.get_closest_marker("timeout")
+    limit = None if mark is None else float(mark.args[0])
+    assert limit == {unmarked}, mark
+"""
+
+
+def _inner(tmp_path: Path, workers: int, marked: float, unmarked: float | None, scale: str | None) -> str:
+    (tmp_path / "test_inner.py").write_text(INNER.format(marked=marked, unmarked=unmarked))
+    (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout = 40\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_TIMEOUT_SCALE"))}
+    env["PYTHONPATH"] = str(REPO)
+    if scale is not None:
+        env["PYTEST_TIMEOUT_SCALE"] = scale
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "tests.parallel", "-p", "no:cacheprovider", "-n", str(workers),
+         "test_inner.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_in_an_xdist_worker_marked_and_ini_timeouts_are_scaled_and_serially_they_are_not(tmp_path: Path) -> None:
+    _inner(tmp_path, 0, marked=10.0, unmarked=None, scale="5")  # serial: the limits as written (ini: the plugin's)
+    _inner(tmp_path, 1, marked=30.0, unmarked=120.0, scale=None)  # the default factor, 3
+    _inner(tmp_path, 1, marked=50.0, unmarked=200.0, scale="5")
