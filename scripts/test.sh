@@ -4,11 +4,12 @@
 # (scripts/compat.sh: the elastic/ suites on the oldest and the newest supported torch).
 # Extra arguments go to pytest.
 #
-# The suite runs serially by default. PYTEST_WORKERS=N (or `-n N` among the arguments) runs it in parallel
-# (pytest-xdist; tests/parallel.py hands the heavy units, real training jobs, to at most PYTEST_HEAVY_SLOTS,
-# default 2, workers at a time). On this 2-core VM a fresh clone took 22.9 min in all with four workers
-# (2026-11-28, seventh session; serially 37.8 min, 2026-11-27), but not yet green every time: each parallel run fails one to
-# five timing-bound tests, a different set each time. See README "Development".
+# The suite runs on four pytest-xdist workers (PYTEST_WORKERS, default 4; 0 runs it serially in one process):
+# tests/parallel.py hands the heavy units, real training jobs, to at most PYTEST_HEAVY_SLOTS (default 2) workers at
+# a time, and scales pytest-timeout's hang guards by 3 in the workers (PYTEST_TIMEOUT_SCALE). The tests marked
+# `solo` (a tight wall-clock bound) run afterwards, alone. On this 2-core VM a fresh clone took 25.2 min in all
+# (2026-11-28, eighth session: 21.9 min of parallel pytest, then the solo tests), serially 37.8 min (2026-11-27).
+# See README "Development".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -26,7 +27,7 @@ lint_log=$(mktemp)
 ( echo "== ruff"; $PY -m ruff check elastic service tests bench examples && echo "== mypy" && $PY -m mypy ) \
   >"$lint_log" 2>&1 &
 lint=$!
-workers=${PYTEST_WORKERS:-0}
+workers=${PYTEST_WORKERS:-4}
 parallel=$([ "$workers" != 0 ] && echo 1 || echo 0)
 for arg in "$@"; do case "$arg" in -n|-n?*|--numprocesses*) parallel=1 ;; esac; done
 # In a parallel run the tests marked `solo` (a tight wall-clock bound, which other tests' load on the cores would

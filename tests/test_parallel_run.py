@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.parallel import TIMEOUT_SCALE, timeout_scale
+
 REPO = Path(__file__).resolve().parents[1]
 
 INNER = """
@@ -45,5 +47,15 @@ def _inner(tmp_path: Path, workers: int, marked: float, unmarked: float | None, 
 @pytest.mark.timeout(150)
 def test_in_an_xdist_worker_marked_and_ini_timeouts_are_scaled_and_serially_they_are_not(tmp_path: Path) -> None:
     _inner(tmp_path, 0, marked=10.0, unmarked=None, scale="5")  # serial: the limits as written (ini: the plugin's)
-    _inner(tmp_path, 1, marked=30.0, unmarked=120.0, scale=None)  # the default factor, 3
     _inner(tmp_path, 1, marked=50.0, unmarked=200.0, scale="5")
+
+
+def test_the_factor_is_the_default_in_a_worker_unless_set_and_never_below_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTEST_TIMEOUT_SCALE", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert timeout_scale() == 1.0
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    assert timeout_scale() == TIMEOUT_SCALE == 3.0
+    for raw, factor in (("2.5", 2.5), ("0.5", 1.0), ("many", TIMEOUT_SCALE)):
+        monkeypatch.setenv("PYTEST_TIMEOUT_SCALE", raw)
+        assert timeout_scale() == factor, raw
