@@ -180,6 +180,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--durations-out", metavar="PATH", default=None,
         help="write each test's wall and CPU seconds as JSON (the format of tests/durations.json)",
     )  # fmt: skip
+    parser.addoption(
+        "--failed-out", metavar="PATH", default=None,
+        help="write the ids of the tests that failed or errored, one per line (scripts/test.sh runs them again alone)",
+    )  # fmt: skip
 
 
 def use_loadgroup(config: pytest.Config) -> None:
@@ -277,6 +281,7 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 _cpu_start: dict[str, float] = {}
 _measured: dict[str, list[float]] = {}
+_failed: dict[str, None] = {}  # ordered set: the ids of failed or errored tests, in the order they failed
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -298,11 +303,18 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     entry = _measured.setdefault(_strip_group(report.nodeid), [0.0, 0.0])
     entry[0] += report.duration
     entry[1] += sum(float(v) for k, v in report.user_properties if k == "cpu_s")
+    if report.failed:
+        _failed.setdefault(_strip_group(report.nodeid), None)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # written once, by the controller or the only process
+        return
+    failed_out = session.config.getoption("failed_out", None)
+    if failed_out:
+        Path(failed_out).write_text("".join(f"{nodeid}\n" for nodeid in _failed))
     out = session.config.getoption("durations_out", None)
-    if not out or os.environ.get("PYTEST_XDIST_WORKER"):  # written once, by the controller or the only process
+    if not out:
         return
     kept = {k: v for k, v in sorted(_measured.items()) if max(v) >= RECORD_MIN_S}
     lines = [f"{json.dumps(k)}: [{v[0]:.1f}, {v[1]:.1f}]" for k, v in kept.items()]
