@@ -36,7 +36,7 @@ for arg in "$@"; do case "$arg" in -n|-n?*|--numprocesses*) parallel=1 ;; esac; 
 marks="not slow"; [ "$parallel" = 1 ] && marks="not slow and not solo"
 failed_ids=$(mktemp)
 echo "== pytest ($workers workers)"
-suite=0; $PY -m pytest -q -ra --durations=15 -m "$marks" -n "$workers" --failed-out "$failed_ids" "$@" || suite=$?
+suite=0; PYTEST_FAILED_OUT="$failed_ids" $PY -m pytest -q -ra --durations=15 -m "$marks" -n "$workers" "$@" || suite=$?
 lint_rc=0; wait "$lint" || lint_rc=$?
 # A parallel run's few failures (at most RERUN_MAX, default 3) run again, serially and alone: the run passes only if
 # each passes there, and the output names them. More failures than that fail the run as they are.

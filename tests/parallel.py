@@ -24,7 +24,7 @@ directory.
 seconds of setup + call + teardown, and the machine's busy CPU seconds meanwhile, :func:`_cpu_seconds`; tests
 under 0.5 s of both are left out). Refresh that file from a serial run after adding or changing slow tests::
 
-    .venv/bin/python -m pytest -m "not slow" -n 0 --durations-out tests/durations.json
+    .venv/bin/python -m pytest -m "not slow" --durations-out tests/durations.json
 """
 
 from __future__ import annotations
@@ -180,10 +180,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--durations-out", metavar="PATH", default=None,
         help="write each test's wall and CPU seconds as JSON (the format of tests/durations.json)",
     )  # fmt: skip
-    parser.addoption(
-        "--failed-out", metavar="PATH", default=None,
-        help="write the ids of the tests that failed or errored, one per line (scripts/test.sh runs them again alone)",
-    )  # fmt: skip
 
 
 def use_loadgroup(config: pytest.Config) -> None:
@@ -282,6 +278,8 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _cpu_start: dict[str, float] = {}
 _measured: dict[str, list[float]] = {}
 _failed: dict[str, None] = {}  # ordered set: the ids of failed or errored tests, in the order they failed
+#: where the run writes the ids of the tests that failed or errored, one per line (scripts/test.sh runs them again)
+FAILED_OUT_ENV = "PYTEST_FAILED_OUT"
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -310,7 +308,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # written once, by the controller or the only process
         return
-    failed_out = session.config.getoption("failed_out", None)
+    # an environment variable, not an option: scripts/test.sh runs pytest with no path, and then the options of
+    # tests/conftest.py are unknown when the command line is parsed
+    failed_out = os.environ.get(FAILED_OUT_ENV)
     if failed_out:
         Path(failed_out).write_text("".join(f"{nodeid}\n" for nodeid in _failed))
     out = session.config.getoption("durations_out", None)

@@ -59,3 +59,24 @@ def test_the_factor_is_the_default_in_a_worker_unless_set_and_never_below_one(mo
     for raw, factor in (("2.5", 2.5), ("0.5", 1.0), ("many", TIMEOUT_SCALE)):
         monkeypatch.setenv("PYTEST_TIMEOUT_SCALE", raw)
         assert timeout_scale() == factor, raw
+
+
+@pytest.mark.timeout(150)
+def test_a_parallel_run_writes_the_ids_of_its_failed_and_errored_tests_without_their_group(tmp_path: Path) -> None:
+    (tmp_path / "test_inner.py").write_text(
+        "import pytest\n\n"
+        "@pytest.fixture\ndef broken():\n    raise RuntimeError('setup')\n\n"
+        "@pytest.mark.xdist_group('g')\ndef test_fails():\n    assert 1 == 2\n\n"
+        "def test_errors(broken):\n    pass\n\n"
+        "@pytest.mark.parametrize('x', [1, 2])\ndef test_passes(x):\n    assert x\n"
+    )
+    out = tmp_path / "failed.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_FAILED_OUT"))}
+    env.update(PYTHONPATH=str(REPO), PYTEST_FAILED_OUT=str(out))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "tests.parallel", "-p", "no:cacheprovider", "-n", "2",
+         "--dist", "loadgroup", "test_inner.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(out.read_text().splitlines()) == ["test_inner.py::test_errors", "test_inner.py::test_fails"]
