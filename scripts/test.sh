@@ -9,8 +9,8 @@
 # a time, and scales pytest-timeout's hang guards by 3 in the workers (PYTEST_TIMEOUT_SCALE). The tests marked
 # `solo` (a tight wall-clock bound) run afterwards, alone. If at most RERUN_MAX (3) tests fail in the parallel
 # run, they run again serially, alone, and the run passes only if they pass there (the output names them). On this
-# 2-core VM a fresh clone took 24.7-25.2 min in all (2026-11-28, eighth session: 21.2-21.9 min of parallel pytest,
-# then the solo tests), serially 37.8 min (2026-11-27). See README "Development".
+# 2-core VM a fresh clone took 23.9-25.2 min in all (2026-11-28, eighth session, three runs: 20.8-21.9 min of
+# parallel pytest, then the solo tests), serially 37.8 min (2026-11-27). See README "Development".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
