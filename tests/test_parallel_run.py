@@ -1,4 +1,5 @@
-"""The parallel run's hooks (``tests/parallel.py``), in a pytest of their own: hang guards scale in xdist workers."""
+"""The parallel run's hooks (``tests/parallel.py``), in a pytest of their own: hang guards scale in xdist workers,
+and the controller lists the tests that failed (``scripts/test.sh`` runs them again, alone)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.parallel import TIMEOUT_SCALE, timeout_scale
+from tests.parallel import FAILED_OUT_ENV, TIMEOUT_SCALE, timeout_scale
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,20 +29,22 @@ def test_unmarked(request):
 """
 
 
-def _inner(tmp_path: Path, workers: int, marked: float, unmarked: float | None, scale: str | None) -> str:
-    (tmp_path / "test_inner.py").write_text(INNER.format(marked=marked, unmarked=unmarked))
-    (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout = 40\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_TIMEOUT_SCALE"))}
-    env["PYTHONPATH"] = str(REPO)
-    if scale is not None:
-        env["PYTEST_TIMEOUT_SCALE"] = scale
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "tests.parallel", "-p", "no:cacheprovider", "-n", str(workers),
-         "test_inner.py"],
+def _pytest(tmp_path: Path, *args: str, **env_extra: str) -> subprocess.CompletedProcess[str]:
+    """A pytest in ``tmp_path`` with this suite's hooks (and none of this run's xdist or hook settings)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_XDIST", "PYTEST_TIMEOUT_SCALE", FAILED_OUT_ENV))}  # fmt: skip
+    env.update(PYTHONPATH=str(REPO), **env_extra)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "tests.parallel", "-p", "no:cacheprovider", *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
+
+
+def _inner(tmp_path: Path, workers: int, marked: float, unmarked: float | None, scale: str) -> None:
+    (tmp_path / "test_inner.py").write_text(INNER.format(marked=marked, unmarked=unmarked))
+    (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout = 40\n")
+    proc = _pytest(tmp_path, "-n", str(workers), "test_inner.py", PYTEST_TIMEOUT_SCALE=scale)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
 
 
 @pytest.mark.timeout(150)
@@ -71,12 +74,6 @@ def test_a_parallel_run_writes_the_ids_of_its_failed_and_errored_tests_without_t
         "@pytest.mark.parametrize('x', [1, 2])\ndef test_passes(x):\n    assert x\n"
     )
     out = tmp_path / "failed.txt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_FAILED_OUT"))}
-    env.update(PYTHONPATH=str(REPO), PYTEST_FAILED_OUT=str(out))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "tests.parallel", "-p", "no:cacheprovider", "-n", "2",
-         "--dist", "loadgroup", "test_inner.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = _pytest(tmp_path, "-n", "2", "--dist", "loadgroup", "test_inner.py", **{FAILED_OUT_ENV: str(out)})
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(out.read_text().splitlines()) == ["test_inner.py::test_errors", "test_inner.py::test_fails"]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,17 @@ def _run(url: str, progress: Path, mode: str) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "tests.elastic.train._preempt_trainer", url, str(progress), mode]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+@contextlib.contextmanager
+def _reaped(proc: subprocess.Popen[bytes]) -> Iterator[subprocess.Popen[bytes]]:
+    """``proc``, killed and reaped on the way out if it still runs (a failed or timed-out test)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _step(progress: Path) -> int:
@@ -38,18 +51,13 @@ def _step(progress: Path) -> int:
 @pytest.mark.timeout(300)
 def test_sigterm_writes_a_final_synchronous_snapshot_of_the_current_step(tmp_path: Path) -> None:
     progress = tmp_path / "progress"
-    proc = _run(str(tmp_path / "ckpt"), progress, "train")
-    try:
+    with _reaped(_run(str(tmp_path / "ckpt"), progress, "train")) as proc:
         deadline = time.monotonic() + 180
         while _step(progress) < 7:
             assert proc.poll() is None and time.monotonic() < deadline, "trainer did not get going"
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         output = proc.communicate(timeout=90)[0].decode()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, output
     word, step_text, digest = progress.read_text().split()
     assert word == "final" and int(step_text) >= 7
@@ -63,13 +71,8 @@ def test_sigterm_writes_a_final_synchronous_snapshot_of_the_current_step(tmp_pat
 
 @pytest.mark.timeout(240)
 def test_background_save_in_flight_at_interpreter_exit_is_completed(tmp_path: Path) -> None:
-    proc = _run(str(tmp_path / "ckpt"), tmp_path / "progress", "exit")
-    try:
+    with _reaped(_run(str(tmp_path / "ckpt"), tmp_path / "progress", "exit")) as proc:
         output = proc.communicate(timeout=200)[0].decode()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, output
     with create_checkpoint_manager(str(tmp_path / "ckpt")) as mgr:
         snap = mgr.load_latest()
