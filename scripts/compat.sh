@@ -59,7 +59,7 @@ for spec in "${versions[@]}"; do
   "$PY" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$pin"
   torch_version=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)
   PIP_CONSTRAINT="$pin" "$PY" -m pip install -q -e ".[test]" 2> >(grep -vE "^WARNING: Location" >&2)
-  echo "== compat: torch ${torch_version}, python $("$PY" -c 'import platform; print(platform.python_version())')"
+  echo "== compat: torch ${torch_version}, python $("$PY" -c 'import platform; print(platform.python_version())'), installed in $(( $(date +%s) - started ))s"
   rc=0
   PATH="$PWD/$venv/bin:$PATH" "$PY" -m pytest -q -ra -p no:cacheprovider -m "not slow" "${SUITES[@]}" || rc=$?
   took=$(( $(date +%s) - started ))

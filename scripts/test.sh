@@ -13,6 +13,10 @@
 # parallel pytest, then the solo tests), serially 37.8 min (2026-11-27). See README "Development".
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each phase's heading says when it started (minutes:seconds since this script did): CI prints only a part of the
+# output, and a run over its time limit must say where the time went.
+stamp() { printf '[%d:%02d]' $((SECONDS / 60)) $((SECONDS % 60)); }
+echo "== setup $(stamp)"
 bash scripts/setup.sh
 VENV=${VENV:-.venv}
 export PATH="$PWD/$VENV/bin:$PATH"  # torchrun, etrain and the interpreter of the environment
@@ -35,7 +39,7 @@ for arg in "$@"; do case "$arg" in -n|-n?*|--numprocesses*) parallel=1 ;; esac; 
 # break) run afterwards, alone, once ruff and mypy are done too.
 marks="not slow"; [ "$parallel" = 1 ] && marks="not slow and not solo"
 failed_ids=$(mktemp)
-echo "== pytest ($workers workers)"
+echo "== pytest ($workers workers) $(stamp)"
 suite=0; PYTEST_FAILED_OUT="$failed_ids" $PY -m pytest -q -ra --durations=15 -m "$marks" -n "$workers" "$@" || suite=$?
 lint_rc=0; wait "$lint" || lint_rc=$?
 # A parallel run's few failures (at most RERUN_MAX, default 3) run again, serially and alone: the run passes only if
@@ -43,24 +47,25 @@ lint_rc=0; wait "$lint" || lint_rc=$?
 if [ "$parallel" = 1 ] && [ "$suite" = 1 ]; then
   mapfile -t failed < "$failed_ids"
   if [ "${#failed[@]}" -ge 1 ] && [ "${#failed[@]}" -le "${RERUN_MAX:-3}" ]; then
-    echo "== pytest: ${#failed[@]} test(s) failed beside the other workers' load; running them again, alone:"
+    echo "== pytest: ${#failed[@]} test(s) failed beside the other workers' load; running them again, alone: $(stamp)"
     printf '   %s\n' "${failed[@]}"
     rerun=0; $PY -m pytest -q -ra -n 0 "${failed[@]}" || rerun=$?
     if [ "$rerun" = 0 ]; then
       suite=0
-      echo "== they passed alone (failed under the parallel run's load: see their first failure above)"
+      echo "== they passed alone (failed under the parallel run's load: see their first failure above) $(stamp)"
     fi
   fi
 fi
 rm -f "$failed_ids"
 if [ "$parallel" = 1 ]; then
-  echo "== pytest: the solo tests, alone"
+  echo "== pytest: the solo tests, alone $(stamp)"
   solo=0; $PY -m pytest -q -ra -m "solo and not slow" "$@" -n 0 || solo=$?
   if [ "$solo" != 0 ] && [ "$solo" != 5 ]; then suite=$(( suite ? suite : solo )); fi  # 5: none selected
 fi
 cat "$lint_log"; rm -f "$lint_log"
+echo "== suite and lint done $(stamp)"
 if [ "$lint_rc" != 0 ]; then echo "== ruff/mypy failed (exit $lint_rc)"; fi
 if [ "$suite" != 0 ] || [ "$lint_rc" != 0 ]; then exit $(( suite ? suite : lint_rc )); fi
 case "${COMPAT:-${CI:-}}" in
-  1|true) echo "== torch compatibility"; bash scripts/compat.sh ;;
+  1|true) echo "== torch compatibility $(stamp)"; bash scripts/compat.sh; echo "== done $(stamp)" ;;
 esac
