@@ -5,6 +5,14 @@
 #
 #   bash scripts/compat.sh                 # the oldest and the newest torch of the supported range
 #   bash scripts/compat.sh 2.11.0 2.15.0   # chosen releases
+#   bash scripts/compat.sh --download [...]  # only fetch their torch wheels (and what torch needs) into
+#                                            # .compat-wheels/<version>; a later run installs from there
+#
+# scripts/test.sh, under CI, starts the --download beside the main suite: the CUDA wheels are several GB, and
+# fetched then they cost the run no wall time (a CI run went over its 90 min in this script, 2026-11-28).
+# The suites run as scripts/test.sh runs its own (scripts/pytest_phases.sh): on COMPAT_WORKERS (default
+# PYTEST_WORKERS, else 4) pytest-xdist workers, a few tests that failed there again alone, then the `solo` tests
+# alone. Serially they took 8.9 min per torch here, mostly waiting (a load average of 1-2 on 2 cores).
 #
 # Only PyPI's builds exist for most releases: CUDA builds (several GB each, with the nvidia-* wheels),
 # which run on CPU. The versions asked for are what is checked, so in these environments pip's constraints
@@ -12,7 +20,11 @@
 # (default: each is removed after its run, to give back the disk). Needs scripts/setup.sh's apt packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/pytest_phases.sh
 BASE=${PYTHON:-python3}
+WHEELS=${COMPAT_WHEELS:-.compat-wheels}
+mode=run
+if [ "${1:-}" = "--download" ]; then mode=download; shift; fi
 
 if [ $# -eq 0 ]; then
   # elastic/compat.py holds the range; it imports torch only inside functions, so the bare interpreter can read it
@@ -39,12 +51,36 @@ SUITES=(
   tests/integration/test_torchrun_etcd_v3.py
 )
 
+# one name per version spec: the environment's (.venv-torch<name>) and the wheels' folder ($WHEELS/<name>)
+spec_name() { printf '%s' "$1" | tr -c 'A-Za-z0-9.\n' '_'; }
+
+if [ "$mode" = download ]; then
+  # pip runs in the background and is waited for, so that a TERM (scripts/test.sh's exit) stops it at once
+  trap 'kill "${pip_pid:-}" 2>/dev/null; exit 143' TERM
+  for spec in "${versions[@]}"; do
+    dir="$WHEELS/$(spec_name "$spec")"
+    started=$(date +%s)
+    rm -rf "$dir"; mkdir -p "$dir"
+    echo "torch${spec}" >"$dir/torch-pin.txt"
+    PIP_CONSTRAINT="$dir/torch-pin.txt" $BASE -m pip download -q -d "$dir" "torch${spec}" \
+      2> >(grep -vE "^WARNING: Location" >&2) & pip_pid=$!
+    if wait "$pip_pid"; then
+      touch "$dir/.complete"
+      echo "compat: torch${spec} downloaded in $(( $(date +%s) - started ))s ($(du -sh "$dir" | cut -f1))"
+    else
+      echo "compat: downloading torch${spec} failed; its run will install from the index"
+    fi
+  done
+  exit 0
+fi
+
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 summary=()
 failed=0
 for spec in "${versions[@]}"; do
-  name=$(printf '%s' "$spec" | tr -c 'A-Za-z0-9.\n' '_')
+  name=$(spec_name "$spec")
   venv=".venv-torch${name}"
+  wheels="$WHEELS/$name"
   echo "== compat: torch${spec} in ${venv}"
   started=$(date +%s)
   if [ ! -x "$venv/bin/python" ]; then $BASE -m venv "$venv"; fi
@@ -54,14 +90,24 @@ for spec in "${versions[@]}"; do
   # a current pip (venv's 23.x backtracks into another torch), the torch asked for, then the project
   # with that torch held in place
   PIP_CONSTRAINT="$pin" "$PY" -m pip install -q --upgrade pip 2> >(grep -vE "^WARNING: Location" >&2)
-  PIP_CONSTRAINT="$pin" "$PY" -m pip install -q "torch${spec}" 2> >(grep -vE "^WARNING: Location" >&2)
+  if [ -f "$wheels/.complete" ] && PIP_CONSTRAINT="$pin" "$PY" -m pip install -q --no-index --find-links "$wheels" \
+      "torch${spec}" 2> >(grep -vE "^WARNING: Location" >&2); then
+    echo "== compat: torch${spec} installed from $wheels"
+  else
+    PIP_CONSTRAINT="$pin" "$PY" -m pip install -q "torch${spec}" 2> >(grep -vE "^WARNING: Location" >&2)
+  fi
+  rm -rf "$wheels"
   # the installed distribution's version (torch.__version__ may carry a +cu124 that PyPI's files do not)
   "$PY" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$pin"
   torch_version=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)
   PIP_CONSTRAINT="$pin" "$PY" -m pip install -q -e ".[test]" 2> >(grep -vE "^WARNING: Location" >&2)
   echo "== compat: torch ${torch_version}, python $("$PY" -c 'import platform; print(platform.python_version())'), installed in $(( $(date +%s) - started ))s"
   rc=0
-  PATH="$PWD/$venv/bin:$PATH" "$PY" -m pytest -q -ra -p no:cacheprovider -m "not slow" "${SUITES[@]}" || rc=$?
+  workers=${COMPAT_WORKERS:-${PYTEST_WORKERS:-4}}
+  PATH="$PWD/$venv/bin:$PATH" pytest_parallel "$PY" "$workers" "not slow" -p no:cacheprovider "${SUITES[@]}" || rc=$?
+  solo=0
+  PATH="$PWD/$venv/bin:$PATH" pytest_solo "$PY" "not slow" -p no:cacheprovider "${SUITES[@]}" || solo=$?
+  rc=$(( rc ? rc : solo ))
   took=$(( $(date +%s) - started ))
   if [ $rc -eq 0 ]; then result="passed"; else result="FAILED (pytest exit $rc)"; failed=1; fi
   summary+=("torch ${torch_version}: ${result} in ${took}s")

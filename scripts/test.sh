@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Each phase's heading says when it started (minutes:seconds since this script did): CI prints only a part of the
 # output, and a run over its time limit must say where the time went.
-stamp() { printf '[%d:%02d]' $((SECONDS / 60)) $((SECONDS % 60)); }
+source scripts/pytest_phases.sh
 echo "== setup $(stamp)"
 bash scripts/setup.sh
 VENV=${VENV:-.venv}
@@ -32,40 +32,32 @@ lint_log=$(mktemp)
 ( echo "== ruff"; $PY -m ruff check elastic service tests bench examples && echo "== mypy" && $PY -m mypy ) \
   >"$lint_log" 2>&1 &
 lint=$!
-workers=${PYTEST_WORKERS:-4}
-parallel=$([ "$workers" != 0 ] && echo 1 || echo 0)
-for arg in "$@"; do case "$arg" in -n|-n?*|--numprocesses*) parallel=1 ;; esac; done
-# In a parallel run the tests marked `solo` (a tight wall-clock bound, which other tests' load on the cores would
-# break) run afterwards, alone, once ruff and mypy are done too.
-marks="not slow"; [ "$parallel" = 1 ] && marks="not slow and not solo"
-failed_ids=$(mktemp)
-echo "== pytest ($workers workers) $(stamp)"
-suite=0; PYTEST_FAILED_OUT="$failed_ids" $PY -m pytest -q -ra --durations=15 -m "$marks" -n "$workers" "$@" || suite=$?
-lint_rc=0; wait "$lint" || lint_rc=$?
-# A parallel run's few failures (at most RERUN_MAX, default 3) run again, serially and alone: the run passes only if
-# each passes there, and the output names them. More failures than that fail the run as they are.
-if [ "$parallel" = 1 ] && [ "$suite" = 1 ]; then
-  mapfile -t failed < "$failed_ids"
-  if [ "${#failed[@]}" -ge 1 ] && [ "${#failed[@]}" -le "${RERUN_MAX:-3}" ]; then
-    echo "== pytest: ${#failed[@]} test(s) failed beside the other workers' load; running them again, alone: $(stamp)"
-    printf '   %s\n' "${failed[@]}"
-    rerun=0; $PY -m pytest -q -ra -n 0 "${failed[@]}" || rerun=$?
-    if [ "$rerun" = 0 ]; then
-      suite=0
-      echo "== they passed alone (failed under the parallel run's load: see their first failure above) $(stamp)"
-    fi
-  fi
+# Under CI (or COMPAT=1) the torch compatibility run follows the suite: its torch wheels (several GB of CUDA builds)
+# are fetched now, beside the suite, and the fetch is stopped if the script ends first.
+compat=0; case "${COMPAT:-${CI:-}}" in 1|true) compat=1 ;; esac
+if [ "$compat" = 1 ]; then
+  fetch_log=$(mktemp)
+  bash scripts/compat.sh --download >"$fetch_log" 2>&1 &
+  fetch=$!
+  trap 'kill "$fetch" 2>/dev/null || true' EXIT
 fi
-rm -f "$failed_ids"
-if [ "$parallel" = 1 ]; then
-  echo "== pytest: the solo tests, alone $(stamp)"
-  solo=0; $PY -m pytest -q -ra -m "solo and not slow" "$@" -n 0 || solo=$?
-  if [ "$solo" != 0 ] && [ "$solo" != 5 ]; then suite=$(( suite ? suite : solo )); fi  # 5: none selected
-fi
+# The `solo` tests (a tight wall-clock bound, which other tests' load on the cores would break) and a parallel run's
+# reruns run alone, once ruff and mypy are done too.
+lint_rc=0; lint_waited=0
+before_alone() { if [ "$lint_waited" = 0 ]; then lint_waited=1; wait "$lint" || lint_rc=$?; fi; }
+suite=0; pytest_parallel "$PY" "${PYTEST_WORKERS:-4}" "not slow" "$@" || suite=$?
+solo=0; pytest_solo "$PY" "not slow" "$@" || solo=$?
+before_alone
+suite=$(( suite ? suite : solo ))
 cat "$lint_log"; rm -f "$lint_log"
 echo "== suite and lint done $(stamp)"
 if [ "$lint_rc" != 0 ]; then echo "== ruff/mypy failed (exit $lint_rc)"; fi
 if [ "$suite" != 0 ] || [ "$lint_rc" != 0 ]; then exit $(( suite ? suite : lint_rc )); fi
-case "${COMPAT:-${CI:-}}" in
-  1|true) echo "== torch compatibility $(stamp)"; bash scripts/compat.sh; echo "== done $(stamp)" ;;
-esac
+if [ "$compat" = 1 ]; then
+  echo "== torch compatibility: waiting for its downloads $(stamp)"
+  wait "$fetch" || true
+  cat "$fetch_log"; rm -f "$fetch_log"
+  echo "== torch compatibility $(stamp)"
+  bash scripts/compat.sh
+  echo "== done $(stamp)"
+fi
