@@ -72,6 +72,7 @@ def _member_process(endpoints: str, run_id: str, addr: str, nodes: tuple[int, in
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
 
 
+@pytest.mark.solo  # every rank within 0.5 s: runs alone in a parallel scripts/test.sh (0.58 s once beside the others)
 def test_a_full_round_completes_on_the_watch_a_fraction_of_a_second_after_the_last_join(
     etcd_server: LocalEtcdCluster, made: list[EtcdV3RendezvousHandler]
 ) -> None:
