@@ -59,6 +59,13 @@ if [ "$mode" = download ]; then
   trap 'kill "${pip_pid:-}" 2>/dev/null; exit 143' TERM
   for spec in "${versions[@]}"; do
     dir="$WHEELS/$(spec_name "$spec")"
+    # ~3 GB a torch, beside a suite that writes checkpoints: with under DOWNLOAD_MIN_FREE_GB (20) free, its run
+    # installs from the index instead, as it did before the downloads existed
+    free_gb=$(( $(df -Pk . | awk 'NR == 2 {print $4}') / 1024 / 1024 ))
+    if [ "$free_gb" -lt "${DOWNLOAD_MIN_FREE_GB:-20}" ]; then
+      echo "compat: not downloading torch${spec}: ${free_gb} GB free; its run will install from the index"
+      continue
+    fi
     started=$(date +%s)
     rm -rf "$dir"; mkdir -p "$dir"
     echo "torch${spec}" >"$dir/torch-pin.txt"
@@ -68,6 +75,7 @@ if [ "$mode" = download ]; then
       touch "$dir/.complete"
       echo "compat: torch${spec} downloaded in $(( $(date +%s) - started ))s ($(du -sh "$dir" | cut -f1))"
     else
+      rm -rf "$dir"
       echo "compat: downloading torch${spec} failed; its run will install from the index"
     fi
   done
