@@ -276,7 +276,7 @@ class ChaosRunner:
                 "--save-every", str(c.save_every), "--step-sleep", str(c.step_sleep), "--dropout", "0",
                 "--keep-last", "1000000"]  # fmt: skip
         if c.hold_epochs > 0:  # a slow tail until the last fault (ChaosConfig.hold_epochs)
-            args += ["--hold-file", str(self.hold), "--hold-epoch", str(c.hold_from_epoch),
+            args += ["--hold-file", str(self.hold), "--hold-epoch", str(max(0, c.epochs - c.hold_epochs)),
                      "--hold-max", str(c.hold_max_s)]  # fmt: skip
         env = {"OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
         if self.network is None:

@@ -262,12 +262,3 @@ def test_the_incremental_record_reader_returns_what_a_full_read_does_as_files_gr
     assert first == read_records(tmp_path) and [r["step"] for r in first] == [1, 2, 3, 4, 5, 9]
     first[0]["step"] = 100  # the caller's copy
     assert read()[0] == {"step": 1}
-
-
-def test_the_held_tail_is_a_third_of_the_job_or_hold_epochs_if_longer() -> None:
-    from tests.chaos.model import ChaosConfig, FaultKind
-
-    short = ChaosConfig(faults=len(FaultKind), steps_between=8)  # tests/chaos/test_chaos.py's session
-    assert (short.epochs, short.hold_from_epoch) == (51, 34)
-    assert ChaosConfig(faults=len(FaultKind), steps_between=8, hold_epochs=40).hold_from_epoch == 11
-    assert ChaosConfig(faults=len(FaultKind), steps_between=8, hold_epochs=80).hold_from_epoch == 0
