@@ -51,11 +51,20 @@ SUITES=(
   tests/integration/test_torchrun_etcd_v3.py
 )
 
+# pip with only the torch asked for as its constraint, without its notes about unreadable local index folders:
+#   pin_pip PIN_FILE PYTHON pip-arguments...
+pin_pip() {
+  local pin=$1 py=$2
+  shift 2
+  PIP_CONSTRAINT="$pin" "$py" -m pip "$@" 2> >(grep -vE "^WARNING: Location" >&2)
+}
+
 # one name per version spec: the environment's (.venv-torch<name>) and the wheels' folder ($WHEELS/<name>)
 spec_name() { printf '%s' "$1" | tr -c 'A-Za-z0-9.\n' '_'; }
 
 if [ "$mode" = download ]; then
-  # pip runs in the background and is waited for, so that a TERM (scripts/test.sh's exit) stops it at once
+  # pip runs in the background and is waited for, so that a TERM (scripts/test.sh's exit) stops it at once (not
+  # through pin_pip: $! must be pip itself)
   trap 'kill "${pip_pid:-}" 2>/dev/null; exit 143' TERM
   for spec in "${versions[@]}"; do
     dir="$WHEELS/$(spec_name "$spec")"
@@ -97,18 +106,17 @@ for spec in "${versions[@]}"; do
   echo "torch${spec}" >"$pin"
   # a current pip (venv's 23.x backtracks into another torch), the torch asked for, then the project
   # with that torch held in place
-  PIP_CONSTRAINT="$pin" "$PY" -m pip install -q --upgrade pip 2> >(grep -vE "^WARNING: Location" >&2)
-  if [ -f "$wheels/.complete" ] && PIP_CONSTRAINT="$pin" "$PY" -m pip install -q --no-index --find-links "$wheels" \
-      "torch${spec}" 2> >(grep -vE "^WARNING: Location" >&2); then
+  pin_pip "$pin" "$PY" install -q --upgrade pip
+  if [ -f "$wheels/.complete" ] && pin_pip "$pin" "$PY" install -q --no-index --find-links "$wheels" "torch${spec}"; then
     echo "== compat: torch${spec} installed from $wheels"
   else
-    PIP_CONSTRAINT="$pin" "$PY" -m pip install -q "torch${spec}" 2> >(grep -vE "^WARNING: Location" >&2)
+    pin_pip "$pin" "$PY" install -q "torch${spec}"
   fi
   rm -rf "$wheels"
   # the installed distribution's version (torch.__version__ may carry a +cu124 that PyPI's files do not)
   "$PY" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$pin"
   torch_version=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)
-  PIP_CONSTRAINT="$pin" "$PY" -m pip install -q -e ".[test]" 2> >(grep -vE "^WARNING: Location" >&2)
+  pin_pip "$pin" "$PY" install -q -e ".[test]"
   echo "== compat: torch ${torch_version}, python $("$PY" -c 'import platform; print(platform.python_version())'), installed in $(( $(date +%s) - started ))s"
   rc=0
   workers=${COMPAT_WORKERS:-${PYTEST_WORKERS:-4}}
