@@ -3,7 +3,8 @@ generation, and by the test and benchmark harnesses (:mod:`elastic.testing.torch
 
 ``python -m torch.distributed.run`` is used rather than the ``torchrun`` script so that the interpreter is
 the one given. With ``prefork`` the workers start as ``elastic.prefork`` clients, forked warm by the
-agent's zygote (:mod:`elastic.prefork`).
+agent's zygote (:mod:`elastic.prefork`); with ``forked`` torchrun itself does
+(:mod:`elastic.prefork.torchrun`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["TorchrunCommand", "format_rdzv_conf"]
+__all__ = ["COLD", "FORKED", "TorchrunCommand", "format_rdzv_conf"]
+
+#: what follows the interpreter in a torchrun command: a fresh one, or a prefork client's (:mod:`elastic.prefork`)
+COLD = ("-m", "torch.distributed.run")
+FORKED = ("-m", "elastic.prefork", "-m", "elastic.prefork.torchrun")
 
 
 def format_rdzv_conf(conf: Mapping[str, object]) -> str:
@@ -38,10 +43,12 @@ class TorchrunCommand:
     local_addr: str | None = None
     prefork: bool = False
     python: str = sys.executable
+    #: torchrun itself forked from the zygote its workers use (``$ETRAIN_PREFORK_OWNER``/``_KEY`` name it)
+    forked: bool = False
 
     def argv(self) -> list[str]:
         cmd = [
-            self.python, "-m", "torch.distributed.run",
+            self.python, *(FORKED if self.forked else COLD),
             f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}",
             f"--rdzv-backend={self.rdzv_backend}", f"--rdzv-endpoint={self.rdzv_endpoint}",
             f"--rdzv-id={self.run_id}", f"--max-restarts={self.max_restarts}",

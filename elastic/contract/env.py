@@ -19,8 +19,9 @@ Variables, by who sets them:
   or a user: :data:`LIVE_PREFIX` (the etcd prefix of the job's live group, see :mod:`elastic.live`) and
   :data:`LIVE_NODES` (``MIN:MAX`` nodes), with the ``ETRAIN_ETCD_*`` connection above when the user set none;
 - a user, to tune the library: :data:`LOCAL_SNAPSHOT_DIR` (``elastic.checkpoint.tiers``), :data:`PREFORK`,
-  :data:`PREFORK_PRELOAD`, :data:`PREFORK_DIR` (``elastic.prefork``); the service's agent on a hot spare:
-  :data:`PREFORK_OWNER` (``elastic.prefork``);
+  :data:`PREFORK_PRELOAD`, :data:`PREFORK_DIR` (``elastic.prefork``); the service's agent, for a warm job
+  (``elastic.prefork``): :data:`PREFORK_OWNER`, and unless it is a hot spare :data:`PREFORK_KEY` and
+  :data:`PREFORK_GRACE` (the job's own zygote on that node, which forks its torchrun and its workers);
 - ``elastic.prefork`` itself, for the worker it forks: :data:`PREFORK_CLIENT` (the client's pid).
 
 torchrun's own variables, which every worker it starts has (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
@@ -71,6 +72,8 @@ __all__ = [
     "PREFORK",
     "PREFORK_CLIENT",
     "PREFORK_DIR",
+    "PREFORK_GRACE",
+    "PREFORK_KEY",
     "PREFORK_OWNER",
     "PREFORK_PRELOAD",
     "PROGRESS_KEY",
@@ -121,9 +124,14 @@ LOCAL_SNAPSHOT_DIR = "ETRAIN_LOCAL_SNAPSHOT_DIR"
 PREFORK = "ETRAIN_PREFORK"
 PREFORK_PRELOAD = "ETRAIN_PREFORK_PRELOAD"
 PREFORK_DIR = "ETRAIN_PREFORK_DIR"
-# the pid whose zygote the workers fork from (a hot spare's node agent, which keeps one warm between jobs);
-# unset: the worker's torchrun agent
+# the pid whose zygote the workers fork from (a node agent: a hot spare's keeps one warm between jobs, any other
+# one per warm job); unset: the worker's torchrun agent
 PREFORK_OWNER = "ETRAIN_PREFORK_OWNER"
+# which of its owner's zygotes (a node agent's: the job's id); unset: the owner's only one
+PREFORK_KEY = "ETRAIN_PREFORK_KEY"
+# seconds a zygote whose owner died waits for its children to end before it kills them (the node agent's stop
+# grace: a dead agent's torchrun gets SIGTERM and stops its workers as it would have); unset: none
+PREFORK_GRACE = "ETRAIN_PREFORK_GRACE"
 PREFORK_CLIENT = "ETRAIN_PREFORK_CLIENT"
 # "LOW-HIGH": the ports the local test servers take (elastic.testing.ports; each parallel test worker has its own)
 PORT_RANGE = "ETRAIN_PORT_RANGE"

@@ -41,7 +41,8 @@ complete within :data:`~elastic.prefork.zygote.REQUEST_DEADLINE_S`, so no client
 a request over the cap makes its client start cold instead.
 """
 
-from elastic.prefork.client import main, prestart
+from elastic.prefork.client import main, prestart, stop_zygote
 from elastic.prefork.common import DEFAULT_PRELOAD, Target, forked_worker, socket_path, worker_tree
 
-__all__ = ["DEFAULT_PRELOAD", "Target", "forked_worker", "main", "prestart", "socket_path", "worker_tree"]
+__all__ = ["DEFAULT_PRELOAD", "Target", "forked_worker", "main", "prestart", "socket_path", "stop_zygote",
+           "worker_tree"]

@@ -4,6 +4,7 @@ it its stdio, environment, directory and arguments, forwards signals, and exits 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import logging
 import os
@@ -15,16 +16,19 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastic.contract.env import PREFORK_CLIENT, PREFORK_OWNER
+from elastic.contract.env import PREFORK_CLIENT, PREFORK_OWNER, TORCHRUN_RUN_ID
 from elastic.prefork.common import (
     FORWARDED,
     MessageTooLarge,
     Target,
+    ZygoteKeyError,
     encode_message,
     prefork_enabled,
     recv_message,
     send_message,
     socket_path,
+    zygote_grace,
+    zygote_key,
 )
 from elastic.proctree import process_stat
 
@@ -54,8 +58,9 @@ def _zygote_starting(path: Path) -> int | None:
     return pid if st is not None and st[1] == start else None
 
 
-def _launch(path: Path, owner: int) -> int | None:
-    """Under the agent's lock: the zygote already starting for ``owner``, or a new one (its pid)."""
+def _launch(path: Path, owner: int, grace: float = 0.0) -> int | None:
+    """Under the agent's lock: the zygote already starting for ``owner``, or a new one (its pid) that lets its
+    children end for up to ``grace`` seconds once ``owner`` has died."""
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         pid = _zygote_starting(path)
@@ -63,8 +68,8 @@ def _launch(path: Path, owner: int) -> int | None:
             return pid
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a zygote that was killed leaves its socket behind
-        pid = _spawn_detached([sys.executable, "-m", "elastic.prefork", "--serve", str(path), str(owner)],
-                              path.with_suffix(".log"))  # fmt: skip
+        pid = _spawn_detached([sys.executable, "-m", "elastic.prefork", "--serve", str(path), str(owner),
+                               f"{grace:g}"], path.with_suffix(".log"))  # fmt: skip
         st = process_stat(pid) if pid > 0 else None
         if st is None:
             return None
@@ -74,7 +79,7 @@ def _launch(path: Path, owner: int) -> int | None:
 
 def _start_zygote(path: Path, owner: int) -> socket.socket | None:
     """Connect to the agent's zygote, starting it first if nobody did (one start per agent)."""
-    pid = _launch(path, owner)
+    pid = _launch(path, owner, zygote_grace())
     deadline = time.monotonic() + _START_TIMEOUT_S
     while pid is not None and time.monotonic() < deadline:
         sock = _connect(path)
@@ -107,14 +112,16 @@ def on_agent_start(argv: Sequence[str]) -> None:
         prestart(zygote_owner_or_none())
 
 
-def prestart(owner: int | None = None) -> None:
-    """Start the zygote of torchrun agent ``owner`` (default: this process) now and return at once, so
-    that its imports overlap the rendezvous instead of delaying the first worker. Does nothing if
-    ``ETRAIN_PREFORK=0`` or if one runs already. Safe in a multi-threaded process (no fork here)."""
+def prestart(owner: int | None = None, key: str | None = None, grace: float | None = None) -> None:
+    """Start the zygote of agent ``owner`` (default: this process) named ``key`` (default
+    ``$ETRAIN_PREFORK_KEY``) now and return at once, so that its imports overlap the rendezvous instead of
+    delaying the first worker; ``grace``: see :func:`elastic.prefork.common.zygote_grace` (its default). Does
+    nothing if ``ETRAIN_PREFORK=0`` or if one runs already. Safe in a multi-threaded process (no fork here)."""
     owner = os.getpid() if owner is None else owner
     try:
-        path = socket_path(owner) if prefork_enabled() else None
-    except OSError as exc:  # e.g. a directory another user could control: workers will start cold
+        key = zygote_key() if key is None else key
+        path = socket_path(owner, key) if prefork_enabled() else None
+    except (OSError, ZygoteKeyError) as exc:  # e.g. a directory another user could control: cold starts
         logger.warning("elastic.prefork: no zygote for agent %d: %s", owner, exc)
         return
     if path is None:
@@ -123,7 +130,24 @@ def prestart(owner: int | None = None) -> None:
     if sock is not None:
         sock.close()
         return
-    _launch(path, owner)
+    _launch(path, owner, zygote_grace() if grace is None else grace)
+
+
+def stop_zygote(owner: int, key: str | None = None) -> bool:
+    """Stop the zygote of ``owner`` named ``key`` (e.g. a node agent's for a job that left the node), and any
+    child it still has; True if one was running. It removes its socket and files as it exits."""
+    try:
+        path = socket_path(owner, key)
+    except (OSError, ZygoteKeyError):
+        return False
+    if path is None:
+        return False
+    pid = _zygote_starting(path)
+    if pid is None:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    return True
 
 
 _DETACH = """import os, sys
@@ -198,21 +222,41 @@ def _run_client(sock: socket.socket, request: bytes) -> int:
         return 1
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_torchrun() -> None:
+    """A worker's client (torchrun gave it ``TORCHELASTIC_RUN_ID``) dies with its torchrun agent, and the zygote
+    then kills the worker: as when the zygote is that torchrun's own (it exits with its owner), also when it is a
+    node agent's and outlives a torchrun killed by a signal."""
+    if not os.environ.get(TORCHRUN_RUN_ID):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != parent:  # torchrun died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--serve"]:
         from elastic.prefork.zygote import serve  # only the zygote needs it
 
-        return serve(Path(argv[1]), int(argv[2]))
+        return serve(Path(argv[1]), int(argv[2]), float(argv[3]) if len(argv) > 3 else 0.0)
     target = Target.parse(argv)
     try:
         owner = zygote_owner()
-        path = socket_path(owner) if prefork_enabled() else None
+        path = socket_path(owner, zygote_key()) if prefork_enabled() else None
         request = _request(target) if path is not None else b""
-    except (OSError, MessageTooLarge) as exc:  # a runtime dir another user could control; a huge environment
+    except (OSError, MessageTooLarge, ZygoteKeyError) as exc:  # a runtime dir another user could control; a
+        # huge environment; a key that cannot name a file
         print(f"elastic.prefork: {exc}; running cold", file=sys.stderr, flush=True)
         path = None
     if path is not None:
+        _die_with_torchrun()
         sock = _connect(path) or _start_zygote(path, owner)
         if sock is not None:
             with sock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import runpy
 import signal
 import socket
@@ -13,11 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic.contract.env import PREFORK, PREFORK_CLIENT, PREFORK_DIR
+from elastic.contract.env import PREFORK, PREFORK_CLIENT, PREFORK_DIR, PREFORK_GRACE, PREFORK_KEY
 from elastic.proctree import descendants, process_stat
 from elastic.runtime_dir import private_dir
 
-DEFAULT_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "elastic.train.trainer")
+#: torch.distributed.run: a node agent's zygote forks the job's torchrun too (:mod:`elastic.prefork.torchrun`)
+DEFAULT_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "torch.distributed.run",
+                   "elastic.train.trainer")  # fmt: skip
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT)  # fmt: skip
 _HEADER = struct.Struct("!I")
@@ -61,13 +64,45 @@ def _base_dir(create: bool = True) -> Path:
     return private_dir(Path(os.environ.get(PREFORK_DIR) or f"/tmp/etrain-prefork-{os.getuid()}"), create)
 
 
-def socket_path(owner: int) -> Path | None:
-    """The zygote socket of the torchrun agent ``owner`` (None if that process is gone). Raises
-    :class:`elastic.runtime_dir.UnsafeDirectoryError` (an ``OSError``) if the directory is not private."""
+_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class ZygoteKeyError(ValueError):
+    """A zygote key (``$ETRAIN_PREFORK_KEY``) that cannot be part of a file name."""
+
+
+def check_key(key: str | None) -> str | None:
+    """``key`` if it can name a zygote of its owner's (letters, digits, ``.``, ``_``, ``-``; at most 64, not
+    starting with a separator), None for None or ""; else :class:`ZygoteKeyError`."""
+    if not key:
+        return None
+    if not _KEY.fullmatch(key):
+        raise ZygoteKeyError(f"{PREFORK_KEY}={key!r}: use 1-64 letters, digits, '.', '_' or '-'")
+    return key
+
+
+def zygote_key() -> str | None:
+    """``$ETRAIN_PREFORK_KEY``: which of its owner's zygotes this process uses (None: the owner's only one)."""
+    return check_key(os.environ.get(PREFORK_KEY))
+
+
+def zygote_grace() -> float:
+    """``$ETRAIN_PREFORK_GRACE``: seconds a zygote whose owner died lets its children end (0 if unset or bad)."""
+    try:
+        return max(0.0, float(os.environ.get(PREFORK_GRACE, "0")))
+    except ValueError:
+        return 0.0
+
+
+def socket_path(owner: int, key: str | None = None) -> Path | None:
+    """The socket of the zygote of ``owner`` (a torchrun agent, or a node agent) named ``key`` (None: its only
+    one); None if ``owner`` is gone. Raises :class:`elastic.runtime_dir.UnsafeDirectoryError` (an ``OSError``) if
+    the directory is not private, :class:`ZygoteKeyError` for a bad key."""
     st = process_stat(owner)
     if st is None:
         return None
-    return _base_dir() / f"{owner}-{st[1]}.sock"
+    key = check_key(key)
+    return _base_dir() / (f"{owner}-{st[1]}.sock" if key is None else f"{owner}-{st[1]}-{key}.sock")
 
 
 def marker_path(client_pid: int, create: bool = True) -> Path:

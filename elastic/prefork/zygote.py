@@ -81,8 +81,15 @@ def _preload() -> None:
                 logger.warning("elastic.prefork: could not preload %s", name, exc_info=True)
 
 
-def serve(path: Path, owner: int) -> int:
+def _exit_on_sigterm(_sig: int, _frame: object) -> None:
+    raise SystemExit(0)  # the loop's ``finally`` kills the children left and removes the zygote's files
+
+
+def serve(path: Path, owner: int, grace: float = 0.0) -> int:
+    """Serve until ``owner`` dies (then let the children end for up to ``grace`` seconds: their own parents,
+    e.g. a torchrun told by its dead node agent's SIGTERM, stop them) or SIGTERM; kill what is left."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefork %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     owner_fd = os.pidfd_open(owner)
     if sys.path and sys.path[0] == os.getcwd():
         sys.path.pop(0)  # `-m` put the start-up directory first; a worker's sys.path[0] is its script's
@@ -104,14 +111,20 @@ def serve(path: Path, owner: int) -> int:
     sel.register(owner_fd, selectors.EVENT_READ, ("owner", None))
     children: dict[int, tuple[socket.socket, int, int]] = {}  # pid -> (client connection, pidfd, client pid)
     pending: dict[int, _Pending] = {}  # connection fd -> its request so far
+    draining: float | None = None  # the owner is gone: the children have until then
     try:
-        while True:
-            soonest = min((p.deadline for p in pending.values()), default=None)
-            timeout = None if soonest is None else max(0.0, soonest - time.monotonic())
+        while draining is None or (children and time.monotonic() < draining):
+            deadlines = [p.deadline for p in pending.values()] + ([] if draining is None else [draining])
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
             for key, _ in sel.select(timeout):
                 what, data = key.data
                 if what == "owner":
-                    return 0
+                    if grace <= 0 or not children:
+                        return 0
+                    logger.info("agent %d is gone: %d children have %g s to end", owner, len(children), grace)
+                    draining = time.monotonic() + grace
+                    _stop_listening(sel, listener, owner_fd, path, pending)
+                    continue
                 if what == "listen":
                     _accept(listener, sel, pending)
                 elif what == "request":
@@ -129,6 +142,9 @@ def serve(path: Path, owner: int) -> int:
             now = time.monotonic()
             for late in [p for p in pending.values() if p.deadline <= now]:
                 late.drop(sel, pending, f"no complete request within {REQUEST_DEADLINE_S:g} s")
+        if children:
+            logger.warning("%d children did not end within %g s of their owner's death: killed", len(children), grace)
+        return 0
     finally:
         for pid, (_, _, client_pid) in children.items():
             with contextlib.suppress(OSError):
@@ -137,6 +153,20 @@ def serve(path: Path, owner: int) -> int:
         for leftover in (path, *(path.with_suffix(x) for x in (".lock", ".log", ".pid"))):
             with contextlib.suppress(OSError):
                 leftover.unlink()
+
+
+def _stop_listening(
+    sel: selectors.BaseSelector, listener: socket.socket, owner_fd: int, path: Path, pending: dict[int, _Pending]
+) -> None:
+    """No new children: the socket goes (a client finds no zygote and starts cold), pending requests are dropped."""
+    for fileobj in (listener, owner_fd):
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(fileobj)
+    listener.close()
+    with contextlib.suppress(OSError):
+        path.unlink()
+    for p in list(pending.values()):
+        p.drop(sel, pending, "the zygote's owner is gone")
 
 
 def _accept(listener: socket.socket, sel: selectors.BaseSelector, pending: dict[int, _Pending]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from elastic import compat
 from elastic.contract.env import PREFORK_OWNER
 from elastic.prefork import forked_worker, worker_tree
-from elastic.torchrun_cli import TorchrunCommand, format_rdzv_conf
+from elastic.torchrun_cli import COLD, FORKED, TorchrunCommand, format_rdzv_conf
 
 WORKER = str(Path(__file__).with_name("allreduce_worker.py"))
 
@@ -60,15 +60,12 @@ def shared_zygote() -> dict[str, str]:
     return {PREFORK_OWNER: str(os.getpid())}
 
 
-_TORCHRUN = ["-m", "torch.distributed.run"]
-
-
 def forked_command(cmd: list[str]) -> list[str]:
     """``cmd`` (a ``python -m torch.distributed.run ...`` command) as a prefork client whose child, forked from
-    the shared zygote, runs that torchrun (:mod:`elastic.testing.forked_torchrun`)."""
-    if cmd[1:3] != _TORCHRUN:
+    the shared zygote, runs that torchrun (:mod:`elastic.prefork.torchrun`)."""
+    if cmd[1:3] != list(COLD):
         raise ValueError(f"not a `python -m torch.distributed.run` command: {cmd[:3]}")
-    return [cmd[0], "-m", "elastic.prefork", "-m", "elastic.testing.forked_torchrun", *cmd[3:]]
+    return [cmd[0], *FORKED, *cmd[3:]]
 
 
 @dataclass

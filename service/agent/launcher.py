@@ -126,9 +126,11 @@ def torchrun_command(
     etcd_endpoints: str,
     rdzv_host: str | None,
     conf_on_command_line: str | None,
+    forked: bool = False,
 ) -> list[str]:
     """``python -m torch.distributed.run ...`` for one generation (``conf_on_command_line`` None: no
-    ``--rdzv-conf``; torchrun then reads ``PET_RDZV_CONF`` if its environment has one)."""
+    ``--rdzv-conf``; torchrun then reads ``PET_RDZV_CONF`` if its environment has one); ``forked``: torchrun forked
+    from the zygote the environment names (:mod:`service.agent.zygotes`)."""
     spec = assignment.spec
     return TorchrunCommand(
         rdzv_endpoint=etcd_endpoints,
@@ -144,6 +146,7 @@ def torchrun_command(
         local_addr=rdzv_host,
         prefork=spec.warm_start,
         python=python,
+        forked=forked,
     ).argv()
 
 def worker_env(

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from elastic import prefork
-from elastic.contract import env as contract
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from elastic.etcd.lease import LeaseKeeper
 from service.agent.health import HealthServer, HealthStatus, judge_health
@@ -44,6 +43,7 @@ from service.agent.isolation import UidRangeExhausted
 from service.agent.jobfiles import IsolationError, JobFiles
 from service.agent.launcher import JobIdentityError, TorchrunProcess, rdzv_conf, torchrun_command, worker_env
 from service.agent.logs import LogServer, log_path
+from service.agent.zygotes import JobZygotes
 from service.core.config import AgentSettings
 from service.core.models import Assignment, NodeInfo, WorkerReport
 from service.core.store import ServiceStore, create_store
@@ -118,6 +118,7 @@ class NodeAgent:
                 self.client.close()
             raise AgentError(str(exc)) from None
         self.isolation = self._jobs.isolation
+        self._zygotes = JobZygotes(spare=settings.spare, stop_grace=settings.stop_grace)
         self.incarnation = uuid.uuid4().hex[:12]
         self._running: dict[str, _Running] = {}
         self._stopping: dict[str, _Running] = {}  # taken out of _running, stop() in progress
@@ -182,7 +183,7 @@ class NodeAgent:
         if self.settings.spare:
             # held warm: a zygote of this agent's, torch imported, forks the workers of whatever job it joins
             # (elastic.prefork; the jobs' torchruns find it through ETRAIN_PREFORK_OWNER)
-            prefork.prestart(os.getpid())
+            prefork.prestart(os.getpid(), grace=self.settings.stop_grace.total_seconds())
 
         def attach(lease_id: int) -> None:
             self.store.register_node(self._node_info(), lease_id)
@@ -244,14 +245,16 @@ class NodeAgent:
             checkpoint_key_file=files.key_file,
             home=files.home,
         )
-        if s.spare and a.spec.warm_start and files.user is None:  # the agent's zygote runs as the agent's uid
-            env[contract.PREFORK_OWNER] = str(os.getpid())
+        zygote = self._zygotes.env_for(a.job_id, warm=a.spec.warm_start, own_uid=files.user is not None,
+                                       own_launcher=self._launcher is not None)  # fmt: skip
+        env.update(zygote)
         cmd = torchrun_command(
             a,
             python=s.python,
             etcd_endpoints=s.etcd.endpoints,
             rdzv_host=s.rdzv_host,
             conf_on_command_line=rdzv_conf(a, etcd, a.rdzv_prefix or self.store.keys.legacy_rdzv),
+            forked=bool(zygote),
         )
         cwd = a.spec.working_dir or os.getcwd()
         if not Path(cwd).is_dir():
@@ -345,6 +348,7 @@ class NodeAgent:
                     self._launch(a)
             self._finished = {f for f in self._finished if f[0] in assignments}
             self._forget_secrets(assignments)
+            self._zygotes.forget({*assignments, *self._running, *self._stopping})
             self._flush()
 
     # -- loop ----------------------------------------------------------------------------------------
@@ -392,6 +396,7 @@ class NodeAgent:
                 except Exception:
                     logger.exception("stopping job %s failed", job_id)
             self._forget_secrets(())
+            self._zygotes.close()
         if self._keeper is not None:
             self._keeper.close(revoke=True)
             self._keeper = None

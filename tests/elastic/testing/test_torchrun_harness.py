@@ -55,7 +55,7 @@ def _cmdline(pid: int) -> str:
 def test_the_forked_command_runs_torchrun_through_the_prefork_client_and_refuses_anything_else() -> None:
     cmd = torchrun_command(backend="etcd-v3", endpoint="127.0.0.1:2379", run_id="r", nnodes="1")
     forked = forked_command(cmd)
-    assert forked[:5] == [cmd[0], "-m", "elastic.prefork", "-m", "elastic.testing.forked_torchrun"]
+    assert forked[:5] == [cmd[0], "-m", "elastic.prefork", "-m", "elastic.prefork.torchrun"]
     assert forked[5:] == cmd[3:]
     with pytest.raises(ValueError, match=r"torch\.distributed\.run"):
         forked_command(["torchrun", *cmd[3:]])

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd import create_client
-from elastic.proctree import alive, descendants, process_stat
+from elastic.prefork import forked_worker, worker_tree
+from elastic.proctree import alive, process_stat
 from elastic.testing.etcd_server import LocalEtcdCluster, free_port
 from elastic.testing.wait import wait_for
 from service.agent.launcher import TorchrunProcess
@@ -154,7 +155,8 @@ def test_unassigning_stops_torchrun_and_all_its_workers(running_agent: NodeAgent
     assert isinstance(pid, int)
     root = process_stat(pid)
     assert root is not None
-    tree = wait_for(lambda: descendants(pid), timeout=60)  # the worker has started: (pid, start time) each
+    # the worker has started: (pid, start time) each, torchrun forked from the job's zygote and what it started
+    tree = wait_for(lambda: len(t := worker_tree(pid)) >= 3 and t, timeout=60)
     assert isinstance(tree, list)
     running_agent.client.delete(running_agent.store.keys.assignment("n1", "job-1"))
     report = wait_for(lambda: (r := _report(running_agent)) and r.state == "stopped" and r, timeout=30)
@@ -178,6 +180,28 @@ def test_a_new_generation_replaces_the_running_one(running_agent: NodeAgent, tmp
     assert not Path(f"/proc/{first}").exists() or "Z" in Path(f"/proc/{first}/stat").read_text()
     report = wait_for(lambda: (r := _report(running_agent)) and r.generation == 2 and r, timeout=30)
     assert isinstance(report, WorkerReport) and report.state == "running"
+
+
+def test_a_warm_jobs_generations_fork_torchrun_from_one_zygote_of_the_job_which_goes_when_the_job_does(
+    running_agent: NodeAgent, tmp_path: Path
+) -> None:
+    def zygote_of(generation: int) -> tuple[int, int]:
+        _assign(running_agent, tmp_path, "sleep", generation=generation)
+        client = wait_for(lambda: (r := _report(running_agent)) and r.generation == generation and r.pid, timeout=30)
+        assert isinstance(client, int)
+        torchrun = wait_for(lambda: forked_worker(client), timeout=60)  # the agent started a prefork client ...
+        assert isinstance(torchrun, int)
+        st = process_stat(torchrun)  # ... whose child, forked by the job's zygote, is torchrun
+        assert st is not None
+        zygote = process_stat(st[0])
+        serving = Path(f"/proc/{st[0]}/cmdline").read_text().split("\0")
+        assert zygote is not None and serving[3] == "--serve" and serving[4].endswith("-job-1.sock"), serving
+        return st[0], zygote[1]
+
+    first = zygote_of(1)
+    assert zygote_of(2) == first  # the next generation's torchrun: forked by the same zygote, no torch import
+    running_agent.client.delete(running_agent.store.keys.assignment("n1", "job-1"))
+    assert wait_for(lambda: not alive(*first), timeout=30, what="the job's zygote to exit once the job left")
 
 
 _IGNORES_SIGTERM = """

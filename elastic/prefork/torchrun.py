@@ -1,16 +1,17 @@
-"""Stock torchrun, run in a child the shared prefork zygote forked (``python -m elastic.prefork -m
-elastic.testing.forked_torchrun ARGS``): the test harness's forked agents
-(:class:`~elastic.testing.torchrun.TorchrunAgent` with ``forked=True``).
+"""Stock torchrun, run in a child a prefork zygote forked: ``python -m elastic.prefork -m elastic.prefork.torchrun
+ARGS`` (:attr:`elastic.torchrun_cli.TorchrunCommand.forked`). The service's node agent starts a warm job's
+torchrun so, from the job's zygote on that node, which forks its workers too; the test harness's forked agents
+(:class:`~elastic.testing.torchrun.TorchrunAgent` with ``forked=True``) use the test process's zygote.
 
-A torchrun agent spends 2-3 CPU seconds importing torch before its first line of work; a test suite starts
-well over a hundred of them, on two cores, often three or four at once. Forked from the zygote that already
-serves the agents' workers (:func:`~elastic.testing.torchrun.shared_zygote`), an agent starts in a fraction of
-that. What runs is torchrun's own ``main`` with the agent's arguments and environment (the prefork child takes
+A torchrun agent spends 2-3 CPU seconds importing torch before its first line of work, on every node at every
+generation of a job (each failure, resize or move starts new torchruns). Forked from a zygote that already
+imported torch (and ``torch.distributed.run``, :data:`elastic.prefork.DEFAULT_PRELOAD`), it starts in a fraction
+of that. What runs is torchrun's own ``main`` with the client's arguments and environment (the prefork child takes
 the client's environment, descriptors, directory and arguments; see :mod:`elastic.prefork`).
 
 One piece of torchrun's state is computed from the environment at import, and the zygote imported it with its own:
 the level of the loggers ``torch.distributed.elastic.utils.logging.get_logger`` made (``$LOGLEVEL``). They are
-set again here from the agent's environment before torchrun runs.
+set again here from the client's environment before torchrun runs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,124 @@
+"""A node agent's zygotes (elastic.prefork): one per key of one owner, stopped on request, a grace for their
+children when the owner dies, and workers that die with their torchrun whichever zygote forked them. Real
+processes: a sleeping process stands in for the owner (a node agent), bash for a torchrun agent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic.prefork import socket_path, stop_zygote
+from elastic.prefork.common import ZygoteKeyError, check_key
+from elastic.proctree import alive, process_stat
+from elastic.testing.wait import wait_for, wait_until
+from tests.elastic.test_prefork import _records, env  # noqa: F401  (env: the fixture)
+
+pytestmark = pytest.mark.timeout(120)
+
+CLIENT = [sys.executable, "-m", "elastic.prefork", "job.py"]
+
+
+@pytest.fixture
+def owner() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(["sleep", "300"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _run(e: dict[str, str], tmp_path: Path, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(CLIENT, cwd=tmp_path / "work", env={**e, **extra}, capture_output=True, text=True,
+                          timeout=90)  # fmt: skip
+
+
+def _start(e: dict[str, str], tmp_path: Path, **extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(CLIENT, cwd=tmp_path / "work", env={**e, **extra})
+
+
+def _zygote(record: dict[str, object]) -> tuple[int, int]:
+    return int(str(record["ppid"])), int(str(record["zygote_started"]))
+
+
+def test_keys_name_zygotes_of_their_own_and_one_that_cannot_name_a_file_is_refused() -> None:
+    assert check_key("train-3fa2b1c0") == "train-3fa2b1c0" and check_key("") is None and check_key(None) is None
+    for bad in ("../x", "a/b", "-x", "x" * 65, "a b"):
+        with pytest.raises(ZygoteKeyError):
+            check_key(bad)
+    me = os.getpid()
+    assert socket_path(me, "a") != socket_path(me, "b") != socket_path(me)
+
+
+def test_one_owner_keeps_a_zygote_per_key_and_stop_zygote_ends_that_one_and_its_files(
+    env: dict[str, str], tmp_path: Path, owner: subprocess.Popen[bytes]  # noqa: F811
+) -> None:
+    mine = {"ETRAIN_PREFORK_OWNER": str(owner.pid)}
+    for key in ("job-a", "job-b", "job-a"):
+        done = _run(env, tmp_path, **mine, ETRAIN_PREFORK_KEY=key)
+        assert done.returncode == 0, done.stderr
+    a1, b, a2 = (_zygote(r) for r in _records(env))
+    assert a1 == a2 and a1 != b  # job-a's second worker forked by job-a's zygote; job-b has its own
+    path = socket_path(owner.pid, "job-a")
+    assert path is not None and path.exists()
+    assert stop_zygote(owner.pid, "job-a")
+    assert wait_until(lambda: not alive(*a1), 10)
+    assert wait_until(lambda: not path.exists() and not path.with_suffix(".pid").exists(), 10)
+    assert alive(*b) and not stop_zygote(owner.pid, "job-a")  # the other one serves on; nothing left to stop
+    owner.kill()
+    assert wait_until(lambda: not alive(*b), 10)  # it ends with its owner
+
+
+@pytest.mark.parametrize("grace", [0, 30])
+def test_when_the_owner_dies_a_zygote_lets_its_children_end_within_its_grace_else_kills_them(
+    env: dict[str, str], tmp_path: Path, owner: subprocess.Popen[bytes], grace: int  # noqa: F811
+) -> None:
+    client = _start(env, tmp_path, ETRAIN_PREFORK_OWNER=str(owner.pid), ETRAIN_PREFORK_KEY="job",
+                    ETRAIN_PREFORK_GRACE=str(grace), MODE="sleep")  # fmt: skip
+    try:
+        record = wait_for(lambda: _records(env), timeout=60)[0]
+        zygote = _zygote(record)
+        owner.kill()
+        owner.wait()
+        time.sleep(0.5)  # the zygote has seen its owner go
+        # the worker's parent (here the client; under a node agent, torchrun told by its parent-death signal) stops it
+        client.send_signal(signal.SIGTERM)
+        code = client.wait(timeout=30)
+        term = Path(env["OUT"] + ".term").exists()
+        if grace:
+            assert (code, term) == (143, True)  # it ran its SIGTERM handler and exited as it chose
+        else:
+            assert (code, term) == (1, False)  # killed with the zygote, at once (its client lost the zygote)
+        assert wait_until(lambda: not alive(*zygote), 10)  # and the zygote is gone either way
+    finally:
+        client.kill()
+
+
+@pytest.mark.parametrize("under_torchrun", [True, False])
+def test_a_torchrun_workers_client_dies_with_its_torchrun_and_the_zygote_then_kills_the_worker(
+    env: dict[str, str], tmp_path: Path, owner: subprocess.Popen[bytes], under_torchrun: bool  # noqa: F811
+) -> None:
+    # bash stands in for torchrun, which gives each worker TORCHELASTIC_RUN_ID; the zygote is the owner's (a
+    # node agent's), so it outlives that torchrun
+    extra = {"ETRAIN_PREFORK_OWNER": str(owner.pid), "MODE": "sleep"}
+    if under_torchrun:
+        extra["TORCHELASTIC_RUN_ID"] = "job-g1"
+    parent = subprocess.Popen(["bash", "-c", " ".join(CLIENT) + " & wait"], cwd=tmp_path / "work",
+                              env={**env, **extra})  # fmt: skip
+    record = wait_for(lambda: _records(env), timeout=60)[0]
+    worker = int(str(record["pid"]))
+    st = process_stat(worker)
+    assert st is not None
+    parent.kill()
+    parent.wait()
+    if under_torchrun:
+        assert wait_until(lambda: not alive(worker, st[1]), 10), "the worker outlived its torchrun"
+    else:  # a client of no torchrun keeps no such tie: its worker runs on
+        time.sleep(2)
+        assert alive(worker, st[1])
+        os.kill(worker, signal.SIGKILL)
