@@ -402,7 +402,9 @@ class ChaosRunner:
         except Exception as exc:  # etcd electing: no target this time
             logger.warning("chaos: cannot read reports: %s", exc)
             return {}
-        return {node: r.pid for node, r in reports.items() if r.state == "running" and r.pid}
+        # a warm job's reported pid is the prefork client of its torchrun; a fault must hit torchrun itself,
+        # which its job's zygote forked (service.agent.zygotes)
+        return {node: forked_worker(r.pid) or r.pid for node, r in reports.items() if r.state == "running" and r.pid}
 
     @staticmethod
     def _children(pid: int) -> list[int]:

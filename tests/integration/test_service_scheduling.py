@@ -204,7 +204,7 @@ def test_a_hot_spare_replaces_a_killed_node_its_workers_forked_from_its_warm_zyg
 
 
 def _zygotes_of(agent_pid: int) -> list[int]:
-    """The zygote processes owned by ``agent_pid`` (``python -m elastic.prefork --serve PATH OWNER``)."""
+    """The zygote processes owned by ``agent_pid`` (``python -m elastic.prefork --serve PATH OWNER GRACE``)."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -214,7 +214,7 @@ def _zygotes_of(agent_pid: int) -> list[int]:
         except OSError:
             continue
         args = [a for a in argv if a]
-        if b"--serve" in args and args[-1] == str(agent_pid).encode():
+        if b"--serve" in args and args[args.index(b"--serve") + 2 :][:1] == [str(agent_pid).encode()]:
             found.append(int(proc.name))
     return found
 
