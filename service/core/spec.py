@@ -155,8 +155,9 @@ class JobSpec(_Spec):
     module: bool = Field(default=False, description="run the entrypoint as a module (torchrun -m)")
     warm_start: bool = Field(
         default=True,
-        description="fork each worker from a per-node zygote that has torch imported (elastic.prefork), so a "
-        "restart skips the interpreter and torch start-up; false: torchrun starts a fresh Python per worker",
+        description="fork torchrun and each worker from the job's zygote on each node, which has torch imported "
+        "(elastic.prefork), so a restart skips the interpreter and torch start-up; false: a fresh Python for "
+        "torchrun and for each worker",
     )
     image: str | None = Field(default=None, max_length=1024, description="container image (for container agents)")
     env: dict[str, str] = Field(default_factory=dict)
