@@ -40,6 +40,7 @@ SUITES=(
   tests/elastic/rendezvous
   tests/elastic/checkpoint
   tests/elastic/test_prefork.py
+  tests/elastic/test_prefork_owners.py
   tests/elastic/train/test_sampler.py
   tests/elastic/contract/test_lr.py
   tests/elastic/checkpoint/test_tiers.py
