@@ -336,7 +336,12 @@ class WorkerReport(_Record):
     node: str
     generation: int
     state: Literal["running", "exited", "stopped", "launch_failed"]
-    pid: int | None = None
+    pid: int | None = Field(
+        default=None,
+        description="the process the agent started: torchrun, or for a warm job the prefork client that runs it "
+        "(it forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1/2 and SIGCONT to torchrun and exits as it does; "
+        "elastic.prefork.forked_worker(pid) gives torchrun's own pid)",
+    )
     exit_code: int | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
