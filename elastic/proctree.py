@@ -4,6 +4,7 @@ signal misses them; whoever stops or kills a torchrun tree walks it here. The pr
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -49,3 +50,15 @@ def descendants(root: int) -> list[tuple[int, int]]:
             out.append(child)
             todo.append(child[0])
     return out
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """Have the kernel send this process ``sig`` when its parent (thread) dies (``PR_SET_PDEATHSIG``); False where
+    that cannot be set (not Linux)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig)) == 0
+    except (OSError, AttributeError):
+        return False

@@ -4,7 +4,6 @@ it its stdio, environment, directory and arguments, forwards signals, and exits 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import logging
 import os
@@ -30,7 +29,7 @@ from elastic.prefork.common import (
     zygote_grace,
     zygote_key,
 )
-from elastic.proctree import process_stat
+from elastic.proctree import process_stat, set_parent_death_signal
 
 logger = logging.getLogger(__name__)
 
@@ -222,9 +221,6 @@ def _run_client(sock: socket.socket, request: bytes) -> int:
         return 1
 
 
-_PR_SET_PDEATHSIG = 1
-
-
 def _die_with_torchrun() -> None:
     """A worker's client (torchrun gave it ``TORCHELASTIC_RUN_ID``) dies with its torchrun agent, and the zygote
     then kills the worker: as when the zygote is that torchrun's own (it exits with its owner), also when it is a
@@ -232,9 +228,7 @@ def _die_with_torchrun() -> None:
     if not os.environ.get(TORCHRUN_RUN_ID):
         return
     parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux
+    if not set_parent_death_signal(signal.SIGKILL):
         return
     if os.getppid() != parent:  # torchrun died before the signal was armed
         os.kill(os.getpid(), signal.SIGKILL)

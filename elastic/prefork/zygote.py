@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import importlib
 import io
 import json
@@ -40,10 +39,10 @@ from elastic.prefork.common import (
     message_length,
     send_message,
 )
+from elastic.proctree import set_parent_death_signal
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 REQUEST_DEADLINE_S = 10.0  # from connect to the last byte of the request (a client sends it at once)
 _CREDS = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
@@ -261,7 +260,7 @@ def _child(request: dict[str, Any], fds: list[int], keep: socket.socket) -> None
     code = 1
     try:
         os.setsid()
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        set_parent_death_signal(signal.SIGKILL)
         zygote = os.getppid()
         if zygote == 1:
             os._exit(1)

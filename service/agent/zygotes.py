@@ -64,7 +64,7 @@ class JobZygotes:
 
     def forget(self, keep: Iterable[str]) -> list[str]:
         """Stop the zygotes of the jobs not in ``keep`` (assigned here, or still running or stopping); returns
-        the ids of the jobs whose zygote was stopped."""
+        the ids of the jobs forgotten (a zygote that had already exited is not an error)."""
         gone = sorted(self._started - set(keep))
         for job_id in gone:
             self._started.discard(job_id)
