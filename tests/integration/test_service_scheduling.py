@@ -134,7 +134,8 @@ def test_a_high_priority_job_shrinks_a_low_one_which_grows_back_both_exactly_onc
     back = low_worlds[full + 2 :]
     assert back[:1] == [3] or back[:2] == [2, 3], low_worlds
     for final in (low_final, high_final):
-        assert final["restarts"]["failure"] == 0, final["restarts"]
+        # the events say which generation failed and why (a loaded parallel run counted one failure now and then)
+        assert final["restarts"]["failure"] == 0, (final["restarts"], final["last_error"], api.events(final["id"]))
     assert low_final["restarts"]["planned"] == 2 and low_final["restarts"]["preempted"] == 0
     types = [e["type"] for e in api.events(low)]
     assert "shrunk" in types and types.count("node_joined") == 2
