@@ -8,12 +8,10 @@ the tree is found through ``/proc`` before any signal is sent.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -25,7 +23,7 @@ from elastic.contract.env import JobEnv, WorkerEnv
 from elastic.contract.rendezvous import RendezvousConf
 from elastic.etcd.config import EtcdOptions
 from elastic.prefork import worker_tree
-from elastic.proctree import alive, descendants, process_stat
+from elastic.proctree import alive, descendants, exec_with_parent_death_signal, process_stat
 from elastic.torchrun_cli import TorchrunCommand
 from service.agent.isolation import JobUser
 from service.core.models import Assignment
@@ -42,10 +40,6 @@ __all__ = [
     "worker_env",
     "write_secret",
 ]
-
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
 
 #: ``--rdzv-conf`` keys the agent writes even at their default (the rest only when they differ from it)
 _ALWAYS_RENDERED = ("key_prefix", "last_call_timeout", "join_timeout", "node_ttl", "connect_timeout")
@@ -211,13 +205,6 @@ def _kill_same(procs: Sequence[tuple[int, int]], sig: int) -> None:
                 pass
 
 
-def _child_setup(parent: int) -> None:  # runs in the child between fork and exec
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    if os.getppid() != parent:  # the agent died before the signal was armed
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 class TorchrunProcess:
     """One torchrun process (and its workers) started by the agent."""
 
@@ -230,25 +217,26 @@ class TorchrunProcess:
     def start(
         cls, cmd: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path, user: JobUser | None = None
     ) -> TorchrunProcess:
-        """Start ``cmd``; with ``user`` as that uid and gid, without supplementary groups (the log is opened by
-        the agent, 0600, and handed over as stdout: the job writes it, another job's uid cannot read it)."""
+        """Start ``cmd``, an interpreter and its arguments (:func:`torchrun_command`'s); with ``user`` as that uid
+        and gid, without supplementary groups (the log is opened by the agent, 0600, and handed over as stdout: the
+        job writes it, another job's uid cannot read it)."""
         log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        parent = os.getpid()
+        # SIGTERM when the agent dies, armed by the job's own interpreter as the job's uid (a uid switch after it
+        # would clear it; the agent's interpreter may be one the job's uid cannot run); no Python code runs between
+        # fork and exec in a copy of this threaded process (no preexec_fn)
+        argv = exec_with_parent_death_signal(cmd, signal.SIGTERM, env, python=cmd[0])
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "ab") as log:
             log.write(f"+ {' '.join(cmd)}\n".encode())
             log.flush()
             popen = subprocess.Popen(
-                list(cmd),
+                argv,
                 env=dict(env),
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                # only prctl and getppid: safe with threads; runs after the uid switch, which would clear the
-                # parent-death signal
-                preexec_fn=lambda: _child_setup(parent),
                 user=None if user is None else user.uid,
                 group=None if user is None else user.gid,
                 extra_groups=None if user is None else [],
