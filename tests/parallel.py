@@ -13,8 +13,11 @@ replaces xdist's):
   session: processes that each import torch and train), run on at most ``PYTEST_HEAVY_SLOTS`` workers at a
   time (default :data:`HEAVY_SLOTS`): on two cores, more training jobs at once starve each other and their
   progress deadlines fail. A worker running one is given only cheap units to go with it; the other workers
-  run the light units (most of them wait on etcd, sockets or timers), and once those are gone they stop,
-  leaving the rest to the heavy slots.
+  run the light units (most of them wait on etcd, sockets or timers). Once those are gone, one more worker
+  (up to ``PYTEST_HEAVY_SLOTS_MAX``, default one more than the slots) takes a heavy unit whenever the machine
+  has been idle for :data:`EXTRA_SLOT_IDLE` of its CPU over the last :data:`IDLE_WINDOW_S` seconds (a fast
+  machine left a quarter of it idle behind the two slots for the run's last four minutes); the rest wait for
+  that (holding their last test), and stop when no heavy unit is left to take.
 
 Each worker is a process of its own with its own session fixtures (etcd, the moto server, the browser) on
 ports of its own (``ETRAIN_PORT_RANGE``, ``tests/conftest.py``) and under its own ``popen-gw<N>`` temporary
@@ -32,7 +35,9 @@ from __future__ import annotations
 import json
 import os
 import resource
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +87,61 @@ def heavy_slots() -> int:
     return max(1, int(raw)) if raw.isdigit() else HEAVY_SLOTS
 
 
+def max_heavy_slots(slots: int) -> int:
+    """``PYTEST_HEAVY_SLOTS_MAX`` (never below ``slots``), by default ``slots + 1``: how many workers may run heavy
+    units at once when the machine has idle CPU and no light unit is left."""
+    raw = os.environ.get("PYTEST_HEAVY_SLOTS_MAX", "")
+    return max(slots, int(raw)) if raw.isdigit() else slots + 1
+
+
+#: the share of the machine's CPU that must have been idle over :data:`IDLE_WINDOW_S` seconds before a heavy unit
+#: beyond the slots starts (one heavy unit keeps about one core busy; on two cores this is 0.7 of one idle)
+EXTRA_SLOT_IDLE = 0.35
+IDLE_WINDOW_S = 15.0
+
+
+def _cpu_times() -> tuple[float, float] | None:
+    """``(busy, all)`` CPU seconds of the machine since boot (``/proc/stat``), None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields) - idle) / _CLOCK_TICKS, sum(fields) / _CLOCK_TICKS
+
+
+class IdleMeter:
+    """The machine's idle share of CPU over the last ``window`` seconds, from samples taken when asked."""
+
+    def __init__(
+        self,
+        window: float = IDLE_WINDOW_S,
+        read: Callable[[], tuple[float, float] | None] = lambda: _cpu_times(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.window, self._read, self._clock = window, read, clock
+        self._samples: deque[tuple[float, float, float]] = deque()
+
+    def idle(self) -> float | None:
+        """Idle share (0..1) since the newest sample at least ``window`` old; None until one is (or unreadable)."""
+        now, times = self._clock(), self._read()
+        if times is None:
+            return None
+        self._samples.append((now, *times))
+        while len(self._samples) > 1 and now - self._samples[1][0] >= self.window:
+            self._samples.popleft()
+        then, busy0, all0 = self._samples[0]
+        busy, total = times
+        if now - then < self.window or total <= all0:
+            return None
+        return max(0.0, 1.0 - (busy - busy0) / (total - all0))
+
+    def reset(self) -> None:
+        """Forget the samples: the next answer covers only what comes after (e.g. a unit just started)."""
+        self._samples.clear()
+
+
 try:
     from xdist.scheduler import LoadGroupScheduling
 except ImportError:  # pytest-xdist is in the [test] extra; without it the suite runs serially
@@ -97,6 +157,8 @@ if LoadGroupScheduling is not None:
             super().__init__(config, log)
             self.durations = load_durations()
             self.slots = heavy_slots()
+            self.max_slots = max_heavy_slots(self.slots)
+            self.meter = IdleMeter()
             self.wall: dict[str, float] = {}
             self.heavy: set[str] = set()
 
@@ -118,12 +180,19 @@ if LoadGroupScheduling is not None:
                 heavy = next((s for s in self.workqueue if s in self.heavy), None)
                 if heavy is not None and busy < self.slots:
                     return heavy
+                if heavy is not None and light is None and busy < self.max_slots and self._idle():
+                    self.meter.reset()  # the next extra one waits until the machine is idle with this one running
+                    return heavy
                 return light
             # behind a heavy unit: the cheapest light one, it only has to keep the worker going
             cheapest = next((s for s in reversed(self.workqueue) if s not in self.heavy), None)
             if cheapest is not None:
                 return cheapest
             return next(iter(self.workqueue), None)  # only heavy ones are left: the next, on the same slot
+
+        def _idle(self) -> bool:
+            idle = self.meter.idle()
+            return idle is not None and idle >= EXTRA_SLOT_IDLE
 
         def _reschedule(self, node: Any) -> None:
             if node.shutting_down:
@@ -132,6 +201,8 @@ if LoadGroupScheduling is not None:
             while self._pending_tests(node) < 2:
                 scope = self._pick(node) if self.workqueue else None
                 if scope is None:
+                    if self.workqueue and self.max_slots > self.slots and not self._holds_slot(node):
+                        return  # only heavy units left: wait for idle CPU to run one (mark_test_complete asks again)
                     # nothing left, or only heavy units the slots' workers will run: this one is done
                     node.shutdown()
                     return
@@ -139,6 +210,12 @@ if LoadGroupScheduling is not None:
                 self.assigned_work[node][scope] = work_unit
                 collection = self.registered_collections[node]
                 node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+
+        def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
+            super().mark_test_complete(node, item_index, duration)
+            for other in self.nodes:  # the workers waiting for a heavy unit (or for the end) are asked again
+                if other is not node and not self._holds_slot(other):
+                    self._reschedule(other)
 
         def schedule(self) -> None:
             assert self.collection_is_completed

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.parallel import FAILED_OUT_ENV, TIMEOUT_SCALE, timeout_scale
+from tests.parallel import FAILED_OUT_ENV, TIMEOUT_SCALE, IdleMeter, timeout_scale
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,3 +77,22 @@ def test_a_parallel_run_writes_the_ids_of_its_failed_and_errored_tests_without_t
     proc = _pytest(tmp_path, "-n", "2", "--dist", "loadgroup", "test_inner.py", **{FAILED_OUT_ENV: str(out)})
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(out.read_text().splitlines()) == ["test_inner.py::test_errors", "test_inner.py::test_fails"]
+
+
+def test_the_idle_meter_answers_once_its_window_is_covered_and_starts_over_when_reset() -> None:
+    now = [0.0]
+    times = [(0.0, 0.0)]  # (busy, all) CPU seconds, two cores: all grows by 2 per second
+    meter = IdleMeter(window=10.0, read=lambda: times[0], clock=lambda: now[0])
+
+    def at(t: float, busy: float) -> float | None:
+        now[0], times[0] = t, (busy, 2 * t)
+        return meter.idle()
+
+    assert at(0, 0) is None and at(5, 5) is None  # not 10 s of samples yet
+    assert at(10, 10) == pytest.approx(0.5)  # 10 busy of 20 CPU seconds
+    assert at(20, 30) == pytest.approx(0.0)  # the last 10 s: both cores busy (older samples dropped)
+    assert at(25, 32) == pytest.approx(1 - 22 / 30)  # since t=10, the newest sample at least 10 s old
+    meter.reset()
+    assert at(26, 32) is None and at(36, 32) == pytest.approx(1.0)
+    unreadable = IdleMeter(read=lambda: None)
+    assert unreadable.idle() is None
