@@ -29,7 +29,7 @@ from elastic.prefork.common import (
     zygote_grace,
     zygote_key,
 )
-from elastic.proctree import process_stat, set_parent_death_signal
+from elastic.proctree import alive, process_stat, set_parent_death_signal
 
 logger = logging.getLogger(__name__)
 
@@ -132,20 +132,38 @@ def prestart(owner: int | None = None, key: str | None = None, grace: float | No
     _launch(path, owner, zygote_grace() if grace is None else grace)
 
 
-def stop_zygote(owner: int, key: str | None = None) -> bool:
+def stop_zygote(owner: int, key: str | None = None, wait: float = 0.0) -> bool:
     """Stop the zygote of ``owner`` named ``key`` (e.g. a node agent's for a job that left the node), and any
-    child it still has; True if one was running. It removes its socket and files as it exits."""
+    child it still has; True if one was running. It removes its socket and files as it exits; with ``wait``,
+    this returns once it is gone or after ``wait`` seconds.
+
+    A zygote still being started is waited for (the starter's lock) and stopped too: a job's first client can
+    be stopped while it starts the job's zygote, which would otherwise serve on for as long as its owner lives."""
     try:
         path = socket_path(owner, key)
     except (OSError, ZygoteKeyError):
         return False
     if path is None:
         return False
-    pid = _zygote_starting(path)
-    if pid is None:
-        return False
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
+    try:
+        lock_fd: int | None = os.open(path.with_suffix(".lock"), os.O_RDWR)  # no lock file: nobody started one
+    except OSError:
+        lock_fd = None
+    try:
+        if lock_fd is not None:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)  # a start in progress has recorded its zygote once this returns
+        pid = _zygote_starting(path)
+        if pid is None:
+            return False
+        started = process_stat(pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
+    deadline = time.monotonic() + wait
+    while started is not None and time.monotonic() < deadline and alive(pid, started[1]):
+        time.sleep(0.02)
     return True
 
 

@@ -32,6 +32,10 @@ from elastic.prefork.common import ZygoteKeyError, check_key
 logger = logging.getLogger(__name__)
 
 
+#: how long :meth:`JobZygotes.close` waits for each zygote to exit (one exits within milliseconds of its SIGTERM)
+CLOSE_WAIT = timedelta(seconds=5)
+
+
 class JobZygotes:
     """The zygotes this agent (this process) owns for its warm jobs, one per job."""
 
@@ -62,16 +66,18 @@ class JobZygotes:
         return {contract.PREFORK_OWNER: str(os.getpid()), contract.PREFORK_KEY: key,
                 contract.PREFORK_GRACE: f"{self.stop_grace.total_seconds():g}"}  # fmt: skip
 
-    def forget(self, keep: Iterable[str]) -> list[str]:
-        """Stop the zygotes of the jobs not in ``keep`` (assigned here, or still running or stopping); returns
-        the ids of the jobs forgotten (a zygote that had already exited is not an error)."""
+    def forget(self, keep: Iterable[str], wait: timedelta = timedelta(0)) -> list[str]:
+        """Stop the zygotes of the jobs not in ``keep`` (assigned here, or still running or stopping), waiting up
+        to ``wait`` for each to exit; returns the ids of the jobs forgotten (a zygote that had already exited is
+        not an error)."""
         gone = sorted(self._started - set(keep))
         for job_id in gone:
             self._started.discard(job_id)
-            if prefork.stop_zygote(os.getpid(), job_id):
+            if prefork.stop_zygote(os.getpid(), job_id, wait=wait.total_seconds()):
                 logger.info("job %s left this node: its zygote stopped", job_id)
         return gone
 
     def close(self) -> None:
-        """Stop every zygote of this agent's jobs (their torchruns have been stopped)."""
-        self.forget(())
+        """Stop every zygote of this agent's jobs (their torchruns have been stopped) and wait, a few seconds at
+        most, for them to exit: a job that comes back to an agent started again finds none of them."""
+        self.forget((), wait=CLOSE_WAIT)

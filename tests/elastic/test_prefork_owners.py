@@ -74,6 +74,25 @@ def test_one_owner_keeps_a_zygote_per_key_and_stop_zygote_ends_that_one_and_its_
     assert wait_until(lambda: not alive(*b), 10)  # it ends with its owner
 
 
+def test_a_zygote_whose_starter_died_before_recording_it_is_still_found_and_stopped(
+    env: dict[str, str], tmp_path: Path, owner: subprocess.Popen[bytes]  # noqa: F811
+) -> None:
+    # the agent stops a job's first client while it starts the job's zygote: the zygote comes up with no record of
+    # its starter's (started here directly, as the starter's detached child would run); it records itself
+    path = socket_path(owner.pid, "job")
+    assert path is not None
+    zygote = subprocess.Popen([sys.executable, "-m", "elastic.prefork", "--serve", str(path), str(owner.pid), "0"],
+                              env=env, cwd=tmp_path, start_new_session=True)  # fmt: skip
+    try:
+        assert wait_until(path.exists, 60), "the zygote never listened"
+        assert stop_zygote(owner.pid, "job", wait=10)
+        assert zygote.poll() is not None and not path.exists()  # gone, with its socket, within the wait
+        assert not stop_zygote(owner.pid, "job")  # nothing left to stop
+    finally:
+        zygote.kill()
+        zygote.wait()
+
+
 @pytest.mark.parametrize("grace", [0, 30])
 def test_when_the_owner_dies_a_zygote_lets_its_children_end_within_its_grace_else_kills_them(
     env: dict[str, str], tmp_path: Path, owner: subprocess.Popen[bytes], grace: int  # noqa: F811
