@@ -112,6 +112,16 @@ def _spec(name: str, shared: Path, *args: str, warm: bool) -> dict[str, Any]:
             "restart_policy": {"max_failures": 0, "max_worker_restarts": 0}}  # fmt: skip
 
 
+def _published(api: Any, job_id: str, path: Path, timeout: float) -> None:
+    """Wait for the job's worker to publish ``path``; a job that ended first fails the test at once, with why."""
+    ended = ("succeeded", "failed", "cancelled")
+    wait_api(f"{path.name} from job {job_id}", lambda: path.exists() or api.job(job_id)["state"] in ended, timeout)
+    if not path.exists():
+        job = api.job(job_id)
+        raise AssertionError(f"job {job_id} ended {job['state']} before its worker wrote {path.name}: "
+                             f"{job['message']!r}, {job['last_error']!r}, events {api.events(job_id)}")  # fmt: skip
+
+
 def test_two_jobs_on_one_agent_run_as_distinct_uids_and_cannot_read_each_others_or_the_agents_secrets(
     tmp_path: Path, shared: Path
 ) -> None:
@@ -130,12 +140,12 @@ def test_two_jobs_on_one_agent_run_as_distinct_uids_and_cannot_read_each_others_
         wait_api("the agent", lambda: [n for n in api.nodes() if n["name"] == "n1"], 60)
         assert next(n for n in api.nodes() if n["name"] == "n1")["isolation"] == "uid"
         victim = api.submit(_spec("victim", shared, "victim", warm=False))["id"]
-        wait_api("the victim's worker", lambda: (shared / "victim.json").exists(), 90)
+        _published(api, victim, shared / "victim.json", 90)
         agent_pid = str(cluster.agents["n1"].pid)
         attacker = api.submit(_spec("attacker", shared, "attacker", agent_pid, str(agent_secret), warm=True))["id"]
         # its zygote (torch imported as the attacker's uid) starts first: on a loaded machine (a parallel suite),
         # over 90 s once
-        wait_api("the attacker's worker", lambda: (shared / "attacker.json").exists(), 180)
+        _published(api, attacker, shared / "attacker.json", 180)
         private = work / "jobs" / victim / "private"
         st = private.stat()
         key = (private / "checkpoint-key").stat()
