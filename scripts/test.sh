@@ -6,7 +6,8 @@
 #
 # The suite runs on four pytest-xdist workers (PYTEST_WORKERS, default 4; 0 runs it serially in one process):
 # tests/parallel.py hands the heavy units, real training jobs, to at most PYTEST_HEAVY_SLOTS (default 2) workers at
-# a time, and scales pytest-timeout's hang guards by 3 in the workers (PYTEST_TIMEOUT_SCALE). The tests marked
+# a time (one more, PYTEST_HEAVY_SLOTS_MAX, once the light units are gone and the CPU has been idle), and scales
+# pytest-timeout's hang guards by 3 in the workers (PYTEST_TIMEOUT_SCALE). The tests marked
 # `solo` (a tight wall-clock bound) run afterwards, alone. If at most RERUN_MAX (3) tests fail in the parallel
 # run, they run again serially, alone, and the run passes only if they pass there (the output names them). On this
 # 2-core VM a fresh clone took 23.9-25.2 min in all (2026-11-28, eighth session, three runs: 20.8-21.9 min of
