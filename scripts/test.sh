@@ -14,7 +14,9 @@
 # parallel pytest, then the solo tests), serially 37.8 min (2026-11-27); as CI runs it (CI=true: the compat run
 # too, its wheels fetched beside the suite) 41.1 min, 24.8 of them before the compat run (2026-11-28, ninth
 # session); 20.2 and 24.3 min (tenth session, before and after warm jobs forked their torchrun: this VM's speed
-# drifted by a quarter within that session, `import torch` 2.9 -> 3.5-3.9 CPU-s). See README "Development".
+# drifted by a quarter within that session, `import torch` 2.9 -> 3.5-3.9 CPU-s); eleventh session (`import torch`
+# 1.5 CPU-s): 14.7 and 14.9 min before its changes, 11.0 and 11.4 (CI=true, before compat) after. See README
+# "Development".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Each phase's heading says when it started (minutes:seconds since this script did): CI prints only a part of the

@@ -132,13 +132,32 @@ def prestart(owner: int | None = None, key: str | None = None, grace: float | No
     _launch(path, owner, zygote_grace() if grace is None else grace)
 
 
+#: how long :func:`stop_zygote` waits for a zygote's start in progress (a few hundred ms; more only if its starter
+#: is stopped, e.g. by SIGSTOP: the node agent's loop, which calls it, is not held up longer than this)
+_STOP_LOCK_WAIT_S = 5.0
+
+
+def _lock_within(fd: int, timeout: float) -> bool:
+    """``flock(fd, LOCK_EX)`` within ``timeout`` seconds; False if it stayed held that long."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+
 def stop_zygote(owner: int, key: str | None = None, wait: float = 0.0) -> bool:
     """Stop the zygote of ``owner`` named ``key`` (e.g. a node agent's for a job that left the node), and any
     child it still has; True if one was running. It removes its socket and files as it exits; with ``wait``,
     this returns once it is gone or after ``wait`` seconds.
 
-    A zygote still being started is waited for (the starter's lock) and stopped too: a job's first client can
-    be stopped while it starts the job's zygote, which would otherwise serve on for as long as its owner lives."""
+    A zygote still being started is waited for (the starter's lock, a few seconds at most) and stopped too: a job's
+    first client can be stopped while it starts the job's zygote, which would otherwise serve on for as long as its
+    owner lives (the zygote also records itself, for a starter killed before it did)."""
     try:
         path = socket_path(owner, key)
     except (OSError, ZygoteKeyError):
@@ -150,8 +169,8 @@ def stop_zygote(owner: int, key: str | None = None, wait: float = 0.0) -> bool:
     except OSError:
         lock_fd = None
     try:
-        if lock_fd is not None:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)  # a start in progress has recorded its zygote once this returns
+        if lock_fd is not None:  # a start in progress has recorded its zygote once the lock is free
+            _lock_within(lock_fd, _STOP_LOCK_WAIT_S)
         pid = _zygote_starting(path)
         if pid is None:
             return False

@@ -4,10 +4,12 @@ processes: a sleeping process stands in for the owner (a node agent), bash for a
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,7 +87,13 @@ def test_a_zygote_whose_starter_died_before_recording_it_is_still_found_and_stop
                               env=env, cwd=tmp_path, start_new_session=True)  # fmt: skip
     try:
         assert wait_until(path.exists, 60), "the zygote never listened"
-        assert stop_zygote(owner.pid, "job", wait=10)
+        # a start in progress holds the starter's lock: stop_zygote waits for it to be released
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            threading.Timer(0.5, lambda: fcntl.flock(lock, fcntl.LOCK_UN)).start()
+            started = time.monotonic()
+            assert stop_zygote(owner.pid, "job", wait=10)
+            assert time.monotonic() - started >= 0.4
         assert zygote.poll() is not None and not path.exists()  # gone, with its socket, within the wait
         assert not stop_zygote(owner.pid, "job")  # nothing left to stop
     finally:
