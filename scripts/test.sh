@@ -15,7 +15,8 @@
 # too, its wheels fetched beside the suite) 41.1 min, 24.8 of them before the compat run (2026-11-28, ninth
 # session); 20.2 and 24.3 min (tenth session, before and after warm jobs forked their torchrun: this VM's speed
 # drifted by a quarter within that session, `import torch` 2.9 -> 3.5-3.9 CPU-s); eleventh session (`import torch`
-# 1.5 CPU-s): 14.7 and 14.9 min before its changes, 11.0 and 11.4 (CI=true, before compat) after. See README
+# 1.5 CPU-s): 14.7 and 14.9 min before its changes, 11.0, 11.4 (CI=true, before compat; 20.3 with it) and 12.8
+# after. See README
 # "Development".
 set -euo pipefail
 cd "$(dirname "$0")/.."
