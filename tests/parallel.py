@@ -100,14 +100,18 @@ EXTRA_SLOT_IDLE = 0.35
 IDLE_WINDOW_S = 15.0
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
 def _cpu_times() -> tuple[float, float] | None:
-    """``(busy, all)`` CPU seconds of the machine since boot (``/proc/stat``), None where it cannot be read."""
+    """``(busy, all)`` CPU seconds of the machine since boot (``/proc/stat``: user, nice, system, idle, iowait, irq,
+    softirq, steal; idle and iowait are not busy), None where it cannot be read."""
     try:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:9]]
     except (OSError, ValueError):
         return None
-    idle = fields[3] + fields[4]  # idle, iowait
+    idle = fields[3] + fields[4]
     return (sum(fields) - idle) / _CLOCK_TICKS, sum(fields) / _CLOCK_TICKS
 
 
@@ -117,7 +121,7 @@ class IdleMeter:
     def __init__(
         self,
         window: float = IDLE_WINDOW_S,
-        read: Callable[[], tuple[float, float] | None] = lambda: _cpu_times(),
+        read: Callable[[], tuple[float, float] | None] = _cpu_times,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.window, self._read, self._clock = window, read, clock
@@ -339,17 +343,11 @@ def _cpu_seconds() -> float:
     for (agents, zygotes and the workers they fork), which ``getrusage`` misses. So a serial run's figures are the
     tests' own; a parallel run's include their neighbours'. Where ``/proc/stat`` cannot be read: this process
     and the children it waited for."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()[1:]
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-        return (user + nice + system + irq + softirq + steal) / _CLOCK_TICKS
-    except (OSError, ValueError):
-        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+    times = _cpu_times()
+    if times is not None:
+        return times[0]
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 _cpu_start: dict[str, float] = {}

@@ -23,6 +23,8 @@ from elastic.prefork.common import (
     ZygoteKeyError,
     encode_message,
     prefork_enabled,
+    record_zygote,
+    recorded_zygote,
     recv_message,
     send_message,
     socket_path,
@@ -47,33 +49,19 @@ def _connect(path: Path) -> socket.socket | None:
     return sock
 
 
-def _zygote_starting(path: Path) -> int | None:
-    """The pid of the zygote being started for ``path`` (recorded by whoever started it), if it lives."""
-    try:
-        pid, start = (int(x) for x in path.with_suffix(".pid").read_text().split())
-    except (OSError, ValueError):
-        return None
-    st = process_stat(pid)
-    return pid if st is not None and st[1] == start else None
-
-
 def _launch(path: Path, owner: int, grace: float = 0.0) -> int | None:
     """Under the agent's lock: the zygote already starting for ``owner``, or a new one (its pid) that lets its
     children end for up to ``grace`` seconds once ``owner`` has died."""
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        pid = _zygote_starting(path)
+        pid = recorded_zygote(path)
         if pid is not None:
             return pid
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a zygote that was killed leaves its socket behind
         pid = _spawn_detached([sys.executable, "-m", "elastic.prefork", "--serve", str(path), str(owner),
                                f"{grace:g}"], path.with_suffix(".log"))  # fmt: skip
-        st = process_stat(pid) if pid > 0 else None
-        if st is None:
-            return None
-        path.with_suffix(".pid").write_text(f"{pid} {st[1]}")
-        return pid
+        return pid if pid > 0 and record_zygote(path, pid) else None
 
 
 def _start_zygote(path: Path, owner: int) -> socket.socket | None:
@@ -171,7 +159,7 @@ def stop_zygote(owner: int, key: str | None = None, wait: float = 0.0) -> bool:
     try:
         if lock_fd is not None:  # a start in progress has recorded its zygote once the lock is free
             _lock_within(lock_fd, _STOP_LOCK_WAIT_S)
-        pid = _zygote_starting(path)
+        pid = recorded_zygote(path)
         if pid is None:
             return False
         started = process_stat(pid)

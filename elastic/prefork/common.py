@@ -94,6 +94,32 @@ def zygote_grace() -> float:
         return 0.0
 
 
+def record_zygote(path: Path, pid: int) -> bool:
+    """Write ``pid start-time`` of the zygote serving ``path`` beside it (``.pid``, replaced at once); False if
+    that process is gone or the file cannot be written. Its starter writes it once it has started it, and the
+    zygote itself first thing: whoever stops it finds it even if its starter died before recording it."""
+    st = process_stat(pid)
+    if st is None:
+        return False
+    tmp = path.with_suffix(f".pid.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(f"{pid} {st[1]}")
+        os.rename(tmp, path.with_suffix(".pid"))
+    except OSError:
+        return False
+    return True
+
+
+def recorded_zygote(path: Path) -> int | None:
+    """The pid of the zygote recorded for ``path`` (:func:`record_zygote`), if that process still runs."""
+    try:
+        pid, start = (int(x) for x in path.with_suffix(".pid").read_text().split())
+    except (OSError, ValueError):
+        return None
+    st = process_stat(pid)
+    return pid if st is not None and st[1] == start else None
+
+
 def socket_path(owner: int, key: str | None = None) -> Path | None:
     """The socket of the zygote of ``owner`` (a torchrun agent, or a node agent) named ``key`` (None: its only
     one); None if ``owner`` is gone. Raises :class:`elastic.runtime_dir.UnsafeDirectoryError` (an ``OSError``) if

@@ -37,9 +37,10 @@ from elastic.prefork.common import (
     Target,
     marker_path,
     message_length,
+    record_zygote,
     send_message,
 )
-from elastic.proctree import process_stat, set_parent_death_signal
+from elastic.proctree import set_parent_death_signal
 
 logger = logging.getLogger(__name__)
 
@@ -84,24 +85,12 @@ def _exit_on_sigterm(_sig: int, _frame: object) -> None:
     raise SystemExit(0)  # the loop's ``finally`` kills the children left and removes the zygote's files
 
 
-def _record_pid(path: Path) -> None:
-    """Write this zygote's ``pid start-time`` beside its socket before anything slow (its starter writes the same
-    once it has started it): whoever stops it finds it even if its starter died before recording it."""
-    st = process_stat(os.getpid())
-    if st is None:
-        return
-    tmp = path.with_suffix(f".pid.{os.getpid()}.tmp")
-    with contextlib.suppress(OSError):
-        tmp.write_text(f"{os.getpid()} {st[1]}")
-        os.rename(tmp, path.with_suffix(".pid"))
-
-
 def serve(path: Path, owner: int, grace: float = 0.0) -> int:
     """Serve until ``owner`` dies (then let the children end for up to ``grace`` seconds: their own parents,
     e.g. a torchrun told by its dead node agent's SIGTERM, stop them) or SIGTERM; kill what is left."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefork %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    _record_pid(path)
+    record_zygote(path, os.getpid())  # first thing: see record_zygote
     owner_fd = os.pidfd_open(owner)
     if sys.path and sys.path[0] == os.getcwd():
         sys.path.pop(0)  # `-m` put the start-up directory first; a worker's sys.path[0] is its script's
