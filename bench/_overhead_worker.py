@@ -5,7 +5,9 @@ with DDP, or ``--mode live``: live recovery, whose gradient all-reduce is the lo
 state is ``--state-gib`` GiB (bench/_workload.py), fed with index batches that select rows of a table kept
 on the device (so that building a batch costs nothing next to a GPU step; ``--width`` sets its layers' width).
 On ``--device cuda`` the process group is NCCL and the model lives on ``LOCAL_RANK``'s GPU.  Every mode
-reads the loss once per step (a host sync, as any loop that logs its loss does).
+reads the loss once per step: plain DDP with ``float(loss)`` after ``optimizer.step()`` (a stream sync, as a
+stock loop that logs its loss does), the elastic loop through its own pinned copy, which waits for the forward
+pass only (elastic/train/step_loss.py).
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def main() -> None:
                 loss = loss_of(model, batch)
                 loss.backward()
                 optimizer.step()
-                float(loss.detach())  # read the loss every step, as the elastic loop does
+                float(loss.detach())  # read the loss every step, as a stock loop that logs it does
                 if save_every and (len(times) + 1) % save_every == 0 and rank == 0:
                     # the tutorial way: a synchronous torch.save from rank 0, then move on
                     Path(args.checkpoint_url).mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, fields
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,8 +38,9 @@ class BoundaryFlags:
             raise ValueError(f"{len(values)} boundary flags, expected {len(names)} ({', '.join(names)})")
         return cls(**{n: bool(v) for n, v in zip(names, values, strict=True)})
 
-    def agree(self, device: torch.device) -> BoundaryFlags:
-        """The group's flags: every rank's, MAX-reduced (a collective: every rank calls it at the boundary)."""
+    def agree(self, device: torch.device, group: Any = None) -> BoundaryFlags:
+        """The group's flags: every rank's, MAX-reduced over ``group`` (None: the default one) on ``device``
+        (a collective: every rank calls it at the boundary)."""
         t = torch.tensor(self.encode(), device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return BoundaryFlags.decode([int(v) for v in t.tolist()])

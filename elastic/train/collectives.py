@@ -2,6 +2,15 @@
 a mean over the workers (and the loss log built on it), the round's node names.
 
 Each is a collective: every rank of the current process group must call it, in the same order.
+
+:class:`HostCollectives` is where the loop's *host-side* agreements run (the step boundary's flags, the logged
+mean loss, a snapshot's RNG gather): values the host must read at once.  On an NCCL group such a value makes
+two stream syncs (``torch.tensor(..., device=cuda)`` copies from pageable memory, ``.tolist()`` copies back),
+each waiting for all the work queued on the device: the host then stops at every step boundary until the GPU
+has finished the step, and the GPU idles while the host prepares the next one.  In restart mode these run on a
+gloo group over the same ranks (made once, with the loop's timeout) on CPU tensors, so the device's queue is
+never drained by the loop.  Live mode keeps them on its own group: that group is re-formed in each generation
+and its watchdog can abort NCCL, not a gloo collective stuck on a vanished peer.
 """
 
 from __future__ import annotations
@@ -17,7 +26,15 @@ from elastic.contract.env import TorchrunEnv, WorkerEnv
 
 logger = logging.getLogger("elastic.train.trainer")  # the loop's log, where users look for the loss line
 
-__all__ = ["group_device", "join_process_group", "log_mean_loss", "mean_over_workers", "round_node_names"]
+__all__ = [
+    "HostCollectives",
+    "group_device",
+    "join_process_group",
+    "log_mean_loss",
+    "mean_over_workers",
+    "round_node_names",
+    "takes_cpu_tensors",
+]
 
 
 def join_process_group(backend: str, timeout: timedelta) -> None:
@@ -35,18 +52,57 @@ def group_device() -> torch.device:
     return torch.device("cpu")
 
 
-def mean_over_workers(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Mean of each value over all workers (one all-reduce, in float64 on ``device``)."""
+def takes_cpu_tensors(backend: str) -> bool:
+    """Whether a default group of ``backend`` (as ``dist.get_backend()`` names it: ``"gloo"``, ``"nccl"``,
+    ``"cpu:gloo,cuda:nccl"``) runs collectives on CPU tensors itself."""
+    if ":" not in backend:
+        return backend.strip().lower() in ("gloo", "mpi")
+    return any(part.split(":", 1)[0].strip().lower() == "cpu" for part in backend.split(","))
+
+
+class HostCollectives:
+    """Where the loop's host-side collectives run (see the module docstring): ``device`` for their tensors and
+    :meth:`group` (None: the default group).  ``separate``: on CPU tensors over a gloo group of their own, made
+    now (a collective: every rank constructs this at the same point) and again beside each new default group;
+    otherwise over the default group on ``device``.  :meth:`for_loop` decides."""
+
+    def __init__(self, device: torch.device, timeout: timedelta, *, separate: bool) -> None:
+        self._timeout = timeout
+        self.separate = separate
+        self.device = torch.device("cpu") if separate else device
+        self._group: Any = None
+        self._world: Any = None  # the default group that ``_group`` was made beside
+        self.groups_made = 0
+        self.group()
+
+    @classmethod
+    def for_loop(cls, device: torch.device, timeout: timedelta, *, live: bool) -> HostCollectives:
+        """Restart mode on a default group that does not take CPU tensors (NCCL): a gloo group of their own."""
+        return cls(device, timeout, separate=not live and not takes_cpu_tensors(dist.get_backend()))
+
+    def group(self) -> Any:
+        """The group (a collective the first time for each default group: every rank calls it at that point)."""
+        if not self.separate:
+            return None
+        world = dist.group.WORLD
+        if self._group is None or self._world is not world:
+            self._group, self._world = dist.new_group(backend="gloo", timeout=self._timeout), world
+            self.groups_made += 1
+        return self._group
+
+
+def mean_over_workers(values: dict[str, float], device: torch.device, group: Any = None) -> dict[str, float]:
+    """Mean of each value over all workers (one all-reduce over ``group``, in float64 on ``device``)."""
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     world = dist.get_world_size()
     return {k: float(v) / world for k, v in zip(keys, t.tolist(), strict=True)}
 
 
-def log_mean_loss(step: int, epoch: int, loss: float | None, lr: float, rank: int, device: torch.device) -> None:
+def log_mean_loss(step: int, epoch: int, loss: float | None, lr: float, rank: int, host: HostCollectives) -> None:
     """Rank 0 logs the step's loss averaged over the workers (a step without a loss counts as 0)."""
-    mean = mean_over_workers({"loss": loss if loss is not None else 0.0}, device)["loss"]
+    mean = mean_over_workers({"loss": loss if loss is not None else 0.0}, host.device, host.group())["loss"]
     if rank == 0:
         logger.info("step %d epoch %d loss %.5f world %d lr %.6g", step, epoch, mean, dist.get_world_size(), lr)
 

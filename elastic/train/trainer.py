@@ -69,6 +69,7 @@ from elastic.live.protocol import ReformReason
 from elastic.train.batching import make_batch
 from elastic.train.boundary import BoundaryFlags
 from elastic.train.collectives import (
+    HostCollectives,
     group_device,
     join_process_group,
     log_mean_loss,
@@ -84,6 +85,7 @@ from elastic.train.sampler import ElasticSampler, split_sizes
 from elastic.train.schedule import SnapshotStats, WriterBusy
 from elastic.train.sharded import capture_sharded, gradient_sync_off
 from elastic.train.snapshots import LoopCheckpoints
+from elastic.train.step_loss import StepLoss
 from elastic.train.stop_timeout import StopTimeout
 
 logger = logging.getLogger(__name__)
@@ -132,6 +134,7 @@ class ElasticTrainer:
             join_process_group(self.config.resolved_backend(), self.config.timeout)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = group_device()
+        self._host = HostCollectives.for_loop(self.device, config.timeout, live=self._recovery is RecoveryMode.LIVE)
         sampler = ElasticSampler(len(dataset), seed=config.seed, shuffle=config.shuffle)
         self.cursor = TrainingCursor(config.lr_policy, sampler, self.rank, self.world_size)
         live = self._recovery is RecoveryMode.LIVE
@@ -169,7 +172,7 @@ class ElasticTrainer:
         self._progress = create_reporter(rank=self.rank)  # a no-op outside the job service and off rank 0
         self._progress.report(self.step, world_size=self.world_size, total_steps=config.total_steps,
                               nodes=round_node_names(), force=True)  # fmt: skip
-        self._loss_sum, self._loss_count = 0.0, 0
+        self._loss = StepLoss()  # read at the boundary without draining the device's queue
         self._scale, self._backward_done = 1.0, True
         self._padding = False  # the micro-batch yielded is a sharded model's zero-weight one (see batches)
         self._stopped = False
@@ -292,14 +295,12 @@ class ElasticTrainer:
         self._backward_done = True
         if self._broken is not None:
             return
+        if not self._padding:
+            self._loss.add(loss, self._scale)  # before the backward is queued: see elastic.train.step_loss
         try:
             (loss * self._scale).backward()
         except RuntimeError as exc:
             self._collective_failed(exc)
-            return
-        if not self._padding:
-            self._loss_sum += float(loss.detach()) * self._scale
-            self._loss_count += 1
 
     def _collective_failed(self, exc: RuntimeError) -> None:
         """Live mode: a collective failed because the group broke; the step is dropped and the group
@@ -326,6 +327,7 @@ class ElasticTrainer:
         self._checkpoints.before_reform(admit=reason is ReformReason.ADMIT)  # a sharded save uses the old group
         self._live.recover(reason)
         self._broken = None
+        self._loss.discard()
         was_first = self.rank == 0
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if was_first != (self.rank == 0):  # only the live group's rank 0 reports progress
@@ -363,8 +365,7 @@ class ElasticTrainer:
         epoch = self.sampler.epoch
         epoch_done = self.sampler.advance(global_batch)
         self.cursor.step += 1
-        loss = self._loss_sum if self._loss_count else None
-        self._loss_sum, self._loss_count = 0.0, 0
+        loss = self._loss.take()
         if self._live is not None:
             self._live.applied(lr, loss)
         else:  # restart mode: a failure from here on restarts every worker from a snapshot
@@ -399,7 +400,7 @@ class ElasticTrainer:
         mine = self._checkpoints.local_flags(self.step, time.monotonic(), signalled, self.rank)
         if self._live is not None:
             mine = dataclasses.replace(mine, joiners=self._live.joiners_waiting(self.rank))
-        return mine.agree(self.device)
+        return mine.agree(self._host.device, self._host.group())
 
     def _act(self, flags: BoundaryFlags, epoch_done: bool, signalled: bool) -> None:
         if flags.signalled:
@@ -419,7 +420,7 @@ class ElasticTrainer:
     def _maybe_report(self, lr: float, loss: float | None) -> None:
         every = self.config.progress_every
         if every > 0 and self.step % every == 0:
-            log_mean_loss(self.step, self.sampler.epoch, loss, lr, self.rank, self.device)
+            log_mean_loss(self.step, self.sampler.epoch, loss, lr, self.rank, self._host)
 
     def _publish_progress(self, lr: float, loss: float | None) -> None:
         """Progress for the job service (rank 0 only, throttled by the reporter; a no-op elsewhere)."""
@@ -432,7 +433,7 @@ class ElasticTrainer:
 
     def average(self, values: dict[str, float]) -> dict[str, float]:
         """Mean of each value over all workers (one all-reduce); a collective: every rank must call it."""
-        return mean_over_workers(values, self.device)
+        return mean_over_workers(values, self._host.device, self._host.group())
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _loop_state(self) -> dict[str, Any]:
@@ -444,7 +445,8 @@ class ElasticTrainer:
         """References to the full state (a collective: gathers every rank's RNG state)."""
         if self._sharded:
             return capture_sharded(self.step, self._module, self.optimizer, self.scheduler, **self.cursor.state())
-        return capture_training_state(self.step, self._module, self.optimizer, self.scheduler, **self.cursor.state())
+        return capture_training_state(self.step, self._module, self.optimizer, self.scheduler,
+                                      process_group=self._host.group(), **self.cursor.state())  # fmt: skip
 
     def save(self, blocking: bool = False) -> None:
         """Snapshot the full state now (a collective: every rank must call it)."""
@@ -496,4 +498,3 @@ class ElasticTrainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close(finished=exc[0] is None)
-
