@@ -44,12 +44,13 @@ class StepTrace:
 
 
 def attribute(trace: StepTrace, base: StepTrace, every: int, near: int = NEAR_STEPS) -> dict[str, float]:
-    """Milliseconds per snapshot: ``loss`` (all steps' excess over ``base``'s median step), split into ``near``
+    """Milliseconds per snapshot: ``loss`` (all steps' excess over ``base``'s mean step: so that it is exactly
+    the difference of the two runs' rates, a skewed base contributing nothing), split into ``near``
     (the save's steps) and ``far`` (the rest of the interval); ``gc`` (GC pauses beyond ``base``'s rate) and
     ``background_cpu`` (CPU of threads other than the main one, beyond ``base``'s rate)."""
     if every <= 0 or not trace.durations or not base.durations:
         raise ValueError("attribution needs a snapshot interval and steps in both runs")
-    b = statistics.median(base.durations)
+    b = statistics.fmean(base.durations)
     near_s = far_s = 0.0
     for i, d in enumerate(trace.durations):
         offset = (trace.first_step + i - 1) % every + 1  # 1 for the step right after a save

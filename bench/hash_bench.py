@@ -11,6 +11,11 @@ Two parts, on one local directory (``--dir``, default a temp dir):
   bench/checkpoint_bench.py's row of the same name; "% of dd": the median over rounds of each save against
   the ``dd`` beside it.
 
+- with ``--sharded``, also rounds of a blocking *sharded* save (DCP, ``layout="sharded"``, one process) of the
+  same state, each beside its own ``dd``: as it is (files hashed while DCP writes them,
+  elastic/checkpoint/write_digests.py) and with every data file read back to be hashed (what sharded saves did
+  before; the bench turns the hashing while writing off for it).
+
 Goal (issue 29): write + default verification >= 80 % of ``dd`` for 1 GiB.
 Prints a table and writes JSON (default bench/results/hash.json).
 """
@@ -38,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 import blake3  # noqa: E402
 
-from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager  # noqa: E402
+from elastic.checkpoint import CheckpointOptions, StateLayout, create_checkpoint_manager  # noqa: E402
 from elastic.checkpoint.filesystems import filesystem_type  # noqa: E402
 
 MiB = 1 << 20
@@ -136,12 +141,55 @@ def bench_saves(directory: Path, nbytes: int, repeats: int) -> dict[str, Any]:
     return {"dd_bytes_per_s": dd, "saves": runs}
 
 
+#: (label, read the data files back to hash them) of each sharded save configuration measured
+SHARDED_CONFIGS = (
+    ("sharded, hashed while written (default)", False),
+    ("sharded, files read back to be hashed (before)", True),
+)
+
+
+def sharded_save_once(root: Path, step: int, state: dict[str, Any], read_back: bool) -> dict[str, Any]:
+    """One blocking sharded save (DCP, one process, default options); its wall time."""
+    import elastic.checkpoint.sharded as sharded
+
+    options = CheckpointOptions(keep_last=1, layout=StateLayout.SHARDED)
+    hash_while_writing = sharded.hash_while_writing
+    if read_back:  # the writer is left alone: after_write reads every data file back, as before
+        sharded.hash_while_writing = lambda _writer, _digests: False  # type: ignore[assignment]
+    try:
+        with create_checkpoint_manager(str(root), options) as mgr:
+            start = time.perf_counter()
+            mgr.save(step, state, blocking=True)
+            wall = time.perf_counter() - start
+    finally:
+        sharded.hash_while_writing = hash_while_writing
+    return {"save_wall_s": wall}
+
+
+def bench_sharded(directory: Path, nbytes: int, repeats: int) -> dict[str, Any]:
+    """As :func:`bench_saves`, for :data:`SHARDED_CONFIGS`."""
+    state = make_state(nbytes)
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in SHARDED_CONFIGS}
+    for step in range(1, repeats + 1):
+        order = list(enumerate(SHARDED_CONFIGS))
+        for index, (label, read_back) in order if step % 2 else reversed(order):
+            os.sync()
+            dd_bps = dd_write(directory, nbytes)
+            os.sync()
+            row = sharded_save_once(directory / f"sharded-{index}", step, state, read_back)
+            row["dd_bytes_per_s"] = dd_bps
+            row["fraction_of_dd"] = nbytes / row["save_wall_s"] / dd_bps
+            runs[label].append(row)
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=1.0, help="bytes written per save and by dd (GiB)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", type=Path, default=None, help="local directory to write to (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "hash.json")
+    parser.add_argument("--sharded", action="store_true", help="also sharded (DCP) saves, see above")
     args = parser.parse_args()
     nbytes = int(args.gib * GiB)
     workdir = Path(tempfile.mkdtemp(prefix="hash-bench-", dir=args.dir))
@@ -153,6 +201,8 @@ def main() -> None:
     try:
         hashing = hash_throughput()
         saves = bench_saves(workdir, nbytes, args.repeats)
+        if args.sharded:
+            saves["sharded"] = bench_sharded(workdir, nbytes, args.repeats)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report = {
@@ -195,6 +245,12 @@ def print_report(r: dict[str, Any], repeats: int) -> dict[str, Any]:
             "verify_mode": mode,
             "verify_ms": verify_ms,
         }
+    for label, rows in r.get("sharded", {}).items():
+        fraction = med(row["fraction_of_dd"] for row in rows)
+        seconds = med(row["save_wall_s"] for row in rows)
+        print(f"  {'save, ' + label:<52} {r['bytes'] / seconds / MiB:8.0f} MiB/s {seconds:5.2f} s "
+              f"({fraction * 100:3.0f} % of the dd beside it)")  # fmt: skip
+        summary[label] = {"save_fraction_of_dd": fraction, "save_s": seconds}
     default = summary[CONFIGS[0][0]]["write_verify_fraction_of_dd"]
     summary["goal_default_write_verify_ge_80pct_dd"] = default >= 0.80
     print(

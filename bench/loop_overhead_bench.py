@@ -110,7 +110,7 @@ def _print_attribution(traces: dict[tuple[str, int], list[StepTrace]], modes: li
             med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
             out[f"{mode}/{every}"] = {"median": med, "rounds": rows}
             print(f"{mode}, a snapshot every {every} steps, vs no snapshots (ms per snapshot, median of {len(rows)} "
-                  f"rounds; base step {med['base_step_ms']:.2f} ms): loss {med['loss_ms']:.1f} = save's "
+                  f"rounds; base step {med['base_step_ms']:.2f} ms, mean): loss {med['loss_ms']:.1f} = save's "
                   f"{NEAR_STEPS} steps {med['near_ms']:.1f} + the other {every - NEAR_STEPS} {med['far_ms']:.1f}; "
                   f"GC {med['gc_ms']:+.1f}, background threads' CPU {med['background_cpu_ms']:+.1f}")  # fmt: skip
     return out

@@ -4,7 +4,8 @@ DCP does the sharded work (planning, de-duplication, resharding on load, its asy
 adds what it lacks for shared storage: a per-attempt directory, a digest of every file, and the manifest as
 the commit point.  DCP's storage writer is subclassed so that
 
-- ``write_data`` (every rank) hashes the files that rank wrote, reading them back, and publishes
+- ``write_data`` (every rank) records the size and digest of each file that rank wrote, hashed as DCP wrote it
+  (:mod:`elastic.checkpoint.write_digests`; a file it could not hash so is read back), and publishes
   ``part-<rank>.json`` next to them before DCP gathers the write results;
 - ``finish`` (coordinator, after all ranks' data is written) lets DCP write ``.metadata``, merges the part
   files and commits ``manifest.json``; then verification and retention run as for replicated state.
@@ -41,6 +42,7 @@ from elastic.checkpoint.digest import DigestAlgorithm, new_hasher
 from elastic.checkpoint.layout import FileEntry, Manifest, ManifestError, SnapshotKind, manifest_path, step_dir
 from elastic.checkpoint.reader import verify_files
 from elastic.checkpoint.storage import CheckpointStorage, FsspecStorage, LocalStorage
+from elastic.checkpoint.write_digests import WriteDigests, hash_while_writing
 from elastic.checkpoint.writer import SaveTimings, check_fence, finish_commit, generation_meta, new_token
 from elastic.compat import dcp_no_dist, fsspec_checkpoint_io, fsspec_dcp_io
 
@@ -86,6 +88,7 @@ class _Commit:
             events,
         )
         self.rel = f"{step_dir(step)}/{token}"
+        self.digests = WriteDigests(options.file_digest)  # filled by the DCP writer as it writes
         self.timings = SaveTimings()
         self.manifest: Manifest | None = None
 
@@ -93,9 +96,18 @@ class _Commit:
         names = sorted({r.storage_data.relative_path for r in results})
         algorithm = self.options.file_digest
         entries = []
+        read_back = 0
         for name in names:
-            size, digest = _hash_file(self.storage, f"{self.rel}/{name}", self.options.chunk_bytes, algorithm)
+            known = self.digests.get(name)
+            if known is not None:
+                size, digest = known.size, known.digest
+            else:  # not hashed while written (see elastic.checkpoint.write_digests): read it back
+                size, digest = _hash_file(self.storage, f"{self.rel}/{name}", self.options.chunk_bytes, algorithm)
+                read_back += 1
             entries.append(FileEntry(f"{self.token}/{name}", size, digest, algorithm).to_dict())
+        if read_back:
+            logger.info("sharded checkpoint step %d: %d of rank %d's %d files read back to be hashed", self.step,
+                        read_back, rank, len(names))  # fmt: skip
         self.storage.publish(f"{self.rel}/part-{rank:05d}.json", json.dumps(entries).encode())
         self.events("data_done")
 
@@ -224,6 +236,7 @@ class ShardedCheckpointer:
                 f"sharded checkpoints need a LocalStorage or FsspecStorage, not {type(self._storage)}"
             )
         writer.commit_state = commit
+        hash_while_writing(writer, commit.digests)
         return writer
 
     def save(self, step: int, state: Mapping[str, Any], *, blocking: bool) -> None:

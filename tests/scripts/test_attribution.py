@@ -31,6 +31,15 @@ def test_a_stall_after_each_save_counts_near_and_a_slowdown_between_saves_counts
     assert got["background_cpu_ms"] == pytest.approx(100)  # other threads: 0.7 s against 0.2 s, over 5 snapshots
 
 
+def test_a_run_like_its_base_loses_nothing_even_when_the_base_steps_are_skewed() -> None:
+    """Base and trace alike: 90 steps of 10 ms and 10 of 20 ms (median 10 ms, mean 11 ms). Measured against the
+    median, each of the 5 snapshots would have "lost" 20 ms that no snapshot cost."""
+    durations = tuple([0.010] * 90 + [0.020] * 10)
+    base = StepTrace(durations, 22, gc_s=0.0, main_cpu_s=1.0, process_cpu_s=1.0)
+    got = attribute(base, base, 20)
+    assert got["loss_ms"] == pytest.approx(0, abs=1e-9) and got["base_step_ms"] == pytest.approx(11)
+
+
 def test_attribution_without_an_interval_or_steps_is_refused() -> None:
     t = StepTrace((0.01,), 2, 0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="needs a snapshot interval"):
