@@ -46,6 +46,7 @@ SUITES=(
   tests/elastic/checkpoint/test_tiers.py
   tests/elastic/train/test_stop_timeout.py
   tests/elastic/train/test_preemption.py
+  tests/elastic/train/test_host_sync.py
   tests/elastic/live/test_overlap.py
   tests/elastic/live/test_group_lifetime.py
   tests/integration/test_elastic_loop.py

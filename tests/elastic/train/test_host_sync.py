@@ -9,6 +9,7 @@ thread over the same steps."""
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Iterator
 from datetime import timedelta
@@ -192,12 +193,19 @@ def _two_ranks(rank: int, store_path: str, out: str) -> None:
     agreed = mine.agree(host.device, host.group())
     mean = mean_over_workers({"x": float(rank)}, host.device, host.group())
     Path(out, f"rank{rank}").write_text(f"{agreed.encode()} {mean['x']}")
-    dist.destroy_process_group()
+    compat.destroy_process_group()  # not dist's own: torch 2.6's gloo teardown can hang (see there)
 
 
 @pytest.mark.timeout(120)
 def test_two_ranks_agree_on_every_flag_either_of_them_set_over_their_separate_host_group(tmp_path: Path) -> None:
-    mp.start_processes(_two_ranks, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks = mp.start_processes(_two_ranks, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                               start_method="spawn", join=False)  # fmt: skip
+    deadline = time.monotonic() + 90
+    while not ranks.join(timeout=1):  # raises if a rank failed
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the two ranks did not finish within 90 s")
     expected = f"{BoundaryFlags(signalled=True, local_due=True).encode()} 0.5"
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == [expected, expected]
 
