@@ -77,8 +77,13 @@ class HostCollectives:
 
     @classmethod
     def for_loop(cls, device: torch.device, timeout: timedelta, *, live: bool) -> HostCollectives:
-        """Restart mode on a default group that does not take CPU tensors (NCCL): a gloo group of their own."""
-        return cls(device, timeout, separate=not live and not takes_cpu_tensors(dist.get_backend()))
+        """Live mode: the default group on ``device``.  Restart mode: CPU tensors, over the default group where it
+        takes them (gloo, ``cpu:gloo,cuda:nccl``), else (NCCL) over a gloo group of their own."""
+        if live:
+            return cls(device, timeout, separate=False)
+        if takes_cpu_tensors(dist.get_backend()):
+            return cls(torch.device("cpu"), timeout, separate=False)
+        return cls(device, timeout, separate=True)
 
     def group(self) -> Any:
         """The group (a collective the first time for each default group: every rank calls it at that point)."""

@@ -162,10 +162,17 @@ def test_which_default_groups_take_cpu_tensors_themselves(backend: str, cpu: boo
     assert takes_cpu_tensors(backend) is cpu
 
 
-def test_over_a_gloo_default_group_the_loop_makes_no_group_of_its_own_in_either_mode(gloo_world_1: None) -> None:
+def test_over_a_gloo_group_no_group_of_its_own_is_made_and_restart_mode_agrees_on_cpu_tensors(
+    gloo_world_1: None,
+) -> None:
     for live in (False, True):
         host = HostCollectives.for_loop(torch.device("cpu"), timedelta(seconds=30), live=live)
         assert not host.separate and host.group() is None and host.groups_made == 0
+    # restart mode: CPU tensors whatever the training device (a cpu:gloo,cuda:nccl group takes them itself)
+    host = HostCollectives.for_loop(torch.device("meta"), timedelta(seconds=30), live=False)
+    assert host.device == torch.device("cpu") and host.group() is None
+    live = HostCollectives.for_loop(torch.device("meta"), timedelta(seconds=30), live=True)
+    assert live.device == torch.device("meta"), "live mode keeps its agreements on the training device"
 
 
 def test_a_separate_host_group_is_made_once_per_default_group_and_carries_the_boundary_flags(
