@@ -91,7 +91,15 @@ class HostCollectives:
             return None
         world = dist.group.WORLD
         if self._group is None or self._world is not world:
-            self._group, self._world = dist.new_group(backend="gloo", timeout=self._timeout), world
+            try:
+                group = dist.new_group(backend="gloo", timeout=self._timeout)
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"the loop's gloo group for its step-boundary agreements (beside the {dist.get_backend()} group) "
+                    f"could not be formed: {exc}. gloo needs this host's name to resolve to an address the other "
+                    "ranks reach, or GLOO_SOCKET_IFNAME naming the interface to use"
+                ) from exc
+            self._group, self._world = group, world
             self.groups_made += 1
         return self._group
 
