@@ -9,7 +9,7 @@ leave the others waiting in a collective.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -29,18 +29,23 @@ class BoundaryFlags:
     joiners: bool = False  # live recovery: workers wait to be admitted at this boundary
 
     def encode(self) -> list[int]:
-        return [int(f) for f in astuple(self)]
+        return [int(getattr(self, name)) for name in _NAMES]
 
     @classmethod
     def decode(cls, values: Sequence[int]) -> BoundaryFlags:
-        names = [f.name for f in fields(cls)]
+        names = _NAMES
         if len(values) != len(names):
             raise ValueError(f"{len(values)} boundary flags, expected {len(names)} ({', '.join(names)})")
         return cls(**{n: bool(v) for n, v in zip(names, values, strict=True)})
 
     def agree(self, device: torch.device, group: Any = None) -> BoundaryFlags:
         """The group's flags: every rank's, MAX-reduced over ``group`` (None: the default one) on ``device``
-        (a collective: every rank calls it at the boundary)."""
+        (a collective: every rank calls it at the boundary).  A group of one has nobody to agree with."""
+        if dist.get_world_size(group) == 1:
+            return self
         t = torch.tensor(self.encode(), device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return BoundaryFlags.decode([int(v) for v in t.tolist()])
+
+
+_NAMES = tuple(f.name for f in fields(BoundaryFlags))  # the wire order

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic.train.boundary import BoundaryFlags
 
@@ -33,7 +35,20 @@ def gloo_world_1() -> Iterator[None]:
     dist.destroy_process_group()
 
 
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.timeout(30)
-def test_agree_is_the_groups_view(gloo_world_1: None) -> None:
+def test_a_group_of_one_agrees_on_its_own_view_without_a_collective(gloo_world_1: None) -> None:
     mine = BoundaryFlags(signalled=True, local_due=True)
-    assert mine.agree(torch.device("cpu")) == mine
+    with _Ops() as ops:
+        assert mine.agree(torch.device("cpu")) == mine
+    assert ops.seen == [], "a world of one has nobody to agree with: no tensor, no all-reduce"
+    # two ranks MAX-reduce their flags: tests/elastic/train/test_host_sync.py (and every loop test under torchrun)
