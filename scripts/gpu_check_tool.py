@@ -92,6 +92,11 @@ def figure(kind: str, path: Path) -> str:
         if "live_vs_elastic_ratio" in r:  # the live row (--with-live): live's own all-reduce vs DDP, same loop
             out += f", live/DDP {r['live_vs_elastic_ratio']:.3f}"
         out += f" (step rates, a snapshot every {r['checkpoint_every_steps']} steps)"
+        intervals = r.get("by_interval") or {}
+        every = intervals.get(str(r["checkpoint_every_steps"])) or {}
+        if "0" in intervals and "elastic_fraction_of_no_checkpoint" in every:  # issue 29's goal: >= 0.95
+            out += (f"; elastic keeps {every['elastic_fraction_of_no_checkpoint']:.3f} of its no-snapshot rate; "
+                    f"elastic/DDP without snapshots {intervals['0']['ratio_median']:.3f}")  # fmt: skip
         attribution = (r.get("attribution") or {}).get(f"elastic/{r['checkpoint_every_steps']}")
         if attribution:  # issue 29, part 3: where the snapshot's cost goes (bench/_attribution.py)
             m = attribution["median"]
