@@ -1,6 +1,6 @@
 """A step's loss, read on the host without draining the device's queue.
 
-The loop reports each step's loss (the step hook's :class:`~elastic.train.progress.StepInfo`, the progress
+The loop reports each step's loss (the step hook's :class:`~elastic.train.config.StepInfo`, the progress
 report, the loss log).  Reading it with ``float(loss)`` right after ``loss.backward()`` is a stream sync that
 waits for the whole backward pass: the GPU then idles while the host launches the optimizer step and the next
 step's forward, every step.  Here each micro-batch's loss is copied, *before* its backward is launched, into a
