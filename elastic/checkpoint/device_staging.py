@@ -275,7 +275,8 @@ class DeviceBufferPool:
                     failed.append(index)
                     continue
             staged.append(index)
-        for index in [i for i in self._buffers if i not in set(staged)]:
+        keep = set(staged)
+        for index in [i for i in self._buffers if i not in keep]:
             del self._buffers[index]
         if failed:
             direct = tuple(sorted(set(plan.direct) | set(failed)))
