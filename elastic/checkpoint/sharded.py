@@ -45,6 +45,7 @@ from elastic.checkpoint.storage import CheckpointStorage, FsspecStorage, LocalSt
 from elastic.checkpoint.write_digests import WriteDigests, hash_while_writing
 from elastic.checkpoint.writer import SaveTimings, check_fence, finish_commit, generation_meta, new_token
 from elastic.compat import dcp_no_dist, fsspec_checkpoint_io, fsspec_dcp_io
+from elastic.gloo_group import GlooGroupBeside
 
 __all__ = ["ShardedCheckpointer"]
 
@@ -192,8 +193,7 @@ class ShardedCheckpointer:
         self._storage = storage
         self._options = options
         self._events: EventHook = events or (lambda _name: None)
-        self._group: Any = None
-        self._world: Any = None  # the default group that ``_group`` was made in (live mode makes new ones)
+        self._group = GlooGroupBeside("sharded checkpoints")  # made again for each default group (live mode)
         self._future: Any = None
         self.last_committed_step: int | None = None  # on the coordinator (rank 0), where the commit happens
         self._step: int | None = None
@@ -202,10 +202,7 @@ class ShardedCheckpointer:
     def _pg(self) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        world = dist.group.WORLD
-        if self._group is None or self._world is not world:  # collective: every rank's first save/load in a group
-            self._group, self._world = dist.new_group(backend="gloo"), world
-        return self._group
+        return self._group.get()  # collective: every rank's first save/load in a group
 
     def _broadcast(self, value: Any) -> Any:
         pg = self._pg()

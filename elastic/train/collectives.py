@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.contract.env import TorchrunEnv, WorkerEnv
+from elastic.gloo_group import GlooGroupBeside
 
 logger = logging.getLogger("elastic.train.trainer")  # the loop's log, where users look for the loss line
 
@@ -67,13 +68,14 @@ class HostCollectives:
     otherwise over the default group on ``device``.  :meth:`for_loop` decides."""
 
     def __init__(self, device: torch.device, timeout: timedelta, *, separate: bool) -> None:
-        self._timeout = timeout
         self.separate = separate
         self.device = torch.device("cpu") if separate else device
-        self._group: Any = None
-        self._world: Any = None  # the default group that ``_group`` was made beside
-        self.groups_made = 0
+        self._side = GlooGroupBeside("the loop's step-boundary agreements", timeout) if separate else None
         self.group()
+
+    @property
+    def groups_made(self) -> int:
+        return self._side.made if self._side is not None else 0
 
     @classmethod
     def for_loop(cls, device: torch.device, timeout: timedelta, *, live: bool) -> HostCollectives:
@@ -87,21 +89,7 @@ class HostCollectives:
 
     def group(self) -> Any:
         """The group (a collective the first time for each default group: every rank calls it at that point)."""
-        if not self.separate:
-            return None
-        world = dist.group.WORLD
-        if self._group is None or self._world is not world:
-            try:
-                group = dist.new_group(backend="gloo", timeout=self._timeout)
-            except RuntimeError as exc:
-                raise RuntimeError(
-                    f"the loop's gloo group for its step-boundary agreements (beside the {dist.get_backend()} group) "
-                    f"could not be formed: {exc}. gloo needs this host's name to resolve to an address the other "
-                    "ranks reach, or GLOO_SOCKET_IFNAME naming the interface to use"
-                ) from exc
-            self._group, self._world = group, world
-            self.groups_made += 1
-        return self._group
+        return self._side.get() if self._side is not None else None
 
 
 def mean_over_workers(values: dict[str, float], device: torch.device, group: Any = None) -> dict[str, float]:
