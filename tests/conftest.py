@@ -92,3 +92,18 @@ def agents() -> Iterator[list[TorchrunAgent]]:
     yield started
     for a in started:
         a.stop()
+
+
+@pytest.fixture
+def gloo_world_1() -> Iterator[None]:
+    """A gloo process group of one rank in this process (left behind by nobody, torn down after the test even
+    if a trainer's ``close()`` already left it)."""
+    import torch.distributed as dist  # here: most of the suite never loads torch
+
+    from elastic import compat
+
+    assert not dist.is_initialized(), "another test left a process group behind"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if dist.is_initialized():
+        compat.destroy_process_group()

@@ -13,10 +13,8 @@ from typing import Any
 import blake3
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from elastic import compat
 from elastic.checkpoint import CheckpointOptions, StateLayout, create_checkpoint_manager
 from elastic.checkpoint.digest import DigestAlgorithm, digest_bytes
 from elastic.checkpoint.storage import BinaryReader, LocalStorage
@@ -106,15 +104,6 @@ class _CountingStorage(LocalStorage):
         self.reads.append(rel)
         with super().open_read(rel) as f:
             yield f
-
-
-@pytest.fixture
-def gloo_world_1() -> Iterator[None]:
-    assert not dist.is_initialized(), "another test left a process group behind"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if dist.is_initialized():
-        compat.destroy_process_group()
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])

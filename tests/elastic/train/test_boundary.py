@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic.train.boundary import BoundaryFlags
@@ -25,14 +23,6 @@ def test_flags_travel_as_ints_in_field_order_and_come_back_named() -> None:
 def test_a_wrong_number_of_flags_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="4 boundary flags, expected 5"):
         BoundaryFlags.decode([0, 0, 0, 0])
-
-
-@pytest.fixture
-def gloo_world_1() -> Iterator[None]:
-    assert not dist.is_initialized(), "another test left a process group behind"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class _Ops(TorchDispatchMode):

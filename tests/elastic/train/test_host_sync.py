@@ -70,15 +70,6 @@ class _ScalarReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture
-def gloo_world_1() -> Iterator[None]:
-    assert not dist.is_initialized(), "another test left a process group behind"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if dist.is_initialized():  # the trainer's close() leaves the group
-        compat.destroy_process_group()
-
-
 def _data(n: int = 400) -> TensorDataset:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(n, 8, generator=g)
