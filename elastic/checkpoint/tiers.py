@@ -19,9 +19,10 @@ Contract of :class:`SnapshotTiers` (replicated, DDP-style state only: any node's
   skipped), and a failed local write is a warning, never an error of the training run.
 - ``want_local()`` spaces snapshots: every ``local_every_steps``, and with ``max_overhead`` no more often
   than keeps their measured cost under that fraction of the time (so fast steps get one every few steps).
-- Slots: each writer holds an exclusive ``flock`` on its slot for its lifetime, so two agents on one host
-  never write the same directory, and a restarted worker finds what its dead predecessor wrote. After a
-  restore, the data of slots nobody holds is deleted (it is no newer than what was restored).
+- Slots (``slot-<k>``, :mod:`elastic.checkpoint.slots`): each writer holds an exclusive ``flock`` on its slot
+  for its lifetime, so two agents on one host never write the same directory, and a restarted worker finds
+  what its dead predecessor wrote. After a restore, the data of slots nobody holds is deleted (it is no newer
+  than what was restored).
 - ``close(finished=True)`` deletes this node's local tier (the job is done: nothing is left in memory).
 - Privacy: the tier's directory is a private one (:func:`elastic.runtime_dir.private_dir`: created 0700,
   owned by us, no symlink, nothing above it that another user controls) and its files are written 0600. A
@@ -33,7 +34,6 @@ Contract of :class:`SnapshotTiers` (replicated, DDP-style state only: any node's
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import logging
 import os
@@ -51,6 +51,7 @@ import torch.distributed as dist
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.api import CheckpointError, CheckpointManager
 from elastic.checkpoint.manager import FsspecCheckpointManager
+from elastic.checkpoint.slots import MAX_SLOTS, SlotClaim, claim_slot, is_held, slot_dirs
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import BinaryWriter, LocalStorage
 from elastic.contract.env import LOCAL_SNAPSHOT_DIR, TorchrunEnv, WorkerEnv
@@ -69,7 +70,7 @@ __all__ = [
 ]
 
 LOCAL_OPTIONS = CheckpointOptions(keep_last=1, per_node=True, verify_after_write=False, lustre_striping=False)
-_MAX_SLOTS = 64
+_SLOT_PREFIX = "slot-"
 
 
 def default_local_root() -> Path:
@@ -155,7 +156,7 @@ class SnapshotTiers:
         self._spacing = LocalSpacing(local_every_steps, max_overhead)
         self._device = device
         self._writer = local_dir is not None and TorchrunEnv.from_environ().local_rank == 0
-        self._lock_fd: int | None = None
+        self._claim: SlotClaim | None = None
         self._local: FsspecCheckpointManager | None = None
         self._warned = False
         self.source: str | None = None  # what the last restore resumed from: "node-local", "durable" or None
@@ -177,31 +178,15 @@ class SnapshotTiers:
     # -- slots ---------------------------------------------------------------------------------------
     def _claim_slot(self, root: Path) -> Path:
         private_dir(root)
-        for i in range(_MAX_SLOTS):
-            fd = os.open(root / f"slot-{i}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self._lock_fd = fd
-            return root / f"slot-{i}"
-        raise CheckpointError(f"all {_MAX_SLOTS} local snapshot slots under {root} are held")
+        claim = claim_slot(root, _SLOT_PREFIX)
+        if claim is None:
+            raise CheckpointError(f"all {MAX_SLOTS} local snapshot slots under {root} are held")
+        self._claim = claim
+        return claim.path
 
     def _slots(self) -> list[Path]:
         assert self._dir is not None
-        return sorted(p for p in self._dir.glob("slot-*") if p.is_dir())
-
-    @staticmethod
-    def _held(slot: Path) -> bool:
-        fd = os.open(f"{slot}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)  # closing drops a lock we just took
-        return False
+        return slot_dirs(self._dir, _SLOT_PREFIX)
 
     def _newest_local(self) -> tuple[int, Path | None]:
         best: tuple[int, Path | None] = (-1, None)
@@ -215,7 +200,7 @@ class SnapshotTiers:
     def _drop_stale_slots(self) -> None:
         mine = Path(self._local.url) if self._local is not None else None
         for slot in self._slots():
-            if slot != mine and not self._held(slot):
+            if slot != mine and not is_held(slot):
                 shutil.rmtree(slot, ignore_errors=True)
 
     # -- restore -------------------------------------------------------------------------------------
@@ -317,9 +302,9 @@ class SnapshotTiers:
             self._local = None
         if finished and self._writer and self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
 
 
 def create_snapshot_tiers(

@@ -4,7 +4,8 @@ The replicated tier (:mod:`elastic.checkpoint.tiers`) has one writer per node, w
 every rank writes its shard (parameters, buffers, optimizer state: :meth:`ShardedModel.local_payload`) and the
 loop's state to a slot of its own on its node, under the same private directory, file modes and signing key as
 the replicated tier. A slot is named after the shard it holds, ``n<shard_size>-i<shard_index>-<k>`` (``k``: the
-first one free; each writer holds an exclusive ``flock`` on its slot for its lifetime).
+first one free; each writer holds an exclusive ``flock`` on its slot for its lifetime, as
+:mod:`elastic.checkpoint.slots` claims them).
 
 :meth:`ShardTier.restore` is a collective, run before the durable restore: every rank finds, among its node's
 slots, the newest snapshot of the shard it holds in the new world; the newest step any rank has is used when it is
@@ -18,9 +19,7 @@ replicated tier: a slot still writing skips that step, a failed write is a warni
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ import torch.distributed as dist
 from elastic.checkpoint import create_checkpoint_manager
 from elastic.checkpoint.api import CheckpointError
 from elastic.checkpoint.manager import FsspecCheckpointManager
+from elastic.checkpoint.slots import MAX_SLOTS, SlotClaim, claim_slot, slot_dirs
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.tiers import LOCAL_OPTIONS, LocalSpacing, PrivateStorage, default_local_root, local_tier_dir
 from elastic.contract.env import TorchrunEnv, WorkerEnv
@@ -43,8 +43,6 @@ from elastic.train.parallel import ShardedModel, shard_sources, share_shards
 logger = logging.getLogger(__name__)
 
 __all__ = ["ShardTier", "create_shard_tier"]
-
-_MAX_SLOTS = 64
 
 
 class _SlotManager(FsspecCheckpointManager):
@@ -70,8 +68,7 @@ class ShardTier:
         self._options = replace(LOCAL_OPTIONS, keep_last=2, signing_key=signing_key)
         self._spacing = LocalSpacing(every, max_overhead)
         self._local: FsspecCheckpointManager | None = None
-        self._slot: Path | None = None
-        self._lock_fd: int | None = None
+        self._claimed: SlotClaim | None = None
         self._warned = False
         if local_dir is not None:
             try:
@@ -95,22 +92,16 @@ class ShardTier:
         if self._dir is None:
             return None
         prefix = self._prefix()
-        if self._slot is not None and self._slot.name.startswith(prefix):
+        if self._claimed is not None and self._claimed.path.name.startswith(prefix):
             return self._local
         self._release()
-        for k in range(_MAX_SLOTS):
-            slot = self._dir / f"{prefix}{k}"
-            fd = os.open(f"{slot}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self._lock_fd, self._slot = fd, slot
-            self._local = _SlotManager(PrivateStorage(slot, url=str(slot)), self._options)
-            return self._local
-        logger.warning("node-local shard snapshots: all %d slots for %s* are held", _MAX_SLOTS, prefix)
-        return None
+        claim = claim_slot(self._dir, prefix)
+        if claim is None:
+            logger.warning("node-local shard snapshots: all %d slots for %s* are held", MAX_SLOTS, prefix)
+            return None
+        self._claimed, slot = claim, claim.path
+        self._local = _SlotManager(PrivateStorage(slot, url=str(slot)), self._options)
+        return self._local
 
     def _release(self) -> None:
         if self._local is not None:
@@ -119,16 +110,16 @@ class ShardTier:
             except CheckpointError as exc:
                 logger.warning("last node-local shard snapshot failed: %s", exc)
             self._local = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd, self._slot = None, None
+        if self._claimed is not None:
+            self._claimed.release()
+            self._claimed = None
 
     def _available(self) -> dict[int, Path]:
         """Every committed step among this node's slots of the shard this rank holds now, and a slot holding it."""
         found: dict[int, Path] = {}
         if self._dir is None:
             return found
-        for slot in sorted(p for p in self._dir.glob(f"{self._prefix()}*") if p.is_dir()):
+        for slot in slot_dirs(self._dir, self._prefix()):
             try:
                 with create_checkpoint_manager(str(slot), self._options) as reader:
                     steps = [info.step for info in reader.list_snapshots()]

@@ -10,29 +10,19 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from elastic import compat
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.tiers import LOCAL_OPTIONS, SnapshotTiers, create_snapshot_tiers, local_tier_dir
 from elastic.contract.lr import LRPolicy, LRRule
 from elastic.train.trainer import ElasticConfig
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("gloo_world_1")]  # tests/conftest.py
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    compat.destroy_process_group()
 
 
 def _state(step: int) -> TrainingState:

@@ -157,14 +157,6 @@ def _generations_under(group: LiveGroup, prefix: str) -> set[int]:
 
 
 # -- broadcast_state, is_peer_failure ----------------------------------------------------------------------
-@pytest.fixture
-def gloo_world_1() -> Iterator[None]:
-    assert not dist.is_initialized(), "another test left a process group behind"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    _destroy_default_group()
-
-
 @pytest.mark.timeout(60)
 def test_broadcast_state_at_world_1_returns_the_state_unchanged(gloo_world_1: None) -> None:
     weights = torch.arange(6, dtype=torch.float32).reshape(2, 3)

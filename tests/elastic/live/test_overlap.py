@@ -67,14 +67,6 @@ class Net(nn.Module):
         return self.head(x.to(self.head.weight.dtype)).float()
 
 
-@pytest.fixture
-def gloo_world_1() -> Iterator[None]:
-    assert not dist.is_initialized(), "another test left a process group behind"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _loss(model: nn.Module, seed: int, **kwargs: Any) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +26,6 @@ from elastic.train.trainer import ElasticConfig, ElasticTrainer, RecoveryMode
 from tests.elastic.train._deferral_worker import SlowStorage
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if dist.is_initialized():  # the trainer's close() leaves the group
-        compat.destroy_process_group()
 
 
 def _sharded_mlp(seed: int = 0) -> nn.Module:
@@ -82,7 +73,7 @@ def _full(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str,
 
 
 def test_a_model_sharded_already_is_refused_by_live_recovery_at_construction_naming_parallelize(
-    group: None, tmp_path: Path
+    gloo_world_1: None, tmp_path: Path
 ) -> None:
     model = _sharded_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -90,14 +81,14 @@ def test_a_model_sharded_already_is_refused_by_live_recovery_at_construction_nam
         ElasticTrainer(model, optimizer, _data(), _config(tmp_path, RecoveryMode.LIVE))
 
 
-def test_parallelize_with_a_module_sharded_already_is_refused(group: None, tmp_path: Path) -> None:
+def test_parallelize_with_a_module_sharded_already_is_refused(gloo_world_1: None, tmp_path: Path) -> None:
     model = _sharded_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"with parallelize=, pass the unsharded"):
         ElasticTrainer(model, optimizer, _data(), _config(tmp_path), parallelize=_parallelize)
 
 
-def test_the_loop_entry_of_a_sharded_snapshot_holds_step_cursor_and_rng(group: None) -> None:
+def test_the_loop_entry_of_a_sharded_snapshot_holds_step_cursor_and_rng(gloo_world_1: None) -> None:
     model = _sharded_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cursor = {"data_cursor": {"sampler": {"epoch": 2, "position": 8}}, "world_size": 1, "lr_reference": {},
@@ -110,7 +101,7 @@ def test_the_loop_entry_of_a_sharded_snapshot_holds_step_cursor_and_rng(group: N
 
 
 def test_a_trainer_saves_sharded_snapshots_and_the_next_one_resumes_the_full_state(
-    group: None, tmp_path: Path
+    gloo_world_1: None, tmp_path: Path
 ) -> None:
     ck = tmp_path / "ck"
     model = _sharded_mlp()
@@ -143,7 +134,7 @@ def test_a_trainer_saves_sharded_snapshots_and_the_next_one_resumes_the_full_sta
 
 
 def test_with_parallelize_the_trainer_shards_the_model_trains_it_like_the_script_sharded_one_and_resumes_it(
-    group: None, tmp_path: Path
+    gloo_world_1: None, tmp_path: Path
 ) -> None:
     """Restart mode: ``parallelize=`` gives the same training as a model the script sharded itself (bit for bit),
     the optimizer made over the unsharded module follows the shards, and the snapshot resumes the full state."""
@@ -215,7 +206,7 @@ def _reform() -> None:
 
 
 def test_a_live_admission_waits_for_the_sharded_save_in_flight_which_commits_before_the_group_is_replaced(
-    group: None, tmp_path: Path
+    gloo_world_1: None, tmp_path: Path
 ) -> None:
     checkpoints, started = _in_flight_sharded_save(tmp_path, SlowStorage(tmp_path / "ck", 1.0))
     checkpoints.before_reform(admit=True)
@@ -229,7 +220,7 @@ def test_a_live_admission_waits_for_the_sharded_save_in_flight_which_commits_bef
 
 
 def test_after_a_live_failure_the_sharded_save_in_flight_is_given_up_its_error_logged_and_never_raised(
-    group: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    gloo_world_1: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     checkpoints, _ = _in_flight_sharded_save(tmp_path, _FailingCommit(tmp_path / "ck", 0.5))
     checkpoints.before_reform(admit=False)  # returns at once: the failed member's part will never come

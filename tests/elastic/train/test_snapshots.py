@@ -11,14 +11,11 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from elastic import compat
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.manager import FsspecCheckpointManager
 from elastic.checkpoint.state import TrainingState
@@ -28,14 +25,6 @@ from tests.elastic.train._deferral_worker import Run, train
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[3]
 DELAY = 1.0
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if dist.is_initialized():  # the trainer's close() leaves the group
-        compat.destroy_process_group()
 
 
 def _reader(root: Path) -> FsspecCheckpointManager:
@@ -65,7 +54,7 @@ def _deferred_then_taken(run: Run) -> list[tuple[int, int]]:
 
 @pytest.mark.solo  # bounds each step's wall time: runs alone in a parallel scripts/test.sh
 def test_with_defer_a_slow_save_stalls_no_step_and_the_deferred_snapshot_holds_the_newer_step(
-    tmp_path: Path, group: None
+    tmp_path: Path, gloo_world_1: None
 ) -> None:
     run = train(tmp_path / "ck", 150, DELAY, WriterBusy.DEFER)
     stats = run.trainer.snapshot_stats
@@ -85,7 +74,7 @@ def test_with_defer_a_slow_save_stalls_no_step_and_the_deferred_snapshot_holds_t
     assert run.trainer.snapshot_stats.saved == len(committed)
 
 
-def test_with_wait_a_snapshot_due_while_the_writer_is_busy_stalls_the_step(tmp_path: Path, group: None) -> None:
+def test_with_wait_a_snapshot_due_while_the_writer_is_busy_stalls_the_step(tmp_path: Path, gloo_world_1: None) -> None:
     run = train(tmp_path / "ck", 12, DELAY, WriterBusy.WAIT)  # the snapshot at 10 waits for the one at 5
     stats = run.trainer.snapshot_stats
     run.trainer.close()
@@ -100,7 +89,7 @@ def test_with_wait_a_snapshot_due_while_the_writer_is_busy_stalls_the_step(tmp_p
 
 
 def test_the_loop_warms_the_staging_buffers_up_once_after_the_first_step(
-    tmp_path: Path, group: None, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, gloo_world_1: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prepared: list[tuple[int, frozenset[str]]] = []
     real = FsspecCheckpointManager.prepare
@@ -122,7 +111,7 @@ def test_the_loop_warms_the_staging_buffers_up_once_after_the_first_step(
 
 @pytest.mark.parametrize("end", ["sigterm", "close"])
 def test_the_final_state_is_committed_with_a_save_in_flight_and_one_pending(
-    tmp_path: Path, group: None, end: str
+    tmp_path: Path, gloo_world_1: None, end: str
 ) -> None:
     # the save of step 5 is still being written at step 12: 10 was deferred, 12 (epoch end) merged into it
     run = train(tmp_path / "ck", 12, DELAY, WriterBusy.DEFER, sigterm_at=12 if end == "sigterm" else None)
