@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 sys.path.insert(0, str(HERE))
-from _workload import GiB, Workload  # noqa: E402
+from _workload import GiB, Workload, state_bytes  # noqa: E402
 from common import DATA, CharDataset, TinyTransformer  # noqa: E402
 
 from elastic import ElasticConfig, ElasticTrainer, LRPolicy, compat  # noqa: E402
@@ -117,6 +117,7 @@ def main() -> None:
 
     gc.callbacks.append(on_gc)
     save_every = args.save_every if args.checkpoint_url else 0
+    snapshots: dict[str, Any] = {"saved": 0}  # what was saved (the elastic loop: deferred ones too)
 
     if args.mode == "plain":
         rank = dist.get_rank()
@@ -136,6 +137,7 @@ def main() -> None:
                     Path(args.checkpoint_url).mkdir(parents=True, exist_ok=True)
                     state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}
                     torch.save(state, Path(args.checkpoint_url) / "latest.pt")
+                    snapshots["saved"] += 1
                 times.append(time.perf_counter())
                 cpu.append(time.process_time())
                 thread_cpu.append(time.thread_time())
@@ -163,6 +165,8 @@ def main() -> None:
                 thread_cpu.append(time.thread_time())
             if trainer.step >= args.steps:
                 break
+        stats = trainer.snapshot_stats  # the durable snapshots started, and those a busy writer deferred
+        snapshots = {"saved": stats.saved, "deferred": stats.deferred, "skipped": stats.skipped}
         trainer.close()
     if rank == 0:
         steady = times[args.warmup :]
@@ -177,6 +181,7 @@ def main() -> None:
             "step_seconds": [b - a for a, b in itertools.pairwise(steady)],
             "first_step": args.warmup + 2, "gc_s": gc_s,
             "main_cpu_s": thread_cpu[-1] - thread_cpu[args.warmup], "process_cpu_s": cpu_steady[-1] - cpu_steady[0],
+            "snapshots": snapshots, "state_bytes": state_bytes([model.state_dict(), optimizer.state_dict()]),
         }))  # fmt: skip
     if dist.is_initialized():
         # the plain loop's last collective may still be draining in gloo's threads ("terminate called without
