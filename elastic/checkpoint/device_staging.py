@@ -11,12 +11,20 @@ the rest are copied straight to the host as before (per tensor).  :class:`Device
 through a :class:`DeviceMemory` (CUDA's, or :class:`HostDeviceMemory`, an in-memory one that reports a chosen
 free figure and allocates CPU tensors).  Free memory is what the driver reports free: memory torch's caching
 allocator holds for the training's own peak is not counted, so the buffers never take it.
+
+Several pools in one process (the durable manager's and the node-local tier's) each plan against that figure, and
+a buffer torch's caching allocator carves from memory it already holds (the activations just freed at a step
+boundary) does not lower it: the next forward then takes that memory back from the driver.  So a pool's budget
+also leaves out what the *other* pools over the same :class:`DeviceMemory` object hold on the device (the
+managers share :data:`CUDA_MEMORY`).  That is conservative where their buffers did lower the driver's figure,
+never more than the margin allows where they did not.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -24,6 +32,7 @@ from typing import Protocol
 import torch
 
 __all__ = [
+    "CUDA_MEMORY",
     "CudaDeviceMemory",
     "DeviceBudget",
     "DeviceBufferPool",
@@ -40,8 +49,10 @@ logger = logging.getLogger(__name__)
 _GIB = 1 << 30
 
 # One plan (measure free memory, allocate) at a time in this process: two managers (the durable one and the
-# node-local tier's) warming up at once must not both count the same free memory.
+# node-local tier's) warming up at once must not both count the same free memory.  It also guards every pool's
+# buffers (``_POOLS``), which another pool's plan sums.
 _PLAN_LOCK = threading.Lock()
+_POOLS: weakref.WeakSet[DeviceBufferPool] = weakref.WeakSet()  # the live pools of this process
 
 
 @dataclass(frozen=True)
@@ -196,6 +207,10 @@ class CudaDeviceMemory:
             return torch.empty(shape, dtype=dtype, device=f"cuda:{device}")
 
 
+#: the process's CUDA memory, shared by every manager's pool (pools over one memory object count each other's buffers)
+CUDA_MEMORY = CudaDeviceMemory()
+
+
 class HostDeviceMemory:
     """An in-memory :class:`DeviceMemory`: each device reports ``free`` bytes (less what it has handed out)
     of ``total``, and buffers are CPU tensors.  ``allocations`` counts the buffers handed out."""
@@ -233,6 +248,8 @@ class DeviceBufferPool:
         self._settings = settings
         self._buffers: dict[int, tuple[StageRequest, torch.Tensor]] = {}
         self._last_reason: str | None = None
+        with _PLAN_LOCK:
+            _POOLS.add(self)
 
     @property
     def settings(self) -> DeviceStagingSettings:
@@ -242,6 +259,9 @@ class DeviceBufferPool:
     def held_bytes(self) -> int:
         return sum(req.nbytes for req, _ in self._buffers.values())
 
+    def _held_on(self, device: int) -> int:
+        return sum(req.nbytes for req, _ in self._buffers.values() if req.device == device)
+
     def buffer(self, index: int) -> torch.Tensor:
         return self._buffers[index][1]
 
@@ -249,20 +269,24 @@ class DeviceBufferPool:
         """Plan ``requests`` and hold a device buffer for every staged one (a buffer whose allocation fails
         after all moves its tensor to the direct path).  Buffers of indices no longer staged are dropped."""
         wanted = {r.index: r for r in requests}
-        for index in [i for i, (req, _) in self._buffers.items() if wanted.get(i) != req]:
-            del self._buffers[index]  # shape/dtype/device changed or no longer in the state: re-planned below
         if not self._settings.enabled:
             plan = plan_device_staging(requests, (), {}, self._settings)
             self._log(plan)
             return plan
         with _PLAN_LOCK:
+            for index in [i for i, (req, _) in self._buffers.items() if wanted.get(i) != req]:
+                del self._buffers[index]  # shape/dtype/device changed or no longer in the state: re-planned below
             plan = self._plan_and_allocate(requests, wanted)
         self._log(plan)
         return plan
 
     def _plan_and_allocate(self, requests: Sequence[StageRequest], wanted: dict[int, StageRequest]) -> DevicePlan:
         devices = sorted({r.device for r in requests})
-        memory = {d: self._memory.mem_info(d) for d in devices}
+        memory = {}
+        for d in devices:
+            free, total = self._memory.mem_info(d)  # less what the other pools hold: see the module docstring
+            others = sum(p._held_on(d) for p in list(_POOLS) if p is not self and p._memory is self._memory)
+            memory[d] = (max(0, free - others), total)
         plan = plan_device_staging(requests, self._buffers.keys(), memory, self._settings)
         staged: list[int] = []
         failed: list[int] = []
@@ -299,7 +323,8 @@ class DeviceBufferPool:
         logger.log(level, "checkpoint staging of CUDA tensors: %s: %s", path, plan.reason)
 
     def release(self) -> None:
-        self._buffers.clear()
+        with _PLAN_LOCK:
+            self._buffers.clear()
 
 
 def _size(nbytes: int) -> str:

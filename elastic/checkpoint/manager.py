@@ -40,7 +40,7 @@ from elastic.checkpoint.api import (
     SnapshotInfo,
     StateLayout,
 )
-from elastic.checkpoint.device_staging import CudaDeviceMemory, DeviceBufferPool, DeviceStagingSettings
+from elastic.checkpoint.device_staging import CUDA_MEMORY, DeviceBufferPool, DeviceStagingSettings
 from elastic.checkpoint.layout import Manifest, ManifestError, step_dir, writer_rank_for
 from elastic.checkpoint.reader import read_manifest, read_pack, scan
 from elastic.checkpoint.staging import FlatState, Stager
@@ -441,7 +441,7 @@ def _stager_for(options: CheckpointOptions) -> Stager:
         margin_bytes=options.device_staging_margin_bytes,
         margin_fraction=options.device_staging_margin_fraction,
     )
-    pool = DeviceBufferPool(CudaDeviceMemory(), settings)
+    pool = DeviceBufferPool(CUDA_MEMORY, settings)
     return Stager(pinned_limit_bytes=options.pinned_staging_bytes, device_pool=pool)
 
 

@@ -129,6 +129,47 @@ def test_pool_falls_back_when_an_allocation_fails_after_all() -> None:
     assert plan.staged == (0,) and plan.direct == (1,) and "allocation" in plan.reason
 
 
+class CachedDeviceMemory(HostDeviceMemory):
+    """A device whose driver figure does not drop when a buffer is handed out: torch's caching allocator carving
+    it from memory it already holds (the activations freed at a step boundary), which the next forward takes back
+    from the driver."""
+
+    def mem_info(self, device: int) -> tuple[int, int]:
+        return self._free, self._total
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: int) -> torch.Tensor:
+        self.allocations += 1
+        return torch.empty(shape, dtype=dtype)  # the cache has it; what the pools hold is the pools' to bound
+
+
+def test_two_pools_on_one_device_never_hold_more_than_its_free_memory_between_them() -> None:
+    """The durable manager's and the node-local tier's pools: each plans against the driver's figure, which their
+    buffers need not lower; a pool's budget leaves out what the other holds, and gets it back once released."""
+    memory = CachedDeviceMemory(free=64 * MIB)
+    durable, local = DeviceBufferPool(memory, NO_MARGIN), DeviceBufferPool(memory, NO_MARGIN)
+    state = [req(i, 10) for i in range(4)]  # 40 MiB
+    assert durable.ensure(state).staged == (0, 1, 2, 3)
+    plan = local.ensure(state)
+    assert plan.staged == (0, 1) and plan.direct == (2, 3), plan.reason  # 24 MiB left: two 10 MiB tensors
+    assert durable.held_bytes + local.held_bytes <= 64 * MIB
+    assert durable.ensure(state).staged == (0, 1, 2, 3), "a pool's own buffers stay free of charge"
+    durable.release()
+    assert local.ensure(state).staged == (0, 1, 2, 3)
+    other_device = DeviceBufferPool(CachedDeviceMemory(free=64 * MIB), NO_MARGIN)
+    assert other_device.ensure(state).staged == (0, 1, 2, 3), "pools over another memory object do not count"
+
+
+def test_the_managers_pools_share_the_process_cuda_memory(tmp_path: Path) -> None:
+    from elastic.checkpoint.device_staging import CUDA_MEMORY
+
+    with (
+        create_checkpoint_manager(str(tmp_path / "a")) as a,
+        create_checkpoint_manager(str(tmp_path / "b")) as b,
+    ):
+        pools = [m._stager.device_pool for m in (a, b)]
+        assert all(p is not None and p._memory is CUDA_MEMORY for p in pools)
+
+
 # -- the stager over in-memory copy streams ---------------------------------------------------------------
 @pytest.fixture
 def ops() -> Iterator[HostCopyOps]:
