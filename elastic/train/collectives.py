@@ -35,6 +35,7 @@ __all__ = [
     "mean_over_workers",
     "round_node_names",
     "takes_cpu_tensors",
+    "trains_on_cuda",
 ]
 
 
@@ -45,20 +46,36 @@ def join_process_group(backend: str, timeout: timedelta) -> None:
 
 
 def group_device() -> torch.device:
-    """Where this rank trains: its local GPU under NCCL (made the current device), else the CPU."""
-    if dist.get_backend() == "nccl":
+    """Where this rank trains: its local GPU when the default group runs CUDA tensors over NCCL (made the current
+    device; :func:`trains_on_cuda`), else the CPU."""
+    if trains_on_cuda(dist.get_backend(), torch.cuda.is_available()):
         local = TorchrunEnv.from_environ().local_rank
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
 
 
+def trains_on_cuda(backend: str, cuda_available: bool) -> bool:
+    """Whether a default group of ``backend`` (as ``dist.get_backend()`` names it) trains on the GPU: ``"nccl"``,
+    NCCL for CUDA tensors beside another backend (``"cpu:gloo,cuda:nccl"``, ``"cuda:nccl"``), or torch's default
+    pair where there is a GPU (``"undefined"``: ``init_process_group()`` without a backend, which makes gloo for CPU
+    tensors and NCCL for CUDA ones)."""
+    name = backend.strip().lower()
+    if name == "undefined":
+        return cuda_available
+    return any(part.split(":")[-1].strip() == "nccl" for part in name.split(","))
+
+
 def takes_cpu_tensors(backend: str) -> bool:
     """Whether a default group of ``backend`` (as ``dist.get_backend()`` names it: ``"gloo"``, ``"nccl"``,
-    ``"cpu:gloo,cuda:nccl"``) runs collectives on CPU tensors itself."""
-    if ":" not in backend:
-        return backend.strip().lower() in ("gloo", "mpi")
-    return any(part.split(":", 1)[0].strip().lower() == "cpu" for part in backend.split(","))
+    ``"cpu:gloo,cuda:nccl"``, ``"undefined"`` for torch's default pair, whose CPU part is gloo) runs collectives on
+    CPU tensors itself."""
+    name = backend.strip().lower()
+    if name == "undefined":
+        return True
+    if ":" not in name:
+        return name in ("gloo", "mpi")
+    return any(part.split(":", 1)[0].strip() == "cpu" for part in name.split(","))
 
 
 class HostCollectives:

@@ -28,7 +28,7 @@ import elastic
 from elastic import compat
 from elastic.contract.lr import LRPolicy, LRRule
 from elastic.train.boundary import BoundaryFlags
-from elastic.train.collectives import HostCollectives, mean_over_workers, takes_cpu_tensors
+from elastic.train.collectives import HostCollectives, mean_over_workers, takes_cpu_tensors, trains_on_cuda
 from elastic.train.config import StepInfo
 from elastic.train.step_loss import StepLoss
 from elastic.train.trainer import ElasticConfig, ElasticTrainer
@@ -147,10 +147,25 @@ def test_step_loss_refuses_a_loss_of_more_than_one_value_naming_its_shape() -> N
 
 @pytest.mark.parametrize(
     ("backend", "cpu"),
-    [("gloo", True), ("nccl", False), ("cpu:gloo,cuda:nccl", True), ("cuda:nccl", False), ("mpi", True)],
-)
+    [("gloo", True), ("nccl", False), ("cpu:gloo,cuda:nccl", True), ("cuda:nccl", False), ("mpi", True),
+     ("undefined", True)],
+)  # fmt: skip
 def test_which_default_groups_take_cpu_tensors_themselves(backend: str, cpu: bool) -> None:
     assert takes_cpu_tensors(backend) is cpu
+
+
+@pytest.mark.parametrize(
+    ("backend", "cuda_available", "cuda"),
+    [("nccl", True, True), ("gloo", True, False), ("cpu:gloo,cuda:nccl", True, True), ("cuda:nccl", True, True),
+     ("CPU:gloo, CUDA:nccl", True, True), ("cpu:gloo,cuda:gloo", True, False), ("undefined", True, True),
+     ("undefined", False, False), ("mpi", True, False)],
+)  # fmt: skip
+def test_the_loop_trains_on_the_gpu_whenever_the_default_group_runs_cuda_tensors_over_nccl(
+    backend: str, cuda_available: bool, cuda: bool
+) -> None:
+    """A script's own ``init_process_group("cpu:gloo,cuda:nccl")`` (or with no backend, on a GPU machine) trained
+    on the CPU before: only a backend named exactly ``"nccl"`` meant the GPU."""
+    assert trains_on_cuda(backend, cuda_available) is cuda
 
 
 def test_over_a_gloo_group_no_group_of_its_own_is_made_and_restart_mode_agrees_on_cpu_tensors(
