@@ -32,6 +32,7 @@ class StepLoss:
         self._weights: list[float] = []
         self._event: Any = None  # after the last slot's copy (CUDA), else None
         self._cuda_event: Any = None
+        self._event_device: torch.device | None = None  # the device whose stream ``_cuda_event`` is recorded on
 
     def _slot(self, index: int, pinned: bool) -> torch.Tensor:
         slots = self._slots
@@ -53,10 +54,14 @@ class StepLoss:
         if value.is_cuda:
             slot = self._slot(index, pinned=True)
             slot.copy_(value.to(torch.float64), non_blocking=True)
-            if self._cuda_event is None:
-                self._cuda_event = torch.cuda.Event()  # one event, recorded again for each micro-batch
+            # the copy was queued on the current stream of the loss's device (not necessarily the current device)
+            stream = torch.cuda.current_stream(value.device)
+            if self._cuda_event is None or self._event_device != value.device:
+                if self._event is not None:
+                    self._event.synchronize()  # the other device's copies land before their slots are read
+                self._cuda_event, self._event_device = torch.cuda.Event(), value.device  # recorded again per batch
             self._event = self._cuda_event
-            self._event.record()  # on the current stream, where the copy was queued
+            self._event.record(stream)
         else:
             self._slot(index, pinned=False).copy_(value)
         self._weights.append(weight)
