@@ -127,6 +127,7 @@ def test_summary_states_issue_29s_goals_from_the_benchmarks_results(tmp_path: Pa
         "summary": {
             "stall_fraction_of_step": 0.81,
             "stall_fraction_of_step_device_side": 0.031,
+            "goal_stall_device_side_le_5pct_of_step": True,
             "blocking_fraction_of_sync_torch_save": 0.01,
         },
         "overlap": {"step_s": [0.0358, 0.0360, 0.0359]},
@@ -138,8 +139,10 @@ def test_summary_states_issue_29s_goals_from_the_benchmarks_results(tmp_path: Pa
         "disk": {"dd_write_bytes_per_s": 1100 * 2**20, "state_bytes": int(1.5 * 2**30), "absorb_fraction": 0.8},
         "by_interval": {
             "0": base,
-            "50": base | {"every": 50, "elastic_fraction_of_no_checkpoint": 0.874, "disk_absorbs": False},
-            "absorbed": base | {"every": 100, "elastic_fraction_of_no_checkpoint": 0.93, "disk_absorbs": True},
+            "50": base | {"every": 50, "elastic_fraction_of_no_checkpoint": 0.874, "disk_absorbs": False,
+                          "goal_met": None},
+            "absorbed": base | {"every": 100, "elastic_fraction_of_no_checkpoint": 0.93, "disk_absorbs": True,
+                                "goal_met": False},
         },
     }  # fmt: skip
     (tmp_path / "checkpoint.json").write_text(json.dumps(checkpoint))
