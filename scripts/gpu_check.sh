@@ -20,6 +20,8 @@
 #   live        bench/gpu_live_check.py: torchrun on NCCL at world size 1, recovery=live, the worker SIGKILLed
 # Each step runs under `timeout`; a summary table follows, then issue 29's goals as measured, with summary.json
 # and each step's output in OUTDIR.
+# GPU_CHECK_STEPS=stall,overhead runs only the steps named (the install always runs): a second run within the
+# session's device time, for a step that failed or needs a second measurement.
 # Exit status: 0 all passed (or skipped), 1 a step failed, 2 no CUDA device.
 # GPU_CHECK_ALLOW_CPU=1 runs it without CUDA (a dry run of the plumbing: gloo, the CPU forms, tiny sizes).
 set -u
@@ -68,6 +70,13 @@ run() {
   if [ "$RC" = 124 ] || [ "$RC" = 137 ]; then echo "timed out after ${cap} s" >>"$OUT/$step.log"; fi
 }
 failed_figure() { echo "exit $RC$([ "$RC" = 124 ] && echo ' (timed out)'): $(tail -n 1 "$OUT/$1.log" | cut -c1-100)"; }
+# wanted STEP: whether GPU_CHECK_STEPS (comma-separated; empty: all) names STEP; a step left out is recorded SKIP
+STEPS=${GPU_CHECK_STEPS:-}
+wanted() {
+  if [ -z "$STEPS" ] || [[ ",$STEPS," == *",$1,"* ]]; then return 0; fi
+  record "$1" SKIP 0 "not in GPU_CHECK_STEPS=$STEPS"
+  return 1
+}
 
 # 0. the bundle: wheels into SITE, etcd on PATH
 rm -rf "$SITE" && mkdir -p "$SITE/bin"
@@ -85,6 +94,7 @@ export PATH="$SITE/bin:$PATH"
 export PYTHONUNBUFFERED=1
 
 # a. the CUDA tests
+if wanted tests; then
 mapfile -t files < <(grep -rlE 'pytest\.mark\.cuda|marks=.*\bcuda\b' tests --include='test_*.py' | sort)
 select=(-m cuda)
 if ! "$PY" -c 'import moto, s3fs' 2>/dev/null; then select=(-m cuda -k 'not s3'); fi
@@ -96,34 +106,43 @@ elif [[ $counts == 0\ passed* ]]; then
   if [ "$DEVICE" = cuda ]; then record tests FAIL "$ELAPSED" "nothing ran: $counts" "$OUT/tests.xml"
   else record tests SKIP "$ELAPSED" "no CUDA: $counts (${#files[@]} files)" "$OUT/tests.xml"; fi
 else record tests PASS "$ELAPSED" "$counts (${#files[@]} files)" "$OUT/tests.xml"; fi
+fi
 
 # b. the benchmarks (on CPU: tiny sizes, the plumbing only): the checkpoint figures at 1 GiB as before, then issue
 # 29's: the stall at 3 GiB (the benchmark's own step), the loop's rate at 1.5 GiB
 if [ "$DEVICE" = cuda ]; then size=(--state-gib 1 --repeats 2); big=()
 else size=(--state-gib 0.02 --repeats 2); big=(--state-gib 0.02); fi
+if wanted checkpoint; then
 run checkpoint 90 "$PY" bench/checkpoint_bench.py --device "$DEVICE" "${size[@]}" --no-s3 --out "$OUT/checkpoint.json"
 if [ "$RC" = 0 ]; then
   record checkpoint PASS "$ELAPSED" "$($TOOL figure checkpoint "$OUT/checkpoint.json")" "$OUT/checkpoint.json"
 else record checkpoint FAIL "$ELAPSED" "$(failed_figure checkpoint)"; fi
+fi
 
+if wanted stall; then
 run stall 120 "$PY" bench/checkpoint_bench.py --device "$DEVICE" "${big[@]}" --parts stall --repeats 2 --no-s3 \
   --out "$OUT/stall.json"
 if [ "$RC" = 0 ]; then record stall PASS "$ELAPSED" "$($TOOL figure checkpoint "$OUT/stall.json")" "$OUT/stall.json"
 else record stall FAIL "$ELAPSED" "$(failed_figure stall)"; fi
+fi
 
 # one round: no snapshots, one every 50 steps, one every K (the shortest interval the disk absorbs); 1.5 GiB of state
 if [ "$DEVICE" = cuda ]; then steps=(--steps 300 --state-gib 1.5 --save-every "0,50,absorbed")
 else steps=(--steps 40 --warmup 5 --save-every "0,20,absorbed"); fi
+if wanted overhead; then
 run overhead 240 "$PY" bench/loop_overhead_bench.py --device "$DEVICE" --rounds 1 "${steps[@]}" \
   --json "$OUT/loop_overhead.json"
 if [ "$RC" = 0 ]; then
   record overhead PASS "$ELAPSED" "$($TOOL figure overhead "$OUT/loop_overhead.json")" "$OUT/loop_overhead.json"
 else record overhead FAIL "$ELAPSED" "$(failed_figure overhead)"; fi
+fi
 
 # c. live recovery under torchrun, a worker SIGKILLed (on CPU: gloo)
+if wanted live; then
 run live 90 "$PY" bench/gpu_live_check.py --device "$DEVICE" --timeout 75 --json "$OUT/live.json"
 if [ "$RC" = 0 ]; then record live PASS "$ELAPSED" "$($TOOL figure live "$OUT/live.json")" "$OUT/live.json"
 else record live FAIL "$ELAPSED" "$(failed_figure live)" "$OUT/live.json"; fi
+fi
 
 echo "gpu_check: device $DEVICE, $("$PY" -c 'import torch; print("torch", torch.__version__, *([torch.cuda.get_device_name(0)]
   if torch.cuda.is_available() else []))' 2>/dev/null), $(($(date +%s) - START)) s in all"

@@ -181,5 +181,13 @@ def test_cpu_dry_run_of_the_whole_check(tmp_path: Path) -> None:
     overhead = json.loads((out / "loop_overhead.json").read_text())
     assert set(overhead["by_interval"]) == {"0", "20", "absorbed"} and overhead["absorbed_every_steps"] >= 10
     assert "issue 29's goals, as measured here:" in proc.stdout
+    # a second run of one step (what is left of a session's device time): the others are recorded SKIP
+    again = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh"), str(tmp_path / "again")],
+                           env=env | {"GPU_CHECK_STEPS": "stall"}, capture_output=True, text=True,
+                           timeout=200)  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    steps = json.loads((tmp_path / "again" / "summary.json").read_text())["steps"]
+    assert {s["step"]: s["status"] for s in steps} == {"install": "PASS", "tests": "SKIP", "checkpoint": "SKIP",
+                                                        "stall": "PASS", "overhead": "SKIP", "live": "SKIP"}
     assert (out / "live.json").exists() and (out / "checkpoint.json").exists() and (out / "loop_overhead.json").exists()
     assert "step" in proc.stdout and "all steps passed or skipped" in proc.stdout
