@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-MiB = 2**20
+from _workload import MiB
 
 __all__ = ["print_report", "print_stall", "stall_rows", "stall_summary"]
 

@@ -13,9 +13,10 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["ABSORB_FRACTION", "absorbed_interval", "absorbs", "dd_read_seconds", "dd_write_bytes_per_s"]
+__all__ = ["ABSORB_FRACTION", "GiB", "MiB", "absorbed_interval", "absorbs", "dd_read_seconds", "dd_write_bytes_per_s"]
 
 MiB = 2**20
+GiB = 2**30
 #: the share of ``dd``'s write rate a snapshot schedule may use and still count as absorbed by the disk
 ABSORB_FRACTION = 0.8
 

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from _attribution import NEAR_STEPS, StepTrace, attribute  # bench/ is the script's directory: on sys.path
-from _disk import ABSORB_FRACTION, absorbed_interval, absorbs, dd_write_bytes_per_s
+from _disk import ABSORB_FRACTION, GiB, MiB, absorbed_interval, absorbs, dd_write_bytes_per_s
 
 from elastic import compat
 from elastic.contract.env import LOCAL_SNAPSHOT_DIR, LOCAL_SNAPSHOT_EVERY
@@ -59,8 +59,6 @@ from elastic.testing.etcd_server import LocalEtcdCluster, free_port
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_overhead_worker.py"
-MiB = 2**20
-GiB = 2**30
 GOAL_KEPT = 0.95  # issue 29: the loop's rate with snapshots over its rate without, where the disk absorbs them
 ABSORBED = "absorbed"  # the --save-every token: the shortest interval the disk absorbs (bench/_disk.py)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -89,7 +90,7 @@ def figure(kind: str, path: Path) -> str:
             out += f" (device-side {s['stall_fraction_of_step_device_side']:.1%})"
         step = (r.get("overlap") or {}).get("step_s")
         if step:
-            out += f" of {_median(step) * 1e3:.1f} ms"
+            out += f" of {statistics.median(step) * 1e3:.1f} ms"
         warmed = r.get("warmed_first_save")
         if warmed:
             out += (f"; 1st save warmed {warmed['first_blocking_s'] * 1e3:.1f} ms, its 2nd "
@@ -117,12 +118,6 @@ def figure(kind: str, path: Path) -> str:
     raise SystemExit(f"unknown figure kind {kind}")
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def _size(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 / 4 else f"{nbytes / 2**20:.1f} MiB"
 
@@ -141,7 +136,7 @@ def goals(results: dict[str, Any]) -> list[str]:
 
     ck = results.get("stall") or results.get("checkpoint")  # the stall step runs at issue 29's size
     if ck and "summary" in ck:
-        s, step_ms = ck["summary"], _median(ck["overlap"]["step_s"]) * 1e3
+        s, step_ms = ck["summary"], statistics.median(ck["overlap"]["step_s"]) * 1e3
         size = f"{_size(ck['state_bytes'])}, a {step_ms:.1f} ms step"
         if "stall_fraction_of_step_device_side" in s:
             dev = s["stall_fraction_of_step_device_side"]
