@@ -26,14 +26,17 @@ def make_batch(dataset: Any, indices: Sequence[int], collate: Callable[[list[Any
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` on ``device``: tensors, and tensors in lists, tuples and dicts (non-blocking; a host tensor bound
-    for a GPU is pinned first: see the module docstring); anything else and any batch for the CPU as it is."""
+    """``batch`` on ``device``: tensors, and tensors in lists, tuples, namedtuples and dicts (non-blocking; a host
+    tensor bound for a GPU is pinned first: see the module docstring); anything else and any batch for the CPU as it
+    is."""
     if device.type == "cpu":
         return batch
     if isinstance(batch, torch.Tensor):
         if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
             batch = batch.pin_memory()
         return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple, as ``default_collate`` keeps it
+        return type(batch)(*(to_device(b, device) for b in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(b, device) for b in batch)
     if isinstance(batch, dict):

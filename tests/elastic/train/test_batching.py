@@ -4,10 +4,11 @@ host memory is pinned first, so that its copy is queued behind the device's work
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
+from torch.utils.data import default_collate
 
 from elastic.train.batching import make_batch, to_device
 
@@ -55,3 +56,22 @@ def test_on_a_gpu_a_pageable_batch_is_queued_behind_the_devices_work_not_waited_
     assert total_s > 0.3, f"the queued work took {total_s:.3f} s: too little to tell waiting from queueing"
     assert host_s < 0.5 * total_s, f"the host waited {host_s:.3f} s of the device's {total_s:.3f} s"
     assert torch.equal(moved.cpu(), batch)
+
+
+class _Pair(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def test_a_batch_for_another_device_keeps_its_structure_namedtuples_included() -> None:
+    """The walk every non-CPU batch takes (the "meta" device stands in for a GPU): ``default_collate`` keeps a
+    dataset's namedtuples, whose constructor takes fields, not one iterable."""
+    data = [_Pair(torch.full((2,), float(i)), torch.tensor(i)) for i in range(4)]
+    batch = make_batch(data, [3, 0], default_collate, torch.device("meta"))
+    assert isinstance(batch, _Pair) and batch.x.is_meta and batch.y.is_meta
+    assert batch.x.shape == (2, 2) and batch.y.shape == (2,)
+    nested = to_device(
+        {"p": _Pair(torch.ones(1), torch.zeros(1)), "l": [torch.ones(3)], "t": (1, "a")}, torch.device("meta")
+    )
+    assert isinstance(nested["p"], _Pair) and nested["p"].y.is_meta and nested["l"][0].is_meta
+    assert nested["t"] == (1, "a")
