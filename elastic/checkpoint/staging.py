@@ -251,6 +251,9 @@ class Stager:
         drained into without blocking (pinned, where the device needs it), while device memory allows."""
         if self._pool is None:
             return ()
+        # zero-element tensors have nothing to stage and never get a pinned buffer (nothing to pin): counted
+        # as left without one, they took the once-only line below with a wrong reason ("capped" under the cap)
+        indices = [i for i in indices if sources[i].numel() > 0]
         eligible = [i for i in sorted(indices) if buffers[i].pinned or not self._ops.needs_pinned_host]
         if len(eligible) < len(indices) and self._pool.settings.enabled and not self._said_unpinned:
             self._said_unpinned = True
@@ -262,7 +265,7 @@ class Stager:
                 _size(self._pinned_limit),
                 f"failed: {self._pin_error}" if self._pin_error is not None else "capped",
             )
-        requests = [StageRequest.of(i, devices[i], sources[i]) for i in eligible if sources[i].numel() > 0]
+        requests = [StageRequest.of(i, devices[i], sources[i]) for i in eligible]
         if not requests:
             return ()
         return self._pool.ensure(requests).staged

@@ -269,6 +269,37 @@ def test_without_pinned_host_buffers_nothing_is_device_staged_and_it_is_said(
         ops.close()
 
 
+class PinningStager(Stager):
+    """Pinning "works" on this CPU machine: the buffers are pageable tensors counted as pinned (torch refuses
+    ``pin_memory=True`` without CUDA), so that with ``needs_pinned_host`` the stager takes CUDA's branches."""
+
+    def _pin(self, src: torch.Tensor) -> torch.Tensor | None:
+        nbytes = src.numel() * src.element_size()
+        if nbytes == 0:
+            return None  # as the real one: a zero-byte tensor gets no pinned buffer
+        self._pinned_held += 1 << (nbytes - 1).bit_length()
+        return torch.empty(src.shape, dtype=src.dtype)
+
+
+def test_a_zero_element_tensor_is_not_said_to_lack_a_pinned_buffer(caplog: pytest.LogCaptureFixture) -> None:
+    """An empty CUDA tensor has nothing to pin or stage: it once took the once-only "no pinned host buffer"
+    line, saying pinning was capped under the cap, and a later real shortage went unsaid."""
+    ops = HostCopyOps(needs_pinned_host=True)
+    try:
+        stager = PinningStager(
+            pinned_limit_bytes=1 << 30, ops=ops, device_pool=DeviceBufferPool(HostDeviceMemory(64 * MIB), NO_MARGIN)
+        )
+        state = {"w": torch.randn(64, 64), "empty": torch.zeros(0, 3), "b": torch.randn(64)}
+        with caplog.at_level(logging.INFO, logger="elastic.checkpoint.staging"):
+            flat = stager.flatten(state, copy=True)
+        flat.finish_staging()
+        assert flat.device_staged == (0, 2)
+        assert not [r.getMessage() for r in caplog.records if "not device-side" in r.getMessage()]
+        assert all(torch.equal(t, s) for t, s in zip(flat.tensors, state.values(), strict=True))
+    finally:
+        ops.close()
+
+
 def _warm_staging_cpu_seconds(ops: HostCopyOps, tensors: int) -> float:
     """The calling thread's CPU seconds (the least of 3 warm saves) to stage a state of ``tensors`` small tensors,
     all device-staged and fenced at the optimizer's step (the loop's save call)."""
