@@ -6,10 +6,10 @@ training thread for most of the write.  Here the structure (dicts, lists, number
 references) still goes through ``torch.save``/``torch.load(weights_only=True)``, but tensor data is written
 straight from the tensors' memory in large chunks (``os.write`` and ``hashlib`` release the GIL) as one
 64-byte aligned byte stream, cut into segment files (see :mod:`elastic.checkpoint.segments`), and read back
-into a single buffer that the restored tensors view.
+into one allocation per tensor (:func:`allocate_tensors` says why not one buffer for all).
 
-Tensors are restored with the saved dtype, shape and bytes (bit-identical), contiguous, on the device of
-that buffer (CPU unless the loader reads into a device); tensors that appear several times in the state
+Tensors are restored with the saved dtype, shape and bytes (bit-identical), contiguous, on the device the
+loader reads into (CPU by default; 0-dimensional ones on CPU always); tensors that appear several times in the state
 (tied weights) are restored as one tensor.  Tensors other than plain strided ones (sparse, quantized,
 subclasses) are kept inside the skeleton and go through ``torch.save`` as they are (restored on CPU).
 """
@@ -20,6 +20,7 @@ import io
 import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,8 +34,12 @@ __all__ = [
     "TENSORS_NAME",
     "TENSOR_REF_KEY",
     "PackDecodeError",
-    "decode_pack",
+    "PackSkeleton",
+    "PackedTensor",
+    "allocate_tensors",
     "encode_skeleton",
+    "read_skeleton",
+    "rebuild_state",
     "segment_chunks",
     "tensor_layout",
 ]
@@ -109,35 +114,37 @@ def segment_chunks(
         yield view[extent.offset : extent.offset + extent.length]
 
 
-def _slice(buffer: torch.Tensor, host: Any, offset: int, nbytes: int) -> torch.Tensor:
-    """Bytes ``[offset, offset + nbytes)`` of ``buffer``.  On CPU a tensor with a storage of its own over that
-    memory (``host`` is ``buffer``'s numpy view): torch functions such as ``torch.set_rng_state`` ignore a
-    storage offset, and ``torch.save`` of one restored tensor must not write the whole buffer.  On other
-    devices a view (there is no ``frombuffer`` for device memory)."""
-    if host is None:
-        return buffer[offset : offset + nbytes]
-    return torch.frombuffer(host, dtype=torch.uint8, count=nbytes, offset=offset)
+@dataclass(frozen=True)
+class PackedTensor:
+    """One tensor of the stream, as the skeleton's table describes it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def on_host(self) -> bool:
+        """Restored on the CPU whatever the device: a 0-dimensional tensor (see :func:`read_skeleton`)."""
+        return len(self.shape) == 0
 
 
-def _scalars_to_cpu(tensors: list[torch.Tensor]) -> None:
-    """Put the 0-dimensional tensors of a state loaded into a device back on CPU, with one copy: torch keeps an
-    optimizer's step counters there (unless it is fused or capturable), and one on a GPU would make every
-    step read it back; ``load_state_dict`` moves any other scalar where its parameter lives anyway."""
-    scalars = [i for i, t in enumerate(tensors) if t.dim() == 0]
-    if not scalars:
-        return
-    raw = [tensors[i].reshape(1).view(torch.uint8) for i in scalars]
-    host = torch.cat(raw).cpu()
-    at = 0
-    for i, r in zip(scalars, raw, strict=True):
-        tensors[i] = host[at : at + r.numel()].clone().view(tensors[i].dtype).reshape(())
-        at += r.numel()
+@dataclass(frozen=True)
+class PackSkeleton:
+    """A decoded ``skeleton.pt``: the state's structure with tensor references, and the table of the tensors'
+    bytes in the stream (``table``: the raw entries, as :func:`~elastic.checkpoint.segments.segment_extents`
+    reads them; ``tensors``: the same, typed)."""
+
+    structure: Any
+    table: tuple[Mapping[str, Any], ...]
+    tensors: tuple[PackedTensor, ...]
+    total: int
 
 
-def decode_pack(skeleton_bytes: bytes, tensor_buffer: torch.Tensor, *, weights_only: bool = True) -> Any:
-    """Rebuild the state from verified bytes; tensors are views into ``tensor_buffer`` (the tensor stream as
-    a 1-D uint8 tensor, on any device), so they live on its device, except 0-dimensional ones (see
-    :func:`_scalars_to_cpu`)."""
+def read_skeleton(skeleton_bytes: bytes, *, weights_only: bool = True) -> PackSkeleton:
+    """The structure and tensor table of verified ``skeleton.pt`` bytes, checked to describe one gapless stream
+    of 64-byte aligned tensors in order (as :func:`tensor_layout` writes it), so that every byte of the data
+    files has one place to go.  Raises :class:`PackDecodeError`."""
     try:
         bundle = torch.load(io.BytesIO(skeleton_bytes), map_location="cpu", weights_only=weights_only)
     except Exception as exc:
@@ -147,25 +154,69 @@ def decode_pack(skeleton_bytes: bytes, tensor_buffer: torch.Tensor, *, weights_o
         raise PackDecodeError(f"skeleton is not in format {PACK_FORMAT}")
     if bundle.get("byteorder") != sys.byteorder:
         raise PackDecodeError(f"snapshot was written on a {bundle.get('byteorder')}-endian machine")
-    if bundle["tensors_bytes"] != tensor_buffer.numel():
-        raise PackDecodeError(f"tensor data has {tensor_buffer.numel()} bytes, skeleton says {bundle['tensors_bytes']}")
-    host = tensor_buffer.numpy() if tensor_buffer.device.type == "cpu" and tensor_buffer.numel() else None
-    tensors: list[torch.Tensor] = []
-    for entry in bundle["tensors"]:
-        dtype = getattr(torch, entry["dtype"], None)
+    total, table = bundle.get("tensors_bytes"), bundle.get("tensors")
+    if not isinstance(total, int) or not isinstance(table, list):
+        raise PackDecodeError("skeleton lacks its tensor table")
+    tensors: list[PackedTensor] = []
+    end = 0
+    for entry in table:
+        try:
+            dtype = getattr(torch, entry["dtype"], None)
+            shape, offset, nbytes = tuple(int(d) for d in entry["shape"]), int(entry["offset"]), int(entry["nbytes"])
+        except (TypeError, KeyError, ValueError) as exc:
+            raise PackDecodeError(f"malformed tensor table entry {entry!r:.200}") from exc
         if not isinstance(dtype, torch.dtype):
             raise PackDecodeError(f"unknown dtype {entry['dtype']!r}")
-        if entry["nbytes"] == 0:
-            tensors.append(torch.empty(entry["shape"], dtype=dtype, device=tensor_buffer.device))
-            continue
-        if entry["offset"] % _ALIGN or entry["offset"] + entry["nbytes"] > tensor_buffer.numel():
-            raise PackDecodeError(f"tensor at offset {entry['offset']} ({entry['nbytes']} bytes) is outside the data")
-        raw = _slice(tensor_buffer, host, entry["offset"], entry["nbytes"])
-        tensors.append(raw.view(dtype).reshape(entry["shape"]))
-    if host is None:
-        _scalars_to_cpu(tensors)
+        numel = 1
+        for d in shape:
+            numel *= d
+        if nbytes != numel * dtype.itemsize or min(shape, default=0) < 0:
+            raise PackDecodeError(f"tensor of shape {list(shape)} and {dtype} cannot have {nbytes} bytes")
+        if nbytes and (offset % _ALIGN or offset < end or offset - end >= _ALIGN):
+            raise PackDecodeError(f"tensor at offset {offset} does not follow the previous one (ending at {end})")
+        end = offset + nbytes if nbytes else end
+        tensors.append(PackedTensor(dtype, shape, offset, nbytes))
+    if end != total:
+        raise PackDecodeError(f"the tensor table covers {end} bytes, the skeleton says {total}")
+    return PackSkeleton(bundle["skeleton"], tuple(table), tuple(tensors), total)
+
+
+def allocate_tensors(skeleton: PackSkeleton, device: torch.device) -> list[torch.Tensor | None]:
+    """For each tensor of ``skeleton`` a flat uint8 tensor of its bytes to read it into, each with a storage of
+    its own (None for an empty tensor), on ``device``, except 0-dimensional ones, which go to the CPU: torch keeps
+    an optimizer's step counters there (unless it is fused or capturable), and one on a GPU would make every step
+    read it back; ``load_state_dict`` moves any other scalar where its parameter lives anyway.
+
+    One buffer for the whole stream, which the tensors would view, would stay allocated for as long as any of
+    them lives: after a resume the optimizer's state keeps it, model weights' bytes included (``load_state_dict``
+    keeps a tensor that is on its parameter's device and dtype as it is), one model's size more than a run that
+    never restarted."""
+    cpu = torch.device("cpu")
+    return [
+        torch.empty(t.nbytes, dtype=torch.uint8, device=cpu if t.on_host else device) if t.nbytes else None
+        for t in skeleton.tensors
+    ]
+
+
+def rebuild_state(skeleton: PackSkeleton, raw: Sequence[torch.Tensor | None], device: torch.device) -> Any:
+    """The state: ``skeleton``'s structure with each tensor reference replaced by ``raw``'s bytes of it (see
+    :func:`allocate_tensors`) viewed as the saved dtype and shape (an empty tensor made on ``device``)."""
+    tensors: list[torch.Tensor] = []
+    for entry, data in zip(skeleton.tensors, raw, strict=True):
+        if data is None:
+            tensors.append(torch.empty(entry.shape, dtype=entry.dtype, device=device))
+        else:
+            tensors.append(data.view(entry.dtype).reshape(entry.shape))
 
     def is_ref(obj: Any) -> bool:
         return type(obj) in (dict, OrderedDict) and len(obj) == 1 and TENSOR_REF_KEY in obj
 
-    return map_leaves(bundle["skeleton"], lambda o: tensors[o[TENSOR_REF_KEY]] if is_ref(o) else o, is_leaf=is_ref)
+    def resolve(obj: Any) -> Any:
+        if not is_ref(obj):
+            return obj
+        index = obj[TENSOR_REF_KEY]
+        if not isinstance(index, int) or not 0 <= index < len(tensors):
+            raise PackDecodeError(f"tensor reference {index!r} is not in the table of {len(tensors)}")
+        return tensors[index]
+
+    return map_leaves(skeleton.structure, resolve, is_leaf=is_ref)

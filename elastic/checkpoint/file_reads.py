@@ -5,15 +5,19 @@ reads the file chunk by chunk into buffers a *sink* hands out, hashes every chun
 back to the sink.  Sinks:
 
 - :class:`ScratchSink`: one reused scratch buffer, the bytes are dropped (verification only);
-- :class:`HostSink`: the file's slice of a host buffer (``readinto`` straight into it, no copy);
-- :class:`DeviceSink`: two pinned host buffers used in turn; each filled chunk is copied asynchronously on the
-  task's own CUDA stream into the file's slice of a device buffer, and an event per pinned buffer keeps it
-  from being refilled before its copy has finished, so reading the next chunk overlaps the copy.
+- :class:`HostSink`: a host buffer of the file's size (``readinto`` straight into it, no copy);
+- :class:`HostTensorSink`: a pack's tensors in host memory, each an allocation of its own (large runs read
+  straight into them, small ones through a scratch buffer);
+- :class:`DeviceSink`: the same tensors in a CUDA device's memory, through two pinned host buffers used in
+  turn; each filled chunk is copied asynchronously on the task's own CUDA stream into its tensors, and an
+  event per pinned buffer keeps it from being refilled before its copies have finished, so reading the next
+  chunk overlaps the copies.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -22,16 +26,18 @@ from elastic.checkpoint.api import CheckpointCorruptError
 from elastic.checkpoint.digest import new_hasher
 from elastic.checkpoint.layout import FileEntry
 from elastic.checkpoint.parallel_io import check_stop
+from elastic.checkpoint.segments import Extent
 from elastic.checkpoint.storage import BinaryReader, CheckpointStorage
 
-__all__ = ["DeviceSink", "HostSink", "ScratchSink", "Sink", "read_file"]
+__all__ = ["DeviceSink", "HostSink", "HostTensorSink", "ScratchSink", "Sink", "read_file"]
 
 
 class Sink(Protocol):
     """Where the bytes of one file go, chunk by chunk, in file order."""
 
     def buffer(self, offset: int, length: int) -> memoryview:
-        """A writable view of ``length`` bytes to read the file's bytes ``[offset, offset + length)`` into."""
+        """A writable view to read the file's next bytes, from ``offset``, into: ``length`` bytes, or fewer (at
+        least one) where the sink wants the next read to end sooner (:class:`HostTensorSink`)."""
 
     def filled(self, offset: int, view: memoryview) -> None:
         """``view`` (the last buffer handed out) now holds verified-in-progress bytes from ``offset``."""
@@ -72,20 +78,108 @@ class HostSink:
         pass
 
 
-class DeviceSink:
-    """The file's bytes land in ``device_buffer[base : base + size]`` (a 1-D uint8 CUDA tensor) through two
-    pinned host buffers of ``chunk_bytes`` (freed blocks are reused by torch's caching host allocator).
+class _ExtentCursor:
+    """Walks a file's extents (:func:`~elastic.checkpoint.segments.segment_extents`) in file order."""
 
-    ``ready`` is recorded on the stream that allocated ``device_buffer``; this sink's stream waits for it
+    def __init__(self, extents: Sequence[Extent]) -> None:
+        self._extents = list(extents)
+        self._index = 0
+        self._within = 0  # bytes of the current extent already passed
+
+    def peek(self, length: int) -> Extent:
+        """The next piece: at most ``length`` bytes of the current extent, from where the walk is."""
+        if self._index >= len(self._extents):
+            raise ValueError("read past the file's last extent")
+        extent = self._extents[self._index]
+        return Extent(extent.tensor, extent.offset + self._within, min(length, extent.length - self._within))
+
+    def advance(self, length: int) -> None:
+        self._within += length
+        while self._index < len(self._extents) and self._within >= self._extents[self._index].length:
+            self._within -= self._extents[self._index].length
+            self._index += 1
+
+    def take(self, length: int) -> Iterator[tuple[int | None, int, int, int]]:
+        """The pieces of the next ``length`` bytes as ``(tensor, offset in it, length, position among the bytes)``
+        (plain tuples: a state of many small tensors has a piece per tensor); advances past them."""
+        extents, index, within, done = self._extents, self._index, self._within, 0
+        while done < length:
+            if index >= len(extents):
+                raise ValueError("read past the file's last extent")
+            extent = extents[index]
+            n = min(length - done, extent.length - within)
+            yield extent.tensor, extent.offset + within, n, done
+            done += n
+            within += n
+            if within == extent.length:
+                index, within = index + 1, 0
+            self._index, self._within = index, within
+
+
+class HostTensorSink:
+    """The file's bytes land in their tensors (``tensors``: :func:`~elastic.checkpoint.codec.allocate_tensors`'s
+    flat uint8 CPU tensors; ``extents``: where the file's bytes go, in order).  A run of bytes of one tensor that
+    is at least ``direct_bytes`` long is read straight into the tensor's memory; shorter runs (small tensors, the
+    alignment padding between tensors) are read together into a scratch buffer and copied into place, so that a
+    state of many small tensors is not read a few bytes per call; a whole read that falls in one tensor goes
+    straight into it whatever its length."""
+
+    def __init__(
+        self, tensors: Sequence[torch.Tensor | None], extents: Sequence[Extent], chunk_bytes: int,
+        direct_bytes: int = 256 << 10,
+    ) -> None:  # fmt: skip
+        self._tensors = tensors
+        self._cursor = _ExtentCursor(extents)
+        self._direct = direct_bytes
+        self._scratch = memoryview(bytearray(max(1, min(chunk_bytes, direct_bytes))))
+        self._views: dict[int, memoryview] = {}
+
+    def _view(self, index: int) -> memoryview:
+        view = self._views.get(index)
+        if view is None:
+            tensor = self._tensors[index]
+            assert tensor is not None, "an empty tensor has no extent"
+            view = self._views[index] = tensor.numpy().data
+        return view
+
+    def buffer(self, offset: int, length: int) -> memoryview:
+        piece = self._cursor.peek(length)
+        if piece.tensor is not None and (piece.length >= self._direct or piece.length == length):
+            return self._view(piece.tensor)[piece.offset : piece.offset + piece.length]
+        return self._scratch[: min(length, len(self._scratch))]
+
+    def filled(self, offset: int, view: memoryview) -> None:
+        if view.obj is not self._scratch.obj:  # read in place
+            self._cursor.advance(len(view))
+            return
+        for tensor, offset, length, at in self._cursor.take(len(view)):
+            if tensor is not None:
+                self._view(tensor)[offset : offset + length] = view[at : at + length]
+
+    def close(self) -> None:
+        pass
+
+
+class DeviceSink:
+    """The file's bytes land in their tensors (``tensors``: :func:`~elastic.checkpoint.codec.allocate_tensors`'s
+    flat uint8 tensors on ``device``, 0-dimensional ones on the CPU; ``extents``: where the file's bytes go, in
+    order) through two pinned host buffers of ``chunk_bytes`` (freed blocks are reused by torch's caching host
+    allocator): each filled chunk's pieces are copied asynchronously on this sink's own CUDA stream into their
+    tensors (a CPU tensor's piece at once), and an event per pinned buffer keeps it from being refilled before
+    its copies have finished, so reading the next chunk overlaps them.
+
+    ``ready`` is recorded on the stream that allocated the device tensors; this sink's stream waits for it
     before its first copy.  ``close`` waits for every copy, so on return the bytes are in device memory.
     """
 
     def __init__(
-        self, device_buffer: torch.Tensor, base: int, size: int, chunk_bytes: int, ready: torch.cuda.Event
-    ) -> None:
-        self._device = device_buffer
-        self._base = base
-        self._stream = torch.cuda.Stream(device=device_buffer.device)
+        self, tensors: Sequence[torch.Tensor | None], extents: Sequence[Extent], device: torch.device, size: int,
+        chunk_bytes: int, ready: torch.cuda.Event,
+    ) -> None:  # fmt: skip
+        self._tensors = tensors
+        self._cursor = _ExtentCursor(extents)
+        self._device = device
+        self._stream = torch.cuda.Stream(device=device)
         self._stream.wait_event(ready)
         length = max(1, min(size, chunk_bytes))
         self._pinned = [torch.empty(length, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
@@ -96,15 +190,19 @@ class DeviceSink:
     def buffer(self, offset: int, length: int) -> memoryview:
         copied = self._copied[self._turn]
         if copied is not None:
-            copied.synchronize()  # the copy out of this pinned buffer has finished: it may be refilled
+            copied.synchronize()  # the copies out of this pinned buffer have finished: it may be refilled
         return self._views[self._turn][:length]
 
     def filled(self, offset: int, view: memoryview) -> None:
         turn = self._turn
-        length = len(view)
-        start = self._base + offset
-        with torch.cuda.device(self._device.device), torch.cuda.stream(self._stream):
-            self._device[start : start + length].copy_(self._pinned[turn][:length], non_blocking=True)
+        chunk = self._pinned[turn]
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            for tensor, offset, length, at in self._cursor.take(len(view)):
+                if tensor is None:
+                    continue  # alignment padding
+                target = self._tensors[tensor]
+                assert target is not None, "an empty tensor has no extent"
+                target[offset : offset + length].copy_(chunk[at : at + length], non_blocking=target.is_cuda)
             event = torch.cuda.Event()
             event.record(self._stream)
         self._copied[turn] = event

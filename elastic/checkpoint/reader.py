@@ -5,8 +5,8 @@ save that never committed and is silently ignored.  Verification compares sizes 
 (cheap, catches truncation and missing files), then each file's digest (BLAKE3, or SHA-256 for snapshots
 written before it) while reading (catches changed bytes).  Files
 are read in parallel on an :class:`~elastic.checkpoint.parallel_io.IoPool`, each by one task in chunks that
-are hashed as they arrive; a pack snapshot's tensor files land in one buffer, in host memory or, through
-small pinned host buffers, straight in a CUDA device's memory (:mod:`elastic.checkpoint.file_reads`).
+are hashed as they arrive; a pack snapshot's tensor files land in one allocation per tensor, in host memory
+or, through small pinned host buffers, straight in a CUDA device's memory (:mod:`elastic.checkpoint.file_reads`).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from elastic.checkpoint.api import CheckpointCorruptError, CheckpointLoadError
-from elastic.checkpoint.codec import SKELETON_NAME, PackDecodeError, decode_pack
-from elastic.checkpoint.file_reads import DeviceSink, HostSink, ScratchSink, Sink, read_file
+from elastic.checkpoint.codec import SKELETON_NAME, PackDecodeError, allocate_tensors, read_skeleton, rebuild_state
+from elastic.checkpoint.file_reads import DeviceSink, HostSink, HostTensorSink, ScratchSink, Sink, read_file
 from elastic.checkpoint.layout import (
     FileEntry,
     Manifest,
@@ -36,13 +36,14 @@ from elastic.checkpoint.layout import (
     step_dir,
 )
 from elastic.checkpoint.parallel_io import IoPool, io_thread_count
-from elastic.checkpoint.segments import tensor_file_order
+from elastic.checkpoint.segments import Segment, segment_extents, tensor_file_order
 from elastic.checkpoint.storage import CheckpointStorage
 from elastic.checkpoint.verification import VerifyMode
 
 __all__ = ["ScanEntry", "read_manifest", "read_pack", "scan", "verify_files", "verify_written"]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -174,11 +175,13 @@ def read_pack(
 ) -> Any:
     """Verify and decode a replicated (pack) snapshot, reading each file once, all files in parallel.
 
-    The tensor files (segments in order, or the single ``tensors.bin`` of older snapshots) are read into one
-    buffer that the restored tensors view: host memory for ``device`` ``None``/CPU; for a CUDA ``device``
-    each task reads its chunks into two pinned host buffers in turn and copies them asynchronously into one
-    device buffer, so the tensors come back on that device without a full host copy; any other device gets
-    the host buffer copied over.  Tensors kept inside the skeleton (sparse, quantized) stay on CPU.
+    The skeleton is read first; its table says where each tensor's bytes go.  Then the tensor files (segments
+    in order, or the single ``tensors.bin`` of older snapshots) are read in parallel into one allocation per
+    tensor (:func:`~elastic.checkpoint.codec.allocate_tensors`): host memory for ``device`` ``None``/CPU; for a
+    CUDA ``device`` each task reads its chunks into two pinned host buffers in turn and copies their pieces
+    asynchronously into the tensors on the device, so they come back there without a full host copy; any other
+    device gets each host tensor copied over.  0-dimensional tensors come back on the CPU, and so do tensors
+    kept inside the skeleton (sparse, quantized).
     Raises :class:`CheckpointCorruptError` (missing or changed files, manifest without tensor data) or
     :class:`CheckpointLoadError` (verified bytes that do not decode).
     """
@@ -195,38 +198,48 @@ def read_pack(
     total = sum(entry.size for entry in data_files)
     sdir = step_dir(manifest.step)
     skeleton_entry = by_name[SKELETON_NAME]
-    skeleton = bytearray(skeleton_entry.size)
-    with _missing_is_corrupt():
+    skeleton_bytes = bytearray(skeleton_entry.size)
+
+    def read_into(entry: FileEntry, make_sink: Callable[[], Sink]) -> Callable[[threading.Event], None]:
+        # the sink is made when the task starts: pinned buffers exist only for the files being read
+        return lambda stop: read_file(storage, f"{sdir}/{entry.path}", entry, make_sink(), chunk_bytes, stop)
+
+    with _missing_is_corrupt(), _pool_for(pool, io_threads) as run_on:
         _check_sizes(storage, manifest)
-        if target.type == "cuda":
-            buffer = torch.empty(total, dtype=torch.uint8, device=target)
+        # the skeleton first (a small file): its table says where each tensor's bytes go
+        run_on.run_all([read_into(skeleton_entry, lambda: HostSink(memoryview(skeleton_bytes)))])
+        skeleton = _decode(manifest.step, lambda: read_skeleton(bytes(skeleton_bytes), weights_only=weights_only))
+        if skeleton.total != total:
+            raise CheckpointLoadError(f"snapshot step {manifest.step} is intact but does not decode: tensor data "
+                                      f"has {total} bytes, skeleton says {skeleton.total}")  # fmt: skip
+        home = target if target.type == "cuda" else torch.device("cpu")
+        tensors = allocate_tensors(skeleton, home)
+        if home.type == "cuda":
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(target))  # the allocation's stream: copies wait for it
-
-            def sink(offset: int, size: int) -> Sink:
-                return DeviceSink(buffer, offset, size, chunk_bytes, ready)
-
-        else:
-            buffer = torch.empty(total, dtype=torch.uint8)
-            host = buffer.numpy().data if total else memoryview(bytearray())
-
-            def sink(offset: int, size: int) -> Sink:
-                return HostSink(host[offset : offset + size])
-
-        def read_into(entry: FileEntry, make_sink: Callable[[], Sink]) -> Callable[[threading.Event], None]:
-            # the sink is made when the task starts: pinned buffers exist only for the files being read
-            return lambda stop: read_file(storage, f"{sdir}/{entry.path}", entry, make_sink(), chunk_bytes, stop)
-
-        tasks = [read_into(skeleton_entry, lambda: HostSink(memoryview(skeleton)))]
+            ready.record(torch.cuda.current_stream(home))  # the allocations' stream: the copies wait for it
         offset = 0
+        tasks: list[Callable[[threading.Event], None]] = []
         for entry in data_files:
-            tasks.append(read_into(entry, functools.partial(sink, offset, entry.size)))
+            segment = Segment(len(tasks), offset, offset + entry.size)
+            extents = _decode(manifest.step, functools.partial(segment_extents, skeleton.table, segment))
+            if home.type == "cuda":
+                make: Callable[[], Sink] = functools.partial(
+                    DeviceSink, tensors, extents, home, entry.size, chunk_bytes, ready
+                )
+            else:
+                make = functools.partial(HostTensorSink, tensors, extents, chunk_bytes)
+            tasks.append(read_into(entry, make))
             offset += entry.size
-        with _pool_for(pool, io_threads) as run_on:
-            run_on.run_all(tasks)
+        run_on.run_all(tasks)
     if target.type not in ("cpu", "cuda"):
-        buffer = buffer.to(target)
+        pairs = zip(tensors, skeleton.tensors, strict=True)
+        tensors = [t if t is None or packed.on_host else t.to(target) for t, packed in pairs]
+    return _decode(manifest.step, functools.partial(rebuild_state, skeleton, tensors, target))
+
+
+def _decode(step: int, decode: Callable[[], _T]) -> _T:
+    """``decode()``, its format errors (and a table that does not fit the files) as :class:`CheckpointLoadError`."""
     try:
-        return decode_pack(bytes(skeleton), buffer, weights_only=weights_only)
-    except PackDecodeError as exc:
-        raise CheckpointLoadError(f"snapshot step {manifest.step} is intact but does not decode: {exc}") from exc
+        return decode()
+    except (PackDecodeError, ValueError) as exc:
+        raise CheckpointLoadError(f"snapshot step {step} is intact but does not decode: {exc}") from exc

@@ -343,18 +343,6 @@ def test_a_corrupt_segment_is_caught_on_the_cuda_path_too(tmp_path: Path, caplog
     assert "blake3 mismatch in" in unusable_warnings(caplog)[0]
 
 
-def test_scalars_of_a_device_load_come_back_on_cpu_with_their_values_and_dtypes() -> None:
-    from elastic.checkpoint.codec import _scalars_to_cpu
-
-    tensors = [torch.tensor(7.5), torch.arange(3.0), torch.tensor(True), torch.tensor(-3, dtype=torch.int64)]
-    expected = [t.clone() for t in tensors]
-    _scalars_to_cpu(tensors)
-    for got, want in zip(tensors, expected, strict=True):
-        assert got.device.type == "cpu" and got.dtype == want.dtype and got.shape == want.shape
-        assert torch.equal(got, want)
-    assert tensors[1] is not expected[1] and tensors[0].untyped_storage().nbytes() == 4  # own storage, not a view
-
-
 @cuda_only
 @pytest.mark.timeout(120)
 def test_adamw_state_loaded_into_cuda_keeps_its_step_counters_on_cpu_and_trains_on(tmp_path: Path) -> None:
