@@ -152,9 +152,9 @@ class HostTensorSink:
         if view.obj is not self._scratch.obj:  # read in place
             self._cursor.advance(len(view))
             return
-        for tensor, offset, length, at in self._cursor.take(len(view)):
+        for tensor, start, length, at in self._cursor.take(len(view)):
             if tensor is not None:
-                self._view(tensor)[offset : offset + length] = view[at : at + length]
+                self._view(tensor)[start : start + length] = view[at : at + length]
 
     def close(self) -> None:
         pass
@@ -197,12 +197,12 @@ class DeviceSink:
         turn = self._turn
         chunk = self._pinned[turn]
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-            for tensor, offset, length, at in self._cursor.take(len(view)):
+            for tensor, start, length, at in self._cursor.take(len(view)):
                 if tensor is None:
                     continue  # alignment padding
                 target = self._tensors[tensor]
                 assert target is not None, "an empty tensor has no extent"
-                target[offset : offset + length].copy_(chunk[at : at + length], non_blocking=target.is_cuda)
+                target[start : start + length].copy_(chunk[at : at + length], non_blocking=target.is_cuda)
             event = torch.cuda.Event()
             event.record(self._stream)
         self._copied[turn] = event
