@@ -268,6 +268,11 @@ class SnapshotTiers:
         """A durable snapshot was taken at ``step``: the next local one is counted from there."""
         self._spacing.last_step = step
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether this rank's last local snapshot is still being written (one due now would be skipped)."""
+        return self._local is not None and self._local.in_flight
+
     def prepare(self, state: TrainingState) -> None:
         """Have the local tier's manager warm its staging buffers up for ``state`` (see
         ``CheckpointManager.prepare``); nothing when this rank writes no local snapshots."""

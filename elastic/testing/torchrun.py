@@ -149,19 +149,26 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def kill_tree(root: int, sig: int = signal.SIGKILL) -> float:
-    """Freeze ``root`` (so it spawns nothing new), then signal it and all its descendants. A ``root`` that is a
-    prefork client (a forked agent) is frozen with the process it runs; that process is signalled directly and the
-    client, which would forward the signal a second time, only by SIGKILL."""
+    """Freeze ``root`` (so it spawns nothing new) and the descendants it has, then signal it and all its
+    descendants. A ``root`` that is a prefork client (a forked agent) is frozen with the process it runs; that process
+    is signalled directly and the client, which would forward the signal a second time, only by SIGKILL.
+
+    The descendants are found by a walk over ``/proc`` that takes seconds on a loaded machine: they are frozen at
+    once from a first walk, before the agent's frozen seconds cost it its rendezvous lease (its peers' agents would
+    re-form and have their workers save while this node's still ran: no node loss at all); a second walk, with all
+    of them frozen, finds what was spawned in between."""
     forked = forked_worker(root)
+    before = [p for p, _ in worker_tree(root)]
     frozen = [root] if forked is None else [root, forked]
-    for pid in frozen:
+    for pid in [*frozen, *before]:
         _signal(pid, signal.SIGSTOP)
     now = time.time()
+    tree = list(dict.fromkeys([*before, *(p for p, _ in worker_tree(root))]))
     own = [root] if forked is None or sig == signal.SIGKILL else []
-    for pid in [*own, *(p for p, _ in worker_tree(root))]:
+    for pid in [*own, *tree]:
         _signal(pid, sig)
     if sig != signal.SIGKILL:
-        for pid in frozen:
+        for pid in dict.fromkeys([*frozen, *tree]):
             _signal(pid, signal.SIGCONT)
     return now
 

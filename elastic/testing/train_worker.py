@@ -18,6 +18,10 @@ written, while PATH exists (a SIGTERM ends the wait at once: torchrun re-forming
 bounds one step's wait, for live recovery, which admits joiners at step boundaries). A scenario test creates PATH
 and removes it once the kills and joins it waits for happened, so that however slow the machine, the job cannot
 end before them.
+
+``--wait-local``: each step, after its record, waits until this rank's node-local snapshot of the step before is
+written (``ElasticTrainer.local_snapshot_in_flight``), so that no snapshot is skipped for a busy writer: the job's
+steps are never shorter than its writes, whatever the load (a write on a loaded disk can take several steps).
 """
 
 from __future__ import annotations
@@ -173,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold-file", type=Path, default=None, help="see the module docstring")
     p.add_argument("--hold-epoch", type=int, default=0, help="with --hold-file: the epoch from which steps wait")
     p.add_argument("--hold-max", type=float, default=0.0, help="with --hold-file: one step's wait at most (0: none)")
+    p.add_argument("--wait-local", action="store_true",
+                   help="each step waits for the node-local snapshot of the step before (see above)")  # fmt: skip
     args = p.parse_args(argv)
     if not args.checkpoint_url:
         p.error("--checkpoint-url (or $ETRAIN_CHECKPOINT_URL) is required")
@@ -226,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.step_sleep)
         if args.hold_file is not None and info.epoch >= args.hold_epoch and not info.late:
             hold(args.hold_file, args.hold_max)
+        if args.wait_local and trained:
+            wait_local(trained[0])
 
     terminated: list[int] = []  # a SIGTERM came; no lock: the handler may run inside itself (a second signal)
 
@@ -233,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.monotonic() + most if most > 0 else None
         while path.exists() and not terminated and (deadline is None or time.monotonic() < deadline):
             time.sleep(0.05)
+
+    def wait_local(trainer: ElasticTrainer) -> None:
+        deadline = time.monotonic() + 60  # a write that never ends is the loop's to report, not this wait's
+        while trainer.local_snapshot_in_flight and not terminated and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     trainer = ElasticTrainer(model, optimizer, dataset, config, on_step=on_step,
                              parallelize=parallelize if args.parallelize else None)  # fmt: skip

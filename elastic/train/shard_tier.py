@@ -183,6 +183,11 @@ class ShardTier:
     def note_durable(self, step: int) -> None:
         self._spacing.last_step = step
 
+    @property
+    def in_flight(self) -> bool:
+        """As the replicated tier's: this rank's last shard snapshot is still being written."""
+        return self._local is not None and self._local.in_flight
+
     def save_local(self, step: int, loop: Callable[[], dict[str, Any]]) -> None:
         """This rank's shard and ``loop()`` (the loop's state, no collective) into its slot: copied before this
         returns (no fence on the optimizer: its parameters are DTensors), written in the background."""

@@ -312,6 +312,12 @@ class LoopCheckpoints:
     def stats(self) -> SnapshotStats:
         return self.schedule.stats
 
+    @property
+    def local_in_flight(self) -> bool:
+        """Whether this rank's last node-local snapshot is still being written: one due now is skipped (a best
+        effort, see elastic/checkpoint/tiers.py), so a failure may then re-do more than ``local_every_steps``."""
+        return (self.shard_tier or self.tiers).in_flight
+
     def close(self, finished: bool) -> None:
         """Flush the local tier (``finished``: delete this node's local snapshots) and the manager (once)."""
         if self._closed:

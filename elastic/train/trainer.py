@@ -458,6 +458,11 @@ class ElasticTrainer:
         return self._checkpoints.stats
 
     @property
+    def local_snapshot_in_flight(self) -> bool:
+        """Whether this rank's last node-local snapshot is still being written (one due now would be skipped)."""
+        return self._checkpoints.local_in_flight
+
+    @property
     def resumed_from(self) -> str | None:
         """Which tier the start-up restore used: ``"durable"``, ``"node-local"``, or None (a fresh start)."""
         return self._checkpoints.source
