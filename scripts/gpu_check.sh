@@ -95,7 +95,7 @@ export PYTHONUNBUFFERED=1
 
 # a. the CUDA tests
 if wanted tests; then
-mapfile -t files < <(grep -rlE 'pytest\.mark\.cuda|marks=.*\bcuda\b' tests --include='test_*.py' | sort)
+mapfile -t files < <(grep -rlE 'pytest\.mark\.cuda|marks=.*\bcuda\b|^@cuda_only' tests --include='test_*.py' | sort)
 select=(-m cuda)
 if ! "$PY" -c 'import moto, s3fs' 2>/dev/null; then select=(-m cuda -k 'not s3'); fi
 run tests 200 "$PY" -m pytest -p no:cacheprovider -q -rs "${select[@]}" --junitxml="$OUT/tests.xml" "${files[@]}"

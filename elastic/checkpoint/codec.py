@@ -17,6 +17,7 @@ subclasses) are kept inside the skeleton and go through ``torch.save`` as they a
 from __future__ import annotations
 
 import io
+import math
 import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -167,10 +168,7 @@ def read_skeleton(skeleton_bytes: bytes, *, weights_only: bool = True) -> PackSk
             raise PackDecodeError(f"malformed tensor table entry {entry!r:.200}") from exc
         if not isinstance(dtype, torch.dtype):
             raise PackDecodeError(f"unknown dtype {entry['dtype']!r}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        if nbytes != numel * dtype.itemsize or min(shape, default=0) < 0:
+        if nbytes != math.prod(shape) * dtype.itemsize or min(shape, default=0) < 0:
             raise PackDecodeError(f"tensor of shape {list(shape)} and {dtype} cannot have {nbytes} bytes")
         if nbytes and (offset % _ALIGN or offset < end or offset - end >= _ALIGN):
             raise PackDecodeError(f"tensor at offset {offset} does not follow the previous one (ending at {end})")

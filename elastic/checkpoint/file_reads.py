@@ -93,12 +93,6 @@ class _ExtentCursor:
         extent = self._extents[self._index]
         return Extent(extent.tensor, extent.offset + self._within, min(length, extent.length - self._within))
 
-    def advance(self, length: int) -> None:
-        self._within += length
-        while self._index < len(self._extents) and self._within >= self._extents[self._index].length:
-            self._within -= self._extents[self._index].length
-            self._index += 1
-
     def take(self, length: int) -> Iterator[tuple[int | None, int, int, int]]:
         """The pieces of the next ``length`` bytes as ``(tensor, offset in it, length, position among the bytes)``
         (plain tuples: a state of many small tensors has a piece per tensor); advances past them."""
@@ -149,11 +143,9 @@ class HostTensorSink:
         return self._scratch[: min(length, len(self._scratch))]
 
     def filled(self, offset: int, view: memoryview) -> None:
-        if view.obj is not self._scratch.obj:  # read in place
-            self._cursor.advance(len(view))
-            return
+        in_place = view.obj is not self._scratch.obj
         for tensor, start, length, at in self._cursor.take(len(view)):
-            if tensor is not None:
+            if tensor is not None and not in_place:
                 self._view(tensor)[start : start + length] = view[at : at + length]
 
     def close(self) -> None:

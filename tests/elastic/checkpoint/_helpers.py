@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import pytest
 import torch
+
+T = TypeVar("T", bound=Callable[..., object])
+
+
+def cuda_only(test: T) -> T:
+    """A CUDA test: marked ``cuda`` (``pytest -m cuda``, as scripts/gpu_check.sh runs them), skipped without CUDA."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 def make_state(step: int, rows: int = 750, cols: int = 1000) -> dict[str, Any]:
@@ -32,15 +40,11 @@ def assert_same(actual: Any, expected: Any, path: str = "state") -> None:
     if isinstance(expected, torch.Tensor):
         assert isinstance(actual, torch.Tensor), f"{path}: {type(actual).__name__} is not a tensor"
         assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
-        assert actual.shape == expected.shape, (
-            f"{path}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-        )
+        assert actual.shape == expected.shape, f"{path}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
         assert _bits(actual) == _bits(expected), f"{path}: tensor bytes differ"
     elif isinstance(expected, Mapping):
         assert isinstance(actual, Mapping), f"{path}: {type(actual).__name__} is not a mapping"
-        assert set(actual) == set(expected), (
-            f"{path}: keys {sorted(map(str, actual))} != {sorted(map(str, expected))}"
-        )
+        assert set(actual) == set(expected), f"{path}: keys {sorted(map(str, actual))} != {sorted(map(str, expected))}"
         for key in expected:
             assert_same(actual[key], expected[key], f"{path}[{key!r}]")
     elif isinstance(expected, (list, tuple)):

@@ -17,7 +17,7 @@ import torch
 
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.codec import PACK_FORMAT, PackDecodeError, read_skeleton
-from tests.elastic.checkpoint._helpers import assert_same, make_state
+from tests.elastic.checkpoint._helpers import assert_same, cuda_only, make_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,8 +93,7 @@ def test_dropping_the_rest_of_a_loaded_state_frees_its_memory_while_one_tensor_i
     assert torch.equal(kept, state["moments"])
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@cuda_only
 def test_on_a_gpu_a_resumed_model_and_optimizer_hold_no_more_device_memory_than_before_the_restart(
     tmp_path: Path,
 ) -> None:

@@ -9,9 +9,9 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
@@ -27,18 +27,12 @@ from elastic.checkpoint.layout import FileEntry, Manifest, SnapshotKind, manifes
 from elastic.checkpoint.reader import read_manifest, verify_files
 from elastic.checkpoint.staging import Stager
 from elastic.checkpoint.storage import BinaryWriter, LocalStorage
-from tests.elastic.checkpoint._helpers import assert_same, flip_byte, make_state
+from tests.elastic.checkpoint._helpers import assert_same, cuda_only, flip_byte, make_state
 from tests.elastic.checkpoint.conftest import Target
 
 SEGMENT = 64 << 10
 SMALL_SEGMENTS = {"segment_bytes": SEGMENT, "chunk_bytes": 4096, "io_threads": 3}
 SHAPE = {"rows": 200, "cols": 300}  # 240 KB of float32 weights + bias + counts: 4 segments of 64 KiB
-T = TypeVar("T", bound=Callable[..., object])
-
-
-def cuda_only(test: T) -> T:
-    """A CUDA test: marked ``cuda`` (``pytest -m cuda``, as scripts/gpu_check.sh runs them), skipped without CUDA."""
-    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 def options(**extra: Any) -> CheckpointOptions:
