@@ -41,7 +41,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "LOCAL_OPTIONS",
+    "LocalSnapshotStats",
     "LocalSpacing",
     "PrivateStorage",
     "SnapshotTiers",
@@ -113,17 +114,38 @@ def local_tier_dir(root: Path, durable_url: str | None, job_id: str | None) -> P
     return root / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class LocalSnapshotStats:
+    """What became of this rank's node-local snapshots that fell due (the replicated tier: counted by the first
+    worker of each node, its writer, and zero elsewhere; the sharded tier: by every rank). ``saved``: writes
+    started; ``skipped``: due while this rank's previous one was still being written (a best effort: not waited
+    for, so a failure may re-do more than ``local_every_steps``); ``failed``: saves that raised (a background write's
+    failure is raised by the next save, which is then not taken either)."""
+
+    saved: int = 0
+    skipped: int = 0
+    failed: int = 0
+    last_skipped_step: int | None = None
+
+    def progress_fields(self) -> dict[str, Any]:
+        """Flat JSON-able fields for the job service's progress report (rank 0's node)."""
+        return {"local_snapshots_saved": self.saved, "local_snapshots_skipped": self.skipped,
+                "local_snapshots_failed": self.failed}  # fmt: skip
+
+
 class LocalSpacing:
     """When a node-local snapshot is due (this tier's and the sharded one's, elastic/train/shard_tier.py):
     ``every`` steps since the last snapshot (a durable one counts), and, with ``max_overhead``, enough time since
     the last one that its measured cost (the loop blocked in capture and copy, plus the writer's time) stays under
-    that fraction of the time between them."""
+    that fraction of the time between them. :meth:`write` starts one, or skips it while the last is still being
+    written, and keeps the counts (:attr:`stats`)."""
 
     def __init__(self, every: int | None, max_overhead: float | None) -> None:
         self.every, self.max_overhead = every, max_overhead
         self.last_step = 0
         self.last_started: float | None = None
         self.blocking_s = 0.0
+        self.stats = LocalSnapshotStats()
 
     def due(self, step: int, writer: Any) -> bool:
         """``writer``: the local manager's ``last_timings`` (None: not known yet)."""
@@ -136,6 +158,32 @@ class LocalSpacing:
 
     def started(self, step: int) -> None:
         self.last_started, self.last_step = time.monotonic(), step
+
+    def write(
+        self, manager: CheckpointManager | None, step: int, save: Callable[[CheckpointManager], None], what: str
+    ) -> None:  # fmt: skip
+        """Step ``step``'s snapshot through ``save(manager)`` into ``manager`` (None: this rank writes none), unless the
+        manager's last one is still being written: that one is skipped, counted, and logged at the 1st, 2nd, 4th,
+        8th, ... skip. A :class:`CheckpointError` is counted, and a warning the first time (``what``: the tier)."""
+        if manager is None:
+            return
+        stats = self.stats
+        if manager.in_flight:
+            self.stats = replace(stats, skipped=stats.skipped + 1, last_skipped_step=step)
+            n = self.stats.skipped
+            if n & (n - 1) == 0:
+                logger.warning("%s: step %d skipped, the previous one still being written (%d skipped, %d written "
+                               "so far): writes take longer than local_every_steps=%s steps, so a failure may re-do "
+                               "more", what, step, n, stats.saved, self.every)  # fmt: skip
+            return
+        try:
+            save(manager)
+        except CheckpointError as exc:
+            self.stats = replace(stats, failed=stats.failed + 1)
+            if not stats.failed:
+                logger.warning("%s failing (durable ones go on): %s", what, exc)
+            return
+        self.stats = replace(stats, saved=stats.saved + 1)
 
 
 class SnapshotTiers:
@@ -158,7 +206,6 @@ class SnapshotTiers:
         self._writer = local_dir is not None and TorchrunEnv.from_environ().local_rank == 0
         self._claim: SlotClaim | None = None
         self._local: FsspecCheckpointManager | None = None
-        self._warned = False
         self.source: str | None = None  # what the last restore resumed from: "node-local", "durable" or None
         # node-local snapshots are signed like the durable ones: a slot another user or job planted is skipped
         key = durable.options.signing_key if durable is not None else WorkerEnv.from_environ().checkpoint_key
@@ -273,6 +320,11 @@ class SnapshotTiers:
         """Whether this rank's last local snapshot is still being written (one due now would be skipped)."""
         return self._local is not None and self._local.in_flight
 
+    @property
+    def local_stats(self) -> LocalSnapshotStats:
+        """This rank's node-local snapshots written, skipped (writer busy) and failed so far."""
+        return self._spacing.stats
+
     def prepare(self, state: TrainingState) -> None:
         """Have the local tier's manager warm its staging buffers up for ``state`` (see
         ``CheckpointManager.prepare``); nothing when this rank writes no local snapshots."""
@@ -287,14 +339,8 @@ class SnapshotTiers:
         started = time.perf_counter()
         self._spacing.started(step)
         state = capture()
-        local = self._local
-        if local is not None and not local.in_flight:  # else not a writer, or the last one still being written
-            try:
-                local.save(step, state, overlap_with=overlap_with)
-            except CheckpointError as exc:
-                if not self._warned:
-                    logger.warning("node-local snapshots failing (durable ones go on): %s", exc)
-                    self._warned = True
+        self._spacing.write(self._local, step, lambda local: local.save(step, state, overlap_with=overlap_with),
+                            "node-local snapshots")  # fmt: skip (self._local None: not this node's writer)
         self._spacing.blocking_s = time.perf_counter() - started
 
     def close(self, finished: bool = False) -> None:

@@ -35,7 +35,14 @@ from elastic.checkpoint.api import CheckpointError
 from elastic.checkpoint.manager import FsspecCheckpointManager
 from elastic.checkpoint.slots import MAX_SLOTS, SlotClaim, claim_slot, slot_dirs
 from elastic.checkpoint.state import TrainingState
-from elastic.checkpoint.tiers import LOCAL_OPTIONS, LocalSpacing, PrivateStorage, default_local_root, local_tier_dir
+from elastic.checkpoint.tiers import (
+    LOCAL_OPTIONS,
+    LocalSnapshotStats,
+    LocalSpacing,
+    PrivateStorage,
+    default_local_root,
+    local_tier_dir,
+)
 from elastic.contract.env import TorchrunEnv, WorkerEnv
 from elastic.runtime_dir import private_dir
 from elastic.train.parallel import ShardedModel, shard_sources, share_shards
@@ -69,7 +76,6 @@ class ShardTier:
         self._spacing = LocalSpacing(every, max_overhead)
         self._local: FsspecCheckpointManager | None = None
         self._claimed: SlotClaim | None = None
-        self._warned = False
         if local_dir is not None:
             try:
                 private_dir(local_dir)
@@ -188,19 +194,19 @@ class ShardTier:
         """As the replicated tier's: this rank's last shard snapshot is still being written."""
         return self._local is not None and self._local.in_flight
 
+    @property
+    def local_stats(self) -> LocalSnapshotStats:
+        """As the replicated tier's: this rank's shard snapshots written, skipped and failed so far."""
+        return self._spacing.stats
+
     def save_local(self, step: int, loop: Callable[[], dict[str, Any]]) -> None:
         """This rank's shard and ``loop()`` (the loop's state, no collective) into its slot: copied before this
         returns (no fence on the optimizer: its parameters are DTensors), written in the background."""
         started = time.perf_counter()
         self._spacing.started(step)
-        local = self._claim()
-        if local is not None and not local.in_flight:
-            try:
-                local.save(step, {"loop": loop(), "shards": self._sharded.local_payload()})
-            except CheckpointError as exc:
-                if not self._warned:
-                    logger.warning("node-local shard snapshots failing (durable ones go on): %s", exc)
-                    self._warned = True
+        self._spacing.write(self._claim(), step,
+                            lambda local: local.save(step, {"loop": loop(), "shards": self._sharded.local_payload()}),
+                            "node-local shard snapshots")  # fmt: skip
         self._spacing.blocking_s = time.perf_counter() - started
 
     def close(self, finished: bool = False) -> None:

@@ -36,7 +36,7 @@ from elastic.checkpoint.api import CheckpointManager, StateLayout
 from elastic.checkpoint.layout import step_dir
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import CheckpointStorage
-from elastic.checkpoint.tiers import create_snapshot_tiers
+from elastic.checkpoint.tiers import LocalSnapshotStats, create_snapshot_tiers
 from elastic.contract.env import WorkerEnv
 from elastic.train.boundary import BoundaryFlags
 from elastic.train.config import ElasticConfig
@@ -311,6 +311,11 @@ class LoopCheckpoints:
     @property
     def stats(self) -> SnapshotStats:
         return self.schedule.stats
+
+    @property
+    def local_stats(self) -> LocalSnapshotStats:
+        """This rank's node-local snapshots written, skipped (its last one still being written) and failed."""
+        return (self.shard_tier or self.tiers).local_stats
 
     @property
     def local_in_flight(self) -> bool:

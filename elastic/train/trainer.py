@@ -62,6 +62,7 @@ from elastic import compat
 from elastic.checkpoint import capture_training_state
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import CheckpointStorage
+from elastic.checkpoint.tiers import LocalSnapshotStats
 from elastic.contract.env import TorchrunEnv
 from elastic.contract.lr import LRPolicy, scaled_lr
 from elastic.live.grads import GradientReducer, LiveDataParallel, broadcast_module
@@ -428,7 +429,7 @@ class ElasticTrainer:
         self._progress.report(
             self.step, world_size=self.world_size, loss=loss, total_steps=self.config.total_steps,
             lr=lr, epoch=self.sampler.epoch, force=bool(committed), **committed,
-            **self.snapshot_stats.progress_fields(),
+            **self.snapshot_stats.progress_fields(), **self.local_snapshot_stats.progress_fields(),
         )  # fmt: skip
 
     def average(self, values: dict[str, float]) -> dict[str, float]:
@@ -456,6 +457,11 @@ class ElasticTrainer:
     def snapshot_stats(self) -> SnapshotStats:
         """Durable snapshots saved, deferred (writer busy) and skipped so far (the same on every rank)."""
         return self._checkpoints.stats
+
+    @property
+    def local_snapshot_stats(self) -> LocalSnapshotStats:
+        """This rank's node-local snapshots written, skipped (the last one still being written) and failed."""
+        return self._checkpoints.local_stats
 
     @property
     def local_snapshot_in_flight(self) -> bool:

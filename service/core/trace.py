@@ -23,8 +23,9 @@ report's counters (the workers' clocks).
   ``args.path``) at the time the controller saw the commit, and rejected ones. The service records no begin
   time of a snapshot (only the commit the workers report), so a snapshot is an instant, never a duration; the
   latest report's snapshot counters (``snapshots_saved``, ``snapshots_deferred``, ``snapshots_skipped``,
-  ``last_save_seconds``: the elastic loop's) are in ``metadata.snapshot_stats`` and in the args of the last
-  commit.
+  ``last_save_seconds``: the elastic loop's; ``local_snapshots_saved``, ``local_snapshots_skipped``,
+  ``local_snapshots_failed``: its node-local tier's on rank 0's node) are in ``metadata.snapshot_stats`` and in
+  the args of the last commit.
 * one track per node that ever ran the job (tids 2.., by name): ``generation N`` complete events, the node's
   membership in each worker generation (from its assignment, at the generation's start or when it was added,
   to its release: node lost, workers failed, the job restarted, stopped or ended; ``args.ended`` says which),
@@ -75,7 +76,8 @@ _US = timedelta(microseconds=1)
 _TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 _STATE_MESSAGE = re.compile(r"^(\w+) -> (\w+)(?:: (.*))?$", re.DOTALL)
 _START = re.compile(r"^generation (\d+) on \d+ node\(s\): (.*)$", re.DOTALL)
-_SNAPSHOT_STATS = ("snapshots_saved", "snapshots_deferred", "snapshots_skipped", "last_save_seconds")
+_SNAPSHOT_STATS = ("snapshots_saved", "snapshots_deferred", "snapshots_skipped", "last_save_seconds",
+                   "local_snapshots_saved", "local_snapshots_skipped", "local_snapshots_failed")
 
 NOT_RECORDED = [
     "per-step progress history: the trace draws on the latest progress report only ('step' has a point per "

@@ -9,15 +9,23 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.state import TrainingState
-from elastic.checkpoint.tiers import LOCAL_OPTIONS, SnapshotTiers, create_snapshot_tiers, local_tier_dir
+from elastic.checkpoint.tiers import (
+    LOCAL_OPTIONS,
+    LocalSnapshotStats,
+    SnapshotTiers,
+    create_snapshot_tiers,
+    local_tier_dir,
+)
 from elastic.contract.lr import LRPolicy, LRRule
 from elastic.train.trainer import ElasticConfig
 
@@ -251,3 +259,85 @@ def test_node_local_snapshot_files_are_0600_and_their_dirs_0700_under_the_usual_
     assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {p.name: "0o600" for p in files}
     dirs = [tmp_path / "fresh", *(p for p in made if p.is_dir())]
     assert {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in dirs} == {str(p): "0o700" for p in dirs}
+
+
+# -- a local write slower than the steps: skipped, counted, logged --------------------------------------------
+class _Gate:
+    """A value of the state that the writer thread pickles: holds that write until ``open`` is set (or fails it)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.open, self.fail = threading.Event(), fail
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Gate:
+        return self  # the save's copy of the state holds this gate: the writer thread's pickling waits on it
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        assert self.open.wait(30)
+        if self.fail:
+            raise OSError("the node's memory is full")
+        return (int, (0,))
+
+
+def _gated(step: int, gate: _Gate) -> dict[str, Any]:
+    return {**_state(step).to_dict(), "gate": gate}
+
+
+def _wait_written(tiers: SnapshotTiers) -> None:
+    deadline = time.monotonic() + 30
+    while tiers.in_flight:
+        assert time.monotonic() < deadline, "the local write never finished"
+        time.sleep(0.01)
+
+
+def test_local_snapshots_due_while_the_last_is_still_written_are_skipped_counted_and_logged_sparingly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tiers = SnapshotTiers(None, tmp_path / "local", 1, CPU)
+    gate = _Gate()
+    tiers.save_local(1, lambda: _gated(1, gate), None)
+    assert tiers.in_flight
+    with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.tiers"):
+        for step in (2, 3, 4):
+            tiers.save_local(step, lambda step=step: _state(step), None)
+    skips = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skips) == 2, skips  # the 1st and the 2nd skip; the 3rd is the next power of two's
+    assert "step 2 skipped" in skips[0] and "(1 skipped, 1 written so far)" in skips[0]
+    assert "step 3 skipped" in skips[1] and "local_every_steps=1" in skips[1]
+    gate.open.set()
+    _wait_written(tiers)
+    tiers.save_local(5, lambda: _state(5), None)
+    tiers.close()
+    assert tiers.local_stats == LocalSnapshotStats(saved=2, skipped=3, failed=0, last_skipped_step=4)
+    assert tiers.local_stats.progress_fields() == {
+        "local_snapshots_saved": 2, "local_snapshots_skipped": 3, "local_snapshots_failed": 0,
+    }  # fmt: skip
+    restored = SnapshotTiers(None, tmp_path / "local", 1, CPU).restore()
+    assert restored is not None and restored.step == 5  # skipped steps cost nothing of what was written
+
+
+def test_a_failed_local_write_is_counted_and_warned_about_once_and_the_next_ones_go_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tiers = SnapshotTiers(None, tmp_path / "local", 1, CPU)
+    for step in (1, 3):
+        gate = _Gate(fail=True)
+        with caplog.at_level(logging.WARNING, logger="elastic.checkpoint.tiers"):
+            tiers.save_local(step, lambda step=step, gate=gate: _gated(step, gate), None)
+            gate.open.set()
+            _wait_written(tiers)
+            tiers.save_local(step + 1, lambda step=step: _state(step + 1), None)  # raises the failure: not taken
+    _wait_written(tiers)
+    tiers.save_local(5, lambda: _state(5), None)
+    tiers.close()
+    warnings = [r.getMessage() for r in caplog.records if "failing" in r.getMessage()]
+    assert len(warnings) == 1 and "node-local snapshots failing" in warnings[0]
+    assert "the node's memory is full" in warnings[0]
+    assert tiers.local_stats == LocalSnapshotStats(saved=3, skipped=0, failed=2)
+    restored = SnapshotTiers(None, tmp_path / "local", 1, CPU).restore()
+    assert restored is not None and restored.step == 5
+
+
+def test_ranks_that_write_no_local_snapshot_count_none(tmp_path: Path) -> None:
+    tiers = SnapshotTiers(None, None, None, CPU)
+    tiers.save_local(1, lambda: _state(1), None)
+    assert tiers.local_stats == LocalSnapshotStats()

@@ -58,10 +58,12 @@ class Run:
 
 
 def train(
-    root: Path, steps: int, delay: float, mode: WriterBusy, *, every: int = 5, sigterm_at: int | None = None
+    root: Path, steps: int, delay: float, mode: WriterBusy, *, every: int = 5, sigterm_at: int | None = None,
+    local_every: int | None = None,
 ) -> Run:
     """``steps`` optimizer steps of about 10 ms (one epoch), a snapshot due every ``every``; with ``sigterm_at``
-    this process gets a SIGTERM during that step. The trainer is left open."""
+    this process gets a SIGTERM during that step; with ``local_every`` a node-local snapshot is due every that
+    many steps (no cost cap). The trainer is left open."""
     torch.manual_seed(0)
     model = nn.Linear(8, 3)
     n = steps * BATCH * int(os.environ.get("WORLD_SIZE", "1"))  # linear rule: the global batch grows with the world
@@ -73,6 +75,8 @@ def train(
         save_every_steps=every,
         when_writer_busy=mode,
         progress_every=0,
+        local_every_steps=local_every,
+        local_max_overhead=None,
     )
     last = [time.monotonic()]
     holder: list[Run] = []

@@ -109,6 +109,18 @@ def test_the_loop_warms_the_staging_buffers_up_once_after_the_first_step(
         assert [s.step for s in reader.list_snapshots()] == [5, 10, 12]
 
 
+def test_every_node_local_snapshot_that_fell_due_is_counted_as_written_or_skipped(
+    tmp_path: Path, gloo_world_1: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ETRAIN_LOCAL_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    run = train(tmp_path / "ck", 30, 0.0, WriterBusy.DEFER, local_every=1)
+    stats, durable = run.trainer.local_snapshot_stats, run.trainer.snapshot_stats
+    run.trainer.close()
+    assert durable.saved == 6 and durable.deferred == 0  # steps 5, 10, ..., 30: a durable one stands in for the local
+    assert stats.saved + stats.skipped == 30 - durable.saved and stats.saved >= 1 and stats.failed == 0
+    assert (stats.last_skipped_step is None) == (stats.skipped == 0)
+
+
 @pytest.mark.parametrize("end", ["sigterm", "close"])
 def test_the_final_state_is_committed_with_a_save_in_flight_and_one_pending(
     tmp_path: Path, gloo_world_1: None, end: str
