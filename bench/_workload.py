@@ -96,6 +96,17 @@ class Workload:
             self.sync()
         return time.perf_counter() - start
 
+    def timed_both(self, fn: Any) -> tuple[float, float]:
+        """Seconds until the training stream may go on after ``fn`` (what a loop waits for), and until the whole
+        device is idle too (the copies a save queued on a stream of its own included): one call of ``fn``."""
+        self.sync()
+        start = time.perf_counter()
+        fn()
+        self.sync_training()
+        loop = time.perf_counter() - start
+        self.sync()
+        return loop, time.perf_counter() - start
+
     def state(self, step: int) -> dict[str, Any]:
         return {
             "step": step,

@@ -5,7 +5,8 @@ with SGD + momentum on CPU) in one local directory (``--dir``, default a temp di
 
 - ``dd`` writing the same number of bytes with ``conv=fsync`` (the disk's sequential write speed);
 - synchronous ``torch.save`` (what a plain training loop blocks for) and ``dcp.async_save`` (until it returns);
-- our background save: how long ``save`` holds the loop (on CUDA: until the GPU may go on), and the background
+- our background save: how long ``save`` holds the loop (on CUDA: until the training stream may go on; and until
+  the whole device is idle, which with device-side staging includes its drain to the host), and the background
   write throughput (data + fsync + manifest commit, then verification: hash, write, fsync, verify);
 - on CUDA, a device-to-host copy of the same bytes into pinned buffers (the floor for any staging), and a
   device-to-device copy of them (the floor for device-side staging);
@@ -96,11 +97,18 @@ class OursRun:
     def _timed(self, fn: Any) -> float:
         return self.workload.timed(fn) if self.workload is not None else timed(fn)
 
+    def _timed_both(self, fn: Any) -> tuple[float, float]:
+        if self.workload is not None:
+            return self.workload.timed_both(fn)
+        seconds = timed(fn)
+        return seconds, seconds
+
     def once(self, state: dict[str, Any]) -> None:
         self.step += 1
         state["step"] = self.step
         start = time.perf_counter()
-        blocking = self._timed(lambda: self.mgr.save(self.step, state))
+        # the loop's wait (the training stream), and the device's (device-side staging: its drain to the host too)
+        blocking, device_s = self._timed_both(lambda: self.mgr.save(self.step, state))
         self.mgr.wait()
         total = time.perf_counter() - start
         if self.first_blocking_s is None:  # allocates the staging buffers; reported apart
@@ -112,6 +120,7 @@ class OursRun:
         self.rows.append(
             {
                 "blocking_s": blocking,
+                "blocking_device_s": device_s,
                 "write_s": write_s,
                 "write_bytes_per_s": t.bytes_written / write_s,
                 "verify_s": t.verify_s,
@@ -177,19 +186,22 @@ def device_copy_seconds(workload: Workload, repeats: int) -> list[float]:
 
 def warm_first_save(url: str, workload: Workload) -> dict[str, Any]:
     """A fresh manager (default options: device-side staging on), ``prepare`` done before its first save: the
-    seconds the warm-up took, and how long that first save, then a second one, held the loop."""
+    seconds the warm-up took, and how long that first save, then a second one, held the loop (the training
+    stream; ``*_device_s``: until the device was idle, their drains to the host included)."""
     state = workload.state(0)
     with create_checkpoint_manager(url, CheckpointOptions(keep_last=1)) as mgr:
         start = time.perf_counter()
         mgr.prepare(state)
         mgr.wait_prepared()
         warm_s = time.perf_counter() - start
-        first = workload.timed(lambda: mgr.save(1, state))
+        first, first_device = workload.timed_both(lambda: mgr.save(1, state))
         mgr.wait()
-        second = workload.timed(lambda: mgr.save(2, state))
+        second, second_device = workload.timed_both(lambda: mgr.save(2, state))
         mgr.wait()
         staged = mgr.last_device_staged_bytes
-    return {"warm_up_s": warm_s, "first_blocking_s": first, "second_blocking_s": second, "device_staged_bytes": staged}
+    return {"warm_up_s": warm_s, "first_blocking_s": first, "second_blocking_s": second,
+            "first_device_s": first_device, "second_device_s": second_device,
+            "device_staged_bytes": staged}  # fmt: skip
 
 
 def bench_local(directory: Path, workload: Workload, repeats: int) -> dict[str, Any]:

@@ -24,6 +24,8 @@ suites on the oldest and newest torch of the range):
 - FSDP2's ``FSDPModule``: public in ``torch.distributed.fsdp`` on the supported torch releases; reached
   through :func:`fsdp_module_class`, which falls back to its older home ``torch.distributed._composable.fsdp``
   (:func:`fsdp_modules`, :func:`is_sharded_module`).
+- ``torch.cuda.get_per_process_memory_fraction``: public, read where this torch has it
+  (:func:`cuda_memory_fraction`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ __all__ = [
     "check_torch",
     "check_torch_once",
     "check_torch_version",
+    "cuda_memory_fraction",
     "dcp_no_dist",
     "default_check_cache",
     "destroy_process_group",
@@ -258,6 +261,16 @@ def dcp_no_dist(fn: Callable[..., Any], no_dist: bool) -> dict[str, Any]:
     single-process exactly when no default process group exists, which is when callers here ask for it.
     """
     return {"no_dist": no_dist} if "no_dist" in inspect.signature(fn).parameters else {}
+
+
+# -- CUDA memory ---------------------------------------------------------------------------------------
+def cuda_memory_fraction(device: int) -> float:
+    """The share of ``device``'s memory torch's caching allocator may hold in this process
+    (``torch.cuda.set_per_process_memory_fraction``; 1.0 where this torch cannot say)."""
+    import torch
+
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return 1.0 if get is None else float(get(device))
 
 
 # -- FSDP2 ---------------------------------------------------------------------------------------------

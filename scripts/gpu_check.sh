@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every CUDA path of the project, checked in one command on a GPU machine (within 9 minutes):
 #
-#   bash scripts/gpu_check.sh [OUTDIR]          # from the repository root; OUTDIR defaults to ./gpu_check_out
+#   bash scripts/gpu_check.sh [OUTDIR]          # from the repository root; OUTDIR defaults to $OUT (the device
+#                                               # tool's folder that comes back), else ./gpu_check_out
 #
 # Needs the machine's Python with torch (PYTHON, default python3) and .gpu_bundle/ (GPU_BUNDLE), which
 # scripts/gpu_bundle.sh builds where there is network: its wheels are installed with
@@ -47,7 +48,7 @@ else
   echo "gpu_check: no CUDA device ($why); nothing checked. GPU_CHECK_ALLOW_CPU=1 makes a CPU dry run" >&2
   exit 2
 fi
-OUT=$(mkdir -p "${1:-gpu_check_out}" && cd "${1:-gpu_check_out}" && pwd)
+OUT=$(d=${1:-${OUT:-gpu_check_out}} && mkdir -p "$d" && cd "$d" && pwd)  # the device tool's $OUT comes back
 
 : >"$OUT/steps.tsv"
 record() {  # step status seconds figure [result file]
@@ -98,7 +99,9 @@ if wanted tests; then
 mapfile -t files < <(grep -rlE 'pytest\.mark\.cuda|marks=.*\bcuda\b|^@cuda_only' tests --include='test_*.py' | sort)
 select=(-m cuda)
 if ! "$PY" -c 'import moto, s3fs' 2>/dev/null; then select=(-m cuda -k 'not s3'); fi
-run tests 200 "$PY" -m pytest -p no:cacheprovider -q -rs "${select[@]}" --junitxml="$OUT/tests.xml" "${files[@]}"
+# -v and --durations: a step cut off by its cap still names the test it was in and the slow ones
+run tests 200 "$PY" -m pytest -p no:cacheprovider -v -rs --durations=15 "${select[@]}" --junitxml="$OUT/tests.xml" \
+  "${files[@]}"
 counts=$([ -f "$OUT/tests.xml" ] && $TOOL junit "$OUT/tests.xml" || echo "no junit XML")
 [ "${#select[@]}" -gt 2 ] && counts="$counts; S3 params deselected (no moto/s3fs in the bundle)"
 if [ "$RC" != 0 ]; then record tests FAIL "$ELAPSED" "$counts; $(failed_figure tests)" "$OUT/tests.xml"

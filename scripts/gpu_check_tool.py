@@ -36,10 +36,30 @@ def _version_key(version: str) -> tuple[tuple[int, str], ...]:
     return tuple((int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"[.+-]", version))
 
 
+def _bundle_mismatch(bundle: Path) -> str | None:
+    """Why the bundle cannot serve this interpreter (built for another Python), or None; its commit is printed."""
+    manifest = bundle / "MANIFEST.txt"
+    if not manifest.is_file():
+        return None
+    text = manifest.read_text(errors="replace")
+    commit = re.search(r"^commit: (.*)$", text, re.M)
+    print(f"bundle of commit {commit.group(1) if commit else 'unknown'}")
+    built = re.search(r"^python: (\d+\.\d+)", text, re.M)
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if built and built.group(1) != here:
+        return (f"the bundle in {bundle} was built for Python {built.group(1)}, this interpreter is {here}: "
+                f"rebuild it with scripts/gpu_bundle.sh --python-version {here}")  # fmt: skip
+    return None
+
+
 def install(bundle: Path, site: Path) -> int:
     wheels = sorted((bundle / "wheels").glob("*.whl"))
     if not wheels:
         print(f"no wheels in {bundle / 'wheels'}: run scripts/gpu_bundle.sh where there is network", file=sys.stderr)
+        return 1
+    mismatch = _bundle_mismatch(bundle)
+    if mismatch:
+        print(mismatch, file=sys.stderr)
         return 1
     chosen, kept = [], []
     for wheel in wheels:

@@ -31,6 +31,8 @@ from typing import Protocol
 
 import torch
 
+from elastic.compat import cuda_memory_fraction
+
 __all__ = [
     "CUDA_MEMORY",
     "CudaDeviceMemory",
@@ -196,11 +198,16 @@ class DeviceMemory(Protocol):
 
 
 class CudaDeviceMemory:
-    """CUDA's: the driver's free figure (``cudaMemGetInfo``) and torch's caching allocator."""
+    """CUDA's: the driver's free figure (``cudaMemGetInfo``), capped at what torch's caching allocator may still
+    reserve under a per-process memory fraction (``torch.cuda.set_per_process_memory_fraction``), and that
+    allocator."""
 
     def mem_info(self, device: int) -> tuple[int, int]:
-        free, total = torch.cuda.mem_get_info(device)
-        return int(free), int(total)
+        free, total = (int(x) for x in torch.cuda.mem_get_info(device))
+        fraction = cuda_memory_fraction(device)
+        if fraction < 1.0:
+            free = min(free, max(0, int(fraction * total) - int(torch.cuda.memory_reserved(device))))
+        return free, total
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: int) -> torch.Tensor:
         with torch.cuda.device(device):
@@ -213,14 +220,18 @@ CUDA_MEMORY = CudaDeviceMemory()
 
 class HostDeviceMemory:
     """An in-memory :class:`DeviceMemory`: each device reports ``free`` bytes (less what it has handed out)
-    of ``total``, and buffers are CPU tensors.  ``allocations`` counts the buffers handed out."""
+    of ``total``, and buffers are CPU tensors.  ``allocations`` counts the buffers handed out.  ``obtainable``
+    (default: ``free``): what allocations may take in all, less than the reported figure where another process or a
+    memory fraction takes the rest; ``refusals`` counts the allocations refused."""
 
-    def __init__(self, free: int, total: int | None = None) -> None:
+    def __init__(self, free: int, total: int | None = None, obtainable: int | None = None) -> None:
         self._free = free
         self._total = total if total is not None else free
+        self.obtainable = obtainable
         self._used: dict[int, int] = {}
         self._lock = threading.Lock()
         self.allocations = 0
+        self.refusals = 0
 
     def set_free(self, free: int) -> None:
         self._free = free
@@ -231,8 +242,10 @@ class HostDeviceMemory:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: int) -> torch.Tensor:
         nbytes = StageRequest(0, device, shape, dtype).nbytes
+        limit = self._free if self.obtainable is None else min(self._free, self.obtainable)
         with self._lock:
-            if self._used.get(device, 0) + nbytes > self._free:
+            if self._used.get(device, 0) + nbytes > limit:
+                self.refusals += 1
                 raise torch.OutOfMemoryError(f"fake device {device}: {nbytes} bytes do not fit")
             self._used[device] = self._used.get(device, 0) + nbytes
             self.allocations += 1
@@ -248,6 +261,8 @@ class DeviceBufferPool:
         self._settings = settings
         self._buffers: dict[int, tuple[StageRequest, torch.Tensor]] = {}
         self._last_reason: str | None = None
+        # per device, the free figure at which an allocation last failed: no new buffer there until more is free
+        self._refused_at: dict[int, int] = {}
         with _PLAN_LOCK:
             _POOLS.add(self)
 
@@ -282,30 +297,46 @@ class DeviceBufferPool:
 
     def _plan_and_allocate(self, requests: Sequence[StageRequest], wanted: dict[int, StageRequest]) -> DevicePlan:
         devices = sorted({r.device for r in requests})
-        memory = {}
+        memory, held_back = {}, []
         for d in devices:
             free, total = self._memory.mem_info(d)  # less what the other pools hold: see the module docstring
             others = sum(p._held_on(d) for p in list(_POOLS) if p is not self and p._memory is self._memory)
-            memory[d] = (max(0, free - others), total)
+            free = max(0, free - others)
+            refused_at = self._refused_at.get(d)
+            if refused_at is not None and free <= refused_at:
+                # an allocation failed at this figure (it overstates what this process may take): every new one
+                # would fail too, and each failure empties torch's cache (a device sync), so none is tried
+                held_back.append(f"cuda:{d}: no new buffer while no more than {_size(refused_at)} is reported free "
+                                 "(an allocation failed there)")  # fmt: skip
+                free = 0
+            else:
+                self._refused_at.pop(d, None)
+            memory[d] = (free, total)
         plan = plan_device_staging(requests, self._buffers.keys(), memory, self._settings)
         staged: list[int] = []
         failed: list[int] = []
         for index in plan.staged:
+            req = wanted[index]
             if index not in self._buffers:
-                req = wanted[index]
+                if req.device in self._refused_at:  # failed earlier in this plan: the rest go direct
+                    failed.append(index)
+                    continue
                 try:
                     self._buffers[index] = (req, self._memory.empty(req.shape, req.dtype, req.device))
                 except torch.OutOfMemoryError:
+                    self._refused_at[req.device] = memory[req.device][0]
                     failed.append(index)
                     continue
             staged.append(index)
         keep = set(staged)
         for index in [i for i in self._buffers if i not in keep]:
             del self._buffers[index]
+        notes = [plan.reason, *held_back]
         if failed:
+            notes.append(f"{len(failed)} tensor(s) direct after a device buffer allocation failed (out of memory)")
+        if failed or held_back:
             direct = tuple(sorted(set(plan.direct) | set(failed)))
-            reason = f"{plan.reason}; {len(failed)} device buffer allocation(s) failed (out of memory)"
-            plan = DevicePlan(tuple(staged), direct, plan.budgets, reason)
+            plan = DevicePlan(tuple(staged), direct, plan.budgets, "; ".join(notes))
         return plan
 
     def _log(self, plan: DevicePlan) -> None:

@@ -16,6 +16,7 @@ back to the sink.  Sinks:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Protocol
@@ -28,6 +29,8 @@ from elastic.checkpoint.layout import FileEntry
 from elastic.checkpoint.parallel_io import check_stop
 from elastic.checkpoint.segments import Extent
 from elastic.checkpoint.storage import BinaryReader, CheckpointStorage
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DeviceSink", "HostSink", "HostTensorSink", "ScratchSink", "Sink", "read_file"]
 
@@ -161,8 +164,12 @@ class DeviceSink:
     its copies have finished, so reading the next chunk overlaps them.
 
     ``ready`` is recorded on the stream that allocated the device tensors; this sink's stream waits for it
-    before its first copy.  ``close`` waits for every copy, so on return the bytes are in device memory.
+    before its first copy.  ``close`` waits for every copy, so on return the bytes are in device memory.  The
+    waits block the reading thread rather than spin a core (blocking-sync events).  Where pinned memory cannot be
+    had, the buffers are pageable (a warning, once): each copy then returns once its bytes left the buffer.
     """
+
+    _pinning_warned = False
 
     def __init__(
         self, tensors: Sequence[torch.Tensor | None], extents: Sequence[Extent], device: torch.device, size: int,
@@ -174,10 +181,21 @@ class DeviceSink:
         self._stream = torch.cuda.Stream(device=device)
         self._stream.wait_event(ready)
         length = max(1, min(size, chunk_bytes))
-        self._pinned = [torch.empty(length, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self._pinned = [self._host_buffer(length) for _ in range(2)]
         self._views = [p.numpy().data for p in self._pinned]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
+
+    @classmethod
+    def _host_buffer(cls, length: int) -> torch.Tensor:
+        try:
+            return torch.empty(length, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as exc:  # cudaHostAlloc refused (pinned memory limits, a container's locked-memory cap)
+            if not cls._pinning_warned:
+                cls._pinning_warned = True
+                logger.warning("snapshot load: pinned host memory unavailable (%s); reading through pageable "
+                               "buffers (slower copies to the device)", exc)  # fmt: skip
+            return torch.empty(length, dtype=torch.uint8)
 
     def buffer(self, offset: int, length: int) -> memoryview:
         copied = self._copied[self._turn]
@@ -195,13 +213,15 @@ class DeviceSink:
                 target = self._tensors[tensor]
                 assert target is not None, "an empty tensor has no extent"
                 target[start : start + length].copy_(chunk[at : at + length], non_blocking=target.is_cuda)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)
             event.record(self._stream)
         self._copied[turn] = event
         self._turn = 1 - turn
 
     def close(self) -> None:
-        self._stream.synchronize()
+        done = torch.cuda.Event(blocking=True)
+        done.record(self._stream)
+        done.synchronize()
 
 
 def _fill(f: BinaryReader, view: memoryview) -> int:

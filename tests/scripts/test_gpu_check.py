@@ -23,7 +23,8 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_CHECK", "GPU_BUNDLE", "PYTHONPATH"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("GPU_CHECK", "GPU_BUNDLE", "PYTHONPATH")) and k != "OUT"}  # fmt: skip
     env["PYTHON"] = sys.executable
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
     return env | extra
@@ -82,6 +83,20 @@ def test_the_bundle_installs_with_pip_target_and_works_from_there_alone(tmp_path
     etcd.chmod(0o755)
     version = subprocess.run([str(etcd), "--version"], capture_output=True, text=True, timeout=10)
     assert version.returncode == 0 and "etcd Version" in version.stdout
+
+
+@pytest.mark.timeout(30)
+def test_install_refuses_a_bundle_built_for_another_python_and_says_how_to_rebuild(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    (bundle / "wheels").mkdir(parents=True)
+    (bundle / "wheels" / "elastic_train-0.1.0-py3-none-any.whl").write_bytes(b"not installed")
+    (bundle / "MANIFEST.txt").write_text("python: 3.9 (cp39, manylinux_2_28 x86_64)\ncommit: abc123\n")
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check_tool.py"), "install", str(bundle),
+                           str(tmp_path / "site")], capture_output=True, text=True, timeout=20)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "bundle of commit abc123" in proc.stdout
+    assert f"built for Python 3.9, this interpreter is {PYV}" in proc.stderr
+    assert f"--python-version {PYV}" in proc.stderr and not (tmp_path / "site").exists()
 
 
 @pytest.mark.timeout(120)
@@ -170,7 +185,8 @@ def test_cpu_dry_run_of_the_whole_check(tmp_path: Path) -> None:
                            env=_env(), capture_output=True, text=True, timeout=200)  # fmt: skip
     assert built.returncode == 0, built.stderr
     env = _env(GPU_CHECK_ALLOW_CPU="1", GPU_BUNDLE=str(bundle), GPU_CHECK_SITE=str(tmp_path / "site"))
-    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh"), str(out)], env=env, capture_output=True,
+    # no argument: the results go to $OUT, the folder the device tool brings back
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh")], env=env | {"OUT": str(out)}, capture_output=True,
                           text=True, timeout=500)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())

@@ -129,6 +129,31 @@ def test_pool_falls_back_when_an_allocation_fails_after_all() -> None:
     assert plan.staged == (0,) and plan.direct == (1,) and "allocation" in plan.reason
 
 
+def test_after_an_allocation_fails_a_pool_tries_no_more_until_more_memory_is_reported_free(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # the device reports 64 MiB free but hands out 5 (another process, or a memory fraction): each refusal would
+    # empty torch's cache (a device sync) at every save, for every tensor
+    memory = HostDeviceMemory(free=64 * MIB, obtainable=5 * MIB)
+    pool = DeviceBufferPool(memory, NO_MARGIN)
+    state = [req(i, 4) for i in range(10)]
+    plan = pool.ensure(state)
+    assert plan.staged == (0,) and plan.direct == tuple(range(1, 10))
+    assert memory.refusals == 1, "the first refusal ends this plan's allocations on that device"
+    assert "9 tensor(s) direct after a device buffer allocation failed" in plan.reason
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=DEVICE_LOGGER):
+        for _ in range(3):
+            plan = pool.ensure(state)
+            assert plan.staged == (0,) and plan.direct == tuple(range(1, 10))  # the buffer held is still used
+    assert memory.refusals == 1 and memory.allocations == 1
+    assert "no new buffer while no more than 64.0 MiB is reported free" in plan.reason
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO], "an unchanged decision is not logged again"
+    memory.set_free(256 * MIB)
+    memory.obtainable = None  # memory was released: tried again
+    assert pool.ensure(state).staged == tuple(range(10)) and memory.allocations == 10
+
+
 class CachedDeviceMemory(HostDeviceMemory):
     """A device whose driver figure does not drop when a buffer is handed out: torch's caching allocator carving
     it from memory it already holds (the activations freed at a step boundary), which the next forward takes back
@@ -558,3 +583,23 @@ def test_cuda_after_prepare_the_first_save_allocates_nothing(tmp_path: Path) -> 
         mgr.save(1, state, overlap_with=optimizer)
         mgr.wait()
         assert (mgr._stager.host_allocations, pool.held_bytes) == (host, device)
+
+
+@needs_cuda
+def test_cuda_free_memory_is_capped_by_the_per_process_memory_fraction() -> None:
+    from elastic.checkpoint.device_staging import CudaDeviceMemory
+
+    device = torch.cuda.current_device()
+    before = torch.cuda.get_per_process_memory_fraction(device)
+    total = torch.cuda.mem_get_info(device)[1]
+    try:
+        torch.cuda.set_per_process_memory_fraction(0.05, device)
+        free, reported_total = CudaDeviceMemory().mem_info(device)
+        assert reported_total == total
+        assert free <= 0.05 * total - torch.cuda.memory_reserved(device) + 1
+        plan = DeviceBufferPool(CudaDeviceMemory(), NO_MARGIN).ensure(
+            [StageRequest(0, device, (total // 8,), torch.uint8)]
+        )
+        assert plan.direct == (0,), "an eighth of the device does not fit a twentieth of it"
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, device)

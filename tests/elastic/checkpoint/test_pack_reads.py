@@ -187,3 +187,19 @@ def test_a_state_of_no_tensors_and_the_test_state_round_trip(tmp_path: Path) -> 
         mgr.save(2, make_state(2, rows=30, cols=40), blocking=True)
         assert mgr.load(1).state == {"epoch": 3, "names": ["a"]}
         assert_same(mgr.load(2).state, make_state(2, rows=30, cols=40))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs pinned memory to be refused, as a CPU-only torch does")
+def test_a_load_to_the_device_reads_through_pageable_buffers_where_pinned_memory_is_refused(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device sink's host buffers: where cudaHostAlloc fails (a locked-memory cap) the load goes on, through
+    pageable buffers, with one warning (a CPU-only torch refuses pinning the same way)."""
+    from elastic.checkpoint.file_reads import DeviceSink
+
+    monkeypatch.setattr(DeviceSink, "_pinning_warned", False)
+    with caplog.at_level("WARNING", logger="elastic.checkpoint.file_reads"):
+        buffers = [DeviceSink._host_buffer(1 << 16) for _ in range(3)]
+    assert all(b.numel() == 1 << 16 and b.dtype == torch.uint8 and not b.is_pinned() for b in buffers)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "pinned host memory unavailable" in warnings[0]
