@@ -25,6 +25,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,8 @@ class _CountingCopyOps:
     def begin(self, device: int) -> None:
         pass
 
-    def copy(self, device: int, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool, phase: str) -> None:
-        self.copies += 1
+    def copy_all(self, device: int, copies: Sequence[Any], *, phase: str) -> None:
+        self.copies += len(copies)
 
     def record(self, device: int) -> _Done:
         return _Done()

@@ -12,16 +12,24 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
-__all__ = ["CopyOps", "CudaCopyOps", "HostCopyOps", "Phase", "StagingCopyError", "StagingEvent"]
+__all__ = ["CopyOps", "CudaCopyOps", "HostCopyOps", "Phase", "QueuedCopy", "StagingCopyError", "StagingEvent"]
 
 #: ``stage``: the copies a fence waits for (device-to-device, or direct device-to-host);
 #: ``drain``: from the device buffers to the host buffers, after the fence.
 Phase = Literal["stage", "drain"]
+
+
+class QueuedCopy(NamedTuple):
+    """``dst.copy_(src)``; ``non_blocking``: asynchronous (a pinned or device destination)."""
+
+    dst: torch.Tensor
+    src: torch.Tensor
+    non_blocking: bool
 
 
 class StagingCopyError(RuntimeError):
@@ -54,8 +62,9 @@ class CopyOps(Protocol):
         """Order the copy stream after everything queued so far on the caller's current stream."""
         ...
 
-    def copy(self, device: int, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool, phase: Phase) -> None:
-        """Queue ``dst.copy_(src)`` on ``device``'s copy stream."""
+    def copy_all(self, device: int, copies: Sequence[QueuedCopy], *, phase: Phase) -> None:
+        """Queue ``copies`` in order on ``device``'s copy stream (one call per device and phase: a save of
+        thousands of tensors pays the stream's set-up once, not per tensor)."""
         ...
 
     def record(self, device: int) -> StagingEvent:
@@ -106,17 +115,18 @@ class CudaCopyOps:
         with torch.cuda.device(device):
             self._stream(device).wait_stream(torch.cuda.current_stream(device))
 
-    def copy(self, device: int, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool, phase: Phase) -> None:
+    def copy_all(self, device: int, copies: Sequence[QueuedCopy], *, phase: Phase) -> None:
         stream = self._stream(device)
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            if src.numel() == 0:
-                return
-            for t in (src, dst):  # a tensor freed meanwhile is not reused before the copy
-                if t.is_cuda:
-                    t.record_stream(stream)
-            if src.is_conj() or src.is_neg():  # copy_ would fix these bits on the host, too early
-                src = src.resolve_conj().resolve_neg()
-            dst.copy_(src, non_blocking=non_blocking)  # pageable destination: blocks until copied
+            for dst, src, non_blocking in copies:
+                if src.numel() == 0:
+                    continue
+                for t in (src, dst):  # a tensor freed meanwhile is not reused before the copy
+                    if t.is_cuda:
+                        t.record_stream(stream)
+                if src.is_conj() or src.is_neg():  # copy_ would fix these bits on the host, too early
+                    src = src.resolve_conj().resolve_neg()
+                dst.copy_(src, non_blocking=non_blocking)  # pageable destination: blocks until copied
 
     def record(self, device: int) -> StagingEvent:
         with torch.cuda.device(device):
@@ -204,7 +214,11 @@ class HostCopyOps:
     def begin(self, device: int) -> None:
         self._queue(device)  # the host is the "current stream": everything before this call is done
 
-    def copy(self, device: int, dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool, phase: Phase) -> None:
+    def copy_all(self, device: int, copies: Sequence[QueuedCopy], *, phase: Phase) -> None:
+        for dst, src, _ in copies:
+            self._copy(device, dst, src, phase)
+
+    def _copy(self, device: int, dst: torch.Tensor, src: torch.Tensor, phase: Phase) -> None:
         gate = self._gates.get(phase)
         failing = phase in self._failing
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from elastic.checkpoint.codec import TENSOR_REF_KEY
-from elastic.checkpoint.device_copy import CopyOps, CudaCopyOps, StagingEvent
+from elastic.checkpoint.device_copy import CopyOps, CudaCopyOps, QueuedCopy, StagingEvent
 from elastic.checkpoint.device_staging import DeviceBufferPool, StageRequest
 from elastic.checkpoint.tree import map_leaves
 
@@ -284,14 +284,16 @@ class Stager:
             if device not in begun:  # the copies see every write queued before save
                 self._ops.begin(device)
                 begun.add(device)
+            copies = []
             for index in sorted(indices, key=lambda i: i not in staged):
                 src = sources[index].detach()
                 if index in staged:
                     assert self._pool is not None
-                    self._ops.copy(device, self._pool.buffer(index), src, non_blocking=True, phase="stage")
+                    copies.append(QueuedCopy(self._pool.buffer(index), src, True))
                 else:
                     buf = buffers[index]
-                    self._ops.copy(device, buf.tensor, src, non_blocking=buf.pinned, phase="stage")
+                    copies.append(QueuedCopy(buf.tensor, src, buf.pinned))
+            self._ops.copy_all(device, copies, phase="stage")
             events[device] = self._ops.record(device)
         return events
 
@@ -306,9 +308,9 @@ class Stager:
             by_device.setdefault(devices[index], []).append(index)
         events: dict[int, StagingEvent] = {}
         for device, indices in by_device.items():
-            for index in indices:
-                buf = buffers[index]
-                self._ops.copy(device, buf.tensor, self._pool.buffer(index), non_blocking=buf.pinned, phase="drain")
+            pool = self._pool
+            copies = [QueuedCopy(buffers[i].tensor, pool.buffer(i), buffers[i].pinned) for i in indices]
+            self._ops.copy_all(device, copies, phase="drain")
             events[device] = self._ops.record(device)
         return events
 
