@@ -339,8 +339,9 @@ class SnapshotTiers:
         started = time.perf_counter()
         self._spacing.started(step)
         state = capture()
+        # self._local is None on the ranks that are not their node's writer: nothing written, nothing counted
         self._spacing.write(self._local, step, lambda local: local.save(step, state, overlap_with=overlap_with),
-                            "node-local snapshots")  # fmt: skip (self._local None: not this node's writer)
+                            "node-local snapshots")  # fmt: skip
         self._spacing.blocking_s = time.perf_counter() - started
 
     def close(self, finished: bool = False) -> None:
