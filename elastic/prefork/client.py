@@ -65,16 +65,26 @@ def _launch(path: Path, owner: int, grace: float = 0.0) -> int | None:
 
 
 def _start_zygote(path: Path, owner: int) -> socket.socket | None:
-    """Connect to the agent's zygote, starting it first if nobody did (one start per agent)."""
-    pid = _launch(path, owner, zygote_grace())
+    """Connect to the agent's zygote, starting it first if nobody did (one start per agent).
+
+    The zygote recorded may be one that was told to stop (its job left this node and has just come back to the same
+    agent): it no longer listens and exits once its children have ended. Once it has exited, one new zygote is
+    started in its place, rather than this client running cold."""
     deadline = time.monotonic() + _START_TIMEOUT_S
-    while pid is not None and time.monotonic() < deadline:
-        sock = _connect(path)
-        if sock is not None:
-            return sock
-        if process_stat(pid) is None:
-            return _connect(path)
-        time.sleep(0.02)
+    for _ in range(2):
+        pid = _launch(path, owner, zygote_grace())
+        while pid is not None and time.monotonic() < deadline:
+            sock = _connect(path)
+            if sock is not None:
+                return sock
+            if process_stat(pid) is None:  # exited without serving us: stopping, or failed at its start
+                sock = _connect(path)
+                if sock is not None:
+                    return sock
+                break
+            time.sleep(0.02)
+        else:
+            return None  # none could be started, or the deadline passed
     return None
 
 

@@ -204,6 +204,35 @@ def test_a_warm_jobs_generations_fork_torchrun_from_one_zygote_of_the_job_which_
     assert wait_for(lambda: not alive(*first), timeout=30, what="the job's zygote to exit once the job left")
 
 
+def test_a_warm_job_back_on_an_agent_of_the_same_process_forks_from_a_new_zygote_not_cold(
+    etcd_server: LocalEtcdCluster, key_prefix: str, tmp_path: Path
+) -> None:
+    """The first agent stops while its zygote of the job may still be starting; told to stop, that zygote keeps its
+    record until it exits. The next agent (same pid: the same owner and key) must not take it for a live zygote and
+    start the job's torchrun cold once it is gone (it did, before: "no zygote ...; running cold")."""
+    for round_ in (1, 2):
+        agent = create_agent(_settings(etcd_server, key_prefix, tmp_path / f"a{round_}", health_port=free_port()))
+        stop = threading.Event()
+        thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
+        thread.start()
+        try:
+            wait_for(lambda agent=agent: agent.healthy()[0])
+            if round_ == 1:  # a generation replaced by the next at once, then the agent stops
+                _assign(agent, tmp_path, "sleep", generation=1)
+                wait_for(lambda agent=agent: agent.running_jobs().get("job-1"), timeout=30)
+                _assign(agent, tmp_path, "sleep", generation=2)
+                wait_for(lambda agent=agent: (r := _report(agent)) and r.generation == 2 and r.state == "running",
+                         timeout=30)  # fmt: skip
+                continue
+            _assign(agent, tmp_path, "sleep", generation=3)
+            client = wait_for(lambda agent=agent: (r := _report(agent)) and r.generation == 3 and r.pid, timeout=30)
+            assert isinstance(client, int)
+            assert wait_for(lambda c=client: forked_worker(c), timeout=60), "torchrun ran cold"
+        finally:
+            stop.set()
+            thread.join(timeout=30)
+
+
 _IGNORES_SIGTERM = """
 import signal, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
