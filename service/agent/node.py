@@ -290,6 +290,26 @@ class NodeAgent:
                     f", uid {files.user.uid}" if files.user else "")  # fmt: skip
         self._report(base.model_copy(update={"pid": proc.pid, "started_at": _now()}))
 
+    def _launch_isolated(self, a: Assignment) -> None:
+        """:meth:`_launch`, where whatever one job's assignment makes fail (a value no process can be given, a
+        path the kernel refuses, a bug met only by that spec) fails that job alone: reported ``launch_failed``
+        (the leader turns it into the job's event) and not retried, while the agent and its other jobs go on."""
+        try:
+            self._launch(a)
+        except EtcdError:
+            raise  # the loop's to handle: etcd is unavailable, not the job's fault
+        except Exception as exc:
+            with self._lock:
+                started = a.job_id in self._running  # it failed after its torchrun started: that runs on
+            if started:
+                logger.exception("job %s generation %d: after its start", a.job_id, a.generation)
+                return
+            logger.exception("job %s generation %d: cannot be launched", a.job_id, a.generation)
+            self._finished.add(_once(a))
+            error = f"cannot launch: {type(exc).__name__}: {str(exc)[:500]}"
+            self._report(WorkerReport(job_id=a.job_id, node=self.settings.node_name, generation=a.generation,
+                                      state="launch_failed", error=error))  # fmt: skip
+
     def _stop(self, job_id: str, reason: str) -> None:
         """Stop one torchrun; the caller holds ``_work``. Waiting for it happens without ``_lock``, so
         /healthz answers (and counts it as stopping) meanwhile."""
@@ -345,7 +365,7 @@ class NodeAgent:
                     self._stop(job_id, f"replaced by generation {wanted.generation}")
             for job_id, a in sorted(assignments.items()):
                 if job_id not in self._running and _once(a) not in self._finished:
-                    self._launch(a)
+                    self._launch_isolated(a)
             self._finished = {f for f in self._finished if f[0] in assignments}
             self._forget_secrets(assignments)
             self._zygotes.forget({*assignments, *self._running, *self._stopping})
@@ -372,6 +392,9 @@ class NodeAgent:
                     )
                     with self._work:
                         self._reap()
+                    stop.wait(poll.total_seconds())
+                except Exception:  # a bug in a pass must not end the agent (and every job of the node) with it
+                    logger.exception("agent %s: this pass failed; workers keep running", self.settings.node_name)
                     stop.wait(poll.total_seconds())
         finally:
             self.shutdown()

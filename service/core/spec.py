@@ -22,6 +22,7 @@ from elastic.contract.recovery import RecoveryMode
 
 __all__ = [
     "MAX_NODES_PER_JOB",
+    "MAX_SPEC_BYTES",
     "NAME_PATTERN",
     "NODE_NAME_PATTERN",
     "RESERVED_ENV",
@@ -230,6 +231,9 @@ class JobSpec(_Spec):
 # etcd applies at most 128 operations per transaction; a pass may release a job's old nodes and assign as many
 # new ones (plus its status and events) in one: 2 x 60 + 8 stays below.
 MAX_NODES_PER_JOB = 60
+#: a submitted spec's most bytes as JSON: a realistic one is about 1 KB; every assignment, status read and list of
+#: jobs carries it, and a user may keep up to ``max_jobs`` of them (``SubmitLimits``) for the retention period
+MAX_SPEC_BYTES = 64 * 1024
 # etcd refuses requests over 1.5 MiB; every assignment carries the spec, so the spec times max_nodes must fit
 _ASSIGNMENTS_BUDGET = 1 << 20
 _ASSIGNMENT_OVERHEAD = 512
@@ -238,17 +242,29 @@ _ASSIGNMENT_OVERHEAD = 512
 def submit_problems(spec: JobSpec) -> list[tuple[str, str]]:
     """``(field, message)`` for what a new job may not ask although the model accepts it (stored jobs keep
     loading): limits the controller's etcd transactions must honour. Empty: the job can be scheduled."""
-    problems = []
+    problems = [(field, "contains a NUL byte, which no process can be given (arguments, environment and paths "
+                        "are C strings)") for field in _nul_fields(spec)]
+    size = len(spec.model_dump_json())
+    if size > MAX_SPEC_BYTES:
+        problems.append(("spec", f"the spec is {size} bytes as JSON, more than the {MAX_SPEC_BYTES} a job may "
+                                 "have: put large settings in a file under working_dir and pass its path"))
     if spec.max_nodes > MAX_NODES_PER_JOB:
         problems.append(("max_nodes", f"at most {MAX_NODES_PER_JOB} nodes per job (etcd's 128 operations "
                                       "per transaction)"))  # fmt: skip
-    size = len(spec.model_dump_json())
     nodes = min(spec.max_nodes, MAX_NODES_PER_JOB)
     if nodes * (size + _ASSIGNMENT_OVERHEAD) > _ASSIGNMENTS_BUDGET:
         problems.append(("env", f"the spec is {size} bytes; with max_nodes={spec.max_nodes} its assignments "
                                 f"would exceed {_ASSIGNMENTS_BUDGET} bytes in one etcd transaction: shrink env "
                                 "and args, or max_nodes"))  # fmt: skip
     return problems
+
+
+def _nul_fields(spec: JobSpec) -> list[str]:
+    """The fields of ``spec`` that hold a NUL byte (``env.NAME``, ``args.3``, ...)."""
+    found = [f"env.{k}" for k, v in spec.env.items() if "\0" in v]
+    found += [f"args.{i}" for i, arg in enumerate(spec.args) if "\0" in arg]
+    found += [name for name in ("working_dir", "image") if "\0" in (getattr(spec, name) or "")]
+    return found
 
 
 def normalize_checkpoint_url(value: str) -> str:

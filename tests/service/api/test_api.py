@@ -106,6 +106,12 @@ def test_probes_and_docs_need_no_token_metrics_a_read_token(api: TestClient) -> 
         ({"rendezvous": {"last_call_timeout": 0}}, "rendezvous.last_call_timeout"),
         ({"unknown_field": 1}, "unknown_field"),
         ({"args": "not-a-list"}, "args"),
+        # no process can be given a NUL byte: the launch failed on every node the job landed on (the agents crashed)
+        ({"env": {"X": "a\u0000b"}}, "env.X"),
+        ({"args": ["--ok", "a\u0000b"]}, "args.1"),
+        ({"working_dir": "/tmp/a\u0000b"}, "working_dir"),
+        # a spec of ~1 MB (padding in env) multiplied by retained jobs took etcd's reads past their 4 MiB limit
+        ({"env": {"PAD": "x" * 70_000}}, "spec"),
     ],
 )
 def test_invalid_spec_is_422_naming_the_field(api: TestClient, change: dict[str, Any], field: str) -> None:
