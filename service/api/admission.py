@@ -4,8 +4,8 @@ Without this, FastAPI reads and parses the whole body before the route's authent
 an unauthenticated caller could make the controller parse tens of MiB, and malformed JSON got 422 instead
 of 401. Here (a plain ASGI middleware, no body buffering):
 
-- a body over ``max_body_bytes`` gets 413, from ``Content-Length`` before a byte is read, or as soon as a
-  streamed body passes the limit;
+- a body over ``max_body_bytes`` gets 413, from ``Content-Length`` before a byte is read (one that is not 1 to 20
+  ASCII digits counts as over), or as soon as a streamed body passes the limit;
 - a request under ``/v1/`` without a token that authenticates gets 401 before its body is read. Which role a
   route needs stays with the route (:func:`service.api.auth.require`): a read token on an admin route gets
   its 403 there;
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from collections.abc import Sequence
 
 from starlette.exceptions import HTTPException
@@ -36,6 +37,9 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# a Content-Length the limit is checked on: ASCII digits only (str.isdigit also takes '²', which int() refuses), and
+# few of them (int() refuses more than 4300 digits; h11 allows 20)
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,20}")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -78,7 +82,7 @@ class Admission:
                 await _reply(send, 401, detail, [(b"www-authenticate", b"Bearer")])
                 return
         length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+        if length is not None and (not _CONTENT_LENGTH.fullmatch(length) or int(length) > self.max_body_bytes):
             await _reply(send, 413, self._too_large())
             return
         received = 0

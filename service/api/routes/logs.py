@@ -20,13 +20,15 @@ address rebuilt from the checked parts of its ``logs_url`` (:func:`~service.core
 one of the node's registered hosts, a numeric port, nothing else) and this route's fixed path: a node record that
 names anything else gets a 502 naming the node and nothing is sent to it. Errors: 404 unknown job (or no such log),
 503 node offline or its agent unreachable, 409 its agent serves no logs (no ``--logs-port``), 502 the agent
-answered an error. With several nodes, a node that cannot be read gets a note in its section instead, and the
-request fails only when none can.
+answered an error (of whose body only the first :data:`ERROR_BODY_BYTES` are read, within
+:data:`ERROR_BODY_TIMEOUT`). With several nodes, a node that cannot be read gets a note in its section instead, and
+the request fails only when none can.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -44,15 +46,30 @@ from service.core.config import Role
 from service.core.models import NODE_NAME_PATTERN, NodeInfo, checked_logs_url
 from service.core.store import ServiceStore
 
-__all__ = ["CONNECT_TIMEOUT", "DEFAULT_TAIL", "READ_ONLY_REFUSAL", "READ_TIMEOUT", "router"]
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "DEFAULT_TAIL",
+    "ERROR_BODY_BYTES",
+    "ERROR_BODY_TIMEOUT",
+    "READ_ONLY_REFUSAL",
+    "READ_TIMEOUT",
+    "generation_header",
+    "router",
+]
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 
 #: bytes of each node's log sent from before its end when the request names no ``tail``
 DEFAULT_TAIL = 1 << 20
-#: seconds to connect to an agent, and (without ``follow``) to wait for each piece of its answer
+#: seconds to connect to an agent, and to wait for its answer's head (also with ``follow``) and, without ``follow``,
+#: for each piece of its body
 CONNECT_TIMEOUT = 5.0
 READ_TIMEOUT = 30.0
+#: bytes of an agent's error answer read (for the message, cut to 300 characters) and the seconds spent on them
+ERROR_BODY_BYTES = 4096
+ERROR_BODY_TIMEOUT = 5.0
+_GENERATION = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit (and \d) also take '²' and '٣'
+_MAX_GENERATION = 2**31
 _MAX_LINE = 64 * 1024  # a longer line (a progress bar's carriage returns) is passed on in pieces when following
 _TEXT = "text/plain; charset=utf-8"
 #: the 403 a read token gets
@@ -134,24 +151,22 @@ async def _open(client: httpx.AsyncClient, job_id: str, src: _Source, tail_bytes
     if follow:
         params["follow"] = 1
     try:
+        # the body is passed on as it comes (aiter_raw): so ask for it uncompressed
         request = client.build_request("GET", f"{base}/jobs/{quote(job_id, safe='')}/logs", params=params,
-                                       headers={"Authorization": f"Bearer {info.logs_token}"})  # fmt: skip
-        resp = await client.send(request, stream=True)
-    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                                       headers={"Authorization": f"Bearer {info.logs_token}",
+                                                "Accept-Encoding": "identity"})  # fmt: skip
+        # the answer's head within READ_TIMEOUT, also when following (the client's read timeout is off then)
+        with anyio.fail_after(READ_TIMEOUT):
+            resp = await client.send(request, stream=True)
+    except (httpx.HTTPError, httpx.InvalidURL, TimeoutError) as exc:
         why = str(exc) or type(exc).__name__
         out.problem = (503, f"cannot reach the agent of node {node} at {base}: {why}")
         return out
     if resp.status_code == 200:
         out.response = resp
-        header = resp.headers.get("x-etrain-generation", "")
-        out.generation = int(header) if header.isdigit() else src.generation
+        out.generation = generation_header(resp.headers.get("x-etrain-generation"), src.generation)
         return out
-    try:
-        text = (await resp.aread()).decode(errors="replace").strip()[:300]
-    except httpx.HTTPError:
-        text = ""
-    finally:
-        await resp.aclose()
+    text = (await _error_text(resp)).decode(errors="replace").strip()[:300]
     if resp.status_code == 404:
         which = f"generation {src.generation}" if src.generation is not None else "any generation"
         out.problem = (404, f"node {node} has no log of job {job_id} ({which})")
@@ -160,6 +175,33 @@ async def _open(client: httpx.AsyncClient, job_id: str, src: _Source, tail_bytes
     else:
         out.problem = (502, f"the agent of node {node} answered HTTP {resp.status_code}: {text}")
     return out
+
+
+def generation_header(value: str | None, default: int | None) -> int | None:
+    """An agent's ``X-Etrain-Generation``: ASCII digits only (``str.isdigit`` also takes ``'²'``, which ``int``
+    refuses), at most :data:`_MAX_GENERATION`; anything else is ignored for ``default``."""
+    if value is None or not _GENERATION.fullmatch(value):
+        return default
+    generation = int(value)
+    return generation if generation <= _MAX_GENERATION else default
+
+
+async def _error_text(resp: httpx.Response) -> bytes:
+    """The first :data:`ERROR_BODY_BYTES` of an agent's error answer, read within :data:`ERROR_BODY_TIMEOUT`; the
+    rest is never read (the connection is closed): a node answering an error with a huge or endless body costs
+    the controller a few KiB and a few seconds at most."""
+    got = bytearray()
+    try:
+        with anyio.move_on_after(ERROR_BODY_TIMEOUT):
+            async for chunk in resp.aiter_raw():
+                got += chunk[: ERROR_BODY_BYTES - len(got)]
+                if len(got) >= ERROR_BODY_BYTES:
+                    break
+    except httpx.HTTPError:
+        pass
+    finally:
+        await resp.aclose()
+    return bytes(got)
 
 
 async def _close(opened: Sequence[_Opened], client: httpx.AsyncClient) -> None:
