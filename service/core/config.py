@@ -144,6 +144,8 @@ class AgentSettings:
     job_uid_range: UidRange | None = None
     # the one owner (a token's name) whose jobs this node runs, when jobs share the agent's uid
     job_owner: str | None = None
+    # with job_uid_range: where a released uid's own files and directories (top level) are deleted
+    job_tmp_dirs: tuple[Path, ...] = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
 
 
 def _parse_tokens(data: Any, source: str) -> tuple[TokenEntry, ...]:
@@ -268,5 +270,6 @@ def load_quotas(path: str | Path) -> Quotas:
     nodes held at once by the active jobs of that user or queue, >= 0) from a YAML or JSON file. A user is
     a token's name (``--tokens-file``); one not listed gets ``default_user`` (absent: no limit). ``limits:
     {default: L, users: {NAME: L}}`` bounds what ``user`` tokens submit, ``L`` being ``{max_priority: P, queues:
-    [QUEUE, ...], max_pending: N}`` (each optional; a user's unset ones from ``default``)."""
+    [QUEUE, ...], max_pending: N}`` (each optional; a user's unset ones from ``default``, those still unset:
+    ``service.core.jobs.UNGRANTED_LIMITS``, priority 0 at most and no queue)."""
     return _parse_quotas(_read_config_file(path, "quotas"), str(path))

@@ -6,7 +6,8 @@ the records the store reads (``service.core.store`` only persists them; the API 
   the spec's own limits are ``service.core.models.submit_problems``.
 - resize: :func:`plan_resize` (the new record and its ``resize`` event, or nothing to write), raising
   :class:`JobFinished` or :class:`InvalidResize`; :func:`resized_spec` validates the new spec as a submit would.
-- who may submit what: :func:`submit_refusal` (a ``user`` token's limits: priority, queues, pending jobs).
+- who may submit what: :func:`submit_refusal` (a ``user`` token's limits, :func:`user_submit_limits`: priority,
+  queues, pending jobs; what the quotas file does not grant, :data:`UNGRANTED_LIMITS`: priority <= 0, no queue).
 - checkpoint-prefix ownership: :func:`checkpoint_claims`, the one rule of which jobs hold their prefix, used by
   the submit (:func:`checkpoint_prefix_conflict`) and the reconcile loop (``started_only``).
 """
@@ -31,9 +32,10 @@ from service.core.models import (
     submit_problems,
 )
 from service.core.states import JobState
-from service.core.view import JobEntry, SubmitLimits
+from service.core.view import JobEntry, Quotas, SubmitLimits
 
 __all__ = [
+    "UNGRANTED_LIMITS",
     "CheckpointOutsideRoot",
     "InvalidResize",
     "JobFinished",
@@ -47,6 +49,7 @@ __all__ = [
     "resized_spec",
     "resolve_checkpoint_url",
     "submit_refusal",
+    "user_submit_limits",
 ]
 
 
@@ -184,16 +187,36 @@ def plan_resize(
     return record.model_copy(update={"spec": spec}), event
 
 
-def submit_refusal(spec: JobSpec, user: str, limits: SubmitLimits, jobs: Iterable[JobEntry]) -> tuple[int, str] | None:
+# -- who may submit what ------------------------------------------------------------------------------------
+#: what a ``user`` token may submit where the quotas file grants it nothing (no ``--quotas``, a user it does not
+#: name, a limit neither its entry nor ``limits.default`` sets): priority 0 at most, no queue, any number pending.
+#: Secure by default: a user token cannot preempt anyone, nor spend a queue's quota, until an operator says so.
+UNGRANTED_LIMITS = SubmitLimits(max_priority=0, queues=frozenset(), max_pending=None)
+
+
+def user_submit_limits(quotas: Quotas, user: str) -> SubmitLimits:
+    """The limits of the ``user`` token named ``user``: its own in the quotas file's ``limits.users``, those unset
+    from ``limits.default``, those still unset from :data:`UNGRANTED_LIMITS` (admin tokens have none)."""
+    return quotas.submit_limits(user).over(UNGRANTED_LIMITS)
+
+
+def submit_refusal(spec: JobSpec, user: str, quotas: Quotas, jobs: Iterable[JobEntry]) -> tuple[int, str] | None:
     """Why ``user`` (a ``user`` token's name) may not submit ``spec`` now, as ``(HTTP status, message)``: 403 for a
-    priority above its maximum or a queue it may not use, 429 while it has ``max_pending`` jobs pending; None: it
-    may. ``jobs``: every job the store holds."""
+    priority above its maximum or a queue it may not use (:func:`user_submit_limits`), 429 while it has
+    ``max_pending`` jobs pending; None: it may. ``jobs``: every job the store holds."""
+    granted = quotas.submit_limits(user)
+    limits = granted.over(UNGRANTED_LIMITS)
     if limits.max_priority is not None and spec.priority > limits.max_priority:
-        return 403, (f"priority {spec.priority} is above the maximum of user {user} ({limits.max_priority}; the "
-                     "quotas file's limits)")  # fmt: skip
+        source = ("the quotas file's limits" if granted.max_priority is not None else
+                  "max_priority, the default where the quotas file's limits grant none: an operator grants more "
+                  "there")  # fmt: skip
+        return 403, f"priority {spec.priority} is above the maximum of user {user} ({limits.max_priority}; {source})"
     if spec.queue is not None and limits.queues is not None and spec.queue not in limits.queues:
         allowed = ", ".join(sorted(limits.queues)) or "none"
-        return 403, f"user {user} may not submit to queue {spec.queue} (its queues: {allowed})"
+        source = ("" if granted.queues is not None else
+                  "; no queue is allowed where the quotas file's limits grant none: an operator grants queues "
+                  "there")  # fmt: skip
+        return 403, f"user {user} may not submit to queue {spec.queue} (its queues: {allowed}{source})"
     if limits.max_pending is not None:
         pending = sum(1 for e in jobs if e.record.submitted_by == user and e.status.state == JobState.PENDING)
         if pending >= limits.max_pending:

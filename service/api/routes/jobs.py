@@ -73,7 +73,7 @@ def _check_submit_limits(
     if principal.role != Role.USER:
         return None
     jobs, revision = store.jobs_for_submit(principal.name)
-    refusal = submit_refusal(spec, principal.name, settings.reconcile.quotas.submit_limits(principal.name), jobs)
+    refusal = submit_refusal(spec, principal.name, settings.reconcile.quotas, jobs)
     if refusal is not None:
         raise HTTPException(refusal[0], detail=refusal[1])
     return principal.name, revision
