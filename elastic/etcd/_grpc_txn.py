@@ -72,11 +72,12 @@ def request_op(op: TxnOp) -> Any:
         req = etcdrpc.DeleteRangeRequest(key=op.key.encode(), range_end=_range_end(op.key, op.prefix))
         return etcdrpc.RequestOp(request_delete_range=req)
     rng = etcdrpc.RangeRequest(
-        key=op.key.encode(),
+        key=op.key.encode() if op.after is None else op.after.encode() + b"\0",
         range_end=_range_end(op.key, op.prefix),
         count_only=op.count_only,
         keys_only=op.keys_only,
         limit=op.limit,
+        revision=op.revision,
     )
     return etcdrpc.RequestOp(request_range=rng)
 

@@ -49,12 +49,15 @@ from elastic.etcd.txn import (
 from elastic.etcd.types import KeyValue
 
 __all__ = [
+    "READ_PAGE_KEYS",
     "EtcdAuth",
     "EtcdClient",
     "EtcdClientClosedError",
+    "EtcdCompactedError",
     "EtcdConnectionError",
     "EtcdError",
     "EtcdLeaseNotFoundError",
+    "EtcdResponseTooLargeError",
     "KeyValue",
     "Permission",
     "RolePermission",
@@ -79,6 +82,15 @@ class EtcdClientClosedError(EtcdConnectionError):
 
 class EtcdLeaseNotFoundError(EtcdError):
     """A write named a lease that is not live (it expired or was revoked): the request was not applied."""
+
+
+class EtcdResponseTooLargeError(EtcdError):
+    """The answer was larger than the client may receive (gRPC's limit, 4 MiB by default): nothing was lost, ask
+    for less (a smaller page)."""
+
+
+class EtcdCompactedError(EtcdError):
+    """A read at an old revision: etcd has compacted its history past that revision."""
 
 
 Permission = Literal["read", "write", "readwrite"]
@@ -262,16 +274,70 @@ class TxnEtcdClient(EtcdClient):
     method of :class:`EtcdClient` (``elastic.testing.counting_etcd``) still see each by its name.
     """
 
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """:meth:`EtcdClient.get_prefix`: read in pages (:meth:`read_prefixes`)."""
+        (kvs,), revision = self.read_prefixes([prefix])
+        return kvs, revision
+
     def get_with_prefix(self, key: str, prefix: str) -> tuple[KeyValue | None, list[KeyValue], int]:
-        """:meth:`EtcdClient.get_with_prefix`: one transaction of two reads."""
-        result = self.txn([], [GetOp(key), GetOp(prefix, prefix=True)])
-        cur, under = result.get(0).kvs, result.get(1).kvs
-        return (cur[0] if cur else None), list(under), result.revision
+        """:meth:`EtcdClient.get_with_prefix`: the key and the prefix's first page in one transaction, the rest of
+        the prefix in pages at that transaction's revision."""
+        head, (under,), revision = self._read_paged([GetOp(key)], [prefix])
+        return (head[0].kvs[0] if head[0].kvs else None), under, revision
 
     def read_prefixes(self, prefixes: Sequence[str]) -> tuple[list[list[KeyValue]], int]:
-        """:meth:`EtcdClient.read_prefixes`: one transaction of one read per prefix."""
-        result = self.txn([], [GetOp(p, prefix=True) for p in prefixes])
-        return [list(result.get(i).kvs) for i in range(len(prefixes))], result.revision
+        """:meth:`EtcdClient.read_prefixes`: one transaction reads the first page of every prefix, further pages
+        are read at its revision (so the whole read is still one revision's), each prefix continuing after its
+        last key. No number or size of keys breaks it: a page the client cannot receive whole
+        (:class:`EtcdResponseTooLargeError`) is asked again at half the size; a history compacted under the read
+        (:class:`EtcdCompactedError`) starts it again."""
+        _, lists, revision = self._read_paged([], prefixes)
+        return lists, revision
+
+    def _read_paged(
+        self, head: Sequence[GetOp], prefixes: Sequence[str]
+    ) -> tuple[list[GetResult], list[list[KeyValue]], int]:
+        for attempt in range(_PAGED_READ_TRIES):
+            try:
+                return self._read_paged_once(head, prefixes)
+            except EtcdCompactedError:
+                if attempt == _PAGED_READ_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _read_paged_once(
+        self, head: Sequence[GetOp], prefixes: Sequence[str]
+    ) -> tuple[list[GetResult], list[list[KeyValue]], int]:
+        limit = READ_PAGE_KEYS
+        while True:
+            try:
+                first = self.txn([], [*head, *(GetOp(p, prefix=True, limit=limit) for p in prefixes)])
+                break
+            except EtcdResponseTooLargeError:
+                if limit == 1:
+                    raise
+                limit = max(1, limit // 2)
+        revision = first.revision
+        lists: list[list[KeyValue]] = []
+        for i, prefix in enumerate(prefixes):
+            page = first.get(len(head) + i)
+            kvs = list(page.kvs)
+            left = page.count - len(page.kvs)
+            while left > 0 and kvs:
+                try:
+                    page = self.txn([], [GetOp(prefix, prefix=True, after=kvs[-1].key, revision=revision,
+                                               limit=limit)]).get(0)  # fmt: skip
+                except EtcdResponseTooLargeError:
+                    if limit == 1:
+                        raise
+                    limit = max(1, limit // 2)
+                    continue
+                if not page.kvs:
+                    break
+                kvs += page.kvs
+                left = page.count - len(page.kvs)
+            lists.append(kvs)
+        return [first.get(i) for i in range(len(head))], lists, revision
 
     def compare_and_put(
         self,
@@ -310,6 +376,12 @@ class TxnEtcdClient(EtcdClient):
         ops += [DeleteOp(p, prefix=True) for p in delete_prefixes]
         result = self.txn([*compares, *_fence(guard)], ops)
         return result.succeeded, result.revision
+
+
+#: keys a prefix read asks for per page (then per etcd request): at a few KB per record a page stays well below
+#: gRPC's 4 MiB answer, and a page that does not is asked again at half the size
+READ_PAGE_KEYS = 512
+_PAGED_READ_TRIES = 3  # a paged read whose revision etcd compacted meanwhile starts again this many times
 
 
 class EtcdAuth(abc.ABC):

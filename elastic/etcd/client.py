@@ -31,9 +31,11 @@ from elastic.etcd._grpc_txn import txn_request, txn_result
 from elastic.etcd.api import (
     EtcdClient,
     EtcdClientClosedError,
+    EtcdCompactedError,
     EtcdConnectionError,
     EtcdError,
     EtcdLeaseNotFoundError,
+    EtcdResponseTooLargeError,
     KeyValue,
     TxnEtcdClient,
     prefix_end,
@@ -204,6 +206,10 @@ class GrpcEtcdClient(GrpcAuthMixin, TxnEtcdClient):
                     self._reset(generation)  # log in afresh once etcd's users are on
                 elif failure is RpcFailure.LEASE_GONE:
                     raise EtcdLeaseNotFoundError(f"etcd at {self.endpoints_label}: the lease is gone: {exc}") from exc
+                elif failure is RpcFailure.TOO_LARGE:
+                    raise EtcdResponseTooLargeError(f"etcd at {self.endpoints_label}: {exc}") from exc
+                elif failure is RpcFailure.COMPACTED:
+                    raise EtcdCompactedError(f"etcd at {self.endpoints_label}: {exc}") from exc
                 else:
                     raise EtcdError(f"etcd at {self.endpoints_label} refused the request: {exc}") from exc
             except Exception as exc:
@@ -243,15 +249,6 @@ class GrpcEtcdClient(GrpcAuthMixin, TxnEtcdClient):
             return kv, int(resp.header.revision)
 
         result: tuple[KeyValue | None, int] = self._call(op)
-        return result
-
-    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        def op(c: Any) -> tuple[list[KeyValue], int]:
-            req = etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix))
-            resp = c.kvstub.Range(req, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
-            return [_kv(m) for m in resp.kvs], int(resp.header.revision)
-
-        result: tuple[list[KeyValue], int] = self._call(op)
         return result
 
     def count_prefix(self, prefix: str) -> int:

@@ -33,6 +33,8 @@ __all__ = ["RpcFailure", "classify", "is_deadline"]
 AUTH_OLD_REVISION = "revision of auth store is old"
 LEASE_NOT_FOUND = "requested lease not found"
 AUTH_NOT_ENABLED = "authentication is not enabled"
+TOO_LARGE = "larger than max"  # gRPC's "Received message larger than max (4195544 vs. 4194304)"
+COMPACTED = "required revision has been compacted"
 
 _TRANSIENT_DETAILS = (
     "context deadline exceeded",
@@ -53,6 +55,8 @@ class RpcFailure(str, Enum):
     REAUTHENTICATE = "reauthenticate"  # the auth token expired: a new client logs in again, then retry
     AUTH_OFF = "auth_off"  # a user is configured but etcd's authentication is not on (yet): log in again, later
     LEASE_GONE = "lease_gone"  # the lease expired or was revoked: EtcdLeaseNotFoundError
+    TOO_LARGE = "too_large"  # the answer is over the client's receive limit: EtcdResponseTooLargeError (ask less)
+    COMPACTED = "compacted"  # a read at a revision etcd has compacted away: EtcdCompactedError
     REFUSED = "refused"  # a real refusal (bad request, permission denied): EtcdError at once
 
 
@@ -68,6 +72,10 @@ def classify(code: grpc.StatusCode | None, details: str) -> RpcFailure:
         return RpcFailure.AUTH_OFF
     if code == grpc.StatusCode.NOT_FOUND and LEASE_NOT_FOUND in details:
         return RpcFailure.LEASE_GONE
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and TOO_LARGE in details:
+        return RpcFailure.TOO_LARGE
+    if code == grpc.StatusCode.OUT_OF_RANGE and COMPACTED in details:
+        return RpcFailure.COMPACTED
     if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
         if any(phrase in details for phrase in _TRANSIENT_DETAILS):
             return RpcFailure.RETRY

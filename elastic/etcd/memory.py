@@ -102,10 +102,6 @@ class MemoryEtcdClient(TxnEtcdClient, EtcdAuth):
         (kvs,), revision = self._read([GetOp(key)])
         return (kvs[0] if kvs else None), revision
 
-    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        (kvs,), revision = self._read([GetOp(prefix, prefix=True)])
-        return kvs, revision
-
     def count_prefix(self, prefix: str) -> int:
         return self._txn([], [GetOp(prefix, prefix=True, count_only=True)]).get(0).count
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from elastic.etcd.api import (
     EtcdError,
     EtcdLeaseNotFoundError,
+    EtcdResponseTooLargeError,
     KeyValue,
     RolePermission,
     prefix_end,
@@ -85,6 +86,12 @@ class _Lease:
 # A range as etcd has it: ``end`` None means just ``key``, b"\0" every key from ``key`` on.
 def _span(key: str, prefix: bool) -> tuple[bytes, bytes | None]:
     return key.encode(), (prefix_end(key) if prefix else None)
+
+
+def _as_of(versions: list[tuple[int, _Entry | None]], revision: int) -> _Entry | None:
+    """A key's entry as it was at ``revision`` (None: not there then), from its ``(revision, entry)`` versions."""
+    i = bisect.bisect_right(versions, revision, key=lambda version: version[0])
+    return versions[i - 1][1] if i else None
 
 
 def _in_range(k: bytes, key: bytes, end: bytes | None) -> bool:
@@ -234,18 +241,23 @@ class MemoryCluster:
         min_lease_ttl: int = 1,
         max_txn_ops: int = 128,
         max_request_bytes: int = 1536 * 1024,
+        max_response_bytes: int = 4 * 1024 * 1024,
     ) -> None:
         self.name = name
         self._clock = clock
         self._min_lease_ttl = max(1, min_lease_ttl)
         self._max_txn_ops = max_txn_ops
         self._max_request_bytes = max_request_bytes
+        self._max_response_bytes = max_response_bytes
         self._cond = threading.Condition()
         self._revision = 1  # a new etcd cluster answers at revision 1
         self._data: dict[bytes, _Entry] = {}
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(0x6D656D0000000001)
         self._history: list[tuple[int, bytes]] = []  # (revision, key) of every change, in order
+        # every key's values since it was first written, as (revision, entry or None once deleted), for reads at a
+        # past revision (``GetOp.revision``)
+        self._versions: dict[bytes, list[tuple[int, _Entry | None]]] = {}
         self.auth = MemoryAuth()
 
     @property
@@ -302,6 +314,11 @@ class MemoryCluster:
             if changed:
                 self._revision = revision
                 self._cond.notify_all()
+            answer = sum(len(kv.key) + len(kv.value) + 32 for r in results if isinstance(r, GetResult) for kv in r.kvs)
+            if answer > self._max_response_bytes:  # what a gRPC client may receive (its default: 4 MiB)
+                raise EtcdResponseTooLargeError(
+                    f"Received message larger than max ({answer} vs. {self._max_response_bytes})"
+                )
             return TxnResult(ok, self._revision, tuple(results))
 
     def _holds(self, cmp: Compare) -> bool:
@@ -319,7 +336,9 @@ class MemoryCluster:
         return all(_satisfies(cmp, e) for e in entries)
 
     def _record(self, key: bytes, revision: int) -> None:
+        """``key`` changed at ``revision`` (put, deleted, its lease revoked): called after the change."""
         self._history.append((revision, key))
+        self._versions.setdefault(key, []).append((revision, self._data.get(key)))
 
     def _put_locked(self, op: PutOp, revision: int) -> None:
         key = op.key.encode()
@@ -346,15 +365,24 @@ class MemoryCluster:
             self._record(k, revision)
         return len(doomed)
 
-    def _range_locked(self, key: bytes, end: bytes | None) -> list[KeyValue]:
+    def _range_locked(self, key: bytes, end: bytes | None, revision: int = 0) -> list[KeyValue]:
+        if revision and revision < self._revision:
+            entries = {k: e for k, versions in self._versions.items()
+                       if _in_range(k, key, end) and (e := _as_of(versions, revision)) is not None}  # fmt: skip
+        else:
+            entries = {k: e for k, e in self._data.items() if _in_range(k, key, end)}
         return [
             KeyValue(k.decode(), e.value, e.create_revision, e.mod_revision, lease=e.lease, version=e.version)
-            for k, e in sorted(self._data.items())
-            if _in_range(k, key, end)
+            for k, e in sorted(entries.items())
         ]
 
     def _get_locked(self, op: GetOp) -> GetResult:
-        kvs = self._range_locked(*_span(op.key, op.prefix))
+        if op.revision > self._revision:
+            raise EtcdError("etcdserver: mvcc: required revision is a future revision")
+        key, end = _span(op.key, op.prefix)
+        if op.after is not None:
+            key = op.after.encode() + b"\0"
+        kvs = self._range_locked(key, end, op.revision)
         count = len(kvs)
         if op.count_only:
             kvs = []

@@ -97,13 +97,23 @@ class GetOp:
     """Read ``key`` (with ``prefix``: every key under it, in key order); its result is a :class:`GetResult`.
 
     ``count_only`` returns no keys, only the count; ``keys_only`` returns the keys with empty values;
-    ``limit`` (0: none) returns at most that many keys, the first in key order."""
+    ``limit`` (0: none) returns at most that many keys, the first in key order. ``after`` (with ``prefix``) reads
+    only the keys under ``key`` that sort after this one (the next page of a paged read); ``revision`` (0: the
+    newest) reads the keys as they were at that revision (etcd refuses a compacted or future one)."""
 
     key: str
     prefix: bool = False
     count_only: bool = False
     keys_only: bool = False
     limit: int = 0
+    after: str | None = None
+    revision: int = 0
+
+    def __post_init__(self) -> None:
+        if self.after is not None and not (self.prefix and self.after.startswith(self.key)):
+            raise ValueError("GetOp: 'after' needs prefix=True and must lie under the key")
+        if self.limit < 0 or self.revision < 0:
+            raise ValueError("GetOp: limit and revision must be >= 0")
 
 
 TxnOp = PutOp | DeleteOp | GetOp

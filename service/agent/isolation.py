@@ -20,13 +20,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import signal
 import stat
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from service.agent.nofollow import remove_entry
 from service.core.config import UidRange
 from service.core.models import Isolation
 
@@ -151,13 +151,23 @@ def secret_exposure(path: str | Path, uids: UidRange | None) -> str | None:
 
 
 def make_private_dir(path: Path) -> None:
-    """Create ``path`` (and its parents) as a 0700 directory of this process, emptied of anything an earlier job
-    left; the agent writes the job's secrets in it, then :func:`hand_over` gives it to the job's uid."""
-    if path.exists():
-        remove_private_dir(path)
+    """Create ``path`` as a 0700 directory of this process, in place of anything an earlier job left there
+    (removed following no symlink, :mod:`service.agent.nofollow`); its parent (created if missing) is made 0711.
+    The agent writes the job's secrets in it (:func:`service.agent.nofollow.write_new_secret`), then
+    :func:`hand_over` gives it to the job's uid."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.mkdir(mode=0o700)
-    os.chmod(path, 0o700)
+    parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fchmod(parent, 0o711)  # the job's directory: the agent's logs below, its private one reachable
+        remove_entry(parent, path.name)
+        os.mkdir(path.name, 0o700, dir_fd=parent)
+        fd = os.open(path.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        try:
+            os.fchmod(fd, 0o700)  # whatever the umask
+        finally:
+            os.close(fd)
+    finally:
+        os.close(parent)
 
 
 def hand_over(path: Path, user: JobUser) -> None:
@@ -165,22 +175,17 @@ def hand_over(path: Path, user: JobUser) -> None:
     directory last, so that the agent needs no DAC override to write it first."""
     for entry in path.iterdir():
         os.chown(entry, user.uid, user.gid, follow_symlinks=False)
-    os.chown(path, user.uid, user.gid)
+    os.chown(path, user.uid, user.gid, follow_symlinks=False)
 
 
 def remove_private_dir(path: Path) -> None:
-    """Take a job's private directory back (owner: this process, so that needs no DAC override) and delete it."""
-    me, my_group = os.geteuid(), os.getegid()
+    """Delete a job's private directory (the job's ``HOME``: whatever the job left there, symlinks included, is
+    deleted without following any, :func:`service.agent.nofollow.remove_tree`); gone already: nothing."""
     try:
-        os.chown(path, me, my_group, follow_symlinks=False)
-        os.chmod(path, 0o700)
-        for root, dirs, files in os.walk(path):
-            for name in (*dirs, *files):
-                os.chown(os.path.join(root, name), me, my_group, follow_symlinks=False)
-            for name in dirs:
-                os.chmod(os.path.join(root, name), 0o700)  # a job's 0000 directory: listable again
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
         return
-    except PermissionError as exc:  # not root and not its owner: only possible in a shared (no-uid) setup
-        logger.warning("cannot take back %s: %s", path, exc)
-    shutil.rmtree(path, ignore_errors=True)
+    try:
+        remove_entry(parent, path.name)
+    finally:
+        os.close(parent)

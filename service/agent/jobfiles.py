@@ -5,7 +5,8 @@ Per job, ``<work dir>/jobs/<job>/private`` (0700) holds its secrets, 0600 each: 
 user's), ``checkpoint-key`` (its manifest-signing key, ``ETRAIN_CHECKPOINT_KEY_FILE``: never in the environment)
 and, when it runs as a uid of its own, copies of the etcd TLS files (``etcd-ca.pem``, ``etcd-cert.pem``,
 ``etcd-key.pem``; the agent's own stay unreadable to jobs). The directory is deleted, and the uid released, when
-the job leaves the node.
+the job leaves the node. Nothing the job left is followed or written through when the agent deletes it or writes
+the job's secrets (:mod:`service.agent.nofollow`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from service.agent.isolation import (
     remove_private_dir,
     secret_exposure,
 )
-from service.agent.launcher import job_etcd, write_secret
+from service.agent.launcher import job_etcd
+from service.agent.nofollow import write_new_secret
 from service.core.config import AgentSettings
 from service.core.models import Assignment, Isolation
 
@@ -112,7 +114,8 @@ class JobFiles:
                                  "(add o+x, or choose another --work-dir)")  # fmt: skip
 
     def _private_dir(self, job_id: str) -> Path:
-        return (self.settings.work_dir / "jobs" / job_id / "private").resolve()
+        # resolved above the job's directory only: nothing below it is followed
+        return (self.settings.work_dir / "jobs").resolve() / job_id / "private"
 
     def _job_user(self, job_id: str) -> JobUser | None:
         uids = self.settings.job_uid_range
@@ -138,23 +141,19 @@ class JobFiles:
         user = self._job_user(a.job_id)
         private = self._private_dir(a.job_id)
         self._secrets.add(a.job_id)
-        make_private_dir(private)
-        os.chmod(private.parent, 0o711)  # the job's directory: the agent's logs below, its private one reachable
+        make_private_dir(private)  # its parent made 0711: the agent's logs below, the private directory reachable
         password_file: Path | None = None
         key_file: Path | None = None
         if a.etcd_user and a.etcd_password:
-            password_file = private / "etcd-password"
-            write_secret(password_file, a.etcd_password)
+            password_file = write_new_secret(private, "etcd-password", a.etcd_password)
         if a.checkpoint_key:
-            key_file = private / "checkpoint-key"
-            write_secret(key_file, a.checkpoint_key)
+            key_file = write_new_secret(private, "checkpoint-key", a.checkpoint_key)
         etcd = job_etcd(self.settings.etcd, a, password_file)
         if user is not None:  # the agent's TLS files stay its own (0400/0600): the job gets copies of its uid
             def copy(path: str | None, name: str) -> str | None:
                 if not path:
                     return None
-                write_secret(private / name, Path(path).read_text().rstrip("\n"))
-                return str(private / name)
+                return str(write_new_secret(private, name, Path(path).read_text().rstrip("\n")))
 
             etcd = replace(etcd, ca_cert=copy(etcd.ca_cert, "etcd-ca.pem"), cert=copy(etcd.cert, "etcd-cert.pem"),
                            cert_key=copy(etcd.cert_key, "etcd-key.pem"))  # fmt: skip

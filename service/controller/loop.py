@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
 from elastic.etcd import EtcdError, KeyValue
@@ -22,6 +22,7 @@ from service.controller.identities import SHARED_IDENTITY_WARNING, JobIdentities
 from service.controller.leader import LeaderElection, create_election
 from service.controller.metrics import SCHEDULER_ACTIONS, Metrics
 from service.controller.reconcile import reconcile
+from service.controller.retention import sweep_expired
 from service.core.config import Settings
 from service.core.metric_store import MetricsRecorder
 from service.core.store import ServiceStore
@@ -30,9 +31,25 @@ from service.core.view_cache import ViewCache
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Controller", "create_controller"]
+__all__ = ["FAILING_AFTER", "Controller", "ReconcileHealth", "create_controller"]
 
 _MIN_SPACING = 0.25
+#: consecutive failed passes after which the leader reports itself not ready (``/readyz``)
+FAILING_AFTER = 3
+
+
+@dataclass(frozen=True)
+class ReconcileHealth:
+    """How this replica's reconcile passes go: ``failing`` once ``FAILING_AFTER`` passes in a row failed as
+    leader (``/readyz`` then answers 503 with ``last_error``)."""
+
+    consecutive_failures: int
+    last_error: str | None
+    seconds_since_success: float | None  # None: no pass succeeded yet
+
+    @property
+    def failing(self) -> bool:
+        return self.consecutive_failures >= FAILING_AFTER
 
 
 class Controller:
@@ -57,6 +74,33 @@ class Controller:
                                          flush_every=settings.metrics_flush_interval.total_seconds())  # fmt: skip
         # job id -> events written since its events were last counted (absent: count at its next event)
         self._events_since_trim: dict[str, int] = {}
+        self._failures = 0  # passes failed in a row, as leader
+        self._last_error: str | None = None
+        self._last_success: float | None = None  # time.monotonic() of the last pass that succeeded
+
+    @property
+    def health(self) -> ReconcileHealth:
+        """How the reconcile passes go (``/readyz``)."""
+        since = None if self._last_success is None else time.monotonic() - self._last_success
+        return ReconcileHealth(self._failures, self._last_error, since)
+
+    def _passed(self) -> None:
+        self._failures, self._last_error, self._last_success = 0, None, time.monotonic()
+
+    def _failed(self, error: str) -> None:
+        """A pass failed: counted, and, as leader, the jobs past retention deleted by a sweep of their own
+        (``service.controller.retention``), so that what made the pass fail cannot keep the store growing."""
+        self._failures += 1
+        self._last_error = error[:500]
+        if self._metrics is not None:
+            self._metrics.reconcile_errors.inc()
+        fence = self._election.fence if self._election.is_leader else None
+        if fence is None:
+            return
+        try:
+            sweep_expired(self._store, fence, datetime.now(timezone.utc), self._settings.reconcile)
+        except Exception as exc:  # best effort: the next failed pass sweeps again
+            logger.warning("the retention sweep after a failed pass failed too: %s", exc)
 
     def _drop_cache(self) -> None:
         self._recorder.reset()
@@ -190,18 +234,17 @@ class Controller:
                 if revision is None:
                     self._election.wait_for_change(min(interval * 2, self._settings.leader_ttl))
                 else:
+                    self._passed()
                     self._store.client.wait_for_event(
                         self._store.keys.root + "/", revision + 1, interval, prefix=True
                     )
             except EtcdError as exc:
-                if self._metrics is not None:
-                    self._metrics.reconcile_errors.inc()
                 logger.warning("reconcile pass failed: %s", exc)
+                self._failed(f"{type(exc).__name__}: {exc}")
                 self._stop.wait(interval.total_seconds())
-            except Exception:
-                if self._metrics is not None:
-                    self._metrics.reconcile_errors.inc()
+            except Exception as exc:
                 logger.exception("reconcile pass crashed; retrying")
+                self._failed(f"{type(exc).__name__}: {exc}")
                 self._stop.wait(interval.total_seconds())
             spent = time.monotonic() - began
             if spent < _MIN_SPACING:

@@ -24,6 +24,7 @@ from service.controller.capacity import free_capacity
 from service.controller.decision import Decision
 from service.controller.placement import place_jobs
 from service.controller.recovery import blame_nodes, judge_failure
+from service.controller.retention import retention_over
 from service.core.jobs import checkpoint_claims
 from service.core.models import (
     MAX_NODES_PER_JOB,
@@ -47,10 +48,8 @@ def _finished_job(entry: JobEntry, view: ClusterView, now: datetime, current: Ma
                   cfg: ReconcileConfig) -> JobUpdate | None:  # fmt: skip
     """A terminal job's update: remove its leftovers (assignments, reports), or after the retention delete it.
     Its status never changes, so nothing is copied: finished jobs cost little however many are kept."""
-    st = entry.status
     clear_reports = bool(view.reports.get(entry.record.id))
-    finished = st.finished_at or st.updated_at
-    if not current and now - finished >= cfg.terminal_retention:
+    if not current and retention_over(entry, now, cfg):
         return JobUpdate(job_id=entry.record.id, expected_revision=entry.status_revision, status=None, purge=True)
     if not (current or clear_reports):
         return None

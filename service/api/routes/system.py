@@ -29,7 +29,7 @@ def healthz() -> dict[str, str]:
 
 @router.get(
     "/readyz",
-    summary="etcd is reachable and a leader is known",
+    summary="etcd is reachable, a leader is known, and this replica's reconcile passes do not keep failing",
     responses={503: {"description": "not ready"}},
 )
 def readyz(
@@ -48,6 +48,12 @@ def readyz(
     body["leader"] = leader.get("replica") if leader else None
     body["is_leader"] = controller.election.is_leader
     body["ready"] = leader is not None or not settings.run_controller
+    health = controller.health
+    if health.failing:  # e.g. every read of the state failing: the API may answer, the service does not work
+        body["reconcile"] = f"failing: {health.consecutive_failures} passes in a row, the last: {health.last_error}"
+        body["ready"] = False
+    elif settings.run_controller:
+        body["reconcile"] = "ok"
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
 

@@ -799,3 +799,47 @@ def test_managing_users_and_roles_changes_no_revision(
     auth.user_delete(user)
     auth.role_delete(role)
     assert client.ping() == revision
+
+
+# -- reads in pages (no size of a prefix breaks a read) ------------------------------------------------
+def test_a_prefix_larger_than_a_grpc_answer_is_read_whole_in_key_order(client: EtcdClient, key_prefix: str) -> None:
+    """6 MiB under one prefix: one answer may carry 4 MiB (gRPC's default), and the read failed with
+    ``Received message larger than max`` (the controller's list of jobs, after enough of them)."""
+    big = b"x" * (60 * 1024)
+    keys = [f"{key_prefix}/jobs/{i:04d}" for i in range(100)]
+    for i in range(0, len(keys), 10):
+        client.commit([(k, big) for k in keys[i : i + 10]])
+    kvs, revision = client.get_prefix(key_prefix + "/jobs/")
+    assert [kv.key for kv in kvs] == keys and all(kv.value == big for kv in kvs)
+    (jobs, other), revision2 = client.read_prefixes([key_prefix + "/jobs/", key_prefix + "/none/"])
+    assert [kv.key for kv in jobs] == keys and other == [] and revision2 == revision
+    head, under, _ = client.get_with_prefix(keys[0], key_prefix + "/jobs/")
+    assert head is not None and head.key == keys[0] and len(under) == 100
+
+
+def test_more_keys_than_a_page_are_read_whole(client: EtcdClient, key_prefix: str) -> None:
+    from elastic.etcd.api import READ_PAGE_KEYS
+
+    n = READ_PAGE_KEYS * 2 + 7
+    keys = [f"{key_prefix}/k/{i:05d}" for i in range(n)]
+    for i in range(0, n, 100):
+        client.commit([(k, b"v") for k in keys[i : i + 100]])
+    (kvs, few), _ = client.read_prefixes([key_prefix + "/k/", key_prefix + "/k/0000"])
+    assert [kv.key for kv in kvs] == keys
+    assert [kv.key for kv in few] == keys[:10]
+
+
+def test_a_read_at_a_past_revision_sees_the_keys_as_they_were_and_after_skips_to_the_next_page(
+    client: EtcdClient, key_prefix: str
+) -> None:
+    p = key_prefix + "/p/"
+    before = client.commit([(p + "a", b"1"), (p + "b", b"1"), (p + "c", b"1")])[1]
+    client.commit([(p + "b", b"2"), (p + "d", b"2")], [p + "a"])
+    then = client.txn([], [GetOp(p, prefix=True, revision=before)]).get(0)
+    assert [(kv.key, kv.value) for kv in then.kvs] == [(p + "a", b"1"), (p + "b", b"1"), (p + "c", b"1")]
+    page = client.txn([], [GetOp(p, prefix=True, after=p + "a", revision=before, limit=1)]).get(0)
+    assert [kv.key for kv in page.kvs] == [p + "b"] and page.count == 2  # b and c are after a, then
+    now = client.txn([], [GetOp(p, prefix=True, after=p + "b")]).get(0)
+    assert [(kv.key, kv.value) for kv in now.kvs] == [(p + "c", b"1"), (p + "d", b"2")]
+    with pytest.raises(ValueError):
+        GetOp(p, after=p + "a")  # a page needs a prefix
