@@ -1,7 +1,8 @@
 """The job rules: what a submit or a resize may ask, and who holds a checkpoint prefix. Pure decisions over
 the records the store reads (``service.core.store`` only persists them; the API and the controller call these).
 
-- submit: :func:`resolve_checkpoint_url` (the job's prefix under the service's root),
+- submit: :func:`resolve_checkpoint_url` (the job's prefix strictly below the service's root),
+  :func:`check_user_checkpoint_url` (a user's own URL is in no other job's default prefix),
   :func:`checkpoint_prefix_conflict` (an active job already holds it), :func:`new_job` (the records to store);
   the spec's own limits are ``service.core.models.submit_problems``.
 - resize: :func:`plan_resize` (the new record and its ``resize`` event, or nothing to write), raising
@@ -14,14 +15,17 @@ the records the store reads (``service.core.store`` only persists them; the API 
 
 from __future__ import annotations
 
+import re
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from pydantic import ValidationError
 
 from service.core.models import (
+    NAME_PATTERN,
     Event,
     JobRecord,
     JobSpec,
@@ -37,10 +41,13 @@ from service.core.view import JobEntry, Quotas, SubmitLimits
 __all__ = [
     "UNGRANTED_LIMITS",
     "CheckpointOutsideRoot",
+    "CheckpointUrlRefused",
     "InvalidResize",
     "JobFinished",
+    "check_user_checkpoint_url",
     "checkpoint_claims",
     "checkpoint_prefix_conflict",
+    "default_prefix_job",
     "new_event",
     "new_job",
     "new_job_id",
@@ -65,12 +72,19 @@ class InvalidResize(ValueError):
         self.problems = problems
 
 
-class CheckpointOutsideRoot(ValueError):
+class CheckpointUrlRefused(ValueError):
+    """The spec's checkpoint URL may not be the job's (the API's 422 naming ``checkpoint_url``); the message: why."""
+
+    def __init__(self, url: str, why: str) -> None:
+        super().__init__(why)
+        self.url = url
+
+
+class CheckpointOutsideRoot(CheckpointUrlRefused):
     """The spec's checkpoint URL does not lie below the service's checkpoint ``root``."""
 
     def __init__(self, url: str, root: str) -> None:
-        super().__init__(f"must lie below the service's checkpoint root {root}")
-        self.url = url
+        super().__init__(url, f"must lie below the service's checkpoint root {root}")
         self.root = root
 
 
@@ -107,16 +121,65 @@ def checkpoint_prefix_conflict(url: str, entries: Iterable[JobEntry]) -> str | N
 
 # -- submit --------------------------------------------------------------------------------------------------
 def resolve_checkpoint_url(spec: JobSpec, root: str | None, job_id: str) -> str | None:
-    """The job's checkpoint prefix: the spec's (which must lie below ``root`` if set:
-    :class:`CheckpointOutsideRoot`) or ``<root>/<id>``."""
+    """The job's checkpoint prefix: the spec's or ``<root>/<id>``. With a ``root`` the spec's must lie strictly
+    below it (:class:`CheckpointOutsideRoot`; the root itself, or a URL that contains it:
+    :class:`CheckpointUrlRefused`), since a prefix overlapping the root overlaps every job's and would hold up
+    every submit while its job waits. Whose default prefix a user's URL may lie in:
+    :func:`check_user_checkpoint_url`."""
     if root is None:
         return spec.checkpoint_url
     root = normalize_checkpoint_url(root)
-    if spec.checkpoint_url is None:
+    url = spec.checkpoint_url
+    if url is None:
         return f"{root}/{job_id}"
-    if not checkpoint_url_within(spec.checkpoint_url, root):
-        raise CheckpointOutsideRoot(spec.checkpoint_url, root)
-    return spec.checkpoint_url
+    if checkpoint_url_within(root, url):
+        itself = checkpoint_url_within(url, root)
+        what = "is the service's checkpoint root" if itself else "contains the service's checkpoint root"
+        raise CheckpointUrlRefused(url, f"{what} {root}: a job's prefix must lie below it (default <root>/<job id>), "
+                                        "as one that holds the root overlaps every other job's")  # fmt: skip
+    if not checkpoint_url_within(url, root):
+        raise CheckpointOutsideRoot(url, root)
+    return url
+
+
+def default_prefix_job(url: str, root: str) -> str | None:
+    """The job id whose default prefix ``<root>/<id>`` holds ``url`` (a URL below ``root``): its first segment below
+    the root when that has the form of a job id (``<name>-<8 hex>``; compared percent-decoded and without regard to
+    case, as some stores would take it), else None."""
+    below = _segments(url)[len(_segments(root)) :]
+    if not below:
+        return None
+    first = unquote(below[0])
+    return first.lower() if _JOB_ID.fullmatch(first) else None
+
+
+def check_user_checkpoint_url(url: str, root: str | None, user: str, owner: Callable[[str], str | None]) -> None:
+    """A ``user`` token's explicit checkpoint ``url`` (below ``root``) may lie in a job's default prefix
+    ``<root>/<id>`` only when that job is ``user``'s own (``owner(id)``: who submitted job ``id``, None if there is
+    none): another user's default prefix holds that user's checkpoints, and that of a job not there (yet) is kept
+    for the job that gets that id. Raises :class:`CheckpointUrlRefused`; admin tokens are not asked."""
+    if root is None:
+        return
+    root = normalize_checkpoint_url(root)
+    job = default_prefix_job(url, root)
+    if job is None:
+        return
+    submitter = owner(job)
+    if submitter == user:
+        return
+    whose = (f"job {job} was submitted by another user" if submitter is not None else
+             f"no job {job} of user {user} exists, and the name is kept for the job that gets that id")  # fmt: skip
+    raise CheckpointUrlRefused(url, f"lies in {root}/{job}, the default checkpoint prefix of job {job}, and {whose}: "
+                                    "below the root give a directory whose name is not a job id (<name>-<8 hex "
+                                    "digits>)")  # fmt: skip
+
+
+_JOB_ID = re.compile(rf"(?:{NAME_PATTERN.removeprefix('^').removesuffix('$')})-[0-9a-f]{{8}}", re.IGNORECASE)
+
+
+def _segments(url: str) -> list[str]:
+    """The path segments of ``url`` as the prefix rules compare them (empty and ``.`` segments dropped)."""
+    return [p for p in urlparse(normalize_checkpoint_url(url)).path.split("/") if p not in ("", ".")]
 
 
 def new_job_id(spec: JobSpec) -> str:

@@ -22,9 +22,10 @@ from service.api.schemas import (
 from service.controller.metrics import Metrics
 from service.core.config import Role, Settings
 from service.core.jobs import (
-    CheckpointOutsideRoot,
+    CheckpointUrlRefused,
     InvalidResize,
     JobFinished,
+    check_user_checkpoint_url,
     checkpoint_prefix_conflict,
     new_event,
     new_job,
@@ -45,11 +46,22 @@ router = APIRouter(prefix="/v1", tags=["jobs"])
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "no job with this id"}}
 
 
-def _resolve_checkpoint_url(spec: JobSpec, root: str | None, job_id: str) -> str | None:
-    """The job's checkpoint prefix (``service.core.jobs.resolve_checkpoint_url``); outside ``root``: a 422."""
+def _resolve_checkpoint_url(
+    spec: JobSpec, root: str | None, job_id: str, principal: Principal, store: ServiceStore
+) -> str | None:
+    """The job's checkpoint prefix (``service.core.jobs.resolve_checkpoint_url``; a user token's own URL also
+    ``check_user_checkpoint_url``); refused: a 422 naming ``checkpoint_url``."""
+
+    def owner(other: str) -> str | None:
+        entry = store.get_job(other)
+        return None if entry is None else entry.record.submitted_by
+
     try:
-        return resolve_checkpoint_url(spec, root, job_id)
-    except CheckpointOutsideRoot as exc:
+        url = resolve_checkpoint_url(spec, root, job_id)
+        if url is not None and spec.checkpoint_url is not None and principal.role == Role.USER:
+            check_user_checkpoint_url(url, root, principal.name, owner)
+        return url
+    except CheckpointUrlRefused as exc:
         raise RequestValidationError(
             [{"type": "value_error", "loc": ("body", "checkpoint_url"), "msg": str(exc), "input": exc.url}]
         ) from None
@@ -105,7 +117,7 @@ def submit_job(
     submitter = _check_submit_limits(spec, principal, store, settings)
     now = datetime.now(timezone.utc)
     job_id = new_job_id(spec)
-    url = _resolve_checkpoint_url(spec, settings.checkpoint_root, job_id)
+    url = _resolve_checkpoint_url(spec, settings.checkpoint_root, job_id, principal, store)
     if url is not None:
         owner = checkpoint_prefix_conflict(url, store.list_jobs())
         if owner is not None:
