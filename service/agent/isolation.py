@@ -11,8 +11,10 @@ cannot switch uid: it then runs every job as its own uid, and with ``--job-owner
 (placement sends it no other's, see :class:`service.core.models.NodeInfo`); without either it runs anyone's jobs
 as itself, which it says at start: jobs on such a node can read each other's secrets.
 
-The uid of a job is :func:`allocate_uid`, a pure function of the job id and the uids of the jobs running on the
-node: deterministic, collision-free among the running jobs, released when the job leaves the node.
+The uid of a job is :func:`allocate_uid`, a pure function of the job id, the uids of the jobs running on the
+node and the uids other jobs released lately (handed out last): deterministic, collision-free among the running
+jobs, released when the job leaves the node (its processes killed, what it owns in ``/tmp``, ``/var/tmp`` and
+``/dev/shm`` deleted: :mod:`service.agent.jobfiles`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import logging
 import os
 import signal
 import stat
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,11 +46,14 @@ __all__ = [
     "kill_processes_of",
     "make_private_dir",
     "not_searchable",
+    "recent_releases",
     "remove_private_dir",
     "secret_exposure",
 ]
 
 _CAP_CHOWN, _CAP_KILL, _CAP_SETGID, _CAP_SETUID = 0, 5, 6, 7
+#: the most releases :func:`allocate_uid` avoids handing out again (see :func:`recent_releases`)
+RECENT_RELEASES = 64
 
 
 class UidRangeExhausted(RuntimeError):
@@ -63,26 +68,46 @@ class JobUser:
     gid: int
 
 
-def allocate_uid(job_id: str, taken: Collection[int], uids: UidRange) -> int:
+def allocate_uid(job_id: str, taken: Collection[int], uids: UidRange, recent: Sequence[int] = ()) -> int:
     """The uid of a job that starts on a node whose running jobs hold ``taken`` (pure): the first free uid from a
-    hash of the job id on, so a job usually gets the same uid on every node and after an agent restart."""
+    hash of the job id on, so a job usually gets the same uid on every node and after an agent restart; skipping
+    ``recent``, the uids other jobs released lately (least recently released first), unless no other is free:
+    then the one released longest ago.
+
+    Why a hash rather than least-recently-released order alone: a job's files on shared storage (its checkpoint
+    prefix) are then one uid's on every node, so the job can replace on one node what it wrote on another. Why
+    ``recent`` as well: a uid just released is not the next job's, so what its holder left in a place the agent
+    does not clean (see :func:`service.agent.nofollow.remove_files_of`) is not the next job's at once. The caller
+    keeps ``recent`` short (:data:`RECENT_RELEASES`), so that it seldom holds the uid a job's hash prefers."""
+    avoid = set(recent)
     start = int.from_bytes(hashlib.blake2b(job_id.encode(), digest_size=8).digest(), "big") % uids.size
     for i in range(uids.size):
         uid = uids.low + (start + i) % uids.size
-        if uid not in taken:
+        if uid not in taken and uid not in avoid:
+            return uid
+    for uid in recent:
+        if uid not in taken and uid in uids:
             return uid
     raise UidRangeExhausted(f"every uid of {uids} is held by a job running on this node")
 
 
-def allocate_uids(running: Mapping[str, int], jobs: Iterable[str], uids: UidRange) -> dict[str, int]:
+def allocate_uids(
+    running: Mapping[str, int], jobs: Iterable[str], uids: UidRange, recent: Sequence[int] = ()
+) -> dict[str, int]:
     """The uid of each of ``jobs`` (pure): a job in ``running`` (job -> uid) keeps its uid, the others get one
-    by :func:`allocate_uid` in job-id order; uids of jobs not in ``jobs`` are released."""
+    by :func:`allocate_uid` (``recent`` as there) in job-id order; uids of jobs not in ``jobs`` are released."""
     wanted = sorted(set(jobs))
     out = {j: running[j] for j in wanted if j in running}
     for job_id in wanted:
         if job_id not in out:
-            out[job_id] = allocate_uid(job_id, set(out.values()), uids)
+            out[job_id] = allocate_uid(job_id, set(out.values()), uids, recent)
     return out
+
+
+def recent_releases(size: int) -> int:
+    """How many of the latest releases :func:`allocate_uid` avoids in a range of ``size`` uids: a short window
+    (at most 64, and half the range), so that a job's preferred uid is seldom among them."""
+    return max(1, min(RECENT_RELEASES, size // 2))
 
 
 def _effective_caps() -> int:

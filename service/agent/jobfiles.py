@@ -5,8 +5,11 @@ Per job, ``<work dir>/jobs/<job>/private`` (0700) holds its secrets, 0600 each: 
 user's), ``checkpoint-key`` (its manifest-signing key, ``ETRAIN_CHECKPOINT_KEY_FILE``: never in the environment)
 and, when it runs as a uid of its own, copies of the etcd TLS files (``etcd-ca.pem``, ``etcd-cert.pem``,
 ``etcd-key.pem``; the agent's own stay unreadable to jobs). The directory is deleted, and the uid released, when
-the job leaves the node. Nothing the job left is followed or written through when the agent deletes it or writes
-the job's secrets (:mod:`service.agent.nofollow`).
+the job leaves the node: every process of that uid is killed, then what the uid owns at the top of the node's
+temporary directories (``AgentSettings.job_tmp_dirs``: ``/tmp``, ``/var/tmp``, ``/dev/shm``) is deleted, so that
+the next job given the uid does not inherit it; a uid another job released lately is handed out last
+(:func:`service.agent.isolation.allocate_uid`). Nothing the job left is followed or written through when the
+agent deletes it or writes the job's secrets (:mod:`service.agent.nofollow`).
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ from service.agent.isolation import (
     kill_processes_of,
     make_private_dir,
     not_searchable,
+    recent_releases,
     remove_private_dir,
     secret_exposure,
 )
 from service.agent.launcher import job_etcd
-from service.agent.nofollow import write_new_secret
+from service.agent.nofollow import remove_files_of, write_new_secret
 from service.core.config import AgentSettings
 from service.core.models import Assignment, Isolation
 
@@ -60,6 +64,7 @@ class JobFiles:
         self.settings = settings
         self._secrets: set[str] = set()  # jobs whose private directory this agent made
         self._uids: dict[str, int] = {}  # job -> the uid its torchrun runs as (with a uid range)
+        self._released: dict[int, str] = {}  # uid -> the job that released it, the latest release last
         self.isolation = self._check()
 
     def uid_of(self, job_id: str) -> int | None:
@@ -122,11 +127,32 @@ class JobFiles:
         if uids is None:
             return None
         fresh = job_id not in self._uids
-        self._uids = allocate_uids(self._uids, [*self._uids, job_id], uids)
+        recent = [u for u, holder in self._released.items() if holder != job_id]  # its own: no one else's files
+        self._uids = allocate_uids(self._uids, [*self._uids, job_id], uids, recent)
         uid = self._uids[job_id]
-        if fresh and kill_processes_of(uid):  # left by an earlier agent's job (its pdeath signal ignored)
-            logger.warning("uid %d: killed the processes an earlier job left before giving it to job %s", uid, job_id)
+        if fresh:
+            self._released.pop(uid, None)
+            if kill_processes_of(uid):  # left by an earlier agent's job (its pdeath signal ignored)
+                logger.warning("uid %d: killed the processes an earlier job left before giving it to job %s", uid,
+                               job_id)  # fmt: skip
+            if n := remove_files_of(uid, self.settings.job_tmp_dirs):  # an earlier agent's job's, never cleaned
+                logger.warning("uid %d: deleted %d file(s) an earlier job left in %s before giving it to job %s", uid,
+                               n, ", ".join(map(str, self.settings.job_tmp_dirs)), job_id)  # fmt: skip
         return JobUser(uid, uid)
+
+    def _release(self, job_id: str, uid: int) -> None:
+        """Job ``job_id`` has left the node: kill what runs as its uid, delete what that uid owns at the top of the
+        temporary directories, and hand the uid to later jobs last."""
+        if n := kill_processes_of(uid):  # escaped the torchrun's tree: not past the job
+            logger.warning("job %s: killed %d process(es) of its uid %d left after it", job_id, n, uid)
+        if n := remove_files_of(uid, self.settings.job_tmp_dirs):
+            logger.info("job %s: deleted %d file(s) of its uid %d in %s", job_id, n, uid,
+                        ", ".join(map(str, self.settings.job_tmp_dirs)))  # fmt: skip
+        self._released.pop(uid, None)
+        self._released[uid] = job_id
+        uids = self.settings.job_uid_range
+        while len(self._released) > recent_releases(uids.size if uids else 1):
+            del self._released[next(iter(self._released))]
 
     def unreachable_cwd(self, cwd: Path) -> str | None:
         """Why a job that runs as a uid of its own cannot work in ``cwd`` (None: it can, or it runs as the agent)."""
@@ -165,8 +191,8 @@ class JobFiles:
         for job_id in self._secrets - set(assigned):
             self._secrets.discard(job_id)
             uid = self._uids.pop(job_id, None)
-            if uid is not None and (n := kill_processes_of(uid)):  # escaped the torchrun's tree: not past the job
-                logger.warning("job %s: killed %d process(es) of its uid %d left after it", job_id, n, uid)
+            if uid is not None:
+                self._release(job_id, uid)
             try:
                 remove_private_dir(self._private_dir(job_id))
             except OSError as exc:

@@ -50,6 +50,7 @@ ENV_LEASE_TTL = "ETRAIN_LEASE_TTL"
 ENV_JOB_UID_RANGE = "ETRAIN_JOB_UID_RANGE"
 ENV_JOB_OWNER = "ETRAIN_JOB_OWNER"
 ENV_PYTHON = "ETRAIN_PYTHON"
+ENV_JOB_TMP_DIRS = "ETRAIN_JOB_TMP_DIRS"
 ENV_INSECURE = "ETRAIN_INSECURE"
 ENV_JOB_RETENTION = "ETRAIN_JOB_RETENTION"
 ENV_QUOTAS_FILE = "ETRAIN_QUOTAS_FILE"
@@ -205,6 +206,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             lease_ttl=timedelta(seconds=args.lease_ttl),
             job_uid_range=uids,
             job_owner=args.job_owner or None,
+            job_tmp_dirs=tuple(Path(d) for d in args.job_tmp_dirs.split(",") if d),
             python=args.python or sys.executable,
         )
         _check_etcd(etcd)
@@ -262,6 +264,8 @@ def add_server_commands(sub: Any) -> None:
     add_flag(p, "--job-uid-range", ENV_JOB_UID_RANGE,
              "LOW-HIGH: run each job as a uid and gid of its own from this range "
              "(needs root or CAP_SETUID/SETGID/CHOWN/KILL)")  # fmt: skip
+    add_flag(p, "--job-tmp-dirs", ENV_JOB_TMP_DIRS, "with --job-uid-range: comma-separated directories where the "
+             "files a released job uid owns at the top are deleted", "/tmp,/var/tmp,/dev/shm")  # fmt: skip
     add_flag(p, "--python", ENV_PYTHON, "the interpreter torchrun and the workers run on (default: the agent's)")
     add_flag(p, "--job-owner", ENV_JOB_OWNER, "run only this user's jobs (a token's name); for an agent that cannot "
          "switch uid")  # fmt: skip

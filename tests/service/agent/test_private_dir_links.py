@@ -72,7 +72,8 @@ def _as_job(files: PreparedJob, script: str) -> None:
 
 
 def _agent_files(sandbox: Path) -> JobFiles:
-    settings = AgentSettings(etcd=EtcdOptions("e:1"), node_name="n1", work_dir=sandbox / "work", job_uid_range=R)
+    settings = AgentSettings(etcd=EtcdOptions("e:1"), node_name="n1", work_dir=sandbox / "work", job_uid_range=R,
+                             job_tmp_dirs=())  # fmt: skip
     return JobFiles(settings)
 
 
