@@ -42,6 +42,7 @@ __all__ = [
     "allocate_uid",
     "allocate_uids",
     "can_switch_uid",
+    "effective_caps",
     "hand_over",
     "kill_processes_of",
     "make_private_dir",
@@ -110,7 +111,8 @@ def recent_releases(size: int) -> int:
     return max(1, min(RECENT_RELEASES, size // 2))
 
 
-def _effective_caps() -> int:
+def effective_caps() -> int:
+    """This process's effective capabilities (a bit mask; 0 when unknown)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("CapEff:"):
@@ -123,7 +125,7 @@ def _effective_caps() -> int:
 def can_switch_uid() -> bool:
     """Whether this process may run children as other uids, hand them files and signal them: the capabilities
     SETUID, SETGID, CHOWN and KILL (root has them unless they were dropped)."""
-    caps = _effective_caps()
+    caps = effective_caps()
     needed = (1 << _CAP_SETUID) | (1 << _CAP_SETGID) | (1 << _CAP_CHOWN) | (1 << _CAP_KILL)
     return caps & needed == needed
 

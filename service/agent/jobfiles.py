@@ -21,10 +21,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from elastic.etcd.config import EtcdOptions
+from service.agent.hidepid import MOUNTINFO, check_proc
 from service.agent.isolation import (
     JobUser,
     allocate_uids,
     can_switch_uid,
+    effective_caps,
     hand_over,
     kill_processes_of,
     make_private_dir,
@@ -60,11 +62,14 @@ class PreparedJob:
 class JobFiles:
     """Each job's private directory, secrets and uid on one node; checks at creation how jobs are kept apart."""
 
-    def __init__(self, settings: AgentSettings) -> None:
+    def __init__(self, settings: AgentSettings, *, mountinfo: Path = MOUNTINFO) -> None:
         self.settings = settings
         self._secrets: set[str] = set()  # jobs whose private directory this agent made
         self._uids: dict[str, int] = {}  # job -> the uid its torchrun runs as (with a uid range)
         self._released: dict[int, str] = {}  # uid -> the job that released it, the latest release last
+        self._mountinfo = mountinfo
+        # with a uid range: whether /proc hides a job's command line (its args) from the other jobs (None: unknown)
+        self.args_hidden: bool | None = None
         self.isolation = self._check()
 
     def uid_of(self, job_id: str) -> int | None:
@@ -90,6 +95,10 @@ class JobFiles:
             if unreachable:
                 logger.warning("the jobs' uids cannot run %s: %s; give the agent --python an interpreter they can run",
                                s.python, unreachable)  # fmt: skip
+            proc = check_proc([os.getegid(), *os.getgroups()], effective_caps(), self._mountinfo)
+            self.args_hidden = proc.args_hidden
+            if proc.warning:
+                logger.warning("%s", proc.warning)
             logger.info("jobs run as uids of their own from %s (no supplementary groups)", s.job_uid_range)
             return Isolation.UID
         for path in secrets_:
