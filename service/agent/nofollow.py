@@ -9,7 +9,8 @@ changed and reopened through that descriptor (``/proc/self/fd/N``): a symlink, o
 meanwhile, is never what gets changed or entered. Files, symlinks, fifos and sockets are unlinked, never opened,
 chowned or chmodded (a hard link to another user's file stays as it is). Depth costs neither recursion nor
 descriptors: the subdirectories of each directory being emptied are moved up into the top one of the tree first,
-so a tree of any depth is deleted with three descriptors open.
+so a tree of any depth is deleted with three descriptors open. Linux only (``O_PATH``, ``/proc/self/fd``), as
+the agent is.
 
 Secrets are written ``O_CREAT | O_EXCL | O_NOFOLLOW`` relative to the descriptor of a directory checked to be
 this process's and private: a name someone placed first (a symlink, a hard link) fails the write, which never
