@@ -1,6 +1,7 @@
 """The controller's ASGI app: ``create_app(settings)``; the reconcile loop runs for the app's lifetime.
 
-OpenAPI docs are served at ``/docs`` (and ``/openapi.json``). Invalid request bodies get 422 with the
+OpenAPI docs are served at ``/docs`` (Swagger UI from the installed package, :mod:`service.api.docs`) and
+``/openapi.json``; ReDoc is off. Invalid request bodies get 422 with the
 standard ``detail`` list (each entry's ``loc`` names the field) plus a one-line ``message``; etcd
 trouble during a request gets 503.
 """
@@ -20,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import elastic
 from elastic.etcd import EtcdClient, EtcdError, create_client
-from service.api import dashboard
+from service.api import dashboard, docs
 from service.api.admission import DEFAULT_MAX_BODY_BYTES, Admission, is_loopback_host
 from service.api.routes import jobs, logs, nodes, system, trace
 from service.controller.loop import Controller, create_controller
@@ -106,6 +107,11 @@ def create_app(settings: Settings, client: EtcdClient | None = None) -> FastAPI:
         summary="Fault-tolerant elastic training jobs on stock torchrun",
         version=elastic.__version__,
         lifespan=lifespan,
+        # /docs is service.api.docs (Swagger UI from the package, a strict CSP); FastAPI's pages load it and ReDoc
+        # from a CDN onto the dashboard's origin, where the API token is kept
+        docs_url=None,
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
     )
     app.state.settings = settings
     app.state.store = store
@@ -135,4 +141,5 @@ def create_app(settings: Settings, client: EtcdClient | None = None) -> FastAPI:
     app.include_router(nodes.router)
     app.include_router(system.router)
     app.include_router(dashboard.router)  # /ui/: static pages that read the API above with the user's token
+    app.include_router(docs.router)  # /docs: Swagger UI, its files from the package, no CDN
     return app
