@@ -430,6 +430,11 @@ class EtcdAuth(abc.ABC):
         :class:`EtcdError` if there is no such role."""
 
     @abc.abstractmethod
+    def role_revoke_permission(self, role: str, key: str, prefix: bool = False) -> bool:
+        """Take back ``role``'s permission on ``key`` (with ``prefix``: on every key under it); False if it had
+        none there; raises :class:`EtcdError` if there is no such role."""
+
+    @abc.abstractmethod
     def role_permissions(self, role: str) -> list[RolePermission]:
         """The permissions of ``role``, by key (ranges other than one key or a prefix are left out);
         raises :class:`EtcdError` if there is no such role."""

@@ -17,7 +17,7 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
-from elastic.etcd.api import EtcdAuth, EtcdError, Permission, RolePermission, prefix_end
+from elastic.etcd.api import EtcdAuth, EtcdConnectionError, EtcdError, Permission, RolePermission, prefix_end
 
 __all__ = ["GrpcAuthMixin"]
 
@@ -84,6 +84,19 @@ class GrpcAuthMixin(EtcdAuth):
         if permission.prefix:
             perm.range_end = prefix_end(permission.key)
         self._auth_call("RoleGrantPermission", etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm))
+
+    def role_revoke_permission(self, role: str, key: str, prefix: bool = False) -> bool:
+        request = etcdrpc.AuthRoleRevokePermissionRequest(role=role, key=key.encode(),
+                                                          range_end=prefix_end(key) if prefix else b"")  # fmt: skip
+        try:
+            self._auth_call("RoleRevokePermission", request)
+        except EtcdConnectionError:
+            raise
+        except EtcdError as exc:
+            if "permission is not granted" in str(exc):
+                return False
+            raise
+        return True
 
     def role_permissions(self, role: str) -> list[RolePermission]:
         resp = self._auth_call("RoleGet", etcdrpc.AuthRoleGetRequest(role=role))

@@ -207,6 +207,10 @@ class MemoryEtcdClient(TxnEtcdClient, EtcdAuth):
         self._check()
         self.server.auth.role_grant_permission(role, permission)
 
+    def role_revoke_permission(self, role: str, key: str, prefix: bool = False) -> bool:
+        self._check()
+        return self.server.auth.role_revoke_permission(role, key, prefix)
+
     def role_permissions(self, role: str) -> list[RolePermission]:
         self._check()
         return self.server.auth.role_permissions(role)

@@ -215,6 +215,13 @@ class MemoryAuth:
                 raise EtcdError("etcdserver: role name not found")
             grants[(permission.key, permission.prefix)] = permission
 
+    def role_revoke_permission(self, role: str, key: str, prefix: bool = False) -> bool:
+        with self._lock:
+            grants = self._roles.get(role)
+            if grants is None:
+                raise EtcdError("etcdserver: role name not found")
+            return grants.pop((key, prefix), None) is not None
+
     def role_permissions(self, role: str) -> list[RolePermission]:
         with self._lock:
             grants = self._roles.get(role)

@@ -5,7 +5,7 @@ while controllers restart or change leader. Its loop: read this node's assignmen
 assignment vanished or changed generation, start torchruns for new ones, report exits, then wait for
 the next assignment change (an etcd watch) or ``poll_interval``.
 
-Reports (``reports/<job>/<node>``) say ``running`` (with the pid), ``exited`` (with the exit code and the
+Reports (``reports/<node>/<job>``) say ``running`` (with the pid), ``exited`` (with the exit code and the
 tail of the log), ``stopped`` (the agent stopped it) or ``launch_failed``. A generation that exited is
 not started again on this node; only a new assignment (a new generation, or the node placed in the job again,
 which live recovery does after dropping a node whose torchrun died) starts it.

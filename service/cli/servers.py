@@ -149,29 +149,44 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
 
 def cmd_etcd_bootstrap(args: argparse.Namespace) -> int:
-    from service.controller.etcd_bootstrap import ROOT, AuthBootstrap, bootstrap_etcd_auth
+    from service.controller.etcd_bootstrap import (
+        ROOT,
+        AuthBootstrap,
+        bootstrap_etcd_auth,
+        node_password,
+        node_principal,
+    )
 
     setup_logging(args.log_level)
     try:
         if (args.etcd_user or ROOT) != ROOT:
             raise ConfigError(f"etcd-bootstrap: --etcd-user must be {ROOT!r} (its password file is root's password)")
-        if not args.etcd_password_file or not args.agent_password_file:
-            raise ConfigError("etcd-bootstrap: give --etcd-password-file (root's) and --agent-password-file")
+        nodes, removed = args.node or [], args.remove_node or []
+        if not args.etcd_password_file or not (args.agent_password_file or nodes or removed):
+            raise ConfigError("etcd-bootstrap: give --etcd-password-file (root's) and the agents' users: --node NAME "
+                              "(one user per node, its password in --node-password-dir) or the shared "
+                              "--agent-password-file")  # fmt: skip
+        if nodes and not args.node_password_dir:
+            raise ConfigError("etcd-bootstrap: --node needs --node-password-dir (each node's password file there)")
         args.etcd_user = ROOT
         config = _etcd_options(args).config()
         assert config.password is not None
         plan = AuthBootstrap(
             root_password=config.password,
-            agent_user=args.agent_user,
-            agent_password=read_password_file(args.agent_password_file),
+            agent_user=args.agent_user if args.agent_password_file else None,
+            agent_password=read_password_file(args.agent_password_file) if args.agent_password_file else None,
             prefix=args.prefix,
+            nodes=tuple((name, node_password(Path(args.node_password_dir), name)) for name in nodes),
+            remove_nodes=tuple(removed),
         )
         outcome = bootstrap_etcd_auth(config, plan)
     except (ConfigError, ValueError, OSError) as exc:
         return fail(str(exc))
     except EtcdError as exc:
         return fail(first_line(exc))
-    print(f"etcd authentication {outcome.value}: users {ROOT!r} and {plan.agent_user!r}")
+    users = [ROOT, *([plan.agent_user] if plan.agent_user else []), *(node_principal(n) for n, _ in plan.nodes)]
+    print(f"etcd authentication {outcome.value}: users {' and '.join(repr(u) for u in users)}"
+          + (f"; removed {', '.join(node_principal(n) for n in removed)}" if removed else ""))
     return 0
 
 
@@ -274,6 +289,14 @@ def add_server_commands(sub: Any) -> None:
     p = sub.add_parser("etcd-bootstrap", help="make etcd's root and agent users, then turn etcd authentication on "
                        "(idempotent; the chart's controller pod runs it first)")  # fmt: skip
     _add_etcd_flags(p)
-    add_flag(p, "--agent-user", ENV_ETCD_AGENT_USER, "the agents' etcd user", "etrain-agent")
-    add_flag(p, "--agent-password-file", ENV_ETCD_AGENT_PASSWORD_FILE, "file holding the agents' etcd password")
+    add_flag(p, "--agent-user", ENV_ETCD_AGENT_USER, "the shared agents' etcd user (the former way: it reads every "
+             "job's secrets; prefer --node)", "etrain-agent")  # fmt: skip
+    add_flag(p, "--agent-password-file", ENV_ETCD_AGENT_PASSWORD_FILE, "file holding the shared agents' etcd password "
+             "(none: no shared user)")  # fmt: skip
+    p.add_argument("--node", action="append", metavar="NAME", help="make (or confirm) the etcd user etrain-node-NAME "
+                   "of that node's agent, which reaches only its node's keys; repeat for each node")  # fmt: skip
+    p.add_argument("--node-password-dir", metavar="DIR", help="each --node's password file, DIR/NAME: read if it "
+                   "exists, else a random one is written there (0600) for the node's agent (--etcd-password-file)")
+    p.add_argument("--remove-node", action="append", metavar="NAME", help="delete the etcd user and role of a node "
+                   "that left the cluster (its tokens stop working at once); repeatable")
     p.set_defaults(fn=cmd_etcd_bootstrap)

@@ -268,9 +268,11 @@ class Decision:
 
     # -- result ----------------------------------------------------------------------------------------
     def update(self) -> JobUpdate | None:
+        if self.clear_reports or self.purge:  # reports are keyed by node: every node that reported, by name
+            self.clear_report_nodes |= set(self.view.reports.get(self.record.id, {}))
         if self.purge:
             return JobUpdate(job_id=self.record.id, expected_revision=self.entry.status_revision, status=None,
-                             purge=True)  # fmt: skip
+                             purge=True, clear_report_nodes=sorted(self.clear_report_nodes))  # fmt: skip
         changed = self.st != self.entry.status
         if not (changed or self.events or self.assign or self.unassign or self.clear_reports
                 or self.clear_report_nodes):

@@ -8,17 +8,27 @@ init container before the controller. What it does is idempotent and safe to run
 - **auth on**: log in as ``root`` and make sure of the agents' user and role again, with the password now
   given (so a changed Secret takes effect on the next start).
 
-The agents' user holds :func:`agent_permissions` only: the service's keys and the jobs' rendezvous keys, but
-no user management; jobs get users of their own from the controller (:mod:`service.controller.identities`), so
-after this no process in the release but the controller holds ``root``.
+**One etcd user per node** (``nodes``: ``etrain-node-<name>``, with a role of the same name) holds
+:func:`node_permissions` only: its own node record, its own assignments (read), its own worker reports. It cannot
+read another node's assignments (each carries its job's spec, env secrets and etcd password), ``jobs/``,
+``status/`` or ``identities/``, and cannot write anything the leader schedules from; its jobs reach etcd as their own
+users (:mod:`service.controller.identities`). ``remove_nodes`` deletes a node's user and role (its tokens stop
+working at once). The **shared agents' user** (``agent_user``) is the former way: every agent holding it reads and
+writes all of the service's keys, so one compromised node controls the service; it is made only when asked for.
+
+Every role is set to exactly its permissions: a grant left from an earlier run (another ``--prefix``) is taken back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import re
+import secrets
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 
 from elastic.etcd import EtcdConnectionError, EtcdError, create_client
 from elastic.etcd.api import RolePermission
@@ -26,21 +36,29 @@ from elastic.etcd.client import GrpcEtcdClient
 from elastic.etcd.config import EtcdConfig
 from service.controller.identities import PING_KEY
 from service.core.keys import Keys
+from service.core.spec import NODE_NAME_PATTERN
 
 __all__ = [
     "AGENT_ROLE",
+    "NODE_USER_PREFIX",
     "ROOT",
     "AuthBootstrap",
     "BootstrapError",
     "BootstrapOutcome",
     "agent_permissions",
     "bootstrap_etcd_auth",
+    "node_password",
+    "node_permissions",
+    "node_principal",
 ]
 
 logger = logging.getLogger(__name__)
 
+_NODE_NAME = re.compile(NODE_NAME_PATTERN)
+
 ROOT = "root"  # etcd's superuser and its role: AuthEnable requires a user "root" holding the role "root"
 AGENT_ROLE = "etrain-agent"
+NODE_USER_PREFIX = "etrain-node-"
 
 
 class BootstrapError(EtcdError):
@@ -57,15 +75,59 @@ class AuthBootstrap:
     """What to set up: ``root``'s password, the agents' user and password, the service's key prefix."""
 
     root_password: str = field(repr=False)
-    agent_user: str
-    agent_password: str = field(repr=False)
+    agent_user: str | None  # None: no shared agents' user (each node has its own, ``nodes``)
+    agent_password: str | None = field(repr=False)
     prefix: str
+    nodes: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # (node name, its password)
+    remove_nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.root_password or not self.agent_password:
-            raise ValueError("etcd bootstrap: the root and agent passwords must not be empty")
-        if not self.agent_user or self.agent_user == ROOT:
-            raise ValueError(f"etcd bootstrap: the agents' user must be a name other than {ROOT!r}")
+        if not self.root_password:
+            raise ValueError("etcd bootstrap: root's password must not be empty")
+        if self.agent_user is not None and (not self.agent_user or self.agent_user == ROOT or not self.agent_password):
+            raise ValueError(f"etcd bootstrap: the agents' user must be a name other than {ROOT!r}, with a password")
+        for name, password in self.nodes:
+            if not _NODE_NAME.fullmatch(name) or not password:
+                raise ValueError(f"etcd bootstrap: node {name!r}: a valid node name and a password are needed")
+        both = {n for n, _ in self.nodes} & set(self.remove_nodes)
+        if both:
+            raise ValueError(f"etcd bootstrap: nodes both made and removed: {', '.join(sorted(both))}")
+
+
+def node_principal(node: str) -> str:
+    """The etcd user, and role, of one node's agent."""
+    return NODE_USER_PREFIX + node
+
+
+def node_password(directory: Path, node: str) -> str:
+    """The password of ``node``'s etcd user from ``directory/<node>``; a random one is made there first (0600, never
+    through a link) when the file does not exist."""
+    path = directory / node
+    if not path.exists():
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass  # another bootstrap made it meanwhile: read that one
+        else:
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_urlsafe(24) + "\n")
+    password = path.read_text().strip()
+    if not password:
+        raise ValueError(f"etcd bootstrap: the password file {path} is empty")
+    return password
+
+
+def node_permissions(prefix: str, node: str) -> tuple[RolePermission, ...]:
+    """What one node's agent may do: its node record (on its lease), read its assignments, write its worker reports,
+    and read the key a client pings."""
+    keys = Keys(prefix)
+    return (
+        RolePermission(keys.node(node), "readwrite"),
+        RolePermission(keys.assignments_of(node), "read", prefix=True),
+        RolePermission(keys.reports_by(node), "readwrite", prefix=True),
+        RolePermission(PING_KEY, "read"),
+    )
 
 
 def agent_permissions(prefix: str) -> tuple[RolePermission, ...]:
@@ -92,7 +154,8 @@ def bootstrap_etcd_auth(config: EtcdConfig, plan: AuthBootstrap) -> BootstrapOut
             try:
                 _ensure(anonymous, plan, set_root_password=True)
                 anonymous.auth_enable()
-                logger.info("etcd authentication turned on; users %s and %s made", ROOT, plan.agent_user)
+                logger.info("etcd authentication turned on; users %s, %s and %d node user(s) made", ROOT,
+                            plan.agent_user or "(no shared agents user)", len(plan.nodes))  # fmt: skip
             except EtcdConnectionError:
                 raise
             except EtcdError as exc:
@@ -117,7 +180,7 @@ def bootstrap_etcd_auth(config: EtcdConfig, plan: AuthBootstrap) -> BootstrapOut
     finally:
         root.close()
     if auth_on:
-        logger.info("etcd authentication was on; user %s and role %s confirmed", plan.agent_user, AGENT_ROLE)
+        logger.info("etcd authentication was on; users and roles confirmed")
         return BootstrapOutcome.CONFIRMED
     return BootstrapOutcome.ENABLED
 
@@ -138,9 +201,32 @@ def _ensure(client: GrpcEtcdClient, plan: AuthBootstrap, *, set_root_password: b
         client.user_change_password(ROOT, plan.root_password)
     client.role_add(ROOT)
     client.user_grant_role(ROOT, ROOT)
-    client.role_add(AGENT_ROLE)
-    for permission in agent_permissions(plan.prefix):
-        client.role_grant_permission(AGENT_ROLE, permission)
-    if not client.user_add(plan.agent_user, plan.agent_password):
-        client.user_change_password(plan.agent_user, plan.agent_password)
-    client.user_grant_role(plan.agent_user, AGENT_ROLE)
+    if plan.agent_user is not None and plan.agent_password is not None:
+        logger.warning("etcd bootstrap: the shared agents' user %s reads and writes all of the service's keys (every "
+                       "job's secrets included): give each node a user of its own (--node)", plan.agent_user)
+        _ensure_user(client, plan.agent_user, plan.agent_password, AGENT_ROLE, agent_permissions(plan.prefix))
+    for node, password in plan.nodes:
+        principal = node_principal(node)
+        _ensure_user(client, principal, password, principal, node_permissions(plan.prefix, node))
+    for node in plan.remove_nodes:
+        principal = node_principal(node)
+        client.user_delete(principal)
+        client.role_delete(principal)
+
+
+def _ensure_user(client: GrpcEtcdClient, user: str, password: str, role: str,
+                 permissions: tuple[RolePermission, ...]) -> None:  # fmt: skip
+    """``user`` with ``password`` holds ``role``, whose permissions are exactly ``permissions``: a grant of an
+    earlier run (another prefix) is taken back after the new ones are in."""
+    client.role_add(role)
+    for permission in permissions:
+        client.role_grant_permission(role, permission)
+    wanted = {(p.key, p.prefix) for p in permissions}
+    for stale in client.role_permissions(role):
+        if (stale.key, stale.prefix) not in wanted:
+            client.role_revoke_permission(role, stale.key, stale.prefix)
+            logger.info("etcd bootstrap: role %s no longer may %s %s%s", role, stale.perm, stale.key,
+                        "*" if stale.prefix else "")  # fmt: skip
+    if not client.user_add(user, password):
+        client.user_change_password(user, password)
+    client.user_grant_role(user, role)

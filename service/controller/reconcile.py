@@ -48,13 +48,14 @@ def _finished_job(entry: JobEntry, view: ClusterView, now: datetime, current: Ma
                   cfg: ReconcileConfig) -> JobUpdate | None:  # fmt: skip
     """A terminal job's update: remove its leftovers (assignments, reports), or after the retention delete it.
     Its status never changes, so nothing is copied: finished jobs cost little however many are kept."""
-    clear_reports = bool(view.reports.get(entry.record.id))
+    reported = sorted(view.reports.get(entry.record.id, {}))
     if not current and retention_over(entry, now, cfg):
-        return JobUpdate(job_id=entry.record.id, expected_revision=entry.status_revision, status=None, purge=True)
-    if not (current or clear_reports):
+        return JobUpdate(job_id=entry.record.id, expected_revision=entry.status_revision, status=None, purge=True,
+                         clear_report_nodes=reported)  # fmt: skip
+    if not (current or reported):
         return None
     return JobUpdate(job_id=entry.record.id, expected_revision=entry.status_revision, status=None,
-                     unassign=sorted(current), clear_reports=clear_reports)  # fmt: skip
+                     unassign=sorted(current), clear_reports=bool(reported), clear_report_nodes=reported)  # fmt: skip
 
 
 def _ts(seconds: float) -> datetime:

@@ -22,7 +22,7 @@ from service.core.models import normalize_checkpoint_url
 
 logger = logging.getLogger("service.core.store")  # the records' warnings, under the store's name as before
 
-__all__ = ["DEFAULT_PREFIX", "Keys", "at_own_key", "dump", "load", "load_progress", "tail"]
+__all__ = ["DEFAULT_PREFIX", "Keys", "at_own_key", "dump", "load", "load_progress", "on_lease", "tail"]
 
 #: The etcd prefix of the service's state unless configured otherwise (controller, agents, CLI alike).
 DEFAULT_PREFIX = "/etrain"
@@ -74,11 +74,12 @@ class Keys:
     def assignment(self, node: str, job_id: str) -> str:
         return f"{self.assign}{node}/{job_id}"
 
-    def reports_of(self, job_id: str) -> str:
-        return f"{self.reports}{job_id}/"
+    def reports_by(self, node: str) -> str:
+        """Every report of one node's agent: a prefix of the node's own (its etcd user may write there alone)."""
+        return f"{self.reports}{node}/"
 
     def report(self, job_id: str, node: str) -> str:
-        return f"{self.reports}{job_id}/{node}"
+        return f"{self.reports}{node}/{job_id}"
 
     def submitter(self, user: str) -> str:
         """The key a user's submits bump (names are quoted: a user name may hold any character)."""
@@ -151,6 +152,16 @@ def at_own_key(kv: KeyValue, named: str, by_key: str) -> bool:
     if named == by_key:
         return True
     logger.warning("ignoring the record at %s: it names %r", kv.key, named[:100])
+    return False
+
+
+def on_lease(kv: KeyValue) -> bool:
+    """Whether a node record lives on a lease, as an agent writes it: only a lease says the node is alive (it goes
+    when the agent stops renewing it), so a record without one (written by hand, or by anyone who may write
+    ``nodes/``) is no node and draws no job."""
+    if kv.lease:
+        return True
+    logger.warning("ignoring the node record at %s: it is on no lease (agents register on theirs)", kv.key)
     return False
 
 

@@ -330,7 +330,7 @@ class Assignment(_Record):
 
 
 class WorkerReport(_Record):
-    """``<prefix>/reports/<job id>/<node>``: what the node's torchrun for the job is doing."""
+    """``<prefix>/reports/<node>/<job id>``: what the node's torchrun for the job is doing."""
 
     job_id: str
     node: str

@@ -9,7 +9,7 @@ Layout under the prefix (``/etrain`` by default)::
     events/<id>/<event id>     Event, ordered by id (time)
     nodes/<name>               NodeInfo, on the agent's lease
     assign/<node>/<id>         Assignment (leader)
-    reports/<id>/<node>        WorkerReport (agent)
+    reports/<node>/<id>        WorkerReport (the node's agent: node first, so a node's etcd user writes one prefix)
     progress/<id>              Progress (the job's rank 0, via elastic.train.progress)
     nodectl/<name>             NodeControl: an operator's cordon / drain request (API; uncordon deletes it)
     metrics/<id>/...           the job's metric series (leader; service.core.metric_store)
@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from elastic.contract.progress import Progress
 from elastic.etcd import EtcdClient, EtcdConnectionError, EtcdError, KeyValue
 from service.core.jobs import new_event, plan_resize
-from service.core.keys import DEFAULT_PREFIX, Keys, at_own_key, dump, load, load_progress, tail
+from service.core.keys import DEFAULT_PREFIX, Keys, at_own_key, dump, load, load_progress, on_lease, tail
 from service.core.metric_store import read_series
 from service.core.models import (
     Assignment,
@@ -256,7 +256,8 @@ class ServiceStore:
             node, _, job_id = tail(kv, k.assign).partition("/")
             jobs.setdefault(node, []).append(job_id)
         infos = [
-            n for kv in nodes if (n := load(NodeInfo, kv)) is not None and at_own_key(kv, n.name, tail(kv, k.nodes))
+            n for kv in nodes
+            if (n := load(NodeInfo, kv)) is not None and at_own_key(kv, n.name, tail(kv, k.nodes)) and on_lease(kv)
         ]
         return sorted(infos, key=lambda n: n.name), jobs
 
@@ -275,11 +276,13 @@ class ServiceStore:
     def reports(self, job_id: str) -> dict[str, WorkerReport]:
         """The agents' worker reports of the job by node (each node's latest: a new generation replaces it); a
         report naming another job or node than its key is ignored."""
-        prefix = self.keys.reports_of(job_id)
-        kvs, _ = self.client.get_prefix(prefix)
+        k = self.keys
+        kvs, _ = self.client.get_prefix(k.reports)
         out: dict[str, WorkerReport] = {}
         for kv in kvs:
-            node = tail(kv, prefix)
+            node, _, of = tail(kv, k.reports).partition("/")
+            if of != job_id:
+                continue
             report = load(WorkerReport, kv)
             if report is not None and at_own_key(kv, report.node, node) and at_own_key(kv, report.job_id, job_id):
                 out[node] = report
@@ -337,9 +340,9 @@ class ServiceStore:
         if update.purge:
             ok, _ = self.client.commit(
                 deletes=[k.job(update.job_id), k.status_of(update.job_id), k.cancel_of(update.job_id),
-                         k.progress_of(update.job_id)],
-                delete_prefixes=[k.events_of(update.job_id), k.reports_of(update.job_id),
-                                 k.metrics_of(update.job_id)],
+                         k.progress_of(update.job_id),
+                         *(k.report(update.job_id, node) for node in update.clear_report_nodes)],
+                delete_prefixes=[k.events_of(update.job_id), k.metrics_of(update.job_id)],
                 expect=[(k.status_of(update.job_id), update.expected_revision)],
                 guard=fence,
             )  # fmt: skip
@@ -354,12 +357,10 @@ class ServiceStore:
         }
         puts += [(k.assignment(node, update.job_id), dump(a)) for node, a in stamped.items()]
         deletes = [k.assignment(node, update.job_id) for node in update.unassign]
-        if not update.clear_reports:
-            deletes += [k.report(update.job_id, node) for node in update.clear_report_nodes]
+        deletes += [k.report(update.job_id, node) for node in update.clear_report_nodes]
         ok, revision = self.client.commit(
             puts,
             deletes,
-            delete_prefixes=[k.reports_of(update.job_id)] if update.clear_reports else [],
             expect=[(k.status_of(update.job_id), update.expected_revision)],
             guard=fence,
         )

@@ -112,7 +112,7 @@ class JobUpdate:
     events: list[Event] = field(default_factory=list)
     assign: dict[str, Assignment] = field(default_factory=dict)
     unassign: list[str] = field(default_factory=list)
-    clear_reports: bool = False
+    clear_reports: bool = False  # every report of the job is deleted: clear_report_nodes names every reporting node
     clear_report_nodes: list[str] = field(default_factory=list)  # delete these nodes' reports of the job
     purge: bool = False  # delete the job with its status, events, reports and progress (retention over)
     # jobs whose updates of the same plan must be applied before this one: they give up nodes this one is assigned

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from elastic.etcd import KeyValue
-from service.core.keys import Keys, at_own_key, load, load_progress, tail
+from service.core.keys import Keys, at_own_key, load, load_progress, on_lease, tail
 from service.core.models import Assignment, JobRecord, JobStatus, NodeControl, NodeInfo, WorkerReport
 from service.core.view import ClusterView, JobEntry
 
@@ -82,7 +82,7 @@ class ViewState:
             self._entry(name)
         elif p == k.nodes:
             n = load(NodeInfo, kv)
-            if n is not None and at_own_key(kv, n.name, name):
+            if n is not None and at_own_key(kv, n.name, name) and on_lease(kv):
                 self._nodes[name] = n
         elif p == k.assign:
             node, _, job_id = name.partition("/")
@@ -92,7 +92,7 @@ class ViewState:
                 self._parsed[kv.key] = (node, job_id)
         elif p == k.reports:
             r = load(WorkerReport, kv)
-            if r is not None and at_own_key(kv, f"{r.job_id}/{r.node}", name):
+            if r is not None and at_own_key(kv, f"{r.node}/{r.job_id}", name):
                 self._reports.setdefault(r.job_id, {})[r.node] = r
                 self._parsed[kv.key] = (r.job_id, r.node)
         elif p == k.nodectl:

@@ -177,10 +177,10 @@ class LocalServiceCluster:
     def reports(self, job_id: str) -> dict[str, WorkerReport]:
         client = create_client(self.etcd.config())
         try:
-            kvs, _ = client.get_prefix(self.keys.reports_of(job_id))
+            kvs, _ = client.get_prefix(self.keys.reports)
         finally:
             client.close()
-        return {r.node: r for kv in kvs if (r := WorkerReport.model_validate_json(kv.value))}
+        return {r.node: r for kv in kvs if (r := WorkerReport.model_validate_json(kv.value)).job_id == job_id}
 
     def job_processes(self, job_id: str) -> list[tuple[int, int]]:
         """``(pid, start time)`` of every torchrun of the job and their workers (also those a zygote forked), from

@@ -218,7 +218,7 @@ class Trial:
         records = _records()
         client.commit(
             deletes=[victim_key(self.store, fam) for fam in ("cancel", "nodes", "progress", "rdzv", "nodectl")],
-            delete_prefixes=[k.events_of(VICTIM), k.reports_of(VICTIM)],
+            delete_prefixes=[k.events_of(VICTIM), k.reports],
         )
         client.commit(
             puts=[(k.job(VICTIM), records["jobs"].model_dump_json().encode()),

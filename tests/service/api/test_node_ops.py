@@ -7,7 +7,7 @@ leader would, so that each mode (active, cordoned, draining, drained) is reached
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -41,7 +41,9 @@ def _store(client: TestClient) -> ServiceStore:
 
 
 def _register(client: TestClient, name: str, capacity: int = 4) -> None:
-    _store(client).register_node(NodeInfo(name=name, capacity=capacity, incarnation="i", registered_at=T0), 0)
+    store = _store(client)  # on a lease, as an agent registers (a record on none is no node)
+    lease = store.client.grant_lease(timedelta(seconds=300))
+    store.register_node(NodeInfo(name=name, capacity=capacity, incarnation="i", registered_at=T0), lease)
 
 
 def _assign(client: TestClient, node: str, job_id: str) -> None:

@@ -23,6 +23,8 @@ from service.controller.etcd_bootstrap import (
     BootstrapOutcome,
     agent_permissions,
     bootstrap_etcd_auth,
+    node_permissions,
+    node_principal,
 )
 from tests.service.tls_etcd import Service
 
@@ -179,3 +181,98 @@ def test_the_command_refuses_a_user_other_than_root_and_a_missing_agent_password
         assert anonymous.user_list() == []  # nothing was made
     finally:
         anonymous.close()
+
+
+# -- one etcd user per node (issue H3: whoever held the shared agents' user controlled the service) ----------------
+NODES = AuthBootstrap(root_password="r00t-pw", agent_user=None, agent_password=None, prefix="/etrain",
+                      nodes=(("n1", "n1-pw"), ("n2", "n2-pw")))  # fmt: skip
+
+
+def test_a_nodes_etcd_user_reaches_its_own_record_assignments_and_reports_and_nothing_else(
+    tls_etcd: str, certs: Path
+) -> None:
+    """Before, the agents' one user read every job's secrets (``jobs/``, ``identities/``, every node's ``assign/``)
+    and could inject jobs, which the leader scheduled past tokens, limits and quotas."""
+    assert bootstrap_etcd_auth(_config(tls_etcd, certs), NODES) is BootstrapOutcome.ENABLED
+    root = _client(tls_etcd, certs, "root", "r00t-pw")
+    secrets = ["/etrain/jobs/j-1", "/etrain/identities/j-1", "/etrain/status/j-1", "/etrain/assign/n2/j-1",
+               "/etrain/reports/n2/j-1", "/etrain/progress/j-1", "/etrain.rdzv/j-1.g1/state"]  # fmt: skip
+    for key in [*secrets, "/etrain/assign/n1/j-1"]:
+        root.put(key, b'{"secret": "s3cret"}')
+    node = _client(tls_etcd, certs, node_principal("n1"), "n1-pw")
+    try:
+        lease = node.grant_lease(timedelta(seconds=10))
+        node.put("/etrain/nodes/n1", b"{}", lease=lease)  # its registration, on its lease
+        (mine,), _ = node.read_prefixes(["/etrain/assign/n1/"])
+        assert [kv.key for kv in mine] == ["/etrain/assign/n1/j-1"]
+        node.put("/etrain/reports/n1/j-1", b"{}")
+        node.wait_for_event("/etrain/assign/n1/", 0, timedelta(seconds=0.2), prefix=True)  # it may watch them
+        for key in secrets:
+            with pytest.raises(EtcdError, match="permission denied"):
+                node.get(key)
+        for key in [*secrets, "/etrain/assign/n1/j-2", "/etrain/nodes/n2", "/etrain/nodes/n10", "/etrain/leader",
+                    "/etrain/cancel/j-1"]:  # fmt: skip
+            with pytest.raises(EtcdError, match="permission denied"):
+                node.put(key, b"{}")
+        with pytest.raises(EtcdError, match="permission denied"):
+            node.get_prefix("/etrain/assign/")  # every node's assignments
+    finally:
+        node.close()
+        root.close()
+
+
+def test_bootstrap_takes_back_grants_of_an_earlier_prefix_and_removes_a_node_that_left(
+    tls_etcd: str, certs: Path
+) -> None:
+    """Before, a run with another ``--prefix`` kept the old grant too (L5)."""
+    old = AuthBootstrap(root_password="r00t-pw", agent_user="etrain-agent", agent_password="ag3nt-pw", prefix="/old",
+                        nodes=(("n1", "n1-pw"),))  # fmt: skip
+    bootstrap_etcd_auth(_config(tls_etcd, certs), old)
+    new = AuthBootstrap(root_password="r00t-pw", agent_user="etrain-agent", agent_password="ag3nt-pw",
+                        prefix="/etrain", nodes=(("n1", "n1-pw"),), remove_nodes=("n2",))  # fmt: skip
+    bootstrap_etcd_auth(_config(tls_etcd, certs), new)
+    root = _client(tls_etcd, certs, "root", "r00t-pw")
+    try:
+        by_key = {"key": lambda p: (p.key, p.prefix)}
+        assert root.role_permissions(AGENT_ROLE) == sorted(agent_permissions("/etrain"), **by_key)  # type: ignore[arg-type]
+        assert root.role_permissions(node_principal("n1")) == sorted(node_permissions("/etrain", "n1"),
+                                                                     key=lambda p: (p.key, p.prefix))  # fmt: skip
+        bootstrap_etcd_auth(_config(tls_etcd, certs), NODES)
+        assert node_principal("n2") in root.user_list()
+        gone = AuthBootstrap(root_password="r00t-pw", agent_user=None, agent_password=None, prefix="/etrain",
+                             remove_nodes=("n2",))  # fmt: skip
+        bootstrap_etcd_auth(_config(tls_etcd, certs), gone)
+        assert node_principal("n2") not in root.user_list()
+    finally:
+        root.close()
+    with pytest.raises(EtcdError):
+        _client(tls_etcd, certs, node_principal("n2"), "n2-pw").get("/etrain/nodes/n2")
+
+
+def test_an_agent_as_its_nodes_own_etcd_user_runs_a_job_with_the_controller_as_root(
+    tls_etcd: str, certs: Path, tmp_path: Path
+) -> None:
+    """The command with ``--node``: it writes the node's password file, and an agent holding it (and nothing more)
+    registers, runs a job and reports: every key the agent touches is inside its node's role."""
+    (tmp_path / "root-pw").write_text("r00t-pw\n")
+    ca = ["--etcd-ca-cert", str(certs / "ca.pem")]
+    command = [sys.executable, "-m", "service.cli", "etcd-bootstrap", "--etcd", tls_etcd, *ca, "--etcd-password-file",
+               str(tmp_path / "root-pw"), "--node", "n1", "--node-password-dir", str(tmp_path / "nodes")]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETRAIN_")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=_ROOT, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "etcd authentication enabled: users 'root' and 'etrain-node-n1'"
+    password_file = tmp_path / "nodes" / "n1"
+    assert password_file.stat().st_mode & 0o777 == 0o600
+    again = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=_ROOT, env=env)
+    assert again.returncode == 0 and "confirmed" in again.stdout, again.stderr
+
+    controller = ["--etcd-user", "root", "--etcd-password-file", str(tmp_path / "root-pw")]
+    agent = ["--etcd-user", node_principal("n1"), "--etcd-password-file", str(password_file)]
+    service = Service(tmp_path, tls_etcd, ca, role_flags={"controller": controller, "agent": agent})
+    try:
+        job = service.run_one_node_job()
+    finally:
+        service.stop()
+    assert job["state"] == "succeeded", job["last_error"]
+    assert "permission denied" not in (tmp_path / "agent.log").read_text()

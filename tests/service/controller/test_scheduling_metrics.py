@@ -4,7 +4,7 @@ cause, and the leader's count of the scheduling actions it applied (in-memory et
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -47,7 +47,8 @@ def _job(store: ServiceStore, job_id: str, state: JobState, nodes: list[str], re
 
 
 def _node(store: ServiceStore, name: str) -> None:
-    store.register_node(NodeInfo(name=name, capacity=1, incarnation="i", registered_at=T0), 0)
+    lease = store.client.grant_lease(timedelta(seconds=300))  # as an agent registers: a record on none is no node
+    store.register_node(NodeInfo(name=name, capacity=1, incarnation="i", registered_at=T0), lease)
 
 
 def _control(store: ServiceStore, name: str, mode: NodeMode) -> None:

@@ -86,7 +86,8 @@ def _submit(store: ServiceStore, job_id: str, nodes: int = 1) -> None:
 
 
 def _node(store: ServiceStore, name: str) -> None:
-    store.register_node(NodeInfo(name=name, capacity=1, incarnation="i", registered_at=T0), 0)
+    lease = store.client.grant_lease(timedelta(seconds=300))  # as an agent registers: a record on none is no node
+    store.register_node(NodeInfo(name=name, capacity=1, incarnation="i", registered_at=T0), lease)
 
 
 def test_a_leader_reads_everything_once_then_only_changes(server: MemoryEtcdServer) -> None:

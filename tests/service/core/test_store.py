@@ -131,7 +131,7 @@ def test_assignments_of_a_node_are_keyed_by_job_with_the_read_revision(store: Se
 
 def test_read_view_gathers_jobs_nodes_assignments_reports_and_progress_at_one_revision(store: ServiceStore) -> None:
     _create(store, "j-1")
-    store.register_node(_node("n1"), 0)
+    store.register_node(_node("n1"), store.client.grant_lease(timedelta(seconds=300)))
     store.client.put(store.keys.assignment("n1", "j-1"), _assignment("j-1").model_dump_json().encode())
     store.put_report(WorkerReport(job_id="j-1", node="n1", generation=1, state="running", pid=5))
     last = store.client.put(store.keys.progress_of("j-1"), Progress(step=3, world_size=1, time=1.0).to_json())
@@ -192,7 +192,8 @@ def test_apply_unassigns_nodes_and_clears_the_jobs_reports(store: ServiceStore) 
     store.put_report(WorkerReport(job_id="j-10", node="n1", generation=1, state="running"))
     entry = store.get_job("j-1")
     assert entry is not None
-    update = JobUpdate("j-1", entry.status_revision, None, unassign=["n1"], clear_reports=True)
+    update = JobUpdate("j-1", entry.status_revision, None, unassign=["n1"], clear_reports=True,
+                       clear_report_nodes=["n1"])  # reports are keyed by node: each named
     assert store.apply(update, fence) is True
     view = store.read_view()
     assert view.assignments == {} and list(view.reports) == ["j-10"]
@@ -272,3 +273,12 @@ def test_a_users_submit_checked_on_a_read_another_of_its_submits_outdated_is_ref
         store.create_job(*_pending(store, "d-1", "dave"), submitter=("dave", store.jobs_for_submit("dave")[1]))
     # a user name that prefixes another's has a key of its own
     assert store.jobs_for_submit("car")[1] == 0 and store.keys.submitter("a/b") == store.keys.submitters + "a%2Fb"
+
+
+def test_a_node_record_on_no_lease_is_no_node_and_draws_no_job(store: ServiceStore) -> None:
+    """Before, a ``nodes/evil`` record written without a lease (by anyone who may write ``nodes/``) was listed and
+    drew a real job's assignment (M3): only a lease says an agent is alive."""
+    store.client.put(store.keys.node("evil"), _node("evil").model_dump_json().encode())
+    store.register_node(_node("n1"), store.client.grant_lease(timedelta(seconds=300)))
+    assert set(store.read_view().nodes) == {"n1"}
+    assert [n.name for n in store.list_nodes()[0]] == ["n1"]

@@ -77,13 +77,13 @@ class Changes:
         elif kind == 6:
             p = Progress(step=r.randint(0, 100), world_size=r.randint(1, 4), time=1e9 + r.random(), nodes=[node])
             c.put(k.progress_of(job), self._value(p.to_json()) if r.random() < 0.9 else b'{"step": -1}')
-        elif kind == 7:  # deletions: one key, or a job's reports, or a node's lease
+        elif kind == 7:  # deletions: one key, or a node's reports, or a node's lease
             choice = r.randrange(4)
             if choice == 0:
                 c.delete(r.choice([k.job(job), k.status_of(job), k.cancel_of(job), k.progress_of(job), k.node(node),
                                    k.nodectl_of(node)]))  # fmt: skip
             elif choice == 1:
-                c.commit(delete_prefixes=[k.reports_of(job)])
+                c.commit(delete_prefixes=[k.reports_by(node)])
             elif choice == 2:
                 c.delete(k.assignment(node, job))
             elif self.leases:
@@ -158,7 +158,7 @@ def test_a_key_deleted_without_any_write_is_noticed(memory: MemoryEtcdClient) ->
     info = NodeInfo(name="n1", capacity=1, incarnation="i", registered_at=T0)
     lease = memory.grant_lease(timedelta(seconds=30))
     store.register_node(info, lease)
-    store.register_node(info.model_copy(update={"name": "n2"}), 0)
+    store.register_node(info.model_copy(update={"name": "n2"}), memory.grant_lease(timedelta(seconds=30)))
     cache = ViewCache(memory, store.keys, watch=False)
     cache._hints = None
     assert set(cache.read().nodes) == {"n1", "n2"}
