@@ -191,7 +191,7 @@ def load_tokens(path: str | Path) -> tuple[TokenEntry, ...]:
 
 
 _QUOTA_KEYS = ("users", "queues", "default_user", "limits")
-_LIMIT_KEYS = ("max_priority", "queues", "max_pending")
+_LIMIT_KEYS = ("max_priority", "queues", "max_pending", "max_jobs")
 _QUEUE_NAME = re.compile(NAME_PATTERN)
 
 
@@ -220,7 +220,7 @@ def _quota_map(data: Any, key: str, source: str) -> dict[str, int]:
 
 def _limits(data: Any, where: str) -> SubmitLimits:
     if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a mapping with max_priority, queues and/or max_pending")
+        raise ConfigError(f"{where} must be a mapping with max_priority, queues, max_pending and/or max_jobs")
     unknown = sorted(str(k) for k in data if k not in _LIMIT_KEYS)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (expected {', '.join(_LIMIT_KEYS)})")
@@ -232,7 +232,11 @@ def _limits(data: Any, where: str) -> SubmitLimits:
             raise ConfigError(f"{where}.queues must be a list of queue names, got {queues!r}")
     if pending is not None and (isinstance(pending, bool) or not isinstance(pending, int) or pending < 0):
         raise ConfigError(f"{where}.max_pending must be a whole number >= 0, got {pending!r}")
-    return SubmitLimits(max_priority=prio, queues=None if queues is None else frozenset(queues), max_pending=pending)
+    stored = data.get("max_jobs")
+    if stored is not None and (isinstance(stored, bool) or not isinstance(stored, int) or stored < 0):
+        raise ConfigError(f"{where}.max_jobs must be a whole number >= 0, got {stored!r}")
+    return SubmitLimits(max_priority=prio, queues=None if queues is None else frozenset(queues), max_pending=pending,
+                        max_jobs=stored)  # fmt: skip
 
 
 def _parse_limits(data: Any, source: str) -> tuple[dict[str, SubmitLimits], SubmitLimits]:

@@ -254,7 +254,10 @@ def plan_resize(
 #: what a ``user`` token may submit where the quotas file grants it nothing (no ``--quotas``, a user it does not
 #: name, a limit neither its entry nor ``limits.default`` sets): priority 0 at most, no queue, any number pending.
 #: Secure by default: a user token cannot preempt anyone, nor spend a queue's quota, until an operator says so.
-UNGRANTED_LIMITS = SubmitLimits(max_priority=0, queues=frozenset(), max_pending=None)
+#: what a user token may where the quotas file grants nothing: priority 0 at most, no queue, and 1,000 jobs stored at
+#: once (cancelled and finished ones count until the retention deletes them: submit-then-cancel stored any number of
+#: specs, each kept 7 days, until etcd's reads of them failed)
+UNGRANTED_LIMITS = SubmitLimits(max_priority=0, queues=frozenset(), max_pending=None, max_jobs=1000)
 
 
 def user_submit_limits(quotas: Quotas, user: str) -> SubmitLimits:
@@ -266,7 +269,7 @@ def user_submit_limits(quotas: Quotas, user: str) -> SubmitLimits:
 def submit_refusal(spec: JobSpec, user: str, quotas: Quotas, jobs: Iterable[JobEntry]) -> tuple[int, str] | None:
     """Why ``user`` (a ``user`` token's name) may not submit ``spec`` now, as ``(HTTP status, message)``: 403 for a
     priority above its maximum or a queue it may not use (:func:`user_submit_limits`), 429 while it has
-    ``max_pending`` jobs pending; None: it may. ``jobs``: every job the store holds."""
+    ``max_pending`` jobs pending or ``max_jobs`` stored; None: it may. ``jobs``: every job the store holds."""
     granted = quotas.submit_limits(user)
     limits = granted.over(UNGRANTED_LIMITS)
     if limits.max_priority is not None and spec.priority > limits.max_priority:
@@ -280,6 +283,13 @@ def submit_refusal(spec: JobSpec, user: str, quotas: Quotas, jobs: Iterable[JobE
                   "; no queue is allowed where the quotas file's limits grant none: an operator grants queues "
                   "there")  # fmt: skip
         return 403, f"user {user} may not submit to queue {spec.queue} (its queues: {allowed}{source})"
+    jobs = list(jobs)
+    if limits.max_jobs is not None:
+        stored = sum(1 for e in jobs if e.record.submitted_by == user)
+        if stored >= limits.max_jobs:
+            return 429, (f"user {user} has {stored} job(s) stored, its most (max_jobs {limits.max_jobs}), finished and "
+                         "cancelled ones included until the retention deletes them: submit again then, or ask an "
+                         "operator to raise max_jobs in the quotas file")  # fmt: skip
     if limits.max_pending is not None:
         pending = sum(1 for e in jobs if e.record.submitted_by == user and e.status.state == JobState.PENDING)
         if pending >= limits.max_pending:

@@ -54,6 +54,7 @@ class SubmitLimits:
     max_priority: int | None = None  # the highest spec.priority it may give
     queues: frozenset[str] | None = None  # the queues its jobs may name (a job without a queue: always)
     max_pending: int | None = None  # its jobs waiting to start (state pending) at once
+    max_jobs: int | None = None  # its jobs stored at once, in any state (finished ones until the retention ends)
 
     def over(self, fallback: SubmitLimits) -> SubmitLimits:
         """These limits, each one unset taken from ``fallback``."""
@@ -61,6 +62,7 @@ class SubmitLimits:
             max_priority=self.max_priority if self.max_priority is not None else fallback.max_priority,
             queues=self.queues if self.queues is not None else fallback.queues,
             max_pending=self.max_pending if self.max_pending is not None else fallback.max_pending,
+            max_jobs=self.max_jobs if self.max_jobs is not None else fallback.max_jobs,
         )
 
 

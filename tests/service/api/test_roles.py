@@ -36,7 +36,7 @@ def api(etcd_server: LocalEtcdCluster, key_prefix: str, tmp_path: Path) -> Itera
     quotas_file = tmp_path / "quotas.yaml"
     quotas_file.write_text(yaml.safe_dump({"limits": {
         "default": {"max_priority": 0},
-        "users": {"carol": {"max_priority": 10, "queues": ["team-a"], "max_pending": 2}},
+        "users": {"carol": {"max_priority": 10, "queues": ["team-a"], "max_pending": 2}, "dave": {"max_jobs": 3}},
     }}))  # fmt: skip
     reconcile = ReconcileConfig(success_grace=timedelta(seconds=5), quotas=load_quotas(quotas_file))
     settings = make_settings(etcd_server, key_prefix, checkpoint_root=f"file://{tmp_path}/ckpt", reconcile=reconcile)
@@ -116,3 +116,19 @@ def test_concurrent_submits_of_one_user_never_exceed_its_pending_cap(api: TestCl
         codes = sorted(pool.map(lambda _: _submit(api, USER).status_code, range(12)))
     assert codes == [201, 201] + [429] * 10
     assert len(api.get("/v1/jobs", headers=_as(USER)).json()["jobs"]) == 2
+
+
+def test_a_users_stored_jobs_are_capped_cancelled_ones_included_and_another_user_is_not_held_by_it(
+    api: TestClient,
+) -> None:
+    """Before, ``max_pending`` counted pending jobs only: submit-then-cancel stored any number of specs (each kept for
+    the retention) until etcd's reads of ``jobs/`` failed for everyone (H2)."""
+    for _ in range(3):
+        made = _submit(api, OTHER_USER)
+        assert made.status_code == 201, made.text
+        assert api.post(f"/v1/jobs/{made.json()['id']}/cancel", headers=_as(OTHER_USER)).status_code == 202
+    fourth = _submit(api, OTHER_USER)
+    assert fourth.status_code == 429
+    assert fourth.json()["detail"].startswith("user dave has 3 job(s) stored, its most (max_jobs 3)")
+    assert _submit(api, USER).status_code == 201  # carol: the default's 1000
+    assert _submit(api, ADMIN).status_code == 201  # an operator: no limits

@@ -82,12 +82,13 @@ def test_a_quotas_file_grants_a_user_more_and_users_it_does_not_name_keep_the_se
 
 
 def test_user_submit_limits_fill_what_the_file_leaves_unset_with_the_secure_default() -> None:
-    assert UNGRANTED_LIMITS == SubmitLimits(max_priority=0, queues=frozenset(), max_pending=None)
+    assert UNGRANTED_LIMITS == SubmitLimits(max_priority=0, queues=frozenset(), max_pending=None, max_jobs=1000)
     assert user_submit_limits(Quotas(), "anyone") == UNGRANTED_LIMITS
     quotas = Quotas(limits={"carol": SubmitLimits(queues=frozenset({"team-a"}))},
                     default_limits=SubmitLimits(max_pending=3))  # fmt: skip
     assert user_submit_limits(quotas, "carol") == SubmitLimits(max_priority=0, queues=frozenset({"team-a"}),
-                                                               max_pending=3)  # fmt: skip
-    assert user_submit_limits(quotas, "dave") == SubmitLimits(max_priority=0, queues=frozenset(), max_pending=3)
+                                                               max_pending=3, max_jobs=1000)  # fmt: skip
+    assert user_submit_limits(quotas, "dave") == SubmitLimits(max_priority=0, queues=frozenset(), max_pending=3,
+                                                              max_jobs=1000)  # fmt: skip
     grant_all = Quotas(default_limits=SubmitLimits(max_priority=1000))
     assert user_submit_limits(grant_all, "dave").max_priority == 1000
