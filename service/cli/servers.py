@@ -178,6 +178,7 @@ def cmd_etcd_bootstrap(args: argparse.Namespace) -> int:
             prefix=args.prefix,
             nodes=tuple((name, node_password(Path(args.node_password_dir), name)) for name in nodes),
             remove_nodes=tuple(removed),
+            prune_nodes=args.prune_nodes,
         )
         outcome = bootstrap_etcd_auth(config, plan)
     except (ConfigError, ValueError, OSError) as exc:
@@ -299,4 +300,6 @@ def add_server_commands(sub: Any) -> None:
                    "exists, else a random one is written there (0600) for the node's agent (--etcd-password-file)")
     p.add_argument("--remove-node", action="append", metavar="NAME", help="delete the etcd user and role of a node "
                    "that left the cluster (its tokens stop working at once); repeatable")
+    p.add_argument("--prune-nodes", action="store_true", help="also delete every node's etcd user that no --node names "
+                   "(an etcd of this service alone: the chart's, whose agents are listed in full)")
     p.set_defaults(fn=cmd_etcd_bootstrap)

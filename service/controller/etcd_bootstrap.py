@@ -80,6 +80,7 @@ class AuthBootstrap:
     prefix: str
     nodes: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # (node name, its password)
     remove_nodes: tuple[str, ...] = ()
+    prune_nodes: bool = False  # also remove each node user of ours that ``nodes`` leaves out (one service's etcd)
 
     def __post_init__(self) -> None:
         if not self.root_password:
@@ -208,10 +209,16 @@ def _ensure(client: GrpcEtcdClient, plan: AuthBootstrap, *, set_root_password: b
     for node, password in plan.nodes:
         principal = node_principal(node)
         _ensure_user(client, principal, password, principal, node_permissions(plan.prefix, node))
-    for node in plan.remove_nodes:
+    removed = set(plan.remove_nodes)
+    if plan.prune_nodes:
+        kept = {node_principal(n) for n, _ in plan.nodes}
+        removed |= {u[len(NODE_USER_PREFIX):] for u in client.user_list() if u.startswith(NODE_USER_PREFIX)
+                    and u not in kept}  # fmt: skip
+    for node in sorted(removed):
         principal = node_principal(node)
         client.user_delete(principal)
         client.role_delete(principal)
+        logger.info("etcd bootstrap: node user %s removed", principal)
 
 
 def _ensure_user(client: GrpcEtcdClient, user: str, password: str, role: str,

@@ -35,11 +35,18 @@ def mounted_secret_keys(workload: mf.Manifest, container: dict[str, Any]) -> dic
     volumes = {v["name"]: v for v in mf.pod_spec(workload).get("volumes", [])}
     out: dict[str, tuple[str, str, int]] = {}
     for mount in container.get("volumeMounts", []):
-        secret = (volumes.get(mount["name"]) or {}).get("secret")
+        volume = volumes.get(mount["name"]) or {}
+        secret = volume.get("secret")
         if secret:
             for item in secret["items"]:
                 mode = int(secret.get("defaultMode", 0o644))
                 out[f"{mount['mountPath']}/{item['path']}"] = (secret["secretName"], item["key"], mode)
+        projected = volume.get("projected")
+        if projected:  # several Secrets' keys in one directory
+            mode = int(projected.get("defaultMode", 0o644))
+            for source in projected["sources"]:
+                for item in source["secret"]["items"]:
+                    out[f"{mount['mountPath']}/{item['path']}"] = (source["secret"]["name"], item["key"], mode)
     return out
 
 
@@ -50,8 +57,9 @@ def write_mounted_secrets(
     path -> local path."""
     out: dict[str, str] = {}
     for path, (secret, key, mode) in mounted_secret_keys(workload, container).items():
-        local = root / path.strip("/").replace("/", "_")
-        root.mkdir(parents=True, exist_ok=True)
+        directory, _, base = path.rpartition("/")
+        local = root / directory.strip("/").replace("/", "_") / base  # one local directory per mounted one
+        local.parent.mkdir(parents=True, exist_ok=True)
         local.write_bytes(secret_data(objects, secret)[key])
         local.chmod(mode & 0o700)  # one user here: the owner bits of the volume's mode
         out[path] = str(local)
@@ -196,12 +204,15 @@ def etrain_process(
     # the container's per-job uids (root with four capabilities, a work dir of its own) are checked on the rendered
     # objects (test_chart_security); this local process keeps pytest's root-only directories: no uid switch here
     env.pop("ETRAIN_JOB_UID_RANGE", None)
+    # an argument naming a mounted directory (e.g. --node-password-dir) points at its local copy
+    mounts = {m["mountPath"]: str(tmp / f"{name}-files" / m["mountPath"].strip("/").replace("/", "_"))
+              for m in container.get("volumeMounts", [])}  # fmt: skip
     argv = [
         sys.executable,
         "-c",
         "import sys; from service.cli.main import main; sys.exit(main())",
         *container["command"][1:],
-        *container.get("args", []),
+        *(mounts.get(a, a) for a in container.get("args", [])),
     ]
     base = {k: v for k, v in os.environ.items() if not k.startswith("ETRAIN_")}
     full_env = {**base, **env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}

@@ -10,6 +10,7 @@ import importlib.util
 import ipaddress
 import json
 import threading
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -549,3 +550,57 @@ def test_in_cluster_etcd_users_follow_etcd_auth_and_tls_and_the_agents_user_cann
     assert not [m for m in existing if m.kind == "Secret" and m.name.endswith("-etcd-users")]
     volumes = {v["name"]: v for v in mf.pod_spec(mf.one(existing, "StatefulSet", "-agent"))["volumes"]}
     assert volumes["etcd-auth"]["secret"]["secretName"] == "my-etcd-users"
+
+
+def test_per_node_etcd_users_give_each_agent_a_user_and_secret_of_its_own_and_the_rendered_bootstrap_confines_them(
+    chart: helm.Chart, tmp_path: Path
+) -> None:
+    """etcd.auth.perNodeUsers: agent.replicas StatefulSets of one pod, each mounting only its own password Secret;
+    the rendered init container (its args, its projected volume of every agent's password) makes one etcd user per
+    agent on the rendered etcd, and agent 1's user, with agent 1's mounted password, reaches node 1's keys only.
+    Before, every agent held the one shared user, which reads every job's secrets (issue H3)."""
+    from elastic.etcd import EtcdConfig, EtcdError, create_client
+
+    objects = render(chart, LOOPBACK_SANS, {"etcd": {"auth": {"perNodeUsers": True}}, "agent": {"replicas": 3}})
+    agents = [m for m in objects if m.kind == "StatefulSet" and "-agent" in m.name]
+    assert [a.name for a in agents] == [f"{RELEASE}-etrain-agent-{i}" for i in range(3)]
+    secrets = {}
+    for i, sts in enumerate(agents):
+        assert sts.obj["spec"]["replicas"] == 1
+        env = mf.env_of(mf.container(sts, "agent"))
+        assert env["ETRAIN_NODE_NAME"] == sts.name and env["ETRAIN_ETCD_USER"] == f"etrain-node-{sts.name}"
+        mounted = rd.mounted_secret_keys(sts, mf.container(sts, "agent"))
+        assert mounted["/etc/etrain/etcd-auth/password"][:2] == (f"{RELEASE}-etrain-etcd-node-{i}", "password")
+        assert not [s for s, _, _ in mounted.values() if s.endswith("-etcd-users")]  # no shared password
+        secrets[sts.name] = rd.secret_data(objects, f"{RELEASE}-etrain-etcd-node-{i}")["password"].decode()
+    assert len(set(secrets.values())) == 3
+    init = mf.container(mf.one(objects, "Deployment"), "etcd-bootstrap")
+    assert "ETRAIN_ETCD_AGENT_PASSWORD_FILE" not in mf.env_of(init) and "--prune-nodes" in init["args"]
+
+    etcd = rd.RenderedEtcd(objects, tmp_path / "etcd").start()
+    try:
+        printed = rd.run_etcd_bootstrap(objects, etcd, tmp_path)
+        assert f"'etrain-node-{agents[2].name}'" in printed, printed
+        env = rd.expand_env(mf.container(agents[1], "agent")["env"], {}, {"metadata.name": "p", "status.podIP": "1",
+                                                                          "spec.nodeName": "k"})  # fmt: skip
+        files = rd.write_mounted_secrets(objects, agents[1], mf.container(agents[1], "agent"), tmp_path / "a1")
+        options = {"ca_cert": files[env["ETRAIN_ETCD_CA_CERT"]], "cert": files[env["ETRAIN_ETCD_CERT"]],
+                   "cert_key": files[env["ETRAIN_ETCD_KEY"]], "user": env["ETRAIN_ETCD_USER"],
+                   "password": Path(files[env["ETRAIN_ETCD_PASSWORD_FILE"]]).read_text().strip(), "op_timeout": "5"}
+        node = create_client(EtcdConfig.from_options(etcd.localize(env["ETRAIN_ETCD_ENDPOINTS"]), options))
+        try:
+            mine, other = agents[1].name, agents[0].name
+            node.put(f"/etrain/nodes/{mine}", b"{}", lease=node.grant_lease(timedelta(seconds=10)))
+            node.get_prefix(f"/etrain/assign/{mine}/")
+            for key in (f"/etrain/nodes/{other}", f"/etrain/assign/{other}/j", "/etrain/jobs/j"):
+                with pytest.raises(EtcdError, match="permission denied"):
+                    node.put(key, b"{}")
+            with pytest.raises(EtcdError, match="permission denied"):
+                node.get_prefix(f"/etrain/assign/{other}/")
+        finally:
+            node.close()
+    finally:
+        etcd.stop()
+    with pytest.raises(helm.HelmRenderError) as info:
+        render(chart, {"etcd": {"auth": {"perNodeUsers": True}}, "agent": {"kind": "DaemonSet"}})
+    assert "etcd.auth.perNodeUsers=true needs agent.kind=StatefulSet" in str(info.value)

@@ -88,6 +88,22 @@ would be readable on the network): the controller is root, agents etcd.auth.agen
 {{- if and (include "etrain.etcd.inClusterTls" .) .Values.etcd.auth.enabled }}true{{ end }}
 {{- end }}
 
+{{/* True (non-empty) when each agent has an etcd user of its own (etcd.auth.perNodeUsers with the in-cluster etcd's
+users): agent.replicas StatefulSets of one pod each. */}}
+{{- define "etrain.agent.perNodeUsers" -}}
+{{- if and (include "etrain.etcd.inClusterAuth" .) .Values.etcd.auth.perNodeUsers }}true{{ end }}
+{{- end }}
+
+{{/* The node name of agent number (dict "ctx" . "index" i) with per-node users, also its StatefulSet's name. */}}
+{{- define "etrain.agent.indexedName" -}}
+{{- printf "%s-agent-%d" (include "etrain.fullname" .ctx) (int .index) }}
+{{- end }}
+
+{{/* The Secret with agent number (dict "ctx" . "index" i)'s etcd password (key "password"). */}}
+{{- define "etrain.etcd.nodeSecret" -}}
+{{- printf "%s-etcd-node-%d" (include "etrain.fullname" .ctx) (int .index) }}
+{{- end }}
+
 {{/* The Secret with the in-cluster etcd's root-password and agent-password. */}}
 {{- define "etrain.etcd.authSecret" -}}
 {{- default (printf "%s-etcd-users" (include "etrain.fullname" .)) .Values.etcd.auth.existingSecret }}
@@ -262,7 +278,7 @@ would be readable on the network): the controller is root, agents etcd.auth.agen
 {{- end }}
 {{- if include "etrain.etcd.inClusterAuth" . }}
 - name: ETRAIN_ETCD_USER
-  value: {{ ternary "root" .Values.etcd.auth.agentUser (eq $component "controller") | quote }}
+  value: {{ ternary "root" ($.etcdUser | default .Values.etcd.auth.agentUser) (eq $component "controller") | quote }}
 - name: ETRAIN_ETCD_PASSWORD_FILE
   value: /etc/etrain/etcd-auth/password
 {{- else if include "etrain.etcd.usesPassword" . }}
@@ -279,8 +295,9 @@ would be readable on the network): the controller is root, agents etcd.auth.agen
 agents are etcd.auth.agentUser. */}}
 {{- define "etrain.commonEnv" -}}
 {{- $component := .component }}
+{{- $etcdUser := .etcdUser }}
 {{- with .ctx }}
-{{- include "etrain.etcdEnv" (dict "ctx" . "component" $component) }}
+{{- include "etrain.etcdEnv" (dict "ctx" . "component" $component "etcdUser" $etcdUser) }}
 - name: ETRAIN_PREFIX
   value: {{ .Values.prefix | quote }}
 - name: TORCH_DISABLE_SHARE_RDZV_TCP_STORE
@@ -376,7 +393,15 @@ agent whose jobs run as uids of their own). The controller's etcd-auth volume ho
         path: tls.key
       {{- end }}
 {{- end }}
-{{- if include "etrain.etcd.inClusterAuth" $ctx }}
+{{- if and (include "etrain.etcd.inClusterAuth" $ctx) .nodeSecret }}
+- name: etcd-auth
+  secret:
+    secretName: {{ .nodeSecret }}
+    defaultMode: {{ $mode }}
+    items:
+      - key: password
+        path: password
+{{- else if include "etrain.etcd.inClusterAuth" $ctx }}
 - name: etcd-auth
   secret:
     secretName: {{ include "etrain.etcd.authSecret" $ctx }}

@@ -57,6 +57,9 @@ line by design; the chart's tests therefore render with each values file.)
 {{- if and (not $v.etcd.tls.enabled) (or $v.etcd.tls.existingSecret $v.etcd.tls.existingClientSecret $v.etcd.tls.extraSANs) }}
 {{- fail "etrain: etcd.tls.existingSecret, etcd.tls.existingClientSecret and etcd.tls.extraSANs need etcd.tls.enabled=true." }}
 {{- end }}
+{{- if and $v.etcd.auth.perNodeUsers (or (ne $v.agent.kind "StatefulSet") $v.agent.autoscaling.enabled) }}
+{{- fail "etrain: etcd.auth.perNodeUsers=true needs agent.kind=StatefulSet and agent.autoscaling.enabled=false: each agent gets an etcd user and a password Secret of its own, made for agent.replicas agents." }}
+{{- end }}
 {{- if and $v.etcd.auth.enabled (or (not $v.etcd.auth.agentUser) (eq (toString $v.etcd.auth.agentUser) "root")) }}
 {{- fail "etrain: etcd.auth.agentUser must be a user name other than root: the agents get the release's keys only, root stays with the controller." }}
 {{- end }}
