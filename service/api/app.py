@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -32,6 +33,22 @@ from service.core.store import create_store
 logger = logging.getLogger(__name__)
 
 __all__ = ["METHOD_LABELS", "create_app", "method_label"]
+
+
+def _utf8(value: Any) -> Any:
+    """``value`` with every string that UTF-8 cannot encode (a lone surrogate from a JSON ``\\ud800`` escape, quoted
+    back in a validation error) written with backslash escapes: the 422 itself failed with a 500 before."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode()
+        return value
+    if isinstance(value, dict):
+        return {_utf8(k): _utf8(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_utf8(v) for v in value]
+    return value
 
 
 def _one_line(errors: list[dict[str, object]]) -> str:
@@ -120,7 +137,7 @@ def create_app(settings: Settings, client: EtcdClient | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = jsonable_encoder(exc.errors())
+        errors = _utf8(jsonable_encoder(exc.errors()))
         return JSONResponse({"detail": errors, "message": _one_line(errors)}, status_code=422)
 
     @app.exception_handler(EtcdError)

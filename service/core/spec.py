@@ -242,6 +242,10 @@ _ASSIGNMENT_OVERHEAD = 512
 def submit_problems(spec: JobSpec) -> list[tuple[str, str]]:
     """``(field, message)`` for what a new job may not ask although the model accepts it (stored jobs keep
     loading): limits the controller's etcd transactions must honour. Empty: the job can be scheduled."""
+    unencodable = _unencodable_fields(spec.model_dump())
+    if unencodable:  # nothing more can be checked (or stored, or passed to a process) of such a spec
+        return [(field, "is not valid Unicode text (a lone surrogate such as \\ud800): it cannot be stored or "
+                        "passed to a process") for field in unencodable]  # fmt: skip
     problems = [(field, "contains a NUL byte, which no process can be given (arguments, environment and paths "
                         "are C strings)") for field in _nul_fields(spec)]
     size = len(spec.model_dump_json())
@@ -257,6 +261,23 @@ def submit_problems(spec: JobSpec) -> list[tuple[str, str]]:
                                 f"would exceed {_ASSIGNMENTS_BUDGET} bytes in one etcd transaction: shrink env "
                                 "and args, or max_nodes"))  # fmt: skip
     return problems
+
+
+def _unencodable_fields(value: object, path: str = "") -> list[str]:
+    """The fields (``env.X``, ``args.2``) of a dumped spec whose text UTF-8 cannot encode: JSON's ``\\ud800`` escapes
+    give such strings, which every later serialization refused with an error (the submit answered 500)."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return [path or "spec"]
+        return []
+    if isinstance(value, dict):
+        return [f for k, v in value.items() for f in
+                _unencodable_fields(k, path) + _unencodable_fields(v, f"{path}.{k}".lstrip("."))]  # fmt: skip
+    if isinstance(value, (list, tuple)):
+        return [f for i, v in enumerate(value) for f in _unencodable_fields(v, f"{path}.{i}".lstrip("."))]
+    return []
 
 
 def _nul_fields(spec: JobSpec) -> list[str]:

@@ -322,3 +322,24 @@ def test_spellings_of_an_active_jobs_checkpoint_prefix_are_the_same_prefix(api: 
     for other in (f"{root}//a", f"{root}/./a", f"{root}/a/", f"{root}/a//b"):
         resp = api.post("/v1/jobs", json={**SPEC, "checkpoint_url": other})
         assert resp.status_code == 409, (other, resp.text)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (rb'{"name": "a", "entrypoint": "t.py", "env": {"X": "\ud800"}}', "env.X"),
+        (rb'{"name": "a", "entrypoint": "t.py", "args": ["ok", "\udfff"]}', "args.1"),
+        (rb'{"name": "a", "entrypoint": "t.py", "env": {"\ud800": "x"}}', "env"),
+        (rb'{"name": "a", "entrypoint": "t\ud800.py"}', "entrypoint"),
+    ],
+    ids=["env-value", "args-item", "env-name", "entrypoint"],
+)
+def test_text_that_is_no_valid_unicode_is_422_naming_the_field_not_a_500(
+    api: TestClient, body: bytes, field: str
+) -> None:
+    """JSON's ``\\ud800`` escapes give lone surrogates: the submit answered 500 (its size check could not serialize
+    the spec, or the 422 could not quote it back). Found by fuzzing the launch path with the API's specs."""
+    resp = api.post("/v1/jobs", content=body, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["message"].startswith(field + ":"), resp.json()
+    assert api.get("/v1/jobs").json()["jobs"] == []
