@@ -195,7 +195,7 @@ def check_fence(storage: CheckpointStorage, options: CheckpointOptions, step: in
         return
     for entry in scan(storage, options.signing_key):
         theirs = entry.manifest.meta.get(GENERATION_META) if entry.manifest is not None else None
-        if theirs is not None and theirs.isdigit() and int(theirs) > options.generation:
+        if theirs is not None and theirs.isascii() and theirs.isdigit() and int(theirs) > options.generation:
             raise CheckpointFencedError(
                 f"save of step {step} by job generation {options.generation} refused: generation {theirs} "
                 f"committed step {entry.step} under {storage.url}"

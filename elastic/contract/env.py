@@ -181,7 +181,7 @@ def _int(name: str, raw: str) -> int:
 
 
 def _local_every(raw: str) -> int:
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()):
         raise WorkerEnvError(f"{LOCAL_SNAPSHOT_EVERY} must be a number of steps (0: off), got {raw!r}")
     return int(raw)
 

@@ -92,7 +92,7 @@ def zygote_owner_or_none() -> int | None:
     """``$ETRAIN_PREFORK_OWNER`` when it names a live process (a hot spare's node agent keeps a zygote warm
     between jobs), else None."""
     raw = os.environ.get(PREFORK_OWNER, "")
-    return int(raw) if raw.isdigit() and process_stat(int(raw)) is not None else None
+    return int(raw) if raw.isascii() and raw.isdigit() and process_stat(int(raw)) is not None else None
 
 
 def zygote_owner() -> int:

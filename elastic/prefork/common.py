@@ -183,7 +183,7 @@ def launcher_pid() -> int:
     zygote forked, the parent of the client it runs for (the zygote may serve several agents:
     ``ETRAIN_PREFORK_OWNER``)."""
     raw = os.environ.get(PREFORK_CLIENT, "")
-    if raw.isdigit() and int(raw) != os.getpid():
+    if raw.isascii() and raw.isdigit() and int(raw) != os.getpid():
         st = process_stat(int(raw))
         if st is not None:
             return st[0]

@@ -79,7 +79,7 @@ class UidRange:
     def parse(cls, text: str) -> UidRange:
         """``"20000-29999"``; ValueError (one line) otherwise."""
         low, sep, high = text.strip().partition("-")
-        if not sep or not low.isdigit() or not high.isdigit():
+        if not sep or not (low + high).isascii() or not low.isdigit() or not high.isdigit():
             raise ValueError(f"a uid range is LOW-HIGH (e.g. 20000-29999), got {text!r}")
         return cls(int(low), int(high))
 

@@ -61,7 +61,7 @@ def read_series(client: EtcdClient, keys: Keys, job_id: str, limits: SeriesLimit
         try:
             if name == "windows":
                 stored = StoredWindows.model_validate_json(kv.value)
-            elif name.startswith("points/") and name[7:].isdigit():
+            elif name.startswith("points/") and name[7:].isascii() and name[7:].isdigit():
                 chunks.append((int(name[7:]), _POINTS.validate_json(kv.value)))
         except ValidationError as exc:
             logger.warning("job %s: ignoring its unreadable metric series value at %s: %s", job_id, kv.key,

@@ -113,6 +113,8 @@ def _without(name: str) -> dict[str, str]:
         ({**_JOB.to_environ(), contract.LR_POLICY: '{"rule": "cubic", "base_lr": 1, "base_world_size": 1, '
                                                    '"base_batch_per_worker": 1}'}, "ETRAIN_LR_POLICY is not an LR"),
         ({contract.LOCAL_SNAPSHOT_EVERY: "often"}, "ETRAIN_LOCAL_SNAPSHOT_EVERY must be a number of steps"),
+        # a digit str.isdigit() accepts and int() refuses: it raised a plain ValueError (issue 48, L1's kin)
+        ({contract.LOCAL_SNAPSHOT_EVERY: "\u00b2"}, "ETRAIN_LOCAL_SNAPSHOT_EVERY must be a number of steps"),
         ({contract.ETCD_USER: "u"}, "ETRAIN_ETCD_USER set without ETRAIN_ETCD_ENDPOINTS"),
     ],
 )  # fmt: skip
