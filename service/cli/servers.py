@@ -254,7 +254,8 @@ def add_server_commands(sub: Any) -> None:
          "after they end", str(7 * 24 * 3600), type=float)  # fmt: skip
     add_flag(p, "--quotas", ENV_QUOTAS_FILE, "YAML/JSON node quotas {users: {NAME: N}, queues: {QUEUE: N}, "
          "default_user: N, limits: {default: L, users: {NAME: L}}} (L: what user tokens submit: max_priority, queues, "
-         "max_pending); none: no quotas")  # fmt: skip
+         "max_pending, max_jobs; a user token's unset ones: max_priority 0, no queues, max_jobs 1000); none: no node "
+         "quotas, and those defaults")  # fmt: skip
     p.add_argument("--insecure", action="store_true", default=env_or(ENV_INSECURE, "") or False,
                    help=f"serve a non-loopback --host without --tokens-file: anyone reaching it is admin "
                    f"({ENV_INSECURE})")  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -236,7 +236,7 @@ class Trial:
         record = JobRecord(id=bystander, spec=JobSpec(name="bystander", entrypoint="b.py"), created_at=now)
         store.create_job(record, JobStatus(created_at=now, updated_at=now), _event(now))
         key = victim_key(store, family)
-        store.client.put(key, value.replace(BYSTANDER.encode(), bystander.encode()))
+        store.client.put(key, value.replace(BYSTANDER.encode(), bystander.encode()), lease=_lease_of(store, family))
         where = f"{family} {key} = {value[:300]!r}"
 
         # scheduled: the first pass starts the bystander on a live node; the next leaves it running there
@@ -319,13 +319,18 @@ def test_long_run_garbage_in_a_victim_key_in_memory_etcd(family: str, memory_har
     check()
 
 
+def _lease_of(store: ServiceStore, family: str) -> int:
+    """A node record is read only on a lease (as agents register): the fuzzed ones get one, so they are parsed."""
+    return store.client.grant_lease(timedelta(seconds=300)) if family == "nodes" else 0
+
+
 def test_the_victims_keys_are_the_ones_the_service_reads(etcd_harness: StoreHarness) -> None:
     """The fuzzer writes where the service looks: a well-formed value at each victim key is read back."""
     store = etcd_harness.store
     Trial(etcd_harness).reset()
     for family in ("events", "nodes", "reports", "progress", "cancel", "nodectl"):
         value = RECORDS[family]
-        store.client.put(victim_key(store, family), _dumps(value))
+        store.client.put(victim_key(store, family), _dumps(value), lease=_lease_of(store, family))
     view = store.read_view()
     assert VICTIM in view.jobs and view.jobs[VICTIM].cancel_requested
     assert VICTIM_NODE in view.nodes and VICTIM in view.assignments["n1"]

@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -133,7 +133,8 @@ def _register(etcd_client: EtcdClient, settings: Settings, name: str, agent: _Ag
     info = NodeInfo(name=name, capacity=1, rdzv_host="127.0.0.1", hostname="node-host", incarnation="x",
                     registered_at=datetime.now(timezone.utc), logs_url=f"http://127.0.0.1:{port}",
                     logs_token="t" * 32)  # fmt: skip
-    etcd_client.put(Keys(settings.prefix).node(name), dump(info))
+    lease = etcd_client.grant_lease(timedelta(seconds=300))  # as an agent registers: on a lease
+    etcd_client.put(Keys(settings.prefix).node(name), dump(info), lease=lease)
 
 
 @pytest.mark.timeout(60)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -82,7 +82,8 @@ def test_a_node_record_pointing_the_logs_proxy_elsewhere_gets_nothing_sent(
     )):
         if url == f"http://{host}:{port}/" and host == "127.0.0.1":
             continue  # loopback is a registered host: that one is asked (below)
-        etcd_client.put(keys.node(f"evil-{i}"), dump(_node(f"evil-{i}", url)))
+        lease = etcd_client.grant_lease(timedelta(seconds=300))  # a record on no lease is no node at all
+        etcd_client.put(keys.node(f"evil-{i}"), dump(_node(f"evil-{i}", url)), lease=lease)
         resp = api.get(f"/v1/jobs/{job_id}/logs", params={"node": f"evil-{i}"})
         assert resp.status_code == 502, (url, resp.status_code, resp.text)
         assert f"node evil-{i} published a logs_url that is refused" in resp.json()["detail"], url
