@@ -9,7 +9,7 @@ pass that failed: whatever keeps the pass from succeeding, the store does not go
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 
 from elastic.etcd import EtcdConnectionError, EtcdError
@@ -29,11 +29,14 @@ def retention_over(entry: JobEntry, now: datetime, cfg: ReconcileConfig) -> bool
 
 
 def expired_jobs(
-    entries: Iterable[JobEntry], assigned: set[str], now: datetime, cfg: ReconcileConfig
+    entries: Iterable[JobEntry], assigned: set[str], reported: Mapping[str, Iterable[str]], now: datetime,
+    cfg: ReconcileConfig,
 ) -> list[JobUpdate]:
-    """The purges of the jobs past retention that hold no assignment (``assigned``: job ids that do)."""
+    """The purges of the jobs past retention that hold no assignment (``assigned``: job ids that do), each with the
+    reports its nodes left (``reported``: job id -> nodes)."""
     return [
-        JobUpdate(job_id=e.record.id, expected_revision=e.status_revision, status=None, purge=True)
+        JobUpdate(job_id=e.record.id, expected_revision=e.status_revision, status=None, purge=True,
+                  clear_report_nodes=sorted(reported.get(e.record.id, ())))  # fmt: skip
         for e in entries
         if e.record.id not in assigned and retention_over(e, now, cfg)
     ]
@@ -44,8 +47,11 @@ def sweep_expired(store: ServiceStore, fence: tuple[str, int], now: datetime, cf
     :class:`EtcdConnectionError` when etcd cannot be reached; a job etcd refuses is left for the next sweep."""
     _, assignments = store.list_nodes()
     assigned = {job_id for jobs in assignments.values() for job_id in jobs}
+    reported: dict[str, list[str]] = {}
+    for node, job_id in store.report_keys():
+        reported.setdefault(job_id, []).append(node)
     deleted = 0
-    for update in expired_jobs(store.list_jobs(), assigned, now, cfg):
+    for update in expired_jobs(store.list_jobs(), assigned, reported, now, cfg):
         try:
             if store.apply(update, fence):
                 deleted += 1

@@ -273,6 +273,12 @@ class ServiceStore:
     def put_report(self, report: WorkerReport) -> None:
         self.client.put(self.keys.report(report.job_id, report.node), dump(report))
 
+    def report_keys(self) -> list[tuple[str, str]]:
+        """``(node, job id)`` of every worker report stored (its keys only)."""
+        k = self.keys
+        kvs, _ = self.client.get_prefix(k.reports)
+        return [(node, job_id) for kv in kvs for node, _, job_id in [tail(kv, k.reports).partition("/")] if job_id]
+
     def reports(self, job_id: str) -> dict[str, WorkerReport]:
         """The agents' worker reports of the job by node (each node's latest: a new generation replaces it); a
         report naming another job or node than its key is ignored."""

@@ -20,7 +20,7 @@ from elastic.testing.wait import wait_until
 from service.api.app import create_app
 from service.controller.loop import FAILING_AFTER, Controller
 from service.core.config import EtcdOptions, Settings
-from service.core.models import JobRecord, JobSpec, JobStatus
+from service.core.models import JobRecord, JobSpec, JobStatus, WorkerReport
 from service.core.states import JobState
 from service.core.store import ServiceStore, new_event
 from service.core.view import ReconcileConfig
@@ -72,6 +72,7 @@ def test_while_every_pass_fails_readyz_says_so_and_finished_jobs_are_still_delet
     long_ago = datetime.now(timezone.utc) - timedelta(days=30)
     _store_jobs(store, 5, 100, finished=long_ago)
     client.put(store.keys.progress_of("live-1"), b'{"step": 1, "pad": "' + b"x" * 100_000 + b'"}')
+    store.put_report(WorkerReport(job_id="old-00001", node="n1", generation=1, state="exited", exit_code=0))
     settings = Settings(etcd=EtcdOptions("127.0.0.1:9"), prefix=prefix, tokens=None,
                         leader_ttl=timedelta(seconds=2), reconcile_interval=timedelta(seconds=0.2),
                         reconcile=ReconcileConfig(terminal_retention=timedelta(days=7)))  # fmt: skip
@@ -83,4 +84,5 @@ def test_while_every_pass_fails_readyz_says_so_and_finished_jobs_are_still_delet
         assert ready.json()["ready"] is False and "failing" in ready.json()["reconcile"]
         assert "larger than max" in ready.json()["reconcile"]
         assert wait_until(lambda: store.client.count_prefix(store.keys.jobs) == 0, timeout=30), "not deleted"
+        assert store.client.count_prefix(store.keys.reports) == 0  # with what their nodes reported
         assert controller.health.failing  # still: the progress report is there
