@@ -35,8 +35,13 @@ def expired_jobs(
     """The purges of the jobs past retention that hold no assignment (``assigned``: job ids that do), each with the
     reports its nodes left (``reported``: job id -> nodes)."""
     return [
-        JobUpdate(job_id=e.record.id, expected_revision=e.status_revision, status=None, purge=True,
-                  clear_report_nodes=sorted(reported.get(e.record.id, ())))  # fmt: skip
+        JobUpdate(
+            job_id=e.record.id,
+            expected_revision=e.status_revision,
+            status=None,
+            purge=True,
+            clear_report_nodes=sorted(reported.get(e.record.id, ())),
+        )
         for e in entries
         if e.record.id not in assigned and retention_over(e, now, cfg)
     ]
