@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -128,16 +129,28 @@ class PassRecorder:
         return out
 
 
+#: what a realistic job's spec carries besides its shape (issue 48's "ordinary jobs of about 1 KB, a 5-line spec")
+_HISTORY_ENV = {"WANDB_PROJECT": "llm-sweep", "WANDB_API_KEY": "x" * 40, "HF_HOME": "/lustre/cache/hf",
+                "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "8", "DATA_DIR": "/lustre/datasets/owt/v3"}  # fmt: skip
+_HISTORY_ARGS = ["--config", "configs/gpt2-small.yaml", "--lr", "3e-4", "--batch-size", "32", "--max-steps", "20000"]
+
+
 def store_history(store: ServiceStore, count: int) -> None:
-    """``count`` finished jobs, as the API and the leader leave them (record, terminal status, events)."""
+    """``count`` finished jobs of a realistic size (about 1 KB of spec), as the API and the leader leave them (record,
+    terminal status, events), several at a time."""
     now = datetime.now(timezone.utc)
-    for i in range(count):
-        spec = JobSpec(name=f"old-{i}", entrypoint="train.py", min_nodes=2, max_nodes=4)
-        created = now - timedelta(hours=1, seconds=i)
-        record = JobRecord(id=f"old-{i}-{i:08x}", spec=spec, created_at=created, submitted_by="bench")
-        status = JobStatus(state=JobState.SUCCEEDED, message="finished at step 100", generation=1, step=100,
-                           created_at=created, updated_at=now, started_at=created, finished_at=now)  # fmt: skip
-        store.create_job(record, status, new_event("submitted", "submitted by bench", created))
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: _store_one(store, i, now), range(count)))
+
+
+def _store_one(store: ServiceStore, i: int, now: datetime) -> None:
+    spec = JobSpec(name=f"old-{i}", entrypoint="train.py", min_nodes=2, max_nodes=4, env=_HISTORY_ENV,
+                   args=_HISTORY_ARGS, checkpoint_url=f"s3://ckpt/sweep/old-{i}")  # fmt: skip
+    created = now - timedelta(hours=1, seconds=i)
+    record = JobRecord(id=f"old-{i}-{i:08x}", spec=spec, created_at=created, submitted_by="bench")
+    status = JobStatus(state=JobState.SUCCEEDED, message="finished at step 100", generation=1, step=100,
+                       created_at=created, updated_at=now, started_at=created, finished_at=now)  # fmt: skip
+    store.create_job(record, status, new_event("submitted", "submitted by bench", created))
 
 
 def _spec(i: int) -> dict[str, Any]:
@@ -187,6 +200,11 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 r.raise_for_status()
                 submitted.append(r.json()["id"])
             submit_s = time.monotonic() - began
+            list_ms = []
+            for _ in range(5):
+                t0 = time.monotonic()
+                http.get("/v1/jobs", params={"limit": 200}).raise_for_status()
+                list_ms.append((time.monotonic() - t0) * 1e3)
             agents.stdin.write(f"api {url}\nsteady\n")
             agents.stdin.flush()
 
@@ -231,7 +249,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "passes_all": recorder.report(),
         "failed_passes": len(recorder.failures), "failed_pass_examples": recorder.failures[:3],
         "api_status_ms": _summary(api["status_s"], 1e3), "metrics_ms": _summary(api["metrics_s"], 1e3),
-        "api_non_200": len(api["non_200"]),
+        "api_non_200": len(api["non_200"]), "list_jobs_ms": _summary(list_ms, 1.0),
     }  # fmt: skip
 
 
@@ -257,6 +275,7 @@ def print_result(r: dict[str, Any]) -> None:
         print(f"  FAILED passes: {r['failed_passes']}, e.g. {r['failed_pass_examples'][0]}")
     print(f"  GET /v1/jobs/{{id}} {_fmt(r['api_status_ms'], ' ms')}; non-200: {r['api_non_200']}")
     print(f"  GET /metrics     {_fmt(r['metrics_ms'], ' ms')}")
+    print(f"  GET /v1/jobs (first 200 of every job) {_fmt(r['list_jobs_ms'], ' ms')}")
     print(f"  submit {r['jobs']} jobs {r['submit_s']:.1f} s; 95% running after {r['schedule_s']:.1f} s;"
           f" {r['jobs_replaced']} finished jobs replaced during the steady phase")  # fmt: skip
 
