@@ -8,7 +8,8 @@ the parsed value, plus the view derived from them, and brings them to a new revi
 1. One transaction at revision R: for each prefix believed unchanged since the cache's revision C, the
    compare ``every key under it has mod revision <= C`` and a count of its keys; for each prefix that may
    have changed (an etcd watch of the prefix saw a write after C: :class:`_ChangeHints`, only a hint), its
-   keys and mod revisions without values (``keys_only``). If a compare fails (the hint was late), the
+   keys and mod revisions without values (``keys_only``), ``list_page`` keys at a time (the rest in further
+   requests at revision R). If a compare fails (the hint was late), the
    failure branch lists every prefix's keys instead; a count that differs (a key deleted, which no mod
    revision shows) makes the pass try again with that prefix listed.
 2. The values of the keys whose mod revision differs from the cached one (new or rewritten), 128 per
@@ -31,16 +32,19 @@ import threading
 from collections.abc import Callable, Sequence
 
 from elastic.etcd import EtcdClient, KeyValue
-from elastic.etcd.txn import Compare, CompareOp, CompareTarget, GetOp
+from elastic.etcd.txn import Compare, CompareOp, CompareTarget, GetOp, GetResult
 from service.core.keys import Keys
 from service.core.view import ClusterView
 from service.core.view_state import ViewState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ViewCache"]
+__all__ = ["LIST_PAGE_KEYS", "ViewCache"]
 
 _MAX_OPS = 128  # etcd's default --max-txn-ops: compares, and ops of one branch
+#: keys per answer of a prefix's listing (keys only, under 100 bytes each): a listing of all eight prefixes stays
+#: within gRPC's 4 MiB answer
+LIST_PAGE_KEYS = 4_000
 
 
 class _ChangeHints:
@@ -83,9 +87,11 @@ class ViewCache:
 
     def __init__(self, client: EtcdClient, keys: Keys, *, watch: bool = True, max_changed: int = 2048,
                  on_read: Callable[[str, int], None] | None = None, prefixes: Sequence[str] | None = None,
-                 ) -> None:  # fmt: skip
-        """``prefixes``: keep only these of the view's prefixes (default all; the view's other maps are empty)."""
+                 list_page: int = LIST_PAGE_KEYS) -> None:  # fmt: skip
+        """``prefixes``: keep only these of the view's prefixes (default all; the view's other maps are empty).
+        ``list_page``: keys per answer when a prefix is listed (its keys only)."""
         self._client = client
+        self._list_page = max(1, list_page)
         self._keys = keys
         self._prefixes = list(prefixes) if prefixes is not None else ViewState.prefixes(keys)
         self._watch = watch
@@ -128,6 +134,20 @@ class ViewCache:
         return self._full().view()
 
     # -- reads ---------------------------------------------------------------------------------------
+    def _rest_of_listing(self, prefix: str, first: GetResult, revision: int) -> list[KeyValue]:
+        """The whole listing of ``prefix`` at ``revision`` whose first page is ``first``: no number of keys takes
+        one answer past gRPC's 4 MiB (about 60 bytes a key: some 70,000 keys)."""
+        kvs = list(first.kvs)
+        left = first.count - len(kvs)
+        while left > 0 and kvs:
+            got = self._client.txn([], [GetOp(prefix, prefix=True, keys_only=True, limit=self._list_page,
+                                              after=kvs[-1].key, revision=revision)]).get(0)  # fmt: skip
+            if not got.kvs:
+                break
+            kvs += got.kvs
+            left = got.count - len(got.kvs)
+        return kvs
+
     def _full(self) -> ViewState:
         self._state = None
         prefixes = self._prefixes
@@ -151,21 +171,24 @@ class ViewCache:
         dirty = set(prefixes) if self._hints is None else self._hints.changed_after(since) | self._suspect
         clean = [p for p in prefixes if p not in dirty]
         listed = [p for p in prefixes if p in dirty]
+        page = self._list_page
         result = self._client.txn(
             [Compare(p, CompareTarget.MOD, CompareOp.LESS, since + 1, prefix=True) for p in clean],
             [GetOp(p, prefix=True, count_only=True) for p in clean]
-            + [GetOp(p, prefix=True, keys_only=True) for p in listed],
-            [GetOp(p, prefix=True, keys_only=True) for p in prefixes],
+            + [GetOp(p, prefix=True, keys_only=True, limit=page) for p in listed],
+            [GetOp(p, prefix=True, keys_only=True, limit=page) for p in prefixes],
         )  # fmt: skip
-        listings: dict[str, tuple[KeyValue, ...]] = {}
+        listings: dict[str, list[KeyValue]] = {}
         if result.succeeded:
             for i, p in enumerate(clean):
                 if result.get(i).count != state.count(p):  # a key deleted: only a listing shows which
                     self._suspect.add(p)
                     return False
-            listings = {p: result.get(len(clean) + i).kvs for i, p in enumerate(listed)}
+            first = {p: result.get(len(clean) + i) for i, p in enumerate(listed)}
         else:
-            listings = {p: result.get(i).kvs for i, p in enumerate(prefixes)}
+            first = {p: result.get(i) for i, p in enumerate(prefixes)}
+        for p, head in first.items():  # a listing longer than a page goes on at the transaction's revision
+            listings[p] = self._rest_of_listing(p, head, result.revision)
         changed: list[tuple[str, int]] = []
         deleted: list[str] = []
         for p, kvs in listings.items():

@@ -15,7 +15,7 @@ from elastic.contract.progress import Progress
 from elastic.etcd import EtcdClient, MemoryEtcdClient, MemoryEtcdServer
 from service.core.models import Assignment, JobRecord, JobSpec, JobStatus, NodeControl, NodeInfo, NodeMode, WorkerReport
 from service.core.states import JobState
-from service.core.store import ServiceStore
+from service.core.store import ServiceStore, new_event
 from service.core.view_cache import ViewCache
 
 pytestmark = pytest.mark.timeout(120)
@@ -215,3 +215,30 @@ def real(etcd_client: EtcdClient, key_prefix: str) -> Iterator[ServiceStore]:
 def test_the_cached_view_equals_a_full_read_on_a_real_etcd(real: ServiceStore, watch: bool) -> None:
     reads = _check(real.client, real, 11, 120, watch)
     assert reads["full"] == 1
+
+
+def test_a_listing_longer_than_one_answer_is_read_in_pages_and_the_view_still_equals_a_full_read() -> None:
+    """Each pass lists the prefixes that changed (keys only). One answer held every key: past gRPC's 4 MiB (some
+    70,000 jobs) every incremental pass failed, and the leader fell back to reading everything each time. Here the
+    client may receive 64 KiB, and 2,000 jobs' keys take about 100 KB."""
+    server = MemoryEtcdServer(max_response_bytes=64 * 1024)
+    memory = server.client()
+    store = ServiceStore(memory, "/t")
+    now = datetime.now(timezone.utc)
+    for i in range(2000):
+        record = JobRecord(id=f"job-{i:04d}", spec=JobSpec(name="j", entrypoint="t.py"), created_at=now)
+        store.create_job(record, JobStatus(created_at=now, updated_at=now), new_event("submitted", "s", now))
+    kinds: list[str] = []
+    cache = ViewCache(memory, store.keys, watch=False, list_page=500, on_read=lambda kind, _n: kinds.append(kind))
+    try:
+        assert len(cache.read().jobs) == 2000
+        later = JobStatus(message="changed", created_at=now, updated_at=now)
+        memory.put(store.keys.status_of("job-1234"), later.model_dump_json().encode())
+        memory.delete(store.keys.cancel_of("nothing"))  # (no change) ...
+        memory.delete(store.keys.job("job-0007"))  # ... and a deletion, which only a listing shows
+        cached = cache.read()
+        assert cached == store.read_view()
+        assert cached.jobs["job-1234"].status.message == "changed" and "job-0007" not in cached.jobs
+        assert kinds == ["full", "incremental"]  # the second read went incremental, in pages
+    finally:
+        cache.close()
