@@ -16,7 +16,8 @@
 # session); 20.2 and 24.3 min (tenth session, before and after warm jobs forked their torchrun: this VM's speed
 # drifted by a quarter within that session, `import torch` 2.9 -> 3.5-3.9 CPU-s); eleventh session (`import torch`
 # 1.5 CPU-s): 14.7 and 14.9 min before its changes, 11.0, 11.4 (CI=true, before compat; 20.3 with it) and 12.8
-# after; 2026-12-02 (fifteenth session): 13.8 min (11.8 of parallel pytest). See README "Development".
+# after; 2026-12-02 (fifteenth session): 13.8 min (11.8 of parallel pytest); 2026-12-06 (sixteenth): 12.0 and 13.0 min
+# from fresh clones (1.2 of them set-up, 10.2-11.1 of parallel pytest). See README "Development".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Each phase's heading says when it started (minutes:seconds since this script did): CI prints only a part of the
