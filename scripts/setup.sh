@@ -22,6 +22,9 @@ command -v etcdctl >/dev/null 2>&1 || need_apt+=(etcd-client)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v nft >/dev/null 2>&1 || need_apt+=(nftables)  # network partitions in the chaos suite
 command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)  # the dashboard's browser tests (tests/service/ui)
+# a real Slurm for the HPC scripts' tests (tests/deploy/slurm.py: munged, slurmctld and slurmd on this machine)
+{ command -v slurmctld || [ -x /usr/sbin/slurmctld ]; } >/dev/null 2>&1 || need_apt+=(slurm-wlm)
+{ command -v munged || [ -x /usr/sbin/munged ]; } >/dev/null 2>&1 || need_apt+=(munge)
 BASE=${PYTHON:-python3}
 if ! $BASE -c 'import venv, ensurepip' >/dev/null 2>&1; then need_apt+=(python3-venv); fi
 if [ ${#need_apt[@]} -gt 0 ]; then

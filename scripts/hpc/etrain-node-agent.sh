@@ -4,12 +4,13 @@
 #
 #   ETRAIN_ETCD_ENDPOINTS   required: the etcd endpoints the controller uses ("h1:2379,h2:2379,h3:2379")
 #   ETRAIN_PREFIX           etcd key prefix, the same as the controller's (default /etrain)
-#   ETRAIN_NODE_NAME        agent name (default: the short host name)
+#   ETRAIN_NODE_NAME        agent name (default: Slurm's node name, SLURMD_NODENAME, else the short host name)
 #   ETRAIN_NPROC_PER_NODE   worker processes (default: SLURM_GPUS_ON_NODE, else the number of devices in
 #                           CUDA_VISIBLE_DEVICES, else ETRAIN_DEFAULT_NPROC, else 1)
 #   ETRAIN_RDZV_HOST        address the other nodes reach this one at (default: hostname -f)
 #   ETRAIN_WORK_DIR         node-local scratch (default: ${TMPDIR:-/tmp}/etrain-<job id>-<node name>)
-#   ETRAIN_HEALTH_PORT      port of the agent's /healthz (default 8081)
+#   ETRAIN_HEALTH_PORT      port of the agent's /healthz (default 8081; 0, off, inside a Slurm or PBS job: the batch
+#                           system watches its nodes, and two allocations sharing a node would both want 8081)
 #   ETRAIN_LOGS_PORT        port the agent serves its jobs' logs on, for `etrain logs` and the dashboard (unset: off)
 #   ETRAIN_AGENT_ARGS       extra `etrain agent` arguments, split on blanks
 #   ETRAIN_BIN              the etrain executable (default: etrain on PATH)
@@ -50,12 +51,17 @@ nproc_per_node() {
 }
 
 host_short=$(hostname -s 2>/dev/null || hostname)
-node_name=${ETRAIN_NODE_NAME:-$host_short}
+# Slurm's name of the node (a node may run several slurmd, or be named otherwise than its host)
+node_name=${ETRAIN_NODE_NAME:-${SLURMD_NODENAME:-$host_short}}
 nproc=$(nproc_per_node)
 rdzv_host=${ETRAIN_RDZV_HOST:-$(hostname -f 2>/dev/null || hostname)}
 job_id=${SLURM_JOB_ID:-${PBS_JOBID:-local}}
 work_dir=${ETRAIN_WORK_DIR:-${TMPDIR:-/tmp}/etrain-${job_id}-${node_name}}
-health_port=${ETRAIN_HEALTH_PORT:-8081}
+if [ -n "${SLURM_JOB_ID:-}${PBS_JOBID:-}" ]; then
+  health_port=${ETRAIN_HEALTH_PORT:-0}
+else
+  health_port=${ETRAIN_HEALTH_PORT:-8081}
+fi
 mkdir -p "$work_dir"
 
 extra=()

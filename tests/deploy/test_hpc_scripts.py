@@ -155,6 +155,7 @@ def test_node_script_runs_the_agent_with_slurm_gpus_and_node_identity(fakes: Pat
     env = _env(
         fakes,
         SLURM_JOB_ID="4242",
+        SLURMD_NODENAME="gpu-17",  # Slurm's name of the node: the agent's (tests/deploy/test_slurm.py runs it)
         SLURM_GPUS_ON_NODE="4",
         ETRAIN_ETCD_ENDPOINTS=ENDPOINTS,
         ETRAIN_PREFIX="/teams/a",
@@ -163,18 +164,18 @@ def test_node_script_runs_the_agent_with_slurm_gpus_and_node_identity(fakes: Pat
     )
     proc = _run(NODE_SCRIPT, env)
     assert proc.returncode == 0, proc.stderr
-    short, full = _hostnames()
-    work_dir = f"{env['TMPDIR']}/etrain-4242-{short}"
+    _short, full = _hostnames()
+    work_dir = f"{env['TMPDIR']}/etrain-4242-gpu-17"
     etrain = _record(fakes, "etrain")
     assert etrain["argv"] == [
         "agent",
         "--etcd", ENDPOINTS,
         "--prefix", "/teams/a",
-        "--node-name", short,
+        "--node-name", "gpu-17",
         "--nproc-per-node", "4",
         "--rdzv-host", full,
         "--work-dir", work_dir,
-        "--health-port", "8081",
+        "--health-port", "0",  # off inside a batch job: two allocations on one node would both want 8081
         "--extra-flag", "value",
     ]  # fmt: skip
     assert (
