@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 #SBATCH --job-name=etrain-agents
 #SBATCH --ntasks-per-node=1
+# A node that fails must not end the allocation: by default Slurm kills (or requeues) the whole job then, and every
+# other node's agent with it. --no-kill here keeps the allocation, and on srun below keeps the other nodes' tasks.
+#SBATCH --no-kill
+# A requeued job appends to its output instead of overwriting what the earlier run said (the node failure, say).
+#SBATCH --open-mode=append
 # Starts one etrain agent on every node of a Slurm allocation with srun; the agents join the controller
 # through the same etcd and prefix. Submit with the node count and GPUs you want, e.g.
 #
@@ -13,7 +18,8 @@
 #   ETRAIN_CONTROLLER_URL   optional: wait for its /readyz before starting (ETRAIN_CONTROLLER_WAIT s, default 60)
 #   ETRAIN_SRUN_ARGS        extra srun arguments, split on blanks
 #   SRUN                    the srun executable (default srun)
-# One agent failing does not stop the others (--kill-on-bad-exit=0): the job shrinks and goes on.
+# One agent failing does not stop the others (--kill-on-bad-exit=0), nor does a node that fails (--no-kill, on
+# sbatch and srun): the service's jobs shrink and go on.
 set -euo pipefail
 
 self_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -44,6 +50,7 @@ exec "${SRUN:-srun}" \
   --ntasks="$nodes" \
   --ntasks-per-node=1 \
   --kill-on-bad-exit=0 \
+  --no-kill \
   --export=ALL \
   "${extra[@]}" \
   bash "$hpc_dir/etrain-node-agent.sh"

@@ -148,6 +148,21 @@ class LocalSlurm:
                               timeout=30)  # fmt: skip
         return done.stdout.strip()
 
+    def node_state(self, name: str) -> str:
+        """Slurm's short state of one node (``idle``, ``alloc``, ``down*``, ...)."""
+        states = dict(line.split() for line in self.sinfo().splitlines() if len(line.split()) == 2)
+        return states.get(name, "")
+
+    def kill_node(self, name: str, also: list[int]) -> None:
+        """A node dies: its slurmd and the processes ``also`` (its tasks, their slurmstepd) get SIGKILL at once."""
+        daemon = next(p for p, n in zip(self._procs[2:], self.names, strict=True) if n == name)
+        for pid in [daemon.pid, *also]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        daemon.wait(timeout=10)
+
     def idle_nodes(self) -> set[str]:
         states = dict(line.split() for line in self.sinfo().splitlines() if len(line.split()) == 2)
         return {n for n, s in states.items() if s == "idle"}

@@ -124,6 +124,7 @@ def test_slurm_launcher_starts_one_agent_per_node_with_srun(fakes: Path) -> None
         "--ntasks=3",
         "--ntasks-per-node=1",
         "--kill-on-bad-exit=0",
+        "--no-kill",  # a node that fails ends its own task only (tests/deploy/test_slurm.py)
         "--export=ALL",
         "--partition=gpu",
         "--exclusive",
