@@ -11,6 +11,7 @@ import argparse
 import csv
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -287,6 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(str(exc))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `etrain list | head`: the reader left; say nothing more, as a shell tool does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush would raise (and print) again
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -271,3 +271,19 @@ def test_bad_quotas_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     code, _, err, _ = _etrain("controller", "--etcd", "127.0.0.1:1", "--host", "127.0.0.1", "--quotas", str(quotas))
     assert code == 2 and err.strip().count("\n") == 0
     assert "users.alice must be a whole number of nodes >= 0" in err
+
+
+def test_a_reader_that_leaves_the_pipe_gets_no_traceback_and_exit_141(live_server: str) -> None:
+    """``etrain list | head -1`` with more lines than head reads: before, a ``BrokenPipeError`` traceback followed
+    (issue 50). The pipe here is closed before etrain writes anything, so its first write meets it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETRAIN_")}
+    env.update(PYTHONPATH=str(_ROOT), ETRAIN_TOKEN=ADMIN)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone
+    try:
+        proc = subprocess.run([sys.executable, "-m", "service.cli", "list", "--server", live_server],
+                              stdout=write, stderr=subprocess.PIPE, text=True, env=env, timeout=60)  # fmt: skip
+    finally:
+        os.close(write)
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+    assert proc.returncode == 141
