@@ -28,6 +28,7 @@ from elastic.prefork.common import (
     recv_message,
     send_message,
     socket_path,
+    sweep_stale,
     zygote_grace,
     zygote_key,
 )
@@ -59,6 +60,8 @@ def _launch(path: Path, owner: int, grace: float = 0.0) -> int | None:
             return pid
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a zygote that was killed leaves its socket behind
+        with contextlib.suppress(OSError):
+            sweep_stale()  # and those of owners gone since (a node SIGKILLed whole) leave all their files
         pid = _spawn_detached([sys.executable, "-m", "elastic.prefork", "--serve", str(path), str(owner),
                                f"{grace:g}"], path.with_suffix(".log"))  # fmt: skip
         return pid if pid > 0 and record_zygote(path, pid) else None

@@ -131,6 +131,32 @@ def socket_path(owner: int, key: str | None = None) -> Path | None:
     return _base_dir() / (f"{owner}-{st[1]}.sock" if key is None else f"{owner}-{st[1]}-{key}.sock")
 
 
+_OWN_FILE = re.compile(r"(\d+)-(\d+)(?:-[A-Za-z0-9][A-Za-z0-9._-]{0,63})?\.(?:sock|lock|log|pid)")
+
+
+def sweep_stale() -> int:
+    """Delete what the zygotes of owners that are gone left behind: a zygote removes its socket, lock, log and pid
+    files as it exits, but one SIGKILLed with its node (or its agent) cannot. A zygote still running (its owner died
+    and it lets its children end) keeps its files. Returns how many files went."""
+    removed = 0
+    base = _base_dir()
+    for entry in base.iterdir():
+        found = _OWN_FILE.fullmatch(entry.name)
+        if found is None:
+            continue
+        st = process_stat(int(found[1]))
+        if st is not None and st[1] == int(found[2]):
+            continue  # its owner runs
+        if recorded_zygote(base / (entry.name.rsplit(".", 1)[0] + ".sock")) is not None:
+            continue
+        try:
+            entry.unlink()
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 def marker_path(client_pid: int, create: bool = True) -> Path:
     return private_dir(_base_dir(create) / "clients", create) / str(client_pid)
 

@@ -154,3 +154,31 @@ def test_a_torchrun_workers_client_dies_with_its_torchrun_and_the_zygote_then_ki
         time.sleep(2)
         assert alive(worker, st[1])
         os.kill(worker, signal.SIGKILL)
+
+
+def test_files_of_a_zygote_killed_with_its_owner_are_cleared_when_the_next_zygote_starts(
+    env: dict[str, str], tmp_path: Path, owner: subprocess.Popen[bytes]  # noqa: F811
+) -> None:
+    """A node lost whole (its agent and the agent's zygote SIGKILLed, as Slurm's node failure does) left
+    ``<owner>-<start>.{sock,lock,log,pid}`` in the prefork directory for good (issue 50); the next zygote started
+    there clears what owners that are gone left, and nothing of a live owner's."""
+    done = _run(env, tmp_path, ETRAIN_PREFORK_OWNER=str(owner.pid))
+    assert done.returncode == 0, done.stderr
+    (zygote, _), = (_zygote(r) for r in _records(env))
+    base = Path(env["ETRAIN_PREFORK_DIR"])
+    left = sorted(p.name for p in base.iterdir() if p.name.startswith(f"{owner.pid}-"))
+    assert {Path(n).suffix for n in left} >= {".sock", ".lock", ".log", ".pid"}, left
+    os.kill(zygote, signal.SIGKILL)  # the node dies: the zygote and its owner at once, no clean-up
+    owner.kill()
+    owner.wait()
+    assert wait_until(lambda: process_stat(zygote) is None, 10)
+    assert sorted(p.name for p in base.iterdir() if p.name.startswith(f"{owner.pid}-")) == left  # they stay
+    other = subprocess.Popen(["sleep", "300"])
+    try:
+        done = _run(env, tmp_path, ETRAIN_PREFORK_OWNER=str(other.pid))  # a new agent's first worker
+        assert done.returncode == 0, done.stderr
+        assert not [p.name for p in base.iterdir() if p.name.startswith(f"{owner.pid}-")]
+        assert [p for p in base.iterdir() if p.name.startswith(f"{other.pid}-") and p.suffix == ".sock"]
+    finally:
+        other.kill()
+        other.wait()
