@@ -310,7 +310,7 @@ class NodeAgent:
             self._report(WorkerReport(job_id=a.job_id, node=self.settings.node_name, generation=a.generation,
                                       state="launch_failed", error=error))  # fmt: skip
 
-    def _stop(self, job_id: str, reason: str) -> None:
+    def _stop(self, job_id: str, reason: str, *, planned: bool = False) -> None:
         """Stop one torchrun; the caller holds ``_work``. Waiting for it happens without ``_lock``, so
         /healthz answers (and counts it as stopping) meanwhile."""
         with self._lock:
@@ -331,15 +331,17 @@ class NodeAgent:
             with self._lock:
                 del self._stopping[job_id]
         self._finished.add(_once(a))
-        self._report(self._final_report(run, "stopped", code, reason))
+        self._report(self._final_report(run, "stopped", code, reason, planned=planned))
 
     def _final_report(
-        self, run: _Running, state: Literal["exited", "stopped"], code: int | None, error: str | None
+        self, run: _Running, state: Literal["exited", "stopped"], code: int | None, error: str | None,
+        planned: bool = False,
     ) -> WorkerReport:
         """What a generation that has ended (by itself, or stopped by this agent) is reported as."""
         a = run.assignment
         return WorkerReport(job_id=a.job_id, node=self.settings.node_name, generation=a.generation, state=state,
-                            pid=run.process.pid, exit_code=code, finished_at=_now(), error=error)  # fmt: skip
+                            pid=run.process.pid, exit_code=code, finished_at=_now(), error=error,
+                            planned=planned)  # fmt: skip
 
     def _reap(self) -> None:
         for job_id, run in list(self._running.items()):
@@ -415,7 +417,7 @@ class NodeAgent:
         with self._work:
             for job_id in list(self._running):
                 try:
-                    self._stop(job_id, "agent shutting down")
+                    self._stop(job_id, "agent shutting down", planned=True)
                 except Exception:
                     logger.exception("stopping job %s failed", job_id)
             self._forget_secrets(())

@@ -211,7 +211,15 @@ def _handle_lost_nodes(d: Decision) -> bool:
     lost = [n for n in st.nodes if n not in d.view.nodes]
     if not lost:
         return False
+    reports = d.view.reports.get(d.record.id, {})
     for node in lost:
+        report = reports.get(node)
+        if report is not None and report.planned and report.generation == st.generation:
+            # its agent stopped on purpose (SIGTERM: scancel, a walltime, a preemption) after stopping this job's
+            # torchrun: the job goes on without the node, and its budget for lost nodes is not spent
+            st.restarts.planned += 1
+            d.event("node_lost", f"node {node} left (its agent stopped: planned)", node=node, planned=True)
+            continue
         st.restarts.membership += 1
         d.event("node_lost", f"node {node} left (lease expired)", node=node)
     st.nodes = [n for n in st.nodes if n not in lost]

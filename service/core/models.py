@@ -99,7 +99,8 @@ class Restarts(_Record):
     planned: int = Field(
         default=0,
         description="nodes taken away on purpose (shrunk for a higher-priority job, drained, resized), each "
-        "after a snapshot at a step boundary: never a failure",
+        "after a snapshot at a step boundary, or whose agent stopped (SIGTERM: scancel, a walltime, a preemption): "
+        "never a failure",
     )
     preempted: int = Field(
         default=0, description="times the whole job was stopped for a higher-priority job and requeued"
@@ -346,6 +347,9 @@ class WorkerReport(_Record):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     error: str | None = None
+    # stopped because the agent itself was stopping (SIGTERM: scancel, a walltime, a preemption, an operator): the
+    # node then leaves on purpose, which the job's membership budget does not count
+    planned: bool = False
 
     @property
     def failed(self) -> bool:

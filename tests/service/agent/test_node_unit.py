@@ -362,3 +362,16 @@ def test_torchrun_meets_under_the_rendezvous_prefix_the_assignment_names_else_th
     agent.sync({"job-2": _a(tmp_path, "job-2")})
     confs = [next(c for c in cmd if c.startswith("--rdzv-conf=")) for cmd in launcher.commands]
     assert "key_prefix=/t.rdzv," in confs[0] and "key_prefix=/t/rdzv," in confs[1]
+
+
+def test_an_agent_that_stops_reports_its_jobs_stopped_as_planned_and_an_unassigned_job_not(
+    agent: NodeAgent, launcher: FakeLauncher, tmp_path: Path
+) -> None:
+    """The leader reads ``planned`` to leave the node without spending the job's membership budget (issue 50)."""
+    agent.sync({"job-1": _a(tmp_path), "job-2": _a(tmp_path, "job-2")})
+    agent.sync({"job-1": _a(tmp_path)})  # job-2 unassigned: stopped by the leader's decision, not planned here
+    unassigned = _report(agent, "job-2")
+    assert unassigned is not None and unassigned.state == "stopped" and not unassigned.planned
+    agent.shutdown()
+    report = _report(agent, "job-1")
+    assert report is not None and report.state == "stopped" and report.planned

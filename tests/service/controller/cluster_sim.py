@@ -89,7 +89,8 @@ class Cluster:
     def assigned(self, job_id: str) -> dict[str, int]:
         return {n: jobs[job_id].generation for n, jobs in self.assignments.items() if job_id in jobs}
 
-    def report(self, job_id: str, node: str, state: str, code: int | None = None, at: datetime = T0) -> None:
+    def report(self, job_id: str, node: str, state: str, code: int | None = None, at: datetime = T0,
+               planned: bool = False) -> None:  # fmt: skip
         gen = self.status(job_id).generation
         self.reports.setdefault(job_id, {})[node] = WorkerReport(
             job_id=job_id,
@@ -98,6 +99,7 @@ class Cluster:
             state=state,  # type: ignore[arg-type]
             exit_code=code,
             finished_at=at,
+            planned=planned,
         )
 
     def progress_at(self, job_id: str, at: datetime, step: int, world: int, **kw: Any) -> None:

@@ -86,6 +86,29 @@ def test_lost_node_leaves_the_job_which_reforms_smaller_then_resumes_on_progress
     assert [(h.world_size, h.nodes) for h in st.world_size_history] == [(3, ["a", "b", "c"]), (2, ["a", "b"])]
 
 
+def test_a_node_whose_agent_stopped_on_purpose_leaves_without_spending_the_membership_budget() -> None:
+    """Slurm's scancel, its walltime or a preemption SIGTERMs the agent, which stops the job's torchrun (reporting it
+    ``planned``) and leaves. Before, each was counted as a lost node (``left (lease expired)``): a job with a budget
+    of 2 failed on its second planned stop (issue 50). A node lost without such a report still counts."""
+    c = Cluster()
+    c.add_nodes("a", "b", "c")
+    c.add_job("j1", _spec(restart_policy={"max_membership_changes": 1}))
+    c.tick(_s(1))
+    for at, node in ((2, "c"), (4, "b")):
+        c.report("j1", node, "stopped", -15, at=_s(at), planned=True)
+        del c.nodes[node]
+        c.tick(_s(at + 1))
+        st = c.status("j1")
+        assert st.state == JobState.RECOVERING and node not in st.nodes, st.message
+        assert st.restarts.membership == 0 and st.restarts.planned == (1 if node == "c" else 2)
+    assert [e for e in c.events if e == ("j1", "node_lost")] == [("j1", "node_lost")] * 2
+    c.add_nodes("d", "e")
+    c.tick(_s(6))
+    del c.nodes["d"]  # lost: no report that its agent stopped
+    c.tick(_s(7))
+    assert c.status("j1").restarts.membership == 1
+
+
 def test_losing_nodes_below_min_stops_the_job_until_enough_return() -> None:
     c = Cluster()
     c.add_nodes("a", "b")
