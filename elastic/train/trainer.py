@@ -383,11 +383,13 @@ class ElasticTrainer:
             self._live.committed()
         try:
             self._maybe_report(lr, loss)
-            self._act(flags, epoch_done, signalled)
+            stop = self._act(flags, epoch_done, signalled)
         except RuntimeError as exc:
             self._collective_failed(exc)
             return
         self._publish_progress(lr, loss)
+        if stop:
+            self._stop_after_notice()
         if self._live is not None and flags.joiners and not self._stopped:
             self._recover(ReformReason.ADMIT)  # workers registered since: admit them at this boundary
 
@@ -403,7 +405,8 @@ class ElasticTrainer:
             mine = dataclasses.replace(mine, joiners=self._live.joiners_waiting(self.rank))
         return mine.agree(self._host.device, self._host.group())
 
-    def _act(self, flags: BoundaryFlags, epoch_done: bool, signalled: bool) -> None:
+    def _act(self, flags: BoundaryFlags, epoch_done: bool, signalled: bool) -> bool:
+        """The boundary's snapshots; True when this rank must stop now (SIGTERM'd, and the step is saved)."""
         if flags.signalled:
             self._stop_timeout.reached()
         self._checkpoints.warm_up(self._module, self.optimizer, self.scheduler, self.cursor)
@@ -411,12 +414,20 @@ class ElasticTrainer:
                                      self.optimizer)  # fmt: skip
         if stop:
             self._stopped = True
-            self._checkpoints.close(finished=False)
-            if self._live is not None:
-                self._live.group.close()  # revoke the lease: the others re-form without waiting for it
-            raise SystemExit(143)
+            return True
         if flags.signalled and self._live is not None:
             self._recover(ReformReason.FAILURE)  # the signalled members leave: re-form without them
+        return False
+
+    def _stop_after_notice(self) -> None:
+        """SIGTERM'd, this step saved and reported (its progress, forced by the commit, names the snapshot):
+        write that report before exiting (the controller's status showed the snapshot before this one), close the
+        snapshots, leave (live: the others re-form without waiting for this member) and exit 143."""
+        self._progress.close()
+        self._checkpoints.close(finished=False)
+        if self._live is not None:
+            self._live.group.close()  # revoke the lease: the others re-form without waiting for it
+        raise SystemExit(143)
 
     def _maybe_report(self, lr: float, loss: float | None) -> None:
         every = self.config.progress_every

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from elastic.contract.lr import LRRule
+from elastic.etcd import EtcdClient
 from elastic.testing.etcd_server import LocalEtcdCluster
-from elastic.testing.torchrun import TorchrunAgent
+from elastic.testing.torchrun import TorchrunAgent, torchrun_command
 from elastic.testing.wait import wait_until
 from tests.integration.scenarios import assert_converges, assert_resizes_4_2_3
 from tests.integration.scenarios import start_agent as _agent
@@ -102,3 +103,39 @@ def test_sigterm_of_one_node_saves_synchronously_and_loses_no_step(
     assert first_after == last_before + 1, f"lost steps: resumed at {first_after - 1}, had reached {last_before}"
     snapshots = sorted(p.name for p in (tmp_path / "ck").glob("step-*"))
     assert f"step-{last_before:012d}" in snapshots, snapshots  # written on the notice (interval is 1000)
+
+
+@pytest.mark.timeout(240)
+def test_the_snapshot_written_on_sigterm_is_reported_to_the_service_before_the_worker_exits(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, etcd_client: EtcdClient, agents: list[TorchrunAgent]
+) -> None:
+    """Slurm's scancel, a walltime or a preemption: the worker saves the step it is at, then exits 143. Before, the
+    step's progress report (which names that snapshot) was published after the exit was raised, so never: the
+    controller's status kept the snapshot before it (issue 50)."""
+    import json
+    import signal
+
+    from elastic.contract.env import ETCD_ENDPOINTS, JobEnv
+    from elastic.contract.lr import LRPolicy
+
+    key = f"/etrain-{uuid.uuid4().hex[:6]}/progress/job-1"
+    job = JobEnv(job_name="job", generation=1, node_name="n1", progress_key=key,
+                 lr_policy=LRPolicy(LRRule.LINEAR, 0.05, 1, 4), min_nodes=1, max_nodes=1)  # fmt: skip
+    rec = tmp_path / "rec"
+    args = ["--epochs", "50", "--samples", "480", "--batch", "4", "--lr-rule", "linear", "--base-world", "1",
+            "--save-every", "1000", "--step-sleep", "0.05", "--checkpoint-url", str(tmp_path / "ck"),
+            "--record", str(rec)]  # fmt: skip
+    cmd = torchrun_command(backend="etcd-v3", endpoint=etcd_server.endpoints, run_id=f"term-{uuid.uuid4().hex[:6]}",
+                           nnodes="1", nproc=1, rdzv_conf={"last_call_timeout": 1}, max_restarts=0, script=WORKER,
+                           script_args=args, prefork=True)  # fmt: skip
+    env = {"LOGLEVEL": "WARNING", **job.to_environ(), ETCD_ENDPOINTS: etcd_server.endpoints}
+    agent = TorchrunAgent(cmd, tmp_path / "a.log", env=env, forked=True).start()
+    agents.append(agent)
+    assert wait_until(lambda: max_step(rec) >= 15, 150), agent_logs(agents)
+    agent.kill_tree(signal.SIGTERM)
+    agent.wait(120)
+    snapshots = sorted(int(p.name.removeprefix("step-")) for p in (tmp_path / "ck").glob("step-*"))
+    assert snapshots, agent_logs(agents)  # written on the notice (the interval is 1000 steps)
+    kv, _ = etcd_client.get(key)
+    assert kv is not None, agent_logs(agents)
+    assert json.loads(kv.value)["checkpoint_step"] == snapshots[-1], (kv.value, snapshots)
