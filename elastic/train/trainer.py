@@ -389,7 +389,7 @@ class ElasticTrainer:
             return
         self._publish_progress(lr, loss)
         if stop:
-            self._stop_after_notice()
+            self._stop_after_notice(lr, loss)
         if self._live is not None and flags.joiners and not self._stopped:
             self._recover(ReformReason.ADMIT)  # workers registered since: admit them at this boundary
 
@@ -419,12 +419,14 @@ class ElasticTrainer:
             self._recover(ReformReason.FAILURE)  # the signalled members leave: re-form without them
         return False
 
-    def _stop_after_notice(self) -> None:
-        """SIGTERM'd, this step saved and reported (its progress, forced by the commit, names the snapshot):
-        write that report before exiting (the controller's status showed the snapshot before this one), close the
-        snapshots, leave (live: the others re-form without waiting for this member) and exit 143."""
-        self._progress.close()
+    def _stop_after_notice(self, lr: float, loss: float | None) -> None:
+        """SIGTERM'd and this step saved: close the snapshots (the save's commit is waited for), report the step with
+        the snapshot it committed (the controller's status showed the snapshot before it) and write that report,
+        leave (live: the others re-form without waiting for this member) and exit 143."""
         self._checkpoints.close(finished=False)
+        if self._checkpoints.pending is not None:  # not reported at the boundary: it was still committing
+            self._publish_progress(lr, loss)
+        self._progress.close()
         if self._live is not None:
             self._live.group.close()  # revoke the lease: the others re-form without waiting for it
         raise SystemExit(143)
