@@ -13,6 +13,8 @@ etcd's transient refusals, all retried until the operation's deadline:
   for read index": the same election window, named by etcd (``rpctypes`` in etcd's ``api/v3rpc``).
 - ``INVALID_ARGUMENT`` "revision of auth store is old": a user or role changed while the request was in
   flight; etcd refused it unapplied (the Go client retries this too).
+- ``UNKNOWN`` "No status received": the call's stream ended without a status (seen while users and roles changed
+  under concurrent requests).
 - ``FAILED_PRECONDITION`` "authentication is not enabled" to a client that has a user: etcd's users are about to
   be turned on (the chart's agents may start before the controller's ``etrain etcd-bootstrap`` has run). The
   client logs in again until the deadline, then says what it waited for.
@@ -45,6 +47,9 @@ _TRANSIENT_DETAILS = (
     "etcdserver: timed out waiting for read index",
     "etcdserver: server stopped",
     AUTH_OLD_REVISION,
+    # the call's stream ended without a status (gRPC's own words): seen while several `etrain etcd-bootstrap`
+    # runs changed etcd's users and roles at once; the request's effect is unknown, and retrying is safe (above)
+    "No status received",
 )
 
 
