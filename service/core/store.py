@@ -273,20 +273,21 @@ class ServiceStore:
     def put_report(self, report: WorkerReport) -> None:
         self.client.put(self.keys.report(report.job_id, report.node), dump(report))
 
-    def report_keys(self) -> list[tuple[str, str]]:
-        """``(node, job id)`` of every worker report stored (its keys only)."""
+    def _report_kvs(self) -> list[tuple[str, str, KeyValue]]:
+        """``(node, job id, value)`` of every worker report stored (``reports/<node>/<job id>``)."""
         k = self.keys
         kvs, _ = self.client.get_prefix(k.reports)
-        return [(node, job_id) for kv in kvs for node, _, job_id in [tail(kv, k.reports).partition("/")] if job_id]
+        return [(node, job_id, kv) for kv in kvs for node, _, job_id in [tail(kv, k.reports).partition("/")] if job_id]
+
+    def report_keys(self) -> list[tuple[str, str]]:
+        """``(node, job id)`` of every worker report stored."""
+        return [(node, job_id) for node, job_id, _ in self._report_kvs()]
 
     def reports(self, job_id: str) -> dict[str, WorkerReport]:
         """The agents' worker reports of the job by node (each node's latest: a new generation replaces it); a
         report naming another job or node than its key is ignored."""
-        k = self.keys
-        kvs, _ = self.client.get_prefix(k.reports)
         out: dict[str, WorkerReport] = {}
-        for kv in kvs:
-            node, _, of = tail(kv, k.reports).partition("/")
+        for node, of, kv in self._report_kvs():
             if of != job_id:
                 continue
             report = load(WorkerReport, kv)
