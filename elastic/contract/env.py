@@ -25,8 +25,10 @@ Variables, by who sets them:
 - ``elastic.prefork`` itself, for the worker it forks: :data:`PREFORK_CLIENT` (the client's pid).
 
 torchrun's own variables, which every worker it starts has (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_RUN_ID``), are read
-through :class:`TorchrunEnv`.
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``,
+``TORCHELASTIC_RUN_ID``), are read through :class:`TorchrunEnv`; :meth:`TorchrunEnv.launched` tells a process
+torchrun (or a launcher setting torch's ``env://`` variables) started from a plain ``python train.py`` (none of
+them set: a world of one) and from a half-set environment (an error naming what is missing).
 
 This module imports nothing heavy (no torch, no etcd client): ``elastic.prefork`` reads its names here.
 """
@@ -80,6 +82,8 @@ __all__ = [
     "TORCHRUN_GROUP_RANK",
     "TORCHRUN_LOCAL_RANK",
     "TORCHRUN_LOCAL_WORLD_SIZE",
+    "TORCHRUN_MASTER_ADDR",
+    "TORCHRUN_MASTER_PORT",
     "TORCHRUN_RANK",
     "TORCHRUN_RESTART_COUNT",
     "TORCHRUN_RUN_ID",
@@ -141,9 +145,15 @@ TORCHRUN_WORLD_SIZE = "WORLD_SIZE"
 TORCHRUN_LOCAL_RANK = "LOCAL_RANK"
 TORCHRUN_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 TORCHRUN_GROUP_RANK = "GROUP_RANK"  # the node's rank in the round
+TORCHRUN_MASTER_ADDR = "MASTER_ADDR"  # where the process group's store is (torch's env://)
+TORCHRUN_MASTER_PORT = "MASTER_PORT"
 TORCHRUN_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 TORCHRUN_RUN_ID = "TORCHELASTIC_RUN_ID"
 
+#: what torch's ``env://`` needs to join a process group (torchrun sets them all, and LOCAL_RANK ... besides)
+_GROUP_VARIABLES = (TORCHRUN_RANK, TORCHRUN_WORLD_SIZE, TORCHRUN_MASTER_ADDR, TORCHRUN_MASTER_PORT)
+#: any of these set: a launcher started this process (a half-set environment is an error, never a world of one)
+_LAUNCH_VARIABLES = (*_GROUP_VARIABLES, TORCHRUN_LOCAL_RANK, TORCHRUN_LOCAL_WORLD_SIZE, TORCHRUN_GROUP_RANK)
 _JOB_VARIABLES = (JOB_NAME, GENERATION, NODE_NAME, PROGRESS_KEY, LR_POLICY, MIN_NODES, MAX_NODES)
 _ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)
 #: Every variable :meth:`WorkerEnv.apply` owns: inherited values of these never reach the workers.
@@ -294,6 +304,26 @@ class TorchrunEnv:
             restart_count=_count(env, TORCHRUN_RESTART_COUNT, 0),
             run_id=env.get(TORCHRUN_RUN_ID) or None,
         )
+
+    @staticmethod
+    def launched(env: Mapping[str, str] | None = None) -> bool:
+        """Whether a launcher describes this process's group in ``env`` (default: this process's): True when
+        ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are all set (torchrun, or a launcher of
+        torch's ``env://``; ``LOCAL_RANK`` and the like may be missing then, and default as in
+        :meth:`from_environ`); False when none of torchrun's variables is (a plain ``python train.py``: a world of
+        one); otherwise a :class:`WorkerEnvError` naming the variables set and those missing (torch would stop
+        at the first it misses, or wait for peers that never come)."""
+        env = os.environ if env is None else env
+        present = [name for name in _LAUNCH_VARIABLES if env.get(name, "").strip()]
+        if not present:
+            return False
+        missing = [name for name in _GROUP_VARIABLES if not env.get(name, "").strip()]
+        if missing:
+            raise WorkerEnvError(
+                f"incomplete launcher environment: {', '.join(present)} set but not {', '.join(missing)}; run "
+                f"under torchrun, or unset {', '.join(present)} to train as a world of one process"
+            )
+        return True
 
 
 def _etcd_to_environ(etcd: EtcdOptions) -> dict[str, str]:

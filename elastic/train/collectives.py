@@ -1,6 +1,12 @@
 """The loop's process group outside training itself: joining it (restart mode), its device, and small collectives:
 a mean over the workers (and the loss log built on it), the round's node names.
 
+Joining: the group the script made, else the one torchrun describes in the environment, else, for a plain
+``python train.py`` (none of torchrun's variables set, :meth:`~elastic.contract.env.TorchrunEnv.launched`), a world
+of one: rank 0 of 1 over an in-process store (no port, no network), with one INFO line saying so. A half-set
+environment (``RANK`` without ``WORLD_SIZE``, ...) is a :class:`~elastic.contract.env.WorkerEnvError` naming what
+is missing, not torch's ``env://`` error for the first variable it misses or a wait for peers that never come.
+
 Each is a collective: every rank of the current process group must call it, in the same order.
 
 :class:`HostCollectives` is where the loop's *host-side* agreements run (the step boundary's flags, the logged
@@ -40,9 +46,16 @@ __all__ = [
 
 
 def join_process_group(backend: str, timeout: timedelta) -> None:
-    """The process group torchrun describes (its environment), unless the script made one already."""
-    if not dist.is_initialized():
+    """The process group torchrun describes (its environment), unless the script made one already; outside
+    torchrun a world of one (see the module docstring)."""
+    if dist.is_initialized():
+        return
+    if TorchrunEnv.launched():
         dist.init_process_group(backend, timeout=timeout)
+        return
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    logger.info("not started by torchrun (none of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is set): training as "
+                "a world of one process (%s); start it with torchrun for more", backend)  # fmt: skip
 
 
 def group_device() -> torch.device:
