@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from elastic.contract.env import TorchrunEnv, WorkerEnv
 from elastic.gloo_group import GlooGroupBeside
+from elastic.train import console
 
 logger = logging.getLogger("elastic.train.trainer")  # the loop's log, where users look for the loss line
 
@@ -47,7 +48,9 @@ __all__ = [
 
 def join_process_group(backend: str, timeout: timedelta) -> None:
     """The process group torchrun describes (its environment), unless the script made one already; outside
-    torchrun a world of one (see the module docstring)."""
+    torchrun a world of one (see the module docstring). The loop's console log is set up first
+    (:func:`elastic.train.console.attach`)."""
+    console.attach()
     if dist.is_initialized():
         return
     if TorchrunEnv.launched():

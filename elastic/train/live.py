@@ -34,6 +34,7 @@ from elastic.live.membership import JobFinishedError, LiveMembership, LiveSettin
 from elastic.live.protocol import Generation, LiveKeys, MemberState, ReformReason, StepAttempt, sync_plan
 from elastic.live.state_sync import broadcast_state
 from elastic.prefork.common import launcher_pid
+from elastic.train import console
 from elastic.train.config import ElasticConfig, StepInfo
 from elastic.train.cursor import TrainingCursor
 from elastic.train.parallel import ShardedModel, ShardSources, shard_sources, share_shards
@@ -76,7 +77,9 @@ def open_live_group(config: ElasticConfig, granularity: int = 1) -> LiveGroup:
 
 def join_live_group(config: ElasticConfig, granularity: int = 1) -> tuple[LiveGroup, Generation]:
     """Register (:func:`open_live_group`) and wait to be a member of a generation; exit 0 when the job finished
-    before this worker was admitted (nothing to do)."""
+    before this worker was admitted (nothing to do). The loop's console log is set up first
+    (:func:`elastic.train.console.attach`)."""
+    console.attach()
     group = open_live_group(config, granularity)
     try:
         return group, group.join()
