@@ -2,7 +2,7 @@
 
 The training API is importable from here (lazily, so that loading the torchrun plugin stays light)::
 
-    from elastic import ElasticConfig, ElasticTrainer, LRPolicy
+    from elastic import ElasticBatchSampler, ElasticConfig, ElasticTrainer, LRPolicy
 """
 
 from __future__ import annotations
@@ -18,9 +18,20 @@ _LAZY = {
     "LRPolicy": "elastic.contract.lr",
     "LRRule": "elastic.contract.lr",
     "ElasticSampler": "elastic.train.sampler",
+    "ElasticBatchSampler": "elastic.train.batch_sampler",
+    "LiveOptions": "elastic.train.config",
+    "RecoveryMode": "elastic.train.config",
+    "RegistrationError": "elastic.train.registry",
+    "Stateful": "elastic.train.registry",
+    "Step": "elastic.train.step",
+    "StepMismatchError": "elastic.train.step",
+    "WriterBusy": "elastic.train.schedule",
 }
 
-__all__ = ["ElasticConfig", "ElasticSampler", "ElasticTrainer", "LRPolicy", "LRRule", "StepInfo"]
+__all__ = [
+    "ElasticBatchSampler", "ElasticConfig", "ElasticSampler", "ElasticTrainer", "LRPolicy", "LRRule", "LiveOptions",
+    "RecoveryMode", "RegistrationError", "Stateful", "Step", "StepInfo", "StepMismatchError", "WriterBusy",
+]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

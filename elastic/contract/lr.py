@@ -10,8 +10,13 @@ Rules (``f`` is the factor applied to the base LR, ``W`` the world size, ``W0`` 
 ``linear``               ``f = W / W0`` (Goyal et al.: the global batch grows with W, so does the LR)
 ``sqrt``                 ``f = sqrt(W / W0)``
 ``none``                 ``f = 1``
-``fixed-global-batch``   ``f = 1`` and the global batch stays ``W0 * b0``: each optimizer step accumulates
-                         gradients over ``ceil(G / (W * b0))`` micro-batches (``no_sync`` on all but the last)
+``fixed-global-batch``   ``f = 1`` and the global batch stays ``G = W0 * b0 * A``: each optimizer step
+                         accumulates gradients over ``ceil(G / (W * b0))`` micro-batches (``no_sync`` on all but
+                         the last)
+
+``A`` is the policy's ``accumulation_steps`` (default 1): the micro-batches of ``b0`` samples each worker
+accumulates per optimizer step at the base world size. Under ``linear``, ``sqrt`` and ``none`` the global batch
+is ``W * b0 * A`` with ``A`` micro-batches at every world size.
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ class LRPolicy:
     base_world_size: int
     base_batch_per_worker: int
     warmup_steps: int = 0
+    #: micro-batches of ``base_batch_per_worker`` samples per worker and optimizer step at the base world size
+    accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.rule, LRRule):
@@ -76,6 +83,8 @@ class LRPolicy:
             raise ValueError("base_world_size and base_batch_per_worker must be >= 1")
         if self.warmup_steps < 0:
             raise ValueError("warmup_steps must be >= 0")
+        if self.accumulation_steps < 1:
+            raise ValueError("accumulation_steps must be >= 1")
 
     # -- pure rules ----------------------------------------------------------------------------------
     def factor(self, world_size: int) -> float:
@@ -93,11 +102,12 @@ class LRPolicy:
         return self.base_lr * self.factor(world_size)
 
     def step_plan(self, world_size: int) -> StepPlan:
-        b0 = self.base_batch_per_worker
+        """What one optimizer step consumes with ``world_size`` workers (see the module docstring)."""
+        b0, a = self.base_batch_per_worker, self.accumulation_steps
         if self.rule is LRRule.FIXED_GLOBAL_BATCH:
-            g = self.base_world_size * b0
+            g = self.base_world_size * b0 * a
             return StepPlan(global_batch=g, accumulation_steps=math.ceil(g / (world_size * b0)), micro_batch=b0)
-        return StepPlan(global_batch=world_size * b0, accumulation_steps=1, micro_batch=b0)
+        return StepPlan(global_batch=world_size * b0 * a, accumulation_steps=a, micro_batch=b0)
 
     # -- warmup ramp ---------------------------------------------------------------------------------
     def start_ramp(self, step: int, current_factor: float, world_size: int) -> RampState:
@@ -125,6 +135,7 @@ class LRPolicy:
             base_world_size=int(ref["base_world_size"]),
             base_batch_per_worker=int(ref["base_batch_per_worker"]),
             warmup_steps=int(ref.get("warmup_steps", 0)),
+            accumulation_steps=int(ref.get("accumulation_steps", 1)),
         )
 
 

@@ -27,6 +27,15 @@ class BoundaryFlags:
     local_due: bool = False  # a node-local snapshot is due (rank 0's measurements decide)
     writer_busy: bool = False  # a writer is still saving the previous snapshot (non-writers report False)
     joiners: bool = False  # live recovery: workers wait to be admitted at this boundary
+    # the optimizer steps of the loop step that ends here: the most on any rank, and minus the fewest (a MAX of
+    # the negated count is the MIN): they differ when a step ran on some ranks only
+    optimizer_steps: int = 0
+    optimizer_steps_neg: int = 0
+
+    @property
+    def steps_agree(self) -> bool:
+        """Every rank ran as many optimizer steps (after :meth:`agree`)."""
+        return self.optimizer_steps == -self.optimizer_steps_neg
 
     def encode(self) -> list[int]:
         return [int(getattr(self, name)) for name in _NAMES]
@@ -36,7 +45,8 @@ class BoundaryFlags:
         names = _NAMES
         if len(values) != len(names):
             raise ValueError(f"{len(values)} boundary flags, expected {len(names)} ({', '.join(names)})")
-        return cls(**{n: bool(v) for n, v in zip(names, values, strict=True)})
+        decoded: dict[str, Any] = {n: int(v) if n in _COUNTS else bool(v) for n, v in zip(names, values, strict=True)}
+        return cls(**decoded)
 
     def agree(self, device: torch.device, group: Any = None) -> BoundaryFlags:
         """The group's flags: every rank's, MAX-reduced over ``group`` (None: the default one) on ``device``
@@ -49,3 +59,4 @@ class BoundaryFlags:
 
 
 _NAMES = tuple(f.name for f in fields(BoundaryFlags))  # the wire order
+_COUNTS = frozenset({"optimizer_steps", "optimizer_steps_neg"})

@@ -12,6 +12,7 @@ from typing import Any
 
 from elastic.checkpoint.state import TrainingState
 from elastic.contract.lr import LRPolicy, RampState
+from elastic.train.registry import StateRegistry
 from elastic.train.sampler import ElasticSampler
 
 logger = logging.getLogger(__name__)
@@ -20,12 +21,17 @@ __all__ = ["TrainingCursor"]
 
 
 class TrainingCursor:
-    """The step, the :class:`~elastic.train.sampler.ElasticSampler`, the LR policy and its ramp, and the world
-    size they were last set for. Every rank holds an equal one (it is saved and restored with the state)."""
+    """The step, the :class:`~elastic.train.sampler.ElasticSampler`, the LR policy and its ramp, the world
+    size they were last set for, and the user's registered state (:mod:`elastic.train.registry`). Every rank
+    holds an equal one (it is saved and restored with the state)."""
 
-    def __init__(self, policy: LRPolicy, sampler: ElasticSampler, rank: int, world_size: int) -> None:
+    def __init__(
+        self, policy: LRPolicy, sampler: ElasticSampler, rank: int, world_size: int,
+        registry: StateRegistry | None = None,
+    ) -> None:  # fmt: skip
         self.policy = policy
         self.sampler = sampler
+        self.registry = registry if registry is not None else StateRegistry()
         self.step = 0
         self.world_size = world_size
         self.ramp: RampState = policy.start_ramp(0, policy.factor(world_size), world_size)
@@ -54,7 +60,7 @@ class TrainingCursor:
         return {
             "data_cursor": {"sampler": self.sampler.state_dict()},
             "lr_reference": self.policy.reference(),
-            "extras": {"lr_ramp": dataclasses.asdict(self.ramp)},
+            "extras": {"lr_ramp": dataclasses.asdict(self.ramp), "registered": self.registry.state()},
             "world_size": self.world_size,
         }
 
@@ -70,5 +76,6 @@ class TrainingCursor:
         saved_ramp = dict(ts.extras).get("lr_ramp")
         if saved_ramp:
             self.ramp = RampState(**saved_ramp)
+        self.registry.load(dict(ts.extras).get("registered") or {})
         self.world_size = ts.world_size
         self.resize(rank, world_size)

@@ -48,8 +48,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
 
@@ -64,10 +64,10 @@ from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import CheckpointStorage
 from elastic.checkpoint.tiers import LocalSnapshotStats
 from elastic.contract.env import TorchrunEnv
-from elastic.contract.lr import LRPolicy, scaled_lr
+from elastic.contract.lr import LRPolicy
 from elastic.live.grads import GradientReducer, LiveDataParallel, broadcast_module
 from elastic.live.protocol import ReformReason
-from elastic.train.batching import make_batch
+from elastic.train.batch_sampler import ElasticBatchSampler
 from elastic.train.boundary import BoundaryFlags
 from elastic.train.collectives import (
     HostCollectives,
@@ -79,19 +79,25 @@ from elastic.train.collectives import (
 )
 from elastic.train.config import ElasticConfig, LiveOptions, RecoveryMode, StepInfo
 from elastic.train.cursor import TrainingCursor
+from elastic.train.data import step_data
 from elastic.train.parallel import GuardedForward, Parallelize, ShardedModel, ShardLayout, check_model
 from elastic.train.preemption import PreemptionWatcher
 from elastic.train.progress import create_reporter
-from elastic.train.sampler import ElasticSampler, split_sizes
+from elastic.train.registry import StateRegistry
+from elastic.train.sampler import ElasticSampler, StepLayout, step_layout
 from elastic.train.schedule import SnapshotStats, WriterBusy
 from elastic.train.sharded import capture_sharded, gradient_sync_off
 from elastic.train.snapshots import LoopCheckpoints
+from elastic.train.step import OptimizerGate, Step, StepMismatchError
 from elastic.train.step_loss import StepLoss
 from elastic.train.stop_timeout import StopTimeout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ElasticConfig", "ElasticTrainer", "LiveOptions", "RecoveryMode", "SnapshotStats", "StepInfo", "WriterBusy"]
+__all__ = [
+    "ElasticConfig", "ElasticTrainer", "LiveOptions", "RecoveryMode", "SnapshotStats", "Step", "StepInfo",
+    "StepMismatchError", "WriterBusy",
+]  # fmt: skip
 
 
 class ElasticTrainer:
@@ -102,8 +108,8 @@ class ElasticTrainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        dataset: Any,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        data: Any,
         config: ElasticConfig,
         *,
         scheduler: Any = None,
@@ -111,19 +117,47 @@ class ElasticTrainer:
         on_step: Callable[[StepInfo], None] | None = None,
         checkpoint_storage: CheckpointStorage | None = None,
         parallelize: Parallelize | None = None,
+        state: Mapping[str, Any] | None = None,
     ) -> None:
+        """Args:
+            model: the model (plain, DDP-wrapped by the script, FSDP2-sharded by the script, or plain with
+                ``parallelize``).
+            optimizer: the optimizer, or several (a GAN's, a sparse and a dense one): the loop applies the LR
+                factor around each one's ``step`` and saves them all (the first in the snapshot's optimizer entry,
+                the others as registered state ``optimizer.1``, ...).
+            data: a ``DataLoader`` over an :class:`~elastic.train.batch_sampler.ElasticBatchSampler` (the script's
+                own loader: workers, pinned memory, ``collate_fn``), or a map-style data set that the loop collates
+                in this process with ``collate_fn``.
+            config: the loop's settings (:class:`ElasticConfig`).
+            scheduler: an LR scheduler the loop steps once per committed step and saves.
+            collate_fn: for a data set passed as ``data``.
+            on_step: called with each committed step's :class:`StepInfo` (sample accounting, progress hooks).
+            checkpoint_storage: replaces the storage built from the checkpoint URL.
+            parallelize: ``fn(module, mesh)`` that shards the model for each world (FSDP2/HSDP).
+            state: objects with ``state_dict``/``load_state_dict`` to save and restore with the rest, by name
+                (as :meth:`register_state`).
+        """
         compat.check_torch_version()
         self.config = config
-        self._dataset = dataset
-        self._collate = collate_fn
         self._on_step = on_step
-        self.optimizer = optimizer
+        optimizers = (optimizer,) if isinstance(optimizer, torch.optim.Optimizer) else tuple(optimizer)
+        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            raise TypeError("optimizer must be a torch.optim.Optimizer or a sequence of them")
+        self.optimizer = optimizers[0]
+        self.optimizers = optimizers
         self.scheduler = scheduler
+        self._registry = StateRegistry()
+        for i, extra in enumerate(optimizers[1:], start=1):
+            self._registry.register(f"optimizer.{i}", extra)
+        for name, obj in (state or {}).items():
+            self._registry.register(name, obj)
         self._live = None
         self._reducer: GradientReducer | None = None  # live: the gradient all-reduce, overlapped with backward
         self._recovery = config.resolved_recovery()
         check_model(model, parallelize, live=self._recovery is RecoveryMode.LIVE)
         self._sharded = parallelize is not None or compat.is_sharded_module(model)
+        if self._sharded and len(optimizers) > 1:
+            raise ValueError("a sharded model takes one optimizer (its state is saved in the sharded layout)")
         shard_size = 1
         if parallelize is not None:
             shard_size = ShardLayout.replica_size(config.shard_size, TorchrunEnv.from_environ().local_world_size)
@@ -136,12 +170,22 @@ class ElasticTrainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = group_device()
         self._host = HostCollectives.for_loop(self.device, config.timeout, live=self._recovery is RecoveryMode.LIVE)
-        sampler = ElasticSampler(len(dataset), seed=config.seed, shuffle=config.shuffle)
-        self.cursor = TrainingCursor(config.lr_policy, sampler, self.rank, self.world_size)
+        batch_sampler = getattr(data, "batch_sampler", None)
+        if isinstance(batch_sampler, ElasticBatchSampler):  # the script's DataLoader: its sampler is the cursor's
+            sampler = batch_sampler.sampler
+        else:
+            sampler = ElasticSampler(len(data), seed=config.seed, shuffle=config.shuffle)
+        self.cursor = TrainingCursor(config.lr_policy, sampler, self.rank, self.world_size, self._registry)
+        if isinstance(batch_sampler, ElasticBatchSampler):
+            batch_sampler.bind(lambda world: self.cursor.policy.step_plan(world))
+        self._data = step_data(data, collate_fn, self.device)
+        self._gate = OptimizerGate(optimizers, lambda: self.lr_factor, lambda: self._broken is not None)
+        self._step_now: Step | None = None  # the step being served
+        self._backward_pending = False  # the short form: a micro-batch yielded whose backward has not run
         live = self._recovery is RecoveryMode.LIVE
         self._parallel: ShardedModel | None = None  # a model the trainer shards for each world
         if parallelize is not None:
-            self._parallel = ShardedModel(model, parallelize, optimizer, shard_size, self.device)
+            self._parallel = ShardedModel(model, parallelize, self.optimizer, shard_size, self.device)
         self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device, require_storage=not live,
                                             sharded=self._sharded, shards=self._parallel,
                                             loop_state=self._loop_state)  # fmt: skip
@@ -157,7 +201,7 @@ class ElasticTrainer:
             if self._recovery is RecoveryMode.LIVE:
                 from elastic.train.live import LiveRecovery
 
-                self._live = LiveRecovery(group, self._parallel or self._plain_module, optimizer, scheduler,
+                self._live = LiveRecovery(group, self._parallel or self._plain_module, self.optimizer, scheduler,
                                           self.cursor, self.device, self._record, self._restore,
                                           shared=(self._checkpoints.share_schedule,
                                                   self._checkpoints.adopt_schedule))  # fmt: skip
@@ -174,14 +218,7 @@ class ElasticTrainer:
         self._progress.report(self.step, world_size=self.world_size, total_steps=config.total_steps,
                               nodes=round_node_names(), force=True)  # fmt: skip
         self._loss = StepLoss()  # read at the boundary without draining the device's queue
-        self._scale, self._backward_done = 1.0, True
-        self._padding = False  # the micro-batch yielded is a sharded model's zero-weight one (see batches)
         self._stopped = False
-        if abs(optimizer.param_groups[0]["lr"] - self.policy.base_lr) > 1e-12 and self.step == 0:
-            logger.warning(
-                "optimizer lr %g differs from the LR policy's base_lr %g; the policy's factor multiplies the "
-                "optimizer's lr", optimizer.param_groups[0]["lr"], self.policy.base_lr,
-            )  # fmt: skip
 
     # -- set-up --------------------------------------------------------------------------------------
     @property
@@ -247,61 +284,96 @@ class ElasticTrainer:
         return self._parallel.shard_size if self._parallel is not None else None
 
     # -- the loop ------------------------------------------------------------------------------------
-    def batches(self, epoch: int | None = None, *, epochs: int | None = None) -> Iterator[Any]:
-        """Yield this rank's micro-batches; each must get one :meth:`backward`. The optimizer step runs
-        inside, after the last micro-batch of each step.
+    def steps(self, epoch: int | None = None, *, epochs: int | None = None,
+              max_steps: int | None = None) -> Iterator[Step]:  # fmt: skip
+        """The own-step form: yield each optimizer step as a :class:`~elastic.train.step.Step`; the script iterates
+        it for its micro-batches and steps its optimizer(s) itself (see :mod:`elastic.train.step`). The step
+        commits when the next one is asked for.
 
-        ``batches(epoch)`` serves what is left of that epoch (nothing if a resumed run is already past it);
-        ``batches(epochs=N)`` serves everything until N epochs are done. In live mode a step whose group
-        broke is dropped and served again, split over the new group.
+        Args:
+            epoch: serve what is left of this epoch (nothing if a resumed run is past it).
+            epochs: serve everything until this many epochs are done.
+            max_steps: stop once this many steps are committed (with ``epochs``: whichever comes first), and
+                take a final snapshot (synchronously) if the last step has none.
         """
-        if (epoch is None) == (epochs is None):
-            raise TypeError("give either an epoch or epochs=N")
+        return self._run(self._end_epoch(epoch, epochs, max_steps), max_steps)
+
+    def batches(self, epoch: int | None = None, *, epochs: int | None = None,
+                max_steps: int | None = None) -> Iterator[Any]:  # fmt: skip
+        """The short form: yield this rank's micro-batches; each must get one :meth:`backward`. The optimizer
+        step runs inside, after the last micro-batch of each step. Arguments as :meth:`steps`.
+
+        In live mode a step whose group broke is dropped and served again, split over the new group.
+        """
+        for step in self._run(self._end_epoch(epoch, epochs, max_steps), max_steps):
+            for batch in step:
+                self._backward_pending = True
+                yield batch
+                if self._backward_pending:
+                    raise RuntimeError("trainer.backward(loss) must be called once for every batch")
+            if step.complete and not step.dropped:
+                for opt in self.optimizers:
+                    opt.step()
+
+    def _end_epoch(self, epoch: int | None, epochs: int | None, max_steps: int | None) -> int | None:
+        if epoch is not None and epochs is not None:
+            raise TypeError("give an epoch or epochs=N, not both")
+        if epoch is None and epochs is None and max_steps is None:
+            raise TypeError("give an epoch, epochs=N or max_steps=N")
+        if max_steps is not None and max_steps < 0:
+            raise ValueError(f"max_steps must be >= 0, got {max_steps}")
         if epoch is not None and epoch > self.sampler.epoch:
             raise ValueError(f"epoch {epoch} asked for while epoch {self.sampler.epoch} is not finished")
-        end = epochs if epochs is not None else (epoch or 0) + 1
-        while self.sampler.epoch < end and not self._stopped:
+        return epochs if epochs is not None else None if epoch is None else epoch + 1
+
+    def _run(self, end: int | None, max_steps: int | None) -> Iterator[Step]:
+        self._registry.close()  # registration ends with the first step
+        while not self._stopped and (end is None or self.sampler.epoch < end) and (
+                max_steps is None or self.step < max_steps):  # fmt: skip
             plan = self.policy.step_plan(self.world_size)
-            total = self.sampler.step_size(plan.global_batch)
-            mine = self.sampler.step_indices(plan.global_batch)
+            layout = step_layout(self.sampler, plan.global_batch, plan.accumulation_steps)
             if self._live is not None:
-                info = StepInfo(self.step + 1, self.sampler.epoch, self.rank, self.world_size, list(mine), 0.0, None,
-                                generation=self.generation)  # fmt: skip
+                info = StepInfo(self.step + 1, self.sampler.epoch, self.rank, self.world_size, list(layout.indices),
+                                0.0, None, generation=self.generation)  # fmt: skip
                 self._live.begin(info, plan.global_batch)
-            offset = 0
-            for j, size in enumerate(split_sizes(len(mine), plan.accumulation_steps)):
-                last = j == plan.accumulation_steps - 1
-                with nullcontext() if last else self._no_sync():
-                    idx, offset = mine[offset : offset + size], offset + size
-                    if size == 0 and self._live is not None and not self._sharded:
-                        pass  # live: this rank's reducer joins the step's all-reduce with zero gradients
-                    else:
-                        # DDP (prepared by its forward) and FSDP run their collectives in forward and backward: a
-                        # rank without samples in this micro-batch runs one (the data set's first), weight zero
-                        self._padding = size == 0
-                        self._scale = size * self.world_size / total  # exact mean over the global batch
-                        self._backward_done = False
-                        yield self._batch(idx if size else [0])
-                        if not self._backward_done:
-                            raise RuntimeError("trainer.backward(loss) must be called once for every batch")
-                if self._broken is not None:
-                    break
+            self._gate.take()
+            step = self._step_now = Step(_StepHost(self), layout, self.step + 1, self.sampler.epoch, self.world_size)
+            yield step
+            if self._broken is None and not step.complete:
+                raise RuntimeError(f"step {step.index}: iterate all of its micro-batches before the next step")
             if self._broken is None:
-                self._finish_step(mine, plan.global_batch)
+                self._finish_step(layout, plan.global_batch)
             if self._broken is not None:
                 self._recover(ReformReason.FAILURE)
+        self._step_now = None
+        if max_steps is not None and self.step >= max_steps and not self._stopped:
+            self._final_snapshot()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of the mean loss over the micro-batch just yielded (scaled for exact averaging)."""
-        self._backward_done = True
-        if self._broken is not None:
+    def _final_snapshot(self) -> None:
+        """``max_steps`` reached: the last step is saved (synchronously) unless a snapshot of it exists."""
+        if self._checkpoints.manager is None or self.snapshot_stats.last_saved_step == self.step:
             return
-        if not self._padding:
-            self._loss.add(loss, self._scale)  # before the backward is queued: see elastic.train.step_loss
-        try:
-            (loss * self._scale).backward()
-        except RuntimeError as exc:
-            self._collective_failed(exc)
+        logger.info("max_steps reached at step %d: saving it", self.step)
+        self.save(blocking=True)
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Save and restore ``obj`` (anything with ``state_dict``/``load_state_dict``: an EMA model, a
+        ``GradScaler``, a counter) with the rest of the state, in every snapshot tier and to a live joiner; a
+        restored snapshot's state for ``name`` is loaded into it now. Register before the first step.
+
+        Args:
+            name: its key in the snapshots (unique).
+            obj: the object.
+        """
+        self._registry.register(name, obj)
+
+    def backward(self, loss: torch.Tensor, scaler: Any = None) -> None:
+        """Backward of the mean loss over the micro-batch just served, weighted for the exact mean over the step
+        (``step.backward``); ``scaler``: a ``GradScaler`` that scales it first."""
+        if self._step_now is None:
+            raise RuntimeError("trainer.backward(loss) belongs to a micro-batch of batches() or steps()")
+        self._backward_pending = False
+        self._step_now.backward(loss, scaler)
 
     def _collective_failed(self, exc: RuntimeError) -> None:
         """Live mode: a collective failed because the group broke; the step is dropped and the group
@@ -329,6 +401,7 @@ class ElasticTrainer:
         self._live.recover(reason)
         self._broken = None
         self._loss.discard()
+        self._data.reset()  # what the loader read ahead was split for the old group
         was_first = self.rank == 0
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if was_first != (self.rank == 0):  # only the live group's rank 0 reports progress
@@ -346,21 +419,30 @@ class ElasticTrainer:
         assert isinstance(self.model, (DistributedDataParallel, LiveDataParallel))
         return self.model.no_sync()
 
-    def _batch(self, idx: Sequence[int]) -> Any:
-        return make_batch(self._dataset, idx, self._collate, self.device)
-
-    def _finish_step(self, indices: Sequence[int], global_batch: int) -> None:
-        self._stop_timeout.boundary()
-        lr = self.current_lr()
+    def _gradients_done(self) -> None:
+        """The step's last micro-batch is done: live mode's all-reduce completes (DDP's and FSDP's did in backward)."""
         if self._reducer is not None:
             try:
                 self._reducer.finish(self.world_size)
             except RuntimeError as exc:
                 self._collective_failed(exc)
-                return
-        with scaled_lr(self.optimizer, self.lr_factor):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+
+    def _run_backward(self, loss: torch.Tensor, weight: float, padding: bool, scaler: Any) -> None:
+        if self._broken is not None:
+            return
+        if not padding:
+            self._loss.add(loss, weight)  # before the backward is queued: see elastic.train.step_loss
+        try:
+            weighted = loss * weight
+            (weighted if scaler is None else scaler.scale(weighted)).backward()
+        except RuntimeError as exc:
+            self._collective_failed(exc)
+
+    def _finish_step(self, layout: StepLayout, global_batch: int) -> None:
+        self._stop_timeout.boundary()
+        lr = self.current_lr()
+        stepped = self._gate.take()
+        self._gate.zero_grad()
         if self.scheduler is not None:
             self.scheduler.step()
         epoch = self.sampler.epoch
@@ -370,15 +452,25 @@ class ElasticTrainer:
         if self._live is not None:
             self._live.applied(lr, loss)
         else:  # restart mode: a failure from here on restarts every worker from a snapshot
-            self._record(StepInfo(self.step, epoch, self.rank, self.world_size, list(indices), lr, loss))
+            self._record(StepInfo(self.step, epoch, self.rank, self.world_size, list(layout.indices), lr, loss))
         # Every rank agrees on this boundary's flags (one all-reduce per step); in live mode the step commits
         # here, so its record is written only now.
         signalled = self._preemption.requested
         try:
-            flags = self._agree(signalled)
+            flags = self._agree(signalled, stepped)
         except RuntimeError as exc:
             self._collective_failed(exc)
             return
+        if not flags.steps_agree:
+            raise StepMismatchError(
+                f"step {self.step}: the optimizer(s) stepped {-flags.optimizer_steps_neg} time(s) on some ranks and "
+                f"{flags.optimizer_steps} on others (this rank: {stepped}); a step skipped on some ranks only leaves "
+                "the replicas apart: decide a skip on values every rank shares (the all-reduced gradients, as "
+                "GradScaler does), never on a rank's own loss"
+            )  # fmt: skip
+        if stepped == 0:
+            logger.info("step %d: no optimizer step ran on any rank (a skipped step); its samples count as consumed",
+                        self.step)  # fmt: skip
         if self._live is not None:
             self._live.committed()
         try:
@@ -397,10 +489,12 @@ class ElasticTrainer:
         if self._on_step is not None:
             self._on_step(info)
 
-    def _agree(self, signalled: bool) -> BoundaryFlags:
+    def _agree(self, signalled: bool, stepped: int) -> BoundaryFlags:
         """Every rank's flags for this boundary, agreed on (one all-reduce): the snapshot flags of
-        :meth:`LoopCheckpoints.local_flags` and (live) whether workers wait to be admitted."""
+        :meth:`LoopCheckpoints.local_flags`, the optimizer steps this rank ran, and (live) whether workers wait to
+        be admitted."""
         mine = self._checkpoints.local_flags(self.step, time.monotonic(), signalled, self.rank)
+        mine = dataclasses.replace(mine, optimizer_steps=stepped, optimizer_steps_neg=-stepped)
         if self._live is not None:
             mine = dataclasses.replace(mine, joiners=self._live.joiners_waiting(self.rank))
         return mine.agree(self._host.device, self._host.group())
@@ -501,6 +595,8 @@ class ElasticTrainer:
         try:
             self._stop_timeout.reached()
             self._preemption.uninstall()
+            self._data.close()
+            self._gate.close()
             self._checkpoints.close(finished=finished and not self._stopped)
             if self._checkpoints.pending is not None:
                 self._publish_progress(self.current_lr(), None)
@@ -522,3 +618,26 @@ class ElasticTrainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close(finished=exc[0] is None)
+
+
+class _StepHost:
+    """What a :class:`~elastic.train.step.Step` asks of its trainer (the :class:`~elastic.train.step.StepHost`)."""
+
+    def __init__(self, trainer: ElasticTrainer) -> None:
+        self._t = trainer
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        return self._t._no_sync()
+
+    def fetch(self, layout: StepLayout) -> Iterator[Any]:
+        return self._t._data.micro_batches(layout)
+
+    def gradients_done(self) -> None:
+        self._t._gradients_done()
+
+    def run_backward(self, loss: torch.Tensor, weight: float, padding: bool, scaler: Any) -> None:
+        self._t._run_backward(loss, weight, padding, scaler)
+
+    @property
+    def broken(self) -> bool:
+        return self._t._broken is not None

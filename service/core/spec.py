@@ -120,6 +120,9 @@ class LRPolicySpec(_Spec):
         default=32, ge=1, le=1_000_000, description="per-worker batch base_lr is tuned for"
     )
     warmup_steps: int = Field(default=0, ge=0, le=10_000_000, description="steps to ramp to a new LR after a change")
+    accumulation_steps: int = Field(
+        default=1, ge=1, le=100_000, description="micro-batches per worker and optimizer step at base_world_size"
+    )
 
     def to_policy(self) -> LRPolicy:
         return LRPolicy(
@@ -128,6 +131,7 @@ class LRPolicySpec(_Spec):
             base_world_size=self.base_world_size,
             base_batch_per_worker=self.base_batch_per_worker,
             warmup_steps=self.warmup_steps,
+            accumulation_steps=self.accumulation_steps,
         )
 
 

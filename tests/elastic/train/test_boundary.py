@@ -13,15 +13,23 @@ from elastic.train.boundary import BoundaryFlags
 
 @pytest.mark.timeout(10)
 def test_flags_travel_as_ints_in_field_order_and_come_back_named() -> None:
-    flags = BoundaryFlags(time_due=True, writer_busy=True, joiners=True)
-    assert flags.encode() == [1, 0, 0, 1, 1]
+    flags = BoundaryFlags(time_due=True, writer_busy=True, joiners=True, optimizer_steps=2, optimizer_steps_neg=-2)
+    assert flags.encode() == [1, 0, 0, 1, 1, 2, -2]
     assert BoundaryFlags.decode(flags.encode()) == flags
-    assert BoundaryFlags.decode([0, 2, 0, 0, 0]) == BoundaryFlags(signalled=True)
+    assert BoundaryFlags.decode([0, 2, 0, 0, 0, 0, 0]) == BoundaryFlags(signalled=True)
+
+
+@pytest.mark.timeout(10)
+def test_optimizer_step_counts_agree_only_when_every_rank_ran_as_many() -> None:
+    # after the MAX all-reduce: the most steps on any rank, and minus the fewest
+    assert BoundaryFlags(optimizer_steps=1, optimizer_steps_neg=-1).steps_agree
+    assert BoundaryFlags(optimizer_steps=0, optimizer_steps_neg=0).steps_agree  # skipped on every rank
+    assert not BoundaryFlags(optimizer_steps=1, optimizer_steps_neg=0).steps_agree  # one rank skipped
 
 
 @pytest.mark.timeout(10)
 def test_a_wrong_number_of_flags_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="4 boundary flags, expected 5"):
+    with pytest.raises(ValueError, match="4 boundary flags, expected 7"):
         BoundaryFlags.decode([0, 0, 0, 0])
 
 

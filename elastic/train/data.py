@@ -1,0 +1,124 @@
+"""Where the loop's micro-batches come from: one :class:`StepData` per kind of source.
+
+- :class:`CollatedData`: a map-style data set collated in the training process (``collate_fn`` of
+  ``dataset[i]``), the short form for tutorials;
+- :class:`LoaderData`: the user's own ``DataLoader`` over an
+  :class:`~elastic.train.batch_sampler.ElasticBatchSampler` (workers, pinned memory, prefetch, ``collate_fn``).
+
+Both serve the micro-batches of a :class:`~elastic.train.sampler.StepLayout` that the loop computed, on the
+training device. :meth:`StepData.reset` voids what was read ahead (after a resize, a restore or a dropped step):
+the next step is served from the committed cursor.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from elastic.train.batch_sampler import ElasticBatchSampler, LockstepError
+from elastic.train.batching import make_batch, to_device
+from elastic.train.sampler import StepLayout
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CollatedData", "LoaderData", "StepData", "step_data"]
+
+
+class StepData(ABC):
+    """The contract: :meth:`micro_batches` yields each micro-batch of ``layout`` (an empty one as the pad sample),
+    collated and on the device, in order."""
+
+    @abstractmethod
+    def micro_batches(self, layout: StepLayout) -> Iterator[Any]: ...
+
+    def reset(self) -> None:
+        """What was read ahead is void: the next step is served from the committed cursor."""
+        return None
+
+    def close(self) -> None:
+        """Release workers and buffers."""
+        return None
+
+
+class CollatedData(StepData):
+    """``collate([dataset[i] for i in micro])`` in this process."""
+
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any], device: torch.device) -> None:
+        self._dataset, self._collate, self._device = dataset, collate, device
+
+    def micro_batches(self, layout: StepLayout) -> Iterator[Any]:
+        for idx in layout.micro:
+            yield make_batch(self._dataset, idx or [layout.pad_index], self._collate, self._device)
+
+
+class LoaderData(StepData):
+    """The user's ``DataLoader``; checks that each batch it serves is the micro-batch the loop expects."""
+
+    def __init__(self, loader: DataLoader[Any], device: torch.device) -> None:
+        sampler = loader.batch_sampler
+        assert isinstance(sampler, ElasticBatchSampler)
+        self._loader, self._sampler, self._device = loader, sampler, device
+        self._it: Iterator[Any] | None = None
+
+    def micro_batches(self, layout: StepLayout) -> Iterator[Any]:
+        for j, idx in enumerate(layout.micro):
+            batch = self._next(first=j == 0)
+            expected = idx or [layout.pad_index]
+            served = self._sampler.consumed()
+            if served != expected:
+                self.reset()
+                raise LockstepError(f"the DataLoader served samples {served[:4]}... where the loop expected "
+                                    f"{expected[:4]}...: it must serve its batch sampler's batches in order "
+                                    "(in_order=True, the default)")  # fmt: skip
+            yield to_device(batch, self._device)
+
+    def _next(self, first: bool) -> Any:
+        if self._it is None:
+            self._it = iter(self._loader)
+        try:
+            return next(self._it)
+        except StopIteration:
+            if not first:
+                raise LockstepError("the DataLoader ended in the middle of a step") from None
+        self._it = iter(self._loader)  # the epoch ended with the last step: the next one starts it again
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise LockstepError("the DataLoader served nothing for a step the loop expected") from None
+
+    def reset(self) -> None:
+        self._it = None  # the next iter() starts at the committed cursor (persistent workers drop their prefetch)
+
+    def close(self) -> None:
+        self._it = None
+
+
+def step_data(source: Any, collate: Callable[[list[Any]], Any], device: torch.device) -> StepData:
+    """The :class:`StepData` for the trainer's ``data`` argument: a ``DataLoader`` over an
+    :class:`ElasticBatchSampler`, or a map-style data set (collated in-process by ``collate``). A ``DataLoader``
+    with a sampler of its own is refused (the loop must decide which samples each step takes)."""
+    if isinstance(source, DataLoader):
+        if not isinstance(source.batch_sampler, ElasticBatchSampler):
+            hint = " (its drop_last=True conflicts too: the loop's last step of an epoch takes what is left)" if (
+                source.drop_last) else ""  # fmt: skip
+            raise ValueError(
+                "the DataLoader has a sampler of its own "
+                f"({type(source.batch_sampler).__name__} over {type(source.sampler).__name__}){hint}: build it "
+                "with batch_sampler=ElasticBatchSampler(dataset) and no batch_size, shuffle, sampler or drop_last, "
+                "so that the loop decides which samples each step takes (exactly once across resizes)"
+            )
+        if collate is not default_collate:
+            raise ValueError("collate_fn= is for a data set; a DataLoader collates with its own collate_fn")
+        return LoaderData(source, device)
+    if isinstance(source, torch.utils.data.IterableDataset):
+        raise ValueError("an IterableDataset has no indices for the loop's sampler: see docs/open-loop.md for the "
+                         "path of streaming sources")  # fmt: skip
+    if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
+        raise TypeError(f"data must be a DataLoader over an ElasticBatchSampler or a map-style data set (with "
+                        f"__getitem__ and __len__), not {type(source).__name__}")  # fmt: skip
+    return CollatedData(source, collate, device)
