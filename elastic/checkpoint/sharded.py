@@ -11,7 +11,8 @@ the commit point.  DCP's storage writer is subclassed so that
   files and commits ``manifest.json``; then verification and retention run as for replicated state.
 
 Saves and loads are collectives: every rank of the job calls them.  They use a dedicated gloo group so a
-background save never interleaves with the training loop's collectives.
+background save never interleaves with the training loop's collectives.  :class:`ShardedCheckpointManager` is
+the manager of this layout (what it shares with the replicated one: :mod:`elastic.checkpoint.base`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import json
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -37,7 +38,9 @@ from elastic.checkpoint.api import (
     CheckpointWriteError,
     EventHook,
     Snapshot,
+    StateLayout,
 )
+from elastic.checkpoint.base import StorageCheckpointManager
 from elastic.checkpoint.digest import DigestAlgorithm, new_hasher
 from elastic.checkpoint.layout import FileEntry, Manifest, ManifestError, SnapshotKind, manifest_path, step_dir
 from elastic.checkpoint.reader import verify_files
@@ -47,7 +50,7 @@ from elastic.checkpoint.writer import SaveTimings, check_fence, finish_commit, g
 from elastic.compat import dcp_no_dist, fsspec_checkpoint_io, fsspec_dcp_io
 from elastic.gloo_group import GlooGroupBeside
 
-__all__ = ["ShardedCheckpointer"]
+__all__ = ["ShardedCheckpointManager"]
 
 FsspecReader, FsspecWriter = fsspec_checkpoint_io()
 
@@ -186,16 +189,23 @@ def _require_template(template: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return template
 
 
-class ShardedCheckpointer:
-    """Save/load sharded state with DCP under our commit protocol; used by the manager."""
+class ShardedCheckpointManager(StorageCheckpointManager):
+    """Saves ``StateLayout.SHARDED`` state with DCP under our commit protocol (see the module docstring).
 
-    def __init__(self, storage: CheckpointStorage, options: CheckpointOptions, events: EventHook | None) -> None:
-        self._storage = storage
-        self._options = options
-        self._events: EventHook = events or (lambda _name: None)
+    Saves and loads are collectives of every rank (over a gloo group beside the default one, made again for
+    each default group in live mode).  Loads need ``template`` (the current state dict, loaded in place) and take
+    no ``device``; ``overlap_with`` does not apply (DCP stages sharded state itself).  ``last_committed_step`` is
+    known on rank 0, where the commit happens.
+    """
+
+    layout = StateLayout.SHARDED
+
+    def __init__(self, storage: CheckpointStorage, options: CheckpointOptions, events: EventHook | None = None) -> None:
+        super().__init__(storage, options, events)
+        self._emit: EventHook = events or (lambda _name: None)
         self._group = GlooGroupBeside("sharded checkpoints")  # made again for each default group (live mode)
         self._future: Any = None
-        self.last_committed_step: int | None = None  # on the coordinator (rank 0), where the commit happens
+        self._last_committed: int | None = None  # on the coordinator (rank 0), where the commit happens
         self._step: int | None = None
 
     # -- process group --------------------------------------------------------------------------------
@@ -236,14 +246,20 @@ class ShardedCheckpointer:
         hash_while_writing(writer, commit.digests)
         return writer
 
-    def save(self, step: int, state: Mapping[str, Any], *, blocking: bool) -> None:
+    def _save(
+        self, step: int, state: Mapping[str, Any], *, blocking: bool, overlap_with: torch.optim.Optimizer | None
+    ) -> None:
+        """Every rank: the previous save is waited for, rank 0 picks the attempt's token and makes its directory,
+        then DCP writes (``dcp.save``, or ``dcp.async_save`` whose future commits in the background)."""
+        if overlap_with is not None:
+            raise ValueError("overlap_with applies to the replicated layout (DCP stages sharded state)")
         self.wait()
         rank, world = self._rank_world()
         token = self._broadcast(new_token() if rank == 0 else None)
-        commit = _Commit(self._storage, self._options, step, token, rank, world, self._events)
+        commit = _Commit(self._storage, self._options, step, token, rank, world, self._emit)
         if rank == 0:
             self._storage.make_dirs(commit.rel)
-        self._events("save_begin")
+        self._emit("save_begin")
         writer = self._make_writer(commit)
         pg = self._pg()
         try:
@@ -269,13 +285,17 @@ class ShardedCheckpointer:
 
     def _log_commit(self, step: int, commit: _Commit) -> None:
         if commit.manifest is not None:
-            self.last_committed_step = step
+            self._last_committed = step
             logger.info(
                 "sharded checkpoint step %d committed at %s (%.1f MiB)",
                 step,
                 self._storage.url,
                 commit.manifest.total_bytes / 2**20,
             )
+
+    @property
+    def last_committed_step(self) -> int | None:
+        return self._last_committed
 
     @property
     def in_flight(self) -> bool:
@@ -309,6 +329,10 @@ class ShardedCheckpointer:
             ) from exc
 
     # -- loading --------------------------------------------------------------------------------------
+    def _check_device(self, device: torch.device | str | None) -> None:
+        if device is not None:
+            raise ValueError("device applies to the replicated layout (sharded state loads into its template)")
+
     def _reader(self, manifest: Manifest) -> Any:
         path = self._storage.full_path(f"{step_dir(manifest.step)}/{manifest.token}")
         if isinstance(self._storage, LocalStorage):
@@ -333,7 +357,9 @@ class ShardedCheckpointer:
             raise CheckpointLoadError(f"loading sharded snapshot step {manifest.step} failed: {exc}") from exc
         return Snapshot(step=manifest.step, state=state, manifest=manifest, url=self._storage.url)
 
-    def load(self, manifest: Manifest, template: Mapping[str, Any] | None) -> Snapshot:
+    def _load_manifest(
+        self, manifest: Manifest, template: Mapping[str, Any] | None, device: torch.device | str | None
+    ) -> Snapshot:
         """Rank 0 verifies ``manifest``'s files, every rank learns the verdict, then all load."""
         _require_template(template)
         problem = None
@@ -347,17 +373,19 @@ class ShardedCheckpointer:
             raise CheckpointCorruptError(problem)
         return self._dcp_load(manifest, template)
 
-    def load_latest(self, template: Mapping[str, Any] | None, pick: Callable[[], Manifest | None]) -> Snapshot | None:
-        """Rank 0 picks the newest verified manifest (``pick``), every rank loads that one."""
+    def _load_newest(self, template: Mapping[str, Any] | None, device: torch.device | str | None) -> Snapshot | None:
+        """Rank 0 picks the newest manifest whose files verify, every rank loads that one."""
         _require_template(template)
         payload = None
         if self._rank_world()[0] == 0:
-            manifest = pick()
+            manifest = self._newest(self._verified)
             payload = manifest.to_json(self._options.signing_key) if manifest is not None else None
         payload = self._broadcast(payload)
         if payload is None:
             return None
         return self._dcp_load(Manifest.from_json(payload, key=self._options.signing_key), template)
 
-    def close(self) -> None:
-        self.wait()
+    def _verified(self, manifest: Manifest) -> Manifest:
+        """``manifest`` once its files verify (raises :class:`CheckpointCorruptError` otherwise)."""
+        verify_files(self._storage, manifest, self._options.chunk_bytes, io_threads=self._options.io_threads)
+        return manifest

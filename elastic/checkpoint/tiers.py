@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.api import CheckpointError, CheckpointManager
-from elastic.checkpoint.manager import FsspecCheckpointManager
+from elastic.checkpoint.base import StorageCheckpointManager
 from elastic.checkpoint.slots import MAX_SLOTS, SlotClaim, claim_slot, is_held, slot_dirs
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import BinaryWriter, LocalStorage
@@ -205,7 +205,7 @@ class SnapshotTiers:
         self._device = device
         self._writer = local_dir is not None and TorchrunEnv.from_environ().local_rank == 0
         self._claim: SlotClaim | None = None
-        self._local: FsspecCheckpointManager | None = None
+        self._local: StorageCheckpointManager | None = None
         self.source: str | None = None  # what the last restore resumed from: "node-local", "durable" or None
         # node-local snapshots are signed like the durable ones: a slot another user or job planted is skipped
         key = durable.options.signing_key if durable is not None else WorkerEnv.from_environ().checkpoint_key
