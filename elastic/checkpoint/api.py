@@ -227,6 +227,11 @@ _Manager = TypeVar("_Manager", bound="CheckpointManager")
 class CheckpointManager(ABC):
     """Saves and restores training state snapshots on one storage root.
 
+    One implementation per :class:`StateLayout`, chosen by ``create_checkpoint_manager``:
+    ``elastic.checkpoint.replicated.ReplicatedCheckpointManager`` and
+    ``elastic.checkpoint.sharded.ShardedCheckpointManager``, both built on what
+    ``elastic.checkpoint.base.StorageCheckpointManager`` shares.
+
     Contract:
     - ``check_storage()`` proves at start-up that the root is usable (write, read back, delete) and
       raises :class:`CheckpointStorageError` with one line otherwise.
