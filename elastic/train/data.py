@@ -3,7 +3,18 @@
 - :class:`CollatedData`: a map-style data set collated in the training process (``collate_fn`` of
   ``dataset[i]``), the short form for tutorials;
 - :class:`LoaderData`: the user's own ``DataLoader`` over an
-  :class:`~elastic.train.batch_sampler.ElasticBatchSampler` (workers, pinned memory, prefetch, ``collate_fn``).
+  :class:`~elastic.train.batch_sampler.ElasticBatchSampler` (workers, pinned memory, prefetch, ``collate_fn``);
+- :class:`StreamData`: a streaming source (an ``IterableDataset``) through a loader with ``state_dict`` /
+  ``load_state_dict`` (torchdata's ``StatefulDataLoader``); each rank's loader state is saved with the snapshot
+  (:class:`StreamStates`).
+
+A stream has no indices for the loop's sampler, so the loop cannot choose a step's samples: each rank's loader
+yields what the data set gives that rank (the data set shards the stream by rank itself, as streaming data sets
+do). What holds: **at the same world size a resume is exact** (each rank's loader resumes from its own state saved
+at the committed step: no sample skipped or repeated); **across a resize it is not exactly-once**: ranks that
+existed before resume their own streams, new ranks start theirs afresh, and the part of a lost rank's stream that it
+had not consumed is not served by anyone (or, if the data set re-shards by world size, shards move between ranks:
+what that means is the data set's). A dropped step in live mode loses the batches it had taken.
 
 Both serve the micro-batches of a :class:`~elastic.train.sampler.StepLayout` that the loop computed, on the
 training device. :meth:`StepData.reset` voids what was read ahead (after a resize, a restore or a dropped step):
@@ -26,7 +37,10 @@ from elastic.train.sampler import StepLayout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CollatedData", "LoaderData", "StepData", "step_data"]
+__all__ = ["CollatedData", "LoaderData", "StepData", "StreamData", "StreamStates", "is_stream", "step_data"]
+
+#: the cursor's data set size for a stream: its sample numbers, never reached (a stream ends with ``max_steps``)
+STREAM_SIZE = 2**62
 
 
 class StepData(ABC):
@@ -98,10 +112,91 @@ class LoaderData(StepData):
         self._it = None
 
 
+class StreamStates:
+    """Every rank's loader state, as one registered state (a :class:`~elastic.train.registry.Stateful`): the
+    snapshot's writer saves them all. :meth:`gather` (a collective) collects them before a snapshot is captured;
+    :meth:`load_state_dict` gives this rank its own state, or none (a rank the saved world did not have)."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+        self._gathered: dict[int, Any] = {}
+
+    def gather(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        mine = self._loader.state_dict()
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            self._gathered = {0: mine}
+            return
+        states: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(states, mine, group=group)
+        self._gathered = dict(enumerate(states))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ranks": {str(rank): state for rank, state in self._gathered.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        ranks = state.get("ranks", {})
+        if str(rank) in ranks:
+            self._loader.load_state_dict(ranks[str(rank)])
+        else:
+            logger.warning("the snapshot holds no stream state for rank %d (saved by %d ranks): this rank's stream "
+                           "starts afresh", rank, len(ranks))  # fmt: skip
+
+
+class StreamData(StepData):
+    """A streaming loader: each micro-batch is the loader's next batch (the layout's indices are the stream's sample
+    numbers, not the data set's); an epoch of the loader that ends starts the next one."""
+
+    def __init__(self, loader: Any, device: torch.device) -> None:
+        self._loader, self._device = loader, device
+        self._it: Iterator[Any] | None = None
+        self.states = StreamStates(loader)
+
+    def micro_batches(self, layout: StepLayout) -> Iterator[Any]:
+        for _ in layout.micro:
+            if self._it is None:
+                self._it = iter(self._loader)
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                self._it = iter(self._loader)
+                try:
+                    batch = next(self._it)
+                except StopIteration:
+                    raise LockstepError("the stream served nothing for a step the loop expected") from None
+            yield to_device(batch, self._device)
+
+    def reset(self) -> None:
+        """A stream is not re-split: the loader goes on (a restore loads its state into the loader first)."""
+        self._it = None
+
+    def close(self) -> None:
+        self._it = None
+
+
+def is_stream(source: Any) -> bool:
+    """A streaming source: a loader over an ``IterableDataset``, or any iterable with ``state_dict`` and
+    ``load_state_dict`` that is not a DataLoader over an :class:`ElasticBatchSampler`."""
+    if isinstance(source, DataLoader):
+        return isinstance(source.dataset, torch.utils.data.IterableDataset)
+    return hasattr(source, "__iter__") and not hasattr(source, "__getitem__") and callable(
+        getattr(source, "state_dict", None))  # fmt: skip
+
+
 def step_data(source: Any, collate: Callable[[list[Any]], Any], device: torch.device) -> StepData:
     """The :class:`StepData` for the trainer's ``data`` argument: a ``DataLoader`` over an
     :class:`ElasticBatchSampler`, or a map-style data set (collated in-process by ``collate``). A ``DataLoader``
     with a sampler of its own is refused (the loop must decide which samples each step takes)."""
+    if is_stream(source):
+        if not (callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None))):
+            raise ValueError(f"a streaming source must save its position: {type(source).__name__} has no state_dict/"
+                             "load_state_dict; wrap the IterableDataset in torchdata's StatefulDataLoader "
+                             "(pip install elastic-train[stream]); see docs/open-loop.md")  # fmt: skip
+        return StreamData(source, device)
     if isinstance(source, DataLoader):
         if not isinstance(source.batch_sampler, ElasticBatchSampler):
             hint = " (its drop_last=True conflicts too: the loop's last step of an epoch takes what is left)" if (
@@ -116,8 +211,8 @@ def step_data(source: Any, collate: Callable[[list[Any]], Any], device: torch.de
             raise ValueError("collate_fn= is for a data set; a DataLoader collates with its own collate_fn")
         return LoaderData(source, device)
     if isinstance(source, torch.utils.data.IterableDataset):
-        raise ValueError("an IterableDataset has no indices for the loop's sampler: see docs/open-loop.md for the "
-                         "path of streaming sources")  # fmt: skip
+        raise ValueError("an IterableDataset passed as data: pass a loader over it that saves its position "
+                         "(torchdata's StatefulDataLoader); see docs/open-loop.md, streaming sources")  # fmt: skip
     if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
         raise TypeError(f"data must be a DataLoader over an ElasticBatchSampler or a map-style data set (with "
                         f"__getitem__ and __len__), not {type(source).__name__}")  # fmt: skip

@@ -169,6 +169,8 @@ class ElasticSampler:
         take = self.step_size(global_batch)
         sizes = split_sizes(take, self.world_size)
         start = self._cursor.position + sum(sizes[: self.rank])
+        if not self._shuffle and not self._replacement:  # the data set's order: no list of every index (a stream)
+            return list(range(start, start + sizes[self.rank]))
         return self._permutation()[start : start + sizes[self.rank]]
 
     def advance(self, global_batch: int) -> bool:

@@ -79,7 +79,7 @@ from elastic.train.collectives import (
 )
 from elastic.train.config import ElasticConfig, LiveOptions, RecoveryMode, StepInfo
 from elastic.train.cursor import TrainingCursor
-from elastic.train.data import step_data
+from elastic.train.data import STREAM_SIZE, StreamData, is_stream, step_data
 from elastic.train.parallel import GuardedForward, Parallelize, ShardedModel, ShardLayout, check_model
 from elastic.train.preemption import PreemptionWatcher
 from elastic.train.progress import create_reporter
@@ -173,12 +173,16 @@ class ElasticTrainer:
         batch_sampler = getattr(data, "batch_sampler", None)
         if isinstance(batch_sampler, ElasticBatchSampler):  # the script's DataLoader: its sampler is the cursor's
             sampler = batch_sampler.sampler
+        elif is_stream(data):  # the cursor counts the stream's samples (see elastic.train.data)
+            sampler = ElasticSampler(STREAM_SIZE, shuffle=False)
         else:
             sampler = ElasticSampler(len(data), seed=config.seed, shuffle=config.shuffle)
         self.cursor = TrainingCursor(config.lr_policy, sampler, self.rank, self.world_size, self._registry)
         if isinstance(batch_sampler, ElasticBatchSampler):
             batch_sampler.bind(lambda world: self.cursor.policy.step_plan(world))
         self._data = step_data(data, collate_fn, self.device)
+        if isinstance(self._data, StreamData):  # every rank's loader state, in the snapshots
+            self._registry.register("stream", self._data.states)
         self._gate = OptimizerGate(optimizers, lambda: self.lr_factor, lambda: self._broken is not None)
         self._step_now: Step | None = None  # the step being served
         self._backward_pending = False  # the short form: a micro-batch yielded whose backward has not run
@@ -322,6 +326,8 @@ class ElasticTrainer:
             raise TypeError("give an epoch, epochs=N or max_steps=N")
         if max_steps is not None and max_steps < 0:
             raise ValueError(f"max_steps must be >= 0, got {max_steps}")
+        if isinstance(self._data, StreamData) and max_steps is None:
+            raise ValueError("a stream has no epochs for the loop: give max_steps")
         if epoch is not None and epoch > self.sampler.epoch:
             raise ValueError(f"epoch {epoch} asked for while epoch {self.sampler.epoch} is not finished")
         return epochs if epochs is not None else None if epoch is None else epoch + 1
@@ -550,7 +556,10 @@ class ElasticTrainer:
                                       **self.cursor.state()).to_dict()  # fmt: skip
 
     def _capture(self) -> TrainingState | dict[str, Any]:
-        """References to the full state (a collective: gathers every rank's RNG state)."""
+        """References to the full state (a collective: gathers every rank's RNG state, and a stream's loader
+        states)."""
+        if isinstance(self._data, StreamData):
+            self._data.states.gather(self._host.group())
         if self._sharded:
             return capture_sharded(self.step, self._module, self.optimizer, self.scheduler, **self.cursor.state())
         return capture_training_state(self.step, self._module, self.optimizer, self.scheduler,
