@@ -247,3 +247,40 @@ def _mismatch_rank(rank: int, store_path: str) -> None:
 
 def test_an_optimizer_step_skipped_on_one_rank_only_is_an_error_on_every_rank(tmp_path: Path) -> None:
     start_ranks(_mismatch_rank, (str(tmp_path / "store"),), nprocs=2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; torch.cuda.is_available() is False")
+def test_on_cuda_the_own_step_with_fp16_gradscaler_and_a_pinned_two_worker_loader_trains_and_resumes_its_scaler(
+    tmp_path: Path,
+) -> None:
+    """A world of one over NCCL (no torchrun): the script's DataLoader (pinned memory, 2 workers) feeds the GPU,
+    fp16 autocast with a GradScaler in the script's step; the scaler's state comes back on resume."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    url = str(tmp_path / "ck")
+    scales = []
+    for max_steps in (4, 8):
+        ds = _data(64)
+        loader = DataLoader(ds, batch_sampler=ElasticBatchSampler(ds, seed=1), num_workers=2, pin_memory=True,
+                            persistent_workers=True, multiprocessing_context="forkserver")  # fmt: skip
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=2)
+        config = ElasticConfig(_policy(), url, save_every_steps=2, progress_every=0)
+        trainer = ElasticTrainer(model, opt, loader, config, state={"scaler": scaler})
+        assert trainer.device.type == "cuda"
+        if max_steps == 8:
+            assert scaler.get_scale() == scales[-1], "the scaler's scale came back from the snapshot"
+        for step in trainer.steps(max_steps=max_steps):
+            for x, y, _ in step:
+                assert x.is_cuda
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = F.cross_entropy(trainer.model(x), y)
+                step.backward(loss, scaler)
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(trainer.module.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        scales.append(scaler.get_scale())
+        trainer.close()
+    assert scales[0] > 2.0**10, "the scale grew every 2 finite steps"
