@@ -24,6 +24,8 @@ Contract of :class:`SnapshotTiers` (replicated, DDP-style state only: any node's
   what its dead predecessor wrote. After a restore, the data of slots nobody holds is deleted (it is no newer
   than what was restored).
 - ``close(finished=True)`` deletes this node's local tier (the job is done: nothing is left in memory).
+- Logging: a snapshot's lines (its commit, the retention of the one before) are DEBUG, as are the local managers'
+  other INFO lines (:mod:`elastic.checkpoint.quiet_logs`); warnings and the resume's line are as for durable ones.
 - Privacy: the tier's directory is a private one (:func:`elastic.runtime_dir.private_dir`: created 0700,
   owned by us, no symlink, nothing above it that another user controls) and its files are written 0600. A
   directory that fails those checks (e.g. ``/dev/shm/etrain-<uid>`` pre-created by another user, who could
@@ -51,6 +53,7 @@ import torch.distributed as dist
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.api import CheckpointError, CheckpointManager
 from elastic.checkpoint.base import StorageCheckpointManager
+from elastic.checkpoint.quiet_logs import quiet, unquiet
 from elastic.checkpoint.slots import MAX_SLOTS, SlotClaim, claim_slot, is_held, slot_dirs
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import BinaryWriter, LocalStorage
@@ -219,6 +222,7 @@ class SnapshotTiers:
                 self._dir, self._writer = None, False
             else:
                 storage = PrivateStorage(slot, url=str(slot))
+                quiet(storage.url)  # a line per snapshot: DEBUG
                 self._local = create_checkpoint_manager(str(slot), self._options, storage=storage)
                 self._local.check_storage()
 
@@ -351,6 +355,7 @@ class SnapshotTiers:
                 self._local.close()
             except CheckpointError as exc:
                 logger.warning("last node-local snapshot failed: %s", exc)
+            unquiet(self._local.url)
             self._local = None
         if finished and self._writer and self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)

@@ -13,7 +13,8 @@ newer than the newest durable snapshot and every shard index has a rank holding 
 (:func:`~elastic.train.parallel.shard_sources`). Those ranks load and verify theirs and send each shard over its
 replicate group to the others (:func:`~elastic.train.parallel.share_shards`). Otherwise, or when a load fails
 anywhere, the caller restores the durable snapshot (DCP reshards it). A save is a best effort, as in the
-replicated tier: a slot still writing skips that step, a failed write is a warning.
+replicated tier: a slot still writing skips that step, a failed write is a warning. As there, a snapshot's lines are
+DEBUG (:mod:`elastic.checkpoint.quiet_logs`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from elastic.checkpoint import create_checkpoint_manager
 from elastic.checkpoint.api import CheckpointError
 from elastic.checkpoint.manager import FsspecCheckpointManager
+from elastic.checkpoint.quiet_logs import quiet, unquiet
 from elastic.checkpoint.slots import MAX_SLOTS, SlotClaim, claim_slot, slot_dirs
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.tiers import (
@@ -106,6 +108,7 @@ class ShardTier:
             logger.warning("node-local shard snapshots: all %d slots for %s* are held", MAX_SLOTS, prefix)
             return None
         self._claimed, slot = claim, claim.path
+        quiet(str(slot))  # a line per snapshot: DEBUG
         self._local = _SlotManager(PrivateStorage(slot, url=str(slot)), self._options)
         return self._local
 
@@ -115,6 +118,7 @@ class ShardTier:
                 self._local.close()
             except CheckpointError as exc:
                 logger.warning("last node-local shard snapshot failed: %s", exc)
+            unquiet(self._local.url)
             self._local = None
         if self._claimed is not None:
             self._claimed.release()
