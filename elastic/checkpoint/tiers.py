@@ -24,6 +24,9 @@ Contract of :class:`SnapshotTiers` (replicated, DDP-style state only: any node's
   what its dead predecessor wrote. After a restore, the data of slots nobody holds is deleted (it is no newer
   than what was restored).
 - ``close(finished=True)`` deletes this node's local tier (the job is done: nothing is left in memory).
+- What a worker SIGKILLed or a node lost whole leaves in memory is deleted by the next worker to start on the node
+  once the processes that owned it are gone (:mod:`elastic.checkpoint.owners`: the writer claims the job's directory
+  and records its launcher; ``create_snapshot_tiers`` sweeps the other jobs' directories).
 - Logging: a snapshot's lines (its commit, the retention of the one before) are DEBUG, as are the local managers'
   other INFO lines (:mod:`elastic.checkpoint.quiet_logs`); warnings and the resume's line are as for durable ones.
 - Privacy: the tier's directory is a private one (:func:`elastic.runtime_dir.private_dir`: created 0700,
@@ -53,12 +56,12 @@ import torch.distributed as dist
 from elastic.checkpoint import CheckpointOptions, create_checkpoint_manager
 from elastic.checkpoint.api import CheckpointError, CheckpointManager
 from elastic.checkpoint.base import StorageCheckpointManager
+from elastic.checkpoint.owners import JobDirClaim, claim_job_dir, sweep
 from elastic.checkpoint.quiet_logs import quiet, unquiet
 from elastic.checkpoint.slots import MAX_SLOTS, SlotClaim, claim_slot, is_held, slot_dirs
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import BinaryWriter, LocalStorage
 from elastic.contract.env import LOCAL_SNAPSHOT_DIR, TorchrunEnv, WorkerEnv
-from elastic.runtime_dir import private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +211,7 @@ class SnapshotTiers:
         self._device = device
         self._writer = local_dir is not None and TorchrunEnv.from_environ().local_rank == 0
         self._claim: SlotClaim | None = None
+        self._job_claim: JobDirClaim | None = None
         self._local: StorageCheckpointManager | None = None
         self.source: str | None = None  # what the last restore resumed from: "node-local", "durable" or None
         # node-local snapshots are signed like the durable ones: a slot another user or job planted is skipped
@@ -228,7 +232,7 @@ class SnapshotTiers:
 
     # -- slots ---------------------------------------------------------------------------------------
     def _claim_slot(self, root: Path) -> Path:
-        private_dir(root)
+        self._job_claim = claim_job_dir(root)  # private, and ours until close (elastic.checkpoint.owners)
         claim = claim_slot(root, _SLOT_PREFIX)
         if claim is None:
             raise CheckpointError(f"all {MAX_SLOTS} local snapshot slots under {root} are held")
@@ -362,6 +366,9 @@ class SnapshotTiers:
         if self._claim is not None:
             self._claim.release()
             self._claim = None
+        if self._job_claim is not None:
+            self._job_claim.release()
+            self._job_claim = None
 
 
 def create_snapshot_tiers(
@@ -370,9 +377,15 @@ def create_snapshot_tiers(
     device: torch.device,
     max_overhead: float | None = None,
 ) -> SnapshotTiers:
-    """Tiers for a worker started by torchrun; the local tier is on when ``local_every_steps`` is set."""
+    """Tiers for a worker started by torchrun; the local tier is on when ``local_every_steps`` is set. The first
+    worker of each node then deletes what other jobs' owners that are gone left in memory (see the module
+    docstring), whether or not its own tier is on."""
     local_dir = None
+    root = default_local_root()
     if local_every_steps is not None:
         job_id = WorkerEnv.from_environ().job_id or TorchrunEnv.from_environ().run_id
-        local_dir = local_tier_dir(default_local_root(), durable.url if durable is not None else None, job_id)
-    return SnapshotTiers(durable, local_dir, local_every_steps, device, max_overhead)
+        local_dir = local_tier_dir(root, durable.url if durable is not None else None, job_id)
+    tiers = SnapshotTiers(durable, local_dir, local_every_steps, device, max_overhead)
+    if TorchrunEnv.from_environ().local_rank == 0:
+        sweep(root, keep=local_dir)
+    return tiers

@@ -13,14 +13,16 @@ newer than the newest durable snapshot and every shard index has a rank holding 
 (:func:`~elastic.train.parallel.shard_sources`). Those ranks load and verify theirs and send each shard over its
 replicate group to the others (:func:`~elastic.train.parallel.share_shards`). Otherwise, or when a load fails
 anywhere, the caller restores the durable snapshot (DCP reshards it). A save is a best effort, as in the
-replicated tier: a slot still writing skips that step, a failed write is a warning. As there, a snapshot's lines are
-DEBUG (:mod:`elastic.checkpoint.quiet_logs`).
+replicated tier: a slot still writing skips that step, a failed write is a warning. As there, each writer claims the
+job's directory (:mod:`elastic.checkpoint.owners`: what it leaves when SIGKILLed is deleted once its owners are
+gone) and a snapshot's lines are DEBUG (:mod:`elastic.checkpoint.quiet_logs`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -34,6 +36,7 @@ import torch.distributed as dist
 from elastic.checkpoint import create_checkpoint_manager
 from elastic.checkpoint.api import CheckpointError
 from elastic.checkpoint.manager import FsspecCheckpointManager
+from elastic.checkpoint.owners import OWNERS, JobDirClaim, claim_job_dir
 from elastic.checkpoint.quiet_logs import quiet, unquiet
 from elastic.checkpoint.slots import MAX_SLOTS, SlotClaim, claim_slot, slot_dirs
 from elastic.checkpoint.state import TrainingState
@@ -78,8 +81,10 @@ class ShardTier:
         self._spacing = LocalSpacing(every, max_overhead)
         self._local: FsspecCheckpointManager | None = None
         self._claimed: SlotClaim | None = None
+        self._job_claim: JobDirClaim | None = None
         if local_dir is not None:
             try:
+                self._job_claim = claim_job_dir(local_dir.parent)  # the job's directory, ours until close
                 private_dir(local_dir)
             except OSError as exc:
                 logger.warning("node-local shard snapshots off on this node (durable ones go on): %s", exc)
@@ -217,6 +222,9 @@ class ShardTier:
         """Flush this rank's slot; ``finished`` (the job is done; a collective): once every rank flushed, delete the
         job's local tier on this node."""
         self._release()
+        if self._job_claim is not None:
+            self._job_claim.release()
+            self._job_claim = None
         if not finished or self._dir is None:
             return
         if dist.is_initialized():
@@ -224,7 +232,9 @@ class ShardTier:
         if TorchrunEnv.from_environ().local_rank == 0:
             shutil.rmtree(self._dir, ignore_errors=True)
             with contextlib.suppress(OSError):
-                self._dir.parent.rmdir()  # the job's directory, when nothing else is left in it
+                if set(os.listdir(self._dir.parent)) <= {OWNERS}:  # the job's directory, when nothing else is in it
+                    (self._dir.parent / OWNERS).unlink()
+                    self._dir.parent.rmdir()
 
 
 def create_shard_tier(

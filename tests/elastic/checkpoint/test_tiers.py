@@ -71,7 +71,8 @@ def test_a_corrupt_local_snapshot_falls_back_to_the_durable_one_with_a_warning(
 ) -> None:
     _save(_tiers(tmp_path), 10, durable=True)
     _save(_tiers(tmp_path), 13, durable=False)
-    data = [p for p in (tmp_path / "local").rglob("*") if p.is_file() and "manifest" not in p.name and p.stat().st_size]
+    slots = (tmp_path / "local").glob("slot-*/**/*")  # the snapshot's files (not the job directory's .owners)
+    data = [p for p in slots if p.is_file() and "manifest" not in p.name and p.stat().st_size]
     assert data, list((tmp_path / "local").rglob("*"))
     raw = bytearray(data[0].read_bytes())
     raw[len(raw) // 2] ^= 0xFF

@@ -4,13 +4,15 @@ ElasticTrainer with durable snapshots at URL, printing ``start step N`` (the ste
 
 - ``plain``: nothing configured;
 - ``basic-after``: ``logging.basicConfig`` with a format of its own (``USER ...``) after the trainer is built;
-- ``twice``: two trainers one after the other (each trains STEPS steps), nothing configured.
+- ``twice``: two trainers one after the other (each trains STEPS steps), nothing configured;
+- ``slow``: 50 ms of sleep after each step (a worker to SIGKILL while it writes node-local snapshots).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +26,8 @@ from elastic.train.trainer import ElasticConfig, ElasticTrainer
 
 def _train(url: str, steps: int, mode: str) -> None:
     torch.manual_seed(0)
-    dataset = TensorDataset(torch.randn(256, 4), torch.randn(256, 1))
+    n = 25600 if mode == "slow" else 256  # slow: an epoch of 3200 steps, minutes, ended by its test
+    dataset = TensorDataset(torch.randn(n, 4), torch.randn(n, 1))
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     policy = LRPolicy(LRRule.NONE, 0.1, base_world_size=1, base_batch_per_worker=8)
@@ -36,6 +39,8 @@ def _train(url: str, steps: int, mode: str) -> None:
     target = trainer.step + steps
     for x, y in trainer.batches(0):
         trainer.backward(F.mse_loss(trainer.model(x), y))
+        if mode == "slow":
+            time.sleep(0.05)
         if trainer.step >= target:
             break
     trainer.close()
