@@ -9,6 +9,12 @@ table; parsed by :func:`elastic.contract.rendezvous.parse`).
 ``--rdzv-conf recovery=live`` builds :class:`~elastic.rendezvous.live_handler.LiveRendezvousHandler` instead
 (each agent runs its own node's workers; the workers form the job-wide group themselves) and exports the
 live group's variables to the workers (:func:`live_worker_environ`).
+
+An elastic job (``--nnodes=MIN:MAX`` with MIN < MAX) with torchrun's default ``--max-restarts=0`` is lost whole at
+its first failure: a node's loss fails its peers' workers, and an agent with no restart left exits. The handler
+warns once, as it is created, when torchrun runs so (:func:`torchrun_max_restarts`: torch gives the handler only
+its ``RendezvousParameters``, which do not carry ``max_restarts``; the agent that has it is built after the
+handler, so the value is read from torchrun's own command line, parsed by torchrun's own parser).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import logging
 import os
 import sys
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
@@ -70,6 +76,7 @@ __all__ = [
     "live_worker_environ",
     "recovery_mode",
     "rendezvous_conf",
+    "torchrun_max_restarts",
 ]
 
 _ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)
@@ -152,6 +159,42 @@ def _running_under_torchrun_cli() -> bool:
     return os.path.basename(sys.argv[0]) == "torchrun" or getattr(spec, "name", "") == "torch.distributed.run"
 
 
+#: ``__main__`` of a torchrun agent: the ``torchrun`` script's or ``python -m torch.distributed.run``'s, or stock
+#: torchrun forked from a prefork zygote (:mod:`elastic.prefork.torchrun`)
+_TORCHRUN_MAINS = ("torch.distributed.run", "elastic.prefork.torchrun")
+
+
+def torchrun_max_restarts(argv: Sequence[str] | None = None) -> int | None:
+    """torchrun's ``--max-restarts`` in this agent (``argv``, default ``sys.argv``: torchrun's command line, which
+    its own parser reads again, ``PET_MAX_RESTARTS`` included), or None where this process is not a torchrun agent
+    run from its command line (a handler made in a test, a launcher calling ``elastic_launch``)."""
+    if argv is None:
+        main = sys.modules.get("__main__")
+        spec = getattr(main, "__spec__", None)
+        if os.path.basename(sys.argv[0]) != "torchrun" and getattr(spec, "name", "") not in _TORCHRUN_MAINS:
+            return None
+        argv = sys.argv
+    from torch.distributed.run import get_args_parser
+
+    try:
+        args, _ = get_args_parser().parse_known_args(list(argv[1:]))
+    except (SystemExit, ValueError):  # not torchrun's command line after all
+        return None
+    return int(args.max_restarts)
+
+
+def _warn_if_one_failure_ends_the_job(params: RendezvousParameters, live: bool) -> None:
+    if params.min_nodes >= params.max_nodes or torchrun_max_restarts() != 0:
+        return
+    what = ("this node leaves the job" if live else
+            "a lost node fails its peers' workers too, so the whole job ends")  # fmt: skip
+    logger.warning(
+        "etcd-v3 rendezvous: --max-restarts=0 (torchrun's default) with --nnodes=%d:%d: the first failure ends "
+        "this agent (%s); pass --max-restarts=N (e.g. 3) for the job to survive failures",
+        params.min_nodes, params.max_nodes, what,
+    )  # fmt: skip
+
+
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Build the ``etcd-v3`` rendezvous handler for one torchrun agent.
 
@@ -161,6 +204,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     compat.disable_shared_rdzv_store()  # before torch's agent reads it (see there)
     conf = rendezvous_conf(params)
     live = conf.recovery is RecoveryMode.LIVE
+    _warn_if_one_failure_ends_the_job(params, live)
     keys = RendezvousKeys.of(conf.key_prefix, params.run_id)
     # checked before etcd is reached; exported once the handler is up
     worker_env = live_worker_environ(params, keys) if live else {}
