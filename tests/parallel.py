@@ -71,7 +71,7 @@ def load_durations(path: Path = DURATIONS) -> dict[str, tuple[float, float]]:
 
 
 #: where a test not in ``durations.json`` yet is taken for a heavy one (real torchrun jobs, service clusters)
-HEAVY_PATHS = ("tests/integration/", "tests/chaos/", "tests/test_examples.py")
+HEAVY_PATHS = ("tests/integration/", "tests/chaos/", "tests/test_examples.py", "tests/examples/")
 
 
 def _unrecorded(nodeid: str) -> tuple[float, float]:

@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from elastic.checkpoint import create_checkpoint_manager
 from elastic.testing.etcd_server import LocalEtcdCluster
+from elastic.testing.ports import free_port
 from elastic.testing.torchrun import TorchrunAgent, torchrun_command
 from elastic.testing.wait import wait_until
 from elastic.train.sampler import ElasticSampler
@@ -47,6 +49,7 @@ class Example:
     kill_at: int  # the step after which the workers are killed (a snapshot committed by then)
     grow_at: int  # the step after which the lone worker (world 1) waits until a new node's agent stops it
     slow: float = 0.2  # live mode: seconds each step waits until the new node's worker is admitted
+    twin_rtol: float = 1e-4  # how close the DDP twin's final loss is to the elastic fixed world's (same batches)
     replacement: bool = False  # drawn with replacement (random windows): the stream is the epochs' draws
     loader: bool = False  # the script's own DataLoader serves the loop (see NOT_COMPARED)
     seed: int = 0
@@ -282,6 +285,20 @@ def live_2_1_2(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], e
     return rec
 
 
+def ddp_twin(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], ex: Example) -> Path:
+    """``examples/ddp_<name>.py``, the plain-DDP script the elastic one was made from, with the same settings: 2
+    workers on one torchrun agent (c10d rendezvous, warm); its final loss in ``tmp/ddp/final.json``."""
+    rec = tmp / "ddp"
+    rec.mkdir()
+    cmd = torchrun_command(backend="c10d", endpoint=f"127.0.0.1:{free_port()}", run_id=new_run_id(ex), nnodes="1",
+                           nproc=2, max_restarts=0, script=str(EXAMPLES / f"ddp_{ex.name}.py"),
+                           script_args=list(ex.args), prefork=True)  # fmt: skip
+    agent = TorchrunAgent(cmd, tmp / "ddp.log", env={"LOGLEVEL": "WARNING", RECORD_ENV: str(rec)}, forked=True)
+    agents.append(agent.start())
+    assert_exits_ok(agent, agents, 300)
+    return rec
+
+
 def check_example(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], ex: Example, live: bool) -> None:
     """The runs of ``ex`` side by side (a fixed world; a kill and resume at the same world; 2 -> 1 -> 2 in restart
     mode; with ``live``, 2 -> 1 -> 2 in live mode), then what each proves:
@@ -290,8 +307,10 @@ def check_example(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]
       registered state, data cursor, LR ramp; see NOT_COMPARED), and so is its final loss;
     - every run commits every step once, by one world's worth of ranks, consuming every sample (every draw) once;
     - the resized runs go 2 -> 1 -> 2 (the live survivor in one process) and end within 2 % of the fixed world's
-      final loss."""
-    scenarios = [fixed_world, kill_and_resume, resize_2_1_2, *([live_2_1_2] if live else [])]
+      final loss;
+    - the DDP twin runs, and ends where the fixed world does (``twin_rtol``: with the same global batches, the same
+      loss up to rounding)."""
+    scenarios = [fixed_world, kill_and_resume, resize_2_1_2, ddp_twin, *([live_2_1_2] if live else [])]
     ABORT.clear()
     with ThreadPoolExecutor(len(scenarios)) as pool:
         futures = [pool.submit(run, tmp, etcd, agents, ex) for run in scenarios]
@@ -301,7 +320,9 @@ def check_example(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]
             for agent in list(agents):
                 agent.stop()
         recs = [f.result() for f in futures]
-    fixed, killed, resized = recs[:3]
+    fixed, killed, resized, ddp = recs[:4]
+    print(f"{ex.name}: final loss {final_loss(fixed):.6f} (fixed world), {final_loss(ddp):.6f} (the DDP twin)")
+    assert final_loss(ddp) == pytest.approx(final_loss(fixed), rel=ex.twin_rtol), "the DDP twin trains otherwise"
 
     assert assert_each_step_once(restart_steps(fixed), ex) == [2]
     assert assert_each_step_once(restart_steps(killed), ex) == [2]
@@ -317,7 +338,7 @@ def check_example(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]
     assert_every_sample_once(by_step, ex)
     assert_loss_close(final_loss(resized), final_loss(fixed), f"{ex.name}, restart mode 2 -> 1 -> 2")
     if live:
-        by_step = live_steps(recs[3])
+        by_step = live_steps(recs[4])
         worlds = assert_each_step_once(by_step, ex)
         assert worlds[-3:] == [2, 1, 2] and set(worlds) == {1, 2}, worlds  # (a first world of 1: b came late)
         lone = {r["pid"] for s in by_step for r in by_step[s] if r["world"] == 1}
@@ -325,4 +346,4 @@ def check_example(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]
         before, after = by_step[first_alone - 1], by_step[ex.steps]
         assert len(lone) == 1 and lone <= {r["pid"] for r in before} & {r["pid"] for r in after}, "survivor restarted"
         assert_every_sample_once(by_step, ex)
-        assert_loss_close(final_loss(recs[3]), final_loss(fixed), f"{ex.name}, live mode 2 -> 1 -> 2")
+        assert_loss_close(final_loss(recs[4]), final_loss(fixed), f"{ex.name}, live mode 2 -> 1 -> 2")
