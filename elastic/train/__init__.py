@@ -1,6 +1,10 @@
 """The elastic training loop: what a DDP script calls to become elastic, resumable and (optionally) live.
 
 - :mod:`elastic.train.trainer`: :class:`ElasticTrainer`, the loop (it composes the parts below);
+- :mod:`elastic.train.strategy`: :class:`ParallelStrategy`, everything of the loop that depends on the mode
+  (one object per mode, :mod:`~elastic.train.strategy_factory` chooses): :mod:`~elastic.train.strategy_ddp`
+  (restart mode, DDP), :mod:`~elastic.train.strategy_live` (live recovery, replicated),
+  :mod:`~elastic.train.strategy_sharded` (FSDP2/HSDP, restart and live);
 - :mod:`elastic.train.config`: :class:`ElasticConfig`, :class:`LiveOptions`, :class:`StepInfo`;
 - :mod:`elastic.train.cursor`: the training cursor (step, data, LR policy) and its re-split on a resize;
 - :mod:`elastic.train.sampler`: the exactly-once, world-size-independent partition of each epoch;
