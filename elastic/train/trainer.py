@@ -39,8 +39,13 @@ the surviving replicas' shards in place), or, in restart mode, a module it shard
 the sharded layout (:mod:`elastic.train.sharded`).
 
 One part per concern: the cursor (step, data, LR: :mod:`~elastic.train.cursor`), batches, the process group
-(:mod:`~elastic.train.collectives`), snapshots, the boundary's agreed flags, the stop timeout, the live group
-(:mod:`~elastic.train.live` over :mod:`elastic.live`), progress: each a module of :mod:`elastic.train`.
+(:mod:`~elastic.train.collectives`), snapshots, the boundary's agreed flags, the stop timeout, progress: each a
+module of :mod:`elastic.train`. Everything that depends on the mode (joining the group, wrapping the model,
+``no_sync``, completing a step's gradients, the state a snapshot captures, a lost peer, re-forming, leaving) is
+the :class:`~elastic.train.strategy.ParallelStrategy`'s, chosen once (:mod:`~elastic.train.strategy_factory`): DDP
+in restart mode, the live all-reduce (:mod:`~elastic.train.strategy_live` over :mod:`elastic.live`), or FSDP2/HSDP
+(:mod:`~elastic.train.strategy_sharded`). This module is the loop: steps and batches, the boundary, the cursor,
+the snapshots' schedule, progress.
 """
 
 from __future__ import annotations
@@ -55,7 +60,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import default_collate
 
 from elastic import compat
@@ -63,34 +67,26 @@ from elastic.checkpoint import capture_training_state
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import CheckpointStorage
 from elastic.checkpoint.tiers import LocalSnapshotStats
-from elastic.contract.env import TorchrunEnv
 from elastic.contract.lr import LRPolicy
-from elastic.live.grads import GradientReducer, LiveDataParallel, broadcast_module
 from elastic.live.protocol import ReformReason
 from elastic.train.batch_sampler import ElasticBatchSampler
 from elastic.train.boundary import BoundaryFlags
-from elastic.train.collectives import (
-    HostCollectives,
-    group_device,
-    join_process_group,
-    log_mean_loss,
-    mean_over_workers,
-    round_node_names,
-)
+from elastic.train.collectives import log_mean_loss, mean_over_workers, round_node_names
 from elastic.train.config import ElasticConfig, LiveOptions, RecoveryMode, StepInfo
 from elastic.train.cursor import TrainingCursor
 from elastic.train.data import STREAM_SIZE, StreamData, is_stream, step_data
-from elastic.train.parallel import GuardedForward, Parallelize, ShardedModel, ShardLayout, check_model
+from elastic.train.parallel import Parallelize
 from elastic.train.preemption import PreemptionWatcher
 from elastic.train.progress import create_reporter
 from elastic.train.registry import StateRegistry
 from elastic.train.sampler import ElasticSampler, StepLayout, step_layout
 from elastic.train.schedule import SnapshotStats, WriterBusy
-from elastic.train.sharded import capture_sharded, gradient_sync_off
 from elastic.train.snapshots import LoopCheckpoints
 from elastic.train.step import OptimizerGate, Step, StepMismatchError
 from elastic.train.step_loss import StepLoss
 from elastic.train.stop_timeout import StopTimeout
+from elastic.train.strategy import LoopParts
+from elastic.train.strategy_factory import create_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -151,25 +147,11 @@ class ElasticTrainer:
             self._registry.register(f"optimizer.{i}", extra)
         for name, obj in (state or {}).items():
             self._registry.register(name, obj)
-        self._live = None
-        self._reducer: GradientReducer | None = None  # live: the gradient all-reduce, overlapped with backward
-        self._recovery = config.resolved_recovery()
-        check_model(model, parallelize, live=self._recovery is RecoveryMode.LIVE)
-        self._sharded = parallelize is not None or compat.is_sharded_module(model)
-        if self._sharded and len(optimizers) > 1:
-            raise ValueError("a sharded model takes one optimizer (its state is saved in the sharded layout)")
-        shard_size = 1
-        if parallelize is not None:
-            shard_size = ShardLayout.replica_size(config.shard_size, TorchrunEnv.from_environ().local_world_size)
-        if self._recovery is RecoveryMode.LIVE:
-            from elastic.train.live import join_live_group
-
-            group, generation = join_live_group(config, granularity=shard_size)
-        else:
-            join_process_group(self.config.resolved_backend(), self.config.timeout)
+        # the mode (restart or live; DDP, the live all-reduce or FSDP2) is the strategy's, chosen once
+        self._strategy = create_strategy(model, parallelize, optimizers, config)
+        self.device = self._strategy.join()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = group_device()
-        self._host = HostCollectives.for_loop(self.device, config.timeout, live=self._recovery is RecoveryMode.LIVE)
+        self._host = self._strategy.host_collectives(self.device)
         batch_sampler = getattr(data, "batch_sampler", None)
         if isinstance(batch_sampler, ElasticBatchSampler):  # the script's DataLoader: its sampler is the cursor's
             sampler = batch_sampler.sampler
@@ -183,39 +165,17 @@ class ElasticTrainer:
         self._data = step_data(data, collate_fn, self.device)
         if isinstance(self._data, StreamData):  # every rank's loader state, in the snapshots
             self._registry.register("stream", self._data.states)
-        self._gate = OptimizerGate(optimizers, lambda: self.lr_factor, lambda: self._broken is not None)
+        self._gate = OptimizerGate(optimizers, lambda: self.lr_factor, lambda: self._strategy.dropped)
         self._step_now: Step | None = None  # the step being served
         self._backward_pending = False  # the short form: a micro-batch yielded whose backward has not run
-        live = self._recovery is RecoveryMode.LIVE
-        self._parallel: ShardedModel | None = None  # a model the trainer shards for each world
-        if parallelize is not None:
-            self._parallel = ShardedModel(model, parallelize, self.optimizer, shard_size, self.device)
-        self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device, require_storage=not live,
-                                            sharded=self._sharded, shards=self._parallel,
+        self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device,
+                                            require_storage=self._strategy.storage_required,
+                                            sharded=self._strategy.sharded, shards=self._strategy.shards,
                                             loop_state=self._loop_state)  # fmt: skip
-        self._broken: BaseException | None = None  # live: a collective of this step failed
-        if isinstance(model, DistributedDataParallel):
-            # The user wrapped it already: restore into the module, then make replicas identical.
-            self._plain_module = model.module
-            self._restore(self.rank, self.world_size)
-            broadcast_module(model.module)
-            self.model: torch.nn.Module = model
-        else:
-            self._plain_module = model if self._sharded else model.to(self.device)  # fully_shard placed the shards
-            if self._recovery is RecoveryMode.LIVE:
-                from elastic.train.live import LiveRecovery
-
-                self._live = LiveRecovery(group, self._parallel or self._plain_module, self.optimizer, scheduler,
-                                          self.cursor, self.device, self._record, self._restore,
-                                          shared=(self._checkpoints.share_schedule,
-                                                  self._checkpoints.adopt_schedule))  # fmt: skip
-                self._live.after_generation(generation)
-                group.start_watchdog(config.live.stuck_grace or config.live.ttl + timedelta(seconds=2))
-            else:
-                if self._parallel is not None:
-                    self._parallel.build(self.rank, self.world_size)
-                self._restore(self.rank, self.world_size)
-            self.model = self._wrap()  # broadcasts rank 0's state
+        # restores the newest snapshot (or receives a live peer's state) and makes the replicas identical
+        self.model: torch.nn.Module = self._strategy.start(
+            LoopParts(self.device, self.optimizer, scheduler, self.cursor, self._checkpoints, self._host, self._record)
+        )
         self._stop_timeout = StopTimeout(config.stop_timeout, lambda: self.step)
         self._preemption = PreemptionWatcher(on_signal=self._stop_timeout.arm).install()
         self._progress = create_reporter(rank=self.rank)  # a no-op outside the job service and off rank 0
@@ -227,24 +187,7 @@ class ElasticTrainer:
     # -- set-up --------------------------------------------------------------------------------------
     @property
     def _module(self) -> torch.nn.Module:
-        return self._parallel.module if self._parallel is not None else self._plain_module
-
-    def _wrap(self) -> torch.nn.Module:
-        if self._sharded:  # FSDP2 reduce-scatters the gradients itself
-            if self._live is not None and self._parallel is not None:
-                return GuardedForward(self._module, self._parallel, self._peer_failed)  # its forward's all-gathers
-            return self._module
-        if self._recovery is RecoveryMode.LIVE:
-            # no DDP: its reducer would keep a torn-down group's connections open (see elastic.live.grads);
-            # ours holds no group, so one serves every generation
-            if self._reducer is None:
-                self._reducer = GradientReducer(self._module)
-            return LiveDataParallel(self._module, self._reducer)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(self._module, device_ids=device_ids)
-
-    def _restore(self, rank: int, world_size: int) -> bool:
-        return self._checkpoints.restore(self._module, self.optimizer, self.scheduler, self.cursor, rank, world_size)
+        return self._strategy.module
 
     # -- the cursor ----------------------------------------------------------------------------------
     @property
@@ -274,18 +217,17 @@ class ElasticTrainer:
     @property
     def generation(self) -> int | None:
         """Live recovery: the number of the live group's generation this worker trains in (else None)."""
-        gen = self._live.group.generation if self._live is not None else None
-        return gen.number if gen is not None else None
+        return self._strategy.generation
 
     @property
     def mesh(self) -> Any:
         """A model passed with ``parallelize=``: the current world's (replicate, shard) ``DeviceMesh`` (else None)."""
-        return self._parallel.mesh if self._parallel is not None else None
+        return self._strategy.mesh
 
     @property
     def shard_size(self) -> int | None:
         """A model passed with ``parallelize=``: the ranks of one replica (the mesh's "shard" dimension)."""
-        return self._parallel.shard_size if self._parallel is not None else None
+        return self._strategy.shard_size
 
     # -- the loop ------------------------------------------------------------------------------------
     def steps(self, epoch: int | None = None, *, epochs: int | None = None,
@@ -338,18 +280,17 @@ class ElasticTrainer:
                 max_steps is None or self.step < max_steps):  # fmt: skip
             plan = self.policy.step_plan(self.world_size)
             layout = step_layout(self.sampler, plan.global_batch, plan.accumulation_steps)
-            if self._live is not None:
-                info = StepInfo(self.step + 1, self.sampler.epoch, self.rank, self.world_size, list(layout.indices),
-                                0.0, None, generation=self.generation)  # fmt: skip
-                self._live.begin(info, plan.global_batch)
+            info = StepInfo(self.step + 1, self.sampler.epoch, self.rank, self.world_size, list(layout.indices),
+                            0.0, None, generation=self.generation)  # fmt: skip
+            self._strategy.begin_step(info, plan.global_batch)  # its record: lr and loss once applied
             self._gate.take()
             step = self._step_now = Step(_StepHost(self), layout, self.step + 1, self.sampler.epoch, self.world_size)
             yield step
-            if self._broken is None and not step.complete:
+            if not self._strategy.dropped and not step.complete:
                 raise RuntimeError(f"step {step.index}: iterate all of its micro-batches before the next step")
-            if self._broken is None:
-                self._finish_step(layout, plan.global_batch)
-            if self._broken is not None:
+            if not self._strategy.dropped:
+                self._finish_step(plan.global_batch)
+            if self._strategy.dropped:
                 self._recover(ReformReason.FAILURE)
         self._step_now = None
         if max_steps is not None and self.step >= max_steps and not self._stopped:
@@ -382,30 +323,16 @@ class ElasticTrainer:
         self._step_now.backward(loss, scaler)
 
     def _collective_failed(self, exc: RuntimeError) -> None:
-        """Live mode: a collective failed because the group broke; the step is dropped and the group
-        re-forms at the end of it. Otherwise (restart mode, or the training code's own error): raise."""
-        if not self._peer_failed(exc):
+        """A collective failed: a lost peer in live mode drops the step (the group re-forms at the end of it);
+        otherwise (restart mode, or the training code's own error) it is raised."""
+        if not self._strategy.peer_failed(exc):
             raise exc
 
-    def _peer_failed(self, exc: RuntimeError) -> bool:
-        """Whether ``exc`` is a lost peer in live mode: then the step is marked broken (see _collective_failed)."""
-        from elastic.live.group import is_peer_failure
-
-        if self._live is None or not is_peer_failure(exc):
-            return False
-        if self._broken is None:
-            logger.warning("live group: a collective of step %d failed (%s); re-forming", self.step + 1,
-                           str(exc).splitlines()[0][:200])  # fmt: skip
-            self._broken = exc
-        return True
-
     def _recover(self, reason: ReformReason) -> None:
-        assert self._live is not None
-        if self._reducer is not None:
-            self._reducer.reset()  # the dropped step's in-flight buckets belong to the broken group
-        self._checkpoints.before_reform(admit=reason is ReformReason.ADMIT)  # a sharded save uses the old group
-        self._live.recover(reason)
-        self._broken = None
+        """The group re-forms (after a dropped step, to admit joiners, without SIGTERM'd members) where the strategy
+        re-forms in process; the loop then goes on in the new world. Restart mode: nothing to do."""
+        if not self._strategy.reform(reason):
+            return
         self._loss.discard()
         self._data.reset()  # what the loader read ahead was split for the old group
         was_first = self.rank == 0
@@ -413,28 +340,20 @@ class ElasticTrainer:
         if was_first != (self.rank == 0):  # only the live group's rank 0 reports progress
             self._progress.close(timedelta(seconds=1))
             self._progress = create_reporter(rank=self.rank)
-        self.model = self._wrap()
+        self.model = self._strategy.wrap()
         self._stop_timeout.restart_clock()
         self._progress.report(self.step, world_size=self.world_size, total_steps=self.config.total_steps,
                               nodes=round_node_names(), force=True)  # fmt: skip
 
-    def _no_sync(self) -> AbstractContextManager[Any]:
-        """No gradient all-reduce (DDP, live) or reduce-scatter (FSDP2) for this micro-batch."""
-        if self._sharded:
-            return gradient_sync_off(self._module)
-        assert isinstance(self.model, (DistributedDataParallel, LiveDataParallel))
-        return self.model.no_sync()
-
     def _gradients_done(self) -> None:
-        """The step's last micro-batch is done: live mode's all-reduce completes (DDP's and FSDP's did in backward)."""
-        if self._reducer is not None:
-            try:
-                self._reducer.finish(self.world_size)
-            except RuntimeError as exc:
-                self._collective_failed(exc)
+        """The step's last micro-batch is done: the strategy completes its gradients (live mode's all-reduce)."""
+        try:
+            self._strategy.finish_gradients(self.world_size)
+        except RuntimeError as exc:
+            self._collective_failed(exc)
 
     def _run_backward(self, loss: torch.Tensor, weight: float, padding: bool, scaler: Any) -> None:
-        if self._broken is not None:
+        if self._strategy.dropped:
             return
         if not padding:
             self._loss.add(loss, weight)  # before the backward is queued: see elastic.train.step_loss
@@ -444,21 +363,17 @@ class ElasticTrainer:
         except RuntimeError as exc:
             self._collective_failed(exc)
 
-    def _finish_step(self, layout: StepLayout, global_batch: int) -> None:
+    def _finish_step(self, global_batch: int) -> None:
         self._stop_timeout.boundary()
         lr = self.current_lr()
         stepped = self._gate.take()
         self._gate.zero_grad()
         if self.scheduler is not None:
             self.scheduler.step()
-        epoch = self.sampler.epoch
         epoch_done = self.sampler.advance(global_batch)
         self.cursor.step += 1
         loss = self._loss.take()
-        if self._live is not None:
-            self._live.applied(lr, loss)
-        else:  # restart mode: a failure from here on restarts every worker from a snapshot
-            self._record(StepInfo(self.step, epoch, self.rank, self.world_size, list(layout.indices), lr, loss))
+        self._strategy.step_applied(lr, loss)  # restart mode: recorded now; live: once committed
         # Every rank agrees on this boundary's flags (one all-reduce per step); in live mode the step commits
         # here, so its record is written only now.
         signalled = self._preemption.requested
@@ -477,8 +392,7 @@ class ElasticTrainer:
         if stepped == 0:
             logger.info("step %d: no optimizer step ran on any rank (a skipped step); its samples count as consumed",
                         self.step)  # fmt: skip
-        if self._live is not None:
-            self._live.committed()
+        self._strategy.step_committed()
         try:
             self._maybe_report(lr, loss)
             stop = self._act(flags, epoch_done, signalled)
@@ -488,7 +402,7 @@ class ElasticTrainer:
         self._publish_progress(lr, loss)
         if stop:
             self._stop_after_notice(lr, loss)
-        if self._live is not None and flags.joiners and not self._stopped:
+        if flags.joiners and not self._stopped:
             self._recover(ReformReason.ADMIT)  # workers registered since: admit them at this boundary
 
     def _record(self, info: StepInfo) -> None:
@@ -501,8 +415,7 @@ class ElasticTrainer:
         be admitted."""
         mine = self._checkpoints.local_flags(self.step, time.monotonic(), signalled, self.rank)
         mine = dataclasses.replace(mine, optimizer_steps=stepped, optimizer_steps_neg=-stepped)
-        if self._live is not None:
-            mine = dataclasses.replace(mine, joiners=self._live.joiners_waiting(self.rank))
+        mine = dataclasses.replace(mine, joiners=self._strategy.joiners_waiting(self.rank))
         return mine.agree(self._host.device, self._host.group())
 
     def _act(self, flags: BoundaryFlags, epoch_done: bool, signalled: bool) -> bool:
@@ -515,8 +428,8 @@ class ElasticTrainer:
         if stop:
             self._stopped = True
             return True
-        if flags.signalled and self._live is not None:
-            self._recover(ReformReason.FAILURE)  # the signalled members leave: re-form without them
+        if flags.signalled:
+            self._recover(ReformReason.FAILURE)  # the signalled members leave: a live group re-forms without them
         return False
 
     def _stop_after_notice(self, lr: float, loss: float | None) -> None:
@@ -527,8 +440,7 @@ class ElasticTrainer:
         if self._checkpoints.pending is not None:  # not reported at the boundary: it was still committing
             self._publish_progress(lr, loss)
         self._progress.close()
-        if self._live is not None:
-            self._live.group.close()  # revoke the lease: the others re-form without waiting for it
+        self._strategy.leave()  # live: revoke the lease, the others re-form without waiting for it
         raise SystemExit(143)
 
     def _maybe_report(self, lr: float, loss: float | None) -> None:
@@ -560,10 +472,7 @@ class ElasticTrainer:
         states)."""
         if isinstance(self._data, StreamData):
             self._data.states.gather(self._host.group())
-        if self._sharded:
-            return capture_sharded(self.step, self._module, self.optimizer, self.scheduler, **self.cursor.state())
-        return capture_training_state(self.step, self._module, self.optimizer, self.scheduler,
-                                      process_group=self._host.group(), **self.cursor.state())  # fmt: skip
+        return self._strategy.capture(self.step)
 
     def save(self, blocking: bool = False) -> None:
         """Snapshot the full state now (a collective: every rank must call it)."""
@@ -616,11 +525,9 @@ class ElasticTrainer:
                 # the GIL now, or tearing the group down from the main thread can deadlock at exit.
                 time.sleep(0.2)
                 compat.destroy_process_group()
-            if self._live is not None:
-                self._live.group.close(finished=finished and not self._stopped and self.rank == 0)
+            self._strategy.leave(finished=finished and not self._stopped and self.rank == 0)
         finally:
-            if self._reducer is not None:
-                self._reducer.close()  # the user's module keeps no hook of ours, whatever failed above
+            self._strategy.close()  # the user's module keeps no hook of ours, whatever failed above
 
     def __enter__(self) -> ElasticTrainer:
         return self
@@ -636,7 +543,7 @@ class _StepHost:
         self._t = trainer
 
     def no_sync(self) -> AbstractContextManager[Any]:
-        return self._t._no_sync()
+        return self._t._strategy.no_sync()
 
     def fetch(self, layout: StepLayout) -> Iterator[Any]:
         return self._t._data.micro_batches(layout)
@@ -649,4 +556,4 @@ class _StepHost:
 
     @property
     def broken(self) -> bool:
-        return self._t._broken is not None
+        return self._t._strategy.dropped
