@@ -46,7 +46,7 @@ def test_node_local_snapshots_log_no_info_line_and_durable_ones_still_do(
     assert about_local == [], [r.getMessage() for r in about_local]  # 4 commits, 3 retentions, a probe before
     durable = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert any("checkpoint step 5 committed at" in m and "durable" in m for m in durable), durable
-    assert quieted() == frozenset()  # close() let go of the slot's URL
+    assert not [url for url in quieted() if url.startswith(local)]  # close() let go of the slot's URL
 
 
 def test_with_debug_on_the_node_local_snapshots_lines_are_there_at_debug(
@@ -64,7 +64,7 @@ def test_with_debug_on_the_node_local_snapshots_lines_are_there_at_debug(
 
 def test_a_warning_about_a_node_local_slot_stays_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     tiers = SnapshotTiers(None, tmp_path / "local", 1, torch.device("cpu"))
-    (slot,) = quieted()
+    (slot,) = [url for url in quieted() if url.startswith(str(tmp_path))]  # tiers other tests left open are there
     with caplog.at_level(logging.INFO):
         logging.getLogger("elastic.checkpoint.manager").warning("cannot list %s", slot)
     tiers.close()
