@@ -90,6 +90,7 @@ def test_scripts_parse_and_pass_shellcheck() -> None:
         "common.sh",
         "etrain-node-agent.sh",
         "slurm-agents.sh",
+        "slurm-train.sh",
         "pbs-agents.sh",
     }
     for script in scripts:
@@ -220,10 +221,13 @@ def test_node_script_rejects_a_bad_process_count(fakes: Path) -> None:
             "ETRAIN_ETCD_ENDPOINTS is not set",
         ),
         ("slurm-agents.sh", {"ETRAIN_ETCD_ENDPOINTS": ENDPOINTS}, "not inside a Slurm allocation"),
+        ("slurm-train.sh", {}, "not inside a Slurm allocation"),
+        ("slurm-train.sh", {"SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "2"}, "usage: sbatch"),
         ("pbs-agents.sh", {"ETRAIN_ETCD_ENDPOINTS": ENDPOINTS}, "not inside a PBS job"),
         ("etrain-node-agent.sh", {}, "ETRAIN_ETCD_ENDPOINTS is not set"),
     ],
-    ids=["slurm-no-etcd", "slurm-no-allocation", "pbs-no-job", "node-no-etcd"],
+    ids=["slurm-no-etcd", "slurm-no-allocation", "train-no-allocation", "train-no-script", "pbs-no-job",
+         "node-no-etcd"],
 )
 def test_scripts_refuse_to_start_with_a_one_line_error(
     fakes: Path, script: str, env: dict[str, str], message: str
