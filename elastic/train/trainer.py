@@ -90,6 +90,9 @@ from elastic.train.strategy_factory import create_strategy
 
 logger = logging.getLogger(__name__)
 
+#: how long a SIGTERM'd worker waits for its last progress report (the one naming the snapshot it saved)
+FINAL_REPORT_TIMEOUT = timedelta(seconds=15)
+
 __all__ = [
     "ElasticConfig", "ElasticTrainer", "LiveOptions", "RecoveryMode", "SnapshotStats", "Step", "StepInfo",
     "StepMismatchError", "WriterBusy",
@@ -439,7 +442,10 @@ class ElasticTrainer:
         self._checkpoints.close(finished=False)
         if self._checkpoints.pending is not None:  # not reported at the boundary: it was still committing
             self._publish_progress(lr, loss)
-        self._progress.close()
+        # the report naming the saved snapshot is what the controller shows of this stop: wait longer for it than
+        # the default 5 s (an etcd slow under load took one write past them: the status kept the step before, with
+        # no snapshot); the signal's sender waits longer still before its SIGKILL (torchrun: 30 s)
+        self._progress.close(FINAL_REPORT_TIMEOUT)
         self._strategy.leave()  # live: revoke the lease, the others re-form without waiting for it
         raise SystemExit(143)
 
