@@ -1,6 +1,6 @@
 """A tiny character-level transformer on examples/data/tiny_shakespeare.txt, elastic.
 
-    torchrun --nnodes=1:3 --nproc-per-node=1 --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 \
+    torchrun --max-restarts=3 --nnodes=1:3 --nproc-per-node=1 --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 \
         --rdzv-id=chargpt examples/elastic_chargpt.py --checkpoint-url /tmp/ckpt/chargpt
 """
 

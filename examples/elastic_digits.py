@@ -1,7 +1,7 @@
 """Digits classifier, elastic: survives node loss, resizes, preemption. It is ddp_digits.py with the
 distributed data loading and the optimizer step handed to the ElasticTrainer (diff the two files).
 
-    ETRAIN_CHECKPOINT_URL=/tmp/ckpt/digits torchrun --nnodes=1:3 --nproc-per-node=1 \
+    ETRAIN_CHECKPOINT_URL=/tmp/ckpt/digits torchrun --max-restarts=3 --nnodes=1:3 --nproc-per-node=1 \
         --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=digits examples/elastic_digits.py
 """
 

@@ -2,7 +2,7 @@
 
 Plain torchrun (any number of workers; a world-size change reshards the last snapshot on load)::
 
-    torchrun --nnodes=1:3 --nproc-per-node=2 --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 \
+    torchrun --max-restarts=3 --nnodes=1:3 --nproc-per-node=2 --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 \
         --rdzv-id=fsdp examples/elastic_fsdp.py --checkpoint-url /tmp/ckpt/fsdp
 
 The script hands the trainer the unsharded model and ``parallelize``, which the trainer calls for each world on
@@ -11,7 +11,7 @@ a node's workers (on GPUs: shards talk over NVLink, replicas across nodes; on on
 live recovery (``--rdzv-conf recovery=live``) a lost node takes one replica away, the other nodes' workers go on
 in the same processes with their shards in place, and a joining node receives each shard from a replica::
 
-    torchrun --nnodes=1:3 --nproc-per-node=2 --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 \
+    torchrun --max-restarts=3 --nnodes=1:3 --nproc-per-node=2 --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 \
         --rdzv-id=fsdp --rdzv-conf recovery=live examples/elastic_fsdp.py --checkpoint-url /tmp/ckpt/fsdp
 
 Under the service, submit it as the entrypoint of a job (``etrain submit``, see examples/demo_job.yaml; the
