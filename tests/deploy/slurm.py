@@ -52,6 +52,8 @@ class LocalSlurm:
     workdir: Path
     nodes: int = 3
     slurmd_timeout: int = 30
+    # a step credential's lifetime, which is also how long Slurm holds a requeued job (None: Slurm's 120 s)
+    cred_expire: int | None = None
     names: list[str] = field(default_factory=list)
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _munge_dir: Path | None = None
@@ -103,7 +105,7 @@ class LocalSlurm:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={socket_path}",
+            f"AuthInfo=socket={socket_path}" + (f",cred_expire={self.cred_expire}" if self.cred_expire else ""),
             f"StateSaveLocation={w / 'state'}",
             f"SlurmdSpoolDir={w / 'spool'}/%n",
             f"SlurmctldPidFile={w / 'slurmctld.pid'}",
