@@ -74,48 +74,5 @@ def test_slurm_agents_script_brings_up_one_agent_per_node_and_every_one_register
     assert _wait(lambda: not _registered(etcd_client, key_prefix), 30), sorted(_registered(etcd_client, key_prefix))
 
 
-def _pids_of_node(node: str) -> list[int]:
-    """The agent of ``node`` (its environment names Slurm's node) and the slurmstepd above it."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not (entry.name.isascii() and entry.name.isdigit()):
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            cmdline = (entry / "cmdline").read_bytes()
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if f"SLURMD_NODENAME={node}".encode() in environ and b"agent" in cmdline:
-            pids.append(int(entry.name))
-            pids.append(int(stat.rsplit(")", 1)[1].split()[1]))  # its parent: the task's slurmstepd or a shell
-    return pids
-
-
-def test_the_loss_of_a_node_leaves_the_allocation_and_the_other_agents_running(
-    tmp_path: Path, etcd_server: LocalEtcdCluster, etcd_client: EtcdClient, key_prefix: str
-) -> None:
-    """A node dies (its slurmd, slurmstepd and agent SIGKILLed). Before, Slurm killed the step on every node
-    (``Killing JobId=... due to failed node``), or requeued the whole allocation: the agents of the surviving nodes
-    stopped with it. Now the scripts run with ``--no-kill`` on both ``sbatch`` and ``srun``."""
-    problem = missing()
-    if problem:
-        pytest.fail(problem)
-    slurm = LocalSlurm(tmp_path / "slurm", slurmd_timeout=6).start()
-    try:
-        env = {"ETRAIN_ETCD_ENDPOINTS": etcd_server.endpoints, "ETRAIN_PREFIX": key_prefix,
-               "ETRAIN_BIN": str(Path(sys.executable).parent / "etrain"), "ETRAIN_NPROC_PER_NODE": "1",
-               "TMPDIR": str(tmp_path)}  # fmt: skip
-        out = tmp_path / "agents-%j.out"
-        job = slurm.sbatch("--nodes=3", f"--output={out}", str(HPC / "slurm-agents.sh"), env=env, cwd=REPO)
-        assert _wait(lambda: _registered(etcd_client, key_prefix) == set(slurm.names), 90)
-        slurm.kill_node("n3", _pids_of_node("n3"))
-        assert _wait(lambda: "n3" not in slurm.idle_nodes() and slurm.node_state("n3").startswith("down"), 60), (
-            slurm.sinfo()
-        )
-        time.sleep(8)  # what Slurm does once it declared the node down: kill, requeue, or leave the job
-        log = Path(str(out).replace("%j", job))
-        assert slurm.job_state(job) == "RUNNING", log.read_text() if log.exists() else ""
-        assert _registered(etcd_client, key_prefix) == {"n1", "n2"}, log.read_text() if log.exists() else ""
-    finally:
-        slurm.stop()
+# A node lost with the allocation and the other agents kept (--no-kill on sbatch and srun): test_slurm_service.py,
+# where a job also re-forms on the nodes left and finishes.

@@ -125,7 +125,7 @@ def test_a_node_lost_mid_training_the_job_shrinks_finishes_and_ends_completed(
 def test_the_time_limits_warning_saves_requeues_and_the_job_resumes_from_that_snapshot(
     slurm: LocalSlurm, tmp_path: Path
 ) -> None:
-    job, rec, log = _submit(slurm, tmp_path, "2", ["--epochs", "3", "--step-sleep", "0.05", "--save-every", "1000"])
+    job, rec, log = _submit(slurm, tmp_path, "2", ["--epochs", "2", "--step-sleep", "0.05", "--save-every", "1000"])
     assert _wait(lambda: any(r["step"] >= 15 for r in _records(rec)), 150), _log(log)
     first_pids = {r["pid"] for r in _records(rec)}
     warned_at = time.time()
