@@ -230,9 +230,9 @@ def log_final(loss: float) -> None:
 def record_steps() -> Callable[[StepInfo], None] | None:
     """The trainer's ``on_step`` hook of the tests: None unless $EXAMPLES_RECORD names a directory. It appends each
     committed step this rank ran to ``<dir>/steps.<pid>.jsonl`` (step, epoch, rank, world, sample indices, ...);
-    after step S it waits while ``<dir>/hold-S`` exists (or until a SIGTERM comes: torchrun stopping the worker), so
-    that a test can kill or grow the job at a step of its choosing; while ``<dir>/slow`` exists each step waits the
-    seconds it holds (a live job admits a joiner at a step boundary)."""
+    after step S it waits while ``<dir>/hold-S`` exists, and after any step at a world of W workers while
+    ``<dir>/hold-world-W`` does (or until a SIGTERM comes: torchrun stopping the worker), so that a test can kill or
+    grow the job where it chooses; while ``<dir>/slow`` exists each step waits the seconds it holds."""
     root = os.environ.get(RECORD_ENV)
     if not root:
         return None
@@ -266,8 +266,8 @@ def record_steps() -> Callable[[StepInfo], None] | None:
             f.write(json.dumps(record) + "\n")
         if info.late:
             return
-        hold = out / f"hold-{info.step}"
-        while hold.exists() and not stopping:
+        holds = (out / f"hold-{info.step}", out / f"hold-world-{info.world_size}")
+        while any(h.exists() for h in holds) and not stopping:
             time.sleep(0.02)
         try:
             time.sleep(float((out / "slow").read_text() or 0.1))

@@ -34,10 +34,9 @@ def main() -> None:
     opt_d = torch.optim.Adam(model.d.parameters(), lr=args.lr, betas=(0.5, 0.9))
     opt_g = torch.optim.Adam(model.g.parameters(), lr=args.lr, betas=(0.5, 0.9))
     ddp_model = DDP(model)
-    sampler = DistributedSampler(data, seed=args.seed)
-    loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
+    loader = DataLoader(data, batch_size=args.batch, sampler=DistributedSampler(data, seed=args.seed))
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
+        loader.sampler.set_epoch(epoch)
         for real, z in loader:
             opt_d.zero_grad(set_to_none=True)
             opt_g.zero_grad(set_to_none=True)

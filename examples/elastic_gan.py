@@ -2,7 +2,7 @@
 its two optimizers itself; the loop applies the LR policy's factor around each one's step, saves both (the second
 as registered state), and commits the step once every worker stepped both.
 
-    ETRAIN_CHECKPOINT_URL=/tmp/ckpt/gan torchrun --nnodes=1:3 --nproc-per-node=1 \\
+    ETRAIN_CHECKPOINT_URL=/tmp/ckpt/gan torchrun --max-restarts=3 --nnodes=1:3 --nproc-per-node=1 \\
         --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=gan examples/elastic_gan.py
 """
 
@@ -34,8 +34,7 @@ def main() -> None:
     model = GAN().to(device)
     opt_d = torch.optim.Adam(model.d.parameters(), lr=args.lr, betas=(0.5, 0.9))
     opt_g = torch.optim.Adam(model.g.parameters(), lr=args.lr, betas=(0.5, 0.9))
-    policy = LRPolicy("fixed-global-batch", args.lr, base_world_size=2, base_batch_per_worker=args.batch)
-    config = ElasticConfig(policy, save_every_steps=10, seed=args.seed)
+    config = ElasticConfig(LRPolicy("fixed-global-batch", args.lr, 2, args.batch), save_every_steps=10, seed=args.seed)
     trainer = ElasticTrainer(model, [opt_d, opt_g], data, config, on_step=record_steps())
     for epoch in range(args.epochs):
         for step in trainer.steps(epoch):

@@ -4,7 +4,7 @@ restarts the workers from the last snapshot), and so does the DataLoader (2 work
 persistent workers); its batch sampler is the loop's, which serves each step's samples exactly once across kills and
 resizes.
 
-    ETRAIN_CHECKPOINT_URL=/tmp/ckpt/images torchrun --nnodes=1:3 --nproc-per-node=1 \\
+    ETRAIN_CHECKPOINT_URL=/tmp/ckpt/images torchrun --max-restarts=3 --nnodes=1:3 --nproc-per-node=1 \\
         --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=images examples/elastic_images.py
 """
 
@@ -19,8 +19,7 @@ from common import AugmentedImages, classifier_loss, image_model, log_final, rec
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from elastic import ElasticConfig, ElasticTrainer, LRPolicy
-from elastic.train.batch_sampler import ElasticBatchSampler
+from elastic import ElasticBatchSampler, ElasticConfig, ElasticTrainer, LRPolicy
 
 log = logging.getLogger("images")
 

@@ -2,9 +2,9 @@
 The script keeps its step: autocast, the GradScaler, clipping, the cosine LR it sets at every iteration, the EMA and
 the evaluations are its own. The loop hands it each step's micro-batches (random windows drawn with replacement,
 each draw consumed once whatever the resizes), splits the accumulation over the workers there are (the global batch
-stays that of 2 workers), and saves the EMA and the GradScaler with the rest of the state.
+stays that of 2 workers), and saves the EMA and the GradScaler with the rest of the state at each evaluation.
 
-    ETRAIN_CHECKPOINT_URL=/tmp/ckpt/nanogpt torchrun --nnodes=1:3 --nproc-per-node=1 \
+    ETRAIN_CHECKPOINT_URL=/tmp/ckpt/nanogpt torchrun --max-restarts=3 --nnodes=1:3 --nproc-per-node=1 \
         --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=nanogpt examples/elastic_nanogpt.py
 
 (``--rdzv-conf recovery=live`` recovers from a lost worker without restarting the others.)
@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from common import DATA, CharDataset, TinyTransformer, lm_loss, log_final, record_steps, setup_logging
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from elastic import ElasticConfig, ElasticTrainer, LRPolicy
-from elastic.train.batch_sampler import ElasticBatchSampler
+from elastic import ElasticBatchSampler, ElasticConfig, ElasticTrainer, LRPolicy
 
 log = logging.getLogger("nanogpt")
 
@@ -62,7 +61,8 @@ def main() -> None:
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.ema_decay))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)  # a no-op object unless fp16
-    config = ElasticConfig(LRPolicy("fixed-global-batch", args.lr, 2, args.batch, accumulation_steps=args.accum))
+    policy = LRPolicy("fixed-global-batch", args.lr, 2, args.batch, accumulation_steps=args.accum)
+    config = ElasticConfig(policy, save_every_steps=args.eval_interval)  # a snapshot at each evaluation
     data = torch.utils.data.DataLoader(train, batch_sampler=ElasticBatchSampler(train, replacement=True))
     trainer = ElasticTrainer(model, optimizer, data, config, state=dict(ema=ema, scaler=scaler), on_step=record_steps())
     for step in trainer.steps(max_steps=args.max_iters):
