@@ -327,8 +327,8 @@ class LiveRecovery:
         self._record(info)
         self.recorded_rank = info.rank
         for old_rank in orphans:  # a member that died after its samples went into the step's gradients
-            sampler = ElasticSampler(self._cursor.sampler.dataset_size, seed=self._cursor.sampler.seed,
-                                     shuffle=self._cursor.sampler.shuffle)  # fmt: skip
+            # the same kind of sampler (with replacement, its draws per epoch): options() names them all
+            sampler = ElasticSampler(self._cursor.sampler.dataset_size, **self._cursor.sampler.options())
             sampler.load_state_dict(a.sampler_before)
             sampler.set_world(old_rank, info.world_size)
             indices = sampler.step_indices(a.global_batch)

@@ -91,3 +91,16 @@ def test_a_dataloader_with_a_sampler_of_its_own_is_refused_naming_the_fix() -> N
     own = BatchSampler(range(10), batch_size=2, drop_last=False)
     with pytest.raises(ValueError, match="sampler of its own"):
         step_data(DataLoader(data, batch_sampler=own), lambda b: b, device=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", [{}, {"shuffle": False}, {"replacement": True, "num_samples": 30}])
+def test_a_sampler_built_from_anothers_options_takes_its_state_and_names_the_same_samples(kind: dict) -> None:
+    """What live recovery does to name a dead rank's samples of a step: before, a with-replacement sampler was rebuilt
+    without replacement and its state refused (the survivor crashed)."""
+    s = ElasticSampler(50, seed=4, **kind)
+    s.advance(7)
+    s.set_world(1, 3)
+    twin = ElasticSampler(50, **s.options())
+    twin.load_state_dict(s.state_dict())
+    twin.set_world(1, 3)
+    assert twin.step_indices(9) == s.step_indices(9)
