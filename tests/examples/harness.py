@@ -363,10 +363,12 @@ def check_example(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]
     with ThreadPoolExecutor(len(scenarios)) as pool:
         futures = [pool.submit(run, tmp, etcd, agents, ex) for run in scenarios]
         done, _ = futures_wait(futures, return_when=FIRST_EXCEPTION)
-        if any(f.exception() is not None for f in done):
-            ABORT.set()  # the others stop waiting; their agents are stopped, and the first failure is raised
+        failed = [f.exception() for f in done if f.exception() is not None]
+        if failed:
+            ABORT.set()  # the others stop waiting; their agents are stopped
             for agent in list(agents):
                 agent.stop()
+            raise failed[0]
         recs = [f.result() for f in futures]
     fixed, killed, resized, ddp = recs[:4]
     print(f"{ex.name}: final loss {final_loss(fixed):.6f} (fixed world), {final_loss(ddp):.6f} (the DDP twin)")
@@ -389,8 +391,8 @@ def check_example(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]
         by_step = live_steps(recs[4])
         worlds = assert_each_step_once(by_step, ex)
         assert worlds[-3:] == [2, 1, 2] and set(worlds) == {1, 2}, worlds  # (a first world of 1: b came late)
-        lone = {r["pid"] for s in by_step for r in by_step[s] if r["world"] == 1}
         first_alone = min(s for s in by_step if by_step[s][0]["world"] == 1 and by_step[s - 1][0]["world"] == 2)
+        lone = {r["pid"] for s in by_step for r in by_step[s] if r["world"] == 1 and s >= first_alone}
         before, after = by_step[first_alone - 1], by_step[ex.steps]
         assert len(lone) == 1 and lone <= {r["pid"] for r in before} & {r["pid"] for r in after}, "survivor restarted"
         assert_every_sample_once(by_step, ex)
