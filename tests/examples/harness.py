@@ -287,8 +287,8 @@ def live_2_1_2(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], e
     after their first step at world 2 (the survivor drops the next step and re-forms alone in the same process: world
     1; it waits after its first step alone); a new node's agent starts, and once its worker is registered, waiting to
     be admitted, the survivor goes on (each step slowed by ``ex.slow`` s until it is admitted: world 2), then at full
-    speed to the end. (The node is lost between steps: one lost after its gradients went into a step, before that step
-    committed, makes the survivor record the step for it, which fails for samples drawn with replacement; reported.)"""
+    speed to the end. (The node is lost between steps, so that the scenario is the same whatever the timing; a node lost
+    inside a step's commit, its samples recorded late by the survivor, is tests/integration/test_live_recovery.py's.)"""
     rec = tmp / "live"
     rec.mkdir()
     two, alone, slow = rec / "hold-world-2", rec / "hold-world-1", rec / "slow"
