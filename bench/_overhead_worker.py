@@ -8,6 +8,16 @@ On ``--device cuda`` the process group is NCCL and the model lives on ``LOCAL_RA
 reads the loss once per step: plain DDP with ``float(loss)`` after ``optimizer.step()`` (a stream sync, as a
 stock loop that logs its loss does), the elastic loop through its own pinned copy, which waits for the forward
 pass only (elastic/train/step_loss.py).
+
+The user's own ``DataLoader`` (issue 49): ``--loader-workers N`` (N > 0) feeds plain DDP from
+``DataLoader(dataset, batch_size, sampler=DistributedSampler, num_workers=N, persistent_workers=True)`` and the
+elastic loop from ``DataLoader(dataset, batch_sampler=ElasticBatchSampler(dataset), num_workers=N,
+persistent_workers=True)`` passed as its ``data`` (without it, the loop collates a plain data set in-process).
+``--form own`` runs the loop's own-step form (``trainer.steps()``, the script's ``optimizer.step()``) instead of
+the short one (``trainer.batches()``). ``--sample-spin K`` makes ``__getitem__`` a CPU transform of fixed cost
+(K iterations of a pure-Python loop before the sample is returned): the data-bound case. ``--mode calibrate``
+(no torchrun) measures the CPU seconds of one step of the model on one thread and the spin's iterations per CPU
+second, so that the bench can size K.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from _workload import GiB, Workload, state_bytes  # noqa: E402
 from common import DATA, CharDataset, TinyTransformer  # noqa: E402
 
 from elastic import ElasticConfig, ElasticTrainer, LRPolicy, compat  # noqa: E402
+from elastic.train.batch_sampler import ElasticBatchSampler  # noqa: E402
 
 
 class Indices(Dataset[int]):
@@ -48,6 +59,63 @@ class Indices(Dataset[int]):
 
     def __getitem__(self, i: int) -> int:
         return i
+
+
+def spin(iterations: int) -> int:
+    """A fixed amount of CPU work (a pure-Python loop, holding the GIL as a Python transform does)."""
+    acc = 0
+    for k in range(iterations):
+        acc ^= k
+    return acc
+
+
+class Costly(Dataset[Any]):
+    """``dataset[i]`` after ``spin(iterations)``: a ``__getitem__`` of a fixed CPU cost (the data-bound case)."""
+
+    def __init__(self, dataset: Any, iterations: int) -> None:
+        self.dataset, self.iterations = dataset, iterations
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        spin(self.iterations)
+        return self.dataset[i]
+
+
+def data_loader(dataset: Any, args: argparse.Namespace, cuda: bool, **sampling: Any) -> DataLoader[Any]:
+    """The script's own ``DataLoader``: ``--loader-workers`` persistent workers, pinned memory on a GPU."""
+    workers = {}
+    if args.loader_workers:
+        workers = {"num_workers": args.loader_workers, "persistent_workers": True,
+                   "multiprocessing_context": args.loader_context}  # fmt: skip
+    return DataLoader(dataset, pin_memory=cuda, **sampling, **workers)
+
+
+def calibrate(args: argparse.Namespace) -> None:
+    """``--mode calibrate``: the CPU seconds of one step of the model (one thread, no process group; median of
+    ``--steps`` after ``--warmup``) and the spin's iterations per CPU second (best of 5)."""
+    torch.set_num_threads(1)
+    model, dataset, loss_of = build(args, torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = iter(DataLoader(dataset, batch_size=args.batch, shuffle=True))
+    step_cpu: list[float] = []
+    for k in range(args.warmup + args.steps):
+        batch = next(loader)
+        t0 = time.thread_time()
+        optimizer.zero_grad()
+        loss = loss_of(model, batch)
+        loss.backward()
+        optimizer.step()
+        float(loss.detach())
+        if k >= args.warmup:
+            step_cpu.append(time.thread_time() - t0)
+    n, rates = 2_000_000, []
+    for _ in range(5):
+        t0 = time.thread_time()
+        spin(n)
+        rates.append(n / (time.thread_time() - t0))
+    args.out.write_text(json.dumps({"step_cpu_s": sorted(step_cpu)[len(step_cpu) // 2], "spin_per_cpu_s": max(rates)}))
 
 
 def build(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Any, Any]:
@@ -75,7 +143,7 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Modu
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["plain", "elastic", "live"], required=True)
+    p.add_argument("--mode", choices=["plain", "elastic", "live", "calibrate"], required=True)
     p.add_argument("--model", choices=["char", "mlp"], default="char")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--state-gib", type=float, default=1.5)
@@ -88,7 +156,14 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=100, help="0: no checkpoints")
     p.add_argument("--when-writer-busy", choices=["defer", "wait"], default="defer")
     p.add_argument("--nodes", type=int, default=1, help="torchrun agents of the run (live mode's world)")
+    p.add_argument("--loader-workers", type=int, default=0, help="> 0: a DataLoader with these persistent workers")
+    p.add_argument("--loader-context", choices=["fork", "forkserver", "spawn"], default="fork")
+    p.add_argument("--form", choices=["short", "own"], default="short", help="the elastic loop's form")
+    p.add_argument("--sample-spin", type=int, default=0, help="__getitem__'s busy loop, iterations per sample")
     args = p.parse_args()
+    if args.mode == "calibrate":
+        calibrate(args)
+        return
     cuda = args.device == "cuda"
     if cuda:
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -101,6 +176,8 @@ def main() -> None:
     if not live:  # live mode: the trainer forms the group itself (elastic.live)
         dist.init_process_group("nccl" if cuda else "gloo")
     model, dataset, loss_of = build(args, device)
+    if args.sample_spin:
+        dataset = Costly(dataset, args.sample_spin)
     if not live:
         model = DDP(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3 if args.model == "char" else 1e-5)
@@ -122,7 +199,7 @@ def main() -> None:
     if args.mode == "plain":
         rank = dist.get_rank()
         sampler = DistributedSampler(dataset, seed=0)
-        loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
+        loader = data_loader(dataset, args, cuda, batch_size=args.batch, sampler=sampler)
         epoch = 0
         while len(times) < args.steps:
             sampler.set_epoch(epoch)
@@ -155,16 +232,32 @@ def main() -> None:
             when_writer_busy=args.when_writer_busy,
             recovery="live" if live else None,
         )
-        trainer = ElasticTrainer(model, optimizer, dataset, config)
+        # the script's own DataLoader over the loop's batch sampler, or the data set, collated in this process
+        data = data_loader(dataset, args, cuda, batch_sampler=ElasticBatchSampler(dataset)) if (
+            args.loader_workers) else dataset  # fmt: skip
+        trainer = ElasticTrainer(model, optimizer, data, config)
         rank = trainer.rank  # ElasticTrainer.close() leaves the process group: remember who writes
-        for batch in trainer.batches(epochs=100):
-            trainer.backward(loss_of(trainer.model, batch))
-            if len(times) < trainer.step:  # one optimizer step completed inside batches()
+
+        def committed() -> None:
+            if len(times) < trainer.step:  # one more step committed
                 times.append(time.perf_counter())
                 cpu.append(time.process_time())
                 thread_cpu.append(time.thread_time())
-            if trainer.step >= args.steps:
-                break
+
+        if args.form == "short":
+            for batch in trainer.batches(epochs=100):
+                trainer.backward(loss_of(trainer.model, batch))
+                committed()  # the optimizer step runs inside batches(), before the next batch
+                if trainer.step >= args.steps:
+                    break
+        else:  # the own-step form: the script steps its optimizer; the step commits when the next one is asked for
+            for step in trainer.steps(epochs=100):
+                committed()
+                if trainer.step >= args.steps:
+                    break
+                for batch in step:
+                    step.backward(loss_of(trainer.model, batch))
+                optimizer.step()
         stats = trainer.snapshot_stats  # the durable snapshots started, and those a busy writer deferred
         snapshots = {"saved": stats.saved, "deferred": stats.deferred, "skipped": stats.skipped}
         trainer.close()

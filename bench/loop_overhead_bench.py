@@ -33,6 +33,22 @@ measured directly.
     python bench/loop_overhead_bench.py --model mlp --agents 2 --with-live --save-every 0
     python bench/loop_overhead_bench.py --device cuda [--state-gib 1.5] [--save-every 0,50,10]
     python bench/loop_overhead_bench.py --device cuda --save-every 0,50,absorbed     # issue 29's goal, side by side
+
+The user's own ``DataLoader`` (issue 49; these parts replace the snapshot comparison, JSON by default in
+``results/loop_overhead_loader.json``). ``--loader``: the loop fed by a ``DataLoader`` of ``--loader-workers``
+(default 2) persistent workers over an ``ElasticBatchSampler``, in its short form (``trainer.batches()``) and its
+own-step form (``trainer.steps()``), against plain DDP fed by the same ``DataLoader`` over a ``DistributedSampler``
+(same batch, same model), ``--nproc`` ranks, no snapshots (no checkpoint storage at all); goal: the loop >= 0.98
+of DDP's step rate. ``--data-bound``: a ``__getitem__`` that costs ``--data-cost`` (default 1.0) times the step's
+CPU time per batch (a pure-Python busy loop sized by a calibration run: the model's step on one thread, without
+torchrun), on ``--data-bound-nproc`` rank(s) (default 1), comparing (a) the loop collating a plain data set
+in-process, (b) the loop with the ``DataLoader``, (c) plain DDP with the ``DataLoader``, and (d) the loop without
+the data cost (the step alone): with workers the loop should keep (d)'s rate, where (a) roughly halves it.
+On 2 cores, 2 ranks x 2 workers oversubscribe the machine (6 processes); the char data set's ``__getitem__`` is a
+slice, so in ``--loader`` the workers mostly wait; the data-bound case runs 1 rank, whose 2 workers share the
+other core (the comparison means something only while the cores are not otherwise busy).
+
+    python bench/loop_overhead_bench.py --loader --data-bound --rounds 3 --steps 200     # about 5 minutes
 """
 
 from __future__ import annotations
@@ -47,6 +63,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,29 +95,33 @@ def parse_intervals(text: str) -> list[str]:
 
 
 def _run(
-    mode: str, etcd: LocalEtcdCluster, args: argparse.Namespace, work: Path, save_every: int, steps: int | None = None
-) -> dict[str, Any]:
-    """One run of ``mode`` under torchrun: ``steps`` (default ``--steps``), a snapshot every ``save_every``."""
+    mode: str, etcd: LocalEtcdCluster, args: argparse.Namespace, work: Path, save_every: int | None,
+    steps: int | None = None, worker_args: Sequence[str] = (), nproc: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """One run of ``mode`` under torchrun: ``steps`` (default ``--steps``), a snapshot every ``save_every`` (None:
+    no checkpoint storage at all, so no snapshot either, not even at an epoch's end), ``nproc`` workers (default
+    ``--nproc``); ``worker_args``: more of the worker's arguments. A mode named ``plain...`` is plain DDP."""
     out = work / f"{mode}-{uuid.uuid4().hex[:6]}.json"
     run_id = f"ovh-{uuid.uuid4().hex[:6]}"
-    if mode == "plain":  # stock torchrun: one agent standalone, several on torch's c10d rendezvous
+    plain = mode.startswith("plain")
+    if plain:  # stock torchrun: one agent standalone, several on torch's c10d rendezvous
         rdzv = ["--standalone"] if args.agents == 1 else [
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={run_id}"]  # fmt: skip
     else:
         rdzv = ["--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoints}", f"--rdzv-id={run_id}"]
         if mode == "live":
             rdzv.append("--rdzv-conf=recovery=live")
-    worker_mode = {"plain": "plain", "live": "live"}.get(mode, "elastic")
-    per_agent = args.nproc // args.agents
+    worker_mode = "plain" if plain else "live" if mode == "live" else "elastic"
+    per_agent = (nproc or args.nproc) // args.agents
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.agents}", f"--nproc-per-node={per_agent}",
            *rdzv, str(WORKER), "--mode", worker_mode, "--steps", str(steps or args.steps),
            "--when-writer-busy", "wait" if mode == "elastic-wait" else "defer", "--nodes", str(args.agents),
            "--out", str(out), "--model", args.model, "--device", args.device, "--state-gib", str(args.state_gib),
-           "--batch", str(args.batch), "--warmup", str(args.warmup)]  # fmt: skip
+           "--batch", str(args.batch), "--warmup", str(args.warmup), *worker_args]  # fmt: skip
     if args.width:
         cmd += ["--width", str(args.width)]
-    # Same checkpoint interval for both: plain DDP saves synchronously from rank 0 with torch.save.
-    cmd += ["--checkpoint-url", str(work / f"ck-{uuid.uuid4().hex[:6]}"), "--save-every", str(save_every)]
+    if save_every is not None:  # the same checkpoint interval for both: plain DDP's torch.save from rank 0
+        cmd += ["--checkpoint-url", str(work / f"ck-{uuid.uuid4().hex[:6]}"), "--save-every", str(save_every)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     compat.disable_shared_rdzv_store(env, override=True)  # the --standalone run too: both alike
     env.pop(LOCAL_SNAPSHOT_EVERY, None)
@@ -153,6 +174,124 @@ def _print_attribution(traces: dict[tuple[str, str], list[StepTrace]], modes: li
     return out
 
 
+# issue 49's systems: what each one is (its name starts with "plain": plain DDP, else the elastic loop)
+LOADER_SYSTEMS = {
+    "plain-loader": "plain DDP + DataLoader(DistributedSampler)",
+    "elastic-loader": "elastic loop, short form + DataLoader(ElasticBatchSampler)",
+    "elastic-loader-own": "elastic loop, own-step form + DataLoader(ElasticBatchSampler)",
+    "elastic-inproc": "elastic loop, short form, the data set collated in-process",
+    "elastic-alone": "elastic loop, short form, in-process, no data cost (the step alone)",
+}
+GOAL_LOADER = 0.98  # issue 49: the loop with the user's DataLoader over plain DDP with the same DataLoader
+
+
+def _worker_args(system: str, args: argparse.Namespace, spin: int) -> list[str]:
+    """The worker's arguments for one of :data:`LOADER_SYSTEMS`, with ``spin`` iterations per sample."""
+    out = ["--sample-spin", str(spin)] if spin and system != "elastic-alone" else []
+    if "loader" in system:
+        out += ["--loader-workers", str(args.loader_workers), "--loader-context", args.loader_context]
+    if system.endswith("-own"):
+        out += ["--form", "own"]
+    return out
+
+
+def _compare(systems: list[str], etcd: LocalEtcdCluster, args: argparse.Namespace, work: Path, nproc: int,
+             spin: int = 0) -> dict[str, dict[str, list[float]]]:  # fmt: skip
+    """``--rounds`` interleaved rounds of ``systems`` (every other round in reverse order), no snapshots; each
+    one's wall-clock steps/s and steps per CPU-second of rank 0, per round."""
+    rates: dict[str, dict[str, list[float]]] = {m: {"steps_per_s": [], "steps_per_cpu_s": []} for m in systems}
+    for i in range(args.rounds):
+        for system in systems if i % 2 == 0 else list(reversed(systems)):
+            got = _run(system, etcd, args, work, None, worker_args=_worker_args(system, args, spin), nproc=nproc)
+            rates[system]["steps_per_s"].append(float(got["steps_per_s"]))
+            rates[system]["steps_per_cpu_s"].append(float(got["steps_per_cpu_s"]))
+            print(f"round {i + 1} {system:18s} {got['steps_per_s']:7.2f} steps/s wall, {got['steps_per_cpu_s']:7.2f} "
+                  "steps/CPU-s", flush=True)  # fmt: skip
+    return rates
+
+
+def _calibrate(args: argparse.Namespace, work: Path) -> dict[str, float]:
+    """The model's step in CPU seconds (one thread, no torchrun) and the busy loop's iterations per CPU second."""
+    out = work / "calibrate.json"
+    cmd = [sys.executable, str(WORKER), "--mode", "calibrate", "--model", args.model, "--batch", str(args.batch),
+           "--state-gib", str(args.state_gib), "--steps", "40", "--warmup", "10", "--out", str(out)]  # fmt: skip
+    if args.width:
+        cmd += ["--width", str(args.width)]
+    subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), check=True, capture_output=True, timeout=300)
+    got: dict[str, float] = json.loads(out.read_text())
+    return got
+
+
+def _loader_parts(args: argparse.Namespace) -> None:
+    """``--loader`` and ``--data-bound`` (issue 49): see the module docstring."""
+    med = statistics.median
+    work = Path(tempfile.mkdtemp(prefix="overhead-loader-"))
+    w = args.loader_workers
+    model = ("TinyTransformer (char, 2 layers, width 64)" if args.model == "char"
+             else f"MLP + AdamW (width {args.width or 'default'})")  # fmt: skip
+    result: dict[str, Any] = {"model": model, "batch_per_rank": args.batch, "loader_workers": w,
+                              "loader_context": args.loader_context, "steps": args.steps, "warmup": args.warmup,
+                              "rounds": args.rounds, "cpus": os.cpu_count(), "snapshots": "none (no checkpoint URL)",
+                              "load_average_start": os.getloadavg()}  # fmt: skip
+    print(f"{os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.2f} at start; {model}, batch {args.batch} per "
+          f"rank, {args.steps} steps per run ({args.warmup} not timed), {args.rounds} interleaved rounds, no "
+          "snapshots", flush=True)  # fmt: skip
+    with LocalEtcdCluster(1, workdir=work / "etcd") as etcd:
+        if args.loader:
+            procs = args.nproc * (1 + w)
+            idle = "; the char data set's __getitem__ is a slice, so the workers mostly wait" if (
+                args.model == "char") else ""  # fmt: skip
+            print(f"DataLoader, {args.nproc} ranks x {w} persistent workers each: {procs} processes on "
+                  f"{os.cpu_count()} cores{' (oversubscribed)' if procs > (os.cpu_count() or 1) else ''}{idle}",
+                  flush=True)  # fmt: skip
+            systems = ["plain-loader", "elastic-loader", "elastic-loader-own"]
+            rates = _compare(systems, etcd, args, work, args.nproc)
+            plain, plain_cpu = med(rates["plain-loader"]["steps_per_s"]), med(rates["plain-loader"]["steps_per_cpu_s"])
+            part: dict[str, Any] = {"nproc": args.nproc, "processes": procs, "systems": rates}
+            print(f"{LOADER_SYSTEMS['plain-loader']}: median {plain:.2f} steps/s")
+            for system in systems[1:]:
+                rate, cpu_rate = med(rates[system]["steps_per_s"]), med(rates[system]["steps_per_cpu_s"])
+                ratio, cpu_ratio = rate / plain, cpu_rate / plain_cpu
+                part[f"{system}_ratio_median"], part[f"{system}_cpu_ratio_median"] = ratio, cpu_ratio
+                part[f"{system}_goal_met"] = ratio >= GOAL_LOADER
+                print(f"{LOADER_SYSTEMS[system]}: median {rate:.2f} steps/s, ratio {ratio:.3f} (goal >= "
+                      f"{GOAL_LOADER}: {'met' if ratio >= GOAL_LOADER else 'MISSED'}); per CPU-second of rank 0: "
+                      f"{cpu_ratio:.3f}", flush=True)  # fmt: skip
+            result["loader"] = part
+        if args.data_bound:
+            cal = _calibrate(args, work)
+            spin = max(1, round(cal["spin_per_cpu_s"] * cal["step_cpu_s"] * args.data_cost / args.batch))
+            batch_cpu = spin * args.batch / cal["spin_per_cpu_s"]
+            n = args.data_bound_nproc
+            procs = n * (1 + w)
+            print(f"data-bound: {n} rank(s); __getitem__ spins {spin} iterations = {batch_cpu * 1e3:.1f} ms of CPU per "
+                  f"batch of {args.batch} = {args.data_cost:.2f} x the step's {cal['step_cpu_s'] * 1e3:.1f} ms of CPU "
+                  f"(calibrated on one thread); with the DataLoader {procs} processes on {os.cpu_count()} cores: "
+                  f"the rank's own core, its {w} workers share the rest", flush=True)  # fmt: skip
+            systems = ["elastic-alone", "elastic-inproc", "elastic-loader", "plain-loader"]
+            rates = _compare(systems, etcd, args, work, n, spin)
+            m = {s: med(rates[s]["steps_per_s"]) for s in systems}
+            alone = m["elastic-alone"]
+            for key, system in zip("dabc", systems, strict=True):
+                print(f"({key}) {LOADER_SYSTEMS[system]}: median {m[system]:.2f} steps/s = "
+                      f"{m[system] / alone:.3f} of the step alone")  # fmt: skip
+            b_c, b_a = m["elastic-loader"] / m["plain-loader"], m["elastic-loader"] / m["elastic-inproc"]
+            print(f"the loop with workers / plain DDP with workers (b/c): {b_c:.3f}; the loop with workers / "
+                  f"in-process (b/a): {b_a:.3f}", flush=True)  # fmt: skip
+            result["data_bound"] = {
+                "nproc": n, "processes": procs, "data_cost": args.data_cost, "calibration": cal, "spin": spin,
+                "batch_cpu_s": batch_cpu, "systems": rates, "medians": m,
+                "fraction_of_alone": {s: m[s] / alone for s in systems},
+                "loader_vs_plain_loader": b_c, "loader_vs_inproc": b_a,
+            }  # fmt: skip
+    shutil.rmtree(work, ignore_errors=True)
+    result["load_average_end"] = os.getloadavg()
+    result["when"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -168,11 +307,22 @@ def main() -> None:
     parser.add_argument("--model", choices=["char", "mlp"], default=None, help="default: char on cpu, mlp on cuda")
     parser.add_argument("--width", type=int, default=None, help="--model mlp: layer width (default: 1024 on cpu "
                         "with 4 layers, 8192 on cuda)")  # fmt: skip
-    parser.add_argument("--json", type=Path, default=HERE / "results" / "loop_overhead.json")
+    parser.add_argument("--json", type=Path, default=None, help="default: results/loop_overhead.json, "
+                        "results/loop_overhead_loader.json with --loader or --data-bound")  # fmt: skip
     parser.add_argument("--with-local", action="store_true", help="also the elastic loop + node-local snapshots")
     parser.add_argument("--with-wait", action="store_true", help="also the elastic loop with when_writer_busy=wait")
     parser.add_argument("--with-live", action="store_true", help="also the elastic loop in live recovery mode")
+    parser.add_argument("--loader", action="store_true", help="the loop with a DataLoader vs plain DDP with one")
+    parser.add_argument("--data-bound", action="store_true", help="a costly __getitem__: in-process vs DataLoader")
+    parser.add_argument("--loader-workers", type=int, default=2, help="--loader, --data-bound: per rank")
+    parser.add_argument("--loader-context", choices=["fork", "forkserver", "spawn"], default="fork",
+                        help="the DataLoader's multiprocessing_context")  # fmt: skip
+    parser.add_argument("--data-cost", type=float, default=1.0, help="--data-bound: a batch's __getitem__ CPU "
+                        "over the step's")  # fmt: skip
+    parser.add_argument("--data-bound-nproc", type=int, default=1, help="--data-bound: ranks")
     args = parser.parse_args()
+    loader_parts = args.loader or args.data_bound
+    args.json = args.json or HERE / "results" / ("loop_overhead_loader.json" if loader_parts else "loop_overhead.json")
     cuda = args.device == "cuda"
     args.model = args.model or ("mlp" if cuda else "char")
     if args.model == "mlp" and not cuda and args.width is None:  # 4 x 1024^2 + AdamW: all-reduce ~1/3 of a step
@@ -185,6 +335,9 @@ def main() -> None:
     args.nproc = args.nproc or (1 if cuda else 2)
     if args.nproc % args.agents:
         parser.error(f"--nproc {args.nproc} does not split over --agents {args.agents}")
+    if loader_parts:
+        _loader_parts(args)
+        return
     labels = parse_intervals(args.save_every or ("0,50,10" if cuda else "100"))
     work = Path(tempfile.mkdtemp(prefix="overhead-"))
     extra = [m for m, wanted in (("elastic-local", args.with_local), ("elastic-wait", args.with_wait),
@@ -307,8 +460,9 @@ def main() -> None:
             live_vs_elastic_ratio=med(lv) / med(el),
             live_vs_elastic_cpu_ratio=lc,
         )
+        verdict = "met" if med(lv) / med(el) >= 0.97 else "MISSED"
         print(f"live recovery median {med(lv):.2f} steps/s: {med(lv) / med(el):.3f} of the elastic loop with DDP "
-              f"({lc:.3f} per CPU-second of rank 0; goal >= 0.97: {'met' if med(lv) / med(el) >= 0.97 else 'MISSED'})")
+              f"({lc:.3f} per CPU-second of rank 0; goal >= 0.97: {verdict})")  # fmt: skip
     if "0" in labels:
         result["attribution"] = _print_attribution(traces, [m for m in modes if m != "plain"], every_of)
     args.json.parent.mkdir(parents=True, exist_ok=True)
