@@ -93,13 +93,13 @@ class LoaderData(StepData):
 
     def _next(self, first: bool) -> Any:
         if self._it is None:
-            self._it = iter(self._loader)
+            self._it = _iterate(self._loader)
         try:
             return next(self._it)
         except StopIteration:
             if not first:
                 raise LockstepError("the DataLoader ended in the middle of a step") from None
-        self._it = iter(self._loader)  # the epoch ended with the last step: the next one starts it again
+        self._it = _iterate(self._loader)  # the epoch ended with the last step: the next one starts it again
         try:
             return next(self._it)
         except StopIteration:
@@ -159,11 +159,11 @@ class StreamData(StepData):
     def micro_batches(self, layout: StepLayout) -> Iterator[Any]:
         for _ in layout.micro:
             if self._it is None:
-                self._it = iter(self._loader)
+                self._it = _iterate(self._loader)
             try:
                 batch = next(self._it)
             except StopIteration:
-                self._it = iter(self._loader)
+                self._it = _iterate(self._loader)
                 try:
                     batch = next(self._it)
                 except StopIteration:
@@ -176,6 +176,14 @@ class StreamData(StepData):
 
     def close(self) -> None:
         self._it = None
+
+
+def _iterate(loader: Any) -> Iterator[Any]:
+    """A new iterator of ``loader``, made without touching the script's torch RNG: a DataLoader iterator draws its
+    workers' base seed from the global generator, and a resumed run makes one more iterator than an uninterrupted
+    one, so everything the script drew after it (dropout, noise) came out otherwise."""
+    with torch.random.fork_rng(devices=[]):
+        return iter(loader)
 
 
 def is_stream(source: Any) -> bool:

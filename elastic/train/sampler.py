@@ -117,6 +117,7 @@ class ElasticSampler:
         other = ElasticSampler(self._n, **self.options())
         other._cursor = _Cursor(self._cursor.epoch, self._cursor.position)
         other.rank, other.world_size = self.rank, self.world_size
+        other._perm_epoch, other._perm = self._perm_epoch, self._perm  # shared, never changed in place: no recompute
         return other
 
     def remaining(self) -> int:

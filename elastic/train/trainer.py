@@ -336,6 +336,7 @@ class ElasticTrainer:
         re-forms in process; the loop then goes on in the new world. Restart mode: nothing to do."""
         if not self._strategy.reform(reason):
             return
+        self._gate.zero_grad()  # every optimizer's share of a dropped step's gradients (the re-served step adds up)
         self._loss.discard()
         self._data.reset()  # what the loader read ahead was split for the old group
         was_first = self.rank == 0

@@ -284,3 +284,32 @@ def test_on_cuda_the_own_step_with_fp16_gradscaler_and_a_pinned_two_worker_loade
         scales.append(scaler.get_scale())
         trainer.close()
     assert scales[0] > 2.0**10, "the scale grew every 2 finite steps"
+
+
+def _draws(url: str, max_steps: int) -> list[float]:
+    ds = _data(40)
+    loader = DataLoader(ds, batch_sampler=ElasticBatchSampler(ds, seed=2))
+    model = _model()
+    trainer = ElasticTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), loader,
+                             ElasticConfig(_policy(), url, save_every_steps=3, progress_every=0))  # fmt: skip
+    drawn = []
+    for step in trainer.steps(max_steps=max_steps):
+        for x, y, _ in step:
+            step.backward(F.cross_entropy(F.dropout(trainer.model(x), 0.2), y))
+        trainer.optimizer.step()
+        drawn.append(float(torch.rand(())))  # what a script draws (noise, dropout masks)
+    trainer.close()
+    return drawn
+
+
+def test_a_resume_with_a_dataloader_draws_the_same_random_numbers_as_an_uninterrupted_run(
+    gloo_world_1: None, tmp_path: Path
+) -> None:
+    """A DataLoader iterator draws its workers' base seed from torch's global generator, and a resumed run makes one
+    more iterator than an uninterrupted one: before, every draw after the resume differed."""
+    straight = _draws(str(tmp_path / "a"), 6)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    first = _draws(str(tmp_path / "b"), 3)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rest = _draws(str(tmp_path / "b"), 6)
+    assert first + rest == straight
