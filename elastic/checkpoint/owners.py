@@ -30,6 +30,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from elastic.checkpoint.slots import SlotClaim
 from elastic.contract.env import PREFORK_OWNER, TorchrunEnv, WorkerEnvError
 from elastic.prefork.common import launcher_pid
 from elastic.proctree import alive, process_stat
@@ -73,18 +74,9 @@ def _records(fd: int) -> list[tuple[int, int]]:
     return out
 
 
-class JobDirClaim:
-    """This process's claim on a job's node-local directory: ``path`` (until :meth:`release` or its end)."""
-
-    def __init__(self, path: Path, fd: int) -> None:
-        self.path = path
-        self._fd: int | None = fd
-
-    def release(self) -> None:
-        """Drop the shared lock (a second call does nothing)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+class JobDirClaim(SlotClaim):
+    """This process's claim on a job's node-local directory: ``path`` (until :meth:`release` or its end); its lock
+    file's descriptor holds a shared lock, which closing drops, as a slot's exclusive one."""
 
 
 def claim_job_dir(job_dir: Path) -> JobDirClaim:
