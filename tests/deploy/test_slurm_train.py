@@ -17,6 +17,7 @@ import pytest
 
 from tests.deploy.conftest import REPO
 from tests.deploy.slurm import LocalSlurm, missing
+from tests.integration.training_records import read_records
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,14 +39,7 @@ def slurm(tmp_path: Path) -> Iterator[LocalSlurm]:
 
 
 def _records(rec: Path) -> list[dict[str, Any]]:
-    out = []
-    for f in rec.glob("rank*.jsonl"):
-        for line in f.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by SIGKILL
-    return sorted(out, key=lambda r: r["t"])
+    return sorted(read_records(rec), key=lambda r: r["t"])
 
 
 def _wait(predicate: Any, timeout: float) -> bool:
