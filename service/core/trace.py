@@ -3,6 +3,8 @@
 
 :func:`job_trace` is pure (no I/O, no clock): it builds the trace from what the service keeps about a job, the
 job record, its status, its events, and optionally the latest progress report and the agents' worker reports.
+This module replays the events (what is drawn, on which track, and why); writing the trace's events and tracks
+is :mod:`service.core.trace_writer`'s.
 :func:`validate_trace` checks a trace against the rules of the format this module relies on; it is useful for
 any trace (``python -c 'import json,sys; from service.core.trace import validate_trace;
 print(validate_trace(json.load(open(sys.argv[1]))))' job.json``).
@@ -53,26 +55,31 @@ a start) its message is read.
 
 from __future__ import annotations
 
-import math
 import re
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any
 
 from elastic.contract.progress import Progress
 from service.core.models import Event, JobRecord, JobStatus, RecoveryMode, WorkerReport
 from service.core.trace_format import is_int, validate_trace
+from service.core.trace_writer import (
+    CONTROLLER,
+    CONTROLLER_TID,
+    FIRST_NODE_TID,
+    PID,
+    SNAPSHOTS,
+    SNAPSHOTS_TID,
+    TraceWriter,
+    json_safe,
+    node_track,
+    utc,
+)
 
 __all__ = ["CONTROLLER_TID", "FIRST_NODE_TID", "PID", "SNAPSHOTS_TID", "job_trace", "validate_trace"]
 
-PID = 1
-CONTROLLER_TID = 0
-SNAPSHOTS_TID = 1
-FIRST_NODE_TID = 2
-
-_US = timedelta(microseconds=1)
 _TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 _STATE_MESSAGE = re.compile(r"^(\w+) -> (\w+)(?:: (.*))?$", re.DOTALL)
 _START = re.compile(r"^generation (\d+) on \d+ node\(s\): (.*)$", re.DOTALL)
@@ -89,36 +96,6 @@ NOT_RECORDED = [
     "torchrun start and exit of earlier generations: the agents' reports are replaced at each generation",
     "a re-form that kept the world size: the controller records world-size changes only",
 ]
-
-_Track = tuple[str, str]  # ("controller", ""), ("snapshots", ""), ("node", name)
-_CONTROLLER: _Track = ("controller", "")
-_SNAPSHOTS: _Track = ("snapshots", "")
-
-
-def _node(name: str) -> _Track:
-    return ("node", name)
-
-
-def _utc(t: datetime) -> datetime:
-    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
-
-
-def _json_safe(value: Any, depth: int = 0) -> Any:
-    """A copy JSON can hold: non-finite floats become None, keys strings, nesting cut at 8 levels."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if depth >= 8:
-        return str(value)[:200]
-    if isinstance(value, Mapping):
-        return {str(k): _json_safe(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v, depth + 1) for v in value]
-    if isinstance(value, datetime):
-        return value.isoformat()
-    return str(value)[:200]
-
 
 def _cause(code: object) -> str:
     if not isinstance(code, int) or isinstance(code, bool):
@@ -170,12 +147,10 @@ class _Builder:
     def __init__(self, record: JobRecord, status: JobStatus, events: Sequence[Event], now: datetime) -> None:
         self.record = record
         self.status = status
-        self.now = _utc(now)
-        self.events = sorted(events, key=lambda e: (_utc(e.time), e.id))
-        times = [_utc(record.created_at)] + ([_utc(self.events[0].time)] if self.events else [])
-        self.origin = min(times)
-        self.out: list[tuple[_Track, dict[str, Any], int]] = []  # (track, event, depth: 1 inside a generation)
-        self.nodes: set[str] = set()
+        self.now = utc(now)
+        self.events = sorted(events, key=lambda e: (utc(e.time), e.id))
+        times = [utc(record.created_at)] + ([utc(self.events[0].time)] if self.events else [])
+        self.w = TraceWriter(min(times))  # what is drawn: the replay below decides
         self.generation = 0
         self.members: dict[str, _Member] = {}
         self.planned_at: datetime | None = None  # when the last planned move was drawn
@@ -183,35 +158,12 @@ class _Builder:
         self.notes: list[str] = []
         self.snapshot_seen: tuple[object, object] | None = None  # (step, path) of the last checkpoint event
 
-    # -- emitting -------------------------------------------------------------------------------------
-    def us(self, t: datetime) -> int:
-        return max(0, (_utc(t) - self.origin) // _US)
-
-    def emit(self, track: _Track, event: dict[str, Any], depth: int = 0) -> None:
-        if track[0] == "node":
-            self.nodes.add(track[1])
-        self.out.append((track, event, depth))
-
-    def span(self, track: _Track, name: str, start: datetime, end: datetime, args: dict[str, Any],
-             depth: int = 0) -> None:  # fmt: skip
-        ts = self.us(start)
-        self.emit(track, {"name": name, "ph": "X", "ts": ts, "dur": max(0, self.us(end) - ts), "pid": PID,
-                          "args": _json_safe(args)}, depth)  # fmt: skip
-
-    def instant(self, track: _Track, name: str, t: datetime, args: dict[str, Any], scope: str = "t") -> None:
-        self.emit(track, {"name": name, "ph": "i", "s": scope, "ts": self.us(t), "pid": PID, "args": _json_safe(args)})
-
-    def counter(self, name: str, t: datetime, value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return
-        self.emit(_CONTROLLER, {"name": name, "ph": "C", "ts": self.us(t), "pid": PID, "args": {"value": value}})
-
     # -- node membership ------------------------------------------------------------------------------
     def join(self, node: str, t: datetime, how: str) -> None:
         if node in self.members:
             self.leave(node, t, "superseded")
         self.members[node] = _Member(self.generation, t, how)
-        self.nodes.add(node)
+        self.w.nodes.add(node)
 
     def leave(self, node: str, t: datetime, why: str, ongoing: bool = False) -> None:
         member = self.members.pop(node, None)
@@ -221,7 +173,7 @@ class _Builder:
         args: dict[str, Any] = {"generation": member.generation, "joined": member.how, "ended": why}
         if ongoing:
             args["ongoing"] = True
-        self.span(_node(node), f"generation {member.generation}", member.since, t, args)
+        self.w.span(node_track(node), f"generation {member.generation}", member.since, t, args)
 
     def leave_all(self, t: datetime, why: str, ongoing: bool = False) -> None:
         for node in sorted(self.members):
@@ -234,7 +186,8 @@ class _Builder:
     def end_reform(self, node: str, t: datetime, outcome: str) -> None:
         reform = self.reforms.pop(node, None)
         if reform is not None:
-            self.span(_node(node), "re-form", reform.since, t, {"cause": reform.cause, "outcome": outcome}, depth=1)
+            args = {"cause": reform.cause, "outcome": outcome}
+            self.w.span(node_track(node), "re-form", reform.since, t, args, depth=1)
 
     def end_reforms(self, t: datetime, outcome: str, nodes: list[str] | None = None) -> None:
         for node in sorted(self.reforms):
@@ -244,33 +197,33 @@ class _Builder:
     # -- the replay -----------------------------------------------------------------------------------
     def replay(self, truncated: bool) -> None:
         state: str | None = None if truncated else "pending"
-        since, why = _utc(self.record.created_at), "submitted"
+        since, why = utc(self.record.created_at), "submitted"
         events = self.events
         pass_end = [0] * len(events)  # the index after the last event of each event's pass (same time)
         for i in range(len(events) - 1, -1, -1):
-            same = i + 1 < len(events) and _utc(events[i + 1].time) == _utc(events[i].time)
+            same = i + 1 < len(events) and utc(events[i + 1].time) == utc(events[i].time)
             pass_end[i] = pass_end[i + 1] if same else i + 1
         for i, ev in enumerate(events):
-            t = _utc(ev.time)
+            t = utc(ev.time)
             later = events[i + 1 : pass_end[i]]  # the rest of the controller's pass
             if ev.type == "state":
                 moved = self.on_state(ev, t)
                 if moved is not None:
                     _, new, message = moved
                     if state is not None:
-                        self.span(_CONTROLLER, state, since, t, {"message": why})
+                        self.w.span(CONTROLLER, state, since, t, {"message": why})
                     state, since, why = new, t, message
                     if new in _TERMINAL:
-                        self.instant(_CONTROLLER, new, t, {"message": message}, scope="p")
+                        self.w.instant(CONTROLLER, new, t, {"message": message}, scope="p")
             else:
                 self.on_event(ev, t, later)
         terminal = state in _TERMINAL or self.status.state.terminal
         end = self.now
         if terminal:
-            end = _utc(self.status.finished_at) if self.status.finished_at is not None else since
+            end = utc(self.status.finished_at) if self.status.finished_at is not None else since
             end = max(end, since)
         if state is not None and state not in _TERMINAL:  # (ended, though its end's event is not among these)
-            self.span(_CONTROLLER, state, since, end, {"message": why, **({} if terminal else {"ongoing": True})})
+            self.w.span(CONTROLLER, state, since, end, {"message": why, **({} if terminal else {"ongoing": True})})
         if not terminal and sorted(self.members) != sorted(self.status.nodes):
             self.notes.append(f"the nodes replayed from the events, {sorted(self.members)}, differ from the "
                               f"status's, {sorted(self.status.nodes)}")  # fmt: skip
@@ -279,7 +232,7 @@ class _Builder:
     def on_state(self, ev: Event, t: datetime) -> tuple[str, str, str] | None:
         moved = _move(ev)
         if moved is None:
-            self.instant(_CONTROLLER, "state", t, {"message": ev.message})
+            self.w.instant(CONTROLLER, "state", t, {"message": ev.message})
             return None
         old, new, message = moved
         if new in _TERMINAL:
@@ -315,8 +268,8 @@ class _Builder:
         members = _names(data.get("members"))
         gen = data.get("generation")
         self.planned_at = t
-        self.instant(_CONTROLLER, ev.type, t, {"message": ev.message, "nodes": _names(data.get("nodes")),
-                                                "members": members})  # fmt: skip
+        self.w.instant(CONTROLLER, ev.type, t, {"message": ev.message, "nodes": _names(data.get("nodes")),
+                                                  "members": members})  # fmt: skip
         if is_int(gen) and gen != self.generation:
             self.leave_all(t, f"{ev.type}: generation {gen} follows")
             self.generation = gen
@@ -346,8 +299,8 @@ class _Builder:
             failed = _names(data.get("nodes"))
             for name in failed:
                 code = codes.get(name)
-                self.instant(_node(name), "workers failed", t,
-                             {"cause": _cause(code), "exit_code": code, **gen, "message": ev.message})  # fmt: skip
+                self.w.instant(node_track(name), "workers failed", t,
+                               {"cause": _cause(code), "exit_code": code, **gen, "message": ev.message})  # fmt: skip
                 self.leave(name, t, f"workers failed ({_cause(code)})")
             if not handled:  # the job was recovering already: the pass's move left no event; reconcile's rules
                 spec = self.record.spec
@@ -363,8 +316,8 @@ class _Builder:
                     self.leave_all(t, "released: restart after the failure")
         elif kind == "node_lost":
             if node is not None:
-                self.instant(_node(node), "node lost", t, {"cause": "lease expired (agent gone)", **gen,
-                                                          "message": ev.message})  # fmt: skip
+                self.w.instant(node_track(node), "node lost", t, {"cause": "lease expired (agent gone)", **gen,
+                                                                  "message": ev.message})  # fmt: skip
                 self.leave(node, t, "node lost")
             if not handled and not any(e.type == "node_lost" for e in later):
                 if len(self.members) < self.record.spec.min_nodes:
@@ -374,30 +327,30 @@ class _Builder:
         elif kind == "node_joined":
             if node is not None:
                 self.join(node, t, "added")
-                self.instant(_node(node), "node joined", t, {**gen, "message": ev.message})
+                self.w.instant(node_track(node), "node joined", t, {**gen, "message": ev.message})
             self.start_reform(t, ev.message)
         elif kind == "workers_succeeded":
             for name in _names(data.get("nodes")):
-                self.instant(_node(name), "workers finished", t, {**gen, "message": ev.message})
+                self.w.instant(node_track(name), "workers finished", t, {**gen, "message": ev.message})
         elif kind == "node_blacklisted":
-            track = _node(node) if node is not None else _CONTROLLER
-            self.instant(track, "node blacklisted", t, {"cause": ev.message})
+            track = node_track(node) if node is not None else CONTROLLER
+            self.w.instant(track, "node blacklisted", t, {"cause": ev.message})
         elif kind == "world_size":
             size = data.get("world_size")
             nodes = _names(data.get("nodes")) if isinstance(data.get("nodes"), list) else None
-            self.counter("world_size", t, size)
-            self.instant(_CONTROLLER, f"world size {size}", t, {"world_size": size, "nodes": nodes, **gen})
+            self.w.counter("world_size", t, size)
+            self.w.instant(CONTROLLER, f"world size {size}", t, {"world_size": size, "nodes": nodes, **gen})
             self.end_reforms(t, "resumed", nodes or None)
         elif kind == "checkpoint":
             step = data.get("step")
-            self.instant(_SNAPSHOTS, "snapshot committed", t, {"step": step, "path": data.get("path"), **gen})
-            self.counter("step", t, step)
+            self.w.instant(SNAPSHOTS, "snapshot committed", t, {"step": step, "path": data.get("path"), **gen})
+            self.w.counter("step", t, step)
             self.snapshot_seen = (step, data.get("path"))
         elif kind == "checkpoint_rejected":
-            self.instant(_SNAPSHOTS, "snapshot rejected", t, {"cause": ev.message, "path": data.get("path")})
+            self.w.instant(SNAPSHOTS, "snapshot rejected", t, {"cause": ev.message, "path": data.get("path")})
         else:
-            track = _node(node) if node is not None and node in self.nodes else _CONTROLLER
-            self.instant(track, kind.replace("_", " "), t, {"message": ev.message, "data": data})
+            track = node_track(node) if node is not None and node in self.w.nodes else CONTROLLER
+            self.w.instant(track, kind.replace("_", " "), t, {"message": ev.message, "data": data})
 
     # -- what the status, the latest progress and the agents' reports add ----------------------------------
     def latest(self, progress: Progress | None, reports: Mapping[str, WorkerReport]) -> dict[str, Any]:
@@ -409,13 +362,12 @@ class _Builder:
         if ckpt is not None and self.snapshot_seen != (ckpt.step, ckpt.path):
             # its event is not among those given (truncated): the status still has the latest commit
             args = {"step": ckpt.step, "path": ckpt.path, **({"snapshot_stats": stats} if stats else {})}
-            self.instant(_SNAPSHOTS, "snapshot committed", ckpt.committed_at, args)
-            self.counter("step", ckpt.committed_at, ckpt.step)
+            self.w.instant(SNAPSHOTS, "snapshot committed", ckpt.committed_at, args)
+            self.w.counter("step", ckpt.committed_at, ckpt.step)
         elif stats:
-            for track, event, _ in reversed(self.out):
-                if track == _SNAPSHOTS and event["name"] == "snapshot committed":
-                    event["args"]["snapshot_stats"] = _json_safe(stats)
-                    break
+            committed = self.w.last(SNAPSHOTS, "snapshot committed")
+            if committed is not None:
+                committed["args"]["snapshot_stats"] = json_safe(stats)
         at: datetime | None = st.progress_at
         step: int | None = st.step
         loss: float | None = st.loss
@@ -423,37 +375,21 @@ class _Builder:
             at = datetime.fromtimestamp(progress.time, tz=timezone.utc)
             step, loss = progress.step, progress.loss
         if at is not None:
-            self.counter("step", at, step)
-            self.counter("loss", at, loss)
+            self.w.counter("step", at, step)
+            self.w.counter("loss", at, loss)
         for node, report in sorted(reports.items()):
             args = {"generation": report.generation, "pid": report.pid}
             if report.started_at is not None:
-                self.instant(_node(node), "torchrun started", report.started_at, args)
+                self.w.instant(node_track(node), "torchrun started", report.started_at, args)
             if report.finished_at is not None:
                 name = "launch failed" if report.state == "launch_failed" else f"torchrun {report.state}"
-                self.instant(_node(node), name, report.finished_at,
-                             {**args, "state": report.state, "exit_code": report.exit_code,
-                              "cause": _cause(report.exit_code) if report.failed else None})  # fmt: skip
+                self.w.instant(node_track(node), name, report.finished_at,
+                               {**args, "state": report.state, "exit_code": report.exit_code,
+                                "cause": _cause(report.exit_code) if report.failed else None})  # fmt: skip
         return stats
 
     # -- the trace ----------------------------------------------------------------------------------------
     def trace(self, stats: dict[str, Any], truncated: bool) -> dict[str, Any]:
-        tids: dict[_Track, int] = {_CONTROLLER: CONTROLLER_TID, _SNAPSHOTS: SNAPSHOTS_TID}
-        for i, node in enumerate(sorted(self.nodes)):
-            tids[_node(node)] = FIRST_NODE_TID + i
-        names = {CONTROLLER_TID: "controller", SNAPSHOTS_TID: "snapshots"}
-        names.update({tids[_node(n)]: f"node {n}" for n in self.nodes})
-        meta: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": PID, "tid": CONTROLLER_TID,
-             "args": {"name": f"job {self.record.id}"}},
-        ]  # fmt: skip
-        for tid, name in sorted(names.items()):
-            meta.append({"name": "thread_name", "ph": "M", "pid": PID, "tid": tid, "args": {"name": name}})
-            meta.append({"name": "thread_sort_index", "ph": "M", "pid": PID, "tid": tid, "args": {"sort_index": tid}})
-        # by time; at one time the longer span first, a generation before a re-form of the same length, so that
-        # the enclosing one comes first (Chrome nests complete events of one time by their order)
-        ordered = sorted(self.out, key=lambda o: (o[1]["ts"], -o[1].get("dur", 0), o[2]))
-        body = [{**event, "tid": tids[track]} for track, event, _ in ordered]
         st = self.status
         metadata: dict[str, Any] = {
             "job_id": self.record.id,
@@ -461,19 +397,20 @@ class _Builder:
             "state": st.state.value,
             "generation": st.generation,
             "nodes": list(st.nodes),
-            "time_origin": self.origin.isoformat(),
-            "time_origin_unix_us": (self.origin - datetime(1970, 1, 1, tzinfo=timezone.utc)) // _US,
+            "time_origin": self.w.origin.isoformat(),
+            "time_origin_unix_us": self.w.origin_unix_us,
             "ts_unit": "microseconds since time_origin",
             "exported_at": self.now.isoformat(),
             "events": len(self.events),
             "events_truncated": truncated,
-            "tracks": {str(tid): name for tid, name in sorted(names.items())},
+            "tracks": {str(tid): name for tid, name in self.w.track_names().items()},
             "restarts": st.restarts.model_dump(),
-            "snapshot_stats": _json_safe(stats),
+            "snapshot_stats": json_safe(stats),
             "not_recorded": NOT_RECORDED,
             "notes": self.notes,
         }
-        return {"traceEvents": meta + body, "displayTimeUnit": "ms", "metadata": metadata}
+        events = self.w.trace_events(f"job {self.record.id}")
+        return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": metadata}
 
 
 def job_trace(
