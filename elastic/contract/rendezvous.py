@@ -4,7 +4,7 @@ what torchrun's plugin parses (:mod:`elastic.rendezvous.plugin`), what the handl
 (:func:`service.agent.launcher.rdzv_conf`) and what the job spec defaults to
 (:class:`service.core.models.RendezvousOptions`). The README's options table describes each key.
 
-Nothing here imports torch or etcd.
+The etcd timeouts' defaults are the etcd client's (:mod:`elastic.etcd.config`); nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from elastic.contract.recovery import RecoveryMode
+from elastic.etcd.config import CONNECT_TIMEOUT, OP_TIMEOUT, REQUEST_TIMEOUT
 
 __all__ = [
     "DEFAULTS",
@@ -54,7 +55,7 @@ class RendezvousConf:
     #: TTL of each agent's short lease: failure detection and closer takeover time
     node_ttl: timedelta = timedelta(seconds=2)
     #: start-up reachability check of etcd
-    connect_timeout: timedelta = timedelta(seconds=5)
+    connect_timeout: timedelta = CONNECT_TIMEOUT
     #: restart: job-wide rounds, survivors restarted on a membership change; live: see RecoveryMode
     recovery: RecoveryMode = RecoveryMode.RESTART
     ca_cert: str | None = None
@@ -65,8 +66,8 @@ class RendezvousConf:
     password: str | None = None
     #: TTL of each agent's long lease (the store's keys, a round's assignment and head)
     state_ttl: timedelta = timedelta(seconds=7200)
-    request_timeout: timedelta = timedelta(seconds=5)  # one gRPC call
-    op_timeout: timedelta = timedelta(seconds=30)  # one operation, retries across endpoints included
+    request_timeout: timedelta = REQUEST_TIMEOUT  # one gRPC call
+    op_timeout: timedelta = OP_TIMEOUT  # one operation, retries across endpoints included
     store_timeout: timedelta = timedelta(seconds=300)  # default timeout of blocking store operations
     #: the closer reads the join count at most this often while a round forms (batches a burst of joins)
     min_wake_interval: timedelta = timedelta(seconds=0.05)

@@ -12,12 +12,21 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-__all__ = ["EtcdConfig", "EtcdOptions", "parse_endpoints", "read_password_file"]
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "OP_TIMEOUT",
+    "REQUEST_TIMEOUT",
+    "EtcdConfig",
+    "EtcdOptions",
+    "parse_endpoints",
+    "read_password_file",
+]
 
 _DEFAULT_PORT = 2379
-_REQUEST_TIMEOUT = timedelta(seconds=5)
-_OP_TIMEOUT = timedelta(seconds=30)
-_CONNECT_TIMEOUT = timedelta(seconds=5)
+#: The timeouts' defaults (the one home: ``RendezvousConf``'s and the service's flags come from here).
+REQUEST_TIMEOUT = timedelta(seconds=5)  # one gRPC call
+OP_TIMEOUT = timedelta(seconds=30)  # one operation, retries across endpoints included
+CONNECT_TIMEOUT = timedelta(seconds=5)  # the start-up reachability check
 
 
 def parse_endpoints(spec: str) -> tuple[tuple[str, int], ...]:
@@ -66,9 +75,9 @@ class EtcdConfig:
     cert_key: str | None = None
     user: str | None = None
     password: str | None = None
-    request_timeout: timedelta = _REQUEST_TIMEOUT
-    op_timeout: timedelta = _OP_TIMEOUT
-    connect_timeout: timedelta = _CONNECT_TIMEOUT
+    request_timeout: timedelta = REQUEST_TIMEOUT
+    op_timeout: timedelta = OP_TIMEOUT
+    connect_timeout: timedelta = CONNECT_TIMEOUT
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.cert_key is None):
@@ -105,9 +114,9 @@ class EtcdConfig:
             user=opts.get("user") or opts.get("username"),
             password=opts.get("password"),
             password_file=opts.get("password_file"),
-            request_timeout=seconds("request_timeout", _REQUEST_TIMEOUT),
-            op_timeout=seconds("op_timeout", _OP_TIMEOUT),
-            connect_timeout=seconds("connect_timeout", _CONNECT_TIMEOUT),
+            request_timeout=seconds("request_timeout", REQUEST_TIMEOUT),
+            op_timeout=seconds("op_timeout", OP_TIMEOUT),
+            connect_timeout=seconds("connect_timeout", CONNECT_TIMEOUT),
         ).config()
 
 
@@ -133,9 +142,9 @@ class EtcdOptions:
     user: str | None = None
     password_file: str | None = None
     password: str | None = None  # given directly (``--rdzv-conf password=``); wins over password_file
-    request_timeout: timedelta = _REQUEST_TIMEOUT
-    op_timeout: timedelta = _OP_TIMEOUT
-    connect_timeout: timedelta = _CONNECT_TIMEOUT
+    request_timeout: timedelta = REQUEST_TIMEOUT
+    op_timeout: timedelta = OP_TIMEOUT
+    connect_timeout: timedelta = CONNECT_TIMEOUT
 
     def config(self) -> EtcdConfig:
         """The connection: endpoints parsed, the password file read, every setting checked (a ValueError

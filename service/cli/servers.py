@@ -18,7 +18,7 @@ from typing import Any
 from elastic import compat
 from elastic.contract import env as contract
 from elastic.etcd import EtcdError, check_reachable
-from elastic.etcd.config import EtcdOptions, read_password_file
+from elastic.etcd.config import CONNECT_TIMEOUT, EtcdOptions, read_password_file
 from service.cli.common import add_flag, env_or, fail, first_line, setup_logging
 from service.core.config import AgentSettings, ConfigError, Settings, UidRange, load_quotas, load_tokens
 from service.core.keys import DEFAULT_PREFIX
@@ -63,8 +63,8 @@ def _add_etcd_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--etcd-key", contract.ETCD_KEY, "client key")
     add_flag(p, "--etcd-user", contract.ETCD_USER, "etcd user")
     add_flag(p, "--etcd-password-file", contract.ETCD_PASSWORD_FILE, "file holding the etcd password")
-    add_flag(p, "--etcd-connect-timeout", ENV_ETCD_CONNECT_TIMEOUT, "seconds to wait for etcd at start-up", "5",
-         type=float)  # fmt: skip
+    add_flag(p, "--etcd-connect-timeout", ENV_ETCD_CONNECT_TIMEOUT, "seconds to wait for etcd at start-up",
+             f"{CONNECT_TIMEOUT.total_seconds():g}", type=float)  # fmt: skip
     add_flag(p, "--prefix", ENV_PREFIX, "etcd key prefix", DEFAULT_PREFIX)
     add_flag(p, "--log-level", ENV_LOG_LEVEL, default="info")
 
