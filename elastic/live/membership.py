@@ -37,6 +37,7 @@ from elastic.live.protocol import (
     CommitNow,
     Generation,
     LiveKeys,
+    LiveOptions,
     LiveProtocolError,
     ReformReason,
     WaitUntil,
@@ -77,18 +78,22 @@ def new_worker_id(node: str, local_rank: int) -> str:
     return f"{safe}-{local_rank:04d}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+#: The timings' defaults (their one home: :class:`~elastic.live.protocol.LiveOptions`).
+_DEFAULTS = LiveOptions()
+
+
 class LiveSettings:
-    """Timings of the live group (see :class:`elastic.train.config.ElasticConfig`)."""
+    """The live group's size and timings (the timings are ``ElasticConfig(live=LiveOptions(...))``'s)."""
 
     def __init__(
         self,
         min_workers: int,
         max_workers: int,
-        ttl: timedelta = timedelta(seconds=3),
-        settle: timedelta = timedelta(seconds=0.25),
-        last_call: timedelta = timedelta(seconds=1),
-        join_timeout: timedelta = timedelta(minutes=10),
-        reform_timeout: timedelta = timedelta(seconds=60),
+        ttl: timedelta = _DEFAULTS.ttl,
+        settle: timedelta = _DEFAULTS.settle,
+        last_call: timedelta = _DEFAULTS.last_call,
+        join_timeout: timedelta = _DEFAULTS.join_timeout,
+        reform_timeout: timedelta = _DEFAULTS.reform_timeout,
         granularity: int = 1,
     ) -> None:
         if not 1 <= min_workers <= max_workers:

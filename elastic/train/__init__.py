@@ -5,7 +5,8 @@
   (one object per mode, :mod:`~elastic.train.strategy_factory` chooses): :mod:`~elastic.train.strategy_ddp`
   (restart mode, DDP), :mod:`~elastic.train.strategy_live` (live recovery, replicated),
   :mod:`~elastic.train.strategy_sharded` (FSDP2/HSDP, restart and live);
-- :mod:`elastic.train.config`: :class:`ElasticConfig`, :class:`LiveOptions`, :class:`StepInfo`;
+- :mod:`elastic.train.config`: :class:`ElasticConfig`, :class:`StepInfo`, and :class:`LiveOptions` (from
+  :mod:`elastic.live.protocol`);
 - :mod:`elastic.train.cursor`: the training cursor (step, data, LR policy) and its re-split on a resize;
 - :mod:`elastic.train.sampler`: the exactly-once, world-size-independent partition of each epoch;
 - :mod:`elastic.train.boundary`: the flags every rank agrees on at a step boundary;

@@ -15,34 +15,10 @@ from elastic.checkpoint.api import CheckpointOptions
 from elastic.contract.env import WorkerEnv
 from elastic.contract.lr import LRPolicy
 from elastic.contract.recovery import RecoveryMode
+from elastic.live.protocol import LiveOptions
 from elastic.train.schedule import SnapshotSchedule, WriterBusy, writer_busy
 
 __all__ = ["ElasticConfig", "LiveOptions", "RecoveryMode", "StepInfo"]
-
-
-@dataclass(frozen=True)
-class LiveOptions:
-    """Timings of live recovery (``ElasticConfig(recovery="live")``)."""
-
-    # each worker's lease in etcd: a worker that vanished without closing its connections counts as gone
-    # after this long (a SIGKILL closes them: the survivors notice at once)
-    ttl: timedelta = timedelta(seconds=3)
-    # after a failure, how long the survivors wait for a member that looks alive but has not asked to re-form
-    settle: timedelta = timedelta(seconds=0.25)
-    # at the job's start: once min workers registered, how long to wait for more before founding the group
-    last_call: timedelta = timedelta(seconds=1)
-    # a worker stuck in a step while a member's lease is gone for this long aborts (NCCL) or falls back to a
-    # restart (gloo); None: the ttl plus 2 s
-    stuck_grace: timedelta | None = None
-    join_timeout: timedelta = timedelta(minutes=10)
-    reform_timeout: timedelta = timedelta(seconds=60)
-
-    def __post_init__(self) -> None:
-        if self.ttl < timedelta(seconds=1):
-            raise ValueError(f"live ttl must be at least 1 s, got {self.ttl}")
-        for name in ("settle", "last_call", "join_timeout", "reform_timeout"):
-            if getattr(self, name) < timedelta(0):
-                raise ValueError(f"live {name} must be >= 0")
 
 
 @dataclass(frozen=True)
