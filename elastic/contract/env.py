@@ -58,6 +58,7 @@ __all__ = [
     "ETCD_KEY",
     "ETCD_PASSWORD_FILE",
     "ETCD_USER",
+    "ETCD_VARIABLES",
     "GENERATION",
     "JOB_ID",
     "JOB_NAME",
@@ -155,11 +156,12 @@ _GROUP_VARIABLES = (TORCHRUN_RANK, TORCHRUN_WORLD_SIZE, TORCHRUN_MASTER_ADDR, TO
 #: any of these set: a launcher started this process (a half-set environment is an error, never a world of one)
 _LAUNCH_VARIABLES = (*_GROUP_VARIABLES, TORCHRUN_LOCAL_RANK, TORCHRUN_LOCAL_WORLD_SIZE, TORCHRUN_GROUP_RANK)
 _JOB_VARIABLES = (JOB_NAME, GENERATION, NODE_NAME, PROGRESS_KEY, LR_POLICY, MIN_NODES, MAX_NODES)
-_ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)
+#: The etcd connection (files and a user, never a password), as the workers read it (:attr:`WorkerEnv.etcd`).
+ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)
 #: Every variable :meth:`WorkerEnv.apply` owns: inherited values of these never reach the workers.
 AGENT_WRITTEN = frozenset(
     (*_JOB_VARIABLES, JOB_ID, CHECKPOINT_URL, CHECKPOINT_KEY, CHECKPOINT_KEY_FILE, LOCAL_SNAPSHOT_EVERY,
-     *_ETCD_VARIABLES)
+     *ETCD_VARIABLES)
 )
 
 _T = TypeVar("_T")
@@ -348,7 +350,7 @@ def _etcd_from_environ(env: Mapping[str, str]) -> EtcdOptions | None:
 
     endpoints = env.get(ETCD_ENDPOINTS)
     if not endpoints:
-        extra = [name for name in _ETCD_VARIABLES if env.get(name)]
+        extra = [name for name in ETCD_VARIABLES if env.get(name)]
         if extra:
             raise WorkerEnvError(f"{', '.join(extra)} set without {ETCD_ENDPOINTS}")
         return None

@@ -33,16 +33,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elastic import compat
-from elastic.contract.env import (
-    ETCD_CA_CERT,
-    ETCD_CERT,
-    ETCD_ENDPOINTS,
-    ETCD_KEY,
-    ETCD_PASSWORD_FILE,
-    ETCD_USER,
-    LiveEnv,
-    WorkerEnv,
-)
+from elastic.contract.env import ETCD_ENDPOINTS, ETCD_PASSWORD_FILE, ETCD_VARIABLES, LiveEnv, WorkerEnv
 from elastic.contract.recovery import RecoveryMode
 from elastic.contract.rendezvous import (
     DEFAULT_KEY_PREFIX,
@@ -78,8 +69,6 @@ __all__ = [
     "rendezvous_conf",
     "torchrun_max_restarts",
 ]
-
-_ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)
 
 #: ``--rdzv-conf`` keys understood by the ``etcd-v3`` backend, with their defaults as given on the command
 #: line (the typed ones: :class:`elastic.contract.rendezvous.RendezvousConf`).
@@ -149,7 +138,7 @@ def live_worker_environ(
             f"etcd themselves and read the password from that file ({ETCD_PASSWORD_FILE})"
         )
     worker_etcd = WorkerEnv(etcd=dataclasses.replace(options, password=None)).to_environ()
-    out.update({name: value for name, value in worker_etcd.items() if name in _ETCD_VARIABLES})
+    out.update({name: value for name, value in worker_etcd.items() if name in ETCD_VARIABLES})
     return out
 
 
