@@ -2,7 +2,7 @@
 what torchrun's plugin parses (:mod:`elastic.rendezvous.plugin`), what the handler's settings default to
 (:class:`elastic.rendezvous.etcd_v3_handler.HandlerSettings`), what the job service's node agent renders
 (:func:`service.agent.launcher.rdzv_conf`) and what the job spec defaults to
-(:class:`service.core.models.RendezvousOptions`). The README's options table describes each key.
+(:class:`service.core.spec.RendezvousOptions`). The README's options table describes each key.
 
 The etcd timeouts' defaults are the etcd client's (:mod:`elastic.etcd.config`); nothing here imports torch.
 """

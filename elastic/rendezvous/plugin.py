@@ -37,9 +37,6 @@ from elastic.contract.env import ETCD_ENDPOINTS, ETCD_PASSWORD_FILE, ETCD_VARIAB
 from elastic.contract.recovery import RecoveryMode
 from elastic.contract.rendezvous import (
     DEFAULT_KEY_PREFIX,
-    DEFAULTS,
-    IGNORED_KEYS,
-    KEYS,
     RECOVERY_MODES,
     RendezvousConf,
     ignored_keys_given,
@@ -56,8 +53,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
-    "IGNORED_OPTIONS",
-    "OPTIONS",
     "RECOVERY_MODES",
     "EtcdV3RendezvousHandler",
     "LiveRendezvousHandler",
@@ -69,12 +64,6 @@ __all__ = [
     "rendezvous_conf",
     "torchrun_max_restarts",
 ]
-
-#: ``--rdzv-conf`` keys understood by the ``etcd-v3`` backend, with their defaults as given on the command
-#: line (the typed ones: :class:`elastic.contract.rendezvous.RendezvousConf`).
-OPTIONS: dict[str, str] = DEFAULTS.to_params(always=KEYS)
-#: Options of torch's former handler that are accepted and ignored (liveness comes from leases now).
-IGNORED_OPTIONS = IGNORED_KEYS
 
 
 def rendezvous_conf(params: RendezvousParameters) -> RendezvousConf:

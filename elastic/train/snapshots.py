@@ -8,8 +8,9 @@ before it, :meth:`act` after it), so that every rank takes the same snapshots.
 
 For a sharded model (FSDP2, ``sharded=True``) the snapshots use the sharded layout (see
 :mod:`elastic.train.sharded`): every rank writes its shards, rank 0 commits the manifest, and a restore loads
-this world's shards of the newest snapshot that verifies, whatever world saved it. The node-local tier holds
-replicated state only: it is off for sharded models (logged).
+this world's shards of the newest snapshot that verifies, whatever world saved it. Its node-local snapshots are
+per shard (:mod:`elastic.train.shard_tier`: each rank keeps its own) when the trainer shards the model
+(``parallelize=``); for a model the script sharded itself they are off (logged), the durable ones go on.
 """
 
 from __future__ import annotations
