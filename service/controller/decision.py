@@ -108,7 +108,9 @@ class Decision:
         self.events.append(event)
         self.st.last_event = EventMark(id=event.id, type=kind, message=message)
 
-    def move(self, trigger: Trigger, message: str) -> None:
+    def move(self, trigger: Trigger, message: str, **data: Any) -> None:
+        """Take ``trigger``; a change of state is a ``state`` event with ``old``, ``new`` and ``data`` (the
+        structured facts that tools read; the message is for people)."""
         old = self.st.state
         self.st.state = next_state(old, trigger)
         self.st.message = message
@@ -118,6 +120,7 @@ class Decision:
                 f"{old.value} -> {self.st.state.value}: {message}",
                 old=old.value,
                 new=self.st.state.value,
+                **data,
             )
         if self.st.state.terminal:
             self.st.finished_at = self.now
@@ -165,7 +168,8 @@ class Decision:
         st.started_at = st.started_at or self.now
         st.planned_out = st.lost_owed = 0
         self.touched = True
-        self.move(Trigger.START, f"generation {st.generation} on {len(st.nodes)} node(s): {', '.join(st.nodes)}")
+        self.move(Trigger.START, f"generation {st.generation} on {len(st.nodes)} node(s): {', '.join(st.nodes)}",
+                  generation=st.generation, nodes=list(st.nodes))
 
     def grow(self, nodes: Collection[str], why: str | None = None) -> None:
         """Add ``nodes`` to the running generation (torchrun admits them; live mode: they join in place)."""

@@ -49,8 +49,8 @@ only); torchrun's rendezvous rounds within a generation and the
 workers' own restarts within one (``status.restarts.in_place`` counts them, with no times); the start and exit
 of the torchrun of earlier generations (the agents' reports are replaced each generation); and a world size
 that did not change across a re-form (the controller records a change only). Generations and re-forms are
-replayed from the controller's events: where an event carries no structured data (the generation and nodes of
-a start) its message is read.
+replayed from the controller's events' data (a start's ``generation`` and ``nodes``, a move's ``old`` and ``new``);
+only an event recorded without them (by a controller before they were written) is read from its message.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ __all__ = ["CONTROLLER_TID", "FIRST_NODE_TID", "PID", "SNAPSHOTS_TID", "job_trac
 
 _TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 _STATE_MESSAGE = re.compile(r"^(\w+) -> (\w+)(?:: (.*))?$", re.DOTALL)
-_START = re.compile(r"^generation (\d+) on \d+ node\(s\): (.*)$", re.DOTALL)
+_START = re.compile(r"^generation (\d+) on \d+ node\(s\): (.*)$", re.DOTALL)  # events without data only
 _SNAPSHOT_STATS = ("snapshots_saved", "snapshots_deferred", "snapshots_skipped", "last_save_seconds",
                    "local_snapshots_saved", "local_snapshots_skipped", "local_snapshots_failed")
 
@@ -123,9 +123,11 @@ def _move(ev: Event) -> tuple[str, str, str] | None:
     return (found.group(1), found.group(2), message) if found else None
 
 
-def _is_start(move: tuple[str, str, str]) -> bool:
-    """A new generation's start (``Decision.start``'s move: ``generation N on K node(s): a, b``), not a resume."""
-    return move[1] == "running" and move[2].startswith("generation ")
+def _is_start(ev: Event, move: tuple[str, str, str]) -> bool:
+    """A new generation's start (``Decision.start``'s move, whose data carry ``generation`` and ``nodes``), not a
+    resume; an event without them (recorded before the controller wrote them) by its message,
+    ``generation N on K node(s): a, b``."""
+    return move[1] == "running" and (is_int(ev.data.get("generation")) or move[2].startswith("generation "))
 
 
 @dataclass
@@ -237,11 +239,10 @@ class _Builder:
         old, new, message = moved
         if new in _TERMINAL:
             self.leave_all(t, f"job {new}")
-        elif _is_start(moved):
-            start = _START.match(message)
-            given = ev.data.get("generation")
+        elif _is_start(ev, moved):
+            given, nodes = ev.data.get("generation"), _names(ev.data.get("nodes"))
+            start = None if is_int(given) and nodes else _START.match(message)  # an event without the data
             generation = given if is_int(given) else int(start.group(1)) if start is not None else self.generation + 1
-            nodes = _names(ev.data.get("nodes"))
             if not nodes and start is not None:
                 nodes = [n.strip() for n in start.group(2).split(",") if n.strip()]
             self.leave_all(t, "a new generation started")
@@ -292,8 +293,8 @@ class _Builder:
         node: str | None = data["node"] if isinstance(data.get("node"), str) else None
         # a state change follows in this pass (not the start of a new generation: the release before one leaves
         # no state event when the job was recovering already), and says what became of the job's nodes
-        move = next((m for e in later if e.type == "state" and (m := _move(e)) is not None), None)
-        handled = move is not None and not _is_start(move)
+        move = next(((e, m) for e in later if e.type == "state" and (m := _move(e)) is not None), None)
+        handled = move is not None and not _is_start(*move)
         if kind == "workers_failed":
             codes: dict[str, Any] = data["exit_codes"] if isinstance(data.get("exit_codes"), dict) else {}
             failed = _names(data.get("nodes"))

@@ -352,6 +352,18 @@ def test_reconcile_written_history_of_a_killed_agent_and_a_failure_while_recover
 
 
 @pytest.mark.timeout(20)
+def test_a_start_event_carries_its_generation_and_nodes_and_the_trace_reads_them_not_the_message() -> None:
+    sim = _Sim.of(_record(), "a", "b", "c")
+    sim.tick(1)
+    [start] = [e for e in sim.events if e.type == "state"]
+    assert start.data == {"old": "pending", "new": "running", "generation": 1, "nodes": ["a", "b", "c"]}
+    assert start.message == "pending -> running: generation 1 on 3 node(s): a, b, c"  # for people
+    reworded = start.model_copy(update={"message": "pending -> running: started"})
+    trace = job_trace(sim.entry.record, sim.status, [reworded], _s(5))
+    assert [_spans(trace, f"node {n}") for n in "abc"] == [[("generation 1", 1, 5)]] * 3
+
+
+@pytest.mark.timeout(20)
 def test_reconcile_written_live_recovery_drops_the_killed_node_then_adds_it_back_in_the_same_generation() -> None:
     sim = _Sim.of(_record(min_nodes=1, max_nodes=2, recovery="live"), "a", "b")
     sim.tick(1)
