@@ -1,0 +1,328 @@
+"""The elastic loop's guarantees for a training loop that a framework owns (Hugging Face ``Trainer``, an
+``accelerate`` script): :class:`BoundarySession`, the loop's own pieces driven from the framework's step boundary.
+
+The framework keeps its loop, its process group, its model wrapping (DDP) and its optimizer step. The session
+keeps what the elastic loop keeps, with the loop's objects:
+
+- the data: an :class:`~elastic.train.batch_sampler.ElasticBatchSampler` over the cursor's
+  :class:`~elastic.train.sampler.ElasticSampler` (:class:`SessionBatchSampler`) yields this rank's micro-batches
+  of each step from the cursor of the last *committed* step, so a resize or a restart serves exactly the samples
+  not yet consumed; the weight of each micro-batch (:meth:`BoundarySession.next_micro_batch`) makes the summed
+  gradients the exact mean over the step's samples whatever the split;
+- the batch and the LR: the :class:`~elastic.contract.lr.LRPolicy`'s step plan for this world (the micro-batch and
+  the accumulation steps the framework must run) and its factor with the warmup ramp after a resize, applied around
+  the optimizer's ``step`` by the loop's :class:`~elastic.train.step.OptimizerGate`;
+- the snapshots: the loop's :class:`~elastic.train.snapshots.LoopCheckpoints` (verified, asynchronous, to any
+  fsspec URL, on the ``save_every_steps``/``save_every`` schedule), with the
+  :class:`~elastic.train.cursor.TrainingCursor` (step, data cursor, LR ramp, registered state) in each;
+- the restore (:meth:`BoundarySession.restore`): the newest verified snapshot, with no path to give;
+- the SIGTERM save: a :class:`~elastic.train.preemption.PreemptionWatcher`; every rank saves the step at the
+  boundary after the signal and the signalled ranks exit 143, as in the loop.
+
+At each boundary (:meth:`BoundarySession.commit`) every rank agrees on the boundary's flags
+(:class:`~elastic.train.boundary.BoundaryFlags`: a SIGTERM seen anywhere, a time-based snapshot due, the writer
+busy, the optimizer steps run). The all-reduce is started at one boundary and waited for at the next, so the
+framework's gradient all-reduce hides it: what the flags decide (a SIGTERM seen by a peer, a time-based snapshot)
+happens one step later, on every rank alike; a rank's own SIGTERM is acted on at the next boundary either way.
+
+Restart mode only: the framework forms and owns the process group, so a lost peer fails the workers and torchrun
+restarts them (warm with ``-m elastic.prefork``); the session resumes from the newest snapshot at any world.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sized
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic import compat
+from elastic.checkpoint import capture_training_state
+from elastic.checkpoint.state import TrainingState
+from elastic.contract.lr import StepPlan
+from elastic.train.batch_sampler import ElasticBatchSampler, LockstepError
+from elastic.train.boundary import BoundaryFlags
+from elastic.train.config import ElasticConfig, StepInfo
+from elastic.train.cursor import TrainingCursor
+from elastic.train.preemption import PreemptionWatcher
+from elastic.train.registry import StateRegistry
+from elastic.train.sampler import step_layout
+from elastic.train.snapshots import LoopCheckpoints
+from elastic.train.step import OptimizerGate, StepMismatchError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BoundarySession", "MicroBatch", "SessionBatchSampler"]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the loader served it: its samples (empty: a padding batch, weight 0) and its loss weight
+    (the loop's :meth:`~elastic.train.sampler.StepLayout.weight`)."""
+
+    indices: list[int]
+    weight: float
+    accumulation: int  # micro-batches of its step on this rank
+    global_batch: int  # samples of its step, all ranks together
+
+
+class SessionBatchSampler(ElasticBatchSampler):
+    """The loop's batch sampler, bound to a session's cursor: it yields this rank's micro-batches from the committed
+    cursor and records each one's samples and weight for :meth:`BoundarySession.next_micro_batch`. Its ``len`` is
+    a whole epoch's micro-batches at this world (what a framework computes its steps per epoch from), whatever the
+    cursor: a framework's ``max_steps`` derived from epochs is then the same on every restart."""
+
+    def __init__(self, data_source: Sized | int, *, seed: int = 0, shuffle: bool = True,
+                 replacement: bool = False, num_samples: int | None = None) -> None:  # fmt: skip
+        super().__init__(data_source, seed=seed, shuffle=shuffle, replacement=replacement, num_samples=num_samples)
+        self._layouts: deque[MicroBatch] = deque()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        served: deque[MicroBatch] = deque()
+        self._layouts = served  # an older iterator's unconsumed batches are void
+        ahead = self.sampler.copy()
+        epoch = ahead.epoch
+        while ahead.epoch == epoch and ahead.remaining() > 0:
+            plan = self.plan()
+            layout = step_layout(ahead, plan.global_batch, plan.accumulation_steps)
+            for j, idx in enumerate(layout.micro):
+                served.append(MicroBatch(list(idx), layout.weight(j, ahead.world_size), len(layout.micro),
+                                         layout.total))  # fmt: skip
+                yield idx or [layout.pad_index]
+            ahead.advance(plan.global_batch)
+
+    def __len__(self) -> int:
+        plan = self.plan()
+        return math.ceil(self.sampler.epoch_size / plan.global_batch) * plan.accumulation_steps
+
+    def next_served(self) -> MicroBatch:
+        if not self._layouts:
+            raise LockstepError("the loader served a batch its ElasticBatchSampler did not yield")
+        return self._layouts.popleft()
+
+
+class BoundarySession:
+    """See the module docstring.
+
+    Args:
+        config: the loop's settings (``lr_policy``, ``checkpoint_url``, ``save_every_steps``, ...; ``recovery`` must
+            be left unset or ``"restart"``).
+        data: the training data set (its ``len``).
+        device: where the boundary's all-reduce runs (the framework's device: CUDA with NCCL, else CPU).
+        on_step: called with each committed step's :class:`~elastic.train.config.StepInfo` on this rank.
+    """
+
+    def __init__(self, config: ElasticConfig, data: Sized | int, device: torch.device,
+                 on_step: Callable[[StepInfo], None] | None = None) -> None:  # fmt: skip
+        compat.check_torch_version()
+        if config.recovery is not None and config.recovery.value != "restart":
+            raise ValueError("the framework owns the process group: live recovery is not available here, leave "
+                             "recovery unset (restart mode, with warm starts under -m elastic.prefork)")  # fmt: skip
+        self.config = config
+        self.device = device
+        self._on_step = on_step
+        if not _group_up():  # a plain ``python train.py``: a world of one, as the loop makes it
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            logger.info("elastic: no process group (not started by torchrun): a world of one process")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.batch_sampler = SessionBatchSampler(data, seed=config.seed, shuffle=config.shuffle)
+        self.registry = StateRegistry()
+        self.cursor = TrainingCursor(config.lr_policy, self.batch_sampler.sampler, self.rank, self.world_size,
+                                     self.registry)  # fmt: skip
+        self.batch_sampler.bind(lambda world: self.cursor.policy.step_plan(world))
+        self.checkpoints = LoopCheckpoints(config, None, device)
+        self.watcher = PreemptionWatcher()
+        self._gate: OptimizerGate | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._module: torch.nn.Module | None = None
+        self._scheduler: Any = None
+        self._pending: _Pending | None = None
+        self._indices: list[int] = []  # this rank's samples of the step in progress
+        self._global_batch = 0
+        self._loss = 0.0
+        self._lr = 0.0
+        self._closed = False
+
+    # -- set-up ----------------------------------------------------------------------------------------
+    @property
+    def plan(self) -> StepPlan:
+        """The step plan at this world: the global batch, this rank's micro-batch and accumulation steps."""
+        return self.cursor.policy.step_plan(self.world_size)
+
+    @property
+    def step(self) -> int:
+        return self.cursor.step
+
+    @property
+    def lr_factor(self) -> float:
+        return self.cursor.lr_factor
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Save and restore ``obj`` (``state_dict``/``load_state_dict``) with every snapshot; before :meth:`restore`."""
+        self.registry.register(name, obj)
+
+    def attach(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
+        """The framework made its model, optimizer and scheduler: gate the optimizer's ``step`` with the LR factor.
+        ``module``: the model itself (not its DDP wrapper); ``optimizer``: the torch optimizer (not a wrapper)."""
+        if self._gate is not None:
+            self._gate.close()
+        self._module, self._optimizer, self._scheduler = module, optimizer, scheduler
+        self._gate = OptimizerGate((optimizer,), lambda: self.lr_factor, lambda: False)
+
+    def restore(self) -> bool:
+        """Every rank restores the newest verified snapshot (model, optimizer, scheduler, cursor, RNG, registered
+        state; a collective). False: a fresh start. Installs the SIGTERM watcher."""
+        self.watcher.install()
+        assert self._module is not None and self._optimizer is not None, "attach() first"
+        restored = self.checkpoints.restore(self._module, self._optimizer, self._scheduler, self.cursor,
+                                            self.rank, self.world_size)  # fmt: skip
+        return restored
+
+    # -- the step --------------------------------------------------------------------------------------
+    def next_micro_batch(self) -> MicroBatch:
+        """The micro-batch the framework is about to run (in the order the loader served them)."""
+        micro = self.batch_sampler.next_served()
+        self._indices.extend(micro.indices)
+        self._global_batch = micro.global_batch
+        return micro
+
+    def before_optimizer_step(self) -> None:
+        """The framework is about to step the optimizer: the LR it applies is noted (its scheduler may step before
+        the boundary)."""
+        assert self._optimizer is not None
+        self._lr = float(self._optimizer.param_groups[0]["lr"]) * self.lr_factor
+
+    def add_loss(self, value: float) -> None:
+        """This rank's weighted loss of a micro-batch (for :class:`StepInfo` only)."""
+        self._loss += value
+
+    def commit(self) -> bool:
+        """The framework's optimizer step of this boundary ran (on every rank): the step commits (cursor, step),
+        the boundary's agreed flags are acted on (snapshots, the SIGTERM save). Returns whether the epoch ended.
+        Raises ``SystemExit(143)`` on a rank that was SIGTERM'd, once the step is saved."""
+        assert self._gate is not None and self._optimizer is not None
+        stepped = self._gate.take()
+        global_batch = self._global_batch or self.plan.global_batch
+        lr = self._lr if stepped else float(self._optimizer.param_groups[0]["lr"]) * self.lr_factor
+        epoch = self.cursor.sampler.epoch
+        epoch_done = self.cursor.sampler.advance(global_batch)
+        self.cursor.step += 1
+        if self._on_step is not None:
+            self._on_step(StepInfo(self.step, epoch, self.rank, self.world_size, list(self._indices), lr,
+                                   self._loss))  # fmt: skip
+        self._indices, self._global_batch, self._loss = [], 0, 0.0
+        signalled = self.watcher.requested
+        agreed = self._agreed(signalled, stepped)
+        flags, signalled_here = (agreed.flags, agreed.signalled) if agreed is not None else (BoundaryFlags(), False)
+        if agreed is not None and not flags.steps_agree:
+            raise StepMismatchError(f"step {agreed.step}: the optimizer stepped {-flags.optimizer_steps_neg} time(s) "
+                                    f"on some ranks and {flags.optimizer_steps} on others (this rank: "
+                                    f"{agreed.stepped})")  # fmt: skip
+        module, optimizer = self._module, self._optimizer
+        assert module is not None
+        self.checkpoints.warm_up(module, optimizer, self._scheduler, self.cursor)
+        stop = self.checkpoints.act(flags, self.step, epoch_done, self.rank, signalled_here, self._capture,
+                                    optimizer)  # fmt: skip
+        if stop:
+            self._stop()
+        if self.world_size > 1:
+            self._launch(signalled, stepped)
+        return epoch_done
+
+    def _agreed(self, signalled: bool, stepped: int) -> _Agreed | None:
+        """The flags to act on at this boundary: the previous boundary's, agreed by now (a world of one: this
+        boundary's own view)."""
+        if self.world_size == 1:
+            mine = self._local(signalled, stepped)
+            return _Agreed(self.step, mine, signalled, stepped)
+        return self._drain()
+
+    def _local(self, signalled: bool, stepped: int) -> BoundaryFlags:
+        mine = self.checkpoints.local_flags(self.step, time.monotonic(), signalled, self.rank)
+        return dataclasses.replace(mine, optimizer_steps=stepped, optimizer_steps_neg=-stepped)
+
+    def _launch(self, signalled: bool, stepped: int) -> None:
+        tensor = torch.tensor(self._local(signalled, stepped).encode(), device=self.device)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
+        self._pending = _Pending(self.step, stepped, signalled, tensor, work)
+
+    def _drain(self) -> _Agreed | None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending.work.wait()
+        flags = BoundaryFlags.decode([int(v) for v in pending.tensor.tolist()])
+        return _Agreed(pending.step, flags, pending.signalled, pending.stepped)
+
+    def _capture(self) -> TrainingState:
+        assert self._module is not None
+        return capture_training_state(self.step, self._module, self._optimizer, self._scheduler,
+                                      **self.cursor.state())  # fmt: skip
+
+    def _stop(self) -> None:
+        logger.warning("SIGTERM: step %d saved; exiting", self.step)
+        self.close(finished=False)
+        raise SystemExit(143)
+
+    @property
+    def last_lr(self) -> float:
+        """The LR applied at the last committed step (the optimizer's first group's times the policy's factor)."""
+        return self._lr
+
+    # -- the end ---------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """The framework's training ended (every rank): a signal seen at the last boundary is acted on, the last
+        step is saved unless a snapshot of it exists, and the snapshots are flushed."""
+        agreed = self._drain()
+        if agreed is not None and agreed.flags.signalled:
+            self.checkpoints.act(agreed.flags, self.step, False, self.rank, agreed.signalled, self._capture,
+                                 self._optimizer)  # type: ignore[arg-type]  # fmt: skip
+        if self.checkpoints.manager is not None and self.checkpoints.stats.last_saved_step != self.step:
+            logger.info("training ended at step %d: saving it", self.step)
+            assert self._optimizer is not None
+            self.checkpoints.save(self.step, self._capture, self._optimizer, blocking=True)
+        self.close(finished=True)
+
+    def close(self, finished: bool = True) -> None:
+        """Flush the snapshots and put the optimizer's ``step`` and the signal handlers back (once)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending = None
+        self.watcher.uninstall()
+        if self._gate is not None:
+            self._gate.close()
+        self.checkpoints.close(finished=finished)
+
+    @property
+    def resumed_from(self) -> str | None:
+        return self.checkpoints.source
+
+
+def _group_up() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@dataclass(frozen=True)
+class _Agreed:
+    step: int
+    flags: BoundaryFlags
+    signalled: bool  # this rank's own view, in the flags agreed
+    stepped: int
+
+
+@dataclass(frozen=True)
+class _Pending:
+    step: int
+    stepped: int
+    signalled: bool
+    tensor: torch.Tensor
+    work: Any
