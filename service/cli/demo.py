@@ -21,6 +21,7 @@ import yaml
 from elastic.testing.wait import wait_for
 from service.cli.render import event_line, job_text, progress_line
 from service.client import ApiError
+from service.core.states import TERMINAL_STATES
 from service.testing.cluster import LocalServiceCluster
 
 __all__ = ["demo_job_spec", "run_demo", "snapshot_sizes"]
@@ -109,7 +110,7 @@ def run_demo(workdir: Path, keep: bool = False, steps: int = 150) -> int:
                 victim = job["nodes"][-1]
                 _say(f"killing the agent of {victim} (pid {cluster.agents[victim].pid}) with SIGKILL: the node is gone")
                 cluster.kill_agent(victim)
-            if job["state"] in ("succeeded", "failed", "cancelled"):
+            if job["state"] in TERMINAL_STATES:
                 break
             if time.monotonic() - started > 600:
                 raise RuntimeError("the demo job did not finish within 10 minutes")

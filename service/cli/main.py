@@ -33,6 +33,7 @@ from service.cli.render import (
 from service.cli.servers import add_server_commands
 from service.client import ApiClient, ApiError, load_job_file
 from service.core.config import ConfigError
+from service.core.states import TERMINAL_STATES, JobState
 
 __all__ = ["main"]
 
@@ -40,7 +41,6 @@ ENV_SERVER = "ETRAIN_SERVER"
 ENV_TOKEN = "ETRAIN_TOKEN"
 ENV_TOKEN_FILE = "ETRAIN_TOKEN_FILE"
 
-_TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 def _client(args: argparse.Namespace) -> ApiClient:
@@ -179,7 +179,7 @@ def _follow(api: ApiClient, job_id: str, interval: float = 1.0, out: Callable[[s
             else:
                 out(line)
             last_line = line
-        if job["state"] in _TERMINAL:
+        if job["state"] in TERMINAL_STATES:
             if tty:
                 sys.stdout.write("\n")
             out(job_text(job))
@@ -225,7 +225,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--follow", action="store_true", help="then follow it")
     p = client_cmd("list", cmd_list, "list jobs")
-    p.add_argument("--state", choices=sorted(["pending", "running", "recovering", *_TERMINAL]))
+    p.add_argument("--state", choices=sorted(s.value for s in JobState))
     p.add_argument("--json", action="store_true")
     p = client_cmd("status", cmd_status, "a job's status with its world-size history")
     p.add_argument("id")

@@ -64,6 +64,7 @@ from typing import Any
 
 from elastic.contract.progress import Progress
 from service.core.models import Event, JobRecord, JobStatus, RecoveryMode, WorkerReport
+from service.core.states import TERMINAL_STATES
 from service.core.trace_format import is_int, validate_trace
 from service.core.trace_writer import (
     CONTROLLER,
@@ -80,7 +81,6 @@ from service.core.trace_writer import (
 
 __all__ = ["CONTROLLER_TID", "FIRST_NODE_TID", "PID", "SNAPSHOTS_TID", "job_trace", "validate_trace"]
 
-_TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 _STATE_MESSAGE = re.compile(r"^(\w+) -> (\w+)(?:: (.*))?$", re.DOTALL)
 _START = re.compile(r"^generation (\d+) on \d+ node\(s\): (.*)$", re.DOTALL)  # events without data only
 _SNAPSHOT_STATS = ("snapshots_saved", "snapshots_deferred", "snapshots_skipped", "last_save_seconds",
@@ -215,16 +215,16 @@ class _Builder:
                     if state is not None:
                         self.w.span(CONTROLLER, state, since, t, {"message": why})
                     state, since, why = new, t, message
-                    if new in _TERMINAL:
+                    if new in TERMINAL_STATES:
                         self.w.instant(CONTROLLER, new, t, {"message": message}, scope="p")
             else:
                 self.on_event(ev, t, later)
-        terminal = state in _TERMINAL or self.status.state.terminal
+        terminal = state in TERMINAL_STATES or self.status.state.terminal
         end = self.now
         if terminal:
             end = utc(self.status.finished_at) if self.status.finished_at is not None else since
             end = max(end, since)
-        if state is not None and state not in _TERMINAL:  # (ended, though its end's event is not among these)
+        if state is not None and state not in TERMINAL_STATES:  # (ended, though its end's event is not among these)
             self.w.span(CONTROLLER, state, since, end, {"message": why, **({} if terminal else {"ongoing": True})})
         if not terminal and sorted(self.members) != sorted(self.status.nodes):
             self.notes.append(f"the nodes replayed from the events, {sorted(self.members)}, differ from the "
@@ -237,7 +237,7 @@ class _Builder:
             self.w.instant(CONTROLLER, "state", t, {"message": ev.message})
             return None
         old, new, message = moved
-        if new in _TERMINAL:
+        if new in TERMINAL_STATES:
             self.leave_all(t, f"job {new}")
         elif _is_start(ev, moved):
             given, nodes = ev.data.get("generation"), _names(ev.data.get("nodes"))
