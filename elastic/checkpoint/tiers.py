@@ -62,6 +62,7 @@ from elastic.checkpoint.slots import MAX_SLOTS, SlotClaim, claim_slot, is_held, 
 from elastic.checkpoint.state import TrainingState
 from elastic.checkpoint.storage import BinaryWriter, LocalStorage
 from elastic.contract.env import LOCAL_SNAPSHOT_DIR, TorchrunEnv, WorkerEnv
+from elastic.contract.progress import LOCAL_SNAPSHOTS_FAILED, LOCAL_SNAPSHOTS_SAVED, LOCAL_SNAPSHOTS_SKIPPED
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +136,8 @@ class LocalSnapshotStats:
 
     def progress_fields(self) -> dict[str, Any]:
         """Flat JSON-able fields for the job service's progress report (rank 0's node)."""
-        return {"local_snapshots_saved": self.saved, "local_snapshots_skipped": self.skipped,
-                "local_snapshots_failed": self.failed}  # fmt: skip
+        return {LOCAL_SNAPSHOTS_SAVED: self.saved, LOCAL_SNAPSHOTS_SKIPPED: self.skipped,
+                LOCAL_SNAPSHOTS_FAILED: self.failed}  # fmt: skip
 
 
 class LocalSpacing:

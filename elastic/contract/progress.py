@@ -13,7 +13,33 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["MAX_PROGRESS_BYTES", "InvalidProgressError", "Progress"]
+__all__ = [
+    "LAST_SAVE_SECONDS",
+    "LOCAL_SNAPSHOTS_FAILED",
+    "LOCAL_SNAPSHOTS_SAVED",
+    "LOCAL_SNAPSHOTS_SKIPPED",
+    "LOCAL_SNAPSHOT_COUNTERS",
+    "MAX_PROGRESS_BYTES",
+    "SNAPSHOTS_DEFERRED",
+    "SNAPSHOTS_SAVED",
+    "SNAPSHOTS_SKIPPED",
+    "SNAPSHOT_COUNTERS",
+    "InvalidProgressError",
+    "Progress",
+]
+
+# The counters the elastic loop puts in a report's ``extra`` (one vocabulary: the writers emit these names, the
+# service's trace, metric series and CLI read them). Its durable snapshots' (elastic.train.schedule.SnapshotStats):
+SNAPSHOTS_SAVED = "snapshots_saved"
+SNAPSHOTS_DEFERRED = "snapshots_deferred"
+SNAPSHOTS_SKIPPED = "snapshots_skipped"
+LAST_SAVE_SECONDS = "last_save_seconds"
+SNAPSHOT_COUNTERS = (SNAPSHOTS_SAVED, SNAPSHOTS_DEFERRED, SNAPSHOTS_SKIPPED, LAST_SAVE_SECONDS)
+# ... and its node-local tier's, on rank 0's node (elastic.checkpoint.tiers.LocalSnapshotStats):
+LOCAL_SNAPSHOTS_SAVED = "local_snapshots_saved"
+LOCAL_SNAPSHOTS_SKIPPED = "local_snapshots_skipped"
+LOCAL_SNAPSHOTS_FAILED = "local_snapshots_failed"
+LOCAL_SNAPSHOT_COUNTERS = (LOCAL_SNAPSHOTS_SAVED, LOCAL_SNAPSHOTS_SKIPPED, LOCAL_SNAPSHOTS_FAILED)
 
 #: The largest progress value :meth:`Progress.from_json` reads (a report is well under 1 KiB plus its nodes).
 MAX_PROGRESS_BYTES = 256 * 1024

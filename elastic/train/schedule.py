@@ -34,6 +34,8 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
+from elastic.contract.progress import LAST_SAVE_SECONDS, SNAPSHOTS_DEFERRED, SNAPSHOTS_SAVED, SNAPSHOTS_SKIPPED
+
 __all__ = [
     "STUCK_AFTER",
     "Boundary",
@@ -84,8 +86,8 @@ class SnapshotStats:
     def progress_fields(self) -> dict[str, Any]:
         """Flat JSON-able fields for the job service's progress report (its free-form ``extra``)."""
         seconds = self.last_save_seconds.total_seconds() if self.last_save_seconds is not None else None
-        return {"snapshots_saved": self.saved, "snapshots_deferred": self.deferred,
-                "snapshots_skipped": self.skipped, "last_save_seconds": seconds}  # fmt: skip
+        return {SNAPSHOTS_SAVED: self.saved, SNAPSHOTS_DEFERRED: self.deferred, SNAPSHOTS_SKIPPED: self.skipped,
+                LAST_SAVE_SECONDS: seconds}  # fmt: skip
 
 
 @dataclass(frozen=True)

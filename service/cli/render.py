@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from elastic.contract.progress import SNAPSHOTS_SAVED
+
 __all__ = ["METRIC_COLUMNS", "event_line", "job_table", "job_text", "metric_rows", "metric_table", "node_table",
            "progress_line"]
 
@@ -143,7 +145,10 @@ def _table(rows: Sequence[tuple[str, ...]]) -> str:
 #: the columns of ``etrain metrics`` (``--csv`` prints them all, in this order)
 METRIC_COLUMNS = ("time", "reports", "step", "loss", "loss_min", "loss_max", "steps_per_s", "steps_per_s_min",
                   "steps_per_s_max", "world_size", "world_size_min", "world_size_max", "restart_count",
-                  "checkpoint_step", "snapshots_saved")  # fmt: skip
+                  "checkpoint_step", SNAPSHOTS_SAVED)  # fmt: skip
+#: the values of a series' windows and points that ``etrain metrics`` shows (the ones with a min and a max: _RANGED)
+_SHOWN = ("step", "loss", "steps_per_s", "world_size", "restart_count", "checkpoint_step", SNAPSHOTS_SAVED)
+_RANGED = ("loss", "steps_per_s", "world_size")
 
 
 def _iso(seconds: float) -> str:
@@ -164,19 +169,17 @@ def metric_rows(series: dict[str, Any]) -> list[dict[str, str]]:
     rows: list[dict[str, str]] = []
     for w in series.get("windows", []):
         row = {"time": _iso(w["t_last"]), "reports": str(w["n"])}
-        for name in ("step", "loss", "steps_per_s", "world_size", "restart_count", "checkpoint_step",
-                     "snapshots_saved"):  # fmt: skip
+        for name in _SHOWN:
             agg = w.get(name)
             row[name] = _value(agg[1]) if agg else ""
-            if name in ("loss", "steps_per_s", "world_size"):
+            if name in _RANGED:
                 row[name + "_min"], row[name + "_max"] = (_value(agg[2]), _value(agg[3])) if agg else ("", "")
         rows.append(row)
     for p in series.get("points", []):
         row = {"time": _iso(p["t"]), "reports": "1"}
-        for name in ("step", "loss", "steps_per_s", "world_size", "restart_count", "checkpoint_step",
-                     "snapshots_saved"):  # fmt: skip
+        for name in _SHOWN:
             row[name] = _value(p.get(name))
-            if name in ("loss", "steps_per_s", "world_size"):
+            if name in _RANGED:
                 row[name + "_min"] = row[name + "_max"] = row[name]
         rows.append(row)
     return rows

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from elastic.contract.progress import Progress
+from elastic.contract.progress import SNAPSHOTS_SAVED, Progress
 
 __all__ = [
     "VALUES",
@@ -38,7 +38,7 @@ __all__ = [
 
 #: the values of a point that windows aggregate (``t`` is the time, always increasing)
 VALUES = ("step", "loss", "steps_per_s", "world_size", "generation", "restart_count", "checkpoint_step",
-          "snapshots_saved")
+          SNAPSHOTS_SAVED)
 
 #: ``(first, last, min, max)`` of one value over a window's reports
 Agg = tuple[float, float, float, float]
@@ -102,7 +102,7 @@ def point_from_progress(progress: Progress, before: MetricPoint | None) -> Metri
         before.generation, before.restart_count)  # fmt: skip
     if before is not None and same_run and progress.time > before.t and progress.step >= before.step:
         rate = (progress.step - before.step) / (progress.time - before.t)
-    saved = progress.extra.get("snapshots_saved")
+    saved = progress.extra.get(SNAPSHOTS_SAVED)
     return MetricPoint(
         t=progress.time,
         step=progress.step,

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from elastic.contract.progress import Progress
+from elastic.contract.progress import LOCAL_SNAPSHOT_COUNTERS, SNAPSHOT_COUNTERS, Progress
 from service.core.models import Event, JobRecord, JobStatus, RecoveryMode, WorkerReport
 from service.core.states import TERMINAL_STATES
 from service.core.trace_format import is_int, validate_trace
@@ -83,8 +83,7 @@ __all__ = ["CONTROLLER_TID", "FIRST_NODE_TID", "PID", "SNAPSHOTS_TID", "job_trac
 
 _STATE_MESSAGE = re.compile(r"^(\w+) -> (\w+)(?:: (.*))?$", re.DOTALL)
 _START = re.compile(r"^generation (\d+) on \d+ node\(s\): (.*)$", re.DOTALL)  # events without data only
-_SNAPSHOT_STATS = ("snapshots_saved", "snapshots_deferred", "snapshots_skipped", "last_save_seconds",
-                   "local_snapshots_saved", "local_snapshots_skipped", "local_snapshots_failed")
+_SNAPSHOT_STATS = (*SNAPSHOT_COUNTERS, *LOCAL_SNAPSHOT_COUNTERS)
 
 NOT_RECORDED = [
     "per-step progress history: the trace draws on the latest progress report only ('step' has a point per "
