@@ -85,9 +85,12 @@ __all__ = [
     "TORCHRUN_LOCAL_WORLD_SIZE",
     "TORCHRUN_MASTER_ADDR",
     "TORCHRUN_MASTER_PORT",
+    "TORCHRUN_PREFIX",
     "TORCHRUN_RANK",
     "TORCHRUN_RESTART_COUNT",
+    "TORCHRUN_ROLE_RANK",
     "TORCHRUN_RUN_ID",
+    "TORCHRUN_WORKER_VARIABLES",
     "TORCHRUN_WORLD_SIZE",
     "JobEnv",
     "LiveEnv",
@@ -150,11 +153,16 @@ TORCHRUN_MASTER_ADDR = "MASTER_ADDR"  # where the process group's store is (torc
 TORCHRUN_MASTER_PORT = "MASTER_PORT"
 TORCHRUN_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 TORCHRUN_RUN_ID = "TORCHELASTIC_RUN_ID"
+TORCHRUN_ROLE_RANK = "ROLE_RANK"  # the worker's rank among its role's workers (not read here)
+#: torchrun's own prefix: it sets more than the two named above (TORCHELASTIC_MAX_RESTARTS, ...)
+TORCHRUN_PREFIX = "TORCHELASTIC_"
 
 #: what torch's ``env://`` needs to join a process group (torchrun sets them all, and LOCAL_RANK ... besides)
 _GROUP_VARIABLES = (TORCHRUN_RANK, TORCHRUN_WORLD_SIZE, TORCHRUN_MASTER_ADDR, TORCHRUN_MASTER_PORT)
 #: any of these set: a launcher started this process (a half-set environment is an error, never a world of one)
 _LAUNCH_VARIABLES = (*_GROUP_VARIABLES, TORCHRUN_LOCAL_RANK, TORCHRUN_LOCAL_WORLD_SIZE, TORCHRUN_GROUP_RANK)
+#: What torchrun sets for each worker, by name (and every ``TORCHRUN_PREFIX`` variable): a job spec may not set them.
+TORCHRUN_WORKER_VARIABLES = (*_LAUNCH_VARIABLES, TORCHRUN_ROLE_RANK)
 _JOB_VARIABLES = (JOB_NAME, GENERATION, NODE_NAME, PROGRESS_KEY, LR_POLICY, MIN_NODES, MAX_NODES)
 #: The etcd connection (files and a user, never a password), as the workers read it (:attr:`WorkerEnv.etcd`).
 ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)

@@ -41,20 +41,8 @@ NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$"
 NODE_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: Environment variables the agent and torchrun set for workers; a job spec may not override them.
-RESERVED_ENV = frozenset(
-    {
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "ROLE_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        DISABLE_SHARED_RDZV_STORE,
-    }
-)
-_RESERVED_ENV_PREFIXES = (contract.PREFIX, "TORCHELASTIC_")
+RESERVED_ENV = frozenset({*contract.TORCHRUN_WORKER_VARIABLES, DISABLE_SHARED_RDZV_STORE})
+_RESERVED_ENV_PREFIXES = (contract.PREFIX, contract.TORCHRUN_PREFIX)
 _CHECKPOINT_SCHEMES = ("file", "s3", "gs", "gcs", "az", "abfs")
 
 
