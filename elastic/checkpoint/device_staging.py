@@ -43,7 +43,9 @@ __all__ = [
     "DeviceStagingSettings",
     "HostDeviceMemory",
     "StageRequest",
+    "format_bytes",
     "plan_device_staging",
+    "tensor_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -171,9 +173,9 @@ def _reason(budgets: dict[int, DeviceBudget], staged: int, direct: int) -> str:
     parts = []
     for device, b in sorted(budgets.items()):
         parts.append(
-            f"cuda:{device}: {_size(b.free)} free of {_size(b.total)}, margin {_size(b.margin)}, "
-            f"{_size(b.needed + b.reused)} device-staged ({_size(b.reused)} in buffers already held), "
-            f"{_size(b.direct)} direct"
+            f"cuda:{device}: {format_bytes(b.free)} free of {format_bytes(b.total)}, margin {format_bytes(b.margin)}, "
+            f"{format_bytes(b.needed + b.reused)} device-staged ({format_bytes(b.reused)} in buffers already held), "
+            f"{format_bytes(b.direct)} direct"
         )
     head = (
         "all tensors fit"
@@ -306,8 +308,8 @@ class DeviceBufferPool:
             if refused_at is not None and free <= refused_at:
                 # an allocation failed at this figure (it overstates what this process may take): every new one
                 # would fail too, and each failure empties torch's cache (a device sync), so none is tried
-                held_back.append(f"cuda:{d}: no new buffer while no more than {_size(refused_at)} is reported free "
-                                 "(an allocation failed there)")  # fmt: skip
+                held_back.append(f"cuda:{d}: no new buffer while no more than {format_bytes(refused_at)} is "
+                                 "reported free (an allocation failed there)")  # fmt: skip
                 free = 0
             else:
                 self._refused_at.pop(d, None)
@@ -358,7 +360,13 @@ class DeviceBufferPool:
             self._buffers.clear()
 
 
-def _size(nbytes: int) -> str:
+def tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes of ``t``'s elements (a view counts its own elements, not its storage's)."""
+    return t.numel() * t.element_size()
+
+
+def format_bytes(nbytes: int) -> str:
+    """``nbytes`` for a log line: ``1.5 GiB``, ``12.0 MiB``, ``3.0 KiB``, ``512 B``."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"

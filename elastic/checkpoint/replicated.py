@@ -37,7 +37,7 @@ from elastic.checkpoint.api import (
     StateLayout,
 )
 from elastic.checkpoint.base import StorageCheckpointManager, as_mapping, current_rank_and_world
-from elastic.checkpoint.device_staging import CUDA_MEMORY, DeviceBufferPool, DeviceStagingSettings
+from elastic.checkpoint.device_staging import CUDA_MEMORY, DeviceBufferPool, DeviceStagingSettings, tensor_bytes
 from elastic.checkpoint.layout import Manifest
 from elastic.checkpoint.reader import read_pack
 from elastic.checkpoint.staging import FlatState, Stager
@@ -132,7 +132,7 @@ class ReplicatedCheckpointManager(StorageCheckpointManager):
                 self._install_fence(overlap_with)
                 defer = _deferred_by(overlap_with)
             flat = self._stager.flatten(state, copy=not blocking, defer=defer)
-            self.last_device_staged_bytes = sum(_nbytes(flat.tensors[i]) for i in flat.device_staged)
+            self.last_device_staged_bytes = sum(tensor_bytes(flat.tensors[i]) for i in flat.device_staged)
             if overlap_with is not None and defer is not None:
                 self._fence_target = (weakref.ref(overlap_with), flat)
             rank, world = current_rank_and_world()
@@ -260,7 +260,3 @@ def _stager_for(options: CheckpointOptions) -> Stager:
     )
     pool = DeviceBufferPool(CUDA_MEMORY, settings)
     return Stager(pinned_limit_bytes=options.pinned_staging_bytes, device_pool=pool)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

@@ -34,7 +34,7 @@ import torch
 
 from elastic.checkpoint.codec import TENSOR_REF_KEY
 from elastic.checkpoint.device_copy import CopyOps, CudaCopyOps, QueuedCopy, StagingEvent
-from elastic.checkpoint.device_staging import DeviceBufferPool, StageRequest
+from elastic.checkpoint.device_staging import DeviceBufferPool, StageRequest, format_bytes, tensor_bytes
 from elastic.checkpoint.tree import map_leaves
 
 __all__ = ["FlatState", "Stager", "tensor_signature"]
@@ -92,15 +92,11 @@ class FlatState:
 
     @property
     def tensor_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return sum(tensor_bytes(t) for t in self.tensors)
 
 
 def _packable(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_quantized
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _pinned_cost(nbytes: int) -> int:
@@ -262,7 +258,7 @@ class Stager:
                 "they have no pinned host buffer to drain into (pinned_staging_bytes=%s, pinning %s)",
                 len(indices) - len(eligible),
                 len(indices),
-                _size(self._pinned_limit),
+                format_bytes(self._pinned_limit),
                 f"failed: {self._pin_error}" if self._pin_error is not None else "capped",
             )
         requests = [StageRequest.of(i, devices[i], sources[i]) for i in eligible]
@@ -329,29 +325,29 @@ class Stager:
                 else:
                     slot = self._put(index, self._host_empty(src), pinned=False)
             if not slot.pinned:
-                pageable += _nbytes(src)
+                pageable += tensor_bytes(src)
             out[index] = slot
         if pageable and self._pinned_limit > 0 and not self._warned:
             self._warned = True
-            total = sum(_nbytes(sources[i]) for i in indices)
+            total = sum(tensor_bytes(sources[i]) for i in indices)
             why = (
                 f"pinning host memory failed ({self._pin_error})"
                 if self._pin_error is not None
-                else f"CheckpointOptions.pinned_staging_bytes={_size(self._pinned_limit)} is reached "
-                f"({_size(self._pinned_held)} held)"
+                else f"CheckpointOptions.pinned_staging_bytes={format_bytes(self._pinned_limit)} is reached "
+                f"({format_bytes(self._pinned_held)} held)"
             )
             logger.warning(
                 "checkpoint staging: %s; %s of the %s of CUDA tensors are staged in pageable memory, whose "
                 "device-to-host copies are synchronous and several times slower (save blocks for them)",
                 why,
-                _size(pageable),
-                _size(total),
+                format_bytes(pageable),
+                format_bytes(total),
             )
         return out
 
     def _pin(self, src: torch.Tensor) -> torch.Tensor | None:
         """A pinned buffer for ``src`` if the cap allows it and pinning works, else None."""
-        cost = _pinned_cost(_nbytes(src))
+        cost = _pinned_cost(tensor_bytes(src))
         if cost == 0 or self._pin_error is not None or self._pinned_held + cost > self._pinned_limit:
             return None
         try:
@@ -378,7 +374,7 @@ class Stager:
         old = self._slot(index)
         if old is not None:
             if old.pinned:
-                self._pinned_held -= _pinned_cost(_nbytes(old.tensor))
+                self._pinned_held -= _pinned_cost(tensor_bytes(old.tensor))
             self._buffers[index] = None
 
     def _put(self, index: int, tensor: torch.Tensor, *, pinned: bool) -> _Buffer:
@@ -427,13 +423,6 @@ def _split(state: Any, *, copy: bool) -> tuple[Any, list[torch.Tensor]]:
         return _copy_leaf(obj) if copy else obj
 
     return map_leaves(state, leaf), sources
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 def _copy_leaf(obj: Any) -> Any:
