@@ -1,4 +1,5 @@
 """The web dashboard under ``/ui/``: a static shell (HTML, JS, CSS in ``service/api/ui/``) that reads the JSON API.
+Its script is a set of ES modules loaded as they are (``<script type="module">``, no build step).
 
 Authentication. A browser sends no ``Authorization`` header when it navigates to a page, so the pages here hold
 no data and need no token: the shell asks for a token (a read token suffices), keeps it in the tab's
@@ -29,7 +30,12 @@ ASSET_DIR = Path(__file__).with_name("ui")
 #: URL name under /ui/ -> (file in ASSET_DIR, media type)
 ASSETS: dict[str, tuple[str, str]] = {
     "": ("index.html", "text/html; charset=utf-8"),
-    "dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
+    # ES modules (no build step): dashboard.js is the entry the page loads, it imports the others
+    **{
+        name: (name, "text/javascript; charset=utf-8")
+        for name in ("dashboard.js", "api.js", "dom.js", "shell.js", "charts.js", "jobs-view.js", "nodes-view.js",
+                     "job-view.js", "job-panels.js")
+    },
     "dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
     "favicon.svg": ("favicon.svg", "image/svg+xml"),
 }

@@ -68,9 +68,22 @@ def test_dashboard_files_fetch_nothing_from_another_host() -> None:
         text = (ASSET_DIR / filename).read_text()
         urls = set(re.findall(r"(?:https?:)?//[A-Za-z0-9.-]+\.[A-Za-z]{2,}[^\s\"'`)]*", text))
         assert urls <= {"http://www.w3.org/2000/svg"}, (filename, urls)  # the SVG namespace is a name, not a fetch
-    js = (ASSET_DIR / "dashboard.js").read_text()
-    assert "innerHTML" not in js and "eval(" not in js and "document.write" not in js
-    assert "localStorage" not in js and "document.cookie" not in js  # the token lives in sessionStorage only
+    modules = [filename for filename, _ in ASSETS.values() if filename.endswith(".js")]
+    assert "dashboard.js" in modules
+    for filename in modules:
+        js = (ASSET_DIR / filename).read_text()
+        assert "innerHTML" not in js and "eval(" not in js and "document.write" not in js, filename
+        assert "localStorage" not in js and "document.cookie" not in js, filename  # the token: sessionStorage only
+
+
+@pytest.mark.timeout(30)
+def test_every_module_the_dashboard_imports_is_served() -> None:
+    served = set(ASSETS)
+    for filename, _ in ASSETS.values():
+        if filename.endswith(".js"):
+            for imported in re.findall(r'^import .* from "\./([^"]+)";$', (ASSET_DIR / filename).read_text(), re.M):
+                assert imported in served, (filename, imported)
+    assert {p.name for p in ASSET_DIR.glob("*.js")} <= served  # no module left out of ASSETS
 
 
 @pytest.mark.timeout(30)
