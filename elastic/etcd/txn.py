@@ -148,3 +148,9 @@ class TxnResult:
         if not isinstance(result, GetResult):
             raise TypeError(f"result {i} of the transaction is {result!r}, not a GetResult")
         return result
+
+    def reads(self) -> tuple[GetResult, ...]:
+        """The results of the branch's :class:`GetOp` s alone, in order, to be unpacked into names
+        (``closed, head = res.reads()``): a write added to the branch does not shift them, and a read added
+        without its name fails the unpacking instead of shifting the others."""
+        return tuple(r for r in self.results if isinstance(r, GetResult))

@@ -161,16 +161,17 @@ class LiveMembership:
         ops.append(GetOp(marks, prefix=True, keys_only=True))
         ops.append(GetOp(self._keys.done, keys_only=True))
         res = self._txn([], ops)
-        gen_kvs = res.get(0).kvs
+        gen_read, workers_read, marks_read, done = res.reads()
+        gen_kvs = gen_read.kvs
         gen, gen_rev = None, 0
         if gen_kvs:
             try:
                 gen, gen_rev = Generation.from_json(gen_kvs[0].value), gen_kvs[0].mod_revision
             except LiveProtocolError as exc:
                 raise MembershipError(f"{self._keys.gen}: {exc}") from exc
-        workers = {kv.key[len(self._keys.workers) :] for kv in res.get(1).kvs}
-        marked = {kv.key[len(marks) :] for kv in res.get(2).kvs}
-        if res.get(3).kvs and ready_gen is None and (gen is None or gen.rank(self.wid) is None):
+        workers = {kv.key[len(self._keys.workers) :] for kv in workers_read.kvs}
+        marked = {kv.key[len(marks) :] for kv in marks_read.kvs}
+        if done.kvs and ready_gen is None and (gen is None or gen.rank(self.wid) is None):
             raise JobFinishedError(f"live group at {self._keys.base}: the job finished")
         return gen, gen_rev, workers, marked, res.revision
 

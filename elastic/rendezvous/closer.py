@@ -80,17 +80,18 @@ class RoundCloser:
                         GetOp(keys.joins(round_ - 1), prefix=True, count_only=True),
                     ],
                 )
-                if res.get(4).kvs:
+                joins, alive_keys, assign, closer_key, closed, head_key, previous_joins = res.reads()
+                if closed.kvs:
                     raise RendezvousClosedError()
-                if res.get(2).kvs:
-                    kv = res.get(2).kvs[0]
+                if assign.kvs:
+                    kv = assign.kvs[0]
                     return Outcome(decode_assignment(self._run_id, kv.value), None, res.revision, kv.mod_revision)
-                closer = res.get(3).kvs
+                closer = closer_key.kvs
                 if not closer or closer[0].create_revision != claimed_at:
                     return None  # this node's lease lapsed and another took over
-                joined, alive = res.get(0).count, res.get(1).count
-                head = parse_head(res.get(5).kvs[0].value) if res.get(5).kvs else None
-                full = previous_round_full(head, round_, res.get(6).count, self._rules)
+                joined, alive = joins.count, alive_keys.count
+                head = parse_head(head_key.kvs[0].value) if head_key.kvs else None
+                full = previous_round_full(head, round_, previous_joins.count, self._rules)
                 now = time.monotonic()
                 if (joined > last_joined or was_full) and joined >= self._rules.min_nodes:
                     last_growth = now  # the last call runs from the latest join, or from when room appeared
@@ -147,6 +148,7 @@ class RoundCloser:
         )
         if not res.succeeded:
             return None
-        following = {kv.key for kv in res.get(len(ops)).kvs}
+        [next_round] = res.reads()  # the one read, after the writes
+        following = {kv.key for kv in next_round.kvs}
         nxt = next_round_view(keys, round_ + 1, following, closed=False)
         return Outcome(assignment, nxt, res.revision, res.revision)

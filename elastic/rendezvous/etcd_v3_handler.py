@@ -259,12 +259,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 continue
             if res.succeeded:
                 break
-            if res.get(0).kvs:
+            closed, head = res.reads()
+            if closed.kvs:
                 raise RendezvousClosedError()
-            if not res.get(1).kvs:
+            if not head.kvs:
                 head_rev, round_ = 0, max(round_, 0)  # the head expired with an abandoned run
                 continue
-            head_kv = res.get(1).kvs[0]
+            head_kv = head.kvs[0]
             newest = parse_head(head_kv.value)
             head_rev, round_ = head_kv.mod_revision, max(round_, newest.round + 1)
             if previous is None and newest.size >= self._rules.max_nodes:
@@ -274,7 +275,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             logger.info("node %s waits as a spare for round %d (the newest round is full)", self._node, round_)
         wait_until: float | None = None if spare else deadline
         self._last_round = round_
-        closer_present = bool(res.get(len(ops) - 1).kvs)
+        [closer] = res.reads()  # the success branch's one read, after its writes
+        closer_present = bool(closer.kvs)
         seen = res.revision
         while True:
             if not closer_present:
@@ -299,12 +301,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 ],
             )
             seen = res.revision
-            if res.get(1).kvs:
+            this_round, closed, next_round = res.reads()
+            if closed.kvs:
                 self._abandon(round_)
                 raise RendezvousClosedError()
-            found = {kv.key: kv for kv in res.get(0).kvs}
+            found = {kv.key: kv for kv in this_round.kvs}
             if keys.assign(round_) in found:
-                following = {kv.key for kv in res.get(2).kvs}
+                following = {kv.key for kv in next_round.kvs}
                 nxt = next_round_view(keys, round_ + 1, following, closed=False)
                 kv = found[keys.assign(round_)]
                 return Outcome(self._decode(kv.value), nxt, res.revision, kv.mod_revision)
@@ -355,7 +358,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         keys, nxt = self._keys, member.round + 1
         res = self._txn([], [GetOp(keys.round(nxt), prefix=True, keys_only=True), GetOp(keys.closed, keys_only=True)])
         member.next_seen = res.revision
-        member.next_round = next_round_view(keys, nxt, {kv.key for kv in res.get(0).kvs}, bool(res.get(1).kvs))
+        following, closed = res.reads()
+        member.next_round = next_round_view(keys, nxt, {kv.key for kv in following.kvs}, bool(closed.kvs))
 
     def num_nodes_waiting(self) -> int:
         """1 when this node's round should re-form (see :func:`protocol.waiting_reason`), else 0.
