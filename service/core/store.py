@@ -14,6 +14,7 @@ Layout under the prefix (``/etrain`` by default)::
     nodectl/<name>             NodeControl: an operator's cordon / drain request (API; uncordon deletes it)
     metrics/<id>/...           the job's metric series (leader; service.core.metric_store)
     identities/<id>            the job's own etcd user (service.controller.identities)
+    submitters/<user>          bumped by each submit of that user (API): a user's submits are serialized on it
 
 and beside it, ``<prefix>.rdzv/<job id>.g<generation>/``: the jobs' torchrun rendezvous (etcd-v3 backend), kept
 out of ``<prefix>/`` so that its traffic does not wake the reconcile loop.
