@@ -236,10 +236,6 @@ class ElasticCallback(TrainerCallback):
             logger.info("elastic: resumed at step %d (epoch %d, sample %d of it) from the %s snapshot", s.step,
                         s.cursor.sampler.epoch, s.cursor.sampler.position, s.resumed_from)  # fmt: skip
 
-    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                              **kwargs: Any) -> None:  # fmt: skip
-        self._session.before_optimizer_step()
-
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:  # fmt: skip
         s = self._session

@@ -145,6 +145,7 @@ class BoundarySession:
         self._module: torch.nn.Module | None = None
         self._scheduler: Any = None
         self._pending: _Pending | None = None
+        self._lr_hook: Any = None
         self._indices: list[int] = []  # this rank's samples of the step in progress
         self._global_batch = 0
         self._loss = 0.0
@@ -174,8 +175,14 @@ class BoundarySession:
         ``module``: the model itself (not its DDP wrapper); ``optimizer``: the torch optimizer (not a wrapper)."""
         if self._gate is not None:
             self._gate.close()
+            self._lr_hook.remove()
         self._module, self._optimizer, self._scheduler = module, optimizer, scheduler
         self._gate = OptimizerGate((optimizer,), lambda: self.lr_factor, lambda: False)
+        # runs inside the gated step, where the LR is the one applied (the scheduler may step before the boundary)
+        self._lr_hook = optimizer.register_step_pre_hook(self._note_lr)
+
+    def _note_lr(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._lr = float(optimizer.param_groups[0]["lr"])
 
     def restore(self) -> bool:
         """Every rank restores the newest verified snapshot (model, optimizer, scheduler, cursor, RNG, registered
@@ -193,12 +200,6 @@ class BoundarySession:
         self._indices.extend(micro.indices)
         self._global_batch = micro.global_batch
         return micro
-
-    def before_optimizer_step(self) -> None:
-        """The framework is about to step the optimizer: the LR it applies is noted (its scheduler may step before
-        the boundary)."""
-        assert self._optimizer is not None
-        self._lr = float(self._optimizer.param_groups[0]["lr"]) * self.lr_factor
 
     def add_loss(self, value: float) -> None:
         """This rank's weighted loss of a micro-batch (for :class:`StepInfo` only)."""
@@ -300,6 +301,7 @@ class BoundarySession:
         self.watcher.uninstall()
         if self._gate is not None:
             self._gate.close()
+            self._lr_hook.remove()
         self.checkpoints.close(finished=finished)
 
     @property

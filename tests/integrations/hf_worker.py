@@ -70,6 +70,8 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--accelerate", action="store_true", help="the script's own loop with an Accelerator "
+                   "(elastic/integrations/accelerate.py) instead of the Trainer")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(1)
     args.record.mkdir(parents=True, exist_ok=True)
@@ -78,6 +80,9 @@ def main() -> None:
 
     data = Sequences(args.samples)
     model = make_model(args.seed)
+    if args.accelerate:
+        run_accelerate(args, data, model, restart, attempt)
+        return
     targs = TrainingArguments(
         output_dir=str(args.record / "hf-out"), per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=args.accumulation, learning_rate=args.lr, num_train_epochs=args.epochs,
@@ -114,13 +119,59 @@ def main() -> None:
     trainer.train()
 
     if rank == 0:
-        module = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-        module.eval()
-        with torch.no_grad():
-            ids = data.ids
-            loss = float(module(input_ids=ids, labels=ids).loss)
-        (args.record / "final.json").write_text(json.dumps({"loss": loss, "step": trainer.state.global_step}))
-        torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, args.record / "final_params.pt")
+        final(args, data, trainer.accelerator.unwrap_model(trainer.model_wrapped), trainer.state.global_step)
+
+
+def run_accelerate(args: argparse.Namespace, data: Sequences, model: GPT2LMHeadModel, restart: int,
+                   attempt: str) -> None:  # fmt: skip
+    """The same training as the Trainer's (AdamW, linear decay to 0 over the run's steps, no clipping) in a loop of
+    the script's own with an ``Accelerator``."""
+    from accelerate import Accelerator
+
+    from elastic.integrations.accelerate import ElasticAccelerate
+
+    accelerator = Accelerator(cpu=True)
+    policy = LRPolicy(LRRule(args.lr_rule), args.lr, args.base_world, args.batch, warmup_steps=args.warmup,
+                      accumulation_steps=args.accumulation)  # fmt: skip
+    steps_per_epoch = -(-len(data) // policy.step_plan(1).global_batch)
+    total = args.steps if args.steps > 0 else int(steps_per_epoch * args.epochs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, (total - s) / total))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    rank = accelerator.process_index
+    log = args.record / f"rank{rank}.jsonl"
+
+    def on_step(info: StepInfo) -> None:
+        plan = policy.step_plan(info.world_size)
+        record = {"step": info.step, "epoch": info.epoch, "rank": info.rank, "world": info.world_size,
+                  "lr": info.lr, "indices": list(info.indices), "global_batch": plan.global_batch,
+                  "accumulation": plan.accumulation_steps, "restart": restart, "t": time.time(),
+                  "attempt": attempt, "pid": os.getpid()}  # fmt: skip
+        with open(log, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    elastic = ElasticAccelerate(accelerator, model, optimizer, data, policy, checkpoint_url=args.checkpoint_url,
+                                scheduler=scheduler, save_every_steps=args.save_every, on_step=on_step)  # fmt: skip
+    loader = torch.utils.data.DataLoader(data, batch_sampler=elastic.batch_sampler)
+    for step in elastic.steps(loader, max_steps=total):
+        for batch in step:
+            step.backward(model(**batch).loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if args.step_sleep > 0:
+            time.sleep(args.step_sleep)
+    if rank == 0:
+        final(args, data, accelerator.unwrap_model(model), elastic.step)
+
+
+def final(args: argparse.Namespace, data: Sequences, module: torch.nn.Module, step: int) -> None:
+    """Rank 0: the final model's mean loss over the whole data set, and its parameters."""
+    module.eval()
+    with torch.no_grad():
+        loss = float(module(input_ids=data.ids, labels=data.ids).loss)
+    (args.record / "final.json").write_text(json.dumps({"loss": loss, "step": step}))
+    torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, args.record / "final_params.pt")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,103 @@
+"""The Hugging Face adapters in this process, a world of one (the real Trainer, Accelerator and checkpoint manager;
+no torchrun): a run stopped at a step and started again resumes from its snapshot on its own, serving the samples
+the uninterrupted run serves at each step and ending bit-identical to it. Under torchrun with kills and resizes:
+test_hf_trainer.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+    os.environ.setdefault(_name, "1")
+
+from elastic.contract.lr import LRPolicy, LRRule  # noqa: E402
+from elastic.train.config import StepInfo  # noqa: E402
+from tests.integrations.hf_worker import Sequences, make_model  # noqa: E402
+
+SAMPLES, BATCH, ACCUMULATION, BASE_WORLD, LR = 40, 2, 2, 2, 3e-3
+POLICY = LRPolicy(LRRule.FIXED_GLOBAL_BATCH, LR, BASE_WORLD, BATCH, accumulation_steps=ACCUMULATION)
+
+
+def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _trainer_run(tmp: Path, ck: Path, max_steps: int) -> tuple[dict[str, torch.Tensor], list[StepInfo]]:
+    from transformers import Trainer, TrainingArguments
+
+    from elastic.integrations.hf import make_elastic
+
+    steps: list[StepInfo] = []
+    args = TrainingArguments(
+        output_dir=str(tmp / "hf-out"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATION,
+        learning_rate=LR, max_steps=max_steps, lr_scheduler_type="constant", save_strategy="no", report_to="none",
+        use_cpu=True, disable_tqdm=True, logging_steps=1000,
+    )  # fmt: skip
+    trainer = Trainer(model=make_model(0), args=args, train_dataset=Sequences(SAMPLES))
+    make_elastic(trainer, checkpoint_url=str(ck), base_world_size=BASE_WORLD, save_every_steps=4, on_step=steps.append)
+    assert args.gradient_accumulation_steps == ACCUMULATION * BASE_WORLD  # a world of one runs both ranks' share
+    trainer.train()
+    return _params(trainer.accelerator.unwrap_model(trainer.model_wrapped)), steps
+
+
+def _accelerate_run(ck: Path, max_steps: int) -> tuple[dict[str, torch.Tensor], list[StepInfo]]:
+    from accelerate import Accelerator
+
+    from elastic.integrations.accelerate import ElasticAccelerate
+
+    steps: list[StepInfo] = []
+    data = Sequences(SAMPLES)
+    accelerator = Accelerator(cpu=True)
+    model = make_model(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    elastic = ElasticAccelerate(accelerator, model, optimizer, data, POLICY, checkpoint_url=str(ck),
+                                scheduler=scheduler, save_every_steps=4, on_step=steps.append)  # fmt: skip
+    loader = torch.utils.data.DataLoader(data, batch_sampler=elastic.batch_sampler)
+    for step in elastic.steps(loader, max_steps=max_steps):
+        assert step.accumulation == ACCUMULATION * BASE_WORLD
+        for batch in step:
+            step.backward(model(**batch).loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return _params(accelerator.unwrap_model(model)), steps
+
+
+def _assert_resumed_as_uninterrupted(whole: Any, first: Any, second: Any, stop: int, total: int) -> None:
+    (ref, ref_steps), (_, head), (params, tail) = whole, first, second
+    assert [s.step for s in head] == list(range(1, stop + 1))
+    assert [s.step for s in tail] == list(range(stop + 1, total + 1)), "resumed from the snapshot of the stop"
+    assert [list(s.indices) for s in head + tail] == [list(s.indices) for s in ref_steps]
+    assert [s.lr for s in head + tail] == [s.lr for s in ref_steps]
+    assert ref.keys() == params.keys()
+    for k in ref:
+        assert torch.equal(ref[k], params[k]), k
+
+
+@pytest.mark.slow  # the Trainer's resume is in test_hf_trainer.py's default test (under torchrun)
+@pytest.mark.timeout(120)
+def test_trainer_stopped_and_started_again_resumes_by_itself_bit_identical(tmp_path: Path, gloo_world_1: None) -> None:
+    whole = _trainer_run(tmp_path, tmp_path / "ck-whole", 14)  # 40 samples, 8 a step: 5 steps an epoch
+    first = _trainer_run(tmp_path, tmp_path / "ck", 7)
+    second = _trainer_run(tmp_path, tmp_path / "ck", 14)  # no resume_from_checkpoint: the newest snapshot
+    _assert_resumed_as_uninterrupted(whole, first, second, 7, 14)
+
+
+@pytest.mark.timeout(120)
+def test_accelerate_loop_stopped_and_started_again_resumes_by_itself_bit_identical(
+    tmp_path: Path, gloo_world_1: None
+) -> None:
+    whole = _accelerate_run(tmp_path / "ck-whole", 14)
+    first = _accelerate_run(tmp_path / "ck", 7)
+    second = _accelerate_run(tmp_path / "ck", 14)
+    _assert_resumed_as_uninterrupted(whole, first, second, 7, 14)
