@@ -19,6 +19,9 @@ bounds one step's wait, for live recovery, which admits joiners at step boundari
 and removes it once the kills and joins it waits for happened, so that however slow the machine, the job cannot
 end before them.
 
+``--pace-file PATH``: ``--step-sleep`` applies only while PATH exists. A scenario paces its job only until its last
+event happened (a hold file doubles as it): the steps after it run at full speed.
+
 ``--wait-local``: each step, after its record, waits until this rank's node-local snapshot of the step before is
 written (``ElasticTrainer.local_snapshot_in_flight``), so that no snapshot is skipped for a busy writer: the job's
 steps are never shorter than its writes, whatever the load (a write on a loaded disk can take several steps).
@@ -177,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold-file", type=Path, default=None, help="see the module docstring")
     p.add_argument("--hold-epoch", type=int, default=0, help="with --hold-file: the epoch from which steps wait")
     p.add_argument("--hold-max", type=float, default=0.0, help="with --hold-file: one step's wait at most (0: none)")
+    p.add_argument("--pace-file", type=Path, default=None, help="--step-sleep only while this file exists")
     p.add_argument("--wait-local", action="store_true",
                    help="each step waits for the node-local snapshot of the step before (see above)")  # fmt: skip
     args = p.parse_args(argv)
@@ -228,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(record) + "\n")
         if info.rank == 0 and not info.late:  # the job's rank 0 (under live recovery RANK is node-local)
             reporter.report(info.step, world_size=info.world_size, loss=info.loss)
-        if args.step_sleep:
+        if args.step_sleep and (args.pace_file is None or args.pace_file.exists()):
             time.sleep(args.step_sleep)
         if args.hold_file is not None and info.epoch >= args.hold_epoch and not info.late:
             hold(args.hold_file, args.hold_max)

@@ -44,9 +44,10 @@ def hold_last_epoch(path: Path, epochs: int, most: float = 0.0) -> list[str]:
     """train_worker.py's arguments to hold the job at each step of its last epoch while ``path`` exists (created
     here): the scenario removes it once its kills and joins happened, so a slow machine cannot end the job first.
     ``most``: seconds one step waits at most (0: until the file goes; a live job admits a joiner only at a later
-    step boundary, so it needs a bound)."""
+    step boundary, so it needs a bound). Its ``--step-sleep`` ends with the hold too: the steps after the
+    scenario's last event run at full speed."""
     path.touch()
-    return hold_args(path, epochs, most)
+    return hold_args(path, epochs, most, pace=True)
 
 
 def assert_resizes_4_2_3(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, *, samples: int,

@@ -48,8 +48,9 @@ def _agent(
 ) -> TorchrunAgent:  # fmt: skip
     """A live-mode agent; ``warm``: its workers fork from the agent's prefork zygote (the service's default). Its
     last epoch's steps wait up to 0.5 s each while ``tmp/hold`` exists (made by :func:`_hold`): a joiner is admitted
-    at a step boundary, so the job is slowed, not stopped, until the test saw it join."""
-    hold = hold_args(tmp / "hold", epochs, most=0.5)
+    at a step boundary, so the job is slowed, not stopped, until the test saw it join; once the file is gone the
+    steps no longer sleep either (the rest of the job runs at full speed)."""
+    hold = hold_args(tmp / "hold", epochs, most=0.5, pace=True)
     cmd = torchrun_command(
         backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
         rdzv_conf={"recovery": "live", "last_call_timeout": 1}, max_restarts=5, script=WORKER,

@@ -32,10 +32,12 @@ def agent_logs(agents: list[TorchrunAgent]) -> str:
     return "\n".join(f"--- {a.log_path.name}\n{a.log()[-2500:]}" for a in agents)
 
 
-def hold_args(path: Path, epochs: int, most: float = 0.0) -> list[str]:
+def hold_args(path: Path, epochs: int, most: float = 0.0, pace: bool = False) -> list[str]:
     """train_worker.py's arguments that hold each step of the job's last epoch while ``path`` exists (``most``:
-    seconds one step waits at most, 0 none; see the worker's docstring)."""
-    return ["--hold-file", str(path), "--hold-epoch", str(epochs - 1), "--hold-max", str(most)]
+    seconds one step waits at most, 0 none; see the worker's docstring); ``pace``: its ``--step-sleep`` only while
+    ``path`` exists too (``--pace-file``), so that the steps after the scenario released the job run at full speed."""
+    return ["--hold-file", str(path), "--hold-epoch", str(epochs - 1), "--hold-max", str(most),
+            *(["--pace-file", str(path)] if pace else [])]  # fmt: skip
 
 
 def assert_exits_ok(agent: TorchrunAgent, agents: list[TorchrunAgent], timeout: float) -> None:
