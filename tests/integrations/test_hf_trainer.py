@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -54,12 +55,17 @@ def _args(tmp: Path, name: str, *extra: str) -> list[str]:
             "--checkpoint-url", str(tmp / f"ck-{name}"), "--record", str(tmp / name), *extra]  # fmt: skip
 
 
-def _unkilled(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]) -> Path:
+def _unkilled(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], mode: Sequence[str] = ()) -> Path:
     """The reference: 2 workers on one node, nothing killed."""
-    a = _agent(tmp, "ref", etcd, f"hf-ref-{uuid.uuid4().hex[:6]}", "1", 2, _args(tmp, "ref"))
+    a = _agent(tmp, "ref", etcd, f"hf-ref-{uuid.uuid4().hex[:6]}", "1", 2, _args(tmp, "ref", *mode))
     agents.append(a)
     assert_exits_ok(a, agents, 180)
     return tmp / "ref"
+
+
+def _committed(ck: Path) -> int:
+    """The newest step with a committed snapshot under ``ck`` (0: none)."""
+    return max((int(p.parent.name.removeprefix("step-")) for p in ck.glob("step-*/manifest.json")), default=0)
 
 
 def _final_loss(rec: Path) -> float:
@@ -92,12 +98,12 @@ def _assert_policy_and_exactly_once(rec: Path) -> list[int]:
     return [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
 
 
-def _resize_2_1_2(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]) -> Path:
+def _resize_2_1_2(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], mode: Sequence[str] = ()) -> Path:
     """Two nodes of one worker (world 2); one node SIGKILLed (2 -> 1); a node joins (1 -> 2); a worker SIGKILLed
     (torchrun restarts the group at 2)."""
     rec = tmp / "resized"
     run_id = f"hf-212-{uuid.uuid4().hex[:6]}"
-    args = _args(tmp, "resized", "--step-sleep", "0.15")
+    args = _args(tmp, "resized", "--step-sleep", "0.15", *mode)
     a = _agent(tmp, "a", etcd, run_id, "1:2", 1, args)
     b = _agent(tmp, "b", etcd, run_id, "1:2", 1, args)
     agents += [a, b]
@@ -105,9 +111,10 @@ def _resize_2_1_2(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]
     def world_since(w: int, after: int) -> bool:
         return any(r["world"] == w and r["step"] > after for r in read_records(rec))
 
-    assert wait_until(lambda: max_step(rec) >= 4, 120), agent_logs(agents)
+    # a snapshot committed at 2 workers first (else the run restarts from nothing and world 2 leaves no step)
+    assert wait_until(lambda: _committed(tmp / "ck-resized") >= 4 and max_step(rec) >= 6, 120), agent_logs(agents)
     b.kill_tree()  # a node dies: 2 -> 1
-    assert wait_until(lambda: world_since(1, 4), 90), agent_logs(agents)
+    assert wait_until(lambda: world_since(1, 6), 90), agent_logs(agents)
     c = _agent(tmp, "c", etcd, run_id, "1:2", 1, args)  # a node joins: 1 -> 2
     agents.append(c)
     shrunk = max_step(rec)
@@ -120,11 +127,12 @@ def _resize_2_1_2(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]
     return rec
 
 
-def _kill_at_same_world(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]) -> Path:
+def _kill_at_same_world(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent],
+                        mode: Sequence[str] = ()) -> Path:  # fmt: skip
     """One node of 2 workers, both SIGKILLed mid-run: torchrun restarts them from the last snapshot."""
     rec = tmp / "killed"
     agent = _agent(tmp, "killed", etcd, f"hf-kill-{uuid.uuid4().hex[:6]}", "1", 2,
-                   _args(tmp, "killed", "--step-sleep", "0.1"))  # fmt: skip
+                   _args(tmp, "killed", "--step-sleep", "0.1", *mode))  # fmt: skip
     agents.append(agent)
     assert wait_until(lambda: max_step(rec) >= 6, 120), agent_logs(agents)
     agent.kill_workers()
@@ -155,11 +163,25 @@ def test_hf_trainer_2_1_2_kills_exactly_once_policy_loss_and_bit_identical_resum
     worker kill, then a run killed and resumed at 2 workers; the resized run keeps every sample once per epoch, the
     policy's LR and global batch at every step and the unkilled run's final loss within 2 %; the killed run ends
     bit-identical to the unkilled one."""
-    ref_agent = _agent(tmp_path, "ref", etcd_server, f"hf-ref-{uuid.uuid4().hex[:6]}", "1", 2, _args(tmp_path, "ref"))
+    _all_guarantees(tmp_path, etcd_server, agents)
+
+
+@pytest.mark.slow  # the accelerate loop's form of the test above (its resume alone: test_hf_resume_in_process.py)
+@pytest.mark.timeout(300)
+def test_accelerate_loop_2_1_2_kills_exactly_once_policy_loss_and_bit_identical_resume(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
+) -> None:
+    _all_guarantees(tmp_path, etcd_server, agents, ["--accelerate"])
+
+
+def _all_guarantees(tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent],
+                    mode: Sequence[str] = ()) -> None:  # fmt: skip
+    ref_agent = _agent(tmp_path, "ref", etcd_server, f"hf-ref-{uuid.uuid4().hex[:6]}", "1", 2,
+                       _args(tmp_path, "ref", *mode))  # fmt: skip
     agents.append(ref_agent)
-    resized = _resize_2_1_2(tmp_path, etcd_server, agents)
+    resized = _resize_2_1_2(tmp_path, etcd_server, agents, mode)
     assert_exits_ok(ref_agent, agents, 120)
-    killed = _kill_at_same_world(tmp_path, etcd_server, agents)
+    killed = _kill_at_same_world(tmp_path, etcd_server, agents, mode)
     ref = tmp_path / "ref"
     assert _assert_policy_and_exactly_once(ref) == [2]
     assert _assert_policy_and_exactly_once(resized) == [2, 1, 2]
