@@ -5,9 +5,12 @@ Both are re-exported by :mod:`elastic.train.trainer`, where :class:`~elastic.tra
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -30,7 +33,8 @@ class ElasticConfig:
     checkpoint_url: str | None = None
     checkpoint_options: CheckpointOptions = field(default_factory=CheckpointOptions)
     save_every_steps: int | None = 50
-    save_every: timedelta | None = None
+    # a durable snapshot at least this often in time as well (None: by steps only)
+    save_every_seconds: timedelta | None = None
     # a snapshot due while the last one is still being written: "defer" it to when the writer is free, or
     # "wait" for the writer (the loop stalls); see elastic/train/schedule.py
     when_writer_busy: WriterBusy = WriterBusy.DEFER
@@ -63,7 +67,7 @@ class ElasticConfig:
             except ValueError:
                 raise ValueError(f"recovery must be 'restart' or 'live', got {self.recovery!r}") from None
         object.__setattr__(self, "when_writer_busy", writer_busy(self.when_writer_busy))
-        SnapshotSchedule(self.save_every_steps, self.save_every, self.when_writer_busy)  # validates them
+        SnapshotSchedule(self.save_every_steps, self.save_every_seconds, self.when_writer_busy)  # validates them
         if self.save_failure_grace < timedelta(0):
             raise ValueError(f"save_failure_grace must be >= 0, got {self.save_failure_grace}")
         if self.local_max_overhead is not None and not 0 < self.local_max_overhead < 1:
@@ -97,6 +101,31 @@ class ElasticConfig:
         if self.local_every_steps is not None:
             return self.local_every_steps
         return WorkerEnv.from_environ().local_snapshot_every or None
+
+
+# ``save_every``: the former name of ``save_every_seconds`` (it counts time, not steps), deprecated for one release:
+# taken by the constructor and read back, with a DeprecationWarning; not a field (dataclasses.replace never sees it).
+_dataclass_init = ElasticConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: ElasticConfig, *args: Any, save_every: timedelta | None = None, **kwargs: Any) -> None:
+    if save_every is not None:
+        warnings.warn("ElasticConfig(save_every=) is deprecated: use save_every_seconds= (a duration; "
+                      "save_every_steps counts steps)", DeprecationWarning, stacklevel=2)  # fmt: skip
+        if kwargs.get("save_every_seconds") is not None:
+            raise ValueError("give save_every_seconds, or its deprecated name save_every, not both")
+        kwargs["save_every_seconds"] = save_every
+    _dataclass_init(self, *args, **kwargs)
+
+
+def _save_every(self: ElasticConfig) -> timedelta | None:
+    warnings.warn("ElasticConfig.save_every is deprecated: read save_every_seconds", DeprecationWarning, stacklevel=2)
+    return self.save_every_seconds
+
+
+setattr(ElasticConfig, "__init__", _init)  # noqa: B010
+setattr(ElasticConfig, "save_every", property(_save_every))  # noqa: B010
 
 
 @dataclass(frozen=True)

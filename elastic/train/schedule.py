@@ -138,7 +138,7 @@ class SnapshotSchedule:
         if self.every_steps is not None and self.every_steps < 1:
             raise ValueError(f"save_every_steps must be >= 1 or None, got {self.every_steps}")
         if self.every is not None and self.every < timedelta(0):
-            raise ValueError(f"save_every must be >= 0 or None, got {self.every}")
+            raise ValueError(f"save_every_seconds must be >= 0 or None, got {self.every}")
         object.__setattr__(self, "when_busy", writer_busy(self.when_busy))
 
     def time_due(self, now: float) -> bool:
@@ -199,7 +199,7 @@ class SnapshotSchedule:
             advice = f"taking one every ~{steps} steps; set save_every_steps >= {steps}"
         elif self.every is not None:
             due = f"every {self.every.total_seconds():.1f} s"
-            advice = f"taking one every ~{seconds:.1f} s; set save_every >= {math.ceil(seconds)} s"
+            advice = f"taking one every ~{seconds:.1f} s; set save_every_seconds >= {math.ceil(seconds)} s"
         else:
             due = "at each epoch end"
             advice = f"taking one every ~{steps} steps"

@@ -1,7 +1,7 @@
 """The elastic loop's snapshots: opening the storage, restoring at start, and the snapshot schedule.
 
 :class:`LoopCheckpoints` is the checkpoint concern of :class:`~elastic.train.trainer.ElasticTrainer`: the durable
-manager, the node-local tier, the schedule (``save_every_steps``, ``save_every``, a busy writer deferring a
+manager, the node-local tier, the schedule (``save_every_steps``, ``save_every_seconds``, a busy writer deferring a
 snapshot), failures of the storage (a grace time before training stops) and the SIGTERM save. Its step-boundary
 decisions use flags that every rank agrees on in the loop's one all-reduce per step (:meth:`local_flags`
 before it, :meth:`act` after it), so that every rank takes the same snapshots.
@@ -89,7 +89,7 @@ class LoopCheckpoints:
         self.tiers = create_snapshot_tiers(self.manager, local_every, device, config.local_max_overhead)
         self._sharded_source: str | None = None
         self.schedule = SnapshotSchedule(
-            config.save_every_steps, config.save_every, config.when_writer_busy, clock=time.monotonic()
+            config.save_every_steps, config.save_every_seconds, config.when_writer_busy, clock=time.monotonic()
         )
         self.pending: int | None = None  # a step saved in the background, not reported as committed yet
         self._failing_since: float | None = None  # when saves began to fail (none failing: None)
@@ -207,7 +207,8 @@ class LoopCheckpoints:
         self.schedule = replace(schedule, clock=time.monotonic() - age)
 
     def local_flags(self, step: int, now: float, signalled: bool, rank: int) -> BoundaryFlags:
-        """This rank's view of the snapshot flags (see :class:`BoundaryFlags`), before the group agrees."""
+        """This rank's view of the snapshot flags (see :class:`BoundaryFlags`), before the group agrees; ``step``:
+        the boundary they are acted on (a deferred agreement's is the next one)."""
         return BoundaryFlags(
             time_due=self.schedule.time_due(now),
             signalled=signalled,

@@ -7,7 +7,9 @@ Each boundary is fed as the loop feeds it (the flags every rank agreed on); afte
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -166,11 +168,11 @@ def test_no_rate_warning_while_saves_keep_up() -> None:
     assert taken == list(range(5, 100, 5)) and all(d.warning is None for d in decisions)
 
 
-def test_the_rate_warning_of_a_time_based_schedule_names_save_every() -> None:
+def test_the_rate_warning_of_a_time_based_schedule_names_save_every_seconds() -> None:
     schedule = SnapshotSchedule(every_steps=None, every=timedelta(seconds=1), clock=0.0)
     _, _, decisions = _walk(schedule, range(1, 100), save_steps=24)
     (text,) = [d.warning for d in decisions if d.warning]
-    assert "every 1.0 s" in text and "set save_every >= 3 s" in text
+    assert "every 1.0 s" in text and "set save_every_seconds >= 3 s" in text
 
 
 def test_stats_go_into_a_progress_report_the_service_reads() -> None:
@@ -189,3 +191,18 @@ def test_config_accepts_the_writer_busy_mode_as_a_string_and_rejects_others() ->
         ElasticConfig(policy, when_writer_busy="later")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="save_every_steps must be >= 1"):
         ElasticConfig(policy, save_every_steps=0)
+
+
+def test_save_every_is_a_deprecated_name_of_save_every_seconds_for_one_release() -> None:
+    policy = LRPolicy(LRRule.LINEAR, 0.1, 1, 8)
+    ten = timedelta(seconds=10)
+    with pytest.warns(DeprecationWarning, match="use save_every_seconds"):
+        old = ElasticConfig(policy, save_every=ten)  # type: ignore[call-arg]
+    assert old == ElasticConfig(policy, save_every_seconds=ten) and old.save_every_seconds == ten
+    with pytest.warns(DeprecationWarning, match="read save_every_seconds"):
+        assert old.save_every == ten  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="not both"), pytest.warns(DeprecationWarning):
+        ElasticConfig(policy, save_every_seconds=ten, save_every=timedelta(seconds=5))  # type: ignore[call-arg]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new name, and a copy of a config, warn nothing
+        assert replace(old, seed=1).save_every_seconds == ten
