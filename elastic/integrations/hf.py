@@ -94,8 +94,9 @@ def make_elastic(
             policy = LRPolicy(LRRule.FIXED_GLOBAL_BATCH, args.learning_rate, base_world_size,
                               args.per_device_train_batch_size,
                               accumulation_steps=args.gradient_accumulation_steps)  # fmt: skip
+        seed = args.data_seed if args.data_seed is not None else args.seed
         config = ElasticConfig(policy, checkpoint_url=checkpoint_url, save_every_steps=save_every_steps,
-                               save_every=save_every, seed=args.data_seed if args.data_seed is not None else args.seed)
+                               save_every_seconds=save_every, seed=seed)
     elif policy is not None or checkpoint_url is not None:
         raise ValueError("give config, or policy/checkpoint_url, not both")
     dataset = trainer.train_dataset
