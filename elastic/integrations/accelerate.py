@@ -65,7 +65,7 @@ class ElasticAccelerate:
             raise ValueError("create the Accelerator without gradient_accumulation_steps: the LR policy's step plan "
                              "sets the micro-batches of each step for the world")  # fmt: skip
         config = policy if isinstance(policy, ElasticConfig) else ElasticConfig(
-            policy, checkpoint_url=checkpoint_url, save_every_steps=save_every_steps, save_every=save_every)
+            policy, checkpoint_url=checkpoint_url, save_every_steps=save_every_steps, save_every_seconds=save_every)
         self.accelerator = accelerator
         self.model = model
         self.session = BoundarySession(config, len(data), accelerator.device, on_step=on_step)
