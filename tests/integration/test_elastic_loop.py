@@ -84,8 +84,10 @@ def test_sigterm_of_one_node_saves_synchronously_and_loses_no_step(
 
     rec = tmp_path / "rec"
     run_id = f"term-{uuid.uuid4().hex[:6]}"
+    pace = tmp_path / "pace"  # the steps sleep until the survivor resumed; the rest run at full speed
+    pace.touch()
     args = ["--epochs", "3", "--samples", "480", "--batch", "4", "--lr-rule", "linear", "--base-world", "2",
-            "--save-every", "1000", "--step-sleep", "0.05",
+            "--save-every", "1000", "--step-sleep", "0.05", "--pace-file", str(pace),
             "--checkpoint-url", str(tmp_path / "ck"), "--record", str(rec)]  # fmt: skip
     a = _agent(tmp_path, "a", etcd_server, run_id, "1:2", 1, args)
     b = _agent(tmp_path, "b", etcd_server, run_id, "1:2", 1, args)
@@ -93,6 +95,7 @@ def test_sigterm_of_one_node_saves_synchronously_and_loses_no_step(
     assert wait_until(lambda: max_step(rec) >= 15, 150), agent_logs(agents)
     b.kill_tree(signal.SIGTERM)
     assert wait_until(lambda: any(r["world"] == 1 for r in read_records(rec)), 120), agent_logs(agents)
+    pace.unlink()
     assert_exits_ok(a, agents, 200)
 
     records = read_records(rec)

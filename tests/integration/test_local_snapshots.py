@@ -32,7 +32,7 @@ def _start(
 ) -> TorchrunAgent:  # fmt: skip
     args = ["--epochs", "2", "--samples", "480", "--batch", "4", "--lr-rule", "linear", "--base-world", "2",
             "--save-every", "1000", "--local-every", str(local_every), "--local-max-overhead", "0",
-            "--step-sleep", "0.05", *(["--wait-local"] if local_every else []),
+            "--step-sleep", "0.05", "--pace-file", str(tmp / "pace"), *(["--wait-local"] if local_every else []),
             "--checkpoint-url", str(tmp / "ck"), "--record", str(tmp / "rec"), *extra]  # fmt: skip
     cmd = torchrun_command(
         backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
@@ -99,6 +99,7 @@ def _two_agents_at_step_12(
     run_id = f"local-{uuid.uuid4().hex[:6]}"
     hold = tmp / "hold"
     hold.touch()
+    (tmp / "pace").touch()  # the steps sleep (--step-sleep) until a test removes it once its kills were measured
     extra = (*extra, *hold_args(hold, 1))
     a = _start(tmp, "a", etcd, run_id, local_every=local_every, nproc=nproc, extra=extra, nnodes=nnodes)
     b = _start(tmp, "b", etcd, run_id, local_every=local_every, nproc=nproc, extra=extra, nnodes=nnodes)
@@ -127,6 +128,7 @@ def test_worker_kill_and_node_kill_each_redo_at_most_one_step_from_node_local_sn
     lost_node = _lost_by(tmp_path, b.kill_tree(), agents, resumed)
     assert lost_node <= 1, f"node kill re-did {lost_node} steps\n{_logs(agents)}"
     _assert_no_durable_snapshot_to_resume_from(tmp_path, resumed)
+    (tmp_path / "pace").unlink()  # the rest of the job at full speed
     assert a.wait(timeout=200) == 0, _logs(agents)
     assert not [p for p in (tmp_path / "shm").glob("*") if p.is_dir()], "the finished job left its local tier"
 
@@ -175,5 +177,6 @@ def test_hsdp_shard_snapshots_every_rank_writes_its_shard_and_worker_and_node_ki
     assert lost_node <= 1, f"node kill re-did {lost_node} steps\n{_logs(agents)}"
     assert {r["resumed_from"] for r in _records(tmp_path) if r["restart"]} == {"node-local"}
     _assert_no_durable_snapshot_to_resume_from(tmp_path, resumed)
+    (tmp_path / "pace").unlink()  # the rest of the job at full speed
     assert a.wait(timeout=200) == 0, _logs(agents)
     assert not [p for p in (tmp_path / "shm").glob("*") if p.is_dir()], "the finished job left its local tier"
