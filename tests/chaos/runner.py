@@ -276,8 +276,9 @@ class ChaosRunner:
                 "--save-every", str(c.save_every), "--step-sleep", str(c.step_sleep), "--dropout", "0",
                 "--keep-last", "1000000"]  # fmt: skip
         if c.hold_epochs > 0:  # a slow tail until the last fault (ChaosConfig.hold_epochs)
+            # --pace-file: the steps after the last fault (the hold file gone) run at full speed, not step_sleep's
             args += ["--hold-file", str(self.hold), "--hold-epoch", str(max(0, c.epochs - c.hold_epochs)),
-                     "--hold-max", str(c.hold_max_s)]  # fmt: skip
+                     "--hold-max", str(c.hold_max_s), "--pace-file", str(self.hold)]  # fmt: skip
         env = {"OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
         if self.network is None:
             env["GLOO_SOCKET_IFNAME"] = "lo"  # in namespaces the agents give their node's interface
