@@ -11,7 +11,8 @@ not started again on this node; only a new assignment (a new generation, or the 
 which live recovery does after dropping a node whose torchrun died) starts it.
 
 With ``logs_port`` the agent also serves its jobs' logs to the controller (:mod:`service.agent.logs`), with a token
-of this incarnation's that it publishes, with the address, in its node registration.
+of this incarnation's that it publishes, with the address, in its node registration; with ``health_port``, its
+``/healthz``. Both servers are :class:`~service.agent.endpoints.AgentEndpoints`'; this module is the loop.
 
 The node key lives on the agent's lease: a SIGKILLed agent's node vanishes after ``lease_ttl``, and its
 torchruns get SIGTERM at once from the kernel (parent-death signal). A clean stop (SIGTERM to the agent)
@@ -20,11 +21,9 @@ stops the workers and revokes the lease, so the node leaves at once.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
-import secrets
 import socket
 import threading
 import time
@@ -38,7 +37,8 @@ from typing import Literal, Protocol
 from elastic import prefork
 from elastic.etcd import EtcdClient, EtcdError, create_client
 from elastic.etcd.lease import LeaseKeeper
-from service.agent.health import HealthServer, HealthStatus, judge_health
+from service.agent.endpoints import AgentEndpoints, EndpointError
+from service.agent.health import HealthStatus, judge_health
 from service.agent.isolation import UidRangeExhausted
 from service.agent.jobfiles import IsolationError, JobFiles
 from service.agent.launcher import JobIdentityError, TorchrunProcess, rdzv_conf, torchrun_command, worker_env
@@ -128,11 +128,9 @@ class NodeAgent:
         self._finished: set[tuple[str, int, datetime]] = set()
         self._unsent: dict[str, WorkerReport] = {}
         self._keeper: LeaseKeeper | None = None
-        self._health: HealthServer | None = None  # /healthz (``settings.health_port``), while the loop runs
-        # the job-log server (``settings.logs_port``) and its bearer token, new with each incarnation: the
-        # controller reads both from this node's registration
-        self.logs_token = secrets.token_urlsafe(32)
-        self._logs: LogServer | None = None
+        # the job-log server (``settings.logs_port``) and its bearer token, and /healthz (``settings.health_port``,
+        # while the loop runs)
+        self._endpoints = AgentEndpoints(settings)
         self._last_loop = 0.0
         # _work serializes what the loop does (sync, reaping, shutdown), slow parts included: stopping a
         # torchrun (up to stop_grace and a kill) and etcd requests. _lock only guards the tables that
@@ -153,7 +151,7 @@ class NodeAgent:
             registered_at=_now(),
             lease_ttl=s.lease_ttl.total_seconds(),
             logs_url=self.logs_url,
-            logs_token=self.logs_token if self._logs is not None else None,
+            logs_token=self.logs_token if self.log_server is not None else None,
             spare=s.spare,
             isolation=self.isolation,
             owner=s.job_owner,
@@ -425,52 +423,36 @@ class NodeAgent:
         if self._keeper is not None:
             self._keeper.close(revoke=True)
             self._keeper = None
-        if self._health is not None:
-            self._health.stop()
-            self._health = None
+        self._endpoints.stop_health()
         self._close_logs()  # after the torchruns stopped: followed logs have ended
         if self._own_client:
             self.client.close()
 
-    # -- job logs ------------------------------------------------------------------------------------
+    # -- job logs and /healthz (service.agent.endpoints) ----------------------------------------------
+    @property
+    def logs_token(self) -> str:
+        """The bearer token of this incarnation's job-log server (published in the node's registration)."""
+        return self._endpoints.logs_token
+
     @property
     def log_server(self) -> LogServer | None:
         """The server of this node's job logs (``--logs-port``), None while it does not run."""
-        return self._logs
+        return self._endpoints.logs
 
     @property
     def logs_url(self) -> str | None:
-        """Where the controller reaches this agent's log server: ``rdzv_host``, else a specific ``logs_host``,
-        else 127.0.0.1 (one machine); None while it does not run."""
-        if self._logs is None:
-            return None
-        s = self.settings
-        host = s.rdzv_host or (s.logs_host if s.logs_host not in ("", "0.0.0.0", "::") else "127.0.0.1")
-        try:
-            if ipaddress.ip_address(host).version == 6:
-                host = f"[{host}]"
-        except ValueError:
-            pass  # a host name
-        return f"http://{host}:{self._logs.port}"
+        """Where the controller reaches this agent's log server (:attr:`AgentEndpoints.logs_url`)."""
+        return self._endpoints.logs_url
 
     def _start_logs(self) -> None:
-        s = self.settings
-        if not s.logs_port or self._logs is not None:
-            return
         try:
-            server = LogServer(s.work_dir, s.node_name, self.logs_token, self.runs, s.logs_host, s.logs_port)
-        except OSError as exc:
-            raise AgentError(f"cannot serve job logs on {s.logs_host}:{s.logs_port}: {exc.strerror or exc}") from exc
-        self._logs = server.start()
-        logger.info("agent job logs on %s:%d (the controller reads them at %s)", s.logs_host, s.logs_port,
-                    self.logs_url)  # fmt: skip
+            self._endpoints.start_logs(self.runs)
+        except EndpointError as exc:
+            raise AgentError(str(exc)) from exc.__cause__
 
     def _close_logs(self) -> None:
-        if self._logs is not None:
-            self._logs.close()
-            self._logs = None
+        self._endpoints.close_logs()
 
-    # -- health endpoint -----------------------------------------------------------------------------
     def healthy(self) -> HealthStatus:
         """(ok, body) for /healthz (:func:`~service.agent.health.judge_health`): never waits for the loop's work
         (a torchrun being stopped, etcd)."""
@@ -481,10 +463,7 @@ class NodeAgent:
                             lease_ttl_s=self.settings.lease_ttl.total_seconds())  # fmt: skip
 
     def _start_health(self) -> None:
-        port = self.settings.health_port
-        if not port or self._health is not None:
-            return
-        self._health = HealthServer(self.healthy, port).start()
+        self._endpoints.start_health(self.healthy)
 
 
 def create_agent(
