@@ -1,7 +1,7 @@
 """The controller's decisions as a pure function: scheduling, node loss, scale-up, failures, success.
 
-``Cluster`` is an in-memory implementation of what the store does with a plan (status replaced,
-assignments written and deleted), so multi-step scenarios run tick by tick without etcd.
+``Cluster`` runs multi-step scenarios tick by tick over the real ``ServiceStore`` on the in-memory etcd: each
+tick reads the view, decides, and applies the plan as the leader does.
 """
 
 from __future__ import annotations
