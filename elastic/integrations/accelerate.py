@@ -51,21 +51,23 @@ class ElasticAccelerate:
         checkpoint_url: where snapshots go (any fsspec URL; default ``$ETRAIN_CHECKPOINT_URL``).
         scheduler: an LR scheduler the script steps; saved and restored.
         state: more objects to save and restore (``state_dict``/``load_state_dict``), by name.
-        save_every_steps, save_every: the snapshot schedule (with a ``policy``).
+        save_every_steps, save_every_seconds: the snapshot schedule (with a ``policy``).
         on_step: called with each committed step's :class:`~elastic.train.config.StepInfo` on this rank.
     """
 
     def __init__(
         self, accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: Sized,
         policy: LRPolicy | ElasticConfig, *, checkpoint_url: str | None = None, scheduler: Any = None,
-        state: dict[str, Any] | None = None, save_every_steps: int | None = 50, save_every: timedelta | None = None,
+        state: dict[str, Any] | None = None, save_every_steps: int | None = 50,
+        save_every_seconds: timedelta | None = None,
         on_step: Callable[[StepInfo], None] | None = None,
     ) -> None:  # fmt: skip
         if accelerator.gradient_accumulation_steps != 1:
             raise ValueError("create the Accelerator without gradient_accumulation_steps: the LR policy's step plan "
                              "sets the micro-batches of each step for the world")  # fmt: skip
         config = policy if isinstance(policy, ElasticConfig) else ElasticConfig(
-            policy, checkpoint_url=checkpoint_url, save_every_steps=save_every_steps, save_every_seconds=save_every)
+            policy, checkpoint_url=checkpoint_url, save_every_steps=save_every_steps,
+            save_every_seconds=save_every_seconds)
         self.accelerator = accelerator
         self.model = model
         self.session = BoundarySession(config, len(data), accelerator.device, on_step=on_step)

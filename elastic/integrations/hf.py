@@ -66,7 +66,7 @@ def make_elastic(
     policy: LRPolicy | None = None,
     config: ElasticConfig | None = None,
     save_every_steps: int | None = 50,
-    save_every: timedelta | None = None,
+    save_every_seconds: timedelta | None = None,
     on_step: Callable[[StepInfo], None] | None = None,
 ) -> Trainer:
     """Make ``trainer`` elastic (in place; returned for the one-line form). Call it after the ``Trainer`` is built,
@@ -82,7 +82,7 @@ def make_elastic(
         policy: an :class:`~elastic.contract.lr.LRPolicy` of your own (``linear``/``sqrt``: the LR is rescaled and
             the accumulation stays); its ``base_batch_per_worker`` is the micro-batch.
         config: the loop's :class:`~elastic.train.config.ElasticConfig` (everything above in one object).
-        save_every_steps, save_every: the snapshot schedule (when no ``config``).
+        save_every_steps, save_every_seconds: the snapshot schedule (when no ``config``).
         on_step: called with each committed step's :class:`~elastic.train.config.StepInfo` on this rank.
     """
     args = trainer.args
@@ -96,7 +96,7 @@ def make_elastic(
                               accumulation_steps=args.gradient_accumulation_steps)  # fmt: skip
         seed = args.data_seed if args.data_seed is not None else args.seed
         config = ElasticConfig(policy, checkpoint_url=checkpoint_url, save_every_steps=save_every_steps,
-                               save_every_seconds=save_every, seed=seed)
+                               save_every_seconds=save_every_seconds, seed=seed)
     elif policy is not None or checkpoint_url is not None:
         raise ValueError("give config, or policy/checkpoint_url, not both")
     dataset = trainer.train_dataset

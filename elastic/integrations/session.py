@@ -13,7 +13,7 @@ keeps what the elastic loop keeps, with the loop's objects:
   the accumulation steps the framework must run) and its factor with the warmup ramp after a resize, applied around
   the optimizer's ``step`` by the loop's :class:`~elastic.train.step.OptimizerGate`;
 - the snapshots: the loop's :class:`~elastic.train.snapshots.LoopCheckpoints` (verified, asynchronous, to any
-  fsspec URL, on the ``save_every_steps``/``save_every`` schedule), with the
+  fsspec URL, on the ``save_every_steps``/``save_every_seconds`` schedule), with the
   :class:`~elastic.train.cursor.TrainingCursor` (step, data cursor, LR ramp, registered state) in each;
 - the restore (:meth:`BoundarySession.restore`): the newest verified snapshot, with no path to give;
 - the SIGTERM save: a :class:`~elastic.train.preemption.PreemptionWatcher`; every rank saves the step at the
