@@ -28,6 +28,7 @@ from elastic.contract.progress import InvalidProgressError, Progress
 from elastic.etcd import EtcdClient, MemoryEtcdClient, create_client
 from elastic.etcd.config import EtcdOptions
 from elastic.testing.etcd_server import LocalEtcdCluster
+from elastic.testing.wait import wait_for
 from elastic.train.progress import EtcdProgressReporter, NullProgressReporter, create_reporter
 
 KEY = "/etrain/progress/j-1"
@@ -305,7 +306,7 @@ def test_reports_within_the_interval_are_coalesced_into_one_write_of_the_latest(
             reporter.report(step, world_size=1)
         time.sleep(0.2)
         assert client.get(KEY)[0].mod_revision == first_revision  # type: ignore[union-attr]  # throttled
-        time.sleep(0.6)
+        _wait_for_step(client, 1000, timeout=5)  # once the interval is over
         kv, _ = client.get(KEY)
         assert kv is not None and Progress.from_json(kv.value).step == 1000  # the latest, not the first after
         assert kv.mod_revision == first_revision + 1  # one write for 1000 reports
@@ -319,11 +320,11 @@ def test_a_forced_report_is_written_without_waiting_for_the_interval() -> None:
     try:
         reporter.report(1, world_size=1, force=True)
         reporter.report(2, world_size=1, checkpoint_step=2, checkpoint_path="/ck/step-2")  # a commit forces
-        time.sleep(0.3)
+        _wait_for_step(client, 2, timeout=5)  # well within the interval (60 s)
         p = _read(client)
         assert p is not None and (p.step, p.checkpoint_step, p.checkpoint_path) == (2, 2, "/ck/step-2")
         reporter.report(3, world_size=1, force=True)  # the checkpoint is remembered
-        time.sleep(0.3)
+        _wait_for_step(client, 3, timeout=5)
         p = _read(client)
         assert p is not None and (p.step, p.checkpoint_step) == (3, 2)
     finally:
@@ -338,12 +339,12 @@ def test_a_report_etcd_would_not_take_back_is_dropped_by_the_writer_not_raised_i
     try:
         reporter.report(1, world_size=1, unserializable=object())  # not JSON
         reporter.report(2, world_size=0)  # a report the controller would refuse
-        time.sleep(0.3)
+        wait_for(lambda: "progress report dropped" in caplog.text, timeout=5, interval=0.01, what="a drop")
         assert _read(client) is None
         reporter.report(3, world_size=1, force=True)
-        time.sleep(0.3)
-        p = _read(client)
-        assert p is not None and p.step == 3
+        _wait_for_step(client, 3, timeout=5)
+        kv, _ = client.get(KEY)
+        assert kv is not None and kv.version == 1  # its only write: neither bad report reached etcd
     finally:
         reporter.close()
     assert "progress report dropped" in caplog.text
