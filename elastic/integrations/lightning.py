@@ -59,7 +59,6 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from elastic import compat
 from elastic.checkpoint import capture_training_state
 from elastic.checkpoint.state import TrainingState
-from elastic.contract.env import TorchrunEnv
 from elastic.contract.lr import LRPolicy
 from elastic.contract.recovery import RecoveryMode
 from elastic.train.batch_sampler import ElasticBatchSampler, LockstepError
@@ -169,7 +168,7 @@ class ElasticDDPStrategy(DDPStrategy):
                              "with -m elastic.prefork)")  # fmt: skip
         if kwargs.get("start_method", "popen") != "popen":
             raise ValueError("ElasticDDPStrategy runs under torchrun (start_method='popen'), not spawned processes")
-        if kwargs.get("cluster_environment") is None and TorchrunEnv.launched():
+        if kwargs.get("cluster_environment") is None and TorchElasticEnvironment.detect():
             kwargs["cluster_environment"] = TorchrunEnvironment()
         kwargs.setdefault("timeout", config.timeout)
         if config.backend is not None:
