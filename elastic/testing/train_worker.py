@@ -52,7 +52,6 @@ from elastic.checkpoint import CheckpointOptions
 from elastic.contract import env as worker_env
 from elastic.contract.lr import LRPolicy, LRRule
 from elastic.interpreter import freeze_at_exit
-from elastic.train.progress import create_reporter
 from elastic.train.trainer import ElasticConfig, ElasticTrainer, LiveOptions, RecoveryMode, StepInfo
 
 
@@ -216,7 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     log_file: list[Path] = []
     resumed_from: list[str | None] = []
     trained: list[ElasticTrainer] = []
-    reporter = create_reporter(rank=0)  # reports only what rank 0 records (see on_step)
 
     def on_step(info: StepInfo) -> None:
         shard_size = trained[0].shard_size if trained else None
@@ -230,8 +228,6 @@ def main(argv: list[str] | None = None) -> int:
                   "resumed_from": resumed_from[0] if resumed_from else None}  # fmt: skip
         with open(log_file[0], "a") as f:
             f.write(json.dumps(record) + "\n")
-        if info.rank == 0 and not info.late:  # the job's rank 0 (under live recovery RANK is node-local)
-            reporter.report(info.step, world_size=info.world_size, loss=info.loss)
         if args.step_sleep and (args.pace_file is None or args.pace_file.exists()):
             time.sleep(args.step_sleep)
         if args.hold_file is not None and info.epoch >= args.hold_epoch and not info.late:
@@ -297,7 +293,6 @@ def main(argv: list[str] | None = None) -> int:
             "gen": trainer.generation}  # fmt: skip
     (args.record / f"final.rank{trainer.rank}.json").write_text(json.dumps(done))
     trainer.close()
-    reporter.close()
     return 0
 
 

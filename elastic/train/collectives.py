@@ -22,12 +22,14 @@ and its watchdog can abort NCCL, not a gloo collective stuck on a vanished peer.
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from elastic import compat
 from elastic.contract.env import TorchrunEnv, WorkerEnv
 from elastic.gloo_group import GlooGroupBeside
 from elastic.train import console
@@ -150,3 +152,14 @@ def round_node_names() -> list[str] | None:
     names: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(names, job.node_name)
     return sorted({str(n) for n in names})
+
+
+def leave_process_group() -> None:
+    """Every rank leaves the default group together (a barrier), then it is destroyed (nothing where none is)."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    # gloo's worker thread frees finished work (which holds Python tensors) under the GIL; give it the GIL now, or
+    # tearing the group down from the main thread can deadlock at exit.
+    time.sleep(0.2)
+    compat.destroy_process_group()

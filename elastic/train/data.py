@@ -33,11 +33,13 @@ from torch.utils.data import DataLoader, default_collate
 
 from elastic.train.batch_sampler import ElasticBatchSampler, LockstepError
 from elastic.train.batching import make_batch, to_device
-from elastic.train.sampler import StepLayout
+from elastic.train.sampler import ElasticSampler, StepLayout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CollatedData", "LoaderData", "StepData", "StreamData", "StreamStates", "is_stream", "step_data"]
+__all__ = [
+    "CollatedData", "LoaderData", "StepData", "StreamData", "StreamStates", "is_stream", "source_sampler", "step_data",
+]
 
 #: the cursor's data set size for a stream: its sample numbers, never reached (a stream ends with ``max_steps``)
 STREAM_SIZE = 2**62
@@ -225,3 +227,14 @@ def step_data(source: Any, collate: Callable[[list[Any]], Any], device: torch.de
         raise TypeError(f"data must be a DataLoader over an ElasticBatchSampler or a map-style data set (with "
                         f"__getitem__ and __len__), not {type(source).__name__}")  # fmt: skip
     return CollatedData(source, collate, device)
+
+
+def source_sampler(source: Any, seed: int, shuffle: bool) -> ElasticSampler:
+    """The sampler whose position the loop's cursor saves: a loader's :class:`ElasticBatchSampler`'s own, one that
+    counts a stream's samples (a stream's position is its loader's state), or one over a data set's indices."""
+    batch_sampler = getattr(source, "batch_sampler", None)
+    if isinstance(batch_sampler, ElasticBatchSampler):
+        return batch_sampler.sampler
+    if is_stream(source):
+        return ElasticSampler(STREAM_SIZE, shuffle=False)
+    return ElasticSampler(len(source), seed=seed, shuffle=shuffle)

@@ -16,10 +16,10 @@ next snapshots (nothing is lost).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["RegistrationError", "StateRegistry", "Stateful"]
+__all__ = ["RegistrationError", "StateRegistry", "Stateful", "loop_registry"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,3 +92,14 @@ class StateRegistry:
                            "restored, only carried on into the next snapshots (register_state before the first "
                            "step)", ", ".join(map(repr, self._pending)))  # fmt: skip
         self._closed = True
+
+
+def loop_registry(optimizers: Sequence[Any], state: Mapping[str, Any] | None) -> StateRegistry:
+    """The loop's registry at start: the optimizers after the first (``optimizer.1``, ...; the first is the
+    snapshot's optimizer entry) and the script's ``state=`` objects, by name."""
+    registry = StateRegistry()
+    for i, extra in enumerate(optimizers[1:], start=1):
+        registry.register(f"optimizer.{i}", extra)
+    for name, obj in (state or {}).items():
+        registry.register(name, obj)
+    return registry

@@ -30,7 +30,8 @@ import logging
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,26 +40,22 @@ from elastic.train.sampler import StepLayout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OptimizerGate", "Step", "StepHost", "StepMismatchError"]
+__all__ = ["OptimizerGate", "Step", "StepHost", "StepMismatchError", "as_optimizers", "steps_end"]
 
 
 class StepMismatchError(RuntimeError):
     """The ranks disagree about a step: its optimizer steps ran on some ranks and not on others."""
 
 
-class StepHost(Protocol):
-    """What a :class:`Step` asks of the loop."""
+@dataclass(frozen=True)
+class StepHost:
+    """What a :class:`Step` asks of the loop (the trainer's methods, bound to it)."""
 
-    def no_sync(self) -> AbstractContextManager[Any]: ...
-
-    def fetch(self, layout: StepLayout) -> Iterator[Any]: ...
-
-    def gradients_done(self) -> None: ...
-
-    def run_backward(self, loss: torch.Tensor, weight: float, padding: bool, scaler: Any) -> None: ...
-
-    @property
-    def broken(self) -> bool: ...
+    no_sync: Callable[[], AbstractContextManager[Any]]  # no gradient all-reduce for the micro-batch inside
+    fetch: Callable[[StepLayout], Iterator[Any]]  # the step's micro-batches
+    gradients_done: Callable[[], None]  # the last micro-batch's backward ran: complete the step's gradients
+    run_backward: Callable[[torch.Tensor, float, bool, Any], None]  # (loss, weight, padding, scaler)
+    broken: Callable[[], bool]  # live mode: the group broke during the step
 
 
 class Step:
@@ -101,7 +98,7 @@ class Step:
     def dropped(self) -> bool:
         """Live mode: the group broke during this step; it is served again after the re-form (its optimizer steps
         are no-ops)."""
-        return self._host.broken
+        return self._host.broken()
 
     @property
     def complete(self) -> bool:
@@ -114,7 +111,7 @@ class Step:
         last = self.accumulation - 1
         batches = self._host.fetch(self._layout)
         for j in range(self.accumulation):
-            if self._host.broken:
+            if self._host.broken():
                 break
             self._current = j
             ctx = self._host.no_sync() if j < last else None
@@ -125,7 +122,7 @@ class Step:
             finally:
                 if ctx is not None:
                     ctx.__exit__(None, None, None)
-        if not self._host.broken:
+        if not self._host.broken():
             self._host.gradients_done()
         self._done = True
 
@@ -189,3 +186,28 @@ class OptimizerGate:
             else:
                 vars(opt).pop("step", None)
         self._originals = []
+
+
+def steps_end(epoch: int | None, epochs: int | None, max_steps: int | None, current_epoch: int,
+              stream: bool) -> int | None:  # fmt: skip
+    """The epoch the loop's steps end before (None: ``max_steps`` alone ends them), from the arguments of
+    ``trainer.steps()``/``batches()``; a clear error for arguments that do not say where the steps end."""
+    if epoch is not None and epochs is not None:
+        raise TypeError("give an epoch or epochs=N, not both")
+    if epoch is None and epochs is None and max_steps is None:
+        raise TypeError("give an epoch, epochs=N or max_steps=N")
+    if max_steps is not None and max_steps < 0:
+        raise ValueError(f"max_steps must be >= 0, got {max_steps}")
+    if stream and max_steps is None:
+        raise ValueError("a stream has no epochs for the loop: give max_steps")
+    if epoch is not None and epoch > current_epoch:
+        raise ValueError(f"epoch {epoch} asked for while epoch {current_epoch} is not finished")
+    return epochs if epochs is not None else None if epoch is None else epoch + 1
+
+
+def as_optimizers(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
+    """The trainer's ``optimizer`` argument as a tuple: one optimizer, or a non-empty sequence of them."""
+    optimizers = (optimizer,) if isinstance(optimizer, torch.optim.Optimizer) else tuple(optimizer)
+    if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        raise TypeError("optimizer must be a torch.optim.Optimizer or a sequence of them")
+    return optimizers

@@ -23,8 +23,8 @@ The contract, in the order the loop calls it:
    mode that no strategy trains raise :class:`StrategyError` (a ``ValueError``) there;
 2. :meth:`ParallelStrategy.join`: form or join the process group (a collective), return this rank's device;
 3. :meth:`~ParallelStrategy.host_collectives`, :attr:`~ParallelStrategy.storage_required`,
-   :attr:`~ParallelStrategy.sharded`, :attr:`~ParallelStrategy.shards`: what the loop builds its snapshots and
-   step-boundary agreements with;
+   :attr:`~ParallelStrategy.sharded`, :attr:`~ParallelStrategy.shards`, :meth:`~ParallelStrategy.agreement`: what the
+   loop builds its snapshots and step-boundary agreements with;
 4. :meth:`~ParallelStrategy.start` with the loop's :class:`LoopParts`: bring this rank's state to the group's
    (restore the newest snapshot, or receive it from a live peer; replicas made identical) and return the model the
    script calls (``trainer.model``);
@@ -57,6 +57,7 @@ from torch import nn
 
 from elastic.checkpoint.state import TrainingState, capture_training_state
 from elastic.live.protocol import ReformReason
+from elastic.train.agreement import BoundaryAgreement, ImmediateAgreement
 from elastic.train.collectives import HostCollectives, group_device, join_process_group
 from elastic.train.config import ElasticConfig, StepInfo
 from elastic.train.cursor import TrainingCursor
@@ -234,6 +235,12 @@ class ParallelStrategy(ABC):
     def host_collectives(self, device: torch.device) -> HostCollectives:
         """Where the loop's step-boundary agreements run (a collective: it may make a group)."""
         return HostCollectives.for_loop(device, self.config.timeout, live=self.recovery.live)
+
+    def agreement(self, host: HostCollectives, world_size: int) -> BoundaryAgreement:
+        """When the ranks agree on a boundary's flags (:mod:`elastic.train.agreement`): at the boundary (the
+        default: a live group's commit point; a sharded model's snapshots are collective writes of every rank's
+        shard, which a step skipped on some ranks only must not reach)."""
+        return ImmediateAgreement(host.device, host.group)
 
     @property
     def storage_required(self) -> bool:

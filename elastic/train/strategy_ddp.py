@@ -19,6 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic.checkpoint.state import TrainingState
 from elastic.live.grads import broadcast_module
+from elastic.train.agreement import BoundaryAgreement, DeferredAgreement
+from elastic.train.collectives import HostCollectives
 from elastic.train.config import ElasticConfig
 from elastic.train.strategy import LoopParts, ParallelStrategy, RestartRecovery, capture_replicated
 
@@ -55,6 +57,13 @@ class DDPStrategy(ParallelStrategy):
         device_ids = [device.index] if device.type == "cuda" else None
         self._model = DistributedDataParallel(self._module, device_ids=device_ids)
         return self._model
+
+    def agreement(self, host: HostCollectives, world_size: int) -> BoundaryAgreement:
+        """Overlapped with the next step (:class:`~elastic.train.agreement.DeferredAgreement`): DDP's gradient
+        all-reduce already meets every rank once per step; a world of one has nothing to agree on."""
+        if world_size == 1:
+            return super().agreement(host, world_size)
+        return DeferredAgreement(host.device, host.group)
 
     def no_sync(self) -> AbstractContextManager[Any]:
         assert self._model is not None

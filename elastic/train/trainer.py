@@ -1,51 +1,32 @@
-"""The worker-side elastic loop: a few lines turn a DDP script into an elastic, resumable one.
+"""The worker-side elastic loop: a few lines turn a DDP script into an elastic, resumable one (docs/open-loop.md).
 
-    trainer = ElasticTrainer(model, optimizer, dataset, ElasticConfig(lr_policy=..., checkpoint_url=...))
-    for x, y in trainer.batches(epochs=3):
+    trainer = ElasticTrainer(model, optimizer, loader_or_dataset, ElasticConfig(lr_policy=..., checkpoint_url=...))
+    for x, y in trainer.batches(epochs=3):          # the short form: the loop steps the optimizer(s)
         trainer.backward(loss_fn(trainer.model(x), y))
+    for step in trainer.steps(max_steps=1000):      # the own-step form: the script's GradScaler, clipping, ...
+        for x, y in step:
+            step.backward(loss_fn(trainer.model(x), y), scaler)
+        scaler.step(optimizer); scaler.update()
     trainer.close()
 
-or, as a drop-in for a tutorial DDP script (the process group and ``DDP(model)`` are the user's own)::
+What it does, in order: joins the process group torchrun describes (or a world of one without torchrun); checks
+the checkpoint storage; restores the newest verified snapshot (model, optimizers, scheduler, data cursor, RNG,
+registered state); makes the replicas identical; then, for each step, serves this rank's share of exactly the
+samples not yet consumed (micro-batches under ``no_sync`` as the LR policy's plan says for this world), weighs each
+loss for the exact mean over the global batch, applies the policy's LR factor around each optimizer's step
+(:class:`~elastic.train.step.OptimizerGate`), steps the scheduler, advances the cursor, and at the step boundary
+agrees with the other ranks (:mod:`~elastic.train.boundary`, :mod:`~elastic.train.agreement`) on the snapshots
+due (asynchronous, deferred while the writer is busy: :mod:`~elastic.train.schedule`), a SIGTERM (everyone saves,
+the signalled workers stop) and the optimizer steps that ran (:class:`~elastic.train.step.StepMismatchError`).
 
-    dist.init_process_group("gloo"); model = DDP(model)
-    trainer = ElasticTrainer(model, optimizer, dataset, ElasticConfig(LRPolicy("linear", lr, 2, batch)))
-    for epoch in range(epochs):
-        for x, y in trainer.batches(epoch):
-            trainer.backward(loss_fn(model(x), y))
-
-What it does, in order: joins the process group torchrun describes (gloo on CPU, NCCL on GPU); checks the
-checkpoint storage (a clear error before training); restores the newest verified snapshot that rank 0 picks
-(model, optimizer, scheduler, data cursor, RNG, step, LR policy reference); wraps the model in DDP, which
-broadcasts rank 0's parameters so replicas start identical; then, for each optimizer step, hands out this
-rank's share of exactly the samples not yet consumed this epoch (split into micro-batches under ``no_sync``
-for gradient accumulation), scales the loss so the gradient is the exact mean over the global batch, applies
-the LR policy's factor (with its warmup ramp after a resize) around ``optimizer.step()``, steps the LR
-scheduler, advances the data cursor, saves snapshots on a step/time schedule (asynchronously; optionally also
-node-local ones in memory, see ``elastic/checkpoint/tiers.py``), logs progress averaged over workers, and
-on SIGTERM saves synchronously at the step boundary and stops.
-
-A snapshot due while the last one is still being written is deferred, never stalling the loop
-(:mod:`elastic.train.schedule`); a SIGTERM'd worker stuck in a collective with a vanished peer exits after
-``stop_timeout`` without the final save (:mod:`elastic.train.stop_timeout`).
-
-With ``ElasticConfig(recovery="live")`` the workers form the job's process group themselves
-(:mod:`elastic.live`): a failed collective makes the survivors drop the step in progress, re-form over the
-survivors and continue in the same processes; joiners are admitted at a step boundary and receive the state
-from a member. See docs/live-recovery.md.
-
-Sharded models (FSDP2, HSDP) are not wrapped in DDP: the script passes the unsharded module and
-``parallelize=fn(module, mesh)``, sharded anew for each world (:mod:`elastic.train.parallel`; live recovery keeps
-the surviving replicas' shards in place), or, in restart mode, a module it sharded itself; their snapshots use
-the sharded layout (:mod:`elastic.train.sharded`).
-
-One part per concern: the cursor (step, data, LR: :mod:`~elastic.train.cursor`), batches, the process group
-(:mod:`~elastic.train.collectives`), snapshots, the boundary's agreed flags, the stop timeout, progress: each a
-module of :mod:`elastic.train`. Everything that depends on the mode (joining the group, wrapping the model,
-``no_sync``, completing a step's gradients, the state a snapshot captures, a lost peer, re-forming, leaving) is
-the :class:`~elastic.train.strategy.ParallelStrategy`'s, chosen once (:mod:`~elastic.train.strategy_factory`): DDP
-in restart mode, the live all-reduce (:mod:`~elastic.train.strategy_live` over :mod:`elastic.live`), or FSDP2/HSDP
-(:mod:`~elastic.train.strategy_sharded`). This module is the loop: steps and batches, the boundary, the cursor,
-the snapshots' schedule, progress.
+Everything that depends on the mode (joining the group, wrapping the model, ``no_sync``, completing a step's
+gradients, the state a snapshot captures, a lost peer, re-forming, leaving) is the
+:class:`~elastic.train.strategy.ParallelStrategy`'s, chosen once (:mod:`~elastic.train.strategy_factory`): DDP in
+restart mode; live recovery (``recovery="live"``: the survivors drop the step, re-form and go on in the same
+processes, :mod:`~elastic.train.strategy_live`); FSDP2/HSDP (``parallelize=fn(module, mesh)``, sharded anew for
+each world, or a module the script sharded, :mod:`~elastic.train.strategy_sharded`). The data source is
+:mod:`~elastic.train.data`'s, progress :mod:`~elastic.train.loop_progress`'s, the snapshots
+:mod:`~elastic.train.snapshots`'. This module is the loop: steps and batches, the boundary, the cursor.
 """
 
 from __future__ import annotations
@@ -54,7 +35,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
 
@@ -69,20 +49,21 @@ from elastic.checkpoint.storage import CheckpointStorage
 from elastic.checkpoint.tiers import LocalSnapshotStats
 from elastic.contract.lr import LRPolicy
 from elastic.live.protocol import ReformReason
+from elastic.train.agreement import check_steps
 from elastic.train.batch_sampler import ElasticBatchSampler
 from elastic.train.boundary import BoundaryFlags
-from elastic.train.collectives import log_mean_loss, mean_over_workers, round_node_names
+from elastic.train.collectives import leave_process_group, mean_over_workers
 from elastic.train.config import ElasticConfig, LiveOptions, RecoveryMode, StepInfo
 from elastic.train.cursor import TrainingCursor
-from elastic.train.data import STREAM_SIZE, StreamData, is_stream, step_data
+from elastic.train.data import StreamData, source_sampler, step_data
+from elastic.train.loop_progress import LoopProgress
 from elastic.train.parallel import Parallelize
 from elastic.train.preemption import PreemptionWatcher
-from elastic.train.progress import create_reporter
-from elastic.train.registry import StateRegistry
-from elastic.train.sampler import ElasticSampler, StepLayout, step_layout
+from elastic.train.registry import loop_registry
+from elastic.train.sampler import ElasticSampler, step_layout
 from elastic.train.schedule import SnapshotStats, WriterBusy
 from elastic.train.snapshots import LoopCheckpoints
-from elastic.train.step import OptimizerGate, Step, StepMismatchError
+from elastic.train.step import OptimizerGate, Step, StepHost, StepMismatchError, as_optimizers, steps_end
 from elastic.train.step_loss import StepLoss
 from elastic.train.stop_timeout import StopTimeout
 from elastic.train.strategy import LoopParts
@@ -139,29 +120,18 @@ class ElasticTrainer:
         compat.check_torch_version()
         self.config = config
         self._on_step = on_step
-        optimizers = (optimizer,) if isinstance(optimizer, torch.optim.Optimizer) else tuple(optimizer)
-        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
-            raise TypeError("optimizer must be a torch.optim.Optimizer or a sequence of them")
+        self.optimizers = optimizers = as_optimizers(optimizer)
         self.optimizer = optimizers[0]
-        self.optimizers = optimizers
         self.scheduler = scheduler
-        self._registry = StateRegistry()
-        for i, extra in enumerate(optimizers[1:], start=1):
-            self._registry.register(f"optimizer.{i}", extra)
-        for name, obj in (state or {}).items():
-            self._registry.register(name, obj)
+        self._registry = loop_registry(optimizers, state)
         # the mode (restart or live; DDP, the live all-reduce or FSDP2) is the strategy's, chosen once
         self._strategy = create_strategy(model, parallelize, optimizers, config)
         self.device = self._strategy.join()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._host = self._strategy.host_collectives(self.device)
+        self._agreement = self._strategy.agreement(self._host, self.world_size)
+        sampler = source_sampler(data, config.seed, config.shuffle)
         batch_sampler = getattr(data, "batch_sampler", None)
-        if isinstance(batch_sampler, ElasticBatchSampler):  # the script's DataLoader: its sampler is the cursor's
-            sampler = batch_sampler.sampler
-        elif is_stream(data):  # the cursor counts the stream's samples (see elastic.train.data)
-            sampler = ElasticSampler(STREAM_SIZE, shuffle=False)
-        else:
-            sampler = ElasticSampler(len(data), seed=config.seed, shuffle=config.shuffle)
         self.cursor = TrainingCursor(config.lr_policy, sampler, self.rank, self.world_size, self._registry)
         if isinstance(batch_sampler, ElasticBatchSampler):
             batch_sampler.bind(lambda world: self.cursor.policy.step_plan(world))
@@ -170,6 +140,13 @@ class ElasticTrainer:
             self._registry.register("stream", self._data.states)
         self._gate = OptimizerGate(optimizers, lambda: self.lr_factor, lambda: self._strategy.dropped)
         self._step_now: Step | None = None  # the step being served
+        self._step_host = StepHost(
+            no_sync=lambda: self._strategy.no_sync(),
+            fetch=lambda layout: self._data.micro_batches(layout),
+            gradients_done=self._gradients_done,
+            run_backward=self._run_backward,
+            broken=lambda: self._strategy.dropped,
+        )
         self._backward_pending = False  # the short form: a micro-batch yielded whose backward has not run
         self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device,
                                             require_storage=self._strategy.storage_required,
@@ -181,9 +158,8 @@ class ElasticTrainer:
         )
         self._stop_timeout = StopTimeout(config.stop_timeout, lambda: self.step)
         self._preemption = PreemptionWatcher(on_signal=self._stop_timeout.arm).install()
-        self._progress = create_reporter(rank=self.rank)  # a no-op outside the job service and off rank 0
-        self._progress.report(self.step, world_size=self.world_size, total_steps=config.total_steps,
-                              nodes=round_node_names(), force=True)  # fmt: skip
+        self._progress = LoopProgress(config, self._checkpoints, self._host, self.rank)
+        self._progress.started(self.step, self.world_size)
         self._loss = StepLoss()  # read at the boundary without draining the device's queue
         self._stopped = False
 
@@ -245,7 +221,7 @@ class ElasticTrainer:
             max_steps: stop once this many steps are committed (with ``epochs``: whichever comes first), and
                 take a final snapshot (synchronously) if the last step has none.
         """
-        return self._run(self._end_epoch(epoch, epochs, max_steps), max_steps)
+        return self._run(self._end(epoch, epochs, max_steps), max_steps)
 
     def batches(self, epoch: int | None = None, *, epochs: int | None = None,
                 max_steps: int | None = None) -> Iterator[Any]:  # fmt: skip
@@ -254,7 +230,7 @@ class ElasticTrainer:
 
         In live mode a step whose group broke is dropped and served again, split over the new group.
         """
-        for step in self._run(self._end_epoch(epoch, epochs, max_steps), max_steps):
+        for step in self._run(self._end(epoch, epochs, max_steps), max_steps):
             for batch in step:
                 self._backward_pending = True
                 yield batch
@@ -264,18 +240,8 @@ class ElasticTrainer:
                 for opt in self.optimizers:
                     opt.step()
 
-    def _end_epoch(self, epoch: int | None, epochs: int | None, max_steps: int | None) -> int | None:
-        if epoch is not None and epochs is not None:
-            raise TypeError("give an epoch or epochs=N, not both")
-        if epoch is None and epochs is None and max_steps is None:
-            raise TypeError("give an epoch, epochs=N or max_steps=N")
-        if max_steps is not None and max_steps < 0:
-            raise ValueError(f"max_steps must be >= 0, got {max_steps}")
-        if isinstance(self._data, StreamData) and max_steps is None:
-            raise ValueError("a stream has no epochs for the loop: give max_steps")
-        if epoch is not None and epoch > self.sampler.epoch:
-            raise ValueError(f"epoch {epoch} asked for while epoch {self.sampler.epoch} is not finished")
-        return epochs if epochs is not None else None if epoch is None else epoch + 1
+    def _end(self, epoch: int | None, epochs: int | None, max_steps: int | None) -> int | None:
+        return steps_end(epoch, epochs, max_steps, self.sampler.epoch, isinstance(self._data, StreamData))
 
     def _run(self, end: int | None, max_steps: int | None) -> Iterator[Step]:
         self._registry.close()  # registration ends with the first step
@@ -287,7 +253,7 @@ class ElasticTrainer:
                             0.0, None, generation=self.generation)  # fmt: skip
             self._strategy.begin_step(info, plan.global_batch)  # its record: lr and loss once applied
             self._gate.take()
-            step = self._step_now = Step(_StepHost(self), layout, self.step + 1, self.sampler.epoch, self.world_size)
+            step = self._step_now = Step(self._step_host, layout, self.step + 1, self.sampler.epoch, self.world_size)
             yield step
             if not self._strategy.dropped and not step.complete:
                 raise RuntimeError(f"step {step.index}: iterate all of its micro-batches before the next step")
@@ -296,8 +262,20 @@ class ElasticTrainer:
             if self._strategy.dropped:
                 self._recover(ReformReason.FAILURE)
         self._step_now = None
+        self._settle()
         if max_steps is not None and self.step >= max_steps and not self._stopped:
             self._final_snapshot()
+
+    def _settle(self) -> None:
+        """The steps ended: the last boundary's agreement, if still in flight, is waited for and its steps checked
+        (its snapshot flags come too late: the end of the steps has its own snapshot)."""
+        try:
+            agreed = self._agreement.drain()
+        except RuntimeError as exc:
+            self._collective_failed(exc)
+            return
+        if agreed is not None:
+            check_steps(agreed)
 
     def _final_snapshot(self) -> None:
         """``max_steps`` reached: the last step is saved (synchronously) unless a snapshot of it exists."""
@@ -339,15 +317,10 @@ class ElasticTrainer:
         self._gate.zero_grad()  # every optimizer's share of a dropped step's gradients (the re-served step adds up)
         self._loss.discard()
         self._data.reset()  # what the loader read ahead was split for the old group
-        was_first = self.rank == 0
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        if was_first != (self.rank == 0):  # only the live group's rank 0 reports progress
-            self._progress.close(timedelta(seconds=1))
-            self._progress = create_reporter(rank=self.rank)
         self.model = self._strategy.wrap()
         self._stop_timeout.restart_clock()
-        self._progress.report(self.step, world_size=self.world_size, total_steps=self.config.total_steps,
-                              nodes=round_node_names(), force=True)  # fmt: skip
+        self._progress.regrouped(self.step, self.rank, self.world_size)
 
     def _gradients_done(self) -> None:
         """The step's last micro-batch is done: the strategy completes its gradients (live mode's all-reduce)."""
@@ -378,28 +351,27 @@ class ElasticTrainer:
         self.cursor.step += 1
         loss = self._loss.take()
         self._strategy.step_applied(lr, loss)  # restart mode: recorded now; live: once committed
-        # Every rank agrees on this boundary's flags (one all-reduce per step); in live mode the step commits
-        # here, so its record is written only now.
+        # Every rank agrees on the boundary's flags (one all-reduce per step; in live mode the step commits here, so
+        # its record is written only now); DDP's agreement overlaps the next step (elastic.train.agreement)
         signalled = self._preemption.requested
+        mine = self._local_flags(stepped, signalled)
         try:
-            flags = self._agree(signalled, stepped)
+            agreed = self._agreement.agreed(self.step, stepped, mine)
         except RuntimeError as exc:
             self._collective_failed(exc)
             return
-        if not flags.steps_agree:
-            raise StepMismatchError(
-                f"step {self.step}: the optimizer(s) stepped {-flags.optimizer_steps_neg} time(s) on some ranks and "
-                f"{flags.optimizer_steps} on others (this rank: {stepped}); a step skipped on some ranks only leaves "
-                "the replicas apart: decide a skip on values every rank shares (the all-reduced gradients, as "
-                "GradScaler does), never on a rank's own loss"
-            )  # fmt: skip
+        flags = BoundaryFlags() if agreed is None else agreed.flags
+        if agreed is not None:
+            check_steps(agreed)
         if stepped == 0:
             logger.info("step %d: no optimizer step ran on any rank (a skipped step); its samples count as consumed",
                         self.step)  # fmt: skip
         self._strategy.step_committed()
         try:
-            self._maybe_report(lr, loss)
+            self._progress.log_loss(self.step, self.sampler.epoch, lr, loss)
             stop = self._act(flags, epoch_done, signalled)
+            if not stop:
+                self._agreement.launch(self.step, stepped, mine)
         except RuntimeError as exc:
             self._collective_failed(exc)
             return
@@ -413,14 +385,18 @@ class ElasticTrainer:
         if self._on_step is not None:
             self._on_step(info)
 
-    def _agree(self, signalled: bool, stepped: int) -> BoundaryFlags:
-        """Every rank's flags for this boundary, agreed on (one all-reduce): the snapshot flags of
-        :meth:`LoopCheckpoints.local_flags`, the optimizer steps this rank ran, and (live) whether workers wait to
-        be admitted."""
-        mine = self._checkpoints.local_flags(self.step, time.monotonic(), signalled, self.rank)
-        mine = dataclasses.replace(mine, optimizer_steps=stepped, optimizer_steps_neg=-stepped)
-        mine = dataclasses.replace(mine, joiners=self._strategy.joiners_waiting(self.rank))
-        return mine.agree(self._host.device, self._host.group())
+    def _local_flags(self, stepped: int, signalled: bool) -> Callable[[], BoundaryFlags]:
+        """This rank's view of the boundary, when asked (a deferred agreement asks after the boundary's snapshots):
+        the snapshot flags of :meth:`LoopCheckpoints.local_flags`, the optimizer steps this rank ran, and (live)
+        whether workers wait to be admitted."""
+
+        def mine() -> BoundaryFlags:
+            acted_at = self.step + self._agreement.lag  # the boundary the flags are acted on
+            flags = self._checkpoints.local_flags(acted_at, time.monotonic(), signalled, self.rank)
+            return dataclasses.replace(flags, optimizer_steps=stepped, optimizer_steps_neg=-stepped,
+                                       joiners=self._strategy.joiners_waiting(self.rank))  # fmt: skip
+
+        return mine
 
     def _act(self, flags: BoundaryFlags, epoch_done: bool, signalled: bool) -> bool:
         """The boundary's snapshots; True when this rank must stop now (SIGTERM'd, and the step is saved)."""
@@ -450,19 +426,8 @@ class ElasticTrainer:
         self._strategy.leave()  # live: revoke the lease, the others re-form without waiting for it
         raise SystemExit(143)
 
-    def _maybe_report(self, lr: float, loss: float | None) -> None:
-        every = self.config.progress_every
-        if every > 0 and self.step % every == 0:
-            log_mean_loss(self.step, self.sampler.epoch, loss, lr, self.rank, self._host)
-
     def _publish_progress(self, lr: float, loss: float | None) -> None:
-        """Progress for the job service (rank 0 only, throttled by the reporter; a no-op elsewhere)."""
-        committed = self._checkpoints.committed_report()
-        self._progress.report(
-            self.step, world_size=self.world_size, loss=loss, total_steps=self.config.total_steps,
-            lr=lr, epoch=self.sampler.epoch, force=bool(committed), **committed,
-            **self.snapshot_stats.progress_fields(), **self.local_snapshot_stats.progress_fields(),
-        )  # fmt: skip
+        self._progress.publish(self.step, self.world_size, self.sampler.epoch, lr, loss)
 
     def average(self, values: dict[str, float]) -> dict[str, float]:
         """Mean of each value over all workers (one all-reduce); a collective: every rank must call it."""
@@ -518,6 +483,9 @@ class ElasticTrainer:
             logger.info("taking the snapshot pending since step %d at step %d before closing", pending, self.step)
             self.save(blocking=True)
         try:
+            if finished and not self._stopped:
+                self._settle()  # the steps were left early: the last boundary's agreement is still in flight
+            self._agreement.discard()
             self._stop_timeout.reached()
             self._preemption.uninstall()
             self._data.close()
@@ -526,12 +494,7 @@ class ElasticTrainer:
             if self._checkpoints.pending is not None:
                 self._publish_progress(self.current_lr(), None)
             self._progress.close()
-            if dist.is_initialized():
-                dist.barrier()
-                # gloo's worker thread frees finished work (which holds Python tensors) under the GIL; give it
-                # the GIL now, or tearing the group down from the main thread can deadlock at exit.
-                time.sleep(0.2)
-                compat.destroy_process_group()
+            leave_process_group()
             self._strategy.leave(finished=finished and not self._stopped and self.rank == 0)
         finally:
             self._strategy.close()  # the user's module keeps no hook of ours, whatever failed above
@@ -541,26 +504,3 @@ class ElasticTrainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close(finished=exc[0] is None)
-
-
-class _StepHost:
-    """What a :class:`~elastic.train.step.Step` asks of its trainer (the :class:`~elastic.train.step.StepHost`)."""
-
-    def __init__(self, trainer: ElasticTrainer) -> None:
-        self._t = trainer
-
-    def no_sync(self) -> AbstractContextManager[Any]:
-        return self._t._strategy.no_sync()
-
-    def fetch(self, layout: StepLayout) -> Iterator[Any]:
-        return self._t._data.micro_batches(layout)
-
-    def gradients_done(self) -> None:
-        self._t._gradients_done()
-
-    def run_backward(self, loss: torch.Tensor, weight: float, padding: bool, scaler: Any) -> None:
-        self._t._run_backward(loss, weight, padding, scaler)
-
-    @property
-    def broken(self) -> bool:
-        return self._t._strategy.dropped
