@@ -117,6 +117,9 @@ class LocalSlurm:
             "MpiDefault=none",
             "SwitchType=switch/none",
             "SchedulerType=sched/backfill",
+            # a pending job whose begin time passed (a requeued job after its hold) starts at the next scheduling
+            # pass, not an event's: every second here, not after Slurm's 30 s (backfill) or 60 s (main loop)
+            "SchedulerParameters=bf_interval=1,sched_interval=1",
             "SelectType=select/linear",
             "ReturnToService=2",
             f"SlurmdTimeout={self.slurmd_timeout}",
