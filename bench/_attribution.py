@@ -36,8 +36,13 @@ class StepTrace:
 
     @classmethod
     def from_json(cls, got: Mapping[str, Any]) -> StepTrace:
-        return cls(tuple(got["step_seconds"]), int(got["first_step"]), float(got["gc_s"]), float(got["main_cpu_s"]),
-                   float(got["process_cpu_s"]))  # fmt: skip
+        return cls(
+            tuple(got["step_seconds"]),
+            int(got["first_step"]),
+            float(got["gc_s"]),
+            float(got["main_cpu_s"]),
+            float(got["process_cpu_s"]),
+        )
 
     def per_step(self, value: float) -> float:
         return value / len(self.durations)

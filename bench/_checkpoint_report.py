@@ -84,8 +84,10 @@ def print_stall(r: dict[str, Any]) -> dict[str, Any]:
     summary = stall_summary(r)
     for name, value in stall_rows(r):
         print(f"  {name:<42} {value}")
-    print(f"{_stall_line(summary)}; the warmed first save blocks "
-          f"{summary['first_save_warmed_fraction_of_its_second']:.2f}x its second")  # fmt: skip
+    print(
+        f"{_stall_line(summary)}; the warmed first save blocks "
+        f"{summary['first_save_warmed_fraction_of_its_second']:.2f}x its second"
+    )
     return summary
 
 

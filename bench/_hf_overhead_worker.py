@@ -63,15 +63,24 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     vocab = 512
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=args.seq, n_embd=args.embd, n_layer=args.layers,
-                                       n_head=4))  # fmt: skip
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=vocab, n_positions=args.seq, n_embd=args.embd, n_layer=args.layers, n_head=4)
+    )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     data = Windows(args.batch * args.accumulation * world * (args.steps + 1), args.seq, vocab)
     targs = TrainingArguments(
-        output_dir=str(args.out.parent / f"hf-{args.system}"), per_device_train_batch_size=args.batch,
-        gradient_accumulation_steps=args.accumulation, learning_rate=1e-3, max_steps=args.steps,
-        save_strategy="no", logging_steps=10_000, report_to="none", use_cpu=True, disable_tqdm=True, seed=0,
-    )  # fmt: skip
+        output_dir=str(args.out.parent / f"hf-{args.system}"),
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.accumulation,
+        learning_rate=1e-3,
+        max_steps=args.steps,
+        save_strategy="no",
+        logging_steps=10_000,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     trainer = Trainer(model=model, args=targs, train_dataset=data)
     if args.system == "elastic":
         from elastic.integrations.hf import make_elastic
@@ -83,8 +92,14 @@ def main() -> None:
     if targs.process_index == 0:
         assert clock.start is not None and clock.end is not None
         wall, cpu = clock.end[0] - clock.start[0], clock.end[1] - clock.start[1]
-        out = {"system": args.system, "steps": clock.steps, "wall_s": wall, "cpu_s": cpu,
-               "steps_per_s": clock.steps / wall, "steps_per_cpu_s": clock.steps / cpu}  # fmt: skip
+        out = {
+            "system": args.system,
+            "steps": clock.steps,
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "steps_per_s": clock.steps / wall,
+            "steps_per_cpu_s": clock.steps / cpu,
+        }
         args.out.write_text(json.dumps(out))
 
 

@@ -66,8 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     fields: dict[str, str] = {}
 
     def on_step(info: StepInfo) -> None:
-        record = {"step": info.step, "gen": info.generation, "late": info.late, "pid": os.getpid(),
-                  "t": time.time(), "world": info.world_size, **fields}  # fmt: skip
+        record = {
+            "step": info.step,
+            "gen": info.generation,
+            "late": info.late,
+            "pid": os.getpid(),
+            "t": time.time(),
+            "world": info.world_size,
+            **fields,
+        }
         with open(records[0], "a") as f:
             f.write(json.dumps(record) + "\n")
         if args.step_sleep:

@@ -87,8 +87,11 @@ def data_loader(dataset: Any, args: argparse.Namespace, cuda: bool, **sampling: 
     """The script's own ``DataLoader``: ``--loader-workers`` persistent workers, pinned memory on a GPU."""
     workers = {}
     if args.loader_workers:
-        workers = {"num_workers": args.loader_workers, "persistent_workers": True,
-                   "multiprocessing_context": args.loader_context}  # fmt: skip
+        workers = {
+            "num_workers": args.loader_workers,
+            "persistent_workers": True,
+            "multiprocessing_context": args.loader_context,
+        }
     return DataLoader(dataset, pin_memory=cuda, **sampling, **workers)
 
 
@@ -233,8 +236,11 @@ def main() -> None:
             recovery="live" if live else None,
         )
         # the script's own DataLoader over the loop's batch sampler, or the data set, collated in this process
-        data = data_loader(dataset, args, cuda, batch_sampler=ElasticBatchSampler(dataset)) if (
-            args.loader_workers) else dataset  # fmt: skip
+        data = (
+            data_loader(dataset, args, cuda, batch_sampler=ElasticBatchSampler(dataset))
+            if (args.loader_workers)
+            else dataset
+        )
         trainer = ElasticTrainer(model, optimizer, data, config)
         rank = trainer.rank  # ElasticTrainer.close() leaves the process group: remember who writes
 
@@ -268,14 +274,24 @@ def main() -> None:
         cpu_rate = (len(cpu_steady) - 1) / (cpu_steady[-1] - cpu_steady[0])  # steps per CPU-second of rank 0
         start, end = steady[0], steady[-1]
         gc_s = sum(min(b, end) - max(a, start) for a, b in gc_pauses if b > start and a < end)
-        args.out.write_text(json.dumps({
-            "mode": args.mode, "steps_per_s": rate, "steps_per_cpu_s": cpu_rate, "steps": len(times),
-            # the steady steps one by one (bench/_attribution.py): times[k] ends step k + 1
-            "step_seconds": [b - a for a, b in itertools.pairwise(steady)],
-            "first_step": args.warmup + 2, "gc_s": gc_s,
-            "main_cpu_s": thread_cpu[-1] - thread_cpu[args.warmup], "process_cpu_s": cpu_steady[-1] - cpu_steady[0],
-            "snapshots": snapshots, "state_bytes": state_bytes([model.state_dict(), optimizer.state_dict()]),
-        }))  # fmt: skip
+        args.out.write_text(
+            json.dumps(
+                {
+                    "mode": args.mode,
+                    "steps_per_s": rate,
+                    "steps_per_cpu_s": cpu_rate,
+                    "steps": len(times),
+                    # the steady steps one by one (bench/_attribution.py): times[k] ends step k + 1
+                    "step_seconds": [b - a for a, b in itertools.pairwise(steady)],
+                    "first_step": args.warmup + 2,
+                    "gc_s": gc_s,
+                    "main_cpu_s": thread_cpu[-1] - thread_cpu[args.warmup],
+                    "process_cpu_s": cpu_steady[-1] - cpu_steady[0],
+                    "snapshots": snapshots,
+                    "state_bytes": state_bytes([model.state_dict(), optimizer.state_dict()]),
+                }
+            )
+        )
     if dist.is_initialized():
         # the plain loop's last collective may still be draining in gloo's threads ("terminate called without
         # an active exception" at exit, seen once in three runs): a barrier, then the drained teardown

@@ -56,8 +56,18 @@ class _Job:
 
 
 class Agents:
-    def __init__(self, client: EtcdClient, prefix: str, nodes: int, ttl: float, progress_interval: float,
-                 churn_every: float, mean_steps: int, api: str = "", token: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: str,
+        nodes: int,
+        ttl: float,
+        progress_interval: float,
+        churn_every: float,
+        mean_steps: int,
+        api: str = "",
+        token: str = "",
+    ) -> None:
         self.client = client
         self.store = ServiceStore(client, prefix)
         self.names = [f"node-{i:04d}" for i in range(nodes)]
@@ -83,8 +93,16 @@ class Agents:
     def register(self, name: str) -> None:
         self.client.get(self.store.keys.node(name))  # a real agent first checks the name is free
         lease = self.client.grant_lease(timedelta(seconds=self.ttl))
-        info = NodeInfo(name=name, capacity=1, rdzv_host="127.0.0.1", hostname="sim", pid=os.getpid(),
-                        incarnation=uuid.uuid4().hex[:12], registered_at=_now(), lease_ttl=self.ttl)  # fmt: skip
+        info = NodeInfo(
+            name=name,
+            capacity=1,
+            rdzv_host="127.0.0.1",
+            hostname="sim",
+            pid=os.getpid(),
+            incarnation=uuid.uuid4().hex[:12],
+            registered_at=_now(),
+            lease_ttl=self.ttl,
+        )
         self.store.register_node(info, lease)
         with self.lock:
             self.leases[name] = lease
@@ -127,9 +145,16 @@ class Agents:
     # -- assignments and reports ---------------------------------------------------------------------
     def report(self, node: str, job: str, generation: int, state: str, code: int | None = None) -> None:
         now = _now()
-        report = WorkerReport(job_id=job, node=node, generation=generation, state=state,  # type: ignore[arg-type]
-                              pid=10_000 + generation, exit_code=code, started_at=now if state == "running" else None,
-                              finished_at=None if state == "running" else now)  # fmt: skip
+        report = WorkerReport(
+            job_id=job,
+            node=node,
+            generation=generation,
+            state=state,  # type: ignore[arg-type]
+            pid=10_000 + generation,
+            exit_code=code,
+            started_at=now if state == "running" else None,
+            finished_at=None if state == "running" else now,
+        )
         self.store.put_report(report)
         self.writes += 1
 
@@ -168,8 +193,9 @@ class Agents:
         self.replaced += 1
         spec = {"name": f"more-{self.replaced}", "entrypoint": "train.py", "min_nodes": 2, "max_nodes": 4}
         try:
-            httpx.post(f"{self.api}/v1/jobs", json=spec, headers={"Authorization": f"Bearer {self.token}"},
-                       timeout=30).raise_for_status()  # fmt: skip
+            httpx.post(
+                f"{self.api}/v1/jobs", json=spec, headers={"Authorization": f"Bearer {self.token}"}, timeout=30
+            ).raise_for_status()
         except httpx.HTTPError as exc:
             print(f"cannot submit a replacement job: {exc}", file=sys.stderr, flush=True)
 
@@ -194,8 +220,15 @@ class Agents:
                     if self.api:
                         self.submitter.submit(self._replace)
                     continue
-                p = Progress(step=j.step, world_size=len(nodes), time=time.time(), total_steps=j.budget,
-                             loss=1.0 / j.step, generation=generation, nodes=nodes)  # fmt: skip
+                p = Progress(
+                    step=j.step,
+                    world_size=len(nodes),
+                    time=time.time(),
+                    total_steps=j.budget,
+                    loss=1.0 / j.step,
+                    generation=generation,
+                    nodes=nodes,
+                )
                 self.client.put(self.store.keys.progress_of(job), p.to_json())
                 self.writes += 1
                 time.sleep(gap)
@@ -207,8 +240,17 @@ class Agents:
 
 def run_agents(args: argparse.Namespace) -> None:
     client = create_client(EtcdConfig.from_options(args.etcd, {}))
-    agents = Agents(client, args.prefix, args.nodes, args.lease_ttl, args.progress_interval, args.churn_every,
-                    args.mean_steps, args.api, args.token)  # fmt: skip
+    agents = Agents(
+        client,
+        args.prefix,
+        args.nodes,
+        args.lease_ttl,
+        args.progress_interval,
+        args.churn_every,
+        args.mean_steps,
+        args.api,
+        args.token,
+    )
     began = time.monotonic()
     agents.register_all()
     print(f"ready {time.monotonic() - began:.1f}", flush=True)
@@ -238,8 +280,10 @@ async def _api_load(args: argparse.Namespace) -> dict[str, object]:
     rng = random.Random(11)
 
     def request(path: str) -> bytes:
-        return (f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {args.token}\r\n"
-                "Accept: application/json\r\n\r\n").encode()  # fmt: skip
+        return (
+            f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {args.token}\r\n"
+            "Accept: application/json\r\n\r\n"
+        ).encode()
 
     until = time.perf_counter() + args.duration
     status_lat: list[float] = []

@@ -59,8 +59,7 @@ async def http_get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, r
     return int(head.split(b" ", 2)[1])
 
 
-async def _connection(host: str, port: int, request: bytes, until: float, lat: list[float],
-                      bad: list[int]) -> None:  # fmt: skip
+async def _connection(host: str, port: int, request: bytes, until: float, lat: list[float], bad: list[int]) -> None:
     reader, writer = await asyncio.open_connection(host, port)
     try:
         while time.perf_counter() < until:
@@ -109,11 +108,28 @@ class Controller:
         self.log = workdir / "controller.log"
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "service.cli", "controller", "--etcd", etcd.endpoints,
-                 "--host", "127.0.0.1", "--port", str(self.port), "--tokens-file", str(tokens),
-                 "--prefix", "/bench-api", "--log-level", log_level],
-                env=env, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "service.cli",
+                    "controller",
+                    "--etcd",
+                    etcd.endpoints,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--tokens-file",
+                    str(tokens),
+                    "--prefix",
+                    "/bench-api",
+                    "--log-level",
+                    log_level,
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 60
         while True:
@@ -150,9 +166,12 @@ def bench_api(rounds: int, duration: float, connections: int, workdir: Path) -> 
             for i in range(rounds):
                 r = asyncio.run(_load("127.0.0.1", controller.port, f"/v1/jobs/{job_id}", connections, duration))
                 out.append(r)
-                print(f"api round {i + 1}: GET /v1/jobs/{{id}} {r['req_per_s']:.0f} req/s, p50 {r['p50_ms']:.1f} ms,"
-                      f" p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms, non-200 {r['non_200']}"
-                      f" ({r['requests']} requests, {connections} connections)", flush=True)  # fmt: skip
+                print(
+                    f"api round {i + 1}: GET /v1/jobs/{{id}} {r['req_per_s']:.0f} req/s, p50 {r['p50_ms']:.1f} ms,"
+                    f" p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms, non-200 {r['non_200']}"
+                    f" ({r['requests']} requests, {connections} connections)",
+                    flush=True,
+                )
         finally:
             controller.stop()
     return {"endpoint": "GET /v1/jobs/{id}", "connections": connections, "duration_s": duration, "rounds": out}

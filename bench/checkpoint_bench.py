@@ -199,9 +199,14 @@ def warm_first_save(url: str, workload: Workload) -> dict[str, Any]:
         second, second_device = workload.timed_both(lambda: mgr.save(2, state))
         mgr.wait()
         staged = mgr.last_device_staged_bytes
-    return {"warm_up_s": warm_s, "first_blocking_s": first, "second_blocking_s": second,
-            "first_device_s": first_device, "second_device_s": second_device,
-            "device_staged_bytes": staged}  # fmt: skip
+    return {
+        "warm_up_s": warm_s,
+        "first_blocking_s": first,
+        "second_blocking_s": second,
+        "first_device_s": first_device,
+        "second_device_s": second_device,
+        "device_staged_bytes": staged,
+    }
 
 
 def bench_local(directory: Path, workload: Workload, repeats: int) -> dict[str, Any]:
@@ -409,10 +414,12 @@ def main() -> None:
     parser.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) part")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "checkpoint.json")
     parser.add_argument(
-        "--parts", choices=["all", "stall"], default="all",
+        "--parts",
+        choices=["all", "stall"],
+        default="all",
         help="stall: only the steps' stall after a save and the warmed first save (issue 29's goals; at 3 GiB "
         "a quarter of the full run's bytes written)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
 
     device = pick_device(args.device)

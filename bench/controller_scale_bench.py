@@ -74,8 +74,13 @@ def _pct(values: list[float], q: float) -> float | None:
 def _summary(values: list[float], scale: float = 1.0) -> dict[str, Any]:
     if not values:
         return {"n": 0}
-    return {"n": len(values), "p50": _pct(values, 0.5) * scale, "p99": _pct(values, 0.99) * scale,  # type: ignore[operator]
-            "max": max(values) * scale, "mean": statistics.fmean(values) * scale}  # fmt: skip
+    return {
+        "n": len(values),
+        "p50": _pct(values, 0.5) * scale,
+        "p99": _pct(values, 0.99) * scale,  # type: ignore[operator]
+        "max": max(values) * scale,
+        "mean": statistics.fmean(values) * scale,
+    }
 
 
 def _applying() -> bool:
@@ -107,9 +112,17 @@ class PassRecorder:
                     raise
                 spent = time.perf_counter() - started
             if revision is not None:
-                self.passes.append({"phase": self.phase, "s": spent, "revision": revision,
-                                    "changed": revision > self._last_revision, "requests": tally.requests,
-                                    "bytes_read": tally.bytes_read, "bytes_written": tally.bytes_written})  # fmt: skip
+                self.passes.append(
+                    {
+                        "phase": self.phase,
+                        "s": spent,
+                        "revision": revision,
+                        "changed": revision > self._last_revision,
+                        "requests": tally.requests,
+                        "bytes_read": tally.bytes_read,
+                        "bytes_written": tally.bytes_written,
+                    }
+                )
                 self._last_revision = revision
             return revision
 
@@ -118,8 +131,9 @@ class PassRecorder:
     def report(self, phase: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for kind in ("changed", "idle"):
-            sel = [p for p in self.passes
-                   if (phase is None or p["phase"] == phase) and p["changed"] == (kind == "changed")]  # fmt: skip
+            sel = [
+                p for p in self.passes if (phase is None or p["phase"] == phase) and p["changed"] == (kind == "changed")
+            ]
             out[kind] = {
                 "pass_ms": _summary([p["s"] for p in sel], 1e3),
                 "requests": _summary([float(p["requests"]) for p in sel]),
@@ -130,8 +144,14 @@ class PassRecorder:
 
 
 #: what a realistic job's spec carries besides its shape (issue 48's "ordinary jobs of about 1 KB, a 5-line spec")
-_HISTORY_ENV = {"WANDB_PROJECT": "llm-sweep", "WANDB_API_KEY": "x" * 40, "HF_HOME": "/lustre/cache/hf",
-                "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "8", "DATA_DIR": "/lustre/datasets/owt/v3"}  # fmt: skip
+_HISTORY_ENV = {
+    "WANDB_PROJECT": "llm-sweep",
+    "WANDB_API_KEY": "x" * 40,
+    "HF_HOME": "/lustre/cache/hf",
+    "NCCL_DEBUG": "WARN",
+    "OMP_NUM_THREADS": "8",
+    "DATA_DIR": "/lustre/datasets/owt/v3",
+}
 _HISTORY_ARGS = ["--config", "configs/gpt2-small.yaml", "--lr", "3e-4", "--batch-size", "32", "--max-steps", "20000"]
 
 
@@ -144,12 +164,27 @@ def store_history(store: ServiceStore, count: int) -> None:
 
 
 def _store_one(store: ServiceStore, i: int, now: datetime) -> None:
-    spec = JobSpec(name=f"old-{i}", entrypoint="train.py", min_nodes=2, max_nodes=4, env=_HISTORY_ENV,
-                   args=_HISTORY_ARGS, checkpoint_url=f"s3://ckpt/sweep/old-{i}")  # fmt: skip
+    spec = JobSpec(
+        name=f"old-{i}",
+        entrypoint="train.py",
+        min_nodes=2,
+        max_nodes=4,
+        env=_HISTORY_ENV,
+        args=_HISTORY_ARGS,
+        checkpoint_url=f"s3://ckpt/sweep/old-{i}",
+    )
     created = now - timedelta(hours=1, seconds=i)
     record = JobRecord(id=f"old-{i}-{i:08x}", spec=spec, created_at=created, submitted_by="bench")
-    status = JobStatus(state=JobState.SUCCEEDED, message="finished at step 100", generation=1, step=100,
-                       created_at=created, updated_at=now, started_at=created, finished_at=now)  # fmt: skip
+    status = JobStatus(
+        state=JobState.SUCCEEDED,
+        message="finished at step 100",
+        generation=1,
+        step=100,
+        created_at=created,
+        updated_at=now,
+        started_at=created,
+        finished_at=now,
+    )
     store.create_job(record, status, new_event("submitted", "submitted by bench", created))
 
 
@@ -172,17 +207,37 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         setup = create_client(etcd.config())
         store_history(ServiceStore(setup, PREFIX), args.history)
         agents = subprocess.Popen(
-            [sys.executable, str(HERE / "_scale_agents.py"), "agents", "--etcd", etcd.endpoints, "--prefix", PREFIX,
-             "--nodes", str(args.nodes), "--churn-every", str(args.churn_every), "--token", TOKEN],
-            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(HERE / "_scale_agents.py"),
+                "agents",
+                "--etcd",
+                etcd.endpoints,
+                "--prefix",
+                PREFIX,
+                "--nodes",
+                str(args.nodes),
+                "--churn-every",
+                str(args.churn_every),
+                "--token",
+                TOKEN,
+            ],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert agents.stdin is not None and agents.stdout is not None
         line = agents.stdout.readline()
         print(f"{args.nodes} simulated nodes registered ({line.strip()} s)", flush=True)
 
         client = CountingEtcdClient(create_client(etcd.config()))
-        settings = Settings(etcd=EtcdOptions(etcd.endpoints), prefix=PREFIX, host="127.0.0.1",
-                            tokens=(TokenEntry(TOKEN, Role.ADMIN, "bench"),))  # fmt: skip
+        settings = Settings(
+            etcd=EtcdOptions(etcd.endpoints),
+            prefix=PREFIX,
+            host="127.0.0.1",
+            tokens=(TokenEntry(TOKEN, Role.ADMIN, "bench"),),
+        )
         app = create_app(settings, client=client)
         recorder = PassRecorder(app.state.controller, client, profile=args.profile is not None)
         port = free_port()
@@ -219,10 +274,25 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             ids_file.write_text(json.dumps(submitted))
             api_out = workdir / "api.json"
             load = subprocess.Popen(
-                [sys.executable, str(HERE / "_scale_agents.py"), "api", "--port", str(port), "--token", TOKEN,
-                 "--job-ids", str(ids_file), "--connections", str(args.connections), "--duration",
-                 str(args.duration), "--out", str(api_out)], env=env,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    str(HERE / "_scale_agents.py"),
+                    "api",
+                    "--port",
+                    str(port),
+                    "--token",
+                    TOKEN,
+                    "--job-ids",
+                    str(ids_file),
+                    "--connections",
+                    str(args.connections),
+                    "--duration",
+                    str(args.duration),
+                    "--out",
+                    str(api_out),
+                ],
+                env=env,
+            )
             load.wait(timeout=args.duration + 60)  # the agents replace finished jobs by new ones meanwhile
             recorder.phase = "quiet"
             agents.stdin.write("quiet\n")
@@ -242,15 +312,26 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     if recorder.profile is not None:
         recorder.profile.dump_stats(args.profile)
     return {
-        "nodes": args.nodes, "jobs": args.jobs, "history": args.history, "etcd_members": args.etcd_members,
-        "duration_s": args.duration, "connections": args.connections, "churn_every_s": args.churn_every,
-        "submit_s": submit_s, "schedule_s": schedule_s, "jobs_replaced": replaced, "job_states_at_end": states,
+        "nodes": args.nodes,
+        "jobs": args.jobs,
+        "history": args.history,
+        "etcd_members": args.etcd_members,
+        "duration_s": args.duration,
+        "connections": args.connections,
+        "churn_every_s": args.churn_every,
+        "submit_s": submit_s,
+        "schedule_s": schedule_s,
+        "jobs_replaced": replaced,
+        "job_states_at_end": states,
         "passes": {phase: recorder.report(phase) for phase in ("schedule", "steady", "quiet")},
         "passes_all": recorder.report(),
-        "failed_passes": len(recorder.failures), "failed_pass_examples": recorder.failures[:3],
-        "api_status_ms": _summary(api["status_s"], 1e3), "metrics_ms": _summary(api["metrics_s"], 1e3),
-        "api_non_200": len(api["non_200"]), "list_jobs_ms": _summary(list_ms, 1.0),
-    }  # fmt: skip
+        "failed_passes": len(recorder.failures),
+        "failed_pass_examples": recorder.failures[:3],
+        "api_status_ms": _summary(api["status_s"], 1e3),
+        "metrics_ms": _summary(api["metrics_s"], 1e3),
+        "api_non_200": len(api["non_200"]),
+        "list_jobs_ms": _summary(list_ms, 1.0),
+    }
 
 
 def _fmt(s: dict[str, Any], unit: str = "") -> str:
@@ -260,24 +341,30 @@ def _fmt(s: dict[str, Any], unit: str = "") -> str:
 
 
 def print_result(r: dict[str, Any]) -> None:
-    print(f"\ncontroller at scale: {r['nodes']} nodes, {r['jobs']} active jobs, {r['history']} finished jobs "
-          f"stored before, etcd members {r['etcd_members']}, steady {r['duration_s']:.0f} s")  # fmt: skip
+    print(
+        f"\ncontroller at scale: {r['nodes']} nodes, {r['jobs']} active jobs, {r['history']} finished jobs "
+        f"stored before, etcd members {r['etcd_members']}, steady {r['duration_s']:.0f} s"
+    )
     for phase, rep in r["passes"].items():
         for kind in ("changed", "idle"):
             x = rep[kind]
             if not x["pass_ms"].get("n"):
                 continue
             print(f"  {phase:8s} {kind:7s} pass {_fmt(x['pass_ms'], ' ms')}")
-            print(f"  {'':8s} {'':7s} etcd requests p50 {x['requests']['p50']:.0f} max {x['requests']['max']:.0f};"
-                  f" read p50 {x['kb_read']['p50']:.1f} KB max {x['kb_read']['max']:.1f} KB;"
-                  f" written p50 {x['kb_written']['p50']:.1f} KB")  # fmt: skip
+            print(
+                f"  {'':8s} {'':7s} etcd requests p50 {x['requests']['p50']:.0f} max {x['requests']['max']:.0f};"
+                f" read p50 {x['kb_read']['p50']:.1f} KB max {x['kb_read']['max']:.1f} KB;"
+                f" written p50 {x['kb_written']['p50']:.1f} KB"
+            )
     if r["failed_passes"]:
         print(f"  FAILED passes: {r['failed_passes']}, e.g. {r['failed_pass_examples'][0]}")
     print(f"  GET /v1/jobs/{{id}} {_fmt(r['api_status_ms'], ' ms')}; non-200: {r['api_non_200']}")
     print(f"  GET /metrics     {_fmt(r['metrics_ms'], ' ms')}")
     print(f"  GET /v1/jobs (first 200 of every job) {_fmt(r['list_jobs_ms'], ' ms')}")
-    print(f"  submit {r['jobs']} jobs {r['submit_s']:.1f} s; 95% running after {r['schedule_s']:.1f} s;"
-          f" {r['jobs_replaced']} finished jobs replaced during the steady phase")  # fmt: skip
+    print(
+        f"  submit {r['jobs']} jobs {r['submit_s']:.1f} s; 95% running after {r['schedule_s']:.1f} s;"
+        f" {r['jobs_replaced']} finished jobs replaced during the steady phase"
+    )
 
 
 def main() -> None:

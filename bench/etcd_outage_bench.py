@@ -55,12 +55,39 @@ def trial(workdir: Path, members: int, outage: float, after: float, step_sleep: 
     etcd = LocalEtcdCluster(members, workdir=workdir / run_id / "etcd").start()
     agents: list[TorchrunAgent] = []
     try:
-        args = ["--checkpoint-url", str(workdir / run_id / "ck"), "--record", str(rec), "--epochs", "100000",
-                "--samples", "4096", "--batch", "8", "--lr-rule", "fixed-global-batch", "--base-world", "2",
-                "--save-every", "50", "--step-sleep", str(step_sleep), "--dropout", "0"]  # fmt: skip
+        args = [
+            "--checkpoint-url",
+            str(workdir / run_id / "ck"),
+            "--record",
+            str(rec),
+            "--epochs",
+            "100000",
+            "--samples",
+            "4096",
+            "--batch",
+            "8",
+            "--lr-rule",
+            "fixed-global-batch",
+            "--base-world",
+            "2",
+            "--save-every",
+            "50",
+            "--step-sleep",
+            str(step_sleep),
+            "--dropout",
+            "0",
+        ]
         for name in ("a", "b"):
-            cmd = torchrun_command(backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes="2",
-                                   nproc=1, max_restarts=100, script=WORKER, script_args=args)  # fmt: skip
+            cmd = torchrun_command(
+                backend="etcd-v3",
+                endpoint=etcd.endpoints,
+                run_id=run_id,
+                nnodes="2",
+                nproc=1,
+                max_restarts=100,
+                script=WORKER,
+                script_args=args,
+            )
             agents.append(TorchrunAgent(cmd, workdir / run_id / f"{name}.log", env={"LOGLEVEL": "WARNING"}).start())
         if not wait_until(lambda: len(_records(rec)) >= 60, 120):
             raise RuntimeError(f"the job did not reach 60 steps: see {workdir / run_id}")
@@ -113,18 +140,32 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.trials):
             r = trial(Path(tmp), args.members, args.outage, args.after, args.step_sleep)
             results.append(r)
-            print(f"trial {i + 1}: outage {r['outage_s']} s, restart {'yes' if r['restart'] else 'no'}, "
-                  f"{r['steps_done_twice']} steps done twice, time lost {r['time_lost_s']:+.2f} s = "
-                  f"{r['time_lost_pct']:+.2f} % of the steps' time over {r['window_s']} s "
-                  f"(pace {r['pace_ms']} ms/step)", flush=True)  # fmt: skip
+            print(
+                f"trial {i + 1}: outage {r['outage_s']} s, restart {'yes' if r['restart'] else 'no'}, "
+                f"{r['steps_done_twice']} steps done twice, time lost {r['time_lost_s']:+.2f} s = "
+                f"{r['time_lost_pct']:+.2f} % of the steps' time over {r['window_s']} s "
+                f"(pace {r['pace_ms']} ms/step)",
+                flush=True,
+            )
     lost = summarize([r["time_lost_pct"] for r in results])
-    print(f"etcd outage of {args.outage:g} s, {args.members} members, {args.trials} trials: restarts "
-          f"{sum(r['restart'] for r in results)}, steps done twice {sum(r['steps_done_twice'] for r in results)}, "
-          f"time lost median {lost['median']:+.2f} % max {max(lost['samples']):+.2f} % of the steps' time "
-          f"(goal: no restart, no step twice, < 1 %)")  # fmt: skip
+    print(
+        f"etcd outage of {args.outage:g} s, {args.members} members, {args.trials} trials: restarts "
+        f"{sum(r['restart'] for r in results)}, steps done twice {sum(r['steps_done_twice'] for r in results)}, "
+        f"time lost median {lost['median']:+.2f} % max {max(lost['samples']):+.2f} % of the steps' time "
+        f"(goal: no restart, no step twice, < 1 %)"
+    )
     if args.json is not None:
-        args.json.write_text(json.dumps({"machine": platform.platform(), "args": vars(args) | {"json": str(args.json)},
-                                         "trials": results, "time_lost_pct": lost}, indent=1))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": platform.platform(),
+                    "args": vars(args) | {"json": str(args.json)},
+                    "trials": results,
+                    "time_lost_pct": lost,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -45,7 +45,7 @@ from elastic.testing.torchrun import read_jsonl, torchrun_command  # noqa: E402
 WORKER = str(REPO / "elastic" / "testing" / "train_worker.py")
 
 #: the baseline: torchrun + dcp.load of the same DCP files into the same sharded model and optimizer, one step
-BARE = r'''
+BARE = r"""
 import json, sys, time
 import torch, torch.distributed as dist, torch.nn.functional as F
 import torch.distributed.checkpoint as dcp
@@ -80,14 +80,22 @@ opt.step()
 if dist.get_rank() == 0:
     open(out, "w").write(json.dumps({"t": time.time()}))
 dist.destroy_process_group()
-'''
+"""
 
 
 def _torchrun(etcd: LocalEtcdCluster, nproc: int, script: str, args: list[str], log: Path) -> float:
     """Run one torchrun to its end; returns the launch time (time.time())."""
-    cmd = torchrun_command(backend="etcd-v3", endpoint=etcd.endpoints, run_id=f"b-{uuid.uuid4().hex[:8]}",
-                           nnodes="1", nproc=nproc, rdzv_conf={"last_call_timeout": 1}, max_restarts=0,
-                           script=script, script_args=args)  # fmt: skip
+    cmd = torchrun_command(
+        backend="etcd-v3",
+        endpoint=etcd.endpoints,
+        run_id=f"b-{uuid.uuid4().hex[:8]}",
+        nnodes="1",
+        nproc=nproc,
+        rdzv_conf={"last_call_timeout": 1},
+        max_restarts=0,
+        script=script,
+        script_args=args,
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="WARNING")
     launched = time.time()
     with open(log, "ab") as out:
@@ -98,8 +106,25 @@ def _torchrun(etcd: LocalEtcdCluster, nproc: int, script: str, args: list[str], 
 
 
 def _model_args(args: argparse.Namespace) -> list[str]:
-    return ["--fsdp", "--hidden", str(args.hidden), "--depth", str(args.depth), "--dropout", "0",
-            "--samples", "240", "--batch", "4", "--lr", "0.05", "--lr-rule", "none", "--base-world", "4"]  # fmt: skip
+    return [
+        "--fsdp",
+        "--hidden",
+        str(args.hidden),
+        "--depth",
+        str(args.depth),
+        "--dropout",
+        "0",
+        "--samples",
+        "240",
+        "--batch",
+        "4",
+        "--lr",
+        "0.05",
+        "--lr-rule",
+        "none",
+        "--base-world",
+        "4",
+    ]
 
 
 def _first_step_time(records: Path) -> float:
@@ -122,9 +147,23 @@ def main() -> int:
     etcd = LocalEtcdCluster(workdir=work / "etcd").start()
     try:
         saved = work / "ck-saved"
-        _torchrun(etcd, 4, WORKER, [*_model_args(args), "--checkpoint-url", str(saved), "--save-every",
-                                     str(args.steps), "--max-steps", str(args.steps), "--record",
-                                     str(work / "rec-saved")], work / "saved.log")  # fmt: skip
+        _torchrun(
+            etcd,
+            4,
+            WORKER,
+            [
+                *_model_args(args),
+                "--checkpoint-url",
+                str(saved),
+                "--save-every",
+                str(args.steps),
+                "--max-steps",
+                str(args.steps),
+                "--record",
+                str(work / "rec-saved"),
+            ],
+            work / "saved.log",
+        )
         snapshot = sorted(saved.glob("step-*"))[-1]
         dcp_dir = next(d for d in snapshot.iterdir() if d.is_dir())
         state_mib = sum(f.stat().st_size for f in dcp_dir.iterdir()) / 2**20
@@ -137,26 +176,55 @@ def main() -> int:
                 ck = work / f"ck-{world}-{trial}"
                 shutil.copytree(saved, ck)  # the same snapshot for every run
                 rec = work / f"rec-{world}-{trial}"
-                launched = _torchrun(etcd, world, WORKER, [*_model_args(args), "--checkpoint-url", str(ck),
-                                                           "--max-steps", str(args.steps + 1), "--record", str(rec)],
-                                     work / "elastic.log")  # fmt: skip
+                launched = _torchrun(
+                    etcd,
+                    world,
+                    WORKER,
+                    [
+                        *_model_args(args),
+                        "--checkpoint-url",
+                        str(ck),
+                        "--max-steps",
+                        str(args.steps + 1),
+                        "--record",
+                        str(rec),
+                    ],
+                    work / "elastic.log",
+                )
                 got["elastic"].append(_first_step_time(rec) - launched)
                 out = work / f"bare-{world}-{trial}.json"
-                launched = _torchrun(etcd, world, str(bare), [str(REPO), str(dcp_dir), str(out), str(args.hidden),
-                                                              str(args.depth)], work / "bare.log")  # fmt: skip
+                launched = _torchrun(
+                    etcd,
+                    world,
+                    str(bare),
+                    [str(REPO), str(dcp_dir), str(out), str(args.hidden), str(args.depth)],
+                    work / "bare.log",
+                )
                 got["dcp_load"].append(json.loads(out.read_text())["t"] - launched)
     finally:
         etcd.stop()
     summary = {w: {k: summarize(v) for k, v in r.items()} for w, r in results.items()}
-    print(f"FSDP2 resume after 4 workers, DCP state {state_mib:.1f} MiB (model + SGD momentum), "
-          f"{args.trials} trials, {platform.node()}")  # fmt: skip
+    print(
+        f"FSDP2 resume after 4 workers, DCP state {state_mib:.1f} MiB (model + SGD momentum), "
+        f"{args.trials} trials, {platform.node()}"
+    )
     print(f"{'new world':>10} {'elastic loop (s)':>18} {'torchrun + dcp.load (s)':>25} {'ratio':>7}")
     for w, s in summary.items():
         e, b = s["elastic"]["median"], s["dcp_load"]["median"]
         print(f"{w:>10} {e:>18.2f} {b:>25.2f} {e / b:>7.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"state_mib": state_mib, "hidden": args.hidden, "depth": args.depth,
-                                    "trials": args.trials, "worlds": summary}, indent=2))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {
+                "state_mib": state_mib,
+                "hidden": args.hidden,
+                "depth": args.depth,
+                "trials": args.trials,
+                "worlds": summary,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.out}")
     shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -63,12 +63,35 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     total = args.epochs * (args.samples // args.batch)
     result: dict[str, Any] = {"device": args.device, "expected_steps": total, "errors": errors}
     etcd = LocalEtcdCluster(1, workdir=workdir / "etcd").start()
-    worker_args = ["--device", args.device, "--checkpoint-url", str(workdir / "ck"), "--record", str(rec),
-                   "--samples", str(args.samples), "--batch", str(args.batch), "--epochs", str(args.epochs),
-                   "--save-every", str(args.save_every), "--step-sleep", str(args.step_sleep)]  # fmt: skip
-    cmd = torchrun_command(backend="etcd-v3", endpoint=etcd.endpoints, run_id=f"gpu-live-{uuid.uuid4().hex[:6]}",
-                           nnodes="1", nproc=1, rdzv_conf={"recovery": "live"}, max_restarts=3, script=WORKER,
-                           script_args=worker_args)  # fmt: skip
+    worker_args = [
+        "--device",
+        args.device,
+        "--checkpoint-url",
+        str(workdir / "ck"),
+        "--record",
+        str(rec),
+        "--samples",
+        str(args.samples),
+        "--batch",
+        str(args.batch),
+        "--epochs",
+        str(args.epochs),
+        "--save-every",
+        str(args.save_every),
+        "--step-sleep",
+        str(args.step_sleep),
+    ]
+    cmd = torchrun_command(
+        backend="etcd-v3",
+        endpoint=etcd.endpoints,
+        run_id=f"gpu-live-{uuid.uuid4().hex[:6]}",
+        nnodes="1",
+        nproc=1,
+        rdzv_conf={"recovery": "live"},
+        max_restarts=3,
+        script=WORKER,
+        script_args=worker_args,
+    )
     result["command"] = cmd
     # the workers import this working tree's elastic, whatever else is on the path
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -160,24 +183,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, records, snapshots)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_live_check: no CUDA device (torch.cuda.is_available() is False); --device cpu runs on gloo",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "gpu_live_check: no CUDA device (torch.cuda.is_available() is False); --device cpu runs on gloo",
+            file=sys.stderr,
+        )
         return 2
     if args.kill_at >= args.epochs * (args.samples // args.batch):
         p.error("--kill-at must be below the run's steps (epochs x samples / batch)")
     workdir = Path(tempfile.mkdtemp(prefix="gpu-live-check-"))
     result = run(args, workdir)
-    result.update(torch=torch.__version__, python=platform.python_version(), host=platform.node(),
-                  gpu=torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-                  passed=not result["errors"], workdir=str(workdir) if args.keep else None)  # fmt: skip
+    result.update(
+        torch=torch.__version__,
+        python=platform.python_version(),
+        host=platform.node(),
+        gpu=torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+        passed=not result["errors"],
+        workdir=str(workdir) if args.keep else None,
+    )
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"live recovery on {args.device} ({result['device_backend']}), world size 1, worker SIGKILL at step "
-          f"{result.get('killed_at_step')}: next step after {result.get('recovery_s')} s, lost steps "
-          f"{result.get('lost_steps')}, {result.get('committed_steps')}/{result['expected_steps']} steps, "
-          f"exit {result.get('exit_code')}, {result['elapsed_s']} s in all")  # fmt: skip
+    print(
+        f"live recovery on {args.device} ({result['device_backend']}), world size 1, worker SIGKILL at step "
+        f"{result.get('killed_at_step')}: next step after {result.get('recovery_s')} s, lost steps "
+        f"{result.get('lost_steps')}, {result.get('committed_steps')}/{result['expected_steps']} steps, "
+        f"exit {result.get('exit_code')}, {result['elapsed_s']} s in all"
+    )
     for e in result["errors"]:
         print(f"FAIL: {e}", file=sys.stderr)
     if result["errors"] and "agent_log_tail" in result:

@@ -248,8 +248,10 @@ def print_report(r: dict[str, Any], repeats: int) -> dict[str, Any]:
     for label, rows in r.get("sharded", {}).items():
         fraction = med(row["fraction_of_dd"] for row in rows)
         seconds = med(row["save_wall_s"] for row in rows)
-        print(f"  {'save, ' + label:<52} {r['bytes'] / seconds / MiB:8.0f} MiB/s {seconds:5.2f} s "
-              f"({fraction * 100:3.0f} % of the dd beside it)")  # fmt: skip
+        print(
+            f"  {'save, ' + label:<52} {r['bytes'] / seconds / MiB:8.0f} MiB/s {seconds:5.2f} s "
+            f"({fraction * 100:3.0f} % of the dd beside it)"
+        )
         summary[label] = {"save_fraction_of_dd": fraction, "save_s": seconds}
     default = summary[CONFIGS[0][0]]["write_verify_fraction_of_dd"]
     summary["goal_default_write_verify_ge_80pct_dd"] = default >= 0.80

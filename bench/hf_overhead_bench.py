@@ -31,10 +31,21 @@ WORKER = str(Path(__file__).with_name("_hf_overhead_worker.py"))
 
 def run(system: str, nproc: int, steps: int, work: Path) -> dict[str, float]:
     out = work / f"{system}-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER,
-           "--system", system, "--out", str(out), "--steps", str(steps)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        WORKER,
+        "--system",
+        system,
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     env.pop("ETRAIN_CHECKPOINT_URL", None)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -57,25 +68,37 @@ def main() -> None:
             ratio = res["elastic"]["steps_per_s"] / res["plain"]["steps_per_s"]
             ratio_cpu = res["elastic"]["steps_per_cpu_s"] / res["plain"]["steps_per_cpu_s"]
             rounds.append({"plain": res["plain"], "elastic": res["elastic"], "ratio": ratio, "ratio_cpu": ratio_cpu})
-            print(f"round {r + 1}: plain {res['plain']['steps_per_s']:.2f} steps/s "
-                  f"({res['plain']['steps_per_cpu_s']:.2f} per CPU-s), elastic {res['elastic']['steps_per_s']:.2f} "
-                  f"({res['elastic']['steps_per_cpu_s']:.2f}); elastic / plain {ratio:.3f} wall, {ratio_cpu:.3f} CPU",
-                  flush=True)  # fmt: skip
+            print(
+                f"round {r + 1}: plain {res['plain']['steps_per_s']:.2f} steps/s "
+                f"({res['plain']['steps_per_cpu_s']:.2f} per CPU-s), elastic {res['elastic']['steps_per_s']:.2f} "
+                f"({res['elastic']['steps_per_cpu_s']:.2f}); elastic / plain {ratio:.3f} wall, {ratio_cpu:.3f} CPU",
+                flush=True,
+            )
     ratio = statistics.median(x["ratio"] for x in rounds)
     ratio_cpu = statistics.median(x["ratio_cpu"] for x in rounds)
     import torch
     import transformers
 
     summary = {
-        "bench": "hf_overhead", "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "nproc": args.nproc,
-        "steps_timed": rounds[0]["plain"]["steps"], "cpus": os.cpu_count(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "rounds": rounds, "median_ratio_wall": ratio,
-        "median_ratio_cpu": ratio_cpu, "goal": 0.98, "met": ratio >= 0.98,
-    }  # fmt: skip
+        "bench": "hf_overhead",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "nproc": args.nproc,
+        "steps_timed": rounds[0]["plain"]["steps"],
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "rounds": rounds,
+        "median_ratio_wall": ratio,
+        "median_ratio_cpu": ratio_cpu,
+        "goal": 0.98,
+        "met": ratio >= 0.98,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1))
-    print(f"median elastic / plain: {ratio:.3f} of the step rate (wall), {ratio_cpu:.3f} (CPU); goal 0.98: "
-          f"{'met' if ratio >= 0.98 else 'missed'}; {args.out}")
+    print(
+        f"median elastic / plain: {ratio:.3f} of the step rate (wall), {ratio_cpu:.3f} (CPU); goal 0.98: "
+        f"{'met' if ratio >= 0.98 else 'missed'}; {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,10 @@ def worker(out: Path, rounds: int, steps: int, warmup: int, hidden: int) -> None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     total = warmup + steps
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(total * BATCH * world, 256, generator=g),
-                         torch.randint(0, 10, (total * BATCH * world,), generator=g))  # fmt: skip
+    data = TensorDataset(
+        torch.randn(total * BATCH * world, 256, generator=g),
+        torch.randint(0, 10, (total * BATCH * world,), generator=g),
+    )
 
     class Timer(L.Callback):
         def __init__(self) -> None:
@@ -70,8 +72,9 @@ def worker(out: Path, rounds: int, steps: int, warmup: int, hidden: int) -> None
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
-            self.net = nn.Sequential(nn.Linear(256, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                     nn.Linear(hidden, 10))  # fmt: skip
+            self.net = nn.Sequential(
+                nn.Linear(256, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
+            )
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
@@ -86,16 +89,31 @@ def worker(out: Path, rounds: int, steps: int, warmup: int, hidden: int) -> None
     def fit(system: str) -> dict[str, float]:
         strategy: Any = ElasticDDPStrategy(LRPolicy("none", LR, world, BATCH)) if system == "elastic" else DDPStrategy()
         timer = Timer()
-        trainer = L.Trainer(accelerator="cpu", devices=local, num_nodes=world // local, strategy=strategy,
-                            max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer])  # fmt: skip
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=local,
+            num_nodes=world // local,
+            strategy=strategy,
+            max_steps=total,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=[timer],
+        )
         trainer.fit(MLP())
         wall = [b - a for a, b in zip(timer.wall, timer.wall[1:], strict=False)]
         cpu = [b - a for a, b in zip(timer.cpu, timer.cpu[1:], strict=False)]
         seconds, cpu_seconds = timer.wall[-1] - timer.wall[0], timer.cpu[-1] - timer.cpu[0]
-        return {"steps": len(wall), "seconds": seconds, "median_step_s": statistics.median(wall),
-                "median_step_cpu_s": statistics.median(cpu), "steps_per_s": len(wall) / seconds,
-                "steps_per_cpu_s": len(wall) / cpu_seconds}  # fmt: skip
+        return {
+            "steps": len(wall),
+            "seconds": seconds,
+            "median_step_s": statistics.median(wall),
+            "median_step_cpu_s": statistics.median(cpu),
+            "steps_per_s": len(wall) / seconds,
+            "steps_per_cpu_s": len(wall) / cpu_seconds,
+        }
 
     results = []
     for r in range(rounds):
@@ -104,11 +122,14 @@ def worker(out: Path, rounds: int, steps: int, warmup: int, hidden: int) -> None
         results.append(res)
         if int(os.environ.get("RANK", "0")) == 0:
             p, e = res["plain"], res["elastic"]
-            print(f"round {r + 1}: median step plain {1e3 * p['median_step_s']:.2f} ms "
-                  f"({1e3 * p['median_step_cpu_s']:.2f} ms CPU), elastic {1e3 * e['median_step_s']:.2f} ms "
-                  f"({1e3 * e['median_step_cpu_s']:.2f} ms CPU); elastic / plain step rate "
-                  f"{p['median_step_s'] / e['median_step_s']:.3f} wall, "
-                  f"{p['median_step_cpu_s'] / e['median_step_cpu_s']:.3f} CPU", flush=True)  # fmt: skip
+            print(
+                f"round {r + 1}: median step plain {1e3 * p['median_step_s']:.2f} ms "
+                f"({1e3 * p['median_step_cpu_s']:.2f} ms CPU), elastic {1e3 * e['median_step_s']:.2f} ms "
+                f"({1e3 * e['median_step_cpu_s']:.2f} ms CPU); elastic / plain step rate "
+                f"{p['median_step_s'] / e['median_step_s']:.3f} wall, "
+                f"{p['median_step_cpu_s'] / e['median_step_cpu_s']:.3f} CPU",
+                flush=True,
+            )
     if int(os.environ.get("RANK", "0")) == 0:
         out.write_text(json.dumps(results))
 
@@ -128,9 +149,25 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "rounds.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               __file__, "--worker", "--out", str(raw), "--rounds", str(args.rounds), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--hidden", str(args.hidden)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.nproc}",
+            __file__,
+            "--worker",
+            "--out",
+            str(raw),
+            "--rounds",
+            str(args.rounds),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--hidden",
+            str(args.hidden),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
         env.pop("ETRAIN_CHECKPOINT_URL", None)
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -147,15 +184,26 @@ def main() -> None:
     import torch
 
     summary = {
-        "bench": "lightning_overhead", "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "nproc": args.nproc, "hidden": args.hidden, "steps_timed": args.steps, "cpus": os.cpu_count(),
-        "torch": torch.__version__, "lightning": lightning.__version__, "rounds": rounds, "median_ratio_wall": ratio,
-        "median_ratio_cpu": ratio_cpu, "goal": 0.98, "met": ratio >= 0.98,
-    }  # fmt: skip
+        "bench": "lightning_overhead",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "nproc": args.nproc,
+        "hidden": args.hidden,
+        "steps_timed": args.steps,
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "rounds": rounds,
+        "median_ratio_wall": ratio,
+        "median_ratio_cpu": ratio_cpu,
+        "goal": 0.98,
+        "met": ratio >= 0.98,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1))
-    print(f"median over rounds of elastic / plain step rate (each fit's median step): {ratio:.3f} wall, "
-          f"{ratio_cpu:.3f} CPU; goal 0.98: {'met' if ratio >= 0.98 else 'missed'}; {args.out}")
+    print(
+        f"median over rounds of elastic / plain step rate (each fit's median step): {ratio:.3f} wall, "
+        f"{ratio_cpu:.3f} CPU; goal 0.98: {'met' if ratio >= 0.98 else 'missed'}; {args.out}"
+    )
 
 
 if __name__ == "__main__":

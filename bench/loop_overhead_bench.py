@@ -95,9 +95,15 @@ def parse_intervals(text: str) -> list[str]:
 
 
 def _run(
-    mode: str, etcd: LocalEtcdCluster, args: argparse.Namespace, work: Path, save_every: int | None,
-    steps: int | None = None, worker_args: Sequence[str] = (), nproc: int | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    mode: str,
+    etcd: LocalEtcdCluster,
+    args: argparse.Namespace,
+    work: Path,
+    save_every: int | None,
+    steps: int | None = None,
+    worker_args: Sequence[str] = (),
+    nproc: int | None = None,
+) -> dict[str, Any]:
     """One run of ``mode`` under torchrun: ``steps`` (default ``--steps``), a snapshot every ``save_every`` (None:
     no checkpoint storage at all, so no snapshot either, not even at an epoch's end), ``nproc`` workers (default
     ``--nproc``); ``worker_args``: more of the worker's arguments. A mode named ``plain...`` is plain DDP."""
@@ -105,19 +111,47 @@ def _run(
     run_id = f"ovh-{uuid.uuid4().hex[:6]}"
     plain = mode.startswith("plain")
     if plain:  # stock torchrun: one agent standalone, several on torch's c10d rendezvous
-        rdzv = ["--standalone"] if args.agents == 1 else [
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={run_id}"]  # fmt: skip
+        rdzv = (
+            ["--standalone"]
+            if args.agents == 1
+            else ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={run_id}"]
+        )
     else:
         rdzv = ["--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoints}", f"--rdzv-id={run_id}"]
         if mode == "live":
             rdzv.append("--rdzv-conf=recovery=live")
     worker_mode = "plain" if plain else "live" if mode == "live" else "elastic"
     per_agent = (nproc or args.nproc) // args.agents
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.agents}", f"--nproc-per-node={per_agent}",
-           *rdzv, str(WORKER), "--mode", worker_mode, "--steps", str(steps or args.steps),
-           "--when-writer-busy", "wait" if mode == "elastic-wait" else "defer", "--nodes", str(args.agents),
-           "--out", str(out), "--model", args.model, "--device", args.device, "--state-gib", str(args.state_gib),
-           "--batch", str(args.batch), "--warmup", str(args.warmup), *worker_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={args.agents}",
+        f"--nproc-per-node={per_agent}",
+        *rdzv,
+        str(WORKER),
+        "--mode",
+        worker_mode,
+        "--steps",
+        str(steps or args.steps),
+        "--when-writer-busy",
+        "wait" if mode == "elastic-wait" else "defer",
+        "--nodes",
+        str(args.agents),
+        "--out",
+        str(out),
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--state-gib",
+        str(args.state_gib),
+        "--batch",
+        str(args.batch),
+        "--warmup",
+        str(args.warmup),
+        *worker_args,
+    ]
     if args.width:
         cmd += ["--width", str(args.width)]
     if save_every is not None:  # the same checkpoint interval for both: plain DDP's torch.save from rank 0
@@ -129,8 +163,10 @@ def _run(
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
         env.update({LOCAL_SNAPSHOT_EVERY: "1", LOCAL_SNAPSHOT_DIR: str(shm / f"etrain-ovh-{out.stem}")})
     try:
-        agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                  for _ in range(args.agents)]  # fmt: skip
+        agents = [
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(args.agents)
+        ]
         results = [a.communicate(timeout=900) for a in agents]
     finally:
         if LOCAL_SNAPSHOT_DIR in env:
@@ -156,8 +192,9 @@ def _snapshot_counts(snapshots: dict[str, int]) -> str:
     return out + ")"
 
 
-def _print_attribution(traces: dict[tuple[str, str], list[StepTrace]], modes: list[str],
-                       every_of: dict[str, int]) -> dict[str, Any]:  # fmt: skip
+def _print_attribution(
+    traces: dict[tuple[str, str], list[StepTrace]], modes: list[str], every_of: dict[str, int]
+) -> dict[str, Any]:
     """Each round's run with snapshots against the same round's run of the same system without (issue 29, part 3:
     bench/_attribution.py); medians over the rounds, milliseconds per snapshot. Keyed ``mode/interval`` (the
     absorbed interval under its number too)."""
@@ -167,10 +204,12 @@ def _print_attribution(traces: dict[tuple[str, str], list[StepTrace]], modes: li
             rows = [attribute(t, b, every) for t, b in zip(traces[mode, label], traces[mode, "0"], strict=True)]
             med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
             out[f"{mode}/{every}"] = {"median": med, "rounds": rows, "label": label}
-            print(f"{mode}, a snapshot every {every} steps, vs no snapshots (ms per snapshot, median of {len(rows)} "
-                  f"rounds; base step {med['base_step_ms']:.2f} ms, mean): loss {med['loss_ms']:.1f} = save's "
-                  f"{NEAR_STEPS} steps {med['near_ms']:.1f} + the other {every - NEAR_STEPS} {med['far_ms']:.1f}; "
-                  f"GC {med['gc_ms']:+.1f}, background threads' CPU {med['background_cpu_ms']:+.1f}")  # fmt: skip
+            print(
+                f"{mode}, a snapshot every {every} steps, vs no snapshots (ms per snapshot, median of {len(rows)} "
+                f"rounds; base step {med['base_step_ms']:.2f} ms, mean): loss {med['loss_ms']:.1f} = save's "
+                f"{NEAR_STEPS} steps {med['near_ms']:.1f} + the other {every - NEAR_STEPS} {med['far_ms']:.1f}; "
+                f"GC {med['gc_ms']:+.1f}, background threads' CPU {med['background_cpu_ms']:+.1f}"
+            )
     return out
 
 
@@ -195,8 +234,9 @@ def _worker_args(system: str, args: argparse.Namespace, spin: int) -> list[str]:
     return out
 
 
-def _compare(systems: list[str], etcd: LocalEtcdCluster, args: argparse.Namespace, work: Path, nproc: int,
-             spin: int = 0) -> dict[str, dict[str, list[float]]]:  # fmt: skip
+def _compare(
+    systems: list[str], etcd: LocalEtcdCluster, args: argparse.Namespace, work: Path, nproc: int, spin: int = 0
+) -> dict[str, dict[str, list[float]]]:
     """``--rounds`` interleaved rounds of ``systems`` (every other round in reverse order), no snapshots; each
     one's wall-clock steps/s and steps per CPU-second of rank 0, per round."""
     rates: dict[str, dict[str, list[float]]] = {m: {"steps_per_s": [], "steps_per_cpu_s": []} for m in systems}
@@ -205,16 +245,35 @@ def _compare(systems: list[str], etcd: LocalEtcdCluster, args: argparse.Namespac
             got = _run(system, etcd, args, work, None, worker_args=_worker_args(system, args, spin), nproc=nproc)
             rates[system]["steps_per_s"].append(float(got["steps_per_s"]))
             rates[system]["steps_per_cpu_s"].append(float(got["steps_per_cpu_s"]))
-            print(f"round {i + 1} {system:18s} {got['steps_per_s']:7.2f} steps/s wall, {got['steps_per_cpu_s']:7.2f} "
-                  "steps/CPU-s", flush=True)  # fmt: skip
+            print(
+                f"round {i + 1} {system:18s} {got['steps_per_s']:7.2f} steps/s wall, {got['steps_per_cpu_s']:7.2f} "
+                "steps/CPU-s",
+                flush=True,
+            )
     return rates
 
 
 def _calibrate(args: argparse.Namespace, work: Path) -> dict[str, float]:
     """The model's step in CPU seconds (one thread, no torchrun) and the busy loop's iterations per CPU second."""
     out = work / "calibrate.json"
-    cmd = [sys.executable, str(WORKER), "--mode", "calibrate", "--model", args.model, "--batch", str(args.batch),
-           "--state-gib", str(args.state_gib), "--steps", "40", "--warmup", "10", "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(WORKER),
+        "--mode",
+        "calibrate",
+        "--model",
+        args.model,
+        "--batch",
+        str(args.batch),
+        "--state-gib",
+        str(args.state_gib),
+        "--steps",
+        "40",
+        "--warmup",
+        "10",
+        "--out",
+        str(out),
+    ]
     if args.width:
         cmd += ["--width", str(args.width)]
     subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), check=True, capture_output=True, timeout=300)
@@ -227,23 +286,42 @@ def _loader_parts(args: argparse.Namespace) -> None:
     med = statistics.median
     work = Path(tempfile.mkdtemp(prefix="overhead-loader-"))
     w = args.loader_workers
-    model = ("TinyTransformer (char, 2 layers, width 64)" if args.model == "char"
-             else f"MLP + AdamW (width {args.width or 'default'})")  # fmt: skip
-    result: dict[str, Any] = {"model": model, "batch_per_rank": args.batch, "loader_workers": w,
-                              "loader_context": args.loader_context, "steps": args.steps, "warmup": args.warmup,
-                              "rounds": args.rounds, "cpus": os.cpu_count(), "snapshots": "none (no checkpoint URL)",
-                              "load_average_start": os.getloadavg()}  # fmt: skip
-    print(f"{os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.2f} at start; {model}, batch {args.batch} per "
-          f"rank, {args.steps} steps per run ({args.warmup} not timed), {args.rounds} interleaved rounds, no "
-          "snapshots", flush=True)  # fmt: skip
+    model = (
+        "TinyTransformer (char, 2 layers, width 64)"
+        if args.model == "char"
+        else f"MLP + AdamW (width {args.width or 'default'})"
+    )
+    result: dict[str, Any] = {
+        "model": model,
+        "batch_per_rank": args.batch,
+        "loader_workers": w,
+        "loader_context": args.loader_context,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "cpus": os.cpu_count(),
+        "snapshots": "none (no checkpoint URL)",
+        "load_average_start": os.getloadavg(),
+    }
+    print(
+        f"{os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.2f} at start; {model}, batch {args.batch} per "
+        f"rank, {args.steps} steps per run ({args.warmup} not timed), {args.rounds} interleaved rounds, no "
+        "snapshots",
+        flush=True,
+    )
     with LocalEtcdCluster(1, workdir=work / "etcd") as etcd:
         if args.loader:
             procs = args.nproc * (1 + w)
-            idle = "; the char data set's __getitem__ is a slice, so the workers mostly wait" if (
-                args.model == "char") else ""  # fmt: skip
-            print(f"DataLoader, {args.nproc} ranks x {w} persistent workers each: {procs} processes on "
-                  f"{os.cpu_count()} cores{' (oversubscribed)' if procs > (os.cpu_count() or 1) else ''}{idle}",
-                  flush=True)  # fmt: skip
+            idle = (
+                "; the char data set's __getitem__ is a slice, so the workers mostly wait"
+                if (args.model == "char")
+                else ""
+            )
+            print(
+                f"DataLoader, {args.nproc} ranks x {w} persistent workers each: {procs} processes on "
+                f"{os.cpu_count()} cores{' (oversubscribed)' if procs > (os.cpu_count() or 1) else ''}{idle}",
+                flush=True,
+            )
             systems = ["plain-loader", "elastic-loader", "elastic-loader-own"]
             rates = _compare(systems, etcd, args, work, args.nproc)
             plain, plain_cpu = med(rates["plain-loader"]["steps_per_s"]), med(rates["plain-loader"]["steps_per_cpu_s"])
@@ -254,9 +332,12 @@ def _loader_parts(args: argparse.Namespace) -> None:
                 ratio, cpu_ratio = rate / plain, cpu_rate / plain_cpu
                 part[f"{system}_ratio_median"], part[f"{system}_cpu_ratio_median"] = ratio, cpu_ratio
                 part[f"{system}_goal_met"] = ratio >= GOAL_LOADER
-                print(f"{LOADER_SYSTEMS[system]}: median {rate:.2f} steps/s, ratio {ratio:.3f} (goal >= "
-                      f"{GOAL_LOADER}: {'met' if ratio >= GOAL_LOADER else 'MISSED'}); per CPU-second of rank 0: "
-                      f"{cpu_ratio:.3f}", flush=True)  # fmt: skip
+                print(
+                    f"{LOADER_SYSTEMS[system]}: median {rate:.2f} steps/s, ratio {ratio:.3f} (goal >= "
+                    f"{GOAL_LOADER}: {'met' if ratio >= GOAL_LOADER else 'MISSED'}); per CPU-second of rank 0: "
+                    f"{cpu_ratio:.3f}",
+                    flush=True,
+                )
             result["loader"] = part
         if args.data_bound:
             cal = _calibrate(args, work)
@@ -264,26 +345,41 @@ def _loader_parts(args: argparse.Namespace) -> None:
             batch_cpu = spin * args.batch / cal["spin_per_cpu_s"]
             n = args.data_bound_nproc
             procs = n * (1 + w)
-            print(f"data-bound: {n} rank(s); __getitem__ spins {spin} iterations = {batch_cpu * 1e3:.1f} ms of CPU per "
-                  f"batch of {args.batch} = {args.data_cost:.2f} x the step's {cal['step_cpu_s'] * 1e3:.1f} ms of CPU "
-                  f"(calibrated on one thread); with the DataLoader {procs} processes on {os.cpu_count()} cores: "
-                  f"the rank's own core, its {w} workers share the rest", flush=True)  # fmt: skip
+            print(
+                f"data-bound: {n} rank(s); __getitem__ spins {spin} iterations = {batch_cpu * 1e3:.1f} ms of CPU per "
+                f"batch of {args.batch} = {args.data_cost:.2f} x the step's {cal['step_cpu_s'] * 1e3:.1f} ms of CPU "
+                f"(calibrated on one thread); with the DataLoader {procs} processes on {os.cpu_count()} cores: "
+                f"the rank's own core, its {w} workers share the rest",
+                flush=True,
+            )
             systems = ["elastic-alone", "elastic-inproc", "elastic-loader", "plain-loader"]
             rates = _compare(systems, etcd, args, work, n, spin)
             m = {s: med(rates[s]["steps_per_s"]) for s in systems}
             alone = m["elastic-alone"]
             for key, system in zip("dabc", systems, strict=True):
-                print(f"({key}) {LOADER_SYSTEMS[system]}: median {m[system]:.2f} steps/s = "
-                      f"{m[system] / alone:.3f} of the step alone")  # fmt: skip
+                print(
+                    f"({key}) {LOADER_SYSTEMS[system]}: median {m[system]:.2f} steps/s = "
+                    f"{m[system] / alone:.3f} of the step alone"
+                )
             b_c, b_a = m["elastic-loader"] / m["plain-loader"], m["elastic-loader"] / m["elastic-inproc"]
-            print(f"the loop with workers / plain DDP with workers (b/c): {b_c:.3f}; the loop with workers / "
-                  f"in-process (b/a): {b_a:.3f}", flush=True)  # fmt: skip
+            print(
+                f"the loop with workers / plain DDP with workers (b/c): {b_c:.3f}; the loop with workers / "
+                f"in-process (b/a): {b_a:.3f}",
+                flush=True,
+            )
             result["data_bound"] = {
-                "nproc": n, "processes": procs, "data_cost": args.data_cost, "calibration": cal, "spin": spin,
-                "batch_cpu_s": batch_cpu, "systems": rates, "medians": m,
+                "nproc": n,
+                "processes": procs,
+                "data_cost": args.data_cost,
+                "calibration": cal,
+                "spin": spin,
+                "batch_cpu_s": batch_cpu,
+                "systems": rates,
+                "medians": m,
                 "fraction_of_alone": {s: m[s] / alone for s in systems},
-                "loader_vs_plain_loader": b_c, "loader_vs_inproc": b_a,
-            }  # fmt: skip
+                "loader_vs_plain_loader": b_c,
+                "loader_vs_inproc": b_a,
+            }
     shutil.rmtree(work, ignore_errors=True)
     result["load_average_end"] = os.getloadavg()
     result["when"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -298,27 +394,43 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None, help="per run (default: 400 on cpu, 300 on cuda)")
     parser.add_argument("--warmup", type=int, default=None, help="steps not timed (default: 20 on cpu, 30 on cuda)")
-    parser.add_argument("--save-every", default=None, help="checkpoint interval(s), comma-separated, 0 = none "
-                        "(default: 100 on cpu, 0,50,10 on cuda)")  # fmt: skip
+    parser.add_argument(
+        "--save-every",
+        default=None,
+        help="checkpoint interval(s), comma-separated, 0 = none (default: 100 on cpu, 0,50,10 on cuda)",
+    )
     parser.add_argument("--state-gib", type=float, default=1.5, help="--device cuda: state of the MLP + AdamW")
     parser.add_argument("--batch", type=int, default=None, help="per worker (default: 16 on cpu, 1024 on cuda)")
     parser.add_argument("--nproc", type=int, default=None, help="workers in all (default: 2 on cpu, 1 on cuda)")
     parser.add_argument("--agents", type=int, default=1, help="torchrun agents, the workers split among them")
     parser.add_argument("--model", choices=["char", "mlp"], default=None, help="default: char on cpu, mlp on cuda")
-    parser.add_argument("--width", type=int, default=None, help="--model mlp: layer width (default: 1024 on cpu "
-                        "with 4 layers, 8192 on cuda)")  # fmt: skip
-    parser.add_argument("--json", type=Path, default=None, help="default: results/loop_overhead.json, "
-                        "results/loop_overhead_loader.json with --loader or --data-bound")  # fmt: skip
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help="--model mlp: layer width (default: 1024 on cpu with 4 layers, 8192 on cuda)",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="default: results/loop_overhead.json, results/loop_overhead_loader.json with --loader or --data-bound",
+    )
     parser.add_argument("--with-local", action="store_true", help="also the elastic loop + node-local snapshots")
     parser.add_argument("--with-wait", action="store_true", help="also the elastic loop with when_writer_busy=wait")
     parser.add_argument("--with-live", action="store_true", help="also the elastic loop in live recovery mode")
     parser.add_argument("--loader", action="store_true", help="the loop with a DataLoader vs plain DDP with one")
     parser.add_argument("--data-bound", action="store_true", help="a costly __getitem__: in-process vs DataLoader")
     parser.add_argument("--loader-workers", type=int, default=2, help="--loader, --data-bound: per rank")
-    parser.add_argument("--loader-context", choices=["fork", "forkserver", "spawn"], default="fork",
-                        help="the DataLoader's multiprocessing_context")  # fmt: skip
-    parser.add_argument("--data-cost", type=float, default=1.0, help="--data-bound: a batch's __getitem__ CPU "
-                        "over the step's")  # fmt: skip
+    parser.add_argument(
+        "--loader-context",
+        choices=["fork", "forkserver", "spawn"],
+        default="fork",
+        help="the DataLoader's multiprocessing_context",
+    )
+    parser.add_argument(
+        "--data-cost", type=float, default=1.0, help="--data-bound: a batch's __getitem__ CPU over the step's"
+    )
     parser.add_argument("--data-bound-nproc", type=int, default=1, help="--data-bound: ranks")
     args = parser.parse_args()
     loader_parts = args.loader or args.data_bound
@@ -340,8 +452,15 @@ def main() -> None:
         return
     labels = parse_intervals(args.save_every or ("0,50,10" if cuda else "100"))
     work = Path(tempfile.mkdtemp(prefix="overhead-"))
-    extra = [m for m, wanted in (("elastic-local", args.with_local), ("elastic-wait", args.with_wait),
-                                 ("live", args.with_live)) if wanted]  # fmt: skip
+    extra = [
+        m
+        for m, wanted in (
+            ("elastic-local", args.with_local),
+            ("elastic-wait", args.with_wait),
+            ("live", args.with_live),
+        )
+        if wanted
+    ]
     modes = ("plain", "elastic", *extra)
     every_of = {k: int(k) for k in labels if k != ABSORBED}  # the absorbed interval joins after round 1's base run
     rates: dict[tuple[str, str], list[float]] = {(m, k): [] for m in modes for k in labels}
@@ -350,8 +469,11 @@ def main() -> None:
     snapshots: dict[tuple[str, str], list[dict[str, int]]] = {(m, k): [] for m in modes for k in labels}
     state_bytes = int(args.state_gib * GiB) if args.model == "mlp" else 0  # the char model's: from its first run
     disk_bps = dd_write_bytes_per_s(work, max(256 * MiB, state_bytes))  # where the snapshots go: the same disk
-    print(f"disk: dd writes {disk_bps / MiB:.0f} MiB/s in {work} (conv=fsync, {max(256 * MiB, state_bytes) / MiB:.0f} "
-          "MiB)", flush=True)  # fmt: skip
+    print(
+        f"disk: dd writes {disk_bps / MiB:.0f} MiB/s in {work} (conv=fsync, {max(256 * MiB, state_bytes) / MiB:.0f} "
+        "MiB)",
+        flush=True,
+    )
     with LocalEtcdCluster(1, workdir=work / "etcd") as etcd:
         for i in range(args.rounds):
             order = [(m, k) for k in labels for m in modes]
@@ -368,13 +490,18 @@ def main() -> None:
                 cpu_rates[mode, label].append(cpu_rate)
                 snapshots[mode, label].append(got.get("snapshots", {}))
                 taken = _snapshot_counts(got.get("snapshots", {})) if every_of[label] else ""
-                print(f"round {i + 1} {mode:13s} snapshot every {every_of[label] or '-':>4} steps: {rate:7.2f} steps/s "
-                      f"wall, {cpu_rate:7.2f} steps/CPU-s{taken}", flush=True)  # fmt: skip
+                print(
+                    f"round {i + 1} {mode:13s} snapshot every {every_of[label] or '-':>4} steps: {rate:7.2f} steps/s "
+                    f"wall, {cpu_rate:7.2f} steps/CPU-s{taken}",
+                    flush=True,
+                )
                 if label == "0" and mode == "elastic" and ABSORBED in labels and ABSORBED not in every_of:
                     every_of[ABSORBED] = absorbed_interval(max(1, state_bytes), 1.0 / rate, disk_bps)
-                    print(f"the disk absorbs a snapshot every {every_of[ABSORBED]} steps: {state_bytes / MiB:.0f} MiB "
-                          f"per {every_of[ABSORBED]} x {1e3 / rate:.2f} ms <= {ABSORB_FRACTION} x dd",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"the disk absorbs a snapshot every {every_of[ABSORBED]} steps: {state_bytes / MiB:.0f} MiB "
+                        f"per {every_of[ABSORBED]} x {1e3 / rate:.2f} ms <= {ABSORB_FRACTION} x dd",
+                        flush=True,
+                    )
     shutil.rmtree(work, ignore_errors=True)
     med = statistics.median
     step_s = 1.0 / med(rates["elastic", "0"]) if "0" in labels else None  # the loop's own step, without snapshots
@@ -392,16 +519,20 @@ def main() -> None:
             row["disk_absorbs"] = absorbs(state_bytes, every, step_s, disk_bps)
         by_interval[label] = row
         plain, elastic = med(rates["plain", label]), med(rates["elastic", label])
-        line = (f"snapshot every {every or '-':>4} steps: plain DDP median {plain:.2f} steps/s, "
-                f"elastic median {elastic:.2f} steps/s, ratio {row['ratio_median']:.3f}")  # fmt: skip
+        line = (
+            f"snapshot every {every or '-':>4} steps: plain DDP median {plain:.2f} steps/s, "
+            f"elastic median {elastic:.2f} steps/s, ratio {row['ratio_median']:.3f}"
+        )
         if "0" in labels and every:
             line += "; of the same system without checkpoints: " + ", ".join(
                 f"{m} {row[f'{m}_fraction_of_no_checkpoint']:.3f}" for m in modes
             )
         if "disk_absorbs" in row:
-            line += (f"; writes {row['written_bytes_per_s'] / MiB:.0f} MiB/s = "
-                     f"{row['written_bytes_per_s'] / disk_bps:.2f} of dd: the disk "
-                     f"{'absorbs it' if row['disk_absorbs'] else 'does NOT absorb it'}")  # fmt: skip
+            line += (
+                f"; writes {row['written_bytes_per_s'] / MiB:.0f} MiB/s = "
+                f"{row['written_bytes_per_s'] / disk_bps:.2f} of dd: the disk "
+                f"{'absorbs it' if row['disk_absorbs'] else 'does NOT absorb it'}"
+            )
         print(line)
     main_label = next((k for k in labels if every_of[k]), labels[0])
     main_every = every_of[main_label]
@@ -428,8 +559,10 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if not cuda:
-        print(f"per CPU-second of rank 0: ratio {result['cpu_ratio_median']:.3f} (robust to other load; goal >= 0.98 "
-              "on the wall-clock ratio)")  # fmt: skip
+        print(
+            f"per CPU-second of rank 0: ratio {result['cpu_ratio_median']:.3f} (robust to other load; goal >= 0.98 "
+            "on the wall-clock ratio)"
+        )
     if "0" in by_interval:  # issue 29's goal: >= 0.95 where the disk absorbs the snapshots
         for label in (k for k in labels if every_of[k]):
             row = by_interval[label]
@@ -438,8 +571,10 @@ def main() -> None:
             verdict = {True: "met", False: "MISSED", None: "not applicable: the disk does not absorb it"}[
                 row["goal_met"]
             ]
-            print(f"elastic loop, a snapshot every {every_of[label]} steps: {kept:.3f} of its no-checkpoint rate "
-                  f"(goal >= {GOAL_KEPT} where the disk absorbs it: {verdict})")  # fmt: skip
+            print(
+                f"elastic loop, a snapshot every {every_of[label]} steps: {kept:.3f} of its no-checkpoint rate "
+                f"(goal >= {GOAL_KEPT} where the disk absorbs it: {verdict})"
+            )
     if args.with_local:
         el, lo = rates["elastic", main_label], rates["elastic-local", main_label]
         lc = med(cpu_rates["elastic-local", main_label]) / med(cpu_rates["elastic", main_label])
@@ -449,8 +584,10 @@ def main() -> None:
             local_vs_elastic_ratio=med(lo) / med(el),
             local_vs_elastic_cpu_ratio=lc,
         )
-        print(f"elastic + node-local snapshot every step median {med(lo):.2f} steps/s: {med(lo) / med(el):.3f} "
-              f"of the elastic loop without it ({lc:.3f} per CPU-second of rank 0)")  # fmt: skip
+        print(
+            f"elastic + node-local snapshot every step median {med(lo):.2f} steps/s: {med(lo) / med(el):.3f} "
+            f"of the elastic loop without it ({lc:.3f} per CPU-second of rank 0)"
+        )
     if args.with_live:
         el, lv = rates["elastic", main_label], rates["live", main_label]
         lc = med(cpu_rates["live", main_label]) / med(cpu_rates["elastic", main_label])
@@ -461,8 +598,10 @@ def main() -> None:
             live_vs_elastic_cpu_ratio=lc,
         )
         verdict = "met" if med(lv) / med(el) >= 0.97 else "MISSED"
-        print(f"live recovery median {med(lv):.2f} steps/s: {med(lv) / med(el):.3f} of the elastic loop with DDP "
-              f"({lc:.3f} per CPU-second of rank 0; goal >= 0.97: {verdict})")  # fmt: skip
+        print(
+            f"live recovery median {med(lv):.2f} steps/s: {med(lv) / med(el):.3f} of the elastic loop with DDP "
+            f"({lc:.3f} per CPU-second of rank 0; goal >= 0.97: {verdict})"
+        )
     if "0" in labels:
         result["attribution"] = _print_attribution(traces, [m for m in modes if m != "plain"], every_of)
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -134,16 +134,43 @@ class Job:
 
     def start_agent(self, name: str) -> TorchrunAgent:
         w = self.workload
-        args = ["--checkpoint-url", str(self.dir / "ck"), "--record", str(self.rec), "--epochs", "100000",
-                "--samples", str(w.samples), "--batch", str(w.batch), "--lr-rule", "fixed-global-batch",
-                "--base-world", "2", "--save-every", str(w.save_every), "--step-sleep", str(w.step_sleep),
-                "--dropout", "0", "--local-every", str(self.system.local_every), *self.system.worker_args]  # fmt: skip
+        args = [
+            "--checkpoint-url",
+            str(self.dir / "ck"),
+            "--record",
+            str(self.rec),
+            "--epochs",
+            "100000",
+            "--samples",
+            str(w.samples),
+            "--batch",
+            str(w.batch),
+            "--lr-rule",
+            "fixed-global-batch",
+            "--base-world",
+            "2",
+            "--save-every",
+            str(w.save_every),
+            "--step-sleep",
+            str(w.step_sleep),
+            "--dropout",
+            "0",
+            "--local-every",
+            str(self.system.local_every),
+            *self.system.worker_args,
+        ]
         cmd = torchrun_command(
-            backend=self.system.backend, endpoint=self.endpoint, run_id=self.run_id, nnodes="1:2",
+            backend=self.system.backend,
+            endpoint=self.endpoint,
+            run_id=self.run_id,
+            nnodes="1:2",
             nproc=self.system.nproc,
-            rdzv_conf=self.system.conf, max_restarts=100, script=WORKER, script_args=args,
+            rdzv_conf=self.system.conf,
+            max_restarts=100,
+            script=WORKER,
+            script_args=args,
             prefork=self.system.prefork,
-        )  # fmt: skip
+        )
         env = {"LOGLEVEL": "WARNING", LOCAL_SNAPSHOT_DIR: str(self.shm)}  # in memory, removed by stop()
         agent = TorchrunAgent(cmd, self.dir / f"{name}.log", env=env).start()
         self.agents.append(agent)
@@ -195,8 +222,9 @@ def live_lost_steps(records: list[dict[str, Any]], killed_at: float) -> float:
     return float(len(again))
 
 
-def recovery(job: Job, killed_at: float, world: int | None, timeout: float = 240,
-             interrupted: bool = True) -> dict[str, float]:  # fmt: skip
+def recovery(
+    job: Job, killed_at: float, world: int | None, timeout: float = 240, interrupted: bool = True
+) -> dict[str, float]:
     """Time from ``killed_at`` to the next step completed by the re-formed group (at ``world``), and the
     steps that the killed group had committed and the resumed one re-does (live: see
     :func:`live_lost_steps`; taken again at the end of a trial, when every later generation is in).
@@ -209,10 +237,12 @@ def recovery(job: Job, killed_at: float, world: int | None, timeout: float = 240
 
     def after() -> list[dict[str, Any]]:
         return [
-            r for r in job.records()
-            if r["t"] > killed_at and (r["attempt"] != killed or not interrupted)
+            r
+            for r in job.records()
+            if r["t"] > killed_at
+            and (r["attempt"] != killed or not interrupted)
             and (world is None or r["world"] == world)
-        ]  # fmt: skip
+        ]
 
     if not wait_until(lambda: bool(after()), timeout, interval=0.02):
         raise job.fail(f"no step completed within {timeout}s of the kill")
@@ -247,8 +277,9 @@ def join(job: Job, name: str, timeout: float) -> tuple[TorchrunAgent, dict[str, 
     def joined() -> bool:
         if agent.process is not None and agent.process.poll() is None:
             seen.update(worker_tree(agent.pid))
-        mine = [r for pid in seen for f in job.rec.glob(f"rank*.{pid}.jsonl") for r in read_jsonl(f)
-                if r["t"] > started]  # fmt: skip
+        mine = [
+            r for pid in seen for f in job.rec.glob(f"rank*.{pid}.jsonl") for r in read_jsonl(f) if r["t"] > started
+        ]
         if mine:
             first.append(min(mine, key=lambda r: r["t"]))
         return bool(mine)
@@ -256,12 +287,15 @@ def join(job: Job, name: str, timeout: float) -> tuple[TorchrunAgent, dict[str, 
     if not wait_until(joined, timeout, interval=0.1):
         return agent, None
     rec = first[-1]
-    return agent, {"first_step_s": rec["t"] - started,
-                   "from_worker_start_s": rec["t"] - _process_started(seen[rec["pid"]])}  # fmt: skip
+    return agent, {
+        "first_step_s": rec["t"] - started,
+        "from_worker_start_s": rec["t"] - _process_started(seen[rec["pid"]]),
+    }
 
 
-def kill_trial(system: System, etcd: LocalEtcdCluster, workdir: Path, workload: Workload,
-               rng: random.Random) -> dict[str, dict[str, float]]:  # fmt: skip
+def kill_trial(
+    system: System, etcd: LocalEtcdCluster, workdir: Path, workload: Workload, rng: random.Random
+) -> dict[str, dict[str, float]]:
     job = Job(system, etcd, workdir, workload)
     node = system.nproc  # a node's workers: the world is 2 nodes, then 1
     phase = workload.save_every * workload.step_sleep  # a random point of the checkpoint cycle
@@ -306,8 +340,9 @@ def kill_trial(system: System, etcd: LocalEtcdCluster, workdir: Path, workload: 
         job.stop()
 
 
-def bench_kills(systems: list[System], trials: int, etcd: LocalEtcdCluster, workdir: Path, workload: Workload,
-                seed: int = 0) -> list[dict[str, Any]]:  # fmt: skip
+def bench_kills(
+    systems: list[System], trials: int, etcd: LocalEtcdCluster, workdir: Path, workload: Workload, seed: int = 0
+) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     samples: dict[str, list[dict[str, dict[str, float]]]] = {s.key: [] for s in systems}
     for i in range(trials):  # interleaved: a noisy minute affects every system alike
@@ -315,13 +350,15 @@ def bench_kills(systems: list[System], trials: int, etcd: LocalEtcdCluster, work
             samples[s.key].append(kill_trial(s, etcd, workdir, workload, rng))
             t = samples[s.key][-1]
             w, n, j = t["worker_kill"], t["node_kill"], t["join"]
-            print(f"kills {s.label:38s} trial {i + 1}: worker kill -> next step {w['next_step_s']:.2f}s"
-                  f" (lost {w['lost_steps']:.0f}, survivor PID changed {w['survivor_pid_changed']:.0f}),"
-                  f" node kill -> survivor's next step {n['next_step_s']:.2f}s (lost {n['lost_steps']:.0f},"
-                  f" survivor PID changed {n['survivor_pid_changed']:.0f}), replacement node -> its first step"
-                  f" {j['first_step_s']:.2f}s ({j['from_worker_start_s']:.2f}s from its worker's start;"
-                  f" survivor PID changed {j['survivor_pid_changed']:.0f})",
-                  flush=True)  # fmt: skip
+            print(
+                f"kills {s.label:38s} trial {i + 1}: worker kill -> next step {w['next_step_s']:.2f}s"
+                f" (lost {w['lost_steps']:.0f}, survivor PID changed {w['survivor_pid_changed']:.0f}),"
+                f" node kill -> survivor's next step {n['next_step_s']:.2f}s (lost {n['lost_steps']:.0f},"
+                f" survivor PID changed {n['survivor_pid_changed']:.0f}), replacement node -> its first step"
+                f" {j['first_step_s']:.2f}s ({j['from_worker_start_s']:.2f}s from its worker's start;"
+                f" survivor PID changed {j['survivor_pid_changed']:.0f})",
+                flush=True,
+            )
     rows = []
     for s in systems:
         row: dict[str, Any] = {"system": s.label, "key": s.key, "save_every_steps": workload.save_every}
@@ -334,8 +371,9 @@ def bench_kills(systems: list[System], trials: int, etcd: LocalEtcdCluster, work
     return rows
 
 
-def goodput_trial(system: System, etcd: LocalEtcdCluster, workdir: Path, workload: Workload, duration: float,
-                  interval: float) -> dict[str, Any]:  # fmt: skip
+def goodput_trial(
+    system: System, etcd: LocalEtcdCluster, workdir: Path, workload: Workload, duration: float, interval: float
+) -> dict[str, Any]:
     job = Job(system, etcd, workdir, workload)
     try:
         a = job.start_agent("a")
@@ -386,34 +424,51 @@ def goodput_trial(system: System, etcd: LocalEtcdCluster, workdir: Path, workloa
         job.stop()
 
 
-def bench_goodput(systems: list[System], trials: int, etcd: LocalEtcdCluster, workdir: Path, workload: Workload,
-                  duration: float, interval: float) -> list[dict[str, Any]]:  # fmt: skip
+def bench_goodput(
+    systems: list[System],
+    trials: int,
+    etcd: LocalEtcdCluster,
+    workdir: Path,
+    workload: Workload,
+    duration: float,
+    interval: float,
+) -> list[dict[str, Any]]:
     results: dict[str, list[dict[str, Any]]] = {s.key: [] for s in systems}
     for i in range(trials):
         for s in systems:
             r = goodput_trial(s, etcd, workdir, workload, duration, interval)
             results[s.key].append(r)
-            steps = ", ".join(f"{f['next_step_s']:.2f}s" + ("" if f["victim_training"] else " (victim not training)")
-                              for f in r["faults"])  # fmt: skip
-            joins = ", ".join("none" if f["join_first_step_s"] is None else f"{f['join_first_step_s']:.2f}s"
-                              for f in r["faults"] if "join_first_step_s" in f)  # fmt: skip
-            print(f"goodput {s.label:38s} trial {i + 1}: {r['goodput'] * 100:.1f} % ({r['steps']} steps in "
-                  f"{r['duration_s']:.0f}s, fault-free {r['fault_free_steps_per_s']:.2f} steps/s, "
-                  f"{len(r['faults'])} failures: next step {steps}; replacement node's first step {joins or '-'};"
-                  f" survivor PID changes {r['survivor_pid_changes']})", flush=True)  # fmt: skip
+            steps = ", ".join(
+                f"{f['next_step_s']:.2f}s" + ("" if f["victim_training"] else " (victim not training)")
+                for f in r["faults"]
+            )
+            joins = ", ".join(
+                "none" if f["join_first_step_s"] is None else f"{f['join_first_step_s']:.2f}s"
+                for f in r["faults"]
+                if "join_first_step_s" in f
+            )
+            print(
+                f"goodput {s.label:38s} trial {i + 1}: {r['goodput'] * 100:.1f} % ({r['steps']} steps in "
+                f"{r['duration_s']:.0f}s, fault-free {r['fault_free_steps_per_s']:.2f} steps/s, "
+                f"{len(r['faults'])} failures: next step {steps}; replacement node's first step {joins or '-'};"
+                f" survivor PID changes {r['survivor_pid_changes']})",
+                flush=True,
+            )
     rows = []
     for s in systems:
         joined = [f["join_first_step_s"] for r in results[s.key] for f in r["faults"] if f.get("join_first_step_s")]
-        rows.append({
-            "system": s.label,
-            "key": s.key,
-            "duration_s": duration,
-            "interval_s": interval,
-            "goodput": summarize([r["goodput"] for r in results[s.key]]),
-            "join_first_step_s": summarize(joined),
-            "survivor_pid_changes": summarize([r["survivor_pid_changes"] for r in results[s.key]]),
-            "trials": results[s.key],
-        })  # fmt: skip
+        rows.append(
+            {
+                "system": s.label,
+                "key": s.key,
+                "duration_s": duration,
+                "interval_s": interval,
+                "goodput": summarize([r["goodput"] for r in results[s.key]]),
+                "join_first_step_s": summarize(joined),
+                "survivor_pid_changes": summarize([r["survivor_pid_changes"] for r in results[s.key]]),
+                "trials": results[s.key],
+            }
+        )
     return rows
 
 
@@ -442,8 +497,11 @@ def print_summary(result: dict[str, Any]) -> None:
         ("goodput run: replacement -> first step", good, "join_first_step_s", " s", 1.0, 2),
         ("goodput run: survivor PID changes", good, "survivor_pid_changes", "", 1.0, 0),
     ]
-    rows = [(title, [cell(part[k].get(key) if k in part else None, unit, scale, digits) for k in keys])
-            for title, part, key, unit, scale, digits in figures if part]  # fmt: skip
+    rows = [
+        (title, [cell(part[k].get(key) if k in part else None, unit, scale, digits) for k in keys])
+        for title, part, key, unit, scale, digits in figures
+        if part
+    ]
     width = max((len(t) for t, _ in rows), default=0)
     cols = [max([len(k), *(len(c[i]) for _, c in rows)]) for i, k in enumerate(keys)]
     print("\nmedian / p95 over the trials")

@@ -102,8 +102,9 @@ def _machine() -> dict[str, Any]:
     }
 
 
-def run(plan: Plan, workdir: Path, results: Path, only: set[str] | None,
-        out: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def run(
+    plan: Plan, workdir: Path, results: Path, only: set[str] | None, out: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Run the wanted parts into ``out``; a part that fails is recorded in ``out["errors"]`` and the
     others still run; ``results/summary.json`` is rewritten after every part."""
     out = out if out is not None else {}
@@ -138,21 +139,48 @@ def run(plan: Plan, workdir: Path, results: Path, only: set[str] | None,
 
     def checkpoint() -> None:
         path = results / "checkpoint.json"
-        _subprocess([sys.executable, str(HERE / "checkpoint_bench.py"), "--size-mb", str(plan.ckpt_size_mb),
-                     "--repeats", str(plan.ckpt_repeats), "--no-s3", "--out", str(path)], 1200)  # fmt: skip
+        _subprocess(
+            [
+                sys.executable,
+                str(HERE / "checkpoint_bench.py"),
+                "--size-mb",
+                str(plan.ckpt_size_mb),
+                "--repeats",
+                str(plan.ckpt_repeats),
+                "--no-s3",
+                "--out",
+                str(path),
+            ],
+            1200,
+        )
         out["checkpoint"] = json.loads(path.read_text())
 
     def overhead() -> None:
         path = results / "loop_overhead.json"
-        _subprocess([sys.executable, str(HERE / "loop_overhead_bench.py"), "--rounds", str(plan.overhead_rounds),
-                     "--json", str(path)], 1800)  # fmt: skip
+        _subprocess(
+            [
+                sys.executable,
+                str(HERE / "loop_overhead_bench.py"),
+                "--rounds",
+                str(plan.overhead_rounds),
+                "--json",
+                str(path),
+            ],
+            1800,
+        )
         out["loop_overhead"] = json.loads(path.read_text())
 
     def api() -> None:
         out["api"] = api_load_bench.bench_api(plan.api_rounds, plan.api_duration, 8, workdir / "api")
 
-    parts: dict[str, Callable[[], None]] = {"recovery": recovery, "detect": detect, "rendezvous": rendezvous,
-                                            "checkpoint": checkpoint, "overhead": overhead, "api": api}  # fmt: skip
+    parts: dict[str, Callable[[], None]] = {
+        "recovery": recovery,
+        "detect": detect,
+        "rendezvous": rendezvous,
+        "checkpoint": checkpoint,
+        "overhead": overhead,
+        "api": api,
+    }
     for name, part in parts.items():
         if only is not None and name not in only:
             continue
@@ -284,8 +312,12 @@ def summary(data: dict[str, Any]) -> tuple[dict[str, Any], str]:
                 lost_l = max(loc["worker_kill_lost_steps"]["median"], loc["node_kill_lost_steps"]["median"])
                 lost_p95 = max(loc["worker_kill_lost_steps"]["p95"], loc["node_kill_lost_steps"]["p95"])
                 figures["lost_steps_node_local"] = lost_l
-                goal(f"≤ 1 lost step per failure (durable snapshot every {w.get('save_every')} steps + node-local"
-                     " every step)", lost_l <= 1, f"{lost_l:.1f} (p95 {lost_p95:.1f})")  # fmt: skip
+                goal(
+                    f"≤ 1 lost step per failure (durable snapshot every {w.get('save_every')} steps + node-local"
+                    " every step)",
+                    lost_l <= 1,
+                    f"{lost_l:.1f} (p95 {lost_p95:.1f})",
+                )
             if OURS in every:
                 e = every[OURS]
                 lost1 = max(e["worker_kill_lost_steps"]["median"], e["node_kill_lost_steps"]["median"])
@@ -367,8 +399,11 @@ def summary(data: dict[str, Any]) -> tuple[dict[str, Any], str]:
             "(req/s: median / p95 of the rounds' rates; latency: median / p95 over rounds of each round's percentile)",
             "",
         ]
-        goal("≥ 500 status req/s at p99 ≤ 50 ms", rps["median"] >= 500 and p99["median"] <= 50,
-             f"{rps['median']:.0f} req/s, p99 {p99['median']:.1f} ms")  # fmt: skip
+        goal(
+            "≥ 500 status req/s at p99 ≤ 50 ms",
+            rps["median"] >= 500 and p99["median"] <= 50,
+            f"{rps['median']:.0f} req/s, p99 {p99['median']:.1f} ms",
+        )
     for part, error in data.get("errors", {}).items():
         lines += [f"**Part `{part}` failed**: {error}", ""]
     lines += ["### Goals", "", "| goal | measured | met |", "|---|---|---|"]
@@ -396,8 +431,13 @@ def main() -> None:
             data.get("errors", {}).pop(part, None)
         workdir = Path(tempfile.mkdtemp(prefix="bench-all-"))
         try:
-            data = run(PLANS[args.mode or data.get("mode", "quick")], workdir, args.results,
-                       set(args.only.split(",")) if args.only else None, out=data)  # fmt: skip
+            data = run(
+                PLANS[args.mode or data.get("mode", "quick")],
+                workdir,
+                args.results,
+                set(args.only.split(",")) if args.only else None,
+                out=data,
+            )
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     else:

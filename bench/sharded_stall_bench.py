@@ -91,8 +91,12 @@ def _run(rank: int, args: argparse.Namespace, tmp: str, out: str) -> None:
         g = torch.Generator().manual_seed(rank)
         x, y = torch.randn(32, 64, generator=g), torch.randint(0, 8, (32,), generator=g)
 
-        def step(model: nn.Module = model, optimizer: torch.optim.Optimizer = optimizer,
-                 x: torch.Tensor = x, y: torch.Tensor = y) -> float:  # fmt: skip
+        def step(
+            model: nn.Module = model,
+            optimizer: torch.optim.Optimizer = optimizer,
+            x: torch.Tensor = x,
+            y: torch.Tensor = y,
+        ) -> float:
             started = time.perf_counter()
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
@@ -116,8 +120,12 @@ def _run(rank: int, args: argparse.Namespace, tmp: str, out: str) -> None:
             after = sum(step() for _ in range(args.after))
             stall.append(max(0.0, after - plain))
         manager.close()
-        results[kind] = {"state_bytes": _state_bytes(module, optimizer), "blocking_s": blocking, "stall_s": stall,
-                         "step_s": plain / args.after}  # fmt: skip
+        results[kind] = {
+            "state_bytes": _state_bytes(module, optimizer),
+            "blocking_s": blocking,
+            "stall_s": stall,
+            "step_s": plain / args.after,
+        }
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -141,13 +149,22 @@ def main() -> None:
     for kind, r in results.items():
         b, s = summarize(r["blocking_s"]), summarize(r["stall_s"])
         summary[kind] = {"state_bytes": r["state_bytes"], "step_s": r["step_s"], "blocking_s": b, "stall_s": s}
-        print(f"{kind:6s} {r['state_bytes'] / 2**20:15.1f} {r['step_s'] * 1e3:8.1f} "
-              f"{b['median'] * 1e3:8.1f} / {b['p95'] * 1e3:5.1f} {s['median'] * 1e3:10.1f} / {s['p95'] * 1e3:6.1f}")
+        print(
+            f"{kind:6s} {r['state_bytes'] / 2**20:15.1f} {r['step_s'] * 1e3:8.1f} "
+            f"{b['median'] * 1e3:8.1f} / {b['p95'] * 1e3:5.1f} {s['median'] * 1e3:10.1f} / {s['p95'] * 1e3:6.1f}"
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "args": {k: str(v) for k, v in vars(args).items()}, "results": summary, "raw": results,
-    }, indent=2))  # fmt: skip
+    args.json.write_text(
+        json.dumps(
+            {
+                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "results": summary,
+                "raw": results,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.json}")
 
 

@@ -51,8 +51,20 @@ def _spec(rec: Path, mode: str) -> dict[str, Any]:
     return {
         "name": "spare-bench",
         "entrypoint": WORKER,
-        "args": ["--epochs", "50", "--samples", "400", "--batch", "4", "--save-every", "10", "--step-sleep", "0.05",
-                 "--record", str(rec)],
+        "args": [
+            "--epochs",
+            "50",
+            "--samples",
+            "400",
+            "--batch",
+            "4",
+            "--save-every",
+            "10",
+            "--step-sleep",
+            "0.05",
+            "--record",
+            str(rec),
+        ],
         "env": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
         "min_nodes": 1,
         "max_nodes": 2,
@@ -74,8 +86,12 @@ def run_once(workdir: Path, mode: str, spare: bool) -> dict[str, Any]:
             time.sleep(8)  # let the spare's zygote finish importing torch (it is held warm before any failure)
         rec = workdir / "rec"
         job = api.submit(_spec(rec, mode))["id"]
-        wait_for(lambda: max((r["step"] for r in _records(rec) if r["world"] == 2), default=0) >= 20, 180, 0.2,
-                 what="20 steps at world 2")  # fmt: skip
+        wait_for(
+            lambda: max((r["step"] for r in _records(rec) if r["world"] == 2), default=0) >= 20,
+            180,
+            0.2,
+            what="20 steps at world 2",
+        )
         victim = "node-2"
         t0 = time.time()
         cluster.kill_agent(victim)
@@ -92,8 +108,13 @@ def run_once(workdir: Path, mode: str, spare: bool) -> dict[str, Any]:
         survivor = first("node-1", t0)
         status = api.job(job)
         api.cancel(job)
-        return {"mode": mode, "spare": spare, "survivor_next_step_s": None if survivor is None else survivor - t0,
-                "replacement_first_step_s": joined - t0, "failures": status["restarts"]["failure"]}  # fmt: skip
+        return {
+            "mode": mode,
+            "spare": spare,
+            "survivor_next_step_s": None if survivor is None else survivor - t0,
+            "replacement_first_step_s": joined - t0,
+            "failures": status["restarts"]["failure"],
+        }
     finally:
         cluster.stop()
 
@@ -112,23 +133,38 @@ def main(argv: list[str] | None = None) -> int:
                     r = run_once(Path(tmp), mode, spare)
                 runs.append(r)
                 nxt = r["survivor_next_step_s"]
-                print(f"trial {trial + 1} {mode:7s} {'spare   ' if spare else 'new node'}: replacement's first step "
-                      f"{r['replacement_first_step_s']:.2f} s after the kill, survivor's next step "
-                      f"{'-' if nxt is None else f'{nxt:.2f}'} s", flush=True)  # fmt: skip
+                print(
+                    f"trial {trial + 1} {mode:7s} {'spare   ' if spare else 'new node'}: replacement's first step "
+                    f"{r['replacement_first_step_s']:.2f} s after the kill, survivor's next step "
+                    f"{'-' if nxt is None else f'{nxt:.2f}'} s",
+                    flush=True,
+                )
     summary: dict[str, Any] = {}
     print("\nmode     replacement  first step after the kill (median, s)")
     for mode in args.modes.split(","):
         for spare in (True, False):
             key = f"{mode}/{'spare' if spare else 'new node'}"
             rs = [r for r in runs if r["mode"] == mode and r["spare"] == spare]
-            summary[key] = {"replacement_first_step_s": summarize([r["replacement_first_step_s"] for r in rs]),
-                            "survivor_next_step_s": summarize([r["survivor_next_step_s"] for r in rs
-                                                               if r["survivor_next_step_s"] is not None])}  # fmt: skip
+            summary[key] = {
+                "replacement_first_step_s": summarize([r["replacement_first_step_s"] for r in rs]),
+                "survivor_next_step_s": summarize(
+                    [r["survivor_next_step_s"] for r in rs if r["survivor_next_step_s"] is not None]
+                ),
+            }
             median = summary[key]["replacement_first_step_s"]["median"]
             print(f"{mode:8s} {'spare' if spare else 'new node':12s} {median:.2f}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"machine": platform.platform(), "args": vars(args) | {"json": str(args.json)},
-                                         "runs": runs, "summary": summary}, indent=2))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": platform.platform(),
+                    "args": vars(args) | {"json": str(args.json)},
+                    "runs": runs,
+                    "summary": summary,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

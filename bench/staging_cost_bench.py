@@ -116,8 +116,10 @@ def main() -> None:
     print(f"{'parameters':>10} {'state tensors':>14} {'capture ms':>11} {'staging call ms':>16} {'us per tensor':>14}")
     for r in rows:
         per = r["staging_call_median_s"] / max(1, r["state_tensors"]) * 1e6
-        print(f"{r['parameters']:>10} {r['state_tensors']:>14} {r['capture_median_s'] * 1e3:>11.1f} "
-              f"{r['staging_call_median_s'] * 1e3:>16.1f} {per:>14.1f}")  # fmt: skip
+        print(
+            f"{r['parameters']:>10} {r['state_tensors']:>14} {r['capture_median_s'] * 1e3:>11.1f} "
+            f"{r['staging_call_median_s'] * 1e3:>16.1f} {per:>14.1f}"
+        )
     report = {"machine": {"platform": platform.platform(), "torch": torch.__version__}, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

@@ -29,9 +29,21 @@ _LAZY = {
 }
 
 __all__ = [
-    "ElasticBatchSampler", "ElasticConfig", "ElasticSampler", "ElasticTrainer", "LRPolicy", "LRRule", "LiveOptions",
-    "RecoveryMode", "RegistrationError", "Stateful", "Step", "StepInfo", "StepMismatchError", "WriterBusy",
-]  # fmt: skip
+    "ElasticBatchSampler",
+    "ElasticConfig",
+    "ElasticSampler",
+    "ElasticTrainer",
+    "LRPolicy",
+    "LRRule",
+    "LiveOptions",
+    "RecoveryMode",
+    "RegistrationError",
+    "Stateful",
+    "Step",
+    "StepInfo",
+    "StepMismatchError",
+    "WriterBusy",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -106,8 +106,11 @@ def private_api_problems() -> list[str]:
         return [f"torch.distributed.elastic cannot be imported ({exc})"]
     info = getattr(api, "RendezvousInfo", None)
     if info is None or list(inspect.signature(info).parameters)[:4] != [
-        "store", "rank", "world_size", "bootstrap_store_info",
-    ]:  # fmt: skip
+        "store",
+        "rank",
+        "world_size",
+        "bootstrap_store_info",
+    ]:
         problems.append("rendezvous.api.RendezvousInfo(store, rank, world_size, bootstrap_store_info)")
     store_info = getattr(api, "RendezvousStoreInfo", None)
     if store_info is None or not callable(getattr(store_info, "build", None)):

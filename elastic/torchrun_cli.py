@@ -48,12 +48,16 @@ class TorchrunCommand:
 
     def argv(self) -> list[str]:
         cmd = [
-            self.python, *(FORKED if self.forked else COLD),
-            f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}",
-            f"--rdzv-backend={self.rdzv_backend}", f"--rdzv-endpoint={self.rdzv_endpoint}",
-            f"--rdzv-id={self.run_id}", f"--max-restarts={self.max_restarts}",
+            self.python,
+            *(FORKED if self.forked else COLD),
+            f"--nnodes={self.nnodes}",
+            f"--nproc-per-node={self.nproc_per_node}",
+            f"--rdzv-backend={self.rdzv_backend}",
+            f"--rdzv-endpoint={self.rdzv_endpoint}",
+            f"--rdzv-id={self.run_id}",
+            f"--max-restarts={self.max_restarts}",
             f"--monitor-interval={self.monitor_interval:g}",
-        ]  # fmt: skip
+        ]
         if self.rdzv_conf is not None:
             cmd.append(f"--rdzv-conf={self.rdzv_conf}")
         if self.local_addr:

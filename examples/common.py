@@ -50,10 +50,17 @@ def digits_dataset() -> TensorDataset:
 def digits_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Dropout(0.1), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
-    )  # fmt: skip
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Dropout(0.1),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
 
 
 class CharDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -159,10 +166,16 @@ class AugmentedImages(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 def image_model(classes: int = 10) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, classes),
-    )  # fmt: skip
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, classes),
+    )
 
 
 @torch.no_grad()
@@ -195,10 +208,12 @@ class GAN(nn.Module):
     def __init__(self, z_dim: int = 4, width: int = 64) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.g = nn.Sequential(nn.Linear(z_dim, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                               nn.Linear(width, 2))  # fmt: skip
-        self.d = nn.Sequential(nn.Linear(2, width), nn.LeakyReLU(0.2), nn.Linear(width, width), nn.LeakyReLU(0.2),
-                               nn.Linear(width, 1))  # fmt: skip
+        self.g = nn.Sequential(
+            nn.Linear(z_dim, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 2)
+        )
+        self.d = nn.Sequential(
+            nn.Linear(2, width), nn.LeakyReLU(0.2), nn.Linear(width, width), nn.LeakyReLU(0.2), nn.Linear(width, 1)
+        )
 
     def forward(self, real: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         fake = self.g(z)
@@ -206,7 +221,8 @@ class GAN(nn.Module):
         frozen = {name: p.detach() for name, p in self.d.named_parameters()}
         d_on_fake = torch.func.functional_call(self.d, frozen, (fake,))
         d_loss = F.binary_cross_entropy_with_logits(d_real, torch.ones_like(d_real)) + (
-            F.binary_cross_entropy_with_logits(d_fake, torch.zeros_like(d_fake)))  # fmt: skip
+            F.binary_cross_entropy_with_logits(d_fake, torch.zeros_like(d_fake))
+        )
         g_loss = F.binary_cross_entropy_with_logits(d_on_fake, torch.ones_like(d_on_fake))
         return d_loss, g_loss
 
@@ -258,10 +274,19 @@ def record_steps() -> Callable[[StepInfo], None] | None:
     def on_step(info: StepInfo) -> None:
         if not chained:
             chain_sigterm()
-        record = {"step": info.step, "epoch": info.epoch, "rank": info.rank, "world": info.world_size,
-                  "indices": list(info.indices), "lr": info.lr, "loss": info.loss, "late": info.late,
-                  "attempt": attempt if info.generation is None else f"gen{info.generation}",
-                  "pid": os.getpid(), "t": time.time()}  # fmt: skip
+        record = {
+            "step": info.step,
+            "epoch": info.epoch,
+            "rank": info.rank,
+            "world": info.world_size,
+            "indices": list(info.indices),
+            "lr": info.lr,
+            "loss": info.loss,
+            "late": info.late,
+            "attempt": attempt if info.generation is None else f"gen{info.generation}",
+            "pid": os.getpid(),
+            "t": time.time(),
+        }
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if info.late:

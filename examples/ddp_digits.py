@@ -1,6 +1,6 @@
 """Digits classifier with plain DDP, the tutorial way (the baseline that elastic_digits.py changes).
 
-    torchrun --nproc-per-node=2 examples/ddp_digits.py
+torchrun --nproc-per-node=2 examples/ddp_digits.py
 """
 
 import argparse

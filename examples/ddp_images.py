@@ -37,8 +37,14 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True)
     ddp_model = DDP(model)
     sampler = DistributedSampler(train, seed=args.seed)
-    loader = DataLoader(train, batch_size=args.batch, sampler=sampler, num_workers=args.workers, pin_memory=True,
-                        persistent_workers=args.workers > 0)  # fmt: skip
+    loader = DataLoader(
+        train,
+        batch_size=args.batch,
+        sampler=sampler,
+        num_workers=args.workers,
+        pin_memory=True,
+        persistent_workers=args.workers > 0,
+    )
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         train.set_epoch(epoch)  # the augmentation's seed (see AugmentedImages)

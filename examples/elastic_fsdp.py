@@ -67,8 +67,13 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # the trainer points it at each world's shards
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=len(dataset) // args.batch)
     policy = LRPolicy(args.lr_rule, args.lr, args.base_world, args.batch, warmup_steps=20)
-    config = ElasticConfig(policy, args.checkpoint_url, save_every_steps=args.save_every, progress_every=20,
-                           shard_size=args.shard_size or None)  # fmt: skip
+    config = ElasticConfig(
+        policy,
+        args.checkpoint_url,
+        save_every_steps=args.save_every,
+        progress_every=20,
+        shard_size=args.shard_size or None,
+    )
     trainer = ElasticTrainer(model, optimizer, dataset, config, scheduler=scheduler, parallelize=parallelize)
     mesh = trainer.mesh
     assert mesh is not None

@@ -44,8 +44,9 @@ def main() -> None:
     ddp_model = DDP(model)
     config = ElasticConfig(LRPolicy("fixed-global-batch", args.lr, 2, args.batch), save_every_steps=10)
     sampler = ElasticBatchSampler(train, seed=args.seed)
-    loader = DataLoader(train, batch_sampler=sampler, num_workers=args.workers, pin_memory=True,
-                        persistent_workers=args.workers > 0)  # fmt: skip
+    loader = DataLoader(
+        train, batch_sampler=sampler, num_workers=args.workers, pin_memory=True, persistent_workers=args.workers > 0
+    )
     trainer = ElasticTrainer(ddp_model, optimizer, loader, config, on_step=record_steps())
     for epoch in range(args.epochs):
         train.set_epoch(epoch)  # the augmentation's seed (see AugmentedImages)

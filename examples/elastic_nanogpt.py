@@ -82,8 +82,14 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         ema.update_parameters(model)
         if it % args.eval_interval == 0 and dist.get_rank() == 0:
-            log.info("iter %d: loss %.4f, val %.4f, val of the EMA %.4f, lr %.2e", it, loss.item(),
-                     lm_loss(model, val, ctx, device), lm_loss(ema, val, ctx, device), lr)  # fmt: skip
+            log.info(
+                "iter %d: loss %.4f, val %.4f, val of the EMA %.4f, lr %.2e",
+                it,
+                loss.item(),
+                lm_loss(model, val, ctx, device),
+                lm_loss(ema, val, ctx, device),
+                lr,
+            )
     if dist.get_rank() == 0:
         log_final(lm_loss(model, val, ctx, device))
     trainer.close()

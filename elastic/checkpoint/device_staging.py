@@ -308,8 +308,10 @@ class DeviceBufferPool:
             if refused_at is not None and free <= refused_at:
                 # an allocation failed at this figure (it overstates what this process may take): every new one
                 # would fail too, and each failure empties torch's cache (a device sync), so none is tried
-                held_back.append(f"cuda:{d}: no new buffer while no more than {format_bytes(refused_at)} is "
-                                 "reported free (an allocation failed there)")  # fmt: skip
+                held_back.append(
+                    f"cuda:{d}: no new buffer while no more than {format_bytes(refused_at)} is "
+                    "reported free (an allocation failed there)"
+                )
                 free = 0
             else:
                 self._refused_at.pop(d, None)

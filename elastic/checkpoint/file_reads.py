@@ -122,9 +122,12 @@ class HostTensorSink:
     straight into it whatever its length."""
 
     def __init__(
-        self, tensors: Sequence[torch.Tensor | None], extents: Sequence[Extent], chunk_bytes: int,
+        self,
+        tensors: Sequence[torch.Tensor | None],
+        extents: Sequence[Extent],
+        chunk_bytes: int,
         direct_bytes: int = 256 << 10,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._tensors = tensors
         self._cursor = _ExtentCursor(extents)
         self._direct = direct_bytes
@@ -172,9 +175,14 @@ class DeviceSink:
     _pinning_warned = False
 
     def __init__(
-        self, tensors: Sequence[torch.Tensor | None], extents: Sequence[Extent], device: torch.device, size: int,
-        chunk_bytes: int, ready: torch.cuda.Event,
-    ) -> None:  # fmt: skip
+        self,
+        tensors: Sequence[torch.Tensor | None],
+        extents: Sequence[Extent],
+        device: torch.device,
+        size: int,
+        chunk_bytes: int,
+        ready: torch.cuda.Event,
+    ) -> None:
         self._tensors = tensors
         self._cursor = _ExtentCursor(extents)
         self._device = device
@@ -193,8 +201,11 @@ class DeviceSink:
         except RuntimeError as exc:  # cudaHostAlloc refused (pinned memory limits, a container's locked-memory cap)
             if not cls._pinning_warned:
                 cls._pinning_warned = True
-                logger.warning("snapshot load: pinned host memory unavailable (%s); reading through pageable "
-                               "buffers (slower copies to the device)", exc)  # fmt: skip
+                logger.warning(
+                    "snapshot load: pinned host memory unavailable (%s); reading through pageable "
+                    "buffers (slower copies to the device)",
+                    exc,
+                )
             return torch.empty(length, dtype=torch.uint8)
 
     def buffer(self, offset: int, length: int) -> memoryview:

@@ -169,6 +169,10 @@ def sweep(root: Path, keep: Path | None = None) -> list[Path]:
         if _sweep_one(entry, root):
             removed.append(entry)
     if removed:
-        logger.info("node-local snapshots: deleted %d left behind under %s by processes that are gone (%s)",
-                    len(removed), root, ", ".join(p.name for p in removed))  # fmt: skip
+        logger.info(
+            "node-local snapshots: deleted %d left behind under %s by processes that are gone (%s)",
+            len(removed),
+            root,
+            ", ".join(p.name for p in removed),
+        )
     return removed

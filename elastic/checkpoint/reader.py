@@ -210,8 +210,10 @@ def read_pack(
         run_on.run_all([read_into(skeleton_entry, lambda: HostSink(memoryview(skeleton_bytes)))])
         skeleton = _decode(manifest.step, lambda: read_skeleton(bytes(skeleton_bytes), weights_only=weights_only))
         if skeleton.total != total:
-            raise CheckpointLoadError(f"snapshot step {manifest.step} is intact but does not decode: tensor data "
-                                      f"has {total} bytes, skeleton says {skeleton.total}")  # fmt: skip
+            raise CheckpointLoadError(
+                f"snapshot step {manifest.step} is intact but does not decode: tensor data "
+                f"has {total} bytes, skeleton says {skeleton.total}"
+            )
         home = target if target.type == "cuda" else torch.device("cpu")
         tensors = allocate_tensors(skeleton, home)
         if home.type == "cuda":

@@ -75,9 +75,13 @@ class ReplicatedCheckpointManager(StorageCheckpointManager):
     layout = StateLayout.REPLICATED
 
     def __init__(
-        self, storage: CheckpointStorage, options: CheckpointOptions, events: EventHook | None = None,
-        *, stager: Stager | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        storage: CheckpointStorage,
+        options: CheckpointOptions,
+        events: EventHook | None = None,
+        *,
+        stager: Stager | None = None,
+    ) -> None:
         """``stager`` replaces the one built from ``options`` (tests: in-memory copy streams and device)."""
         staging = stager if stager is not None else _stager_for(options)
         super().__init__(storage, options, events)

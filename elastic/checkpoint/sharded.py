@@ -110,8 +110,13 @@ class _Commit:
                 read_back += 1
             entries.append(FileEntry(f"{self.token}/{name}", size, digest, algorithm).to_dict())
         if read_back:
-            logger.info("sharded checkpoint step %d: %d of rank %d's %d files read back to be hashed", self.step,
-                        read_back, rank, len(names))  # fmt: skip
+            logger.info(
+                "sharded checkpoint step %d: %d of rank %d's %d files read back to be hashed",
+                self.step,
+                read_back,
+                rank,
+                len(names),
+            )
         self.storage.publish(f"{self.rel}/part-{rank:05d}.json", json.dumps(entries).encode())
         self.events("data_done")
 
@@ -312,8 +317,9 @@ class ShardedCheckpointManager(StorageCheckpointManager):
             exc = done.exception()
             if exc is not None:
                 first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-                logger.warning("sharded checkpoint step %d to %s, given up at a re-form, did not commit: %s",
-                               step, url, first)  # fmt: skip
+                logger.warning(
+                    "sharded checkpoint step %d to %s, given up at a re-form, did not commit: %s", step, url, first
+                )
 
         future.add_done_callback(log_failure)
 

@@ -121,9 +121,13 @@ class Stager:
     """
 
     def __init__(
-        self, reuse_buffers: bool = True, pinned_limit_bytes: int = 0, *, ops: CopyOps | None = None,
+        self,
+        reuse_buffers: bool = True,
+        pinned_limit_bytes: int = 0,
+        *,
+        ops: CopyOps | None = None,
         device_pool: DeviceBufferPool | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``ops``: copy streams and events (default CUDA's); ``device_pool``: device buffers for device-side
         staging (None: CUDA tensors are always copied straight to the host)."""
         self._ops: CopyOps = ops if ops is not None else CudaCopyOps()
@@ -267,9 +271,14 @@ class Stager:
         return self._pool.ensure(requests).staged
 
     def _issue(
-        self, sources: list[torch.Tensor], group: list[int], devices: dict[int, int], buffers: dict[int, _Buffer],
-        staged: set[int], begun: set[int],
-    ) -> dict[int, StagingEvent]:  # fmt: skip
+        self,
+        sources: list[torch.Tensor],
+        group: list[int],
+        devices: dict[int, int],
+        buffers: dict[int, _Buffer],
+        staged: set[int],
+        begun: set[int],
+    ) -> dict[int, StagingEvent]:
         """Queue the copies of ``group`` on each device's copy stream (device-to-device ones first, then the
         direct device-to-host ones); return one event per device after them (what a fence waits for)."""
         by_device: dict[int, list[int]] = {}

@@ -128,8 +128,16 @@ def _pack_rng(rng: Mapping[str, Any]) -> torch.Tensor:
     parts = [rng["torch"], np_state["keys"].view(torch.uint8), py["state"].view(torch.uint8)]
     parts += [c.cpu().view(torch.uint8) for c in cuda]
     gauss = float("nan") if py["gauss_next"] is None else float(py["gauss_next"])
-    header = _RNG_HEADER.pack(parts[0].numel(), np_state["keys"].numel(), py["state"].numel(), len(cuda),
-                              np_state["pos"], np_state["has_gauss"], np_state["cached_gaussian"], gauss)  # fmt: skip
+    header = _RNG_HEADER.pack(
+        parts[0].numel(),
+        np_state["keys"].numel(),
+        py["state"].numel(),
+        len(cuda),
+        np_state["pos"],
+        np_state["has_gauss"],
+        np_state["cached_gaussian"],
+        gauss,
+    )
     tail = (np_state["kind"] + "\0").encode() + int(py["version"]).to_bytes(4, "little")
     if cuda:
         tail += b"".join(int(c.numel()).to_bytes(8, "little") for c in cuda)

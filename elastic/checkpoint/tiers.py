@@ -136,8 +136,11 @@ class LocalSnapshotStats:
 
     def progress_fields(self) -> dict[str, Any]:
         """Flat JSON-able fields for the job service's progress report (rank 0's node)."""
-        return {LOCAL_SNAPSHOTS_SAVED: self.saved, LOCAL_SNAPSHOTS_SKIPPED: self.skipped,
-                LOCAL_SNAPSHOTS_FAILED: self.failed}  # fmt: skip
+        return {
+            LOCAL_SNAPSHOTS_SAVED: self.saved,
+            LOCAL_SNAPSHOTS_SKIPPED: self.skipped,
+            LOCAL_SNAPSHOTS_FAILED: self.failed,
+        }
 
 
 class LocalSpacing:
@@ -168,7 +171,7 @@ class LocalSpacing:
 
     def write(
         self, manager: CheckpointManager | None, step: int, save: Callable[[CheckpointManager], None], what: str
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Step ``step``'s snapshot through ``save(manager)`` into ``manager`` (None: this rank writes none), unless the
         manager's last one is still being written: that one is skipped, counted, and logged at the 1st, 2nd, 4th,
         8th, ... skip. A :class:`CheckpointError` is counted, and a warning the first time (``what``: the tier)."""
@@ -179,9 +182,16 @@ class LocalSpacing:
             self.stats = replace(stats, skipped=stats.skipped + 1, last_skipped_step=step)
             n = self.stats.skipped
             if n & (n - 1) == 0:
-                logger.warning("%s: step %d skipped, the previous one still being written (%d skipped, %d written "
-                               "so far): writes take longer than local_every_steps=%s steps, so a failure may re-do "
-                               "more", what, step, n, stats.saved, self.every)  # fmt: skip
+                logger.warning(
+                    "%s: step %d skipped, the previous one still being written (%d skipped, %d written "
+                    "so far): writes take longer than local_every_steps=%s steps, so a failure may re-do "
+                    "more",
+                    what,
+                    step,
+                    n,
+                    stats.saved,
+                    self.every,
+                )
             return
         try:
             save(manager)
@@ -341,16 +351,19 @@ class SnapshotTiers:
             self._local.prepare(state)
 
     def save_local(
-        self, step: int, capture: Callable[[], TrainingState | Mapping[str, Any]],
+        self,
+        step: int,
+        capture: Callable[[], TrainingState | Mapping[str, Any]],
         overlap_with: torch.optim.Optimizer | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Take a node-local snapshot (a collective: ``capture`` gathers every rank's RNG state)."""
         started = time.perf_counter()
         self._spacing.started(step)
         state = capture()
         # self._local is None on the ranks that are not their node's writer: nothing written, nothing counted
-        self._spacing.write(self._local, step, lambda local: local.save(step, state, overlap_with=overlap_with),
-                            "node-local snapshots")  # fmt: skip
+        self._spacing.write(
+            self._local, step, lambda local: local.save(step, state, overlap_with=overlap_with), "node-local snapshots"
+        )
         self._spacing.blocking_s = time.perf_counter() - started
 
     def close(self, finished: bool = False) -> None:

@@ -154,8 +154,9 @@ def hash_while_writing(writer: Any, digests: WriteDigests) -> bool:
     writer has no ``fs.create_stream`` to do it through."""
     fs = getattr(writer, "fs", None)
     if fs is None or not callable(getattr(fs, "create_stream", None)):
-        logger.warning("DCP writer %s has no fs.create_stream: sharded files are read back to be hashed",
-                       type(writer).__name__)  # fmt: skip
+        logger.warning(
+            "DCP writer %s has no fs.create_stream: sharded files are read back to be hashed", type(writer).__name__
+        )
         return False
     writer.fs = _HashingFileSystem(fs, digests)
     return True

@@ -168,8 +168,15 @@ _JOB_VARIABLES = (JOB_NAME, GENERATION, NODE_NAME, PROGRESS_KEY, LR_POLICY, MIN_
 ETCD_VARIABLES = (ETCD_ENDPOINTS, ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE)
 #: Every variable :meth:`WorkerEnv.apply` owns: inherited values of these never reach the workers.
 AGENT_WRITTEN = frozenset(
-    (*_JOB_VARIABLES, JOB_ID, CHECKPOINT_URL, CHECKPOINT_KEY, CHECKPOINT_KEY_FILE, LOCAL_SNAPSHOT_EVERY,
-     *ETCD_VARIABLES)
+    (
+        *_JOB_VARIABLES,
+        JOB_ID,
+        CHECKPOINT_URL,
+        CHECKPOINT_KEY,
+        CHECKPOINT_KEY_FILE,
+        LOCAL_SNAPSHOT_EVERY,
+        *ETCD_VARIABLES,
+    )
 )
 
 _T = TypeVar("_T")
@@ -263,8 +270,9 @@ class LiveEnv:
         if not self.prefix.endswith("/"):
             raise WorkerEnvError(f"{LIVE_PREFIX} must end with '/', got {self.prefix!r}")
         if not 1 <= self.min_nodes <= self.max_nodes:
-            raise WorkerEnvError(f"{LIVE_NODES} must be MIN:MAX with 1 <= MIN <= MAX, got "
-                                 f"{self.min_nodes}:{self.max_nodes}")  # fmt: skip
+            raise WorkerEnvError(
+                f"{LIVE_NODES} must be MIN:MAX with 1 <= MIN <= MAX, got {self.min_nodes}:{self.max_nodes}"
+            )
 
     def to_environ(self) -> dict[str, str]:
         return {LIVE_PREFIX: self.prefix, LIVE_NODES: f"{self.min_nodes}:{self.max_nodes}"}

@@ -236,5 +236,3 @@ def _finite(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_finite(x) for x in v]
     return v
-
-

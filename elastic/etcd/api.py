@@ -325,8 +325,9 @@ class TxnEtcdClient(EtcdClient):
             left = page.count - len(page.kvs)
             while left > 0 and kvs:
                 try:
-                    page = self.txn([], [GetOp(prefix, prefix=True, after=kvs[-1].key, revision=revision,
-                                               limit=limit)]).get(0)  # fmt: skip
+                    page = self.txn(
+                        [], [GetOp(prefix, prefix=True, after=kvs[-1].key, revision=revision, limit=limit)]
+                    ).get(0)
                 except EtcdResponseTooLargeError:
                     if limit == 1:
                         raise

@@ -87,8 +87,9 @@ class EtcdConfig:
         if (self.user is None) != (self.password is None):
             raise ValueError("etcd auth: user and password must be given together")
         if self.user is not None and self.ca_cert is None:
-            raise ValueError("etcd auth: a user and password need TLS (ca_cert): over plain gRPC the password "
-                             "travels in clear")  # fmt: skip
+            raise ValueError(
+                "etcd auth: a user and password need TLS (ca_cert): over plain gRPC the password travels in clear"
+            )
 
     @classmethod
     def from_options(cls, endpoints: str, options: Mapping[str, str | None] | None = None) -> EtcdConfig:

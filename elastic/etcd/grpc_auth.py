@@ -86,8 +86,9 @@ class GrpcAuthMixin(EtcdAuth):
         self._auth_call("RoleGrantPermission", etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm))
 
     def role_revoke_permission(self, role: str, key: str, prefix: bool = False) -> bool:
-        request = etcdrpc.AuthRoleRevokePermissionRequest(role=role, key=key.encode(),
-                                                          range_end=prefix_end(key) if prefix else b"")  # fmt: skip
+        request = etcdrpc.AuthRoleRevokePermissionRequest(
+            role=role, key=key.encode(), range_end=prefix_end(key) if prefix else b""
+        )
         try:
             self._auth_call("RoleRevokePermission", request)
         except EtcdConnectionError:

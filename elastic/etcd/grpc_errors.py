@@ -67,9 +67,7 @@ class RpcFailure(str, Enum):
 
 def classify(code: grpc.StatusCode | None, details: str) -> RpcFailure:
     """The meaning of a call that failed with status ``code`` and message ``details``."""
-    if code == grpc.StatusCode.UNAUTHENTICATED or (
-        code == grpc.StatusCode.INVALID_ARGUMENT and "token" in details
-    ):
+    if code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.INVALID_ARGUMENT and "token" in details):
         return RpcFailure.REAUTHENTICATE
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return RpcFailure.RETRY

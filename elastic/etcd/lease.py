@@ -117,8 +117,12 @@ class LeaseKeeper:
             return
         self._stop.set()
         if _known_unreachable(self._client):
-            logger.info("etcd at %s is unreachable: lease %x is left to expire (TTL %gs)",
-                        self._client.endpoints_label, self.lease_id, self._ttl.total_seconds())  # fmt: skip
+            logger.info(
+                "etcd at %s is unreachable: lease %x is left to expire (TTL %gs)",
+                self._client.endpoints_label,
+                self.lease_id,
+                self._ttl.total_seconds(),
+            )
             return
         self._thread.join(timeout=5)
         if revoke and not _known_unreachable(self._client):  # (the keep-alive may just have found out)

@@ -374,8 +374,11 @@ class MemoryCluster:
 
     def _range_locked(self, key: bytes, end: bytes | None, revision: int = 0) -> list[KeyValue]:
         if revision and revision < self._revision:
-            entries = {k: e for k, versions in self._versions.items()
-                       if _in_range(k, key, end) and (e := _as_of(versions, revision)) is not None}  # fmt: skip
+            entries = {
+                k: e
+                for k, versions in self._versions.items()
+                if _in_range(k, key, end) and (e := _as_of(versions, revision)) is not None
+            }
         else:
             entries = {k: e for k, e in self._data.items() if _in_range(k, key, end)}
         return [

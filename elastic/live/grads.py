@@ -38,8 +38,14 @@ from elastic.live.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Bucket, assig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUCKET_BYTES", "GradientReadyTwiceError", "GradientReducer", "LiveDataParallel", "ReducerStats",
-           "broadcast_module"]  # fmt: skip
+__all__ = [
+    "BUCKET_BYTES",
+    "GradientReadyTwiceError",
+    "GradientReducer",
+    "LiveDataParallel",
+    "ReducerStats",
+    "broadcast_module",
+]
 
 
 class GradientReadyTwiceError(RuntimeError):
@@ -101,8 +107,10 @@ class GradientReducer:
             for i in bucket.params:
                 self._bucket_of[i] = b
         self._flat: list[torch.Tensor | None] = [None] * len(self.buckets)  # one buffer per bucket, kept
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
-                       for i, p in enumerate(self._params)]  # fmt: skip
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+            for i, p in enumerate(self._params)
+        ]
         self.stats = ReducerStats()
         self.find_unused = False  # set after a step in which a parameter had no gradient
         self._armed = False
@@ -137,14 +145,14 @@ class GradientReducer:
             raise GradientReadyTwiceError(
                 f"parameter {index} {tuple(param.shape)} got a gradient but was not reachable from the outputs of "
                 "the forward through trainer.model: compute the loss from what the forward returns"
-            )  # fmt: skip
+            )
         if self._ready[index]:
             if b < self._next:
                 raise GradientReadyTwiceError(
                     f"the gradient of parameter {index} {tuple(param.shape)} was accumulated again after its bucket"
                     " was all-reduced in this step: one backward per forward through trainer.model (use "
                     "trainer.model.no_sync() for all but the last)"
-                )  # fmt: skip
+                )
             return  # not sent yet: the sum is what will be sent
         self._mark_ready(index)
 
@@ -179,8 +187,11 @@ class GradientReducer:
             self._check_trainable()
             if self._armed and not self.find_unused and not all(self._ready):
                 self.find_unused = True
-                logger.info("live mode: %d parameter(s) had no gradient in a step; looking for unused parameters "
-                            "after each forward from now on", self._ready.count(False))  # fmt: skip
+                logger.info(
+                    "live mode: %d parameter(s) had no gradient in a step; looking for unused parameters "
+                    "after each forward from now on",
+                    self._ready.count(False),
+                )
             while self._next < len(self.buckets):
                 self._launch(self._next)
                 self.stats.at_boundary += 1
@@ -204,7 +215,7 @@ class GradientReducer:
                 "gradient but did not when the trainer was built, so their gradients would not be averaged: "
                 "set requires_grad before building the ElasticTrainer (a frozen parameter may be unfrozen only "
                 "by building a new trainer)"
-            )  # fmt: skip
+            )
 
     def _unpack(self, b: int, world_size: int) -> None:
         bucket, flat = self.buckets[b], self._flat[b]

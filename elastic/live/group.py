@@ -43,8 +43,19 @@ __all__ = ["EXIT_LIVE_FALLBACK", "LiveGroup", "LiveGroupFormationError", "is_pee
 #: The exit status of a worker that falls back to the restart path (its agent restarts it; it re-joins).
 EXIT_LIVE_FALLBACK = 75
 
-_MARKERS = ("gloo", "connection", "nccl", "timed out", "timeout", "processgroup", "broken pipe", "reset by peer",
-            "closed", "socket", "abort")  # fmt: skip
+_MARKERS = (
+    "gloo",
+    "connection",
+    "nccl",
+    "timed out",
+    "timeout",
+    "processgroup",
+    "broken pipe",
+    "reset by peer",
+    "closed",
+    "socket",
+    "abort",
+)
 
 
 class LiveGroupFormationError(RuntimeError):
@@ -147,8 +158,7 @@ class LiveGroup:
         gen = self.membership.reform(current, reason)
         self.left_behind = gen.rank(self.wid) is None
         if self.left_behind:
-            logger.warning("live group: generation %d formed without worker %s; joining the next", gen.number,
-                           self.wid)  # fmt: skip
+            logger.warning("live group: generation %d formed without worker %s; joining the next", gen.number, self.wid)
             gen = self.membership.join()
         self._form(gen)
         self.reforms += 1
@@ -164,8 +174,14 @@ class LiveGroup:
             torch.cuda.set_device(self._device)
         self._store = store  # before init: NCCL calls back into it from C++ (see the module docstring)
         try:
-            dist.init_process_group(self._backend, store=store, rank=rank, world_size=len(gen.members),
-                                    timeout=self._timeout, device_id=self._device)  # fmt: skip
+            dist.init_process_group(
+                self._backend,
+                store=store,
+                rank=rank,
+                world_size=len(gen.members),
+                timeout=self._timeout,
+                device_id=self._device,
+            )
         except Exception as exc:
             self._teardown()
             if isinstance(exc, RuntimeError) and is_peer_failure(exc) and not _is_usage_error(exc):
@@ -176,8 +192,14 @@ class LiveGroup:
                 f"could not be formed: {exc}"
             ) from exc
         self.generation = gen
-        logger.info("live group: generation %d (%s) formed in %.3f s: rank %d of %d", gen.number, gen.reason.value,
-                    time.perf_counter() - started, rank, len(gen.members))  # fmt: skip
+        logger.info(
+            "live group: generation %d (%s) formed in %.3f s: rank %d of %d",
+            gen.number,
+            gen.reason.value,
+            time.perf_counter() - started,
+            rank,
+            len(gen.members),
+        )
 
     def _teardown(self) -> None:
         if dist.is_initialized():
@@ -195,8 +217,7 @@ class LiveGroup:
     def start_watchdog(self, grace: timedelta, on_stuck: Callable[[], None] | None = None) -> None:
         """Watch the members' leases: a member gone for ``grace`` while no step boundary passed means this
         worker is stuck in a collective with it; abort (NCCL) or fall back to a restart (gloo)."""
-        self._watchdog = threading.Thread(target=self._watch, args=(grace, on_stuck), name="live-watchdog",
-                                          daemon=True)  # fmt: skip
+        self._watchdog = threading.Thread(target=self._watch, args=(grace, on_stuck), name="live-watchdog", daemon=True)
         self._watchdog.start()
 
     def _watch(self, grace: timedelta, on_stuck: Callable[[], None] | None) -> None:
@@ -217,9 +238,13 @@ class LiveGroup:
                 seen_boundaries = self._boundaries
                 continue
             if missing_since is not None and time.monotonic() - missing_since >= grace.total_seconds():
-                logger.error("live group: member(s) %s of generation %d lost their lease and no step completed "
-                             "for %.1f s: stuck in a collective with them", ", ".join(gone), gen.number,
-                             grace.total_seconds())  # fmt: skip
+                logger.error(
+                    "live group: member(s) %s of generation %d lost their lease and no step completed "
+                    "for %.1f s: stuck in a collective with them",
+                    ", ".join(gone),
+                    gen.number,
+                    grace.total_seconds(),
+                )
                 if on_stuck is not None:
                     on_stuck()
                     missing_since = time.monotonic()
@@ -230,8 +255,9 @@ class LiveGroup:
                     continue
                 logger.error(
                     "live group: gloo cannot abort a collective: falling back to the restart path (exit %d; the "
-                    "agent restarts this worker, which re-joins)", EXIT_LIVE_FALLBACK,
-                )  # fmt: skip
+                    "agent restarts this worker, which re-joins)",
+                    EXIT_LIVE_FALLBACK,
+                )
                 for handler in logging.getLogger().handlers:
                     handler.flush()
                 os._exit(EXIT_LIVE_FALLBACK)

@@ -217,8 +217,9 @@ class LiveMembership:
         ops: list[TxnOp] = [PutOp(self._keys.gen, new.to_json())]
         res = self._txn(compare, ops)
         if res.succeeded:
-            logger.info("live group: generation %d committed (%s): %s", new.number, new.reason.value,
-                        ", ".join(new.members))  # fmt: skip
+            logger.info(
+                "live group: generation %d committed (%s): %s", new.number, new.reason.value, ", ".join(new.members)
+            )
             self._cleanup(new.number)
         return res.succeeded
 
@@ -226,8 +227,9 @@ class LiveMembership:
         try:
             old = number - 2
             if old >= 1:
-                self._txn([], [DeleteOp(self._keys.gen_store(old), prefix=True),
-                               DeleteOp(self._keys.ready(old), prefix=True)])  # fmt: skip
+                self._txn(
+                    [], [DeleteOp(self._keys.gen_store(old), prefix=True), DeleteOp(self._keys.ready(old), prefix=True)]
+                )
         except MembershipError:
             logger.debug("live group: could not clean generation %d's keys", number - 2, exc_info=True)
 
@@ -274,8 +276,9 @@ class LiveMembership:
                 elif isinstance(decision, WaitUntil):
                     wait = decision.after.total_seconds()
             if now >= deadline:
-                raise LiveTimeoutError(f"live group at {self._keys.base}: no generation took worker {self.wid} "
-                                       f"within {s.join_timeout}")  # fmt: skip
+                raise LiveTimeoutError(
+                    f"live group at {self._keys.base}: no generation took worker {self.wid} within {s.join_timeout}"
+                )
             self._wait(revision, min(wait, deadline - now))
 
     def reform(self, gen: Generation, reason: ReformReason) -> Generation:
@@ -305,8 +308,9 @@ class LiveMembership:
             now = time.monotonic()
             first_seen = first_seen if first_seen is not None else now
             since = timedelta(seconds=now - first_seen)
-            decision = reform_decision(gen, ready, workers, since, s.settle, s.max_workers, joining, s.min_workers,
-                                       s.granularity)  # fmt: skip
+            decision = reform_decision(
+                gen, ready, workers, since, s.settle, s.max_workers, joining, s.min_workers, s.granularity
+            )
             if isinstance(decision, CommitNow):
                 # the first ready member in rank order commits; the others wait for it (or take over once
                 # it is gone: it is then neither ready nor alive)
@@ -318,6 +322,8 @@ class LiveMembership:
             else:
                 wait = decision.after.total_seconds()
             if now >= deadline:
-                raise LiveTimeoutError(f"live group at {self._keys.base}: generation {target} did not form "
-                                       f"within {s.reform_timeout} (fewer than {s.min_workers} workers?)")  # fmt: skip
+                raise LiveTimeoutError(
+                    f"live group at {self._keys.base}: generation {target} did not form "
+                    f"within {s.reform_timeout} (fewer than {s.min_workers} workers?)"
+                )
             self._wait(revision, min(wait, deadline - now))

@@ -242,9 +242,13 @@ def reform_decision(
 
 
 def found_decision(
-    registered: Sequence[str], min_workers: int, max_workers: int, since_min_reached: timedelta | None,
-    last_call: timedelta, granularity: int = 1,
-) -> CommitNow | WaitUntil | None:  # fmt: skip
+    registered: Sequence[str],
+    min_workers: int,
+    max_workers: int,
+    since_min_reached: timedelta | None,
+    last_call: timedelta,
+    granularity: int = 1,
+) -> CommitNow | WaitUntil | None:
     """Whether the registered workers (no live generation) found one now: ``max_workers`` registered, or at
     least ``min_workers`` for ``last_call`` (latecomers of a start join in one go). None: too few. With
     ``granularity`` > 1 only whole groups of it found (the rest join later, as joiners)."""

@@ -44,5 +44,13 @@ a request over the cap makes its client start cold instead.
 from elastic.prefork.client import main, prestart, stop_zygote
 from elastic.prefork.common import DEFAULT_PRELOAD, Target, forked_worker, socket_path, worker_tree
 
-__all__ = ["DEFAULT_PRELOAD", "Target", "forked_worker", "main", "prestart", "socket_path", "stop_zygote",
-           "worker_tree"]
+__all__ = [
+    "DEFAULT_PRELOAD",
+    "Target",
+    "forked_worker",
+    "main",
+    "prestart",
+    "socket_path",
+    "stop_zygote",
+    "worker_tree",
+]

@@ -62,8 +62,10 @@ def _launch(path: Path, owner: int, grace: float = 0.0) -> int | None:
             path.unlink()  # a zygote that was killed leaves its socket behind
         with contextlib.suppress(OSError):
             sweep_stale()  # and those of owners gone since (a node SIGKILLed whole) leave all their files
-        pid = _spawn_detached([sys.executable, "-m", "elastic.prefork", "--serve", str(path), str(owner),
-                               f"{grace:g}"], path.with_suffix(".log"))  # fmt: skip
+        pid = _spawn_detached(
+            [sys.executable, "-m", "elastic.prefork", "--serve", str(path), str(owner), f"{grace:g}"],
+            path.with_suffix(".log"),
+        )
         return pid if pid > 0 and record_zygote(path, pid) else None
 
 
@@ -205,8 +207,13 @@ def _spawn_detached(cmd: list[str], log: Path) -> int:
     exits: its parent becomes init), so that whoever kills a worker's process tree does not kill the agent's
     zygote with it. Returns its pid (-1 if that failed)."""
     try:
-        out = subprocess.run([sys.executable, "-S", "-c", _DETACH, str(log), *cmd], capture_output=True,
-                             text=True, timeout=30, check=True)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-S", "-c", _DETACH, str(log), *cmd],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         return int(out.stdout.strip())
     except (OSError, subprocess.SubprocessError, ValueError):
         logger.warning("elastic.prefork: could not start a zygote", exc_info=True)
@@ -225,12 +232,14 @@ def _exit_like(status: dict[str, int]) -> int:
 
 def _request(target: Target) -> bytes:
     """The request frame for ``target``: raises :class:`MessageTooLarge` (the zygote would refuse it)."""
-    return encode_message({
-        "target": [target.kind, target.name, list(target.args)],
-        "env": {**os.environ, PREFORK_CLIENT: str(os.getpid())},
-        "cwd": os.getcwd(),
-        "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
-    })  # fmt: skip
+    return encode_message(
+        {
+            "target": [target.kind, target.name, list(target.args)],
+            "env": {**os.environ, PREFORK_CLIENT: str(os.getpid())},
+            "cwd": os.getcwd(),
+            "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
+        }
+    )
 
 
 def _run_client(sock: socket.socket, request: bytes) -> int:

@@ -19,10 +19,23 @@ from elastic.proctree import descendants, process_stat
 from elastic.runtime_dir import private_dir
 
 #: torch.distributed.run: a node agent's zygote forks the job's torchrun too (:mod:`elastic.prefork.torchrun`)
-DEFAULT_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "torch.distributed.run",
-                   "elastic.train.trainer")  # fmt: skip
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
-             signal.SIGCONT)  # fmt: skip
+DEFAULT_PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.distributed.run",
+    "elastic.train.trainer",
+)
+FORWARDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGCONT,
+)
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 4 << 20  # bytes of JSON: an environment and argv fit in 2 MiB (ARG_MAX) before exec would refuse them
 

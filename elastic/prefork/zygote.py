@@ -319,9 +319,12 @@ def _reopen_std(unbuffered: bool) -> None:
         raw = io.FileIO(fd, mode, closefd=False)
         buffered: Any = raw if unbuffered and fd else io.BufferedReader(raw) if fd == 0 else io.BufferedWriter(raw)
         text = io.TextIOWrapper(
-            buffered, encoding="utf-8", errors="backslashreplace" if fd == 2 else "strict",
-            line_buffering=tty or fd == 2, write_through=unbuffered and fd > 0,
-        )  # fmt: skip
+            buffered,
+            encoding="utf-8",
+            errors="backslashreplace" if fd == 2 else "strict",
+            line_buffering=tty or fd == 2,
+            write_through=unbuffered and fd > 0,
+        )
         setattr(sys, attr, text)
         setattr(sys, f"__{attr}__", text)
 

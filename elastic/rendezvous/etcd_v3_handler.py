@@ -220,8 +220,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         world = len(assignment.members)
         logger.info(
             "node %s joined round %d of rendezvous %s as rank %d in a world of size %d",
-            self._node, assignment.round, self._run_id, rank, world,
-        )  # fmt: skip
+            self._node,
+            assignment.round,
+            self._run_id,
+            rank,
+            world,
+        )
         store = dist.PrefixStore(f"torch.rendezvous.{self._run_id}.{assignment.round}", self._store)
         bootstrap = compat.rendezvous_store_info(rank, store, self._addr)
         return RendezvousInfo(store, rank, world, bootstrap)

@@ -129,8 +129,9 @@ class LiveRendezvousHandler(RendezvousHandler):
         n = next(self._calls)
         store = dist.PrefixStore(f"torch.rendezvous.{self._run_id}.live.{self._node}.{n}", self._store)
         bootstrap = compat.rendezvous_store_info(0, store, self._addr)
-        logger.info("node %s starts its workers on its own (live recovery, run %s, start %d)", self._node,
-                    self._run_id, n)  # fmt: skip
+        logger.info(
+            "node %s starts its workers on its own (live recovery, run %s, start %d)", self._node, self._run_id, n
+        )
         return RendezvousInfo(store, 0, 1, bootstrap)
 
     def num_nodes_waiting(self) -> int:

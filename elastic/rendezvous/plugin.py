@@ -164,13 +164,14 @@ def torchrun_max_restarts(argv: Sequence[str] | None = None) -> int | None:
 def _warn_if_one_failure_ends_the_job(params: RendezvousParameters, live: bool) -> None:
     if params.min_nodes >= params.max_nodes or torchrun_max_restarts() != 0:
         return
-    what = ("this node leaves the job" if live else
-            "a lost node fails its peers' workers too, so the whole job ends")  # fmt: skip
+    what = "this node leaves the job" if live else "a lost node fails its peers' workers too, so the whole job ends"
     logger.warning(
         "etcd-v3 rendezvous: --max-restarts=0 (torchrun's default) with --nnodes=%d:%d: the first failure ends "
         "this agent (%s); pass --max-restarts=N (e.g. 3) for the job to survive failures",
-        params.min_nodes, params.max_nodes, what,
-    )  # fmt: skip
+        params.min_nodes,
+        params.max_nodes,
+        what,
+    )
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:

@@ -158,21 +158,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=0, help="hidden x hidden layers between the first and the last")
     p.add_argument("--keep-last", type=int, default=100)
     p.add_argument("--local-every", type=int, default=0, help="node-local snapshot every N steps (0: off)")
-    p.add_argument("--local-max-overhead", type=float, default=None,
-                   help="cap on the local snapshots' cost, a fraction of time (0: none)")  # fmt: skip
-    p.add_argument("--stop-timeout", type=float, default=10.0,
-                   help="seconds after SIGTERM to reach a step boundary, else exit unsaved; 0: wait")  # fmt: skip
-    p.add_argument("--recovery", default=None, choices=[r.value for r in RecoveryMode],
-                   help="default: live under a live rendezvous (--rdzv-conf recovery=live), else restart")  # fmt: skip
+    p.add_argument(
+        "--local-max-overhead",
+        type=float,
+        default=None,
+        help="cap on the local snapshots' cost, a fraction of time (0: none)",
+    )
+    p.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=10.0,
+        help="seconds after SIGTERM to reach a step boundary, else exit unsaved; 0: wait",
+    )
+    p.add_argument(
+        "--recovery",
+        default=None,
+        choices=[r.value for r in RecoveryMode],
+        help="default: live under a live rendezvous (--rdzv-conf recovery=live), else restart",
+    )
     p.add_argument("--live-ttl", type=float, default=3.0, help="live mode: each worker's lease, seconds")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2's fully_shard")
-    p.add_argument("--hsdp-shard", type=int, default=0,
-                   help="with --fsdp: HSDP, replicas of this many shards each (a 2-D mesh); 0: one shard per rank")
-    p.add_argument("--parallelize", action="store_true",
-                   help="with --fsdp: hand the trainer the unsharded MLP and parallelize= (it shards it for each "
-                   "world; live mode needs this)")  # fmt: skip
-    p.add_argument("--shard-size", type=int, default=0,
-                   help="with --parallelize: ranks per replica (0: the node's workers)")  # fmt: skip
+    p.add_argument(
+        "--hsdp-shard",
+        type=int,
+        default=0,
+        help="with --fsdp: HSDP, replicas of this many shards each (a 2-D mesh); 0: one shard per rank",
+    )
+    p.add_argument(
+        "--parallelize",
+        action="store_true",
+        help="with --fsdp: hand the trainer the unsharded MLP and parallelize= (it shards it for each "
+        "world; live mode needs this)",
+    )
+    p.add_argument(
+        "--shard-size", type=int, default=0, help="with --parallelize: ranks per replica (0: the node's workers)"
+    )
     p.add_argument("--max-steps", type=int, default=0, help="stop once this step is committed (0: run the epochs)")
     p.add_argument("--dump-steps", default="", help="comma-separated steps at which rank 0 dumps the full state")
     p.add_argument("--dump-start", action="store_true", help="rank 0 dumps the full state right after the restore")
@@ -180,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold-epoch", type=int, default=0, help="with --hold-file: the epoch from which steps wait")
     p.add_argument("--hold-max", type=float, default=0.0, help="with --hold-file: one step's wait at most (0: none)")
     p.add_argument("--pace-file", type=Path, default=None, help="--step-sleep only while this file exists")
-    p.add_argument("--wait-local", action="store_true",
-                   help="each step waits for the node-local snapshot of the step before (see above)")  # fmt: skip
+    p.add_argument(
+        "--wait-local",
+        action="store_true",
+        help="each step waits for the node-local snapshot of the step before (see above)",
+    )
     args = p.parse_args(argv)
     if not args.checkpoint_url:
         p.error("--checkpoint-url (or $ETRAIN_CHECKPOINT_URL) is required")
@@ -218,14 +241,24 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_step(info: StepInfo) -> None:
         shard_size = trained[0].shard_size if trained else None
-        record = {"step": info.step, "epoch": info.epoch, "rank": info.rank, "world": info.world_size,
-                  "lr": info.lr, "indices": list(info.indices), "restart": restart, "t": time.time(),
-                  "attempt": attempt if info.generation is None else f"gen{info.generation}",
-                  "gen": info.generation, "late": info.late, "pid": os.getpid(),
-                  "agent": os.environ.get("TEST_AGENT_NAME"),
-                  "digest": _digest(trained[0], args.parallelize) if trained else None,
-                  "shard": info.rank % shard_size if shard_size else None,
-                  "resumed_from": resumed_from[0] if resumed_from else None}  # fmt: skip
+        record = {
+            "step": info.step,
+            "epoch": info.epoch,
+            "rank": info.rank,
+            "world": info.world_size,
+            "lr": info.lr,
+            "indices": list(info.indices),
+            "restart": restart,
+            "t": time.time(),
+            "attempt": attempt if info.generation is None else f"gen{info.generation}",
+            "gen": info.generation,
+            "late": info.late,
+            "pid": os.getpid(),
+            "agent": os.environ.get("TEST_AGENT_NAME"),
+            "digest": _digest(trained[0], args.parallelize) if trained else None,
+            "shard": info.rank % shard_size if shard_size else None,
+            "resumed_from": resumed_from[0] if resumed_from else None,
+        }
         with open(log_file[0], "a") as f:
             f.write(json.dumps(record) + "\n")
         if args.step_sleep and (args.pace_file is None or args.pace_file.exists()):
@@ -247,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         while trainer.local_snapshot_in_flight and not terminated and time.monotonic() < deadline:
             time.sleep(0.005)
 
-    trainer = ElasticTrainer(model, optimizer, dataset, config, on_step=on_step,
-                             parallelize=parallelize if args.parallelize else None)  # fmt: skip
+    trainer = ElasticTrainer(
+        model, optimizer, dataset, config, on_step=on_step, parallelize=parallelize if args.parallelize else None
+    )
     trainers_handler = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:  # ends a hold; the trainer's handler does the rest
@@ -289,8 +323,13 @@ def main(argv: list[str] | None = None) -> int:
         (args.record / "final.json").write_text(json.dumps({"loss": loss, "step": trainer.step}))
     if not args.fsdp:
         torch.save(params, args.record / f"final_params.rank{trainer.rank}.pt")
-    done = {"attempt": attempt, "step": trainer.step, "world": trainer.world_size, "pid": os.getpid(),
-            "gen": trainer.generation}  # fmt: skip
+    done = {
+        "attempt": attempt,
+        "step": trainer.step,
+        "world": trainer.world_size,
+        "pid": os.getpid(),
+        "gen": trainer.generation,
+    }
     (args.record / f"final.rank{trainer.rank}.json").write_text(json.dumps(done))
     trainer.close()
     return 0

@@ -54,16 +54,24 @@ class ElasticBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(
-        self, data_source: Sized | int, batch_size: int | None = None, *, seed: int = 0, shuffle: bool = True,
-        replacement: bool = False, num_samples: int | None = None, accumulation_steps: int = 1,
-    ) -> None:  # fmt: skip
+        self,
+        data_source: Sized | int,
+        batch_size: int | None = None,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        replacement: bool = False,
+        num_samples: int | None = None,
+        accumulation_steps: int = 1,
+    ) -> None:
         size = data_source if isinstance(data_source, int) else len(data_source)
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
-        self.sampler = ElasticSampler(size, seed=seed, shuffle=shuffle, replacement=replacement,
-                                      num_samples=num_samples)  # fmt: skip
+        self.sampler = ElasticSampler(
+            size, seed=seed, shuffle=shuffle, replacement=replacement, num_samples=num_samples
+        )
         self.batch_size = batch_size
         self._accumulation = accumulation_steps
         self._plan: Callable[[int], StepPlan] | None = None
@@ -76,9 +84,11 @@ class ElasticBatchSampler(Sampler[list[int]]):
         """The loop takes over: ``plan(world_size)`` gives each step's batch; ``sampler`` (the loop's cursor, when it
         restored one) replaces this one's. A ``batch_size`` given that differs from the plan's is refused."""
         if self.batch_size is not None and self.batch_size != plan(1).micro_batch:
-            raise ValueError(f"ElasticBatchSampler(batch_size={self.batch_size}) conflicts with the LR policy's "
-                             f"base_batch_per_worker={plan(1).micro_batch}: leave batch_size out under the loop, "
-                             "the policy sets the micro-batch")  # fmt: skip
+            raise ValueError(
+                f"ElasticBatchSampler(batch_size={self.batch_size}) conflicts with the LR policy's "
+                f"base_batch_per_worker={plan(1).micro_batch}: leave batch_size out under the loop, "
+                "the policy sets the micro-batch"
+            )
         self._plan = plan
         if sampler is not None:
             self.sampler = sampler

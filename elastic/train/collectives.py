@@ -59,8 +59,11 @@ def join_process_group(backend: str, timeout: timedelta) -> None:
         dist.init_process_group(backend, timeout=timeout)
         return
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    logger.info("not started by torchrun (none of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is set): training as "
-                "a world of one process (%s); start it with torchrun for more", backend)  # fmt: skip
+    logger.info(
+        "not started by torchrun (none of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is set): training as "
+        "a world of one process (%s); start it with torchrun for more",
+        backend,
+    )
 
 
 def group_device() -> torch.device:

@@ -84,8 +84,10 @@ class ElasticConfig:
         if self.recovery is None:
             return RecoveryMode.LIVE if live_env else RecoveryMode.RESTART
         if self.recovery is RecoveryMode.RESTART and live_env:
-            raise ValueError("recovery='restart' under a live rendezvous (--rdzv-conf recovery=live): torchrun's "
-                             "worlds are node-local there; use recovery='live' or leave it unset")  # fmt: skip
+            raise ValueError(
+                "recovery='restart' under a live rendezvous (--rdzv-conf recovery=live): torchrun's "
+                "worlds are node-local there; use recovery='live' or leave it unset"
+            )
         return self.recovery
 
     def resolved_backend(self) -> str:
@@ -111,8 +113,12 @@ _dataclass_init = ElasticConfig.__init__
 @functools.wraps(_dataclass_init)
 def _init(self: ElasticConfig, *args: Any, save_every: timedelta | None = None, **kwargs: Any) -> None:
     if save_every is not None:
-        warnings.warn("ElasticConfig(save_every=) is deprecated: use save_every_seconds= (a duration; "
-                      "save_every_steps counts steps)", DeprecationWarning, stacklevel=2)  # fmt: skip
+        warnings.warn(
+            "ElasticConfig(save_every=) is deprecated: use save_every_seconds= (a duration; "
+            "save_every_steps counts steps)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         if kwargs.get("save_every_seconds") is not None:
             raise ValueError("give save_every_seconds, or its deprecated name save_every, not both")
         kwargs["save_every_seconds"] = save_every

@@ -26,9 +26,13 @@ class TrainingCursor:
     holds an equal one (it is saved and restored with the state)."""
 
     def __init__(
-        self, policy: LRPolicy, sampler: ElasticSampler, rank: int, world_size: int,
+        self,
+        policy: LRPolicy,
+        sampler: ElasticSampler,
+        rank: int,
+        world_size: int,
         registry: StateRegistry | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.policy = policy
         self.sampler = sampler
         self.registry = registry if registry is not None else StateRegistry()
@@ -51,8 +55,13 @@ class TrainingCursor:
         self.ramp = self.policy.start_ramp(self.step, in_force, world_size)
         logger.info(
             "resized %d -> %d workers at step %d: LR factor %.6g -> %.6g over %d steps",
-            self.world_size, world_size, self.step, in_force, self.ramp.target_factor, self.policy.warmup_steps,
-        )  # fmt: skip
+            self.world_size,
+            world_size,
+            self.step,
+            in_force,
+            self.ramp.target_factor,
+            self.policy.warmup_steps,
+        )
         self.world_size = world_size
 
     def state(self) -> dict[str, Any]:

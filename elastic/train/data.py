@@ -38,7 +38,14 @@ from elastic.train.sampler import ElasticSampler, StepLayout
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CollatedData", "LoaderData", "StepData", "StreamData", "StreamStates", "is_stream", "source_sampler", "step_data",
+    "CollatedData",
+    "LoaderData",
+    "StepData",
+    "StreamData",
+    "StreamStates",
+    "is_stream",
+    "source_sampler",
+    "step_data",
 ]
 
 #: the cursor's data set size for a stream: its sample numbers, never reached (a stream ends with ``max_steps``)
@@ -88,9 +95,11 @@ class LoaderData(StepData):
             served = self._sampler.consumed()
             if served != expected:
                 self.reset()
-                raise LockstepError(f"the DataLoader served samples {served[:4]}... where the loop expected "
-                                    f"{expected[:4]}...: it must serve its batch sampler's batches in order "
-                                    "(in_order=True, the default)")  # fmt: skip
+                raise LockstepError(
+                    f"the DataLoader served samples {served[:4]}... where the loop expected "
+                    f"{expected[:4]}...: it must serve its batch sampler's batches in order "
+                    "(in_order=True, the default)"
+                )
             yield to_device(batch, self._device)
 
     def _next(self, first: bool) -> Any:
@@ -145,8 +154,11 @@ class StreamStates:
         if str(rank) in ranks:
             self._loader.load_state_dict(ranks[str(rank)])
         else:
-            logger.warning("the snapshot holds no stream state for rank %d (saved by %d ranks): this rank's stream "
-                           "starts afresh", rank, len(ranks))  # fmt: skip
+            logger.warning(
+                "the snapshot holds no stream state for rank %d (saved by %d ranks): this rank's stream starts afresh",
+                rank,
+                len(ranks),
+            )
 
 
 class StreamData(StepData):
@@ -193,8 +205,11 @@ def is_stream(source: Any) -> bool:
     ``load_state_dict`` that is not a DataLoader over an :class:`ElasticBatchSampler`."""
     if isinstance(source, DataLoader):
         return isinstance(source.dataset, torch.utils.data.IterableDataset)
-    return hasattr(source, "__iter__") and not hasattr(source, "__getitem__") and callable(
-        getattr(source, "state_dict", None))  # fmt: skip
+    return (
+        hasattr(source, "__iter__")
+        and not hasattr(source, "__getitem__")
+        and callable(getattr(source, "state_dict", None))
+    )
 
 
 def step_data(source: Any, collate: Callable[[list[Any]], Any], device: torch.device) -> StepData:
@@ -203,14 +218,19 @@ def step_data(source: Any, collate: Callable[[list[Any]], Any], device: torch.de
     with a sampler of its own is refused (the loop must decide which samples each step takes)."""
     if is_stream(source):
         if not (callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None))):
-            raise ValueError(f"a streaming source must save its position: {type(source).__name__} has no state_dict/"
-                             "load_state_dict; wrap the IterableDataset in torchdata's StatefulDataLoader "
-                             "(pip install elastic-train[stream]); see docs/open-loop.md")  # fmt: skip
+            raise ValueError(
+                f"a streaming source must save its position: {type(source).__name__} has no state_dict/"
+                "load_state_dict; wrap the IterableDataset in torchdata's StatefulDataLoader "
+                "(pip install elastic-train[stream]); see docs/open-loop.md"
+            )
         return StreamData(source, device)
     if isinstance(source, DataLoader):
         if not isinstance(source.batch_sampler, ElasticBatchSampler):
-            hint = " (its drop_last=True conflicts too: the loop's last step of an epoch takes what is left)" if (
-                source.drop_last) else ""  # fmt: skip
+            hint = (
+                " (its drop_last=True conflicts too: the loop's last step of an epoch takes what is left)"
+                if (source.drop_last)
+                else ""
+            )
             raise ValueError(
                 "the DataLoader has a sampler of its own "
                 f"({type(source.batch_sampler).__name__} over {type(source.sampler).__name__}){hint}: build it "
@@ -221,11 +241,15 @@ def step_data(source: Any, collate: Callable[[list[Any]], Any], device: torch.de
             raise ValueError("collate_fn= is for a data set; a DataLoader collates with its own collate_fn")
         return LoaderData(source, device)
     if isinstance(source, torch.utils.data.IterableDataset):
-        raise ValueError("an IterableDataset passed as data: pass a loader over it that saves its position "
-                         "(torchdata's StatefulDataLoader); see docs/open-loop.md, streaming sources")  # fmt: skip
+        raise ValueError(
+            "an IterableDataset passed as data: pass a loader over it that saves its position "
+            "(torchdata's StatefulDataLoader); see docs/open-loop.md, streaming sources"
+        )
     if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
-        raise TypeError(f"data must be a DataLoader over an ElasticBatchSampler or a map-style data set (with "
-                        f"__getitem__ and __len__), not {type(source).__name__}")  # fmt: skip
+        raise TypeError(
+            f"data must be a DataLoader over an ElasticBatchSampler or a map-style data set (with "
+            f"__getitem__ and __len__), not {type(source).__name__}"
+        )
     return CollatedData(source, collate, device)
 
 

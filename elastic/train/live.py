@@ -54,8 +54,10 @@ def open_live_group(config: ElasticConfig, granularity: int = 1) -> LiveGroup:
     workers join in whole groups of this many (a sharded model's replica size)."""
     env = WorkerEnv.from_environ()
     if env.live is None:
-        raise LiveSetupError(f"recovery='live' needs {LIVE_PREFIX}: run under torchrun with --rdzv-backend=etcd-v3 "
-                             "--rdzv-conf recovery=live, or set it and ETRAIN_LIVE_NODES")  # fmt: skip
+        raise LiveSetupError(
+            f"recovery='live' needs {LIVE_PREFIX}: run under torchrun with --rdzv-backend=etcd-v3 "
+            "--rdzv-conf recovery=live, or set it and ETRAIN_LIVE_NODES"
+        )
     if env.etcd is None:
         raise LiveSetupError("recovery='live' needs the etcd connection (ETRAIN_ETCD_ENDPOINTS)")
     torchrun = TorchrunEnv.from_environ()
@@ -64,9 +66,15 @@ def open_live_group(config: ElasticConfig, granularity: int = 1) -> LiveGroup:
     node = env.job.node_name if env.job is not None else f"{socket.gethostname()}.{launcher_pid()}"
     o = config.live
     settings = LiveSettings(
-        env.live.min_nodes * per_node, env.live.max_nodes * per_node, ttl=o.ttl, settle=o.settle,
-        last_call=o.last_call, join_timeout=o.join_timeout, reform_timeout=o.reform_timeout, granularity=granularity,
-    )  # fmt: skip
+        env.live.min_nodes * per_node,
+        env.live.max_nodes * per_node,
+        ttl=o.ttl,
+        settle=o.settle,
+        last_call=o.last_call,
+        join_timeout=o.join_timeout,
+        reform_timeout=o.reform_timeout,
+        granularity=granularity,
+    )
     client = create_client(env.etcd.config())
     keys = LiveKeys(env.live.prefix)
     membership = LiveMembership(client, keys, new_worker_id(node, local_rank), settings, node=node)
@@ -163,8 +171,11 @@ class LiveRecovery:
             try:
                 return self.reform(reason)
             except MembershipError as exc:
-                logger.error("live group: cannot re-form (%s): falling back to the restart path (exit %d)", exc,
-                             EXIT_LIVE_FALLBACK)  # fmt: skip
+                logger.error(
+                    "live group: cannot re-form (%s): falling back to the restart path (exit %d)",
+                    exc,
+                    EXIT_LIVE_FALLBACK,
+                )
                 raise SystemExit(EXIT_LIVE_FALLBACK) from exc
             except RuntimeError as exc:  # another member failed while this generation formed
                 if not is_peer_failure(exc):
@@ -183,9 +194,14 @@ class LiveRecovery:
             self.has_state, self.attempt = False, None
         self.after_generation(gen)
         self.last_reform_seconds = time.perf_counter() - started
-        logger.warning("live group: re-formed (%s) into generation %d of %d workers in %.3f s; continuing at step "
-                       "%d", reason.value, gen.number, len(gen.members), self.last_reform_seconds,
-                       self._cursor.step)  # fmt: skip
+        logger.warning(
+            "live group: re-formed (%s) into generation %d of %d workers in %.3f s; continuing at step %d",
+            reason.value,
+            gen.number,
+            len(gen.members),
+            self.last_reform_seconds,
+            self._cursor.step,
+        )
         return gen
 
     def after_generation(self, gen: Generation) -> None:
@@ -232,8 +248,12 @@ class LiveRecovery:
         try:
             return self._shards.build(rank, world)
         except ValueError as exc:
-            logger.error("live group: %s: cannot shard the model for this generation; falling back to the restart "
-                         "path (exit %d)", exc, EXIT_LIVE_FALLBACK)  # fmt: skip
+            logger.error(
+                "live group: %s: cannot shard the model for this generation; falling back to the restart "
+                "path (exit %d)",
+                exc,
+                EXIT_LIVE_FALLBACK,
+            )
             raise SystemExit(EXIT_LIVE_FALLBACK) from exc
 
     def _sync(self, gen: Generation, rank: int, world: int, kept: bool = False) -> int:
@@ -267,11 +287,18 @@ class LiveRecovery:
         if plan is not None:
             self._share_shard(plan, rank, world, joiner=states[rank].step < 0)
             return True
-        logger.warning("live group: no full replica of step %d survived; restoring the newest durable snapshot "
-                       "(resharded for %d workers)", step, world)  # fmt: skip
+        logger.warning(
+            "live group: no full replica of step %d survived; restoring the newest durable snapshot "
+            "(resharded for %d workers)",
+            step,
+            world,
+        )
         if not self._restore_from_storage(rank, world):
-            logger.error("live group: no durable snapshot to restore the sharded model from; falling back to the "
-                         "restart path (exit %d)", EXIT_LIVE_FALLBACK)  # fmt: skip
+            logger.error(
+                "live group: no durable snapshot to restore the sharded model from; falling back to the "
+                "restart path (exit %d)",
+                EXIT_LIVE_FALLBACK,
+            )
             raise SystemExit(EXIT_LIVE_FALLBACK)
         return False
 
@@ -282,8 +309,9 @@ class LiveRecovery:
         started = time.perf_counter()
         loop: dict[str, Any] | None = None
         if rank == source:
-            ts = capture_training_state(self._cursor.step, torch.nn.Module(), None, self._scheduler,
-                                        gather_rng=False, **self._cursor.state())  # fmt: skip
+            ts = capture_training_state(
+                self._cursor.step, torch.nn.Module(), None, self._scheduler, gather_rng=False, **self._cursor.state()
+            )
             loop = ts.to_dict()
             loop["rng"] = {source: ts.rng[min(ts.rng)]}
         received = share_shards(self._shards, plan, rank, self._device, loop)
@@ -293,31 +321,48 @@ class LiveRecovery:
         ts = TrainingState.from_dict(received)
         restore_training_state(ts, None, None, self._scheduler, restore_rng=joiner, rank=source)
         self._cursor.load(ts, rank, world)
-        logger.info("live group: received shard %d of step %d from rank %d in %.3f s",
-                    rank % self._shards.shard_size, ts.step, source, time.perf_counter() - started)  # fmt: skip
+        logger.info(
+            "live group: received shard %d of step %d from rank %d in %.3f s",
+            rank % self._shards.shard_size,
+            ts.step,
+            source,
+            time.perf_counter() - started,
+        )
 
     def _receive(self, source: int, rank: int, world: int, joiner: bool) -> None:
         assert self._replicated is not None
         started = time.perf_counter()
         payload: Any = None
         if rank == source:
-            ts = capture_training_state(self._cursor.step, self._replicated, self._optimizer, self._scheduler,
-                                        gather_rng=False, **self._cursor.state())  # fmt: skip
+            ts = capture_training_state(
+                self._cursor.step,
+                self._replicated,
+                self._optimizer,
+                self._scheduler,
+                gather_rng=False,
+                **self._cursor.state(),
+            )
             payload = ts.to_dict()
             payload["rng"] = {source: ts.rng[min(ts.rng)]}
         received = broadcast_state(payload, source, self._device)
         if rank == source:
             self._cursor.resize(rank, world)
-            logger.info("live group: sent the training state of step %d to the members behind in %.3f s",
-                        self._cursor.step, time.perf_counter() - started)  # fmt: skip
+            logger.info(
+                "live group: sent the training state of step %d to the members behind in %.3f s",
+                self._cursor.step,
+                time.perf_counter() - started,
+            )
             return
         ts = TrainingState.from_dict(received)
         # a joiner takes the source's RNG state; a member a step behind keeps its own
-        restore_training_state(ts, self._replicated, self._optimizer, self._scheduler, restore_rng=joiner,
-                               rank=source)  # fmt: skip
+        restore_training_state(ts, self._replicated, self._optimizer, self._scheduler, restore_rng=joiner, rank=source)
         self._cursor.load(ts, rank, world)
-        logger.info("live group: received the training state of step %d from rank %d in %.3f s", ts.step, source,
-                    time.perf_counter() - started)  # fmt: skip
+        logger.info(
+            "live group: received the training state of step %d from rank %d in %.3f s",
+            ts.step,
+            source,
+            time.perf_counter() - started,
+        )
 
     def _record_late(self, orphans: tuple[int, ...]) -> None:
         a = self.attempt

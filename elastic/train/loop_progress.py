@@ -26,8 +26,9 @@ class LoopProgress:
 
     def started(self, step: int, world_size: int) -> None:
         """The group formed (at start, or re-formed): a report with the round's nodes, sent now."""
-        self._reporter.report(step, world_size=world_size, total_steps=self._config.total_steps,
-                              nodes=round_node_names(), force=True)  # fmt: skip
+        self._reporter.report(
+            step, world_size=world_size, total_steps=self._config.total_steps, nodes=round_node_names(), force=True
+        )
 
     def regrouped(self, step: int, rank: int, world_size: int) -> None:
         """A live group re-formed: this worker's rank may have changed (only the group's rank 0 reports)."""
@@ -49,10 +50,17 @@ class LoopProgress:
         checkpoints = self._checkpoints
         committed = checkpoints.committed_report()
         self._reporter.report(
-            step, world_size=world_size, loss=loss, total_steps=self._config.total_steps, lr=lr, epoch=epoch,
-            force=bool(committed), **committed, **checkpoints.stats.progress_fields(),
+            step,
+            world_size=world_size,
+            loss=loss,
+            total_steps=self._config.total_steps,
+            lr=lr,
+            epoch=epoch,
+            force=bool(committed),
+            **committed,
+            **checkpoints.stats.progress_fields(),
             **checkpoints.local_stats.progress_fields(),
-        )  # fmt: skip
+        )
 
     def close(self, timeout: timedelta | None = None) -> None:
         """Wait (bounded) for the last report to be written."""

@@ -113,9 +113,13 @@ def shard_sources(steps: Sequence[int], kept: Sequence[bool], step: int, shard_s
 
 
 def share_shards(
-    sharded: ShardedModel, plan: ShardSources, rank: int, device: torch.device, loop: dict[str, Any] | None,
+    sharded: ShardedModel,
+    plan: ShardSources,
+    rank: int,
+    device: torch.device,
+    loop: dict[str, Any] | None,
     needed_only: bool = True,
-) -> dict[str, Any] | None:  # fmt: skip
+) -> dict[str, Any] | None:
     """Within this rank's replicate group, the plan's source sends its shard (:meth:`ShardedModel.local_payload`)
     and ``loop`` (the loop's state: on the source only) to the others, which take the shard as theirs; every rank
     gets ``loop`` back. A collective over the replicate groups; with ``needed_only``, a group none of whose members
@@ -157,15 +161,20 @@ def check_model(model: nn.Module, parallelize: Parallelize | None, live: bool) -
 
     wrapped, sharded = isinstance(model, DistributedDataParallel), compat.is_sharded_module(model)
     if parallelize is not None and (sharded or wrapped):
-        raise ValueError("with parallelize=, pass the unsharded, unwrapped module: the trainer shards it for each "
-                         "world")  # fmt: skip
+        raise ValueError(
+            "with parallelize=, pass the unsharded, unwrapped module: the trainer shards it for each world"
+        )
     if live and sharded:
-        raise ValueError("live recovery shards the model anew for each generation of the group, which a module "
-                         "sharded already cannot follow: pass the unsharded module and parallelize=fn(module, mesh) "
-                         "(see elastic.train.parallel), or use recovery='restart'")  # fmt: skip
+        raise ValueError(
+            "live recovery shards the model anew for each generation of the group, which a module "
+            "sharded already cannot follow: pass the unsharded module and parallelize=fn(module, mesh) "
+            "(see elastic.train.parallel), or use recovery='restart'"
+        )
     if live and wrapped:
-        raise ValueError("live recovery wraps the model in DDP anew for each generation of the group: pass the "
-                         "module itself, not a DistributedDataParallel")  # fmt: skip
+        raise ValueError(
+            "live recovery wraps the model in DDP anew for each generation of the group: pass the "
+            "module itself, not a DistributedDataParallel"
+        )
 
 
 class ShardedModel:
@@ -173,9 +182,13 @@ class ShardedModel:
     it; later worlds shard copies of its structure); ``optimizer``: made over ``model``'s parameters."""
 
     def __init__(
-        self, model: nn.Module, parallelize: Parallelize, optimizer: torch.optim.Optimizer, shard_size: int,
+        self,
+        model: nn.Module,
+        parallelize: Parallelize,
+        optimizer: torch.optim.Optimizer,
+        shard_size: int,
         device: torch.device,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {shard_size}")
         self._template = meta_copy(model)
@@ -199,8 +212,9 @@ class ShardedModel:
         from torch.distributed.device_mesh import init_device_mesh
 
         layout = ShardLayout.of(rank, world, self.shard_size)
-        mesh = init_device_mesh(self._device.type, (layout.replicas, layout.shard_size),
-                                mesh_dim_names=(REPLICATE, SHARD))  # fmt: skip
+        mesh = init_device_mesh(
+            self._device.type, (layout.replicas, layout.shard_size), mesh_dim_names=(REPLICATE, SHARD)
+        )
         old = self._module
         before = old if old is not None else self._initial
         assert before is not None
@@ -224,9 +238,14 @@ class ShardedModel:
                         _local(new_params[name]).copy_(_local(p))
         self._repoint(names, module, kept)
         self._module, self.layout, self.mesh = module, layout, mesh
-        logger.info("sharded model built for %d ranks: %d replica(s) of %d shards, this rank shard %d (%s)", world,
-                    layout.replicas, layout.shard_size, layout.shard_index,
-                    "its shards kept" if kept else "shards to be received or restored")  # fmt: skip
+        logger.info(
+            "sharded model built for %d ranks: %d replica(s) of %d shards, this rank shard %d (%s)",
+            world,
+            layout.replicas,
+            layout.shard_size,
+            layout.shard_index,
+            "its shards kept" if kept else "shards to be received or restored",
+        )
         return kept
 
     def _repoint(self, names: dict[int, str], new: nn.Module, kept: bool) -> None:
@@ -237,8 +256,10 @@ class ShardedModel:
         def moved(p: torch.Tensor) -> nn.Parameter:
             name = names.get(id(p))
             if name is None:
-                raise ValueError("the optimizer holds a parameter that is not the model's: make it over "
-                                 "model.parameters() of the module passed to the trainer")  # fmt: skip
+                raise ValueError(
+                    "the optimizer holds a parameter that is not the model's: make it over "
+                    "model.parameters() of the module passed to the trainer"
+                )
             return params[name]
 
         state: dict[Any, dict[str, Any]] = {}

@@ -145,6 +145,7 @@ def save_on_notice(step: int, save: Callable[[], None], notice: str | None) -> N
 
     ``notice`` names what asked (a signal's name; None: a request without a signal, or a peer's notice that
     the group agreed on at the step boundary)."""
-    logger.warning("preemption notice (%s): writing a final checkpoint at step %d synchronously",
-                   notice or "requested", step)  # fmt: skip
+    logger.warning(
+        "preemption notice (%s): writing a final checkpoint at step %d synchronously", notice or "requested", step
+    )
     save()

@@ -49,14 +49,20 @@ class StateRegistry:
             raise RegistrationError(f"a state's name must be a non-empty printable string, got {name!r}")
         missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
         if missing:
-            raise RegistrationError(f"register_state({name!r}, ...): a {type(obj).__name__} has no "
-                                    f"{' or '.join(missing)}; wrap it in an object that has both")  # fmt: skip
+            raise RegistrationError(
+                f"register_state({name!r}, ...): a {type(obj).__name__} has no "
+                f"{' or '.join(missing)}; wrap it in an object that has both"
+            )
         if name in self._objects:
-            raise RegistrationError(f"register_state({name!r}, ...): the name is registered already (for a "
-                                    f"{type(self._objects[name]).__name__})")  # fmt: skip
+            raise RegistrationError(
+                f"register_state({name!r}, ...): the name is registered already (for a "
+                f"{type(self._objects[name]).__name__})"
+            )
         if self._closed:
-            raise RegistrationError(f"register_state({name!r}, ...) after the first step: register every object "
-                                    "before training starts, so that a resume restores it")  # fmt: skip
+            raise RegistrationError(
+                f"register_state({name!r}, ...) after the first step: register every object "
+                "before training starts, so that a resume restores it"
+            )
         self._objects[name] = obj
         if name in self._pending:
             obj.load_state_dict(self._pending.pop(name))
@@ -75,8 +81,11 @@ class StateRegistry:
         """Load a snapshot's registered state: into the objects registered, the rest kept until registered."""
         absent = [name for name in self._objects if name not in states]
         if absent:
-            logger.warning("the restored state has nothing for %s: %s starts afresh", ", ".join(map(repr, absent)),
-                           "it" if len(absent) == 1 else "they")  # fmt: skip
+            logger.warning(
+                "the restored state has nothing for %s: %s starts afresh",
+                ", ".join(map(repr, absent)),
+                "it" if len(absent) == 1 else "they",
+            )
         self._pending = {}
         for name, state in states.items():
             obj = self._objects.get(name)
@@ -88,9 +97,12 @@ class StateRegistry:
     def close(self) -> None:
         """Registration ends (the first step): a restored state no object claimed is reported."""
         if self._pending and not self._closed:
-            logger.warning("the restored snapshot holds state for %s that no object was registered for: it is not "
-                           "restored, only carried on into the next snapshots (register_state before the first "
-                           "step)", ", ".join(map(repr, self._pending)))  # fmt: skip
+            logger.warning(
+                "the restored snapshot holds state for %s that no object was registered for: it is not "
+                "restored, only carried on into the next snapshots (register_state before the first "
+                "step)",
+                ", ".join(map(repr, self._pending)),
+            )
         self._closed = True
 
 

@@ -49,9 +49,14 @@ class ElasticSampler:
     """
 
     def __init__(
-        self, dataset_size: int, *, seed: int = 0, shuffle: bool = True, replacement: bool = False,
+        self,
+        dataset_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        replacement: bool = False,
         num_samples: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if dataset_size < 1:
             raise ValueError("dataset_size must be >= 1")
         if num_samples is not None and not replacement:
@@ -124,8 +129,13 @@ class ElasticSampler:
         return self._len - self._cursor.position
 
     def state_dict(self) -> dict[str, Any]:
-        out = {"epoch": self._cursor.epoch, "position": self._cursor.position, "seed": self._seed,
-               "dataset_size": self._n, "shuffle": self._shuffle}  # fmt: skip
+        out = {
+            "epoch": self._cursor.epoch,
+            "position": self._cursor.position,
+            "seed": self._seed,
+            "dataset_size": self._n,
+            "shuffle": self._shuffle,
+        }
         if self._replacement:
             out["replacement"], out["num_samples"] = True, self._len
         return out
@@ -138,8 +148,10 @@ class ElasticSampler:
             )
         stored = (bool(state.get("replacement", False)), int(state.get("num_samples", state["dataset_size"])))
         if stored != (self._replacement, self._len if self._replacement else int(state["dataset_size"])):
-            raise ValueError(f"sampler state is for replacement={stored[0]} with {stored[1]} draws per epoch, not "
-                             f"replacement={self._replacement} with {self._len}")  # fmt: skip
+            raise ValueError(
+                f"sampler state is for replacement={stored[0]} with {stored[1]} draws per epoch, not "
+                f"replacement={self._replacement} with {self._len}"
+            )
         position = int(state["position"])
         if not 0 <= position <= self._len:
             raise ValueError(f"sampler position {position} outside 0..{self._len}")

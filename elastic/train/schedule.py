@@ -86,8 +86,12 @@ class SnapshotStats:
     def progress_fields(self) -> dict[str, Any]:
         """Flat JSON-able fields for the job service's progress report (its free-form ``extra``)."""
         seconds = self.last_save_seconds.total_seconds() if self.last_save_seconds is not None else None
-        return {SNAPSHOTS_SAVED: self.saved, SNAPSHOTS_DEFERRED: self.deferred, SNAPSHOTS_SKIPPED: self.skipped,
-                LAST_SAVE_SECONDS: seconds}  # fmt: skip
+        return {
+            SNAPSHOTS_SAVED: self.saved,
+            SNAPSHOTS_DEFERRED: self.deferred,
+            SNAPSHOTS_SKIPPED: self.skipped,
+            LAST_SAVE_SECONDS: seconds,
+        }
 
 
 @dataclass(frozen=True)

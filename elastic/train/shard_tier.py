@@ -70,9 +70,14 @@ class ShardTier:
     """See the module docstring. ``local_dir`` None: off (restore finds nothing, saves do nothing)."""
 
     def __init__(
-        self, sharded: ShardedModel, local_dir: Path | None, every: int | None, device: torch.device,
-        signing_key: bytes | None = None, max_overhead: float | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        sharded: ShardedModel,
+        local_dir: Path | None,
+        every: int | None,
+        device: torch.device,
+        signing_key: bytes | None = None,
+        max_overhead: float | None = None,
+    ) -> None:
         if local_dir is not None and (every is None or every < 1):
             raise ValueError(f"local_every_steps must be >= 1 with a local tier, got {every}")
         self._sharded, self._dir, self._device = sharded, local_dir, device
@@ -165,8 +170,11 @@ class ShardTier:
                 break
         if plan is None:
             if any(gathered):
-                logger.info("no node-local shard snapshot newer than the durable step %d covers every shard; using "
-                            "a durable one", durable_step)  # fmt: skip
+                logger.info(
+                    "no node-local shard snapshot newer than the durable step %d covers every shard; using "
+                    "a durable one",
+                    durable_step,
+                )
             return None
         source = plan.sources[rank % self._sharded.shard_size]
         loop: dict[str, Any] | None = None
@@ -213,9 +221,12 @@ class ShardTier:
         returns (no fence on the optimizer: its parameters are DTensors), written in the background."""
         started = time.perf_counter()
         self._spacing.started(step)
-        self._spacing.write(self._claim(), step,
-                            lambda local: local.save(step, {"loop": loop(), "shards": self._sharded.local_payload()}),
-                            "node-local shard snapshots")  # fmt: skip
+        self._spacing.write(
+            self._claim(),
+            step,
+            lambda local: local.save(step, {"loop": loop(), "shards": self._sharded.local_payload()}),
+            "node-local shard snapshots",
+        )
         self._spacing.blocking_s = time.perf_counter() - started
 
     def close(self, finished: bool = False) -> None:
@@ -238,9 +249,13 @@ class ShardTier:
 
 
 def create_shard_tier(
-    sharded: ShardedModel, durable_url: str | None, every: int | None, device: torch.device,
-    signing_key: bytes | None, max_overhead: float | None,
-) -> ShardTier:  # fmt: skip
+    sharded: ShardedModel,
+    durable_url: str | None,
+    every: int | None,
+    device: torch.device,
+    signing_key: bytes | None,
+    max_overhead: float | None,
+) -> ShardTier:
     """The tier for a worker started by torchrun: on when ``every`` is set, under the job's local tier directory."""
     local_dir = None
     if every is not None:

@@ -88,8 +88,9 @@ def apply_loaded(
 ) -> TrainingState:
     """Set the model and optimizer from a loaded snapshot, restore the scheduler and this rank's RNG (rank 0's
     when the world changed size); returns the loop's state (cursor, step, LR reference)."""
-    set_state_dict(module, optimizer, model_state_dict=dict(loaded[MODEL_KEY]),
-                   optim_state_dict=dict(loaded[OPTIM_KEY]))  # fmt: skip
+    set_state_dict(
+        module, optimizer, model_state_dict=dict(loaded[MODEL_KEY]), optim_state_dict=dict(loaded[OPTIM_KEY])
+    )
     return restore_training_state(loop_state(loaded), None, None, scheduler)
 
 

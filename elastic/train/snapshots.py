@@ -61,10 +61,15 @@ class LoopCheckpoints:
     """See the module docstring. ``capture`` returns references to the full state (a collective)."""
 
     def __init__(
-        self, config: ElasticConfig, storage: CheckpointStorage | None, device: torch.device,
-        require_storage: bool = True, sharded: bool = False, shards: ShardedModel | None = None,
+        self,
+        config: ElasticConfig,
+        storage: CheckpointStorage | None,
+        device: torch.device,
+        require_storage: bool = True,
+        sharded: bool = False,
+        shards: ShardedModel | None = None,
         loop_state: Callable[[], dict[str, Any]] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``require_storage``: an unusable storage stops the worker at once (one clear line); else (a live
         joiner takes its state from a peer) it is logged, and saves retry under ``save_failure_grace``.
         ``sharded``: the model is sharded (FSDP2): snapshots in the sharded layout; node-local ones per shard
@@ -79,12 +84,20 @@ class LoopCheckpoints:
         if sharded and local_every is not None:
             if shards is not None and loop_state is not None:
                 key = self.manager.options.signing_key if self.manager is not None else None
-                self.shard_tier = create_shard_tier(shards, self.manager.url if self.manager is not None else None,
-                                                    local_every, device, key, config.local_max_overhead)  # fmt: skip
+                self.shard_tier = create_shard_tier(
+                    shards,
+                    self.manager.url if self.manager is not None else None,
+                    local_every,
+                    device,
+                    key,
+                    config.local_max_overhead,
+                )
             else:
-                logger.warning("node-local snapshots are off for a model the script sharded itself: pass the "
-                               "unsharded one and parallelize= for node-local shard snapshots; durable sharded "
-                               "snapshots go on")  # fmt: skip
+                logger.warning(
+                    "node-local snapshots are off for a model the script sharded itself: pass the "
+                    "unsharded one and parallelize= for node-local shard snapshots; durable sharded "
+                    "snapshots go on"
+                )
             local_every = None
         self.tiers = create_snapshot_tiers(self.manager, local_every, device, config.local_max_overhead)
         self._sharded_source: str | None = None
@@ -122,9 +135,14 @@ class LoopCheckpoints:
         return manager
 
     def restore(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, cursor: TrainingCursor,
-        rank: int, world_size: int,
-    ) -> bool:  # fmt: skip
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        cursor: TrainingCursor,
+        rank: int,
+        world_size: int,
+    ) -> bool:
         """Every rank restores the same snapshot: the newest verified durable one that rank 0 picks, or a
         newer node-local one that a surviving node holds (a collective). False: nothing to restore."""
         if self.sharded:
@@ -134,14 +152,20 @@ class LoopCheckpoints:
             return False
         ts = restore_training_state(state, model, optimizer, scheduler)
         cursor.load(ts, rank, world_size)
-        logger.info("resumed from step %d (epoch %d, position %d)", cursor.step, cursor.sampler.epoch,
-                    cursor.sampler.position)  # fmt: skip
+        logger.info(
+            "resumed from step %d (epoch %d, position %d)", cursor.step, cursor.sampler.epoch, cursor.sampler.position
+        )
         return True
 
     def _restore_sharded(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, cursor: TrainingCursor,
-        rank: int, world_size: int,
-    ) -> bool:  # fmt: skip
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        cursor: TrainingCursor,
+        rank: int,
+        world_size: int,
+    ) -> bool:
         """A sharded model: this node's shard snapshots when they are newer than every durable one and cover every
         shard (:class:`~elastic.train.shard_tier.ShardTier`), else every rank loads its shards of the newest
         durable snapshot that rank 0 verifies (DCP reshards them from whatever world saved it); then the loop's
@@ -166,8 +190,13 @@ class LoopCheckpoints:
         ts = apply_loaded(snapshot.state, model, optimizer, scheduler)
         cursor.load(ts, rank, world_size)
         self._sharded_source = "durable"
-        logger.info("resumed sharded state from step %d (saved by %d workers; epoch %d, position %d)", cursor.step,
-                    ts.world_size, cursor.sampler.epoch, cursor.sampler.position)  # fmt: skip
+        logger.info(
+            "resumed sharded state from step %d (saved by %d workers; epoch %d, position %d)",
+            cursor.step,
+            ts.world_size,
+            cursor.sampler.epoch,
+            cursor.sampler.position,
+        )
         return True
 
     @property
@@ -187,8 +216,7 @@ class LoopCheckpoints:
         if self._warmed or self.manager is None or self.sharded:  # DCP stages sharded state itself
             return
         self._warmed = True
-        state = capture_training_state(cursor.step, model, optimizer, scheduler, gather_rng=False,
-                                       **cursor.state())  # fmt: skip
+        state = capture_training_state(cursor.step, model, optimizer, scheduler, gather_rng=False, **cursor.state())
         try:
             self.manager.prepare(state)  # nothing where this rank does not write
             self.tiers.prepare(state)  # the node-local tier's manager, when on here
@@ -217,17 +245,26 @@ class LoopCheckpoints:
         )
 
     def act(
-        self, flags: BoundaryFlags, step: int, epoch_done: bool, rank: int, signalled_here: bool,
-        capture: Capture, optimizer: torch.optim.Optimizer,
-    ) -> bool:  # fmt: skip
+        self,
+        flags: BoundaryFlags,
+        step: int,
+        epoch_done: bool,
+        rank: int,
+        signalled_here: bool,
+        capture: Capture,
+        optimizer: torch.optim.Optimizer,
+    ) -> bool:
         """Take the snapshots the agreed ``flags`` call for at this boundary (collectives on every rank).
         Returns whether this rank must stop now (it was SIGTERM'd and the step is saved)."""
         if flags.signalled:
             # SIGTERM: a preemption notice, or torchrun restarting the group (it signals workers first).
             # Everyone saves this step synchronously (no step is lost); the signalled ranks then exit,
             # the others carry on and resume from this snapshot when the group re-forms.
-            save_on_notice(step, lambda: self.save(step, capture, optimizer, blocking=True),
-                           "SIGTERM" if signalled_here else "SIGTERM seen by a peer")  # fmt: skip
+            save_on_notice(
+                step,
+                lambda: self.save(step, capture, optimizer, blocking=True),
+                "SIGTERM" if signalled_here else "SIGTERM seen by a peer",
+            )
             return signalled_here
         now = time.monotonic()
         boundary = Boundary(step, now, epoch_done, flags.time_due, flags.writer_busy)
@@ -235,9 +272,12 @@ class LoopCheckpoints:
         if decision.warning is not None and rank == 0:
             logger.warning("%s", decision.warning)
         if not decision.take and (decision.deferred or decision.skipped):
-            logger.debug("snapshot due at step %d %s: the writer is still saving step %s", step,
-                         "deferred" if decision.deferred else "merged into the pending one (skipped)",
-                         self.schedule.stats.last_saved_step)  # fmt: skip
+            logger.debug(
+                "snapshot due at step %d %s: the writer is still saving step %s",
+                step,
+                "deferred" if decision.deferred else "merged into the pending one (skipped)",
+                self.schedule.stats.last_saved_step,
+            )
         if decision.take:
             self.save(step, capture, optimizer, blocking=False)
             (self.shard_tier or self.tiers).note_durable(step)
@@ -271,8 +311,13 @@ class LoopCheckpoints:
             grace = self.config.save_failure_grace.total_seconds()
             if failing > grace:
                 raise
-            logger.warning("checkpoint save failed (failing for %.0f s, giving up after %.0f s): %s; saving step %d "
-                           "instead", failing, grace, exc, step)  # fmt: skip
+            logger.warning(
+                "checkpoint save failed (failing for %.0f s, giving up after %.0f s): %s; saving step %d instead",
+                failing,
+                grace,
+                exc,
+                step,
+            )
             if blocking:
                 self.manager.save(step, state, blocking=True)  # its failure stops the worker
             else:

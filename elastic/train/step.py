@@ -143,8 +143,9 @@ class OptimizerGate:
     step (:func:`~elastic.contract.lr.scaled_lr`: a scheduler never sees the factor), to count the steps of
     the current loop step, and to do nothing while the step is dropped (live mode)."""
 
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], factor: Callable[[], float],
-                 dropped: Callable[[], bool]) -> None:  # fmt: skip
+    def __init__(
+        self, optimizers: Sequence[torch.optim.Optimizer], factor: Callable[[], float], dropped: Callable[[], bool]
+    ) -> None:
         self.optimizers = tuple(optimizers)
         self._factor, self._dropped = factor, dropped
         self.count = 0
@@ -188,8 +189,9 @@ class OptimizerGate:
         self._originals = []
 
 
-def steps_end(epoch: int | None, epochs: int | None, max_steps: int | None, current_epoch: int,
-              stream: bool) -> int | None:  # fmt: skip
+def steps_end(
+    epoch: int | None, epochs: int | None, max_steps: int | None, current_epoch: int, stream: bool
+) -> int | None:
     """The epoch the loop's steps end before (None: ``max_steps`` alone ends them), from the arguments of
     ``trainer.steps()``/``batches()``; a clear error for arguments that do not say where the steps end."""
     if epoch is not None and epochs is not None:

@@ -64,8 +64,11 @@ class StopTimeout:
                 return
             logger.error(
                 "%s %.0f s ago and step %d's boundary not reached: blocked in a collective with a vanished peer?"
-                " exiting without the final save", sig.name, limit, self._step(),
-            )  # fmt: skip
+                " exiting without the final save",
+                sig.name,
+                limit,
+                self._step(),
+            )
             for handler in logging.getLogger().handlers:
                 handler.flush()
             with contextlib.suppress(Exception):  # where each thread was: the hung collective, for the report

@@ -89,8 +89,9 @@ class LoopParts:
 
 def capture_replicated(step: int, module: nn.Module, parts: LoopParts) -> TrainingState:
     """References to the full state of a replicated model (a collective: gathers every rank's RNG state)."""
-    return capture_training_state(step, module, parts.optimizer, parts.scheduler, process_group=parts.host.group(),
-                                  **parts.cursor.state())  # fmt: skip
+    return capture_training_state(
+        step, module, parts.optimizer, parts.scheduler, process_group=parts.host.group(), **parts.cursor.state()
+    )
 
 
 class Recovery(ABC):

@@ -33,9 +33,11 @@ __all__ = ["create_strategy"]
 
 
 def create_strategy(
-    model: nn.Module, parallelize: Parallelize | None, optimizers: Sequence[torch.optim.Optimizer],
+    model: nn.Module,
+    parallelize: Parallelize | None,
+    optimizers: Sequence[torch.optim.Optimizer],
     config: ElasticConfig,
-) -> ParallelStrategy:  # fmt: skip
+) -> ParallelStrategy:
     """The strategy for ``model`` (see the module docstring); no process group, no collective. Raises ValueError
     (:class:`~elastic.train.strategy.StrategyError` for several optimizers of a sharded model) for a combination no
     strategy trains."""

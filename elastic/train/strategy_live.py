@@ -77,8 +77,17 @@ class LiveGroupRecovery(Recovery):
         self._parts = parts
         group = self.group
         shared = (parts.checkpoints.share_schedule, parts.checkpoints.adopt_schedule)
-        self._live = LiveRecovery(group, state, parts.optimizer, parts.scheduler, parts.cursor, parts.device,
-                                  parts.record, restore, shared=shared)  # fmt: skip
+        self._live = LiveRecovery(
+            group,
+            state,
+            parts.optimizer,
+            parts.scheduler,
+            parts.cursor,
+            parts.device,
+            parts.record,
+            restore,
+            shared=shared,
+        )
         self._live.after_generation(self._first)
         self._first = None
         options = self._config.live
@@ -107,8 +116,11 @@ class LiveGroupRecovery(Recovery):
             return False
         if self._broken is None:
             assert self._parts is not None
-            logger.warning("live group: a collective of step %d failed (%s); re-forming", self._parts.cursor.step + 1,
-                           str(exc).splitlines()[0][:200])  # fmt: skip
+            logger.warning(
+                "live group: a collective of step %d failed (%s); re-forming",
+                self._parts.cursor.step + 1,
+                str(exc).splitlines()[0][:200],
+            )
             self._broken = exc
         return True
 

@@ -45,9 +45,13 @@ class ShardedStrategy(ParallelStrategy):
     sharded = True
 
     def __init__(
-        self, model: nn.Module, parallelize: Parallelize | None, optimizer: torch.optim.Optimizer,
-        config: ElasticConfig, recovery: Recovery,
-    ) -> None:  # fmt: skip
+        self,
+        model: nn.Module,
+        parallelize: Parallelize | None,
+        optimizer: torch.optim.Optimizer,
+        config: ElasticConfig,
+        recovery: Recovery,
+    ) -> None:
         super().__init__(config, recovery)
         self._given = model
         self._parallelize, self._optimizer = parallelize, optimizer

@@ -75,9 +75,16 @@ logger = logging.getLogger(__name__)
 FINAL_REPORT_TIMEOUT = timedelta(seconds=15)
 
 __all__ = [
-    "ElasticConfig", "ElasticTrainer", "LiveOptions", "RecoveryMode", "SnapshotStats", "Step", "StepInfo",
-    "StepMismatchError", "WriterBusy",
-]  # fmt: skip
+    "ElasticConfig",
+    "ElasticTrainer",
+    "LiveOptions",
+    "RecoveryMode",
+    "SnapshotStats",
+    "Step",
+    "StepInfo",
+    "StepMismatchError",
+    "WriterBusy",
+]
 
 
 class ElasticTrainer:
@@ -100,22 +107,22 @@ class ElasticTrainer:
         state: Mapping[str, Any] | None = None,
     ) -> None:
         """Args:
-            model: the model (plain, DDP-wrapped by the script, FSDP2-sharded by the script, or plain with
-                ``parallelize``).
-            optimizer: the optimizer, or several (a GAN's, a sparse and a dense one): the loop applies the LR
-                factor around each one's ``step`` and saves them all (the first in the snapshot's optimizer entry,
-                the others as registered state ``optimizer.1``, ...).
-            data: a ``DataLoader`` over an :class:`~elastic.train.batch_sampler.ElasticBatchSampler` (the script's
-                own loader: workers, pinned memory, ``collate_fn``), or a map-style data set that the loop collates
-                in this process with ``collate_fn``.
-            config: the loop's settings (:class:`ElasticConfig`).
-            scheduler: an LR scheduler the loop steps once per committed step and saves.
-            collate_fn: for a data set passed as ``data``.
-            on_step: called with each committed step's :class:`StepInfo` (sample accounting, progress hooks).
-            checkpoint_storage: replaces the storage built from the checkpoint URL.
-            parallelize: ``fn(module, mesh)`` that shards the model for each world (FSDP2/HSDP).
-            state: objects with ``state_dict``/``load_state_dict`` to save and restore with the rest, by name
-                (as :meth:`register_state`).
+        model: the model (plain, DDP-wrapped by the script, FSDP2-sharded by the script, or plain with
+            ``parallelize``).
+        optimizer: the optimizer, or several (a GAN's, a sparse and a dense one): the loop applies the LR
+            factor around each one's ``step`` and saves them all (the first in the snapshot's optimizer entry,
+            the others as registered state ``optimizer.1``, ...).
+        data: a ``DataLoader`` over an :class:`~elastic.train.batch_sampler.ElasticBatchSampler` (the script's
+            own loader: workers, pinned memory, ``collate_fn``), or a map-style data set that the loop collates
+            in this process with ``collate_fn``.
+        config: the loop's settings (:class:`ElasticConfig`).
+        scheduler: an LR scheduler the loop steps once per committed step and saves.
+        collate_fn: for a data set passed as ``data``.
+        on_step: called with each committed step's :class:`StepInfo` (sample accounting, progress hooks).
+        checkpoint_storage: replaces the storage built from the checkpoint URL.
+        parallelize: ``fn(module, mesh)`` that shards the model for each world (FSDP2/HSDP).
+        state: objects with ``state_dict``/``load_state_dict`` to save and restore with the rest, by name
+            (as :meth:`register_state`).
         """
         compat.check_torch_version()
         self.config = config
@@ -148,10 +155,15 @@ class ElasticTrainer:
             broken=lambda: self._strategy.dropped,
         )
         self._backward_pending = False  # the short form: a micro-batch yielded whose backward has not run
-        self._checkpoints = LoopCheckpoints(config, checkpoint_storage, self.device,
-                                            require_storage=self._strategy.storage_required,
-                                            sharded=self._strategy.sharded, shards=self._strategy.shards,
-                                            loop_state=self._loop_state)  # fmt: skip
+        self._checkpoints = LoopCheckpoints(
+            config,
+            checkpoint_storage,
+            self.device,
+            require_storage=self._strategy.storage_required,
+            sharded=self._strategy.sharded,
+            shards=self._strategy.shards,
+            loop_state=self._loop_state,
+        )
         # restores the newest snapshot (or receives a live peer's state) and makes the replicas identical
         self.model: torch.nn.Module = self._strategy.start(
             LoopParts(self.device, self.optimizer, scheduler, self.cursor, self._checkpoints, self._host, self._record)
@@ -209,8 +221,9 @@ class ElasticTrainer:
         return self._strategy.shard_size
 
     # -- the loop ------------------------------------------------------------------------------------
-    def steps(self, epoch: int | None = None, *, epochs: int | None = None,
-              max_steps: int | None = None) -> Iterator[Step]:  # fmt: skip
+    def steps(
+        self, epoch: int | None = None, *, epochs: int | None = None, max_steps: int | None = None
+    ) -> Iterator[Step]:
         """The own-step form: yield each optimizer step as a :class:`~elastic.train.step.Step`; the script iterates
         it for its micro-batches and steps its optimizer(s) itself (see :mod:`elastic.train.step`). The step
         commits when the next one is asked for.
@@ -223,8 +236,9 @@ class ElasticTrainer:
         """
         return self._run(self._end(epoch, epochs, max_steps), max_steps)
 
-    def batches(self, epoch: int | None = None, *, epochs: int | None = None,
-                max_steps: int | None = None) -> Iterator[Any]:  # fmt: skip
+    def batches(
+        self, epoch: int | None = None, *, epochs: int | None = None, max_steps: int | None = None
+    ) -> Iterator[Any]:
         """The short form: yield this rank's micro-batches; each must get one :meth:`backward`. The optimizer
         step runs inside, after the last micro-batch of each step. Arguments as :meth:`steps`.
 
@@ -245,12 +259,23 @@ class ElasticTrainer:
 
     def _run(self, end: int | None, max_steps: int | None) -> Iterator[Step]:
         self._registry.close()  # registration ends with the first step
-        while not self._stopped and (end is None or self.sampler.epoch < end) and (
-                max_steps is None or self.step < max_steps):  # fmt: skip
+        while (
+            not self._stopped
+            and (end is None or self.sampler.epoch < end)
+            and (max_steps is None or self.step < max_steps)
+        ):
             plan = self.policy.step_plan(self.world_size)
             layout = step_layout(self.sampler, plan.global_batch, plan.accumulation_steps)
-            info = StepInfo(self.step + 1, self.sampler.epoch, self.rank, self.world_size, list(layout.indices),
-                            0.0, None, generation=self.generation)  # fmt: skip
+            info = StepInfo(
+                self.step + 1,
+                self.sampler.epoch,
+                self.rank,
+                self.world_size,
+                list(layout.indices),
+                0.0,
+                None,
+                generation=self.generation,
+            )
             self._strategy.begin_step(info, plan.global_batch)  # its record: lr and loss once applied
             self._gate.take()
             step = self._step_now = Step(self._step_host, layout, self.step + 1, self.sampler.epoch, self.world_size)
@@ -364,8 +389,9 @@ class ElasticTrainer:
         if agreed is not None:
             check_steps(agreed)
         if stepped == 0:
-            logger.info("step %d: no optimizer step ran on any rank (a skipped step); its samples count as consumed",
-                        self.step)  # fmt: skip
+            logger.info(
+                "step %d: no optimizer step ran on any rank (a skipped step); its samples count as consumed", self.step
+            )
         self._strategy.step_committed()
         try:
             self._progress.log_loss(self.step, self.sampler.epoch, lr, loss)
@@ -393,8 +419,12 @@ class ElasticTrainer:
         def mine() -> BoundaryFlags:
             acted_at = self.step + self._agreement.lag  # the boundary the flags are acted on
             flags = self._checkpoints.local_flags(acted_at, time.monotonic(), signalled, self.rank)
-            return dataclasses.replace(flags, optimizer_steps=stepped, optimizer_steps_neg=-stepped,
-                                       joiners=self._strategy.joiners_waiting(self.rank))  # fmt: skip
+            return dataclasses.replace(
+                flags,
+                optimizer_steps=stepped,
+                optimizer_steps_neg=-stepped,
+                joiners=self._strategy.joiners_waiting(self.rank),
+            )
 
         return mine
 
@@ -403,8 +433,7 @@ class ElasticTrainer:
         if flags.signalled:
             self._stop_timeout.reached()
         self._checkpoints.warm_up(self._module, self.optimizer, self.scheduler, self.cursor)
-        stop = self._checkpoints.act(flags, self.step, epoch_done, self.rank, signalled, self._capture,
-                                     self.optimizer)  # fmt: skip
+        stop = self._checkpoints.act(flags, self.step, epoch_done, self.rank, signalled, self._capture, self.optimizer)
         if stop:
             self._stopped = True
             return True
@@ -436,8 +465,9 @@ class ElasticTrainer:
     # -- checkpoints ---------------------------------------------------------------------------------
     def _loop_state(self) -> dict[str, Any]:
         """The loop's state without the model's (this rank's RNG only: no collective)."""
-        return capture_training_state(self.step, torch.nn.Module(), None, self.scheduler, gather_rng=False,
-                                      **self.cursor.state()).to_dict()  # fmt: skip
+        return capture_training_state(
+            self.step, torch.nn.Module(), None, self.scheduler, gather_rng=False, **self.cursor.state()
+        ).to_dict()
 
     def _capture(self) -> TrainingState | dict[str, Any]:
         """References to the full state (a collective: gathers every rank's RNG state, and a stream's loader

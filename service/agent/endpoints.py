@@ -60,8 +60,9 @@ class AgentEndpoints:
         except OSError as exc:
             raise EndpointError(f"cannot serve job logs on {s.logs_host}:{s.logs_port}: {exc.strerror or exc}") from exc
         self.logs = server.start()
-        logger.info("agent job logs on %s:%d (the controller reads them at %s)", s.logs_host, s.logs_port,
-                    self.logs_url)  # fmt: skip
+        logger.info(
+            "agent job logs on %s:%d (the controller reads them at %s)", s.logs_host, s.logs_port, self.logs_url
+        )
 
     def close_logs(self) -> None:
         if self.logs is not None:

@@ -95,8 +95,11 @@ def judge_proc(mount: ProcMount | None, groups: Sequence[int], caps: int) -> Pro
     first, then its supplementary groups) with capabilities ``caps`` sees the jobs' processes (pure)."""
     gid = groups[0] if groups else 0
     if mount is None or mount.fstype != "proc":
-        return ProcCheck(None, "cannot tell whether the jobs on this node can read each other's command lines "
-                         "(their args): no proc file system at /proc")  # fmt: skip
+        return ProcCheck(
+            None,
+            "cannot tell whether the jobs on this node can read each other's command lines "
+            "(their args): no proc file system at /proc",
+        )
     remount = _REMOUNT.format(gid=gid)
     if mount.hidepid == "off":
         shown = (
@@ -124,6 +127,9 @@ def check_proc(groups: Sequence[int], caps: int, mountinfo: Path = MOUNTINFO) ->
     try:
         text = mountinfo.read_text()
     except OSError as exc:
-        return ProcCheck(None, f"cannot tell whether the jobs on this node can read each other's command lines: "
-                         f"cannot read {mountinfo}: {exc.strerror or exc}")  # fmt: skip
+        return ProcCheck(
+            None,
+            f"cannot tell whether the jobs on this node can read each other's command lines: "
+            f"cannot read {mountinfo}: {exc.strerror or exc}",
+        )
     return judge_proc(proc_mount(text), groups, caps)

@@ -93,8 +93,11 @@ class JobFiles:
             self._reachable_work_dir()
             unreachable = not_searchable(Path(s.python).resolve())
             if unreachable:
-                logger.warning("the jobs' uids cannot run %s: %s; give the agent --python an interpreter they can run",
-                               s.python, unreachable)  # fmt: skip
+                logger.warning(
+                    "the jobs' uids cannot run %s: %s; give the agent --python an interpreter they can run",
+                    s.python,
+                    unreachable,
+                )
             proc = check_proc([os.getegid(), *os.getgroups()], effective_caps(), self._mountinfo)
             self.args_hidden = proc.args_hidden
             if proc.warning:
@@ -107,12 +110,14 @@ class JobFiles:
                 logger.warning("%s: every job on this node can read it", problem)
         me = os.geteuid()
         if s.job_owner:
-            logger.warning("jobs run as this agent's uid %d: only jobs of %s are placed here (--job-owner)", me,
-                           s.job_owner)  # fmt: skip
+            logger.warning(
+                "jobs run as this agent's uid %d: only jobs of %s are placed here (--job-owner)", me, s.job_owner
+            )
             return Isolation.OWNER
         logger.warning(
             "jobs of every owner run as this agent's uid %d: a job can read the others' secrets and this agent's "
-            "files; start the agent with --job-uid-range (root or CAP_SETUID/SETGID/CHOWN/KILL) or --job-owner NAME", me
+            "files; start the agent with --job-uid-range (root or CAP_SETUID/SETGID/CHOWN/KILL) or --job-owner NAME",
+            me,
         )
         return Isolation.NONE
 
@@ -124,8 +129,10 @@ class JobFiles:
         os.chmod(jobs, 0o711)
         unreachable = not_searchable(jobs)
         if unreachable:
-            raise IsolationError(f"the jobs' uids cannot reach their private directories under {jobs}: {unreachable} "
-                                 "(add o+x, or choose another --work-dir)")  # fmt: skip
+            raise IsolationError(
+                f"the jobs' uids cannot reach their private directories under {jobs}: {unreachable} "
+                "(add o+x, or choose another --work-dir)"
+            )
 
     def _private_dir(self, job_id: str) -> Path:
         # resolved above the job's directory only: nothing below it is followed
@@ -142,11 +149,17 @@ class JobFiles:
         if fresh:
             self._released.pop(uid, None)
             if kill_processes_of(uid):  # left by an earlier agent's job (its pdeath signal ignored)
-                logger.warning("uid %d: killed the processes an earlier job left before giving it to job %s", uid,
-                               job_id)  # fmt: skip
+                logger.warning(
+                    "uid %d: killed the processes an earlier job left before giving it to job %s", uid, job_id
+                )
             if n := remove_files_of(uid, self.settings.job_tmp_dirs):  # an earlier agent's job's, never cleaned
-                logger.warning("uid %d: deleted %d file(s) an earlier job left in %s before giving it to job %s", uid,
-                               n, ", ".join(map(str, self.settings.job_tmp_dirs)), job_id)  # fmt: skip
+                logger.warning(
+                    "uid %d: deleted %d file(s) an earlier job left in %s before giving it to job %s",
+                    uid,
+                    n,
+                    ", ".join(map(str, self.settings.job_tmp_dirs)),
+                    job_id,
+                )
         return JobUser(uid, uid)
 
     def _release(self, job_id: str, uid: int) -> None:
@@ -155,8 +168,13 @@ class JobFiles:
         if n := kill_processes_of(uid):  # escaped the torchrun's tree: not past the job
             logger.warning("job %s: killed %d process(es) of its uid %d left after it", job_id, n, uid)
         if n := remove_files_of(uid, self.settings.job_tmp_dirs):
-            logger.info("job %s: deleted %d file(s) of its uid %d in %s", job_id, n, uid,
-                        ", ".join(map(str, self.settings.job_tmp_dirs)))  # fmt: skip
+            logger.info(
+                "job %s: deleted %d file(s) of its uid %d in %s",
+                job_id,
+                n,
+                uid,
+                ", ".join(map(str, self.settings.job_tmp_dirs)),
+            )
         self._released.pop(uid, None)
         self._released[uid] = job_id
         uids = self.settings.job_uid_range
@@ -185,13 +203,18 @@ class JobFiles:
             key_file = write_new_secret(private, "checkpoint-key", a.checkpoint_key)
         etcd = job_etcd(self.settings.etcd, a, password_file)
         if user is not None:  # the agent's TLS files stay its own (0400/0600): the job gets copies of its uid
+
             def copy(path: str | None, name: str) -> str | None:
                 if not path:
                     return None
                 return str(write_new_secret(private, name, Path(path).read_text().rstrip("\n")))
 
-            etcd = replace(etcd, ca_cert=copy(etcd.ca_cert, "etcd-ca.pem"), cert=copy(etcd.cert, "etcd-cert.pem"),
-                           cert_key=copy(etcd.cert_key, "etcd-key.pem"))  # fmt: skip
+            etcd = replace(
+                etcd,
+                ca_cert=copy(etcd.ca_cert, "etcd-ca.pem"),
+                cert=copy(etcd.cert, "etcd-cert.pem"),
+                cert_key=copy(etcd.cert_key, "etcd-key.pem"),
+            )
             hand_over(private, user)
         return PreparedJob(etcd, key_file, private if user is not None else None, user)
 

@@ -143,6 +143,7 @@ def torchrun_command(
         forked=forked,
     ).argv()
 
+
 def worker_env(
     assignment: Assignment,
     *,

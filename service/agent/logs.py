@@ -55,8 +55,10 @@ _IDLE_WAIT = 0.25  # seconds between looks at a followed file that has not grown
 REQUEST_TIMEOUT = 10.0
 #: connections served at once (each a thread; the controller holds one per followed log of this node)
 MAX_CONNECTIONS = 64
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 26\r\n"
-         b"Connection: close\r\n\r\ntoo many open connections\n")  # fmt: skip
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 26\r\n"
+    b"Connection: close\r\n\r\ntoo many open connections\n"
+)
 
 Running = Callable[[str, int], bool]
 """``(job id, generation) -> bool``: whether that generation's torchrun still runs on this node."""
@@ -97,8 +99,9 @@ class _Server(ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            logger.warning("logs: refusing a connection from %s: %d already open", client_address[0],
-                           self._max_connections)  # fmt: skip
+            logger.warning(
+                "logs: refusing a connection from %s: %d already open", client_address[0], self._max_connections
+            )
             try:
                 request.sendall(_BUSY)
             except OSError:

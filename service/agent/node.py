@@ -222,8 +222,14 @@ class NodeAgent:
         base = WorkerReport(job_id=a.job_id, node=s.node_name, generation=a.generation, state="running")
         if s.job_owner and a.owner != s.job_owner:
             self._finished.add(_once(a))
-            self._report(base.model_copy(update={"state": "launch_failed", "error": f"this node runs only the jobs "
-                                                 f"of {s.job_owner} (--job-owner), not of {a.owner}"}))  # fmt: skip
+            self._report(
+                base.model_copy(
+                    update={
+                        "state": "launch_failed",
+                        "error": f"this node runs only the jobs of {s.job_owner} (--job-owner), not of {a.owner}",
+                    }
+                )
+            )
             return
         try:
             files = self._jobs.prepare(a)
@@ -243,8 +249,9 @@ class NodeAgent:
             checkpoint_key_file=files.key_file,
             home=files.home,
         )
-        zygote = self._zygotes.env_for(a.job_id, warm=a.spec.warm_start, own_uid=files.user is not None,
-                                       own_launcher=self._launcher is not None)  # fmt: skip
+        zygote = self._zygotes.env_for(
+            a.job_id, warm=a.spec.warm_start, own_uid=files.user is not None, own_launcher=self._launcher is not None
+        )
         env.update(zygote)
         cmd = torchrun_command(
             a,
@@ -258,16 +265,20 @@ class NodeAgent:
         if not Path(cwd).is_dir():
             self._finished.add(_once(a))
             self._report(
-                base.model_copy(
-                    update={"state": "launch_failed", "error": f"working_dir {cwd} does not exist"}
-                )
+                base.model_copy(update={"state": "launch_failed", "error": f"working_dir {cwd} does not exist"})
             )
             return
         unreachable = self._jobs.unreachable_cwd(Path(cwd))
         if unreachable:  # the job's uid could not work there (and its workers would fail without a word)
             self._finished.add(_once(a))
-            self._report(base.model_copy(update={"state": "launch_failed", "error": f"working_dir {cwd}: the job's "
-                                                 f"uid cannot enter it: {unreachable}"}))  # fmt: skip
+            self._report(
+                base.model_copy(
+                    update={
+                        "state": "launch_failed",
+                        "error": f"working_dir {cwd}: the job's uid cannot enter it: {unreachable}",
+                    }
+                )
+            )
             return
         try:
             if self._launcher is None:
@@ -278,14 +289,18 @@ class NodeAgent:
                 raise OSError("this agent's launcher cannot run a job as a uid of its own")
         except OSError as exc:
             self._finished.add(_once(a))
-            self._report(
-                base.model_copy(update={"state": "launch_failed", "error": f"cannot start torchrun: {exc}"})
-            )
+            self._report(base.model_copy(update={"state": "launch_failed", "error": f"cannot start torchrun: {exc}"}))
             return
         with self._lock:
             self._running[a.job_id] = _Running(a, proc)
-        logger.info("job %s generation %d: torchrun pid %d, log %s%s", a.job_id, a.generation, proc.pid, log,
-                    f", uid {files.user.uid}" if files.user else "")  # fmt: skip
+        logger.info(
+            "job %s generation %d: torchrun pid %d, log %s%s",
+            a.job_id,
+            a.generation,
+            proc.pid,
+            log,
+            f", uid {files.user.uid}" if files.user else "",
+        )
         self._report(base.model_copy(update={"pid": proc.pid, "started_at": _now()}))
 
     def _launch_isolated(self, a: Assignment) -> None:
@@ -305,8 +320,15 @@ class NodeAgent:
             logger.exception("job %s generation %d: cannot be launched", a.job_id, a.generation)
             self._finished.add(_once(a))
             error = f"cannot launch: {type(exc).__name__}: {str(exc)[:500]}"
-            self._report(WorkerReport(job_id=a.job_id, node=self.settings.node_name, generation=a.generation,
-                                      state="launch_failed", error=error))  # fmt: skip
+            self._report(
+                WorkerReport(
+                    job_id=a.job_id,
+                    node=self.settings.node_name,
+                    generation=a.generation,
+                    state="launch_failed",
+                    error=error,
+                )
+            )
 
     def _stop(self, job_id: str, reason: str, *, planned: bool = False) -> None:
         """Stop one torchrun; the caller holds ``_work``. Waiting for it happens without ``_lock``, so
@@ -332,14 +354,26 @@ class NodeAgent:
         self._report(self._final_report(run, "stopped", code, reason, planned=planned))
 
     def _final_report(
-        self, run: _Running, state: Literal["exited", "stopped"], code: int | None, error: str | None,
+        self,
+        run: _Running,
+        state: Literal["exited", "stopped"],
+        code: int | None,
+        error: str | None,
         planned: bool = False,
     ) -> WorkerReport:
         """What a generation that has ended (by itself, or stopped by this agent) is reported as."""
         a = run.assignment
-        return WorkerReport(job_id=a.job_id, node=self.settings.node_name, generation=a.generation, state=state,
-                            pid=run.process.pid, exit_code=code, finished_at=_now(), error=error,
-                            planned=planned)  # fmt: skip
+        return WorkerReport(
+            job_id=a.job_id,
+            node=self.settings.node_name,
+            generation=a.generation,
+            state=state,
+            pid=run.process.pid,
+            exit_code=code,
+            finished_at=_now(),
+            error=error,
+            planned=planned,
+        )
 
     def _reap(self) -> None:
         for job_id, run in list(self._running.items()):
@@ -458,9 +492,14 @@ class NodeAgent:
         (a torchrun being stopped, etcd)."""
         with self._lock:
             running, stopping = len(self._running), len(self._stopping)
-        return judge_health(self.settings.node_name, registered=self._keeper is not None, running=running,
-                            stopping=stopping, since_loop_s=time.monotonic() - self._last_loop,
-                            lease_ttl_s=self.settings.lease_ttl.total_seconds())  # fmt: skip
+        return judge_health(
+            self.settings.node_name,
+            registered=self._keeper is not None,
+            running=running,
+            stopping=stopping,
+            since_loop_s=time.monotonic() - self._last_loop,
+            lease_ttl_s=self.settings.lease_ttl.total_seconds(),
+        )
 
     def _start_health(self) -> None:
         self._endpoints.start_health(self.healthy)

@@ -177,8 +177,12 @@ def write_new_secret(directory: Path, name: str, secret: str) -> Path:
     try:
         st = os.fstat(dir_fd)
         if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
-            raise PermissionError(errno.EPERM, f"not a private directory of uid {os.geteuid()} (owner "
-                                  f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})", str(directory))  # fmt: skip
+            raise PermissionError(
+                errno.EPERM,
+                f"not a private directory of uid {os.geteuid()} (owner "
+                f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})",
+                str(directory),
+            )
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
         try:
             os.fchmod(fd, 0o600)  # whatever the umask

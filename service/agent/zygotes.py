@@ -43,8 +43,9 @@ class JobZygotes:
         self.spare = spare
         self.stop_grace = stop_grace
         # an owner named in the agent's own environment: every warm job of this agent forks from its zygote
-        self.inherited_owner = inherited_owner if inherited_owner is not None else os.environ.get(
-            contract.PREFORK_OWNER) or None  # fmt: skip
+        self.inherited_owner = (
+            inherited_owner if inherited_owner is not None else os.environ.get(contract.PREFORK_OWNER) or None
+        )
         self._started: set[str] = set()  # jobs given a zygote of their own (stopped by forget / close)
 
     def env_for(self, job_id: str, *, warm: bool, own_uid: bool, own_launcher: bool) -> dict[str, str]:
@@ -63,8 +64,11 @@ class JobZygotes:
             return {}
         assert key is not None
         self._started.add(key)
-        return {contract.PREFORK_OWNER: str(os.getpid()), contract.PREFORK_KEY: key,
-                contract.PREFORK_GRACE: f"{self.stop_grace.total_seconds():g}"}  # fmt: skip
+        return {
+            contract.PREFORK_OWNER: str(os.getpid()),
+            contract.PREFORK_KEY: key,
+            contract.PREFORK_GRACE: f"{self.stop_grace.total_seconds():g}",
+        }
 
     def forget(self, keep: Iterable[str], wait: timedelta = timedelta(0)) -> list[str]:
         """Stop the zygotes of the jobs not in ``keep`` (assigned here, or still running or stopping), waiting up

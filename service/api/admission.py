@@ -58,8 +58,9 @@ def is_loopback_host(host: str) -> bool:
 
 
 class Admission:
-    def __init__(self, app: ASGIApp, tokens: Sequence[TokenEntry] | None, max_body_bytes: int,
-                 loopback_only: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, app: ASGIApp, tokens: Sequence[TokenEntry] | None, max_body_bytes: int, loopback_only: bool = False
+    ) -> None:
         self.app = app
         self.tokens = tokens
         self.max_body_bytes = max_body_bytes
@@ -106,18 +107,30 @@ def _browser_refusal(method: str, headers: dict[str, str]) -> tuple[int, str] | 
     """With authentication off on loopback: why a request may come from a web page rather than the user."""
     host = headers.get("host", "")
     if not is_loopback_host(host):
-        return 403, (f"Host {host[:100]!r} refused: with authentication off the API answers only requests addressed "
-                     "to a loopback name (127.0.0.1, ::1, localhost)")  # fmt: skip
+        return 403, (
+            f"Host {host[:100]!r} refused: with authentication off the API answers only requests addressed "
+            "to a loopback name (127.0.0.1, ::1, localhost)"
+        )
     media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if method not in _SAFE_METHODS and media != "application/json":
-        return 415, (f"{method} needs Content-Type: application/json with authentication off (a web page cannot "
-                     "send that to another site unasked; forms and bodiless requests it can)")  # fmt: skip
+        return 415, (
+            f"{method} needs Content-Type: application/json with authentication off (a web page cannot "
+            "send that to another site unasked; forms and bodiless requests it can)"
+        )
     return None
 
 
 async def _reply(send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps({"detail": detail}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *(headers or [])]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -148,8 +148,9 @@ def create_app(settings: Settings, client: EtcdClient | None = None) -> FastAPI:
     # auth off on loopback: only the machine reaches the port, so a web page in a local browser must not act for
     # its user (DNS rebinding, cross-site form posts)
     loopback_only = settings.tokens is None and is_loopback_host(settings.host)
-    app.add_middleware(Admission, tokens=settings.tokens, max_body_bytes=DEFAULT_MAX_BODY_BYTES,
-                       loopback_only=loopback_only)  # fmt: skip
+    app.add_middleware(
+        Admission, tokens=settings.tokens, max_body_bytes=DEFAULT_MAX_BODY_BYTES, loopback_only=loopback_only
+    )
     app.add_middleware(_RequestMetrics, metrics=metrics)  # added last: outermost, it counts refusals too
 
     app.include_router(jobs.router)

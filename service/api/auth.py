@@ -20,8 +20,17 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from service.core.config import Role, TokenEntry
 
-__all__ = ["Principal", "authenticate", "bearer_token", "check_owner", "owns", "require", "require_admin",
-           "require_read", "require_user"]
+__all__ = [
+    "Principal",
+    "authenticate",
+    "bearer_token",
+    "check_owner",
+    "owns",
+    "require",
+    "require_admin",
+    "require_read",
+    "require_user",
+]
 
 _bearer = HTTPBearer(auto_error=False, description="a token from the controller's --tokens-file")
 
@@ -89,8 +98,10 @@ def require(role: Role) -> Callable[..., Awaitable[Principal]]:
         if _RANK[principal.role] < _RANK[role]:
             what = "is read-only" if principal.role == Role.READ else f"has role {principal.role.value}"
             article = "an" if role == Role.ADMIN else "a"
-            raise HTTPException(status.HTTP_403_FORBIDDEN, detail=f"token {principal.name!r} {what}: this needs "
-                                f"{article} {role.value} token")  # fmt: skip
+            raise HTTPException(
+                status.HTTP_403_FORBIDDEN,
+                detail=f"token {principal.name!r} {what}: this needs {article} {role.value} token",
+            )
         return principal
 
     return dependency

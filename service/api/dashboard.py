@@ -33,8 +33,17 @@ ASSETS: dict[str, tuple[str, str]] = {
     # ES modules (no build step): dashboard.js is the entry the page loads, it imports the others
     **{
         name: (name, "text/javascript; charset=utf-8")
-        for name in ("dashboard.js", "api.js", "dom.js", "shell.js", "charts.js", "jobs-view.js", "nodes-view.js",
-                     "job-view.js", "job-panels.js")
+        for name in (
+            "dashboard.js",
+            "api.js",
+            "dom.js",
+            "shell.js",
+            "charts.js",
+            "jobs-view.js",
+            "nodes-view.js",
+            "job-view.js",
+            "job-panels.js",
+        )
     },
     "dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
     "favicon.svg": ("favicon.svg", "image/svg+xml"),

@@ -204,8 +204,12 @@ def job_detail(entry: JobEntry, *, secrets: bool) -> JobDetail:
     st, rec = entry.status, entry.record
     policy = rec.spec.restart_policy
     ckpt = st.checkpoint
-    spec = rec.spec if secrets else rec.spec.model_copy(
-        update={"env": dict.fromkeys(rec.spec.env, REDACTED), "args": [REDACTED] * len(rec.spec.args)}
+    spec = (
+        rec.spec
+        if secrets
+        else rec.spec.model_copy(
+            update={"env": dict.fromkeys(rec.spec.env, REDACTED), "args": [REDACTED] * len(rec.spec.args)}
+        )
     )
     last_error = st.last_error
     if not secrets and last_error is not None and "\n" in last_error:
@@ -242,9 +246,7 @@ def job_detail(entry: JobEntry, *, secrets: bool) -> JobDetail:
             path=ckpt.path if ckpt else None,
             committed_at=ckpt.committed_at if ckpt else None,
         ),
-        progress=ProgressView(
-            step=st.step, total_steps=st.total_steps, loss=st.loss, updated_at=st.progress_at
-        ),
+        progress=ProgressView(step=st.step, total_steps=st.total_steps, loss=st.loss, updated_at=st.progress_at),
         last_error=last_error,
         backoff_until=st.backoff_until,
         blacklist=st.blacklist,

@@ -42,7 +42,6 @@ ENV_TOKEN = "ETRAIN_TOKEN"
 ENV_TOKEN_FILE = "ETRAIN_TOKEN_FILE"
 
 
-
 def _client(args: argparse.Namespace) -> ApiClient:
     token = env_or(ENV_TOKEN)
     if args.token_file:
@@ -125,8 +124,10 @@ def cmd_resize(args: argparse.Namespace) -> int:
     with _client(args) as api:
         job = api.resize(args.id, args.min, args.max)
     spec = job["spec"]
-    print(f"{job['id']}: min_nodes {spec['min_nodes']}, max_nodes {spec['max_nodes']} (state {job['state']}, "
-          f"{len(job['nodes'])} node(s) now)")  # fmt: skip
+    print(
+        f"{job['id']}: min_nodes {spec['min_nodes']}, max_nodes {spec['max_nodes']} (state {job['state']}, "
+        f"{len(job['nodes'])} node(s) now)"
+    )
     return 0
 
 
@@ -141,8 +142,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
         Path(args.output).write_text(text + "\n")
     except OSError as exc:
         return fail(f"cannot write {args.output}: {exc.strerror or exc}")
-    print(f"{args.id}: {len(trace.get('traceEvents', []))} trace events written to {args.output} "
-          "(open it in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)  # fmt: skip
+    print(
+        f"{args.id}: {len(trace.get('traceEvents', []))} trace events written to {args.output} "
+        "(open it in https://ui.perfetto.dev or chrome://tracing)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -210,8 +214,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="etrain", description="Fault-tolerant elastic training service")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def client_cmd(name: str, fn: Callable[[argparse.Namespace], int], help: str,
-                   under: Any = None) -> argparse.ArgumentParser:  # fmt: skip
+    def client_cmd(
+        name: str, fn: Callable[[argparse.Namespace], int], help: str, under: Any = None
+    ) -> argparse.ArgumentParser:
         p = (under or sub).add_parser(name, help=help)
         add_flag(p, "--server", ENV_SERVER, "controller URL", "http://127.0.0.1:8080")
         add_flag(p, "--token-file", ENV_TOKEN_FILE, f"file holding the API bearer token (or set {ENV_TOKEN})")
@@ -260,9 +265,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max", type=int, help="new max_nodes")
     node = sub.add_parser("node", help="cordon, drain or uncordon a node")
     node_sub = node.add_subparsers(dest="action", required=True, metavar="ACTION")
-    for action, text in (("cordon", "place no new job on the node (its jobs stay)"),
-                         ("drain", "cordon the node and move its jobs off (planned scale-down)"),
-                         ("uncordon", "take back a cordon or drain: the node takes new jobs again")):  # fmt: skip
+    for action, text in (
+        ("cordon", "place no new job on the node (its jobs stay)"),
+        ("drain", "cordon the node and move its jobs off (planned scale-down)"),
+        ("uncordon", "take back a cordon or drain: the node takes new jobs again"),
+    ):
         p = client_cmd(action, cmd_node, text, under=node_sub)
         p.add_argument("name", metavar="NODE")
         p.add_argument("--reason", help="why (shown with the node)")

@@ -8,8 +8,16 @@ from typing import Any
 
 from elastic.contract.progress import SNAPSHOTS_SAVED
 
-__all__ = ["METRIC_COLUMNS", "event_line", "job_table", "job_text", "metric_rows", "metric_table", "node_table",
-           "progress_line"]
+__all__ = [
+    "METRIC_COLUMNS",
+    "event_line",
+    "job_table",
+    "job_text",
+    "metric_rows",
+    "metric_table",
+    "node_table",
+    "progress_line",
+]
 
 
 def _clock(value: str | None) -> str:
@@ -82,8 +90,7 @@ def job_text(job: dict[str, Any]) -> str:
     )
     if ckpt.get("step") is not None:
         lines.append(
-            f"checkpoint step {ckpt['step']} at {ckpt.get('path') or '-'}"
-            f" ({_clock(ckpt.get('committed_at'))})"
+            f"checkpoint step {ckpt['step']} at {ckpt.get('path') or '-'} ({_clock(ckpt.get('committed_at'))})"
         )
     else:
         lines.append("checkpoint none committed yet")
@@ -100,9 +107,7 @@ def job_table(jobs: list[dict[str, Any]]) -> str:
     for j in jobs:
         r = j["restarts"]
         step = (
-            "-"
-            if j.get("step") is None
-            else f"{j['step']}" + (f"/{j['total_steps']}" if j.get("total_steps") else "")
+            "-" if j.get("step") is None else f"{j['step']}" + (f"/{j['total_steps']}" if j.get("total_steps") else "")
         )
         rows.append(
             (
@@ -143,9 +148,23 @@ def _table(rows: Sequence[tuple[str, ...]]) -> str:
 
 
 #: the columns of ``etrain metrics`` (``--csv`` prints them all, in this order)
-METRIC_COLUMNS = ("time", "reports", "step", "loss", "loss_min", "loss_max", "steps_per_s", "steps_per_s_min",
-                  "steps_per_s_max", "world_size", "world_size_min", "world_size_max", "restart_count",
-                  "checkpoint_step", SNAPSHOTS_SAVED)  # fmt: skip
+METRIC_COLUMNS = (
+    "time",
+    "reports",
+    "step",
+    "loss",
+    "loss_min",
+    "loss_max",
+    "steps_per_s",
+    "steps_per_s_min",
+    "steps_per_s_max",
+    "world_size",
+    "world_size_min",
+    "world_size_max",
+    "restart_count",
+    "checkpoint_step",
+    SNAPSHOTS_SAVED,
+)
 #: the values of a series' windows and points that ``etrain metrics`` shows (the ones with a min and a max: _RANGED)
 _SHOWN = ("step", "loss", "steps_per_s", "world_size", "restart_count", "checkpoint_step", SNAPSHOTS_SAVED)
 _RANGED = ("loss", "steps_per_s", "world_size")
@@ -193,6 +212,17 @@ def metric_table(series: dict[str, Any]) -> str:
     out = [("TIME", "REPORTS", "STEP", "LOSS", "LOSS MIN..MAX", "STEPS/S", "WORLD", "RESTARTS", "CKPT")]
     for r in rows:
         span = f"{r['loss_min']}..{r['loss_max']}" if r["reports"] != "1" and r["loss"] else ""
-        out.append((r["time"], r["reports"], r["step"], r["loss"] or "-", span, r["steps_per_s"] or "-",
-                    r["world_size"], r["restart_count"], r["checkpoint_step"] or "-"))  # fmt: skip
+        out.append(
+            (
+                r["time"],
+                r["reports"],
+                r["step"],
+                r["loss"] or "-",
+                span,
+                r["steps_per_s"] or "-",
+                r["world_size"],
+                r["restart_count"],
+                r["checkpoint_step"] or "-",
+            )
+        )
     return _table(out)

@@ -63,8 +63,14 @@ def _add_etcd_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--etcd-key", contract.ETCD_KEY, "client key")
     add_flag(p, "--etcd-user", contract.ETCD_USER, "etcd user")
     add_flag(p, "--etcd-password-file", contract.ETCD_PASSWORD_FILE, "file holding the etcd password")
-    add_flag(p, "--etcd-connect-timeout", ENV_ETCD_CONNECT_TIMEOUT, "seconds to wait for etcd at start-up",
-             f"{CONNECT_TIMEOUT.total_seconds():g}", type=float)  # fmt: skip
+    add_flag(
+        p,
+        "--etcd-connect-timeout",
+        ENV_ETCD_CONNECT_TIMEOUT,
+        "seconds to wait for etcd at start-up",
+        f"{CONNECT_TIMEOUT.total_seconds():g}",
+        type=float,
+    )
     add_flag(p, "--prefix", ENV_PREFIX, "etcd key prefix", DEFAULT_PREFIX)
     add_flag(p, "--log-level", ENV_LOG_LEVEL, default="info")
 
@@ -163,9 +169,11 @@ def cmd_etcd_bootstrap(args: argparse.Namespace) -> int:
             raise ConfigError(f"etcd-bootstrap: --etcd-user must be {ROOT!r} (its password file is root's password)")
         nodes, removed = args.node or [], args.remove_node or []
         if not args.etcd_password_file or not (args.agent_password_file or nodes or removed):
-            raise ConfigError("etcd-bootstrap: give --etcd-password-file (root's) and the agents' users: --node NAME "
-                              "(one user per node, its password in --node-password-dir) or the shared "
-                              "--agent-password-file")  # fmt: skip
+            raise ConfigError(
+                "etcd-bootstrap: give --etcd-password-file (root's) and the agents' users: --node NAME "
+                "(one user per node, its password in --node-password-dir) or the shared "
+                "--agent-password-file"
+            )
         if nodes and not args.node_password_dir:
             raise ConfigError("etcd-bootstrap: --node needs --node-password-dir (each node's password file there)")
         args.etcd_user = ROOT
@@ -186,8 +194,10 @@ def cmd_etcd_bootstrap(args: argparse.Namespace) -> int:
     except EtcdError as exc:
         return fail(first_line(exc))
     users = [ROOT, *([plan.agent_user] if plan.agent_user else []), *(node_principal(n) for n, _ in plan.nodes)]
-    print(f"etcd authentication {outcome.value}: users {' and '.join(repr(u) for u in users)}"
-          + (f"; removed {', '.join(node_principal(n) for n in removed)}" if removed else ""))
+    print(
+        f"etcd authentication {outcome.value}: users {' and '.join(repr(u) for u in users)}"
+        + (f"; removed {', '.join(node_principal(n) for n in removed)}" if removed else "")
+    )
     return 0
 
 
@@ -245,20 +255,42 @@ def add_server_commands(sub: Any) -> None:
     _add_etcd_flags(p)
     add_flag(p, "--host", ENV_HOST, default="0.0.0.0")
     add_flag(p, "--port", ENV_PORT, default="8080", type=int)
-    add_flag(p, "--tokens-file", ENV_TOKENS_FILE,
-         "YAML/JSON {tokens: [{token, role: admin|user|read, name}]}; none: auth off")  # fmt: skip
-    add_flag(p, "--checkpoint-root", ENV_CHECKPOINT_ROOT,
-         "jobs' checkpoints must lie below this URL; default <root>/<job id>")  # fmt: skip
+    add_flag(
+        p,
+        "--tokens-file",
+        ENV_TOKENS_FILE,
+        "YAML/JSON {tokens: [{token, role: admin|user|read, name}]}; none: auth off",
+    )
+    add_flag(
+        p,
+        "--checkpoint-root",
+        ENV_CHECKPOINT_ROOT,
+        "jobs' checkpoints must lie below this URL; default <root>/<job id>",
+    )
     add_flag(p, "--leader-ttl", ENV_LEADER_TTL, "leader lease TTL, seconds", "5", type=float)
-    add_flag(p, "--job-retention", ENV_JOB_RETENTION, "finished jobs (with their events) are deleted this many seconds "
-         "after they end", str(7 * 24 * 3600), type=float)  # fmt: skip
-    add_flag(p, "--quotas", ENV_QUOTAS_FILE, "YAML/JSON node quotas {users: {NAME: N}, queues: {QUEUE: N}, "
-         "default_user: N, limits: {default: L, users: {NAME: L}}} (L: what user tokens submit: max_priority, queues, "
-         "max_pending, max_jobs; a user token's unset ones: max_priority 0, no queues, max_jobs 1000); none: no node "
-         "quotas, and those defaults")  # fmt: skip
-    p.add_argument("--insecure", action="store_true", default=env_or(ENV_INSECURE, "") or False,
-                   help=f"serve a non-loopback --host without --tokens-file: anyone reaching it is admin "
-                   f"({ENV_INSECURE})")  # fmt: skip
+    add_flag(
+        p,
+        "--job-retention",
+        ENV_JOB_RETENTION,
+        "finished jobs (with their events) are deleted this many seconds after they end",
+        str(7 * 24 * 3600),
+        type=float,
+    )
+    add_flag(
+        p,
+        "--quotas",
+        ENV_QUOTAS_FILE,
+        "YAML/JSON node quotas {users: {NAME: N}, queues: {QUEUE: N}, "
+        "default_user: N, limits: {default: L, users: {NAME: L}}} (L: what user tokens submit: max_priority, queues, "
+        "max_pending, max_jobs; a user token's unset ones: max_priority 0, no queues, max_jobs 1000); none: no node "
+        "quotas, and those defaults",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        default=env_or(ENV_INSECURE, "") or False,
+        help=f"serve a non-loopback --host without --tokens-file: anyone reaching it is admin ({ENV_INSECURE})",
+    )
     p.set_defaults(fn=cmd_controller)
 
     p = sub.add_parser("agent", help="run a node agent (one per node)")
@@ -267,40 +299,100 @@ def add_server_commands(sub: Any) -> None:
     add_flag(p, "--nproc-per-node", ENV_NPROC_PER_NODE, "worker slots of this node", "1", type=int)
     add_flag(p, "--work-dir", ENV_WORK_DIR, "where job logs go", "etrain-work")
     add_flag(p, "--rdzv-host", ENV_RDZV_HOST, "address other nodes reach this node's workers at")
-    add_flag(p, "--socket-ifname", ENV_SOCKET_IFNAME, "network interface of the workers' collectives: their "
-         "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless the job's env sets them")  # fmt: skip
+    add_flag(
+        p,
+        "--socket-ifname",
+        ENV_SOCKET_IFNAME,
+        "network interface of the workers' collectives: their "
+        "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless the job's env sets them",
+    )
     add_flag(p, "--health-port", ENV_HEALTH_PORT, "serve GET /healthz on this port; 0: off", "0", type=int)
-    p.add_argument("--spare", action="store_true", default=env_or(ENV_SPARE, "") not in ("", "0", "false"),
-                   help="a hot spare: held back for jobs that lost a node, which it joins first; keeps a zygote "
-                   f"with torch imported for their workers ({ENV_SPARE})")  # fmt: skip
-    add_flag(p, "--logs-port", ENV_LOGS_PORT,
-             "serve the jobs' logs to the controller (etrain logs) on this port; 0: off", "0", type=int)  # fmt: skip
+    p.add_argument(
+        "--spare",
+        action="store_true",
+        default=env_or(ENV_SPARE, "") not in ("", "0", "false"),
+        help="a hot spare: held back for jobs that lost a node, which it joins first; keeps a zygote "
+        f"with torch imported for their workers ({ENV_SPARE})",
+    )
+    add_flag(
+        p,
+        "--logs-port",
+        ENV_LOGS_PORT,
+        "serve the jobs' logs to the controller (etrain logs) on this port; 0: off",
+        "0",
+        type=int,
+    )
     add_flag(p, "--logs-host", ENV_LOGS_HOST, "address the logs port binds", "0.0.0.0")
-    add_flag(p, "--lease-ttl", ENV_LEASE_TTL, "node lease TTL, seconds: how fast a dead node is noticed", "10",
-         type=float)  # fmt: skip
-    add_flag(p, "--job-uid-range", ENV_JOB_UID_RANGE,
-             "LOW-HIGH: run each job as a uid and gid of its own from this range "
-             "(needs root or CAP_SETUID/SETGID/CHOWN/KILL)")  # fmt: skip
-    add_flag(p, "--job-tmp-dirs", ENV_JOB_TMP_DIRS, "with --job-uid-range: comma-separated directories where the "
-             "files a released job uid owns at the top are deleted", "/tmp,/var/tmp,/dev/shm")  # fmt: skip
+    add_flag(
+        p, "--lease-ttl", ENV_LEASE_TTL, "node lease TTL, seconds: how fast a dead node is noticed", "10", type=float
+    )
+    add_flag(
+        p,
+        "--job-uid-range",
+        ENV_JOB_UID_RANGE,
+        "LOW-HIGH: run each job as a uid and gid of its own from this range "
+        "(needs root or CAP_SETUID/SETGID/CHOWN/KILL)",
+    )
+    add_flag(
+        p,
+        "--job-tmp-dirs",
+        ENV_JOB_TMP_DIRS,
+        "with --job-uid-range: comma-separated directories where the "
+        "files a released job uid owns at the top are deleted",
+        "/tmp,/var/tmp,/dev/shm",
+    )
     add_flag(p, "--python", ENV_PYTHON, "the interpreter torchrun and the workers run on (default: the agent's)")
-    add_flag(p, "--job-owner", ENV_JOB_OWNER, "run only this user's jobs (a token's name); for an agent that cannot "
-         "switch uid")  # fmt: skip
+    add_flag(
+        p,
+        "--job-owner",
+        ENV_JOB_OWNER,
+        "run only this user's jobs (a token's name); for an agent that cannot switch uid",
+    )
     p.set_defaults(fn=cmd_agent)
 
-    p = sub.add_parser("etcd-bootstrap", help="make etcd's root and agent users, then turn etcd authentication on "
-                       "(idempotent; the chart's controller pod runs it first)")  # fmt: skip
+    p = sub.add_parser(
+        "etcd-bootstrap",
+        help="make etcd's root and agent users, then turn etcd authentication on "
+        "(idempotent; the chart's controller pod runs it first)",
+    )
     _add_etcd_flags(p)
-    add_flag(p, "--agent-user", ENV_ETCD_AGENT_USER, "the shared agents' etcd user (the former way: it reads every "
-             "job's secrets; prefer --node)", "etrain-agent")  # fmt: skip
-    add_flag(p, "--agent-password-file", ENV_ETCD_AGENT_PASSWORD_FILE, "file holding the shared agents' etcd password "
-             "(none: no shared user)")  # fmt: skip
-    p.add_argument("--node", action="append", metavar="NAME", help="make (or confirm) the etcd user etrain-node-NAME "
-                   "of that node's agent, which reaches only its node's keys; repeat for each node")  # fmt: skip
-    p.add_argument("--node-password-dir", metavar="DIR", help="each --node's password file, DIR/NAME: read if it "
-                   "exists, else a random one is written there (0600) for the node's agent (--etcd-password-file)")
-    p.add_argument("--remove-node", action="append", metavar="NAME", help="delete the etcd user and role of a node "
-                   "that left the cluster (its tokens stop working at once); repeatable")
-    p.add_argument("--prune-nodes", action="store_true", help="also delete every node's etcd user that no --node names "
-                   "(an etcd of this service alone: the chart's, whose agents are listed in full)")
+    add_flag(
+        p,
+        "--agent-user",
+        ENV_ETCD_AGENT_USER,
+        "the shared agents' etcd user (the former way: it reads every job's secrets; prefer --node)",
+        "etrain-agent",
+    )
+    add_flag(
+        p,
+        "--agent-password-file",
+        ENV_ETCD_AGENT_PASSWORD_FILE,
+        "file holding the shared agents' etcd password (none: no shared user)",
+    )
+    p.add_argument(
+        "--node",
+        action="append",
+        metavar="NAME",
+        help="make (or confirm) the etcd user etrain-node-NAME "
+        "of that node's agent, which reaches only its node's keys; repeat for each node",
+    )
+    p.add_argument(
+        "--node-password-dir",
+        metavar="DIR",
+        help="each --node's password file, DIR/NAME: read if it "
+        "exists, else a random one is written there (0600) for the node's agent (--etcd-password-file)",
+    )
+    p.add_argument(
+        "--remove-node",
+        action="append",
+        metavar="NAME",
+        help="delete the etcd user and role of a node "
+        "that left the cluster (its tokens stop working at once); repeatable",
+    )
+    p.add_argument(
+        "--prune-nodes",
+        action="store_true",
+        help="also delete every node's etcd user that no --node names "
+        "(an etcd of this service alone: the chart's, whose agents are listed in full)",
+    )
     p.set_defaults(fn=cmd_etcd_bootstrap)

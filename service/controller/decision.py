@@ -41,13 +41,15 @@ def _event_id(now: datetime, seq: int) -> str:
 def copy_status(status: JobStatus) -> JobStatus:
     """A copy the pass may change: what it changes in place (lists, dicts, ``restarts``) copied, the rest shared
     (a deep copy of every status, its world-size history included, was most of a pass at scale)."""
-    return status.model_copy(update={
-        "nodes": list(status.nodes),
-        "world_size_history": list(status.world_size_history),  # appended to; the changes themselves never
-        "restarts": status.restarts.model_copy(),
-        "node_failures": dict(status.node_failures),
-        "blacklist": dict(status.blacklist),
-    })  # fmt: skip
+    return status.model_copy(
+        update={
+            "nodes": list(status.nodes),
+            "world_size_history": list(status.world_size_history),  # appended to; the changes themselves never
+            "restarts": status.restarts.model_copy(),
+            "node_failures": dict(status.node_failures),
+            "blacklist": dict(status.blacklist),
+        }
+    )
 
 
 class Decision:
@@ -99,8 +101,9 @@ class Decision:
         if last is not None and (last.type, last.message) == (kind, message):
             count = last.count + 1
             self.events = [e for e in self.events if e.id != last.id]
-            self.events.append(Event(id=last.id, time=self.now, type=kind, message=message,
-                                     data={**data, "repeats": count}))  # fmt: skip
+            self.events.append(
+                Event(id=last.id, time=self.now, type=kind, message=message, data={**data, "repeats": count})
+            )
             self.st.last_event = last.model_copy(update={"count": count})
             return
         self._seq += 1
@@ -168,8 +171,12 @@ class Decision:
         st.started_at = st.started_at or self.now
         st.planned_out = st.lost_owed = 0
         self.touched = True
-        self.move(Trigger.START, f"generation {st.generation} on {len(st.nodes)} node(s): {', '.join(st.nodes)}",
-                  generation=st.generation, nodes=list(st.nodes))
+        self.move(
+            Trigger.START,
+            f"generation {st.generation} on {len(st.nodes)} node(s): {', '.join(st.nodes)}",
+            generation=st.generation,
+            nodes=list(st.nodes),
+        )
 
     def grow(self, nodes: Collection[str], why: str | None = None) -> None:
         """Add ``nodes`` to the running generation (torchrun admits them; live mode: they join in place)."""
@@ -185,8 +192,10 @@ class Decision:
         st.disrupted_at = self.now
         self.place(nodes)
         self.touched = True
-        self.move(Trigger.DISRUPT, f"scaling up to {len(st.nodes)} node(s) with {', '.join(sorted(nodes))}"
-                                   + (f" ({why})" if why else ""))  # fmt: skip
+        self.move(
+            Trigger.DISRUPT,
+            f"scaling up to {len(st.nodes)} node(s) with {', '.join(sorted(nodes))}" + (f" ({why})" if why else ""),
+        )
 
     # -- planned moves ---------------------------------------------------------------------------------
     def _planned(self, kind: str, message: str, **data: Any) -> None:
@@ -275,11 +284,17 @@ class Decision:
         if self.clear_reports or self.purge:  # reports are keyed by node: every node that reported, by name
             self.clear_report_nodes |= set(self.view.reports.get(self.record.id, {}))
         if self.purge:
-            return JobUpdate(job_id=self.record.id, expected_revision=self.entry.status_revision, status=None,
-                             purge=True, clear_report_nodes=sorted(self.clear_report_nodes))  # fmt: skip
+            return JobUpdate(
+                job_id=self.record.id,
+                expected_revision=self.entry.status_revision,
+                status=None,
+                purge=True,
+                clear_report_nodes=sorted(self.clear_report_nodes),
+            )
         changed = self.st != self.entry.status
-        if not (changed or self.events or self.assign or self.unassign or self.clear_reports
-                or self.clear_report_nodes):
+        if not (
+            changed or self.events or self.assign or self.unassign or self.clear_reports or self.clear_report_nodes
+        ):
             return None
         status = None
         if changed or self.events:

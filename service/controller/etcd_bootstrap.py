@@ -155,8 +155,12 @@ def bootstrap_etcd_auth(config: EtcdConfig, plan: AuthBootstrap) -> BootstrapOut
             try:
                 _ensure(anonymous, plan, set_root_password=True)
                 anonymous.auth_enable()
-                logger.info("etcd authentication turned on; users %s, %s and %d node user(s) made", ROOT,
-                            plan.agent_user or "(no shared agents user)", len(plan.nodes))  # fmt: skip
+                logger.info(
+                    "etcd authentication turned on; users %s, %s and %d node user(s) made",
+                    ROOT,
+                    plan.agent_user or "(no shared agents user)",
+                    len(plan.nodes),
+                )
             except EtcdConnectionError:
                 raise
             except EtcdError as exc:
@@ -203,8 +207,11 @@ def _ensure(client: GrpcEtcdClient, plan: AuthBootstrap, *, set_root_password: b
     client.role_add(ROOT)
     client.user_grant_role(ROOT, ROOT)
     if plan.agent_user is not None and plan.agent_password is not None:
-        logger.warning("etcd bootstrap: the shared agents' user %s reads and writes all of the service's keys (every "
-                       "job's secrets included): give each node a user of its own (--node)", plan.agent_user)
+        logger.warning(
+            "etcd bootstrap: the shared agents' user %s reads and writes all of the service's keys (every "
+            "job's secrets included): give each node a user of its own (--node)",
+            plan.agent_user,
+        )
         _ensure_user(client, plan.agent_user, plan.agent_password, AGENT_ROLE, agent_permissions(plan.prefix))
     for node, password in plan.nodes:
         principal = node_principal(node)
@@ -212,8 +219,9 @@ def _ensure(client: GrpcEtcdClient, plan: AuthBootstrap, *, set_root_password: b
     removed = set(plan.remove_nodes)
     if plan.prune_nodes:
         kept = {node_principal(n) for n, _ in plan.nodes}
-        removed |= {u[len(NODE_USER_PREFIX):] for u in client.user_list() if u.startswith(NODE_USER_PREFIX)
-                    and u not in kept}  # fmt: skip
+        removed |= {
+            u[len(NODE_USER_PREFIX) :] for u in client.user_list() if u.startswith(NODE_USER_PREFIX) and u not in kept
+        }
     for node in sorted(removed):
         principal = node_principal(node)
         client.user_delete(principal)
@@ -221,8 +229,9 @@ def _ensure(client: GrpcEtcdClient, plan: AuthBootstrap, *, set_root_password: b
         logger.info("etcd bootstrap: node user %s removed", principal)
 
 
-def _ensure_user(client: GrpcEtcdClient, user: str, password: str, role: str,
-                 permissions: tuple[RolePermission, ...]) -> None:  # fmt: skip
+def _ensure_user(
+    client: GrpcEtcdClient, user: str, password: str, role: str, permissions: tuple[RolePermission, ...]
+) -> None:
     """``user`` with ``password`` holds ``role``, whose permissions are exactly ``permissions``: a grant of an
     earlier run (another prefix) is taken back after the new ones are in."""
     client.role_add(role)
@@ -232,8 +241,13 @@ def _ensure_user(client: GrpcEtcdClient, user: str, password: str, role: str,
     for stale in client.role_permissions(role):
         if (stale.key, stale.prefix) not in wanted:
             client.role_revoke_permission(role, stale.key, stale.prefix)
-            logger.info("etcd bootstrap: role %s no longer may %s %s%s", role, stale.perm, stale.key,
-                        "*" if stale.prefix else "")  # fmt: skip
+            logger.info(
+                "etcd bootstrap: role %s no longer may %s %s%s",
+                role,
+                stale.perm,
+                stale.key,
+                "*" if stale.prefix else "",
+            )
     if not client.user_add(user, password):
         client.user_change_password(user, password)
     client.user_grant_role(user, role)

@@ -82,9 +82,7 @@ class LeaderElection:
         if ok and kv is not None:
             with self._lock:
                 self._fence = (self._key, kv.create_revision)
-            logger.info(
-                "controller %s is now the leader (fencing revision %d)", self._replica_id, kv.create_revision
-            )
+            logger.info("controller %s is now the leader (fencing revision %d)", self._replica_id, kv.create_revision)
             return True
         return False
 

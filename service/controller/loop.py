@@ -70,8 +70,9 @@ class Controller:
         self._cache: ViewCache | None = None  # the leader's view, kept between passes
         self._cache_fence: tuple[str, int] | None = None  # the leadership it was read under
         # the jobs' metric series: appended to as progress reports arrive, written batched (leader only)
-        self._recorder = MetricsRecorder(store.client, store.keys,
-                                         flush_every=settings.metrics_flush_interval.total_seconds())  # fmt: skip
+        self._recorder = MetricsRecorder(
+            store.client, store.keys, flush_every=settings.metrics_flush_interval.total_seconds()
+        )
         # job id -> events written since its events were last counted (absent: count at its next event)
         self._events_since_trim: dict[str, int] = {}
         self._failures = 0  # passes failed in a row, as leader
@@ -159,8 +160,9 @@ class Controller:
                 for event in update.events:
                     logger.info("job %s: %s", update.job_id, event.message)
                 if update.purge and update.job_id not in outcome.failed:
-                    logger.info("job %s: deleted with its events (finished longer ago than the retention)",
-                                update.job_id)  # fmt: skip
+                    logger.info(
+                        "job %s: deleted with its events (finished longer ago than the retention)", update.job_id
+                    )
         self._record_metrics(view, plan, fence)
         if self._metrics is not None:
             self._metrics.reconcile_seconds.observe(time.monotonic() - started)
@@ -235,9 +237,7 @@ class Controller:
                     self._election.wait_for_change(min(interval * 2, self._settings.leader_ttl))
                 else:
                     self._passed()
-                    self._store.client.wait_for_event(
-                        self._store.keys.root + "/", revision + 1, interval, prefix=True
-                    )
+                    self._store.client.wait_for_event(self._store.keys.root + "/", revision + 1, interval, prefix=True)
             except EtcdError as exc:
                 logger.warning("reconcile pass failed: %s", exc)
                 self._failed(f"{type(exc).__name__}: {exc}")

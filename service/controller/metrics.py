@@ -45,8 +45,9 @@ class _ServiceStoreCollector(Collector):
         k = self._store.keys
         with self._lock:
             if self._cache is None:
-                self._cache = ViewCache(self._store.client, k,
-                                        prefixes=[k.jobs, k.status, k.cancel, k.nodes, k.nodectl])  # fmt: skip
+                self._cache = ViewCache(
+                    self._store.client, k, prefixes=[k.jobs, k.status, k.cancel, k.nodes, k.nodectl]
+                )
             try:
                 view = self._cache.read()
             except BaseException:
@@ -78,13 +79,9 @@ class _ServiceStoreCollector(Collector):
         yield GaugeMetricFamily(
             "etrain_node_capacity", "Worker slots of live nodes", value=sum(n.capacity for n in nodes)
         )
-        world = GaugeMetricFamily(
-            "etrain_job_world_size", "World size last reported by an active job", labels=["job"]
-        )
+        world = GaugeMetricFamily("etrain_job_world_size", "World size last reported by an active job", labels=["job"])
         step = GaugeMetricFamily("etrain_job_step", "Last reported step of an active job", labels=["job"])
-        ckpt = GaugeMetricFamily(
-            "etrain_job_checkpoint_step", "Latest committed checkpoint step", labels=["job"]
-        )
+        ckpt = GaugeMetricFamily("etrain_job_checkpoint_step", "Latest committed checkpoint step", labels=["job"])
         loss = GaugeMetricFamily("etrain_job_loss", "Latest loss reported by an active job", labels=["job"])
         rate = GaugeMetricFamily(
             "etrain_job_steps_per_second", "Steps per second between an active job's last two reports", labels=["job"]
@@ -114,10 +111,11 @@ class _ServiceStoreCollector(Collector):
             "etrain_queue_length",
             "Active jobs waiting for nodes (pending, or recovering without nodes)",
             value=sum(
-                1 for e in active
+                1
+                for e in active
                 if e.status.state == JobState.PENDING or (e.status.state == JobState.RECOVERING and not e.status.nodes)
             ),
-        )  # fmt: skip
+        )
         held = GaugeMetricFamily("etrain_job_nodes", "Nodes held by an active job", labels=["job"])
         for e in active:
             held.add_metric([e.record.id], len(e.status.nodes))
@@ -148,17 +146,13 @@ class Metrics:
         self.reconcile_seconds = Histogram(
             "etrain_reconcile_seconds", "Duration of one reconcile pass", registry=self.registry
         )
-        self.reconcile_errors = Counter(
-            "etrain_reconcile_errors", "Failed reconcile passes", registry=self.registry
-        )
+        self.reconcile_errors = Counter("etrain_reconcile_errors", "Failed reconcile passes", registry=self.registry)
         self.refused_updates = Counter(
             "etrain_refused_updates", "Job updates refused by etcd (stale or fenced)", registry=self.registry
         )
         self.is_leader = Gauge("etrain_leader", "1 if this replica is the leader", registry=self.registry)
         self._collector: _ServiceStoreCollector | None = None
-        self.jobs_submitted = Counter(
-            "etrain_jobs_submitted", "Jobs accepted by this replica", registry=self.registry
-        )
+        self.jobs_submitted = Counter("etrain_jobs_submitted", "Jobs accepted by this replica", registry=self.registry)
         self.scheduler_actions = Counter(
             "etrain_scheduler_actions",
             "Scheduling actions the leader applied (this replica, while leading), by the reconciler's event type",

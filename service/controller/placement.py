@@ -56,8 +56,10 @@ class _Holdings:
     def room(self, d: Decision) -> tuple[int, str | None]:
         """(nodes ``d`` may still add, what limits it: None when unlimited)."""
         user, queue = d.user or "", d.queue or ""
-        limits = [(self.quotas.user_limit(d.user), self.users.get(user, 0), f"user {user or 'anonymous'}"),
-                  (self.quotas.queue_limit(d.queue), self.queues.get(queue, 0), f"queue {queue}")]  # fmt: skip
+        limits = [
+            (self.quotas.user_limit(d.user), self.users.get(user, 0), f"user {user or 'anonymous'}"),
+            (self.quotas.queue_limit(d.queue), self.queues.get(queue, 0), f"queue {queue}"),
+        ]
         room, why = 1 << 30, None
         for limit, held, who in limits:
             if limit is not None and limit - held < room:
@@ -73,9 +75,16 @@ class _Release:
 
 
 class _Pass:
-    def __init__(self, decisions: Sequence[Decision], free: dict[str, int], claimed: dict[str, str],
-                 controls: Mapping[str, NodeControl], quotas: Quotas, spares: Collection[str],
-                 owners: Mapping[str, str]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        decisions: Sequence[Decision],
+        free: dict[str, int],
+        claimed: dict[str, str],
+        controls: Mapping[str, NodeControl],
+        quotas: Quotas,
+        spares: Collection[str],
+        owners: Mapping[str, str],
+    ) -> None:
         self.decisions = sorted(decisions, key=Decision.order)
         self.owners = owners
         self.controls = controls
@@ -135,8 +144,12 @@ class _Pass:
     def replace_lost(self) -> None:
         for d in self.decisions:
             st = d.st
-            if d.touched or st.lost_owed <= 0 or not st.nodes or st.state not in (JobState.RUNNING,
-                                                                                  JobState.RECOVERING):  # fmt: skip
+            if (
+                d.touched
+                or st.lost_owed <= 0
+                or not st.nodes
+                or st.state not in (JobState.RUNNING, JobState.RECOVERING)
+            ):
                 continue
             want = min(st.lost_owed, d.spec.max_nodes - len(st.nodes), self.held.room(d)[0])
             got = pick_nodes(self.spare_slots(), d.spec.nproc_per_node, want, exclude=self.avoid(d))
@@ -150,8 +163,11 @@ class _Pass:
             st = d.st
             if d.touched or not st.nodes or st.state not in (JobState.RUNNING, JobState.RECOVERING):
                 continue
-            ranges = {(a.spec.min_nodes, a.spec.max_nodes) for n, a in d.current.items()
-                      if a.generation == st.generation and n in st.nodes}  # fmt: skip
+            ranges = {
+                (a.spec.min_nodes, a.spec.max_nodes)
+                for n, a in d.current.items()
+                if a.generation == st.generation and n in st.nodes
+            }
             want = (d.spec.min_nodes, d.spec.max_nodes)
             if not ranges or ranges == {want}:
                 continue
@@ -173,8 +189,11 @@ class _Pass:
     # -- 3. starts -------------------------------------------------------------------------------------
     def fair_share(self, priority: int) -> int:
         nodes = sum(1 for n in self.free if n not in self.controls and n not in self.spares)
-        jobs = sum(1 for d in self.decisions if d.priority == priority and not d.st.state.terminal
-                   and (d.st.nodes or d.waiting))  # fmt: skip
+        jobs = sum(
+            1
+            for d in self.decisions
+            if d.priority == priority and not d.st.state.terminal and (d.st.nodes or d.waiting)
+        )
         return max(1, nodes // max(jobs, 1))
 
     def victims(self, d: Decision, equal: bool) -> list[tuple[Decision, int]]:
@@ -269,8 +288,9 @@ class _Pass:
             want = min(d.spec.max_nodes, room)
             nodes = []
             if st.lost_owed > 0:  # a job that lost its nodes restarts on hot spares first
-                nodes = pick_nodes(self.spare_slots(), d.spec.nproc_per_node, min(want, st.lost_owed),
-                                   exclude=self.avoid(d))  # fmt: skip
+                nodes = pick_nodes(
+                    self.spare_slots(), d.spec.nproc_per_node, min(want, st.lost_owed), exclude=self.avoid(d)
+                )
             nodes += pick_nodes(self.open_slots(), d.spec.nproc_per_node, want - len(nodes), exclude=self.avoid(d))
             if len(nodes) < d.spec.min_nodes:
                 releases = self.reclaim(d, want, d.spec.min_nodes, preempt=True, equal=True)
@@ -279,8 +299,9 @@ class _Pass:
                         st.message = f"waiting for nodes: {len(nodes)} eligible, min_nodes={d.spec.min_nodes}"
                     continue
                 self.apply(d, releases)
-                nodes += pick_nodes(self.open_slots(), d.spec.nproc_per_node, want - len(nodes),
-                                    exclude=self.avoid(d) | set(nodes))  # fmt: skip
+                nodes += pick_nodes(
+                    self.open_slots(), d.spec.nproc_per_node, want - len(nodes), exclude=self.avoid(d) | set(nodes)
+                )
             self.take(d, nodes)
             if own is not None:
                 self.claimed[d.record.id] = own
@@ -288,22 +309,32 @@ class _Pass:
 
     # -- 4. growth -------------------------------------------------------------------------------------
     def room_to_grow(self, d: Decision) -> int:
-        return min(d.spec.max_nodes - len(d.st.nodes), membership_budget_left(d.st, d.policy) + d.st.planned_out,
-                   self.held.room(d)[0])  # fmt: skip
+        return min(
+            d.spec.max_nodes - len(d.st.nodes),
+            membership_budget_left(d.st, d.policy) + d.st.planned_out,
+            self.held.room(d)[0],
+        )
 
     def grow(self) -> None:
         levels = sorted({d.priority for d in self.decisions}, reverse=True)
         for level in levels:
-            growable = [d for d in self.decisions if d.priority == level and not d.touched
-                        and d.st.state == JobState.RUNNING and len(d.st.nodes) < d.spec.max_nodes]  # fmt: skip
+            growable = [
+                d
+                for d in self.decisions
+                if d.priority == level
+                and not d.touched
+                and d.st.state == JobState.RUNNING
+                and len(d.st.nodes) < d.spec.max_nodes
+            ]
             gains: dict[str, list[str]] = {d.record.id: [] for d in growable}
             while True:  # water-filling: the job holding the fewest nodes first
                 open_ = [d for d in growable if self.room_to_grow(d) - len(gains[d.record.id]) > 0]
                 open_.sort(key=lambda d: (len(d.st.nodes) + len(gains[d.record.id]), d.order()))
                 granted = False
                 for d in open_:
-                    got = pick_nodes(self.open_slots(), d.spec.nproc_per_node, 1,
-                                     exclude=self.avoid(d) | set(gains[d.record.id]))  # fmt: skip
+                    got = pick_nodes(
+                        self.open_slots(), d.spec.nproc_per_node, 1, exclude=self.avoid(d) | set(gains[d.record.id])
+                    )
                     if got:
                         self.take(d, got)
                         gains[d.record.id] += got
@@ -317,8 +348,12 @@ class _Pass:
                     releases = self.reclaim(d, want, 1, preempt=False, equal=False)
                     if releases:
                         self.apply(d, releases)
-                        got = pick_nodes(self.open_slots(), d.spec.nproc_per_node, want,
-                                         exclude=self.avoid(d) | set(gains[d.record.id]))  # fmt: skip
+                        got = pick_nodes(
+                            self.open_slots(),
+                            d.spec.nproc_per_node,
+                            want,
+                            exclude=self.avoid(d) | set(gains[d.record.id]),
+                        )
                         self.take(d, got)
                         gains[d.record.id] += got
             for d in growable:
@@ -326,9 +361,15 @@ class _Pass:
                     d.grow(gains[d.record.id])
 
 
-def place_jobs(decisions: Sequence[Decision], free: dict[str, int], claimed: dict[str, str],
-               controls: Mapping[str, NodeControl], quotas: Quotas, spares: Collection[str] = (),
-               owners: Mapping[str, str] | None = None) -> None:  # fmt: skip
+def place_jobs(
+    decisions: Sequence[Decision],
+    free: dict[str, int],
+    claimed: dict[str, str],
+    controls: Mapping[str, NodeControl],
+    quotas: Quotas,
+    spares: Collection[str] = (),
+    owners: Mapping[str, str] | None = None,
+) -> None:
     """Run the placement pass over the jobs still active after the per-job rules (see the module docstring).
     ``free``: live node -> free slots (changed in place); ``claimed``: started job -> checkpoint prefix; ``spares``:
     the hot spares among the live nodes; ``owners``: node -> the one owner whose jobs it runs (an agent that
@@ -339,4 +380,3 @@ def place_jobs(decisions: Sequence[Decision], free: dict[str, int], claimed: dic
     p.resize()
     p.start()
     p.grow()
-

@@ -44,18 +44,30 @@ __all__ = ["reconcile"]
 _NODE_NAME = re.compile(NODE_NAME_PATTERN)
 
 
-def _finished_job(entry: JobEntry, view: ClusterView, now: datetime, current: Mapping[str, Assignment],
-                  cfg: ReconcileConfig) -> JobUpdate | None:  # fmt: skip
+def _finished_job(
+    entry: JobEntry, view: ClusterView, now: datetime, current: Mapping[str, Assignment], cfg: ReconcileConfig
+) -> JobUpdate | None:
     """A terminal job's update: remove its leftovers (assignments, reports), or after the retention delete it.
     Its status never changes, so nothing is copied: finished jobs cost little however many are kept."""
     reported = sorted(view.reports.get(entry.record.id, {}))
     if not current and retention_over(entry, now, cfg):
-        return JobUpdate(job_id=entry.record.id, expected_revision=entry.status_revision, status=None, purge=True,
-                         clear_report_nodes=reported)  # fmt: skip
+        return JobUpdate(
+            job_id=entry.record.id,
+            expected_revision=entry.status_revision,
+            status=None,
+            purge=True,
+            clear_report_nodes=reported,
+        )
     if not (current or reported):
         return None
-    return JobUpdate(job_id=entry.record.id, expected_revision=entry.status_revision, status=None,
-                     unassign=sorted(current), clear_reports=bool(reported), clear_report_nodes=reported)  # fmt: skip
+    return JobUpdate(
+        job_id=entry.record.id,
+        expected_revision=entry.status_revision,
+        status=None,
+        unassign=sorted(current),
+        clear_reports=bool(reported),
+        clear_report_nodes=reported,
+    )
 
 
 def _ts(seconds: float) -> datetime:
@@ -201,8 +213,11 @@ def _live_drop(d: Decision, failed: Mapping[str, WorkerReport], not_failed: list
     d.unassign |= set(dropped)
     d.clear_report_nodes |= set(dropped)  # a stale failure must not count again once the node is back
     st.disrupted_at = d.now
-    d.move(Trigger.DISRUPT, f"live recovery: going on with {len(st.nodes)} node(s) without {', '.join(dropped)}, "
-                            f"whose torchrun died (failure {st.restarts.failure}/{d.policy.max_failures})")  # fmt: skip
+    d.move(
+        Trigger.DISRUPT,
+        f"live recovery: going on with {len(st.nodes)} node(s) without {', '.join(dropped)}, "
+        f"whose torchrun died (failure {st.restarts.failure}/{d.policy.max_failures})",
+    )
     return True
 
 
@@ -296,8 +311,9 @@ def reconcile(view: ClusterView, now: datetime, cfg: ReconcileConfig | None = No
                 d.move(Trigger.RESUME, f"running on {len(st.nodes)} node(s) (the job reports no progress)")
     spares = [name for name, info in view.nodes.items() if info.spare]
     owners = {name: info.owner for name, info in view.nodes.items() if info.owner is not None}
-    place_jobs([d for d in schedulable if not d.st.state.terminal], free, claimed, view.controls, cfg.quotas, spares,
-               owners)  # fmt: skip
+    place_jobs(
+        [d for d in schedulable if not d.st.state.terminal], free, claimed, view.controls, cfg.quotas, spares, owners
+    )
     for decided in decisions:
         upd = decided if isinstance(decided, JobUpdate) else decided.update()
         if upd is not None:

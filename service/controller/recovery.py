@@ -95,8 +95,7 @@ def judge_failure(
     if status.restarts.failure > policy.max_failures:
         return FailureVerdict(
             True,
-            f"restart budget exhausted: {status.restarts.failure} failures "
-            f"(max_failures={policy.max_failures})",
+            f"restart budget exhausted: {status.restarts.failure} failures (max_failures={policy.max_failures})",
             newly_blacklisted=tuple(newly),
         )
     delay = backoff_delay(status.restarts.failure, policy)

@@ -29,7 +29,10 @@ def retention_over(entry: JobEntry, now: datetime, cfg: ReconcileConfig) -> bool
 
 
 def expired_jobs(
-    entries: Iterable[JobEntry], assigned: set[str], reported: Mapping[str, Iterable[str]], now: datetime,
+    entries: Iterable[JobEntry],
+    assigned: set[str],
+    reported: Mapping[str, Iterable[str]],
+    now: datetime,
     cfg: ReconcileConfig,
 ) -> list[JobUpdate]:
     """The purges of the jobs past retention that hold no assignment (``assigned``: job ids that do), each with the

@@ -212,8 +212,10 @@ def _quota_map(data: Any, key: str, source: str) -> dict[str, int]:
         if not isinstance(name, str) or not name.strip():
             raise ConfigError(f"{source}: {key}: the name {name!r} is not a non-empty string")
         if key == "queues" and not _QUEUE_NAME.match(name):
-            raise ConfigError(f"{source}: queues.{name}: not a queue name a job can give (lower-case letters, "
-                              "digits, '-', at most 40)")  # fmt: skip
+            raise ConfigError(
+                f"{source}: queues.{name}: not a queue name a job can give (lower-case letters, "
+                "digits, '-', at most 40)"
+            )
         out[name] = _quota(value, f"{source}: {key}.{name}")
     return out
 
@@ -235,8 +237,9 @@ def _limits(data: Any, where: str) -> SubmitLimits:
     stored = data.get("max_jobs")
     if stored is not None and (isinstance(stored, bool) or not isinstance(stored, int) or stored < 0):
         raise ConfigError(f"{where}.max_jobs must be a whole number >= 0, got {stored!r}")
-    return SubmitLimits(max_priority=prio, queues=None if queues is None else frozenset(queues), max_pending=pending,
-                        max_jobs=stored)  # fmt: skip
+    return SubmitLimits(
+        max_priority=prio, queues=None if queues is None else frozenset(queues), max_pending=pending, max_jobs=stored
+    )
 
 
 def _parse_limits(data: Any, source: str) -> tuple[dict[str, SubmitLimits], SubmitLimits]:
@@ -256,8 +259,9 @@ def _parse_quotas(data: Any, source: str) -> Quotas:
         raise ConfigError(f"{source}: expected a mapping with users, queues and/or default_user")
     unknown = sorted(str(k) for k in data if k not in _QUOTA_KEYS)
     if unknown:
-        raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)} (expected users, queues, default_user, "
-                          "limits)")  # fmt: skip
+        raise ConfigError(
+            f"{source}: unknown key(s) {', '.join(unknown)} (expected users, queues, default_user, limits)"
+        )
     default = data.get("default_user")
     limits, default_limits = _parse_limits(data.get("limits"), source)
     return Quotas(

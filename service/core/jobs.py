@@ -135,8 +135,11 @@ def resolve_checkpoint_url(spec: JobSpec, root: str | None, job_id: str) -> str 
     if checkpoint_url_within(root, url):
         itself = checkpoint_url_within(url, root)
         what = "is the service's checkpoint root" if itself else "contains the service's checkpoint root"
-        raise CheckpointUrlRefused(url, f"{what} {root}: a job's prefix must lie below it (default <root>/<job id>), "
-                                        "as one that holds the root overlaps every other job's")  # fmt: skip
+        raise CheckpointUrlRefused(
+            url,
+            f"{what} {root}: a job's prefix must lie below it (default <root>/<job id>), "
+            "as one that holds the root overlaps every other job's",
+        )
     if not checkpoint_url_within(url, root):
         raise CheckpointOutsideRoot(url, root)
     return url
@@ -167,11 +170,17 @@ def check_user_checkpoint_url(url: str, root: str | None, user: str, owner: Call
     submitter = owner(job)
     if submitter == user:
         return
-    whose = (f"job {job} was submitted by another user" if submitter is not None else
-             f"no job {job} of user {user} exists, and the name is kept for the job that gets that id")  # fmt: skip
-    raise CheckpointUrlRefused(url, f"lies in {root}/{job}, the default checkpoint prefix of job {job}, and {whose}: "
-                                    "below the root give a directory whose name is not a job id (<name>-<8 hex "
-                                    "digits>)")  # fmt: skip
+    whose = (
+        f"job {job} was submitted by another user"
+        if submitter is not None
+        else f"no job {job} of user {user} exists, and the name is kept for the job that gets that id"
+    )
+    raise CheckpointUrlRefused(
+        url,
+        f"lies in {root}/{job}, the default checkpoint prefix of job {job}, and {whose}: "
+        "below the root give a directory whose name is not a job id (<name>-<8 hex "
+        "digits>)",
+    )
 
 
 _JOB_ID = re.compile(rf"(?:{NAME_PATTERN.removeprefix('^').removesuffix('$')})-[0-9a-f]{{8}}", re.IGNORECASE)
@@ -192,8 +201,14 @@ def new_job(
 ) -> tuple[JobRecord, JobStatus, Event]:
     """The records of a new job: its record (with a fresh checkpoint key), its pending status and its
     ``submitted`` event."""
-    record = JobRecord(id=job_id, spec=spec, created_at=now, checkpoint_url=url, submitted_by=submitted_by,
-                       checkpoint_key=secrets.token_hex(32))  # fmt: skip
+    record = JobRecord(
+        id=job_id,
+        spec=spec,
+        created_at=now,
+        checkpoint_url=url,
+        submitted_by=submitted_by,
+        checkpoint_key=secrets.token_hex(32),
+    )
     status = JobStatus(created_at=now, updated_at=now)
     event = new_event("submitted", f"submitted by {submitted_by}", now, checkpoint_url=url)
     return record, status, event
@@ -217,8 +232,10 @@ def resized_spec(spec: JobSpec, min_nodes: int, max_nodes: int) -> JobSpec:
 
 def resize_changes(spec: JobSpec, min_nodes: int | None, max_nodes: int | None) -> dict[str, tuple[int, int]]:
     """The bounds a resize changes: name -> ``(old, new)``; None asks for no change of that bound."""
-    sizes = {"min_nodes": (spec.min_nodes, spec.min_nodes if min_nodes is None else min_nodes),
-             "max_nodes": (spec.max_nodes, spec.max_nodes if max_nodes is None else max_nodes)}  # fmt: skip
+    sizes = {
+        "min_nodes": (spec.min_nodes, spec.min_nodes if min_nodes is None else min_nodes),
+        "max_nodes": (spec.max_nodes, spec.max_nodes if max_nodes is None else max_nodes),
+    }
     return {name: (a, b) for name, (a, b) in sizes.items() if a != b}
 
 
@@ -245,8 +262,9 @@ def plan_resize(
     spec = resized_spec(old, new_min, new_max)
     message = ", ".join(f"{name} {a} -> {b}" for name, (a, b) in changed.items())
     data: dict[str, Any] = {name: {"old": a, "new": b} for name, (a, b) in changed.items()}
-    event = new_event("resize", message + (f" (by {requested_by})" if requested_by else ""), now,
-                      requested_by=requested_by, **data)  # fmt: skip
+    event = new_event(
+        "resize", message + (f" (by {requested_by})" if requested_by else ""), now, requested_by=requested_by, **data
+    )
     return record.model_copy(update={"spec": spec}), event
 
 
@@ -273,26 +291,34 @@ def submit_refusal(spec: JobSpec, user: str, quotas: Quotas, jobs: Iterable[JobE
     granted = quotas.submit_limits(user)
     limits = granted.over(UNGRANTED_LIMITS)
     if limits.max_priority is not None and spec.priority > limits.max_priority:
-        source = ("the quotas file's limits" if granted.max_priority is not None else
-                  "max_priority, the default where the quotas file's limits grant none: an operator grants more "
-                  "there")  # fmt: skip
+        source = (
+            "the quotas file's limits"
+            if granted.max_priority is not None
+            else "max_priority, the default where the quotas file's limits grant none: an operator grants more there"
+        )
         return 403, f"priority {spec.priority} is above the maximum of user {user} ({limits.max_priority}; {source})"
     if spec.queue is not None and limits.queues is not None and spec.queue not in limits.queues:
         allowed = ", ".join(sorted(limits.queues)) or "none"
-        source = ("" if granted.queues is not None else
-                  "; no queue is allowed where the quotas file's limits grant none: an operator grants queues "
-                  "there")  # fmt: skip
+        source = (
+            ""
+            if granted.queues is not None
+            else "; no queue is allowed where the quotas file's limits grant none: an operator grants queues there"
+        )
         return 403, f"user {user} may not submit to queue {spec.queue} (its queues: {allowed}{source})"
     jobs = list(jobs)
     if limits.max_jobs is not None:
         stored = sum(1 for e in jobs if e.record.submitted_by == user)
         if stored >= limits.max_jobs:
-            return 429, (f"user {user} has {stored} job(s) stored, its most (max_jobs {limits.max_jobs}), finished and "
-                         "cancelled ones included until the retention deletes them: submit again then, or ask an "
-                         "operator to raise max_jobs in the quotas file")  # fmt: skip
+            return 429, (
+                f"user {user} has {stored} job(s) stored, its most (max_jobs {limits.max_jobs}), finished and "
+                "cancelled ones included until the retention deletes them: submit again then, or ask an "
+                "operator to raise max_jobs in the quotas file"
+            )
     if limits.max_pending is not None:
         pending = sum(1 for e in jobs if e.record.submitted_by == user and e.status.state == JobState.PENDING)
         if pending >= limits.max_pending:
-            return 429, (f"user {user} has {pending} pending job(s), its most (max_pending {limits.max_pending}): "
-                         "submit again when one has started or ended")  # fmt: skip
+            return 429, (
+                f"user {user} has {pending} pending job(s), its most (max_pending {limits.max_pending}): "
+                "submit again when one has started or ended"
+            )
     return None

@@ -102,7 +102,6 @@ class Keys:
         return f"{self.metrics}{job_id}/points/{chunk:012d}"
 
 
-
 def load(model: type[M], kv: KeyValue) -> M | None:
     try:
         record = model.model_validate_json(kv.value)
@@ -206,7 +205,10 @@ def _warn_bad_progress(job_id: str, kv: KeyValue, exc: ValueError) -> None:
         _bad_progress_warned[kv.key] = now
     logger.warning(
         "job %s: ignoring its invalid progress report at %s (revision %d), as if it reported none: %s "
-        "(not repeated for %.0fs)", job_id, kv.key, kv.mod_revision, str(exc)[:300], _BAD_PROGRESS_WARN_EVERY,
-    )  # fmt: skip
-
-
+        "(not repeated for %.0fs)",
+        job_id,
+        kv.key,
+        kv.mod_revision,
+        str(exc)[:300],
+        _BAD_PROGRESS_WARN_EVERY,
+    )

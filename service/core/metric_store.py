@@ -64,8 +64,9 @@ def read_series(client: EtcdClient, keys: Keys, job_id: str, limits: SeriesLimit
             elif name.startswith("points/") and name[7:].isascii() and name[7:].isdigit():
                 chunks.append((int(name[7:]), _POINTS.validate_json(kv.value)))
         except ValidationError as exc:
-            logger.warning("job %s: ignoring its unreadable metric series value at %s: %s", job_id, kv.key,
-                           exc.errors()[:1])  # fmt: skip
+            logger.warning(
+                "job %s: ignoring its unreadable metric series value at %s: %s", job_id, kv.key, exc.errors()[:1]
+            )
     points: list[MetricPoint] = []
     for chunk, pts in sorted(chunks, key=lambda c: c[0]):
         for i, p in enumerate(pts):
@@ -151,8 +152,9 @@ class MetricsRecorder:
             except EtcdConnectionError:
                 raise
             except (EtcdError, ValueError) as exc:  # a value the series refuses: this job's alone
-                logger.warning("job %s: its progress report was not added to its metric series: %s", job_id,
-                               str(exc)[:300])  # fmt: skip
+                logger.warning(
+                    "job %s: its progress report was not added to its metric series: %s", job_id, str(exc)[:300]
+                )
         return added
 
     def _append(self, job_id: str, series: MetricSeries, progress: Progress) -> bool:
@@ -175,8 +177,9 @@ class MetricsRecorder:
         """Write what changed, if ``flush_every`` passed since the last write (or ``force``): one transaction
         per job, guarded by ``fence`` (the leader key). Returns the number of jobs written."""
         now = self._clock()
-        if not self._pending or (not force and self._flushed_at is not None
-                                 and now - self._flushed_at < self.flush_every):  # fmt: skip
+        if not self._pending or (
+            not force and self._flushed_at is not None and now - self._flushed_at < self.flush_every
+        ):
             return 0
         self._flushed_at = now
         written = 0
@@ -193,8 +196,7 @@ class MetricsRecorder:
             try:
                 ok, _ = self.client.commit(puts, deletes, guard=fence)
             except EtcdConnectionError:
-                logger.warning("job %s: its metric series could not be written (etcd unreachable); retrying",
-                               job_id)  # fmt: skip
+                logger.warning("job %s: its metric series could not be written (etcd unreachable); retrying", job_id)
                 return written
             except EtcdError as exc:
                 logger.warning("job %s: etcd refused its metric series: %s", job_id, str(exc)[:300])

@@ -248,8 +248,10 @@ def checked_logs_url(info: NodeInfo) -> str:
         raise ValueError(f"its host {host!r} is no host name or IP address")
     registered = {h.lower() for h in (info.rdzv_host, info.hostname) if h}
     if host not in registered | _LOOPBACK_HOSTS:
-        raise ValueError(f"its host {host!r} is none of the node's registered hosts "
-                         f"({', '.join(sorted(registered)) or 'none'}) nor loopback")  # fmt: skip
+        raise ValueError(
+            f"its host {host!r} is none of the node's registered hosts "
+            f"({', '.join(sorted(registered)) or 'none'}) nor loopback"
+        )
     shown = f"[{host}]" if ip is not None and ip.version == 6 else host
     return f"{parts.scheme}://{shown}:{port}"
 

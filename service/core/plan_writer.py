@@ -41,13 +41,17 @@ class PlanWriter:
         k = self.keys
         if update.purge:
             ok, _ = self.client.commit(
-                deletes=[k.job(update.job_id), k.status_of(update.job_id), k.cancel_of(update.job_id),
-                         k.progress_of(update.job_id),
-                         *(k.report(update.job_id, node) for node in update.clear_report_nodes)],
+                deletes=[
+                    k.job(update.job_id),
+                    k.status_of(update.job_id),
+                    k.cancel_of(update.job_id),
+                    k.progress_of(update.job_id),
+                    *(k.report(update.job_id, node) for node in update.clear_report_nodes),
+                ],
                 delete_prefixes=[k.events_of(update.job_id), k.metrics_of(update.job_id)],
                 expect=[(k.status_of(update.job_id), update.expected_revision)],
                 guard=fence,
-            )  # fmt: skip
+            )
             return ok
         puts: list[tuple[str, bytes]] = []
         if update.status is not None:
@@ -109,8 +113,12 @@ class PlanWriter:
                         held.append(update.job_id)
                         done.add(update.job_id)
                         stable = False
-                        logger.warning("update of job %s held back: the update of job %s, which gives up nodes "
-                                       "it takes, was not applied", update.job_id, ", ".join(missing))  # fmt: skip
+                        logger.warning(
+                            "update of job %s held back: the update of job %s, which gives up nodes "
+                            "it takes, was not applied",
+                            update.job_id,
+                            ", ".join(missing),
+                        )
             waiting = {u.job_id for u in pending}
             ready = [u for u in pending if not any(a in waiting and a != u.job_id for a in u.after)]
             if not ready and pending:  # a cycle: none of it can be ordered safely
@@ -151,5 +159,3 @@ class PlanWriter:
                 self._pool = ThreadPoolExecutor(_APPLY_THREADS, thread_name_prefix="etrain-apply")
             pool = self._pool
         return list(pool.map(lambda u: self._apply_one(u, fence), updates))
-
-

@@ -37,8 +37,16 @@ __all__ = [
 ]
 
 #: the values of a point that windows aggregate (``t`` is the time, always increasing)
-VALUES = ("step", "loss", "steps_per_s", "world_size", "generation", "restart_count", "checkpoint_step",
-          SNAPSHOTS_SAVED)
+VALUES = (
+    "step",
+    "loss",
+    "steps_per_s",
+    "world_size",
+    "generation",
+    "restart_count",
+    "checkpoint_step",
+    SNAPSHOTS_SAVED,
+)
 
 #: ``(first, last, min, max)`` of one value over a window's reports
 Agg = tuple[float, float, float, float]
@@ -99,7 +107,9 @@ def point_from_progress(progress: Progress, before: MetricPoint | None) -> Metri
     """The point of a (valid) progress report; ``before``: the job's previous point, for its steps/s."""
     rate = None
     same_run = before is not None and (progress.generation, progress.restart_count) == (
-        before.generation, before.restart_count)  # fmt: skip
+        before.generation,
+        before.restart_count,
+    )
     if before is not None and same_run and progress.time > before.t and progress.step >= before.step:
         rate = (progress.step - before.step) / (progress.time - before.t)
     saved = progress.extra.get(SNAPSHOTS_SAVED)

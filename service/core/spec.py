@@ -162,10 +162,12 @@ class JobSpec(_Spec):
     max_nodes: int = Field(default=1, ge=1, le=4096, validate_default=True)
     checkpoint_url: str | None = Field(default=None, max_length=4096, description="this job's checkpoint prefix")
     local_snapshot_every: int = Field(
-        default=0, ge=0, le=1_000_000,
+        default=0,
+        ge=0,
+        le=1_000_000,
         description="node-local snapshot in memory (/dev/shm) every N steps, so a failure re-does at most N "
         "steps; costs one copy of the model + optimizer state in each node's memory; 0: off",
-    )  # fmt: skip
+    )
     recovery: RecoveryMode = Field(
         default=RecoveryMode.RESTART,
         description="how the job goes on after a worker failure or a node lost or added: 'restart' (torchrun "
@@ -174,15 +176,18 @@ class JobSpec(_Spec):
         "restarted or new worker joins at a step boundary with a peer's state; needs the elastic loop)",
     )
     priority: int = Field(
-        default=0, ge=-1000, le=1000,
+        default=0,
+        ge=-1000,
+        le=1000,
         description="scheduling priority: a job that does not fit shrinks running jobs of lower priority toward "
         "their min_nodes (after a snapshot) and, if still short, preempts them (they requeue)",
-    )  # fmt: skip
+    )
     queue: str | None = Field(
-        default=None, pattern=NAME_PATTERN,
+        default=None,
+        pattern=NAME_PATTERN,
         description="the queue whose node quota the job counts against (the controller's --quotas); none: only "
         "the submitter's quota applies",
-    )  # fmt: skip
+    )
     lr_policy: LRPolicySpec = Field(default_factory=lambda: LRPolicySpec())
     restart_policy: RestartPolicy = Field(default_factory=lambda: RestartPolicy())
     rendezvous: RendezvousOptions = Field(default_factory=lambda: RendezvousOptions())
@@ -236,22 +241,41 @@ def submit_problems(spec: JobSpec) -> list[tuple[str, str]]:
     loading): limits the controller's etcd transactions must honour. Empty: the job can be scheduled."""
     unencodable = _unencodable_fields(spec.model_dump())
     if unencodable:  # nothing more can be checked (or stored, or passed to a process) of such a spec
-        return [(field, "is not valid Unicode text (a lone surrogate such as \\ud800): it cannot be stored or "
-                        "passed to a process") for field in unencodable]  # fmt: skip
-    problems = [(field, "contains a NUL byte, which no process can be given (arguments, environment and paths "
-                        "are C strings)") for field in _nul_fields(spec)]
+        return [
+            (
+                field,
+                "is not valid Unicode text (a lone surrogate such as \\ud800): it cannot be stored or "
+                "passed to a process",
+            )
+            for field in unencodable
+        ]
+    problems = [
+        (field, "contains a NUL byte, which no process can be given (arguments, environment and paths are C strings)")
+        for field in _nul_fields(spec)
+    ]
     size = len(spec.model_dump_json())
     if size > MAX_SPEC_BYTES:
-        problems.append(("spec", f"the spec is {size} bytes as JSON, more than the {MAX_SPEC_BYTES} a job may "
-                                 "have: put large settings in a file under working_dir and pass its path"))
+        problems.append(
+            (
+                "spec",
+                f"the spec is {size} bytes as JSON, more than the {MAX_SPEC_BYTES} a job may "
+                "have: put large settings in a file under working_dir and pass its path",
+            )
+        )
     if spec.max_nodes > MAX_NODES_PER_JOB:
-        problems.append(("max_nodes", f"at most {MAX_NODES_PER_JOB} nodes per job (etcd's 128 operations "
-                                      "per transaction)"))  # fmt: skip
+        problems.append(
+            ("max_nodes", f"at most {MAX_NODES_PER_JOB} nodes per job (etcd's 128 operations per transaction)")
+        )
     nodes = min(spec.max_nodes, MAX_NODES_PER_JOB)
     if nodes * (size + _ASSIGNMENT_OVERHEAD) > _ASSIGNMENTS_BUDGET:
-        problems.append(("env", f"the spec is {size} bytes; with max_nodes={spec.max_nodes} its assignments "
-                                f"would exceed {_ASSIGNMENTS_BUDGET} bytes in one etcd transaction: shrink env "
-                                "and args, or max_nodes"))  # fmt: skip
+        problems.append(
+            (
+                "env",
+                f"the spec is {size} bytes; with max_nodes={spec.max_nodes} its assignments "
+                f"would exceed {_ASSIGNMENTS_BUDGET} bytes in one etcd transaction: shrink env "
+                "and args, or max_nodes",
+            )
+        )
     return problems
 
 
@@ -265,8 +289,11 @@ def _unencodable_fields(value: object, path: str = "") -> list[str]:
             return [path or "spec"]
         return []
     if isinstance(value, dict):
-        return [f for k, v in value.items() for f in
-                _unencodable_fields(k, path) + _unencodable_fields(v, f"{path}.{k}".lstrip("."))]  # fmt: skip
+        return [
+            f
+            for k, v in value.items()
+            for f in _unencodable_fields(k, path) + _unencodable_fields(v, f"{path}.{k}".lstrip("."))
+        ]
     if isinstance(value, (list, tuple)):
         return [f for i, v in enumerate(value) for f in _unencodable_fields(v, f"{path}.{i}".lstrip("."))]
     return []
@@ -290,9 +317,12 @@ def normalize_checkpoint_url(value: str) -> str:
     if parsed.scheme not in _CHECKPOINT_SCHEMES:
         raise ValueError(
             f"must be an absolute path or a URL with one of the schemes {', '.join(_CHECKPOINT_SCHEMES)}"
-            + (" (a Lustre file system is a mounted path: give the path or file:///...)"
-               if parsed.scheme == "lustre" else "")
-        )  # fmt: skip
+            + (
+                " (a Lustre file system is a mounted path: give the path or file:///...)"
+                if parsed.scheme == "lustre"
+                else ""
+            )
+        )
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise ValueError(f"a file:// URL names a path on every node, not host {parsed.netloc!r}: file:///...")

@@ -125,9 +125,7 @@ class ServiceStore:
 
     def get_job(self, job_id: str) -> JobEntry | None:
         k = self.keys
-        (rec, st, cancel), _ = self.client.read_prefixes(
-            [k.job(job_id), k.status_of(job_id), k.cancel_of(job_id)]
-        )
+        (rec, st, cancel), _ = self.client.read_prefixes([k.job(job_id), k.status_of(job_id), k.cancel_of(job_id)])
         # exact keys: a prefix read also matches longer ids, keep the exact one
         rec = [x for x in rec if x.key == k.job(job_id)]
         st = [x for x in st if x.key == k.status_of(job_id)]
@@ -142,9 +140,7 @@ class ServiceStore:
     def list_jobs(self) -> list[JobEntry]:
         k = self.keys
         (recs, sts, cancels), _ = self.client.read_prefixes([k.jobs, k.status, k.cancel])
-        return sorted(
-            self._entries(recs, sts, cancels).values(), key=lambda e: (e.record.created_at, e.record.id)
-        )
+        return sorted(self._entries(recs, sts, cancels).values(), key=lambda e: (e.record.created_at, e.record.id))
 
     def _entries(
         self, recs: Iterable[KeyValue], sts: Iterable[KeyValue], cancels: Iterable[KeyValue]
@@ -227,12 +223,18 @@ class ServiceStore:
             st_kv = next((kv for kv in sts if kv.key == k.status_of(job_id)), None)
             record = load(JobRecord, rec_kv) if rec_kv is not None else None
             status = load(JobStatus, st_kv) if st_kv is not None else None
-            if (record is None or status is None or rec_kv is None or st_kv is None
-                    or not at_own_key(rec_kv, record.id, job_id)):  # fmt: skip
+            if (
+                record is None
+                or status is None
+                or rec_kv is None
+                or st_kv is None
+                or not at_own_key(rec_kv, record.id, job_id)
+            ):
                 raise JobNotFound(job_id)
             cancelled = any(kv.key == k.cancel_of(job_id) for kv in cancels)
-            resized = plan_resize(record, status, min_nodes, max_nodes, requested_by=requested_by,
-                                  now=now or datetime.now(timezone.utc))  # fmt: skip
+            resized = plan_resize(
+                record, status, min_nodes, max_nodes, requested_by=requested_by, now=now or datetime.now(timezone.utc)
+            )
             if resized is None:
                 return JobEntry(record, status, st_kv.mod_revision, cancelled)
             new_record, event = resized
@@ -255,7 +257,8 @@ class ServiceStore:
             node, _, job_id = tail(kv, k.assign).partition("/")
             jobs.setdefault(node, []).append(job_id)
         infos = [
-            n for kv in nodes
+            n
+            for kv in nodes
             if (n := load(NodeInfo, kv)) is not None and at_own_key(kv, n.name, tail(kv, k.nodes)) and on_lease(kv)
         ]
         return sorted(infos, key=lambda n: n.name), jobs

@@ -96,6 +96,7 @@ NOT_RECORDED = [
     "a re-form that kept the world size: the controller records world-size changes only",
 ]
 
+
 def _cause(code: object) -> str:
     if not isinstance(code, int) or isinstance(code, bool):
         return "launch failed (no exit code)"
@@ -226,8 +227,10 @@ class _Builder:
         if state is not None and state not in TERMINAL_STATES:  # (ended, though its end's event is not among these)
             self.w.span(CONTROLLER, state, since, end, {"message": why, **({} if terminal else {"ongoing": True})})
         if not terminal and sorted(self.members) != sorted(self.status.nodes):
-            self.notes.append(f"the nodes replayed from the events, {sorted(self.members)}, differ from the "
-                              f"status's, {sorted(self.status.nodes)}")  # fmt: skip
+            self.notes.append(
+                f"the nodes replayed from the events, {sorted(self.members)}, differ from the "
+                f"status's, {sorted(self.status.nodes)}"
+            )
         self.leave_all(end, f"job {self.status.state.value}" if terminal else "still running", ongoing=not terminal)
 
     def on_state(self, ev: Event, t: datetime) -> tuple[str, str, str] | None:
@@ -268,8 +271,9 @@ class _Builder:
         members = _names(data.get("members"))
         gen = data.get("generation")
         self.planned_at = t
-        self.w.instant(CONTROLLER, ev.type, t, {"message": ev.message, "nodes": _names(data.get("nodes")),
-                                                  "members": members})  # fmt: skip
+        self.w.instant(
+            CONTROLLER, ev.type, t, {"message": ev.message, "nodes": _names(data.get("nodes")), "members": members}
+        )
         if is_int(gen) and gen != self.generation:
             self.leave_all(t, f"{ev.type}: generation {gen} follows")
             self.generation = gen
@@ -299,8 +303,12 @@ class _Builder:
             failed = _names(data.get("nodes"))
             for name in failed:
                 code = codes.get(name)
-                self.w.instant(node_track(name), "workers failed", t,
-                               {"cause": _cause(code), "exit_code": code, **gen, "message": ev.message})  # fmt: skip
+                self.w.instant(
+                    node_track(name),
+                    "workers failed",
+                    t,
+                    {"cause": _cause(code), "exit_code": code, **gen, "message": ev.message},
+                )
                 self.leave(name, t, f"workers failed ({_cause(code)})")
             if not handled:  # the job was recovering already: the pass's move left no event; reconcile's rules
                 spec = self.record.spec
@@ -316,8 +324,12 @@ class _Builder:
                     self.leave_all(t, "released: restart after the failure")
         elif kind == "node_lost":
             if node is not None:
-                self.w.instant(node_track(node), "node lost", t, {"cause": "lease expired (agent gone)", **gen,
-                                                                  "message": ev.message})  # fmt: skip
+                self.w.instant(
+                    node_track(node),
+                    "node lost",
+                    t,
+                    {"cause": "lease expired (agent gone)", **gen, "message": ev.message},
+                )
                 self.leave(node, t, "node lost")
             if not handled and not any(e.type == "node_lost" for e in later):
                 if len(self.members) < self.record.spec.min_nodes:
@@ -383,9 +395,17 @@ class _Builder:
                 self.w.instant(node_track(node), "torchrun started", report.started_at, args)
             if report.finished_at is not None:
                 name = "launch failed" if report.state == "launch_failed" else f"torchrun {report.state}"
-                self.w.instant(node_track(node), name, report.finished_at,
-                               {**args, "state": report.state, "exit_code": report.exit_code,
-                                "cause": _cause(report.exit_code) if report.failed else None})  # fmt: skip
+                self.w.instant(
+                    node_track(node),
+                    name,
+                    report.finished_at,
+                    {
+                        **args,
+                        "state": report.state,
+                        "exit_code": report.exit_code,
+                        "cause": _cause(report.exit_code) if report.failed else None,
+                    },
+                )
         return stats
 
     # -- the trace ----------------------------------------------------------------------------------------

@@ -132,8 +132,10 @@ def validate_trace(obj: object) -> list[str]:
             while stack and stack[-1][1] <= start:
                 stack.pop()
             if stack and end > stack[-1][1]:
-                errors.append(f"{what}: partially overlaps {stack[-1][2]} on track pid={track[0]} tid={track[1]} "
-                              "(durations on one track must nest)")  # fmt: skip
+                errors.append(
+                    f"{what}: partially overlaps {stack[-1][2]} on track pid={track[0]} tid={track[1]} "
+                    "(durations on one track must nest)"
+                )
                 continue
             stack.append((start, end, what))
     return errors[: _MAX_ERRORS + 1]

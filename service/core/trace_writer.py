@@ -88,11 +88,15 @@ class TraceWriter:
             self.nodes.add(track[1])
         self.out.append((track, event, depth))
 
-    def span(self, track: Track, name: str, start: datetime, end: datetime, args: dict[str, Any],
-             depth: int = 0) -> None:  # fmt: skip
+    def span(
+        self, track: Track, name: str, start: datetime, end: datetime, args: dict[str, Any], depth: int = 0
+    ) -> None:
         ts = self.us(start)
-        self.emit(track, {"name": name, "ph": "X", "ts": ts, "dur": max(0, self.us(end) - ts), "pid": PID,
-                          "args": json_safe(args)}, depth)  # fmt: skip
+        self.emit(
+            track,
+            {"name": name, "ph": "X", "ts": ts, "dur": max(0, self.us(end) - ts), "pid": PID, "args": json_safe(args)},
+            depth,
+        )
 
     def instant(self, track: Track, name: str, t: datetime, args: dict[str, Any], scope: str = "t") -> None:
         self.emit(track, {"name": name, "ph": "i", "s": scope, "ts": self.us(t), "pid": PID, "args": json_safe(args)})

@@ -14,8 +14,17 @@ from datetime import timedelta
 from elastic.contract.progress import Progress
 from service.core.models import Assignment, Event, JobRecord, JobStatus, NodeControl, NodeInfo, WorkerReport
 
-__all__ = ["ClusterView", "JobEntry", "JobUpdate", "Plan", "PlanOutcome", "Quotas", "ReconcileConfig", "SubmitLimits",
-           "WriteFailure"]
+__all__ = [
+    "ClusterView",
+    "JobEntry",
+    "JobUpdate",
+    "Plan",
+    "PlanOutcome",
+    "Quotas",
+    "ReconcileConfig",
+    "SubmitLimits",
+    "WriteFailure",
+]
 
 
 @dataclass(frozen=True)

@@ -58,9 +58,11 @@ class _ChangeHints:
         self._stop = threading.Event()
         for prefix in prefixes:
             threading.Thread(
-                target=self._watch, args=(client, prefix, start_revision), name=f"etrain-view-watch:{prefix}",
+                target=self._watch,
+                args=(client, prefix, start_revision),
+                name=f"etrain-view-watch:{prefix}",
                 daemon=True,
-            ).start()  # fmt: skip
+            ).start()
 
     def _watch(self, client: EtcdClient, prefix: str, start_revision: int) -> None:
         def seen(revision: int) -> None:
@@ -85,9 +87,17 @@ class _ChangeHints:
 class ViewCache:
     """See the module docstring. Not thread-safe: one reconcile loop uses it."""
 
-    def __init__(self, client: EtcdClient, keys: Keys, *, watch: bool = True, max_changed: int = 2048,
-                 on_read: Callable[[str, int], None] | None = None, prefixes: Sequence[str] | None = None,
-                 list_page: int = LIST_PAGE_KEYS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: EtcdClient,
+        keys: Keys,
+        *,
+        watch: bool = True,
+        max_changed: int = 2048,
+        on_read: Callable[[str, int], None] | None = None,
+        prefixes: Sequence[str] | None = None,
+        list_page: int = LIST_PAGE_KEYS,
+    ) -> None:
         """``prefixes``: keep only these of the view's prefixes (default all; the view's other maps are empty).
         ``list_page``: keys per answer when a prefix is listed (its keys only)."""
         self._client = client
@@ -140,8 +150,14 @@ class ViewCache:
         kvs = list(first.kvs)
         left = first.count - len(kvs)
         while left > 0 and kvs:
-            got = self._client.txn([], [GetOp(prefix, prefix=True, keys_only=True, limit=self._list_page,
-                                              after=kvs[-1].key, revision=revision)]).get(0)  # fmt: skip
+            got = self._client.txn(
+                [],
+                [
+                    GetOp(
+                        prefix, prefix=True, keys_only=True, limit=self._list_page, after=kvs[-1].key, revision=revision
+                    )
+                ],
+            ).get(0)
             if not got.kvs:
                 break
             kvs += got.kvs
@@ -177,7 +193,7 @@ class ViewCache:
             [GetOp(p, prefix=True, count_only=True) for p in clean]
             + [GetOp(p, prefix=True, keys_only=True, limit=page) for p in listed],
             [GetOp(p, prefix=True, keys_only=True, limit=page) for p in prefixes],
-        )  # fmt: skip
+        )
         listings: dict[str, list[KeyValue]] = {}
         if result.succeeded:
             for i, p in enumerate(clean):

@@ -43,8 +43,7 @@ class ViewState:
 
     @staticmethod
     def prefixes(keys: Keys) -> list[str]:
-        return [keys.jobs, keys.status, keys.cancel, keys.nodes, keys.assign, keys.reports, keys.progress,
-                keys.nodectl]  # fmt: skip
+        return [keys.jobs, keys.status, keys.cancel, keys.nodes, keys.assign, keys.reports, keys.progress, keys.nodectl]
 
     def _prefix_of(self, key: str) -> str:
         for p in self._prefixes:

@@ -103,32 +103,59 @@ class LocalServiceCluster:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         compat.disable_shared_rdzv_store(env, override=True)
         self.logs.mkdir(parents=True, exist_ok=True)
-        cmd = [*prefix, sys.executable, "-m", "service.cli", *args, "--etcd", self.etcd.endpoints,
-               "--prefix", self.prefix]  # fmt: skip  # `ip netns exec NS` execs: the pid stays the process's
+        cmd = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "service.cli",
+            *args,
+            "--etcd",
+            self.etcd.endpoints,
+            "--prefix",
+            self.prefix,
+        ]  # `ip netns exec NS` execs: the pid stays the process's
         with open(self.logs / f"{name}.log", "ab") as log:
-            return subprocess.Popen(cmd, env=env, cwd=str(self.workdir), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT)  # fmt: skip
+            return subprocess.Popen(
+                cmd, env=env, cwd=str(self.workdir), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
 
-    def start_controller(self, ready_timeout: float = 60, *, tokens: Mapping[str, str] | None = None,
-                         extra_args: Sequence[str] = ()) -> ApiClient:  # fmt: skip
+    def start_controller(
+        self, ready_timeout: float = 60, *, tokens: Mapping[str, str] | None = None, extra_args: Sequence[str] = ()
+    ) -> ApiClient:
         """Start the controller; ``tokens`` (token -> role, each named after its role) turns authentication on
         (``--tokens-file``) and the client returned holds the first admin token."""
         port = free_port()
-        args = ["controller", "--host", "127.0.0.1", "--port", str(port), "--leader-ttl", str(self.lease_ttl),
-                "--checkpoint-root", f"file://{self.checkpoint_root}", *extra_args]  # fmt: skip
+        args = [
+            "controller",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--leader-ttl",
+            str(self.lease_ttl),
+            "--checkpoint-root",
+            f"file://{self.checkpoint_root}",
+            *extra_args,
+        ]
         admin = None
         if tokens is not None:
             tokens_file = self.workdir / "tokens.json"
-            tokens_file.write_text(json.dumps({"tokens": [{"token": t, "role": r, "name": r}
-                                                          for t, r in tokens.items()]}))  # fmt: skip
+            tokens_file.write_text(
+                json.dumps({"tokens": [{"token": t, "role": r, "name": r} for t, r in tokens.items()]})
+            )
             tokens_file.chmod(0o600)
             args += ["--tokens-file", str(tokens_file)]
             admin = next((t for t, r in tokens.items() if r == "admin"), None)
         self.controller = self._spawn("controller", args)
         self.url = f"http://127.0.0.1:{port}"
         api = ApiClient(self.url, token=admin)
-        wait_for(lambda: self.check_alive() and api.ready(), ready_timeout, 0.5, what="the controller to be ready",
-                 retry_on=(ApiError,))  # fmt: skip
+        wait_for(
+            lambda: self.check_alive() and api.ready(),
+            ready_timeout,
+            0.5,
+            what="the controller to be ready",
+            retry_on=(ApiError,),
+        )
         return api
 
     def check_alive(self) -> bool:
@@ -147,12 +174,22 @@ class LocalServiceCluster:
         self.controller.send_signal(signal.SIGKILL)
         self.controller.wait()
 
-    def start_agent(self, name: str, nproc_per_node: int | None = None, *, spare: bool = False,
-                    extra_args: Sequence[str] = ()) -> None:  # fmt: skip
+    def start_agent(
+        self, name: str, nproc_per_node: int | None = None, *, spare: bool = False, extra_args: Sequence[str] = ()
+    ) -> None:
         """Start agent ``name`` (its job logs served on a free port, for ``etrain logs``; ``spare``: a hot
         spare; ``extra_args``: more ``etrain agent`` flags)."""
-        args = ["agent", "--node-name", name, "--work-dir", str(self.workdir / "agents" / name),
-                "--lease-ttl", str(self.lease_ttl), "--logs-port", str(free_port())]  # fmt: skip
+        args = [
+            "agent",
+            "--node-name",
+            name,
+            "--work-dir",
+            str(self.workdir / "agents" / name),
+            "--lease-ttl",
+            str(self.lease_ttl),
+            "--logs-port",
+            str(free_port()),
+        ]
         if nproc_per_node is not None:
             args += ["--nproc-per-node", str(nproc_per_node)]
         if spare:

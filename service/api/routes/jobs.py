@@ -135,8 +135,9 @@ def submit_job(
         except SubmitRaced:  # another submit of this user landed since the check: check again
             submitter = _check_submit_limits(spec, principal, store, settings)
     else:
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE,
-                            detail=f"user {principal.name} submitted too many jobs at once; retry")  # fmt: skip
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE, detail=f"user {principal.name} submitted too many jobs at once; retry"
+        )
     metrics.jobs_submitted.inc()
     return job_detail(JobEntry(record, job_status, 0), secrets=True)
 
@@ -160,9 +161,11 @@ def _cursor(entry: JobEntry) -> str:
     return f"{entry.record.created_at.astimezone(timezone.utc).strftime('%Y%m%dT%H%M%S.%fZ')}~{entry.record.id}"
 
 
-@router.get("/jobs/{job_id}", summary="Job status (but to its owner and admins: env values, args and log tails "
-            "withheld)",
-            responses=_NOT_FOUND)  # fmt: skip
+@router.get(
+    "/jobs/{job_id}",
+    summary="Job status (but to its owner and admins: env values, args and log tails withheld)",
+    responses=_NOT_FOUND,
+)
 def get_job(
     job_id: str,
     principal: Annotated[Principal, Depends(require_read)],
@@ -174,10 +177,12 @@ def get_job(
 
 @router.patch(
     "/jobs/{job_id}",
-    summary="Resize a job: new min_nodes and/or max_nodes (the leader grows or shrinks it, shrinking after a "
-    "snapshot)",
-    responses={**_NOT_FOUND, 403: {"description": "another user's job"},
-               409: {"description": "the job already finished, or kept changing (retry)"}},
+    summary="Resize a job: new min_nodes and/or max_nodes (the leader grows or shrinks it, shrinking after a snapshot)",
+    responses={
+        **_NOT_FOUND,
+        403: {"description": "another user's job"},
+        409: {"description": "the job already finished, or kept changing (retry)"},
+    },
 )
 def resize_job(
     job_id: str,
@@ -194,9 +199,11 @@ def resize_job(
         raise HTTPException(status.HTTP_409_CONFLICT, detail=str(exc)) from None
     except InvalidResize as exc:
         raise RequestValidationError(
-            [{"type": "value_error", "loc": ("body", *field.split(".")), "msg": msg, "input": None}
-             for field, msg in exc.problems]
-        ) from None  # fmt: skip
+            [
+                {"type": "value_error", "loc": ("body", *field.split(".")), "msg": msg, "input": None}
+                for field, msg in exc.problems
+            ]
+        ) from None
     return job_detail(entry, secrets=True)
 
 
@@ -204,8 +211,11 @@ def resize_job(
     "/jobs/{job_id}/cancel",
     status_code=status.HTTP_202_ACCEPTED,
     summary="Cancel a job (the leader stops its workers)",
-    responses={**_NOT_FOUND, 403: {"description": "another user's job"},
-               409: {"description": "the job already finished"}},
+    responses={
+        **_NOT_FOUND,
+        403: {"description": "another user's job"},
+        409: {"description": "the job already finished"},
+    },
 )
 def cancel_job(
     job_id: str,
@@ -215,14 +225,10 @@ def cancel_job(
     entry = _get(store, job_id)
     check_owner(principal, job_id, entry.record.submitted_by, "cancel")
     if entry.status.state.terminal:
-        raise HTTPException(
-            status.HTTP_409_CONFLICT, detail=f"job {job_id} already {entry.status.state.value}"
-        )
+        raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job {job_id} already {entry.status.state.value}")
     if not entry.cancel_requested:
         now = datetime.now(timezone.utc)
-        store.request_cancel(
-            job_id, new_event("cancel_requested", f"cancel requested by {principal.name}", now)
-        )
+        store.request_cancel(job_id, new_event("cancel_requested", f"cancel requested by {principal.name}", now))
     return job_detail(_get(store, job_id), secrets=True)
 
 
@@ -251,10 +257,22 @@ def job_events(
 def job_metrics(
     job_id: str,
     store: Annotated[ServiceStore, Depends(get_store)],
-    since: Annotated[float | None, Query(description="only reports after this time (seconds since the epoch; "
-                                         "a window ending after it is included whole)")] = None,
-    max_points: Annotated[int, Query(ge=2, le=100_000, description="at most this many windows and points "
-                                     "together (windows merged, then points folded into windows)")] = 2000,
+    since: Annotated[
+        float | None,
+        Query(
+            description="only reports after this time (seconds since the epoch; "
+            "a window ending after it is included whole)"
+        ),
+    ] = None,
+    max_points: Annotated[
+        int,
+        Query(
+            ge=2,
+            le=100_000,
+            description="at most this many windows and points "
+            "together (windows merged, then points folded into windows)",
+        ),
+    ] = 2000,
 ) -> MetricSeriesView:
     _get(store, job_id)
     series = store.metric_series(job_id)

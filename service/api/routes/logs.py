@@ -73,9 +73,11 @@ _MAX_GENERATION = 2**31
 _MAX_LINE = 64 * 1024  # a longer line (a progress bar's carriage returns) is passed on in pieces when following
 _TEXT = "text/plain; charset=utf-8"
 #: the 403 a read token gets
-READ_ONLY_REFUSAL = ("job logs hold whatever the workers print, so read tokens cannot read them (job details "
-                     "withhold the workers' log tail from read tokens too): use the job owner's or an admin "
-                     "token")  # fmt: skip
+READ_ONLY_REFUSAL = (
+    "job logs hold whatever the workers print, so read tokens cannot read them (job details "
+    "withhold the workers' log tail from read tokens too): use the job owner's or an admin "
+    "token"
+)
 
 
 async def _may_read_logs(principal: Annotated[Principal, Depends(require_read)]) -> Principal:
@@ -137,8 +139,10 @@ async def _open(client: httpx.AsyncClient, job_id: str, src: _Source, tail_bytes
         out.problem = (503, f"node {node} is offline (no agent is registered under that name): its logs cannot be read")
         return out
     if not info.logs_url or not info.logs_token:
-        out.problem = (409, f"the agent of node {node} does not serve job logs: start it with --logs-port "
-                            "(ETRAIN_LOGS_PORT)")  # fmt: skip
+        out.problem = (
+            409,
+            f"the agent of node {node} does not serve job logs: start it with --logs-port (ETRAIN_LOGS_PORT)",
+        )
         return out
     try:
         base = checked_logs_url(info)
@@ -152,9 +156,12 @@ async def _open(client: httpx.AsyncClient, job_id: str, src: _Source, tail_bytes
         params["follow"] = 1
     try:
         # the body is passed on as it comes (aiter_raw): so ask for it uncompressed
-        request = client.build_request("GET", f"{base}/jobs/{quote(job_id, safe='')}/logs", params=params,
-                                       headers={"Authorization": f"Bearer {info.logs_token}",
-                                                "Accept-Encoding": "identity"})  # fmt: skip
+        request = client.build_request(
+            "GET",
+            f"{base}/jobs/{quote(job_id, safe='')}/logs",
+            params=params,
+            headers={"Authorization": f"Bearer {info.logs_token}", "Accept-Encoding": "identity"},
+        )
         # the answer's head within READ_TIMEOUT, also when following (the client's read timeout is off then)
         with anyio.fail_after(READ_TIMEOUT):
             resp = await client.send(request, stream=True)
@@ -302,8 +309,9 @@ def _failure(opened: Sequence[_Opened], job_id: str, generation: int | None) -> 
     """Why nothing could be read at all: the most telling status, every node's reason."""
     problems = [o.problem for o in opened if o.problem is not None and (o.source.known or o.problem[0] != 404)]
     if not problems:
-        return HTTPException(status.HTTP_404_NOT_FOUND, detail=f"no live node has a log of job {job_id} "
-                                                               f"(generation {generation})")  # fmt: skip
+        return HTTPException(
+            status.HTTP_404_NOT_FOUND, detail=f"no live node has a log of job {job_id} (generation {generation})"
+        )
     codes = {code for code, _ in problems}
     code = next(c for c in (502, 503, 409, 404) if c in codes)
     return HTTPException(code, detail="; ".join(message for _, message in problems))
@@ -339,8 +347,11 @@ async def job_logs(
     if entry is not None:  # (an unknown job: 404 from _plan)
         check_owner(principal, job_id, entry.record.submitted_by, "read the logs of")
     sources, gen = await run_in_threadpool(_plan, store, job_id, node, generation)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None if follow else READ_TIMEOUT, connect=CONNECT_TIMEOUT),
-                               follow_redirects=False, trust_env=False)  # only the checked address, no proxy
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(None if follow else READ_TIMEOUT, connect=CONNECT_TIMEOUT),
+        follow_redirects=False,
+        trust_env=False,
+    )  # only the checked address, no proxy
     opened: list[_Opened] = []
     try:
         opened = list(await asyncio.gather(*(_open(client, job_id, s, tail, follow) for s in sources)))

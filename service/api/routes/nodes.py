@@ -61,8 +61,9 @@ def node_views(store: ServiceStore) -> tuple[dict[str, NodeView], dict[str, list
     return views, active
 
 
-@router.get("/nodes", summary="Live nodes, and nodes with a cordon / drain request",
-            dependencies=[Depends(require_read)])  # fmt: skip
+@router.get(
+    "/nodes", summary="Live nodes, and nodes with a cordon / drain request", dependencies=[Depends(require_read)]
+)
 def list_nodes(store: Annotated[ServiceStore, Depends(get_store)]) -> NodeList:
     views, _ = node_views(store)
     return NodeList(nodes=list(views.values()))
@@ -76,8 +77,14 @@ def _result(store: ServiceStore, name: str, changed: bool, message: str) -> Node
     return NodeOperation(**view.model_dump(), changed=changed, message=message)
 
 
-def _request(store: ServiceStore, name: str, mode: NodeMode, principal: Principal, body: NodeControlRequest | None,
-             events: dict[str, Event] | None = None) -> tuple[bool, NodeControl | None]:  # fmt: skip
+def _request(
+    store: ServiceStore,
+    name: str,
+    mode: NodeMode,
+    principal: Principal,
+    body: NodeControlRequest | None,
+    events: dict[str, Event] | None = None,
+) -> tuple[bool, NodeControl | None]:
     """Store the request unless the node already has it (same mode, and no new reason); returns whether it
     was written and the request it replaced."""
     reason = body.reason if body is not None else None

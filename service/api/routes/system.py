@@ -57,7 +57,11 @@ def readyz(
     return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
 
-@router.get("/metrics", summary="Prometheus metrics (a read token)", response_class=Response,
-            dependencies=[Depends(require_read)])  # fmt: skip
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics (a read token)",
+    response_class=Response,
+    dependencies=[Depends(require_read)],
+)
 def metrics(m: Annotated[Metrics, Depends(get_metrics)]) -> Response:
     return Response(m.render(), media_type=CONTENT_TYPE)
