@@ -70,8 +70,11 @@ def load_durations(path: Path = DURATIONS) -> dict[str, tuple[float, float]]:
         return {}
 
 
-#: where a test not in ``durations.json`` yet is taken for a heavy one (real torchrun jobs, service clusters)
-HEAVY_PATHS = ("tests/integration/", "tests/chaos/", "tests/test_examples.py", "tests/examples/")
+#: where a test not in ``durations.json`` yet is taken for a heavy one (real torchrun jobs, service clusters, a real
+#: Slurm running them: unrecorded, the Slurm tests once ran as light units beside two heavy ones, at twice their time)
+HEAVY_PATHS = (
+    "tests/integration/", "tests/chaos/", "tests/test_examples.py", "tests/examples/", "tests/deploy/test_slurm",
+)  # fmt: skip
 
 
 def _unrecorded(nodeid: str) -> tuple[float, float]:
