@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import torch
 from elastic.contract.env import PREFORK_KEY, PREFORK_PRELOAD
 from elastic.contract.lr import LRPolicy, LRRule
 from elastic.testing.etcd_server import LocalEtcdCluster
-from elastic.testing.torchrun import TorchrunAgent, torchrun_command
+from elastic.testing.torchrun import TorchrunAgent, shared_zygote, torchrun_command
 from elastic.testing.wait import wait_until
 from tests.integration.training_records import (
     agent_logs,
@@ -210,3 +213,32 @@ def test_lightning_fit_2_1_2_linear_rule_rescales_the_lr_with_its_ramp(
     the policy's warmup ramp after each resize. The final losses are not compared: the resized run takes other steps
     than the unkilled one (a world of 1 more, smaller ones), and after 10 epochs the two ended at 0.020 and 0.034."""
     _scenario(tmp_path, etcd_server, agents, "linear", epochs=3, same_loss=False)
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_fit.py"
+
+
+def _run_example(etcd: LocalEtcdCluster, nproc: int, args: list[str]) -> dict[str, float]:
+    """examples/lightning_fit.py under the README's torchrun command (warm, on the etcd-v3 rendezvous); rank 0's JSON
+    line."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+           "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoints}", f"--rdzv-id=pl-ex-{uuid.uuid4().hex[:6]}",
+           "-m", "elastic.prefork", str(EXAMPLE), *args]  # fmt: skip
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", LOGLEVEL="WARNING",
+               **shared_zygote(), **{PREFORK_PRELOAD: PRELOAD, PREFORK_KEY: "lightning"})  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=EXAMPLE.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads([ln for ln in done.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+@pytest.mark.timeout(240)
+def test_lightning_example_trains_on_2_workers_and_resumes_on_1(etcd_server: LocalEtcdCluster, tmp_path: Path) -> None:
+    """The example's one elastic line: an epoch on 2 workers, then the same command on 1 worker for a second epoch
+    resumes from the first's snapshot by itself (the global batch kept: 29 steps of 64 digits per epoch at both)."""
+    pytest.importorskip("sklearn")
+    url = str(tmp_path / "ck")
+    first = _run_example(etcd_server, 2, ["--epochs", "1", "--checkpoint-url", url])
+    assert (first["step"], first["epoch"]) == (29, 1)
+    second = _run_example(etcd_server, 1, ["--epochs", "2", "--checkpoint-url", url])
+    assert (second["step"], second["epoch"]) == (58, 2)
+    assert second["loss"] < 1.0
