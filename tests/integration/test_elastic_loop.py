@@ -49,8 +49,16 @@ def test_kill_and_resume_at_same_world_gives_bit_identical_params(
         assert torch.equal(ref_params[k], run_params[k]), k
 
 
+# linear and fixed-global-batch in the default suite: the two batch plans (the global batch growing with the world, or
+# kept by accumulation). none and sqrt take linear's path through the trainer with other factors, whose values
+# test_lr.py checks per rule (test_lr_after_4_2_3_workers_is_the_rules_value_from_the_reference): ``-m slow``.
+_SAME_PATH_AS_LINEAR = (LRRule.NONE, LRRule.SQRT)
+
+
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("rule", [r.value for r in LRRule])
+@pytest.mark.parametrize(
+    "rule", [pytest.param(r.value, marks=[pytest.mark.slow] if r in _SAME_PATH_AS_LINEAR else []) for r in LRRule]
+)
 def test_resizes_4_2_3_keep_lr_policy_exact_and_every_sample_once_per_epoch(
     tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str
 ) -> None:
