@@ -251,6 +251,9 @@ class ElasticDDPStrategy(DDPStrategy):
 
     def _check_trainer(self, trainer: Trainer) -> None:
         policy = self.config.lr_policy
+        if trainer.ckpt_path is not None:
+            raise ValueError(f"Trainer.fit(ckpt_path={trainer.ckpt_path!r}): ElasticDDPStrategy resumes from the "
+                             "newest verified snapshot at its checkpoint URL itself; leave ckpt_path out")  # fmt: skip
         if trainer.limit_train_batches not in (1.0, None) or getattr(trainer, "overfit_batches", False):
             raise ValueError("limit_train_batches and overfit_batches end Lightning's epochs before the elastic "
                              "sampler's: leave them unset under ElasticDDPStrategy")  # fmt: skip

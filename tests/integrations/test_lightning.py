@@ -155,6 +155,20 @@ def _kill_at_same_world(tmp: Path, agent: TorchrunAgent, agents: list[TorchrunAg
     return rec
 
 
+def _assert_join_lost_no_step(rec: Path) -> None:
+    """The join (1 -> 2): torchrun SIGTERMs the lone worker, which saves the step it is at, at the step boundary; the
+    group of 2 resumes right after it (the snapshot interval is 3 steps: a lost step would show)."""
+    attempts: dict[tuple[str, int], list[dict[str, object]]] = {}
+    for r in read_records(rec):
+        attempts.setdefault((r["attempt"], r["restart"]), []).append(r)
+    ordered = sorted(attempts.values(), key=lambda rs: min(float(str(r["t"])) for r in rs))
+    worlds = [int(str(rs[0]["world"])) for rs in ordered]
+    alone = worlds.index(1)
+    last = max(int(str(r["step"])) for r in ordered[alone])
+    first = min(int(str(r["step"])) for r in ordered[alone + 1])
+    assert first == last + 1, f"the world of 1 committed step {last}, the group that followed began at {first}"
+
+
 def _assert_bit_identical(ref: Path, rec: Path) -> None:
     ref_params, run_params = torch.load(ref / "final_params.pt"), torch.load(rec / "final_params.pt")
     assert ref_params.keys() == run_params.keys()
@@ -186,6 +200,7 @@ def _scenario(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], ru
     assert _assert_policy_and_exactly_once(tmp / "ref", rule, epochs) == [2]
     assert _assert_policy_and_exactly_once(resized, rule, epochs) == [2, 1, 2]
     assert len({(r["attempt"], r["restart"]) for r in read_records(resized)}) >= 4
+    _assert_join_lost_no_step(resized)
     assert _assert_policy_and_exactly_once(killed, rule, epochs) == [2]
     if same_loss:
         _assert_loss_within_2_percent(tmp / "ref", resized)
