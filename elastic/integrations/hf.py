@@ -103,7 +103,10 @@ def make_elastic(
     if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
         raise ValueError("make_elastic needs a map-style train_dataset (with __len__): the elastic sampler chooses "
                          "each step's samples by index")  # fmt: skip
-    if not args.dataloader_in_order:
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+        raise ValueError("make_elastic supports replicated (DDP) training: FSDP and DeepSpeed shard the state, "
+                         "which its snapshots do not (the loop's own ElasticTrainer(parallelize=) does)")  # fmt: skip
+    if not getattr(args, "dataloader_in_order", True):
         raise ValueError("dataloader_in_order=False: the loader must serve the micro-batches in the sampler's order")
     if trainer.compute_loss_func is not None:
         warnings.warn("make_elastic: compute_loss_func normalises the loss itself; the loop's per-sample weights of "
@@ -236,6 +239,9 @@ class ElasticCallback(TrainerCallback):
             t._initial_global_step = s.step
             logger.info("elastic: resumed at step %d (epoch %d, sample %d of it) from the %s snapshot", s.step,
                         s.cursor.sampler.epoch, s.cursor.sampler.position, s.resumed_from)  # fmt: skip
+            if _ended(args, s):  # the snapshot is of the run's end: serve nothing (the Trainer then stops)
+                s.batch_sampler.finished = True
+                control.should_training_stop = True
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:  # fmt: skip
@@ -244,12 +250,19 @@ class ElasticCallback(TrainerCallback):
         if state.global_step != s.step:
             raise RuntimeError(f"the Trainer's global_step {state.global_step} is not the elastic step {s.step}")
         state.epoch = _epoch(s)
-        if args.max_steps <= 0 and s.cursor.sampler.epoch >= args.num_train_epochs:
-            control.should_training_stop = True  # the epochs are the cursor's (a resumed run starts mid-epoch)
+        if _ended(args, s):  # the epochs are the cursor's (a resumed run starts mid-epoch)
+            control.should_training_stop = True
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:  # fmt: skip
         self._session.finish()
+
+
+def _ended(args: TrainingArguments, s: BoundarySession) -> bool:
+    """The run reached its end: ``max_steps``, else ``num_train_epochs`` of the cursor's epochs."""
+    if args.max_steps > 0:
+        return s.step >= args.max_steps
+    return s.cursor.sampler.epoch >= args.num_train_epochs
 
 
 def _epoch(s: BoundarySession) -> float:

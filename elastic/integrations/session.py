@@ -83,10 +83,13 @@ class SessionBatchSampler(ElasticBatchSampler):
                  replacement: bool = False, num_samples: int | None = None) -> None:  # fmt: skip
         super().__init__(data_source, seed=seed, shuffle=shuffle, replacement=replacement, num_samples=num_samples)
         self._layouts: deque[MicroBatch] = deque()
+        self.finished = False  # the run is over (a restored run that had reached its end): nothing more to serve
 
     def __iter__(self) -> Iterator[list[int]]:
         served: deque[MicroBatch] = deque()
         self._layouts = served  # an older iterator's unconsumed batches are void
+        if self.finished:
+            return
         ahead = self.sampler.copy()
         epoch = ahead.epoch
         while ahead.epoch == epoch and ahead.remaining() > 0:

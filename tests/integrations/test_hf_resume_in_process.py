@@ -91,6 +91,10 @@ def test_trainer_stopped_and_started_again_resumes_by_itself_bit_identical(tmp_p
     first = _trainer_run(tmp_path, tmp_path / "ck", 7)
     second = _trainer_run(tmp_path, tmp_path / "ck", 14)  # no resume_from_checkpoint: the newest snapshot
     _assert_resumed_as_uninterrupted(whole, first, second, 7, 14)
+    params, steps = _trainer_run(tmp_path, tmp_path / "ck", 14)  # started again after its end: nothing to do
+    assert steps == []
+    for k, v in params.items():
+        assert torch.equal(v, whole[0][k]), k
 
 
 @pytest.mark.timeout(120)
@@ -101,3 +105,7 @@ def test_accelerate_loop_stopped_and_started_again_resumes_by_itself_bit_identic
     first = _accelerate_run(tmp_path / "ck", 7)
     second = _accelerate_run(tmp_path / "ck", 14)
     _assert_resumed_as_uninterrupted(whole, first, second, 7, 14)
+    params, steps = _accelerate_run(tmp_path / "ck", 14)  # started again after its end: nothing to do
+    assert steps == []
+    for k, v in params.items():
+        assert torch.equal(v, whole[0][k]), k
