@@ -273,11 +273,11 @@ class ElasticDDPStrategy(DDPStrategy):
         assert self._cursor is not None
         fit_loop = trainer.fit_loop
         epoch_loop = fit_loop.epoch_loop
-        fit_loop.epoch_progress.increment_by(self._cursor.sampler.epoch)
+        _advance(fit_loop.epoch_progress, self._cursor.sampler.epoch)
         if trainer.lightning_module.automatic_optimization:
-            epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_by(self._step)
+            _advance(epoch_loop.automatic_optimization.optim_progress.optimizer.step, self._step)
         else:
-            epoch_loop.manual_optimization.optim_step_progress.increment_by(self._step)
+            _advance(epoch_loop.manual_optimization.optim_step_progress, self._step)
         epoch_loop._batches_that_stepped = self._step
         if self._cursor.sampler.position > 0 and not getattr(trainer, RELOAD, 0):
             # the first epoch is what is left of the saved one: Lightning counts its batches (and places its
@@ -533,3 +533,11 @@ class ElasticDDPStrategy(DDPStrategy):
         finally:
             super().teardown()
 
+
+def _advance(progress: Any, n: int) -> None:
+    """Count ``n`` more completed events in one of Lightning's progress trackers (its total and current parts; the
+    fields each kind of tracker has: ``ready``, ``started``, ``processed``, ``completed``)."""
+    for tracker in (progress.total, progress.current):
+        for name in ("ready", "started", "processed", "completed"):
+            if hasattr(tracker, name):
+                setattr(tracker, name, getattr(tracker, name) + n)
