@@ -37,7 +37,7 @@ from elastic.train.step import StepMismatchError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Agreed", "BoundaryAgreement", "DeferredAgreement", "ImmediateAgreement", "check_steps"]
+__all__ = ["Agreed", "BoundaryAgreement", "DeferredAgreement", "ImmediateAgreement", "check_steps", "checked_flags"]
 
 #: this rank's view of the boundary now (computed when the agreement is made or started)
 LocalFlags = Callable[[], BoundaryFlags]
@@ -63,6 +63,14 @@ def check_steps(agreed: Agreed) -> None:
         "leaves the replicas apart: decide a skip on values every rank shares (the all-reduced gradients, as "
         "GradScaler does), never on a rank's own loss"
     )
+
+
+def checked_flags(agreed: Agreed | None) -> BoundaryFlags:
+    """The flags to act on (none set when nothing was agreed yet), once :func:`check_steps` passed."""
+    if agreed is None:
+        return BoundaryFlags()
+    check_steps(agreed)
+    return agreed.flags
 
 
 class BoundaryAgreement(ABC):

@@ -9,7 +9,7 @@ leave the others waiting in a collective.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -36,6 +36,11 @@ class BoundaryFlags:
     def steps_agree(self) -> bool:
         """Every rank ran as many optimizer steps (after :meth:`agree`)."""
         return self.optimizer_steps == -self.optimizer_steps_neg
+
+    def with_steps(self, stepped: int, *, joiners: bool) -> BoundaryFlags:
+        """These flags with this rank's optimizer steps of the loop step (``stepped``) and whether (live) workers
+        wait to be admitted."""
+        return replace(self, optimizer_steps=stepped, optimizer_steps_neg=-stepped, joiners=joiners)
 
     def encode(self) -> list[int]:
         return [int(getattr(self, name)) for name in _NAMES]

@@ -31,8 +31,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, default_collate
 
+from elastic.contract.lr import StepPlan
 from elastic.train.batch_sampler import ElasticBatchSampler, LockstepError
 from elastic.train.batching import make_batch, to_device
+from elastic.train.registry import StateRegistry
 from elastic.train.sampler import ElasticSampler, StepLayout
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,11 @@ class StepData(ABC):
 
     @abstractmethod
     def micro_batches(self, layout: StepLayout) -> Iterator[Any]: ...
+
+    def bind(self, plan: Callable[[int], StepPlan], registry: StateRegistry) -> StepData:
+        """Join the loop: a loader's :class:`ElasticBatchSampler` takes the policy's ``plan`` for each world, a
+        stream's loader states join the snapshots (``registry``). Returns itself."""
+        return self
 
     def reset(self) -> None:
         """What was read ahead is void: the next step is served from the committed cursor."""
@@ -87,6 +94,10 @@ class LoaderData(StepData):
         assert isinstance(sampler, ElasticBatchSampler)
         self._loader, self._sampler, self._device = loader, sampler, device
         self._it: Iterator[Any] | None = None
+
+    def bind(self, plan: Callable[[int], StepPlan], registry: StateRegistry) -> StepData:
+        self._sampler.bind(plan)
+        return self
 
     def micro_batches(self, layout: StepLayout) -> Iterator[Any]:
         for j, idx in enumerate(layout.micro):
@@ -169,6 +180,10 @@ class StreamData(StepData):
         self._loader, self._device = loader, device
         self._it: Iterator[Any] | None = None
         self.states = StreamStates(loader)
+
+    def bind(self, plan: Callable[[int], StepPlan], registry: StateRegistry) -> StepData:
+        registry.register("stream", self.states)  # every rank's loader state, in the snapshots
+        return self
 
     def micro_batches(self, layout: StepLayout) -> Iterator[Any]:
         for _ in layout.micro:

@@ -11,7 +11,10 @@ from elastic.train.config import ElasticConfig
 from elastic.train.progress import create_reporter
 from elastic.train.snapshots import LoopCheckpoints
 
-__all__ = ["LoopProgress"]
+__all__ = ["FINAL_REPORT_TIMEOUT", "LoopProgress"]
+
+#: how long a SIGTERM'd worker waits for its last progress report (the one naming the snapshot it saved)
+FINAL_REPORT_TIMEOUT = timedelta(seconds=15)
 
 
 class LoopProgress:
@@ -62,6 +65,19 @@ class LoopProgress:
             **checkpoints.local_stats.progress_fields(),
         )
 
-    def close(self, timeout: timedelta | None = None) -> None:
-        """Wait (bounded) for the last report to be written."""
-        self._reporter.close(timeout)
+    def close_stopped(self, step: int, world_size: int, epoch: int, lr: float, loss: float | None) -> None:
+        """SIGTERM'd, the step saved and its snapshots closed: the report naming that snapshot (if the boundary did
+        not send it: it was still committing), and a wait for it to be written. It is what the controller shows of
+        this stop: it waits longer than the default 5 s (an etcd slow under load took one write past them: the
+        status kept the step before, with no snapshot); the signal's sender waits longer still before its SIGKILL
+        (torchrun: 30 s)."""
+        if self._checkpoints.pending is not None:
+            self.publish(step, world_size, epoch, lr, loss)
+        self._reporter.close(FINAL_REPORT_TIMEOUT)
+
+    def close_finished(self, step: int, world_size: int, epoch: int, lr: float) -> None:
+        """The loop closes, its snapshots closed: the last snapshot's report if not sent yet, and a (bounded) wait for
+        the last report to be written."""
+        if self._checkpoints.pending is not None:
+            self.publish(step, world_size, epoch, lr, None)
+        self._reporter.close()

@@ -31,11 +31,9 @@ each world, or a module the script sharded, :mod:`~elastic.train.strategy_sharde
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -49,8 +47,7 @@ from elastic.checkpoint.storage import CheckpointStorage
 from elastic.checkpoint.tiers import LocalSnapshotStats
 from elastic.contract.lr import LRPolicy
 from elastic.live.protocol import ReformReason
-from elastic.train.agreement import check_steps
-from elastic.train.batch_sampler import ElasticBatchSampler
+from elastic.train.agreement import checked_flags
 from elastic.train.boundary import BoundaryFlags
 from elastic.train.collectives import leave_process_group, mean_over_workers
 from elastic.train.config import ElasticConfig, LiveOptions, RecoveryMode, StepInfo
@@ -70,9 +67,6 @@ from elastic.train.strategy import LoopParts
 from elastic.train.strategy_factory import create_strategy
 
 logger = logging.getLogger(__name__)
-
-#: how long a SIGTERM'd worker waits for its last progress report (the one naming the snapshot it saved)
-FINAL_REPORT_TIMEOUT = timedelta(seconds=15)
 
 __all__ = [
     "ElasticConfig",
@@ -138,13 +132,8 @@ class ElasticTrainer:
         self._host = self._strategy.host_collectives(self.device)
         self._agreement = self._strategy.agreement(self._host, self.world_size)
         sampler = source_sampler(data, config.seed, config.shuffle)
-        batch_sampler = getattr(data, "batch_sampler", None)
         self.cursor = TrainingCursor(config.lr_policy, sampler, self.rank, self.world_size, self._registry)
-        if isinstance(batch_sampler, ElasticBatchSampler):
-            batch_sampler.bind(lambda world: self.cursor.policy.step_plan(world))
-        self._data = step_data(data, collate_fn, self.device)
-        if isinstance(self._data, StreamData):  # every rank's loader state, in the snapshots
-            self._registry.register("stream", self._data.states)
+        self._data = step_data(data, collate_fn, self.device).bind(lambda w: self.policy.step_plan(w), self._registry)
         self._gate = OptimizerGate(optimizers, lambda: self.lr_factor, lambda: self._strategy.dropped)
         self._step_now: Step | None = None  # the step being served
         self._step_host = StepHost(
@@ -175,16 +164,11 @@ class ElasticTrainer:
         self._loss = StepLoss()  # read at the boundary without draining the device's queue
         self._stopped = False
 
-    # -- set-up --------------------------------------------------------------------------------------
-    @property
-    def _module(self) -> torch.nn.Module:
-        return self._strategy.module
-
     # -- the cursor ----------------------------------------------------------------------------------
     @property
     def module(self) -> torch.nn.Module:
         """The model itself: the module inside :attr:`model`'s DDP (or live) wrapper, or the sharded model."""
-        return self._module
+        return self._strategy.module
 
     @property
     def step(self) -> int:
@@ -299,8 +283,7 @@ class ElasticTrainer:
         except RuntimeError as exc:
             self._collective_failed(exc)
             return
-        if agreed is not None:
-            check_steps(agreed)
+        checked_flags(agreed)
 
     def _final_snapshot(self) -> None:
         """``max_steps`` reached: the last step is saved (synchronously) unless a snapshot of it exists."""
@@ -379,15 +362,18 @@ class ElasticTrainer:
         # Every rank agrees on the boundary's flags (one all-reduce per step; in live mode the step commits here, so
         # its record is written only now); DDP's agreement overlaps the next step (elastic.train.agreement)
         signalled = self._preemption.requested
-        mine = self._local_flags(stepped, signalled)
+
+        def mine() -> BoundaryFlags:  # this rank's view, when asked (a deferred agreement: after the snapshots)
+            acted_at = self.step + self._agreement.lag  # the boundary the flags are acted on
+            flags = self._checkpoints.local_flags(acted_at, time.monotonic(), signalled, self.rank)
+            return flags.with_steps(stepped, joiners=self._strategy.joiners_waiting(self.rank))
+
         try:
             agreed = self._agreement.agreed(self.step, stepped, mine)
         except RuntimeError as exc:
             self._collective_failed(exc)
             return
-        flags = BoundaryFlags() if agreed is None else agreed.flags
-        if agreed is not None:
-            check_steps(agreed)
+        flags = checked_flags(agreed)  # StepMismatchError where its optimizer(s) ran on some ranks only
         if stepped == 0:
             logger.info(
                 "step %d: no optimizer step ran on any rank (a skipped step); its samples count as consumed", self.step
@@ -411,28 +397,11 @@ class ElasticTrainer:
         if self._on_step is not None:
             self._on_step(info)
 
-    def _local_flags(self, stepped: int, signalled: bool) -> Callable[[], BoundaryFlags]:
-        """This rank's view of the boundary, when asked (a deferred agreement asks after the boundary's snapshots):
-        the snapshot flags of :meth:`LoopCheckpoints.local_flags`, the optimizer steps this rank ran, and (live)
-        whether workers wait to be admitted."""
-
-        def mine() -> BoundaryFlags:
-            acted_at = self.step + self._agreement.lag  # the boundary the flags are acted on
-            flags = self._checkpoints.local_flags(acted_at, time.monotonic(), signalled, self.rank)
-            return dataclasses.replace(
-                flags,
-                optimizer_steps=stepped,
-                optimizer_steps_neg=-stepped,
-                joiners=self._strategy.joiners_waiting(self.rank),
-            )
-
-        return mine
-
     def _act(self, flags: BoundaryFlags, epoch_done: bool, signalled: bool) -> bool:
         """The boundary's snapshots; True when this rank must stop now (SIGTERM'd, and the step is saved)."""
         if flags.signalled:
             self._stop_timeout.reached()
-        self._checkpoints.warm_up(self._module, self.optimizer, self.scheduler, self.cursor)
+        self._checkpoints.warm_up(self.module, self.optimizer, self.scheduler, self.cursor)
         stop = self._checkpoints.act(flags, self.step, epoch_done, self.rank, signalled, self._capture, self.optimizer)
         if stop:
             self._stopped = True
@@ -446,12 +415,7 @@ class ElasticTrainer:
         the snapshot it committed (the controller's status showed the snapshot before it) and write that report,
         leave (live: the others re-form without waiting for this member) and exit 143."""
         self._checkpoints.close(finished=False)
-        if self._checkpoints.pending is not None:  # not reported at the boundary: it was still committing
-            self._publish_progress(lr, loss)
-        # the report naming the saved snapshot is what the controller shows of this stop: wait longer for it than
-        # the default 5 s (an etcd slow under load took one write past them: the status kept the step before, with
-        # no snapshot); the signal's sender waits longer still before its SIGKILL (torchrun: 30 s)
-        self._progress.close(FINAL_REPORT_TIMEOUT)
+        self._progress.close_stopped(self.step, self.world_size, self.sampler.epoch, lr, loss)
         self._strategy.leave()  # live: revoke the lease, the others re-form without waiting for it
         raise SystemExit(143)
 
@@ -521,9 +485,7 @@ class ElasticTrainer:
             self._data.close()
             self._gate.close()
             self._checkpoints.close(finished=finished and not self._stopped)
-            if self._checkpoints.pending is not None:
-                self._publish_progress(self.current_lr(), None)
-            self._progress.close()
+            self._progress.close_finished(self.step, self.world_size, self.sampler.epoch, self.current_lr())
             leave_process_group()
             self._strategy.leave(finished=finished and not self._stopped and self.rank == 0)
         finally:
