@@ -47,6 +47,7 @@ from elastic import compat
 from elastic.checkpoint import capture_training_state
 from elastic.checkpoint.state import TrainingState
 from elastic.contract.lr import StepPlan
+from elastic.train import console
 from elastic.train.batch_sampler import ElasticBatchSampler, LockstepError
 from elastic.train.boundary import BoundaryFlags
 from elastic.train.config import ElasticConfig, StepInfo
@@ -125,6 +126,7 @@ class BoundarySession:
     def __init__(self, config: ElasticConfig, data: Sized | int, device: torch.device,
                  on_step: Callable[[StepInfo], None] | None = None) -> None:  # fmt: skip
         compat.check_torch_version()
+        console.attach()  # the resume and the SIGTERM save show on stderr when the script configures no logging
         if config.recovery is not None and config.recovery.value != "restart":
             raise ValueError("the framework owns the process group: live recovery is not available here, leave "
                              "recovery unset (restart mode, with warm starts under -m elastic.prefork)")  # fmt: skip
