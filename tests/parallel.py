@@ -25,7 +25,8 @@ directory.
 
 ``--durations-out PATH`` writes a run's durations in ``tests/durations.json``'s format (per test: wall
 seconds of setup + call + teardown, and the machine's busy CPU seconds meanwhile, :func:`_cpu_seconds`; tests
-under 0.5 s of both are left out). Refresh that file from a serial run after adding or changing slow tests::
+under 0.5 s of both are left out, but for those under :data:`HEAVY_PATHS`, which would count as heavy otherwise).
+Refresh that file from a serial run after adding or changing slow tests::
 
     .venv/bin/python -m pytest -m "not slow" --durations-out tests/durations.json
 """
@@ -394,6 +395,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     out = session.config.getoption("durations_out", None)
     if not out:
         return
-    kept = {k: v for k, v in sorted(_measured.items()) if max(v) >= RECORD_MIN_S}
+    # under HEAVY_PATHS a test missing from the file counts as heavy and long (_unrecorded): fast ones are kept there
+    kept = {k: v for k, v in sorted(_measured.items()) if max(v) >= RECORD_MIN_S or k.startswith(HEAVY_PATHS)}
     lines = [f"{json.dumps(k)}: [{v[0]:.1f}, {v[1]:.1f}]" for k, v in kept.items()]
     Path(out).write_text("{\n" + ",\n".join(lines) + "\n}\n")
