@@ -122,9 +122,7 @@ def _resize_2_1_2(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]
     agents.append(c)
     shrunk = max_step(rec)
     assert wait_until(lambda: world_since(2, shrunk), 90), agent_logs(agents)
-    grown = max_step(rec)
-    assert wait_until(lambda: max_step(rec) >= grown + 2, 60), agent_logs(agents)
-    a.kill_workers()  # a worker dies: torchrun restarts the group, at 2
+    a.kill_workers()  # a worker dies: torchrun restarts the group, at 2 (the held last epoch waits for it)
     hold.unlink()
     for agent in (a, c):
         assert_exits_ok(agent, agents, 150)
