@@ -72,28 +72,38 @@ def _final_loss(rec: Path) -> float:
     return float(json.loads((rec / "final.json").read_text())["loss"])
 
 
-def _assert_policy_and_exactly_once(rec: Path) -> list[int]:
+def _assert_policy_and_exactly_once(rec: Path, rule: LRRule = LRRule.FIXED_GLOBAL_BATCH,
+                                    max_steps: int | None = None) -> list[int]:  # fmt: skip
     """Every step committed once, by one rank per worker of its world; the policy's global batch (all ranks' samples
-    together) and LR (with its ramp after each resize) at every step; every sample once per epoch. Returns the
-    worlds the run went through, in order."""
+    together; the last step of an epoch takes what is left) and accumulation, and the LR (the Trainer's linear decay
+    times the policy's factor, with its ramp after each resize) at every step; every sample once per epoch (at most
+    once in an epoch cut by ``max_steps``). Returns the worlds the run went through, in order."""
     eff = effective_records(read_records(rec))
     steps = sorted(eff)
     assert steps == list(range(1, steps[-1] + 1)), "every step committed exactly once"
-    policy = LRPolicy(LRRule.FIXED_GLOBAL_BATCH, LR, BASE_WORLD, BATCH, warmup_steps=WARMUP,
-                      accumulation_steps=ACCUMULATION)  # fmt: skip
+    policy = LRPolicy(rule, LR, BASE_WORLD, BATCH, warmup_steps=WARMUP, accumulation_steps=ACCUMULATION)
     factors = expected_factors(policy, eff)
-    steps_per_epoch = -(-SAMPLES // policy.step_plan(1).global_batch)
-    schedule = [1 - s / (steps_per_epoch * EPOCHS) for s in range(len(steps))]  # the Trainer's linear decay
+    total = max_steps or -(-SAMPLES // policy.step_plan(1).global_batch) * EPOCHS
+    consumed: dict[int, int] = {}
     for s in steps:
-        world = eff[s][0]["world"]
+        world, epoch = eff[s][0]["world"], eff[s][0]["epoch"]
         assert sorted(r["rank"] for r in eff[s]) == list(range(world)), f"step {s}: one record per rank"
         plan = policy.step_plan(world)
-        assert sum(len(r["indices"]) for r in eff[s]) == plan.global_batch, f"step {s}: the global batch"
+        taken = sum(len(r["indices"]) for r in eff[s])
+        assert taken == min(plan.global_batch, SAMPLES - consumed.get(epoch, 0)), f"step {s}: the global batch"
+        consumed[epoch] = consumed.get(epoch, 0) + taken
         for r in eff[s]:
-            assert r["accumulation"] == plan.accumulation_steps, (s, r)
-            assert r["lr"] == pytest.approx(LR * schedule[s - 1] * factors[s], rel=1e-9), (s, r["lr"])
-    assert steps[-1] == steps_per_epoch * EPOCHS
-    assert_every_sample_once_per_epoch(eff, SAMPLES)
+            assert r["epoch"] == epoch and r["accumulation"] == plan.accumulation_steps, (s, r)
+            expected = LR * (1 - (s - 1) / total) * factors[s]  # the Trainer's linear decay, times the factor
+            assert r["lr"] == pytest.approx(expected, rel=1e-9), (s, r["lr"], expected)
+    assert steps[-1] == total
+    if max_steps is None:
+        assert_every_sample_once_per_epoch(eff, SAMPLES)
+    else:
+        for epoch in consumed:
+            seen = [i for s in steps for r in eff[s] if r["epoch"] == epoch for i in r["indices"]]
+            assert len(seen) == len(set(seen)), f"epoch {epoch}: a sample repeated"
+            assert len(seen) < SAMPLES or sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}: a sample skipped"
     worlds = [eff[s][0]["world"] for s in steps]
     return [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
 
@@ -172,6 +182,18 @@ def test_accelerate_loop_2_1_2_kills_exactly_once_policy_loss_and_bit_identical_
     tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
 ) -> None:
     _all_guarantees(tmp_path, etcd_server, agents, ["--accelerate"])
+
+
+@pytest.mark.slow  # the fixed-global-batch form above keeps the LR factor at 1: here the LR and batch change
+@pytest.mark.timeout(300)
+def test_hf_trainer_linear_rule_2_1_2_rescales_the_lr_with_its_ramp_and_keeps_every_sample_once(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent]
+) -> None:
+    """The ``linear`` rule: the accumulation stays, the global batch follows the world (8 at 2 workers, 4 at 1) and
+    the LR factor ramps over 2 steps to 1/2 at 1 worker and back to 1; ``max_steps`` fixes the schedule's length
+    (the steps per epoch change with the world)."""
+    resized = _resize_2_1_2(tmp_path, etcd_server, agents, ["--lr-rule", "linear", "--steps", "40"])
+    assert _assert_policy_and_exactly_once(resized, LRRule.LINEAR, max_steps=40) == [2, 1, 2]
 
 
 def _all_guarantees(tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent],
