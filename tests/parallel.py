@@ -74,8 +74,12 @@ def load_durations(path: Path = DURATIONS) -> dict[str, tuple[float, float]]:
 #: where a test not in ``durations.json`` yet is taken for a heavy one (real torchrun jobs, service clusters, a real
 #: Slurm running them: unrecorded, the Slurm tests once ran as light units beside two heavy ones, at twice their time)
 HEAVY_PATHS = (
-    "tests/integration/", "tests/chaos/", "tests/test_examples.py", "tests/examples/", "tests/deploy/test_slurm",
-)  # fmt: skip
+    "tests/integration/",
+    "tests/chaos/",
+    "tests/test_examples.py",
+    "tests/examples/",
+    "tests/deploy/test_slurm",
+)
 
 
 def _unrecorded(nodeid: str) -> tuple[float, float]:
@@ -262,9 +266,11 @@ if LoadGroupScheduling is not None:
 # -- hooks (tests/conftest.py imports them) --------------------------------------------------------------
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--durations-out", metavar="PATH", default=None,
+        "--durations-out",
+        metavar="PATH",
+        default=None,
         help="write each test's wall and CPU seconds as JSON (the format of tests/durations.json)",
-    )  # fmt: skip
+    )
 
 
 def use_loadgroup(config: pytest.Config) -> None:

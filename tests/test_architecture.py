@@ -27,9 +27,14 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "elastic.checkpoint": ("elastic.train", "elastic.live", "elastic.rendezvous"),
     "elastic.rendezvous": ("elastic.train", "elastic.live", "elastic.checkpoint"),
     "elastic.etcd": ("elastic.train", "elastic.live", "elastic.checkpoint", "elastic.rendezvous", "elastic.contract"),
-    "elastic.contract": ("elastic.train", "elastic.live", "elastic.checkpoint", "elastic.rendezvous",
-                         "elastic.prefork"),
-}  # fmt: skip
+    "elastic.contract": (
+        "elastic.train",
+        "elastic.live",
+        "elastic.checkpoint",
+        "elastic.rendezvous",
+        "elastic.prefork",
+    ),
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -144,9 +149,7 @@ def test_no_two_packages_import_each_other() -> None:
     packages: dict[str, set[str]] = {}
     for module, targets in graph.items():
         a = _package(module, mods)
-        packages.setdefault(a, set()).update(
-            b for b in (_package(t, mods) for t in targets) if not _related(a, b)
-        )  # fmt: skip
+        packages.setdefault(a, set()).update(b for b in (_package(t, mods) for t in targets) if not _related(a, b))
     assert "elastic.train" in packages and "service.client" in packages
     assert cycles(packages) == []
 

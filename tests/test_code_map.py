@@ -114,8 +114,10 @@ def test_every_etrain_name_is_written_once_in_its_home() -> None:
         for rel in _modules(root):
             path = f"{root}/{rel}"
             for node in ast.walk(ast.parse((REPO / path).read_text())):
-                if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
-                    r"ETRAIN_[A-Z0-9_]+", node.value
+                if (
+                    isinstance(node, ast.Constant)
+                    and isinstance(node.value, str)
+                    and re.fullmatch(r"ETRAIN_[A-Z0-9_]+", node.value)
                 ):
                     written[node.value] += 1
                     if path not in ETRAIN_HOMES:

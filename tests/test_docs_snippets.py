@@ -29,9 +29,13 @@ def test_the_doc_has_the_three_forms() -> None:
 def test_each_documented_form_runs_as_a_plain_python_script(index: int, tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(_blocks()[index])
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "LOCAL_WORLD_SIZE")}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+    }
     env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=150)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150
+    )
     assert done.returncode == 0, done.stderr[-3000:]

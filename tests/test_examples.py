@@ -39,17 +39,29 @@ def test_elastic_digits_changes_at_most_10_lines_of_the_ddp_script() -> None:
 
 
 def _torchrun(
-    etcd: LocalEtcdCluster, script: str, args: list[str], nproc: int = 2, env: dict[str, str] | None = None,
+    etcd: LocalEtcdCluster,
+    script: str,
+    args: list[str],
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
     warm: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """The README's command; ``warm``: with ``-m elastic.prefork`` (its warm starts), the workers forked from this
     test process's zygote (one torch import for the suite's runs: ``shared_zygote``)."""
     prefork = ["-m", "elastic.prefork"] if warm else []
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
-        "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoints}", f"--rdzv-id=ex-{uuid.uuid4().hex[:6]}",
-        *prefork, str(EXAMPLES / script), *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=etcd-v3",
+        f"--rdzv-endpoint={etcd.endpoints}",
+        f"--rdzv-id=ex-{uuid.uuid4().hex[:6]}",
+        *prefork,
+        str(EXAMPLES / script),
+        *args,
+    ]
     full_env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", **(env or {}))
     if warm:
         full_env.update(shared_zygote())
@@ -79,8 +91,9 @@ def test_elastic_chargpt_trains_on_the_committed_text(etcd_server: LocalEtcdClus
 
 
 @pytest.mark.timeout(300)
-def test_elastic_fsdp_trains_sharded_then_resumes_as_hsdp_on_4_workers(etcd_server: LocalEtcdCluster,
-                                                                      tmp_path: Path) -> None:  # fmt: skip
+def test_elastic_fsdp_trains_sharded_then_resumes_as_hsdp_on_4_workers(
+    etcd_server: LocalEtcdCluster, tmp_path: Path
+) -> None:
     """The FSDP2 example on 2 workers to step 12 (a sharded snapshot every 10 steps), then on 4 workers as HSDP
     (2 replicas x 2 shards): the step-10 snapshot is resharded on load and training goes on from there."""
     ck = ["--checkpoint-url", str(tmp_path / "ck"), "--save-every", "10"]

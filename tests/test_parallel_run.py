@@ -31,13 +31,20 @@ def test_unmarked(request):
 
 def _pytest(tmp_path: Path, *args: str, **env_extra: str) -> subprocess.CompletedProcess[str]:
     """A pytest in ``tmp_path`` with this suite's hooks (and none of this run's xdist or hook settings)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTEST_XDIST", "PYTEST_TIMEOUT_SCALE", FAILED_OUT_ENV))}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_XDIST", "PYTEST_TIMEOUT_SCALE", FAILED_OUT_ENV))
+    }
     env.update(PYTHONPATH=str(REPO), **env_extra)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "tests.parallel", "-p", "no:cacheprovider", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _inner(tmp_path: Path, workers: int, marked: float, unmarked: float | None, scale: str) -> None:

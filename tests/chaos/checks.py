@@ -80,9 +80,7 @@ def effective(records: Iterable[Record]) -> dict[int, list[Record]]:
     by_step: dict[int, dict[str, list[Record]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         by_step[r["step"]][r["attempt"]].append(r)
-    return {
-        step: max(attempts.values(), key=lambda rs: max(r["t"] for r in rs)) for step, attempts in by_step.items()
-    }
+    return {step: max(attempts.values(), key=lambda rs: max(r["t"] for r in rs)) for step, attempts in by_step.items()}
 
 
 def resume_points(records: Iterable[Record]) -> dict[str, int]:
@@ -259,9 +257,11 @@ def check_reforms_redo_nothing(records: Iterable[Record]) -> list[str]:
         for _, attempt in ordered[1:]:
             if attempt not in founded:
                 bad[attempt].append((step, ordered[0][1]))
-    return [f"{attempt}, not founded anew, recorded {len(steps)} step(s) that another generation had committed"
-            f" before: " + ", ".join(f"{step} (first by {first})" for step, first in sorted(steps)[:10])
-            for attempt, steps in sorted(bad.items())]  # fmt: skip
+    return [
+        f"{attempt}, not founded anew, recorded {len(steps)} step(s) that another generation had committed"
+        f" before: " + ", ".join(f"{step} (first by {first})" for step, first in sorted(steps)[:10])
+        for attempt, steps in sorted(bad.items())
+    ]
 
 
 def redone_steps(records: Iterable[Record]) -> set[int]:
@@ -318,9 +318,11 @@ def check_undisturbed_workers_kept(
             since = before[-1]
             if not any(since < at <= first and who in ("*", node) for at, who, _ in marks):
                 near = [f"{what} at {_clock(at)}" for at, _, what in marks if since < at <= first][-3:]
-                problems.append(f"worker {pid} on {node} started at {_clock(first)}, replacing one started at "
-                                f"{_clock(since)}, with no fault on {node} in between (the last faults then: "
-                                f"{'; '.join(near) or 'none'})")  # fmt: skip
+                problems.append(
+                    f"worker {pid} on {node} started at {_clock(first)}, replacing one started at "
+                    f"{_clock(since)}, with no fault on {node} in between (the last faults then: "
+                    f"{'; '.join(near) or 'none'})"
+                )
     return problems
 
 
@@ -367,11 +369,21 @@ def training_impact(
     for t0, a in new:
         before = max((r["step"] for r in records if r["t"] < t0 and r["attempt"] != a), default=0)
         redone += max(0, before - (first_step[a] - 1))
-    out: dict[str, Any] = {"restarted": bool(new), "new_groups": len(new), "redone_steps": redone,
-                           "lost_s": None, "window_s": None, "lost_pct": None, "step_s": None}  # fmt: skip
+    out: dict[str, Any] = {
+        "restarted": bool(new),
+        "new_groups": len(new),
+        "redone_steps": redone,
+        "lost_s": None,
+        "window_s": None,
+        "lost_pct": None,
+        "step_s": None,
+    }
     if live:
-        started = {node for node, procs in worker_processes(records).items()
-                   if any(began <= first <= until for first, _, _ in procs[1:])}  # fmt: skip
+        started = {
+            node
+            for node, procs in worker_processes(records).items()
+            if any(began <= first <= until for first, _, _ in procs[1:])
+        }
         out.update(reforms=len(new), new_groups=len(started), restarted=bool(started or redone))
     # rank 0 of the effective trajectory: when each step was (last) committed, and by which group
     eff = {step: next((r for r in rs if r["rank"] == 0), rs[0]) for step, rs in effective(records).items()}
@@ -388,8 +400,9 @@ def training_impact(
     pace = (eff[pre[-1]]["t"] - eff[pre[0]]["t"]) / (pre[-1] - pre[0])
     window = eff[s_b]["t"] - eff[s_a]["t"]
     lost = window - (s_b - s_a) * pace  # may come out a little negative: the pace varies
-    out.update(lost_s=round(lost, 3), window_s=round(window, 3), lost_pct=round(100 * lost / window, 2),
-               step_s=round(pace, 4))  # fmt: skip
+    out.update(
+        lost_s=round(lost, 3), window_s=round(window, 3), lost_pct=round(100 * lost / window, 2), step_s=round(pace, 4)
+    )
     return out
 
 

@@ -58,8 +58,16 @@ def run_in_namespaces(config: ChaosConfig, workdir: Path, node_names: Sequence[s
     topology = create_topology(node_names)
     try:
         spec = workdir / "netns-session.json"
-        spec.write_text(json.dumps({"config": config.to_dict(), "topology": json.loads(topology.to_json()),
-                                    "workdir": str(workdir), "report": str(report_path)}))  # fmt: skip
+        spec.write_text(
+            json.dumps(
+                {
+                    "config": config.to_dict(),
+                    "topology": json.loads(topology.to_json()),
+                    "workdir": str(workdir),
+                    "report": str(report_path),
+                }
+            )
+        )
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
         cmd = [*topology.exec_prefix(topology.hub), sys.executable, "-m", "tests.chaos.runner", "--inside", str(spec)]
         proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT))

@@ -89,9 +89,14 @@ class ChaosConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ChaosConfig:
-        return cls(**{**data, "time_limit": timedelta(seconds=data["time_limit"]),
-                      "settle_timeout": timedelta(seconds=data["settle_timeout"]),
-                      "kinds": tuple(FaultKind(k) for k in data["kinds"])})  # fmt: skip
+        return cls(
+            **{
+                **data,
+                "time_limit": timedelta(seconds=data["time_limit"]),
+                "settle_timeout": timedelta(seconds=data["settle_timeout"]),
+                "kinds": tuple(FaultKind(k) for k in data["kinds"]),
+            }
+        )
 
     def without(self, kind: FaultKind) -> ChaosConfig:
         return replace(self, kinds=tuple(k for k in self.kinds if k != kind))
@@ -193,9 +198,12 @@ class ChaosReport:
         ]
         lines.insert(1, f"network: {self.network}")
         if self.recovery == "live":
-            lines.insert(2, f"live recovery: {self.reforms} re-forms in place, {self.founded} generations founded"
-                            f" (the first and any resumed from storage), {self.worker_processes} worker processes,"
-                            f" {self.redone_steps} steps done twice")  # fmt: skip
+            lines.insert(
+                2,
+                f"live recovery: {self.reforms} re-forms in place, {self.founded} generations founded"
+                f" (the first and any resumed from storage), {self.worker_processes} worker processes,"
+                f" {self.redone_steps} steps done twice",
+            )
         if self.partitions_left_out:
             lines.insert(2, f"network partitions left out: {self.partitions_left_out}")
         for kind, settle in sorted(by_kind.items()):
@@ -205,9 +213,11 @@ class ChaosReport:
             lines.append(f"  {kind:20s} {len(settle):5d}   {med} / {top}")
         impacts = [(i, f) for i, f in enumerate(self.faults, 1) if f.impact]
         if impacts:
-            lines.append("impact on training [restart: a new worker group or generation; time lost: over the"
-                         " window from the fault until 5 s after its end or the job settled, against the"
-                         " steps' pace before it]")  # fmt: skip
+            lines.append(
+                "impact on training [restart: a new worker group or generation; time lost: over the"
+                " window from the fault until 5 s after its end or the job settled, against the"
+                " steps' pace before it]"
+            )
         for i, f in impacts:
             lines.append(f"  #{i:<3d}{f.kind:17s} at step {f.step_at:5d}: {describe_impact(f.impact or {})}")
             if f.detail:
@@ -224,15 +234,19 @@ def describe_impact(impact: dict[str, Any]) -> str:
     gen = impact.get("generation_delta")
     restart = "yes" if impact.get("restarted") else "no"
     groups = "nodes with new worker processes" if "reforms" in impact else "new worker groups"
-    parts = [f"restart {restart} ({impact.get('new_groups', 0)} {groups}"
-             + (f", generation +{gen})" if gen is not None else ")"),
-             f"{impact.get('redone_steps', 0)} steps done twice"]  # fmt: skip
+    parts = [
+        f"restart {restart} ({impact.get('new_groups', 0)} {groups}"
+        + (f", generation +{gen})" if gen is not None else ")"),
+        f"{impact.get('redone_steps', 0)} steps done twice",
+    ]
     if "reforms" in impact:
         parts.insert(1, f"{impact['reforms']} live re-forms")
     lost, window, pct = impact.get("lost_s"), impact.get("window_s"), impact.get("lost_pct")
     if lost is not None and window is not None and pct is not None:
-        parts.append(f"time lost {lost:.1f} s = {pct:.1f} % of the steps' time over {window:.1f} s"
-                     f" (pace {impact.get('step_s', 0) * 1000:.0f} ms/step)")  # fmt: skip
+        parts.append(
+            f"time lost {lost:.1f} s = {pct:.1f} % of the steps' time over {window:.1f} s"
+            f" (pace {impact.get('step_s', 0) * 1000:.0f} ms/step)"
+        )
     else:
         parts.append("time lost: not measured (too few steps around the fault)")
     return ", ".join(parts)

@@ -140,13 +140,27 @@ class _Cluster(LocalServiceCluster):
         port = free_port()
         self.controller = self._spawn(
             "controller",
-            ["controller", "--host", "127.0.0.1", "--port", str(port), "--leader-ttl", str(self.lease_ttl),
-             "--checkpoint-root", self.checkpoint_root_url],
-        )  # fmt: skip
+            [
+                "controller",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--leader-ttl",
+                str(self.lease_ttl),
+                "--checkpoint-root",
+                self.checkpoint_root_url,
+            ],
+        )
         self.url = f"http://127.0.0.1:{port}"
         api = ApiClient(self.url)
-        wait_for(lambda: self.check_alive() and api.ready(), ready_timeout, 0.5, what="the controller to be ready",
-                 retry_on=(ApiError,))  # fmt: skip
+        wait_for(
+            lambda: self.check_alive() and api.ready(),
+            ready_timeout,
+            0.5,
+            what="the controller to be ready",
+            retry_on=(ApiError,),
+        )
         return api
 
 
@@ -271,21 +285,51 @@ class ChaosRunner:
     # -- the job -------------------------------------------------------------------------------------
     def job_spec(self) -> dict[str, Any]:
         c = self.config
-        args = ["--record", str(self.rec), "--epochs", str(c.epochs), "--samples", str(c.samples),
-                "--batch", str(c.batch), "--lr-rule", "fixed-global-batch", "--base-world", str(c.nodes),
-                "--save-every", str(c.save_every), "--step-sleep", str(c.step_sleep), "--dropout", "0",
-                "--keep-last", "1000000"]  # fmt: skip
+        args = [
+            "--record",
+            str(self.rec),
+            "--epochs",
+            str(c.epochs),
+            "--samples",
+            str(c.samples),
+            "--batch",
+            str(c.batch),
+            "--lr-rule",
+            "fixed-global-batch",
+            "--base-world",
+            str(c.nodes),
+            "--save-every",
+            str(c.save_every),
+            "--step-sleep",
+            str(c.step_sleep),
+            "--dropout",
+            "0",
+            "--keep-last",
+            "1000000",
+        ]
         if c.hold_epochs > 0:  # a slow tail until the last fault (ChaosConfig.hold_epochs)
             # --pace-file: the steps after the last fault (the hold file gone) run at full speed, not step_sleep's
-            args += ["--hold-file", str(self.hold), "--hold-epoch", str(max(0, c.epochs - c.hold_epochs)),
-                     "--hold-max", str(c.hold_max_s), "--pace-file", str(self.hold)]  # fmt: skip
+            args += [
+                "--hold-file",
+                str(self.hold),
+                "--hold-epoch",
+                str(max(0, c.epochs - c.hold_epochs)),
+                "--hold-max",
+                str(c.hold_max_s),
+                "--pace-file",
+                str(self.hold),
+            ]
         env = {"OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
         if self.network is None:
             env["GLOO_SOCKET_IFNAME"] = "lo"  # in namespaces the agents give their node's interface
         extra: dict[str, Any] = {}
         if self.proxy is not None:  # fsspec hands FSSPEC_S3_* to s3fs: the workers reach S3 through the proxy
-            env.update(FSSPEC_S3_ENDPOINT_URL=self.proxy.endpoint_url, FSSPEC_S3_KEY="testing",
-                       FSSPEC_S3_SECRET="testing", AWS_EC2_METADATA_DISABLED="true")  # fmt: skip
+            env.update(
+                FSSPEC_S3_ENDPOINT_URL=self.proxy.endpoint_url,
+                FSSPEC_S3_KEY="testing",
+                FSSPEC_S3_SECRET="testing",
+                AWS_EC2_METADATA_DISABLED="true",
+            )
             args[args.index("--keep-last") + 1] = str(c.s3_keep_last)
             extra["checkpoint_url"] = f"s3://{BUCKET}/main"
         return {
@@ -300,8 +344,13 @@ class ChaosRunner:
             "local_snapshot_every": c.local_every,
             "recovery": c.recovery,
             "restart_policy": {
-                "backoff_initial": 1, "backoff_max": 4, "max_failures": 1000, "max_membership_changes": 100000,
-                "max_worker_restarts": 100, "crash_loop_threshold": 1000, "blacklist_after": 1000,
+                "backoff_initial": 1,
+                "backoff_max": 4,
+                "max_failures": 1000,
+                "max_membership_changes": 100000,
+                "max_worker_restarts": 100,
+                "crash_loop_threshold": 1000,
+                "blacklist_after": 1000,
             },
         }
 
@@ -319,10 +368,13 @@ class ChaosRunner:
             "min_nodes": 1,
             "max_nodes": 1,
             "restart_policy": {
-                "backoff_initial": 1, "backoff_max": 2, "max_failures": 3, "max_worker_restarts": 1,
+                "backoff_initial": 1,
+                "backoff_max": 2,
+                "max_failures": 3,
+                "max_worker_restarts": 1,
                 "crash_loop_threshold": 2,
             },
-        }  # fmt: skip
+        }
 
     def generation_starts(self) -> list[tuple[float, int]]:
         """``(unix time, generation)`` of each generation of the job the controller started (its events)."""
@@ -586,8 +638,10 @@ class ChaosRunner:
                 manager.close()
 
         self.later(self.config.outage_s, "the S3 endpoint back", back)
-        return (f"S3 endpoint {proxy.endpoint_url} for {self.config.outage_s:.0f} s, cut {proxy.cut_reason};"
-                f" newest committed snapshot then: step {newest}")  # fmt: skip
+        return (
+            f"S3 endpoint {proxy.endpoint_url} for {self.config.outage_s:.0f} s, cut {proxy.cut_reason};"
+            f" newest committed snapshot then: step {newest}"
+        )
 
     def _second_job(self) -> str | None:
         try:
@@ -618,7 +672,8 @@ class ChaosRunner:
         lines = error.splitlines()
         cause = [line.strip() for line in lines if "error:" in line]  # the script's own message (argparse)
         fault.detail = f"job {job_id} ended {final.get('state')}, last_error: " + (
-            " ... ".join([lines[0].strip(), *cause[-1:]]) if lines else "none")  # fmt: skip
+            " ... ".join([lines[0].strip(), *cause[-1:]]) if lines else "none"
+        )
         if final.get("state") != "failed":
             self.second_problems.append(f"job {job_id} ended {final.get('state')}, not failed")
         if "not-a-number" not in error:
@@ -693,8 +748,7 @@ class ChaosRunner:
             poller = self.poller = _Poller(self.cluster, self.job_id, history)
             poller.start()
             if self.s3 is not None:
-                self.verifier = _ResumeVerifier(self.records, f"s3://{BUCKET}/main", self.s3.storage_options(),
-                                                c.live)
+                self.verifier = _ResumeVerifier(self.records, f"s3://{BUCKET}/main", self.s3.storage_options(), c.live)
                 self.verifier.start()
             total = c.epochs * c.steps_per_epoch
             if not self.wait("training to start", lambda: self.max_step() >= c.steps_between, 180):
@@ -796,8 +850,9 @@ class ChaosRunner:
             if self.verifier is not None:  # on S3: checked as they came, before retention removed them
                 problems, report.resume_points_verified = self.verifier.finish()
                 return problems
-            problems, report.resume_points_verified = check_resumed_snapshots_verify(records, checkpoint_url,
-                                                                                     live=c.live)
+            problems, report.resume_points_verified = check_resumed_snapshots_verify(
+                records, checkpoint_url, live=c.live
+            )
             return problems
 
         def storage_outages() -> list[str]:
@@ -809,8 +864,10 @@ class ChaosRunner:
             for cut, newest in self.storage_cuts:
                 for attempt, step in points.items():
                     if newest is not None and starts[attempt] > cut and step < newest:
-                        problems.append(f"a group resumed from step {step} after the storage outage at"
-                                        f" {cut:.1f}, though step {newest} was committed before it")  # fmt: skip
+                        problems.append(
+                            f"a group resumed from step {step} after the storage outage at"
+                            f" {cut:.1f}, though step {newest} was committed before it"
+                        )
             return problems
 
         def second_jobs() -> list[str]:
@@ -818,11 +875,13 @@ class ChaosRunner:
             for fault, job_id in self.second_jobs:
                 impact = fault.impact or {}
                 if impact.get("new_groups"):
-                    problems.append(f"the training job started {impact['new_groups']} worker group(s) while"
-                                    f" job {job_id} ran")  # fmt: skip
+                    problems.append(
+                        f"the training job started {impact['new_groups']} worker group(s) while job {job_id} ran"
+                    )
                 if impact.get("generation_delta"):
-                    problems.append(f"the training job's generation went up by {impact['generation_delta']}"
-                                    f" while job {job_id} ran")  # fmt: skip
+                    problems.append(
+                        f"the training job's generation went up by {impact['generation_delta']} while job {job_id} ran"
+                    )
             return problems
 
         for fault in report.faults:  # the quiet kinds' cost to the training job, from all its records
@@ -835,8 +894,10 @@ class ChaosRunner:
 
         guarded("job completed", lambda: [] if report.job_state == "succeeded" else [f"job {report.job_state}"])
         guarded("training resumed after every fault", lambda: list(report.stalls))
-        guarded("every sample exactly once per epoch",
-                lambda: check_exactly_once(records, c.samples, c.epochs, c.steps_per_epoch))  # fmt: skip
+        guarded(
+            "every sample exactly once per epoch",
+            lambda: check_exactly_once(records, c.samples, c.epochs, c.steps_per_epoch),
+        )
         guarded("replicas identical", lambda: check_replicas_identical(self.rec, live=c.live))
         guarded("no job record or event lost", lambda: list(history.problems))
         guarded("no torn checkpoint loaded", snapshots)
@@ -845,15 +906,18 @@ class ChaosRunner:
         if self.second_jobs or self.second_problems:
             guarded("malformed second job failed, training job unaffected", second_jobs)
         if c.live:
-            guarded("live: workers of undisturbed nodes kept their processes",
-                    lambda: check_undisturbed_workers_kept(records, self.disturbances))
+            guarded(
+                "live: workers of undisturbed nodes kept their processes",
+                lambda: check_undisturbed_workers_kept(records, self.disturbances),
+            )
             guarded("live: replicas identical after every step", lambda: check_step_digests(records))
-            guarded("live: re-forms re-did no step", lambda: check_reforms_redo_nothing(records))  # fmt: skip
+            guarded("live: re-forms re-did no step", lambda: check_reforms_redo_nothing(records))
         if self.partitions:
             cuts = [(p.node, p.began, p.healed) for p in self.partitions]
             events = list(history.events.values())
-            guarded("partitioned nodes dropped and rejoined",
-                    lambda: check_partitions_dropped_and_rejoined(cuts, events))  # fmt: skip
+            guarded(
+                "partitioned nodes dropped and rejoined", lambda: check_partitions_dropped_and_rejoined(cuts, events)
+            )
         logs = [log for log in (self.workdir / "agents").glob("**/*.log") if log.is_file()]
         report.corrupt_warnings = sum(log.read_text(errors="replace").lower().count("corrupt") for log in logs)
 
@@ -861,11 +925,12 @@ class ChaosRunner:
 #: kinds that disturb one node, named in the fault's target ("worker 123 on node-2", "agent node-1", "node node-3
 #: (10.0.0.3) for 4.2 s"); the others touch no node's workers (a live job must keep every worker through them)
 _NODE_TARGET = {
-    **dict.fromkeys((FaultKind.WORKER_KILL, FaultKind.WORKER_STOP, FaultKind.TORCHRUN_KILL, FaultKind.TORCHRUN_STOP),
-                    r" on (\S+)$"),
+    **dict.fromkeys(
+        (FaultKind.WORKER_KILL, FaultKind.WORKER_STOP, FaultKind.TORCHRUN_KILL, FaultKind.TORCHRUN_STOP), r" on (\S+)$"
+    ),
     **dict.fromkeys((FaultKind.AGENT_KILL, FaultKind.AGENT_STOP), r"^agent (\S+)$"),
     FaultKind.NETWORK_PARTITION: r"^node (\S+) ",
-}  # fmt: skip
+}
 
 
 def fault_node(kind: FaultKind, target: str) -> str | None:
@@ -929,11 +994,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=2400, help="seconds; the run stops by itself")
     p.add_argument("--steps-between", type=int, default=10)
     p.add_argument("--local-every", type=int, default=0, help="node-local snapshot every N steps (0: off)")
-    p.add_argument("--recovery", choices=RECOVERY_MODES, default="restart",
-                   help="the job's recovery mode (job spec recovery); live adds the live-only checks")  # fmt: skip
+    p.add_argument(
+        "--recovery",
+        choices=RECOVERY_MODES,
+        default="restart",
+        help="the job's recovery mode (job spec recovery); live adds the live-only checks",
+    )
     p.add_argument("--kinds", default=",".join(k.value for k in FaultKind))
-    p.add_argument("--no-netns", action="store_true",
-                   help="everything on loopback in this namespace; network partitions are left out")  # fmt: skip
+    p.add_argument(
+        "--no-netns",
+        action="store_true",
+        help="everything on loopback in this namespace; network partitions are left out",
+    )
     p.add_argument("--workdir", type=Path, default=None, help="keep everything here (default: a temp dir)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--inside", type=Path, default=None, help=argparse.SUPPRESS)
@@ -945,10 +1017,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.inside is not None:
         return _inside(args.inside)
     config = ChaosConfig(
-        faults=args.faults, seed=args.seed, time_limit=timedelta(seconds=args.time_limit),
-        steps_between=args.steps_between, kinds=tuple(FaultKind(k) for k in args.kinds.split(",")),
-        local_every=args.local_every, recovery=args.recovery,
-    )  # fmt: skip
+        faults=args.faults,
+        seed=args.seed,
+        time_limit=timedelta(seconds=args.time_limit),
+        steps_between=args.steps_between,
+        kinds=tuple(FaultKind(k) for k in args.kinds.split(",")),
+        local_every=args.local_every,
+        recovery=args.recovery,
+    )
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     report = run_chaos(config, args.workdir, netns=False if args.no_netns else None)

@@ -31,9 +31,7 @@ NO_NETNS = unavailable_reason()
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> ChaosReport:
     kinds = tuple(k for k in FaultKind if not (NO_NETNS and k == FaultKind.NETWORK_PARTITION))
-    config = ChaosConfig(
-        faults=len(kinds), kinds=kinds, seed=0, time_limit=timedelta(seconds=600), steps_between=8
-    )
+    config = ChaosConfig(faults=len(kinds), kinds=kinds, seed=0, time_limit=timedelta(seconds=600), steps_between=8)
     result = run_chaos(config, tmp_path_factory.mktemp("chaos"), netns=NO_NETNS is None)
     print(result.summary())
     return result

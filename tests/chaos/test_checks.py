@@ -35,8 +35,17 @@ def _run(attempt: str, steps: range, world: int, t0: float, samples_per_step: in
         share = samples_per_step // world
         for rank in range(world):
             idx = list(range(first + rank * share, first + (rank + 1) * share))
-            out.append({"step": step, "epoch": (first // 8), "rank": rank, "world": world, "attempt": attempt,
-                        "t": t0 + i, "indices": [i % 8 for i in idx]})  # fmt: skip
+            out.append(
+                {
+                    "step": step,
+                    "epoch": (first // 8),
+                    "rank": rank,
+                    "world": world,
+                    "attempt": attempt,
+                    "t": t0 + i,
+                    "indices": [i % 8 for i in idx],
+                }
+            )
     return out
 
 
@@ -71,8 +80,15 @@ def test_replicas_that_differ_or_a_missing_rank_are_reported(tmp_path: Path) -> 
 
 
 def test_api_history_reports_a_lost_event_a_changed_record_and_counters_going_back() -> None:
-    job = {"id": "j", "created_at": "t", "spec": {"a": 1}, "submitted_by": "u", "checkpoint": {"url": "file:///c"},
-           "generation": 2, "restarts": {"failure": 1, "membership": 3, "in_place": 0}}  # fmt: skip
+    job = {
+        "id": "j",
+        "created_at": "t",
+        "spec": {"a": 1},
+        "submitted_by": "u",
+        "checkpoint": {"url": "file:///c"},
+        "generation": 2,
+        "restarts": {"failure": 1, "membership": 3, "in_place": 0},
+    }
     events = [{"id": "1", "type": "submitted"}, {"id": "2", "type": "started"}]
     h = ApiHistory()
     h.observe(job, events)
@@ -91,8 +107,12 @@ def test_a_partitioned_node_must_be_dropped_after_the_cut_and_join_again_after_t
         stamp = datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
         return {"id": str(t), "time": stamp, "type": kind, "message": "", "data": {"node": node}}
 
-    events = [ev(100, "node_lost", "n2"), ev(200, "node_lost", "n2"), ev(205, "node_joined", "n2"),
-              ev(300, "node_lost", "n3")]  # fmt: skip
+    events = [
+        ev(100, "node_lost", "n2"),
+        ev(200, "node_lost", "n2"),
+        ev(205, "node_joined", "n2"),
+        ev(300, "node_lost", "n3"),
+    ]
     assert check_partitions_dropped_and_rejoined([("n2", 199.0, 204.0)], events) == []
     assert "never dropped" in check_partitions_dropped_and_rejoined([("n1", 0.0, 5.0)], events)[0]
     assert "never rejoined" in check_partitions_dropped_and_rejoined([("n3", 299.0, 305.0)], events)[0]
@@ -104,8 +124,10 @@ def test_a_partitioned_node_must_be_dropped_after_the_cut_and_join_again_after_t
 
 
 def _steps(attempt: str, steps: range, t0: float, dt: float) -> list[dict[str, Any]]:
-    return [{"step": s, "epoch": 0, "rank": 0, "world": 1, "attempt": attempt, "t": t0 + i * dt, "indices": [s]}
-            for i, s in enumerate(steps)]  # fmt: skip
+    return [
+        {"step": s, "epoch": 0, "rank": 0, "world": 1, "attempt": attempt, "t": t0 + i * dt, "indices": [s]}
+        for i, s in enumerate(steps)
+    ]
 
 
 def test_training_impact_counts_a_restart_the_steps_done_twice_and_the_time_lost() -> None:
@@ -201,8 +223,10 @@ def test_live_a_founded_generation_may_redo_steps_a_reformed_one_may_not() -> No
     # a re-formed generation (a survivor, pid 3) going back to step 5: a bug
     records += _live(3, range(5, 7), ["n1", "n2"], 20.0, {"n1": 3, "n2": 5})
     problems = check_reforms_redo_nothing(records)
-    assert problems == ["gen3, not founded anew, recorded 2 step(s) that another generation had committed before: "
-                        "5 (first by gen1), 6 (first by gen2)"]
+    assert problems == [
+        "gen3, not founded anew, recorded 2 step(s) that another generation had committed before: "
+        "5 (first by gen1), 6 (first by gen2)"
+    ]
 
 
 def test_live_generation_numbers_start_again_in_each_job_generation() -> None:

@@ -80,9 +80,9 @@ def pod_spec(m: Manifest) -> dict[str, Any]:
 
 
 def pod_labels(m: Manifest) -> dict[str, str]:
-    labels: dict[str, str] = (
-        m.obj["metadata"] if m.kind == "Pod" else m.obj["spec"]["template"]["metadata"]
-    ).get("labels") or {}
+    labels: dict[str, str] = (m.obj["metadata"] if m.kind == "Pod" else m.obj["spec"]["template"]["metadata"]).get(
+        "labels"
+    ) or {}
     return labels
 
 
@@ -147,18 +147,14 @@ def problems(manifests: list[Manifest]) -> list[str]:
                 for w in targets:
                     names = {p["name"] for c in pod_spec(w)["containers"] for p in c.get("ports", [])}
                     if target not in names:
-                        errs.append(
-                            f"Service/{svc.name}: targetPort {target} is not a port of {w.kind}/{w.name}"
-                        )
+                        errs.append(f"Service/{svc.name}: targetPort {target} is not a port of {w.kind}/{w.name}")
     for pdb in find(manifests, "PodDisruptionBudget"):
         if not any(selects(pdb.obj["spec"]["selector"]["matchLabels"], pod_labels(w)) for w in workloads):
             errs.append(f"PodDisruptionBudget/{pdb.name}: selects no workload")
     for hpa in find(manifests, "HorizontalPodAutoscaler"):
         ref = hpa.obj["spec"]["scaleTargetRef"]
         if (ref["kind"], ref["name"]) not in by_kind_name:
-            errs.append(
-                f"HorizontalPodAutoscaler/{hpa.name}: target {ref['kind']}/{ref['name']} is not rendered"
-            )
+            errs.append(f"HorizontalPodAutoscaler/{hpa.name}: target {ref['kind']}/{ref['name']} is not rendered")
         if hpa.obj["spec"]["minReplicas"] > hpa.obj["spec"]["maxReplicas"]:
             errs.append(f"HorizontalPodAutoscaler/{hpa.name}: minReplicas > maxReplicas")
     for ing in find(manifests, "Ingress"):
@@ -221,9 +217,12 @@ JOB_ISOLATION_CAPS = {"CHOWN", "KILL", "SETGID", "SETUID"}
 def _isolating_agent(spec: dict[str, Any]) -> bool:
     """An agent container with --job-uid-range, whose root keeps no capability beyond :data:`JOB_ISOLATION_CAPS`."""
     cs = spec["containers"]
-    return len(cs) == 1 and cs[0]["name"] == "agent" and "ETRAIN_JOB_UID_RANGE" in env_of(cs[0]) and set(
-        ((cs[0].get("securityContext") or {}).get("capabilities") or {}).get("add") or []
-    ) <= JOB_ISOLATION_CAPS
+    return (
+        len(cs) == 1
+        and cs[0]["name"] == "agent"
+        and "ETRAIN_JOB_UID_RANGE" in env_of(cs[0])
+        and set(((cs[0].get("securityContext") or {}).get("capabilities") or {}).get("add") or []) <= JOB_ISOLATION_CAPS
+    )
 
 
 def security_problems(m: Manifest) -> list[str]:

@@ -172,9 +172,7 @@ def expand_env(env: list[dict[str, Any]], overrides: dict[str, str], fields: dic
         if name in overrides:
             value = overrides[name]
         elif "value" in item:
-            value = re.sub(
-                r"\$\(([A-Za-z_]\w*)\)", lambda m: out.get(m.group(1), m.group(0)), str(item["value"])
-            )
+            value = re.sub(r"\$\(([A-Za-z_]\w*)\)", lambda m: out.get(m.group(1), m.group(0)), str(item["value"]))
         elif "fieldRef" in item.get("valueFrom", {}):
             value = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
@@ -205,8 +203,10 @@ def etrain_process(
     # objects (test_chart_security); this local process keeps pytest's root-only directories: no uid switch here
     env.pop("ETRAIN_JOB_UID_RANGE", None)
     # an argument naming a mounted directory (e.g. --node-password-dir) points at its local copy
-    mounts = {m["mountPath"]: str(tmp / f"{name}-files" / m["mountPath"].strip("/").replace("/", "_"))
-              for m in container.get("volumeMounts", [])}  # fmt: skip
+    mounts = {
+        m["mountPath"]: str(tmp / f"{name}-files" / m["mountPath"].strip("/").replace("/", "_"))
+        for m in container.get("volumeMounts", [])
+    }
     argv = [
         sys.executable,
         "-c",
@@ -221,7 +221,10 @@ def etrain_process(
 
 
 def run_etcd_bootstrap(
-    objects: list[mf.Manifest], etcd: RenderedEtcd, tmp: Path, overrides: dict[str, str] | None = None,
+    objects: list[mf.Manifest],
+    etcd: RenderedEtcd,
+    tmp: Path,
+    overrides: dict[str, str] | None = None,
     timeout: float = 60,
 ) -> str:
     """Run the controller pod's init container ``etcd-bootstrap`` (as the kubelet would, before the controller)

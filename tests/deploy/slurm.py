@@ -82,16 +82,32 @@ class LocalSlurm:
         socket_path = munge_dir / "munge.sock"
         self._write_conf(socket_path)
         # munged as its own user, on a socket of its own (the system's munged, if any, is left alone)
-        self._run(["runuser", "-u", "munge", "--", _sbin("munged"), "-F", f"--socket={socket_path}",
-                   f"--pid-file={munge_dir / 'munged.pid'}", f"--log-file={munge_dir / 'munged.log'}",
-                   f"--seed-file={munge_dir / 'seed'}", "--key-file=/etc/munge/munge.key"], "munged")  # fmt: skip
+        self._run(
+            [
+                "runuser",
+                "-u",
+                "munge",
+                "--",
+                _sbin("munged"),
+                "-F",
+                f"--socket={socket_path}",
+                f"--pid-file={munge_dir / 'munged.pid'}",
+                f"--log-file={munge_dir / 'munged.log'}",
+                f"--seed-file={munge_dir / 'seed'}",
+                "--key-file=/etc/munge/munge.key",
+            ],
+            "munged",
+        )
         self._wait(lambda: socket_path.exists(), 10, "munged did not create its socket")
         self._run([_sbin("slurmctld"), "-D", "-i", "-f", str(self.conf)], "slurmctld")
         for name in self.names:
             (w / "spool" / name).mkdir(parents=True, exist_ok=True)
             self._run([_sbin("slurmd"), "-D", "-N", name, "-f", str(self.conf)], f"slurmd-{name}")
-        self._wait(lambda: self.idle_nodes() == set(self.names), timeout,
-                   f"the nodes did not come up idle (sinfo: {self.sinfo()!r}); see {w}/*.log")  # fmt: skip
+        self._wait(
+            lambda: self.idle_nodes() == set(self.names),
+            timeout,
+            f"the nodes did not come up idle (sinfo: {self.sinfo()!r}); see {w}/*.log",
+        )
         return self
 
     def _write_conf(self, socket_path: Path) -> None:
@@ -135,8 +151,9 @@ class LocalSlurm:
 
     def _run(self, argv: list[str], name: str) -> None:
         log = open(self.workdir / f"{name}.out", "ab")
-        self._procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True))  # fmt: skip
+        self._procs.append(
+            subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        )
         log.close()
 
     @staticmethod
@@ -149,8 +166,9 @@ class LocalSlurm:
         raise TimeoutError(what)
 
     def sinfo(self) -> str:
-        done = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=self.env,
-                              timeout=30)  # fmt: skip
+        done = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=self.env, timeout=30
+        )
         return done.stdout.strip()
 
     def node_state(self, name: str) -> str:
@@ -174,15 +192,22 @@ class LocalSlurm:
 
     def sbatch(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
         """Submit; returns the job id."""
-        done = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=30,
-                              env={**self.env, **(env or {})}, cwd=cwd)  # fmt: skip
+        done = subprocess.run(
+            ["sbatch", "--parsable", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**self.env, **(env or {})},
+            cwd=cwd,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"sbatch failed: {done.stderr.strip()}")
         return done.stdout.strip().split(";")[0]
 
     def job_state(self, job_id: str) -> str:
-        done = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
-                              env=self.env, timeout=30)  # fmt: skip
+        done = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, env=self.env, timeout=30
+        )
         return done.stdout.strip() or "GONE"
 
     def _jobs(self) -> list[str]:
@@ -193,8 +218,7 @@ class LocalSlurm:
         subprocess.run(["scancel", *args, job_id], env=self.env, timeout=30, check=False)
 
     def stop(self) -> None:
-        subprocess.run(["scancel", "--full", "--user=root"], env=self.env, timeout=30, check=False,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(["scancel", "--full", "--user=root"], env=self.env, timeout=30, check=False, capture_output=True)
         try:  # the jobs' processes end through their slurmstepd (SIGTERM, then SIGKILL after KillWait)
             self._wait(lambda: not self._jobs(), 30, "jobs still there")
         except (TimeoutError, subprocess.SubprocessError, OSError):

@@ -91,26 +91,20 @@ def test_rendered_objects_reference_each_other_consistently(chart: helm.Chart, c
     assert mf.problems(render(chart, load_values(ci_values_file))) == []
 
 
-def test_every_pod_runs_non_root_read_only_without_privileges(
-    chart: helm.Chart, ci_values_file: Path
-) -> None:
+def test_every_pod_runs_non_root_read_only_without_privileges(chart: helm.Chart, ci_values_file: Path) -> None:
     objects = render(chart, load_values(ci_values_file))
     all_pods = list(mf.pods(objects))
     assert {m.name.rsplit("-", 1)[-1] for m in all_pods} >= {"controller", "agent", "readyz"}
     assert [p for m in all_pods for p in mf.security_problems(m)] == []
 
 
-def test_install_dry_run_succeeds_and_notes_name_the_checkpoint_url(
-    chart: helm.Chart, ci_values_file: Path
-) -> None:
+def test_install_dry_run_succeeds_and_notes_name_the_checkpoint_url(chart: helm.Chart, ci_values_file: Path) -> None:
     values = load_values(ci_values_file)
     with helm.Config(namespace=NAMESPACE) as cfg:
         release = cfg.install(chart, RELEASE, values, dry_run="client", namespace=NAMESPACE)
     installed = [doc for doc in yaml.safe_load_all(release["manifest"]) if doc]
     rendered = [m for m in render(chart, values) if not m.is_hook]
-    assert sorted((d["kind"], d["metadata"]["name"]) for d in installed) == sorted(
-        (m.kind, m.name) for m in rendered
-    )
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in installed) == sorted((m.kind, m.name) for m in rendered)
     merged = chart.merge_values(values)
     storage = merged["storage"]
     if storage["type"] == "s3":
@@ -142,9 +136,7 @@ def test_in_cluster_etcd_members_bootstrap_one_cluster(chart: helm.Chart) -> Non
     endpoints = mf.env_of(mf.container(mf.one(objects, "Deployment", "-controller"), "controller"))[
         "ETRAIN_ETCD_ENDPOINTS"
     ]
-    assert endpoints.split(",") == [
-        f"https://{name}.{headless}.{NAMESPACE}.svc.cluster.local:2379" for name in members
-    ]
+    assert endpoints.split(",") == [f"https://{name}.{headless}.{NAMESPACE}.svc.cluster.local:2379" for name in members]
     claims = sts.obj["spec"]["volumeClaimTemplates"]
     assert claims[0]["spec"]["accessModes"] == ["ReadWriteOnce"]
 
@@ -259,9 +251,7 @@ def test_auth_tokens_reach_the_controller_as_its_tokens_file(chart: helm.Chart) 
     deploy = mf.one(objects, "Deployment")
     c = mf.container(deploy, "controller")
     assert _mounted_files(deploy, c)[mf.env_of(c)["ETRAIN_TOKENS_FILE"]] == secret.name
-    assert re.fullmatch(
-        r"[0-9a-f]{64}", deploy.obj["spec"]["template"]["metadata"]["annotations"]["checksum/auth"]
-    )
+    assert re.fullmatch(r"[0-9a-f]{64}", deploy.obj["spec"]["template"]["metadata"]["annotations"]["checksum/auth"])
     ingress = mf.one(objects, "Ingress")
     backend = ingress.obj["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
     assert backend == {"name": mf.one(objects, "Service", "-controller").name, "port": {"name": "http"}}
@@ -288,9 +278,10 @@ def test_controller_quotas_reach_the_controller_as_its_quotas_file(chart: helm.C
     volumes = {v["name"]: v for v in mf.pod_spec(deploy)["volumes"]}
     mounted = {
         f"{m['mountPath']}/{item['path']}": volumes[m["name"]]["configMap"]["name"]
-        for m in c["volumeMounts"] if "configMap" in volumes[m["name"]]
+        for m in c["volumeMounts"]
+        if "configMap" in volumes[m["name"]]
         for item in volumes[m["name"]]["configMap"]["items"]
-    }  # fmt: skip
+    }
     assert mounted == {path: config_map.name}
     assert re.fullmatch(r"[0-9a-f]{64}", deploy.obj["spec"]["template"]["metadata"]["annotations"]["checksum/quotas"])
     # no quotas: no ConfigMap, no file
@@ -325,9 +316,7 @@ def test_helm_test_hook_requests_the_controller_readyz(chart: helm.Chart) -> Non
     assert annotations["helm.sh/hook"] == "test"
     svc = mf.one(objects, "Service", "-controller")
     url = mf.container(pod, "readyz")["command"][3]
-    assert (
-        url == f"http://{svc.name}.{NAMESPACE}.svc.cluster.local:{svc.obj['spec']['ports'][0]['port']}/readyz"
-    )
+    assert url == f"http://{svc.name}.{NAMESPACE}.svc.cluster.local:{svc.obj['spec']['ports'][0]['port']}/readyz"
 
 
 @pytest.mark.timeout(60)
@@ -340,9 +329,7 @@ def test_helm_test_script_fails_with_a_message_when_the_controller_is_unreachabl
     assert command[:2] == ["python3", "-c"] and command[4] == "3"
     url = f"http://127.0.0.1:{free_port()}/readyz"
     started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", command[2], url, "3"], capture_output=True, text=True, timeout=30
-    )
+    proc = subprocess.run([sys.executable, "-c", command[2], url, "3"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 1
     assert f"{url}: not ready:" in proc.stdout
     assert 3 <= time.monotonic() - started < 20
@@ -357,9 +344,7 @@ _FAILS = [
         "etrain: agent.autoscaling.minReplicas (5) is greater than agent.autoscaling.maxReplicas (2)",
         id="min-nodes-above-max-nodes",
     ),
-    pytest.param(
-        {"storage": {"type": "s3"}}, "etrain: storage.type=s3 needs storage.s3.bucket", id="s3-no-bucket"
-    ),
+    pytest.param({"storage": {"type": "s3"}}, "etrain: storage.type=s3 needs storage.s3.bucket", id="s3-no-bucket"),
     pytest.param(
         {"storage": {"type": "s3", "s3": {"bucket": "ckpt"}}},
         "etrain: storage.type=s3 needs credentials",
@@ -457,16 +442,10 @@ _FAILS = [
 
 
 @pytest.mark.parametrize(("overrides", "message"), _FAILS)
-def test_bad_values_fail_with_the_intended_message(
-    chart: helm.Chart, overrides: dict[str, Any], message: str
-) -> None:
-    storage = (
-        {} if "storage" in overrides or not overrides else {"storage": {"pvc": {"existingClaim": "ckpt"}}}
-    )
+def test_bad_values_fail_with_the_intended_message(chart: helm.Chart, overrides: dict[str, Any], message: str) -> None:
+    storage = {} if "storage" in overrides or not overrides else {"storage": {"pvc": {"existingClaim": "ckpt"}}}
     values = _merge(storage, overrides)
-    chart.validate_schema(
-        chart.merge_values(values)
-    )  # the schema accepts each of them: the chart logic rejects
+    chart.validate_schema(chart.merge_values(values))  # the schema accepts each of them: the chart logic rejects
     with pytest.raises(helm.HelmRenderError) as info:
         chart.render(values, name=RELEASE, namespace=NAMESPACE)
     assert message in str(info.value)
@@ -476,20 +455,14 @@ def test_bad_values_fail_with_the_intended_message(
 
 
 _SCHEMA_FAILS = [
-    pytest.param(
-        {"agent": {"replica": 3}}, "at '/agent': additional properties 'replica' not allowed", id="typo"
-    ),
-    pytest.param(
-        {"storage": {"type": "nfs"}}, "at '/storage/type': value must be one of 'pvc', 's3'", id="storage"
-    ),
+    pytest.param({"agent": {"replica": 3}}, "at '/agent': additional properties 'replica' not allowed", id="typo"),
+    pytest.param({"storage": {"type": "nfs"}}, "at '/storage/type': value must be one of 'pvc', 's3'", id="storage"),
     pytest.param(
         {"auth": {"enabled": True, "tokens": [{"name": "x", "role": "root", "token": "t" * 20}]}},
         "at '/auth/tokens/0/role': value must be one of 'admin', 'user', 'read'",
         id="role",
     ),
-    pytest.param(
-        {"agent": {"nprocPerNode": -1}}, "at '/agent/nprocPerNode': minimum: got -1, want 0", id="nproc"
-    ),
+    pytest.param({"agent": {"nprocPerNode": -1}}, "at '/agent/nprocPerNode': minimum: got -1, want 0", id="nproc"),
     pytest.param(
         {"agent": {"autoscaling": {"minReplicas": 0}}},
         "at '/agent/autoscaling/minReplicas': minimum: got 0, want 1",
@@ -500,9 +473,7 @@ _SCHEMA_FAILS = [
         "at '/etcd/external/endpoints/0'",
         id="url",
     ),
-    pytest.param(
-        {"controller": {"port": 70000}}, "at '/controller/port': maximum: got 70,000, want 65,535", id="port"
-    ),
+    pytest.param({"controller": {"port": 70000}}, "at '/controller/port': maximum: got 70,000, want 65,535", id="port"),
     pytest.param(
         {"controller": {"quotas": {"users": {"alice": -1}}}},
         "at '/controller/quotas/users/alice': minimum: got -1, want 0",
@@ -517,9 +488,7 @@ _SCHEMA_FAILS = [
 
 
 @pytest.mark.parametrize(("overrides", "message"), _SCHEMA_FAILS)
-def test_schema_rejects_bad_values_naming_the_key(
-    chart: helm.Chart, overrides: dict[str, Any], message: str
-) -> None:
+def test_schema_rejects_bad_values_naming_the_key(chart: helm.Chart, overrides: dict[str, Any], message: str) -> None:
     values = _merge({"storage": {"pvc": {"existingClaim": "ckpt"}}}, overrides)
     with pytest.raises(helm.HelmValuesError) as info:
         chart.render(values, name=RELEASE, namespace=NAMESPACE)
@@ -619,12 +588,8 @@ def _service_cli_available() -> bool:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.skipif(
-    not _service_cli_available(), reason="the service CLI (service/cli/main.py) is not in this tree"
-)
-def test_rendered_controller_command_serves_readyz_for_the_helm_test_script(
-    chart: helm.Chart, tmp_path: Path
-) -> None:
+@pytest.mark.skipif(not _service_cli_available(), reason="the service CLI (service/cli/main.py) is not in this tree")
+def test_rendered_controller_command_serves_readyz_for_the_helm_test_script(chart: helm.Chart, tmp_path: Path) -> None:
     """The controller container's command and env, as rendered, start the real controller against the
     rendered etcd (mutual TLS, certificates from the rendered Secrets, tokens file from the auth Secret);
     the `helm test` pod's script then passes against it."""
@@ -653,9 +618,7 @@ def test_rendered_controller_command_serves_readyz_for_the_helm_test_script(
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.skipif(
-    not _service_cli_available(), reason="the service CLI (service/cli/main.py) is not in this tree"
-)
+@pytest.mark.skipif(not _service_cli_available(), reason="the service CLI (service/cli/main.py) is not in this tree")
 def test_rendered_agent_command_starts_an_agent_that_answers_healthz(chart: helm.Chart, tmp_path: Path) -> None:
     """The agent container's command and env (downward-API fields and `$(VAR)` expanded as the kubelet
     does) start the real agent against the rendered etcd (mutual TLS), and its health port answers."""

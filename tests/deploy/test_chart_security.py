@@ -228,11 +228,10 @@ def _admitted(objects: list[mf.Manifest], source: _Pod, target: mf.Manifest, por
     labels = mf.pod_labels(target)
     numbers = {p["name"]: p["containerPort"] for c in mf.pod_spec(target)["containers"] for p in c.get("ports", [])}
     number = numbers.get(port, port) if isinstance(port, str) else port
-    policies = [
-        p for p in mf.find(objects, "NetworkPolicy") if _selects(p.obj["spec"]["podSelector"], labels)
-    ]
+    policies = [p for p in mf.find(objects, "NetworkPolicy") if _selects(p.obj["spec"]["podSelector"], labels)]
     if not policies:
         return True
+
     def holds(p: dict[str, Any]) -> bool:  # a NetworkPolicyPort: a TCP connection to ``number``
         if p.get("protocol", "TCP") != "TCP":
             return False
@@ -298,7 +297,6 @@ def test_host_network_agents_reach_etcd_and_each_other_from_the_node_cidrs(chart
 needs_cli = pytest.mark.skipif(
     importlib.util.find_spec("service.cli") is None, reason="the service CLI (service/cli/main.py) is not in this tree"
 )
-
 
 
 @pytest.mark.timeout(150)
@@ -581,12 +579,20 @@ def test_per_node_etcd_users_give_each_agent_a_user_and_secret_of_its_own_and_th
     try:
         printed = rd.run_etcd_bootstrap(objects, etcd, tmp_path)
         assert f"'etrain-node-{agents[2].name}'" in printed, printed
-        env = rd.expand_env(mf.container(agents[1], "agent")["env"], {}, {"metadata.name": "p", "status.podIP": "1",
-                                                                          "spec.nodeName": "k"})  # fmt: skip
+        env = rd.expand_env(
+            mf.container(agents[1], "agent")["env"],
+            {},
+            {"metadata.name": "p", "status.podIP": "1", "spec.nodeName": "k"},
+        )
         files = rd.write_mounted_secrets(objects, agents[1], mf.container(agents[1], "agent"), tmp_path / "a1")
-        options = {"ca_cert": files[env["ETRAIN_ETCD_CA_CERT"]], "cert": files[env["ETRAIN_ETCD_CERT"]],
-                   "cert_key": files[env["ETRAIN_ETCD_KEY"]], "user": env["ETRAIN_ETCD_USER"],
-                   "password": Path(files[env["ETRAIN_ETCD_PASSWORD_FILE"]]).read_text().strip(), "op_timeout": "5"}
+        options = {
+            "ca_cert": files[env["ETRAIN_ETCD_CA_CERT"]],
+            "cert": files[env["ETRAIN_ETCD_CERT"]],
+            "cert_key": files[env["ETRAIN_ETCD_KEY"]],
+            "user": env["ETRAIN_ETCD_USER"],
+            "password": Path(files[env["ETRAIN_ETCD_PASSWORD_FILE"]]).read_text().strip(),
+            "op_timeout": "5",
+        }
         node = create_client(EtcdConfig.from_options(etcd.localize(env["ETRAIN_ETCD_ENDPOINTS"]), options))
         try:
             mine, other = agents[1].name, agents[0].name

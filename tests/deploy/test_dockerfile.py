@@ -92,9 +92,7 @@ def test_multi_stage_build_with_a_slim_non_root_runtime() -> None:
     copies = [i.args for i in runtime if i.keyword == "COPY"]
     assert copies == ["--from=build /opt/venv /opt/venv"]  # only the virtualenv, no sources or build tools
     users = [i.args for i in runtime if i.keyword == "USER"]
-    assert users and re.fullmatch(
-        r"[1-9][0-9]*:[1-9][0-9]*", users[-1]
-    )  # numeric: runAsNonRoot can verify it
+    assert users and re.fullmatch(r"[1-9][0-9]*:[1-9][0-9]*", users[-1])  # numeric: runAsNonRoot can verify it
     chart_user = yaml.safe_load((CHART_DIR / "values.yaml").read_text())["podSecurityContext"]
     assert users[-1] == f"{chart_user['runAsUser']}:{chart_user['runAsGroup']}"
     arg_base = next(i.args for i in instructions if i.keyword == "ARG" and i.args.startswith("BASE_IMAGE="))
@@ -214,9 +212,7 @@ def excluded(path: str, patterns: list[str]) -> bool:
 
 def test_dockerignore_keeps_the_copied_sources_and_drops_everything_else() -> None:
     patterns = [
-        ln.strip()
-        for ln in (REPO / ".dockerignore").read_text().splitlines()
-        if ln.strip() and not ln.startswith("#")
+        ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")
     ]
     copied = [
         src

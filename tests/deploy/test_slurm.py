@@ -66,8 +66,10 @@ def test_slurm_agents_script_brings_up_one_agent_per_node_and_every_one_register
     job = slurm.sbatch("--nodes=3", f"--output={out}", str(HPC / "slurm-agents.sh"), env=env, cwd=REPO)
     log = Path(str(out).replace("%j", job))
     up = _wait(lambda: _registered(etcd_client, key_prefix) == set(slurm.names), 90)
-    assert up, (f"registered: {sorted(_registered(etcd_client, key_prefix))}, job {slurm.job_state(job)}; "
-                f"its output:\n{log.read_text() if log.exists() else '(none)'}")  # fmt: skip
+    assert up, (
+        f"registered: {sorted(_registered(etcd_client, key_prefix))}, job {slurm.job_state(job)}; "
+        f"its output:\n{log.read_text() if log.exists() else '(none)'}"
+    )
     work_dirs = sorted(p.name for p in tmp_path.glob(f"etrain-{job}-*"))
     assert work_dirs == [f"etrain-{job}-{n}" for n in slurm.names]  # one work dir per job and node
     slurm.scancel(job)  # the agents get SIGTERM: they stop, revoke their leases, and the nodes leave at once

@@ -59,9 +59,14 @@ def test_a_service_job_on_slurm_survives_a_lost_node_and_saves_on_scancel(
     api = service.start_controller()
     slurm = LocalSlurm(tmp_path / "slurm", slurmd_timeout=6).start()
     try:
-        env = {"ETRAIN_ETCD_ENDPOINTS": service.etcd.endpoints, "ETRAIN_PREFIX": service.prefix,
-               "ETRAIN_BIN": str(Path(sys.executable).parent / "etrain"), "ETRAIN_NPROC_PER_NODE": "1",
-               "ETRAIN_CONTROLLER_URL": service.url, "TMPDIR": str(tmp_path)}  # fmt: skip
+        env = {
+            "ETRAIN_ETCD_ENDPOINTS": service.etcd.endpoints,
+            "ETRAIN_PREFIX": service.prefix,
+            "ETRAIN_BIN": str(Path(sys.executable).parent / "etrain"),
+            "ETRAIN_NPROC_PER_NODE": "1",
+            "ETRAIN_CONTROLLER_URL": service.url,
+            "TMPDIR": str(tmp_path),
+        }
         out = tmp_path / "agents-%j.out"
         allocation = slurm.sbatch("--nodes=3", f"--output={out}", str(HPC / "slurm-agents.sh"), env=env, cwd=REPO)
         log = Path(str(out).replace("%j", allocation))
@@ -71,30 +76,42 @@ def test_a_service_job_on_slurm_survives_a_lost_node_and_saves_on_scancel(
 
         wait_api("3 agents", lambda: sorted(n["name"] for n in api.nodes()) == slurm.names, 90)
         job_id = api.submit(job_spec(200, step_time=0.1))["id"]
-        wait_api("the job at 3 nodes with a snapshot",
-                 lambda: (j := api.job(job_id))["world_size"]["current"] == 3 and (j["checkpoint"]["step"] or 0) >= 10,
-                 150)  # fmt: skip
+        wait_api(
+            "the job at 3 nodes with a snapshot",
+            lambda: (j := api.job(job_id))["world_size"]["current"] == 3 and (j["checkpoint"]["step"] or 0) >= 10,
+            150,
+        )
         report = service.reports(job_id)["n3"]
         workers = [pid for pid, _ in worker_tree(report.pid)] if report.pid else []
         lost_at = time.monotonic()
         slurm.kill_node("n3", [*_agent_pids("n3"), *([report.pid] if report.pid else []), *workers])
-        wait_api("the job on 2 nodes", lambda: (j := api.job(job_id))["world_size"]["current"] == 2
-                 and j["state"] == "running" and "n3" not in j["nodes"], 120)  # fmt: skip
+        wait_api(
+            "the job on 2 nodes",
+            lambda: (
+                (j := api.job(job_id))["world_size"]["current"] == 2
+                and j["state"] == "running"
+                and "n3" not in j["nodes"]
+            ),
+            120,
+        )
         reformed_s = time.monotonic() - lost_at
-        final = wait_api("the job to finish", lambda: (j := api.job(job_id))["state"] in ("succeeded", "failed") and j,
-                         240)  # fmt: skip
+        final = wait_api(
+            "the job to finish", lambda: (j := api.job(job_id))["state"] in ("succeeded", "failed") and j, 240
+        )
         assert final["state"] == "succeeded", final["last_error"]
         assert slurm.job_state(allocation) == "RUNNING", output()  # the allocation survived the node
         print(f"service on Slurm: node lost -> the job running at 2 nodes after {reformed_s:.1f} s")
 
         # the allocation ends (scancel; a time limit does the same) while a job runs: it saves on the signal
         second = api.submit({**job_spec(100_000, step_time=0.1, min_nodes=1, max_nodes=2), "name": "second"})["id"]
-        wait_api("the second job running", lambda: (j := api.job(second))["state"] == "running"
-                 and (j["progress"]["step"] or 0) >= 5, 120)  # fmt: skip
+        wait_api(
+            "the second job running",
+            lambda: (j := api.job(second))["state"] == "running" and (j["progress"]["step"] or 0) >= 5,
+            120,
+        )
         slurm.scancel(allocation)
         wait_api("the agents gone", lambda: not api.nodes(), 60)
-        stopped = wait_api("the second job stopped",
-                           lambda: (j := api.job(second))["state"] != "running" and j, 60)  # fmt: skip
+        stopped = wait_api("the second job stopped", lambda: (j := api.job(second))["state"] != "running" and j, 60)
         assert stopped["checkpoint"]["step"] == stopped["progress"]["step"], (
             f"the snapshot written on the signal is the one the status names: {stopped['checkpoint']} "
             f"{stopped['progress']}"

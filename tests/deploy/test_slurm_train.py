@@ -64,8 +64,22 @@ def _submit(slurm: LocalSlurm, tmp_path: Path, nodes: str, worker_args: list[str
         "OMP_NUM_THREADS": "1",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     }
-    args = [str(WORKER), "--record", str(rec), "--samples", "240", "--batch", "4", "--lr-rule", "linear",
-            "--base-world", "3", "--save-every", "5", *worker_args]  # fmt: skip
+    args = [
+        str(WORKER),
+        "--record",
+        str(rec),
+        "--samples",
+        "240",
+        "--batch",
+        "4",
+        "--lr-rule",
+        "linear",
+        "--base-world",
+        "3",
+        "--save-every",
+        "5",
+        *worker_args,
+    ]
     job = slurm.sbatch(f"--nodes={nodes}", f"--output={out}", str(SCRIPT), *args, env=env, cwd=REPO)
     return job, rec, Path(str(out).replace("%j", job))
 
@@ -140,6 +154,8 @@ def test_the_time_limits_warning_saves_requeues_and_the_job_resumes_from_that_sn
     steps = sorted({r["step"] for r in _records(rec)})
     assert steps == list(range(1, steps[-1] + 1)), "no step lost: the requeued run resumed from the warning's save"
     assert first_step["step"] == saved + 1, (first_step, saved)
-    print(f"slurm-train.sh: USR1 -> saved and requeued {requeued_at - warned_at:.1f} s; the requeued run started -> "
-          f"its first step {first_step['t'] - started_at:.1f} s; Slurm held it {started_at - requeued_at:.1f} s "
-          "(cred_expire=15 on the test cluster, 120 s by default)")
+    print(
+        f"slurm-train.sh: USR1 -> saved and requeued {requeued_at - warned_at:.1f} s; the requeued run started -> "
+        f"its first step {first_step['t'] - started_at:.1f} s; Slurm held it {started_at - requeued_at:.1f} s "
+        "(cred_expire=15 on the test cluster, 120 s by default)"
+    )

@@ -147,8 +147,9 @@ def _check_once(cache: Path, pythonpath: Path | None = None) -> str:
     """A fresh interpreter's :func:`compat.check_torch_once` on ``cache``: what it printed."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(ROOT) if pythonpath is None else f"{pythonpath}:{ROOT}"
-    proc = subprocess.run([sys.executable, "-c", _ONCE, str(cache)], capture_output=True, text=True, env=env,
-                          timeout=50, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _ONCE, str(cache)], capture_output=True, text=True, env=env, timeout=50, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 

@@ -74,8 +74,14 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, s
     monkeypatch.setenv("ETRAIN_PREFORK_DIR", short)  # for forked_worker() in this process
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "job.py").write_text(SCRIPT)
-    e = dict(os.environ, ETRAIN_PREFORK_DIR=short, OUT=str(tmp_path / "out.jsonl"), PREFORK_TEST="yes",
-             PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
+    e = dict(
+        os.environ,
+        ETRAIN_PREFORK_DIR=short,
+        OUT=str(tmp_path / "out.jsonl"),
+        PREFORK_TEST="yes",
+        PYTHONUNBUFFERED="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     yield e
     for sock in Path(short).glob("*.sock"):  # a zygote left by a failed test: end it
         subprocess.run(["pkill", "-KILL", "-f", f"elastic.prefork --serve {sock}"], check=False)
@@ -88,8 +94,9 @@ def _records(e: dict[str, str]) -> list[dict[str, object]]:
 
 
 def _zygotes(e: dict[str, str]) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"elastic.prefork --serve {e['ETRAIN_PREFORK_DIR']}/"],
-                         capture_output=True, text=True)  # fmt: skip
+    out = subprocess.run(
+        ["pgrep", "-f", f"elastic.prefork --serve {e['ETRAIN_PREFORK_DIR']}/"], capture_output=True, text=True
+    )
     return [int(p) for p in out.stdout.split()]
 
 
@@ -101,8 +108,12 @@ def test_workers_are_forked_warm_from_one_zygote_with_their_args_env_cwd_and_exi
 ) -> None:
     owner = subprocess.run(
         ["bash", "-c", f"{CLIENT}; echo first=$?; CODE=7 {CLIENT}; echo second=$?"],
-        cwd=tmp_path / "work", env=env, capture_output=True, text=True, timeout=90,
-    )  # fmt: skip
+        cwd=tmp_path / "work",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert "first=0" in owner.stdout and "second=7" in owner.stdout, owner.stderr
     assert owner.stdout.count("stdout reaches the client's stdout") == 2
     first, second = _records(env)
@@ -126,8 +137,9 @@ def test_workers_of_two_launchers_forked_by_one_shared_zygote_each_name_their_ow
     owner = subprocess.Popen(["sleep", "90"])
     try:
         shared = dict(env, ETRAIN_PREFORK_OWNER=str(owner.pid))
-        launchers = [subprocess.Popen(["bash", "-c", f"{CLIENT}; true"], cwd=tmp_path / "work", env=shared)
-                     for _ in range(2)]  # fmt: skip
+        launchers = [
+            subprocess.Popen(["bash", "-c", f"{CLIENT}; true"], cwd=tmp_path / "work", env=shared) for _ in range(2)
+        ]
         assert [p.wait(timeout=90) for p in launchers] == [0, 0]
         records = _records(env)
         assert len(records) == 2 and all(r["warm"] for r in records)
@@ -142,8 +154,13 @@ def test_signals_reach_the_worker_and_a_killed_client_takes_its_worker_along(
     env: dict[str, str], tmp_path: Path
 ) -> None:
     env = dict(env, MODE="sleep")
-    owner = subprocess.Popen(["bash", "-c", f"{CLIENT}; echo rc=$?; {CLIENT}; sleep 30"],
-                             cwd=tmp_path / "work", env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    owner = subprocess.Popen(
+        ["bash", "-c", f"{CLIENT}; echo rc=$?; {CLIENT}; sleep 30"],
+        cwd=tmp_path / "work",
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert wait_until(lambda: len(_records(env)) == 1, 60)
         client = int(subprocess.check_output(["pgrep", "-P", str(owner.pid), "-f", "elastic.prefork"]).split()[0])
@@ -172,8 +189,14 @@ def test_a_worker_exits_like_python_does_with_an_idle_thread_pool_left_open(
 ) -> None:
     # Found by the chaos suite: joining the pool's idle non-daemon thread without the threading atexit hooks
     # hung the worker until torchrun's SIGKILL, 30 s later.
-    run = subprocess.run(["bash", "-c", f"MODE=pool CODE=3 {CLIENT}; echo rc=$?"], cwd=tmp_path / "work", env=env,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    run = subprocess.run(
+        ["bash", "-c", f"MODE=pool CODE=3 {CLIENT}; echo rc=$?"],
+        cwd=tmp_path / "work",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "pool thread ran" in run.stdout and "rc=3" in run.stdout, run.stderr
 
 
@@ -181,8 +204,9 @@ def test_worker_dying_of_a_signal_makes_the_client_die_of_it_and_prefork_off_run
     env: dict[str, str], tmp_path: Path
 ) -> None:
     cmd = f"MODE=die-first TORCHELASTIC_RESTART_COUNT=0 {CLIENT}; echo rc=$?; ETRAIN_PREFORK=0 {CLIENT}"
-    owner = subprocess.run(["bash", "-c", cmd], cwd=tmp_path / "work", env=env, capture_output=True, text=True,
-                           timeout=90)  # fmt: skip
+    owner = subprocess.run(
+        ["bash", "-c", cmd], cwd=tmp_path / "work", env=env, capture_output=True, text=True, timeout=90
+    )
     assert "rc=137" in owner.stdout, owner.stderr  # 128 + SIGKILL, as if the client itself had been killed
     killed, cold = _records(env)
     assert killed["warm"] and not cold["warm"]  # ETRAIN_PREFORK=0: an ordinary cold start in the client
@@ -196,9 +220,23 @@ def test_torchrun_restarts_a_killed_worker_from_the_warm_zygote_started_during_t
     env: dict[str, str], tmp_path: Path, etcd_server: LocalEtcdCluster
 ) -> None:
     env = dict(env, MODE="die-first")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
-           "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd_server.endpoints}", f"--rdzv-id=pf-{os.getpid()}",
-           "--monitor-interval=0.1", "-m", "elastic.prefork", "job.py", "--flag", "x"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--rdzv-backend=etcd-v3",
+        f"--rdzv-endpoint={etcd_server.endpoints}",
+        f"--rdzv-id=pf-{os.getpid()}",
+        "--monitor-interval=0.1",
+        "-m",
+        "elastic.prefork",
+        "job.py",
+        "--flag",
+        "x",
+    ]
     started = time.monotonic()
     run = subprocess.run(cmd, cwd=tmp_path / "work", env=env, capture_output=True, text=True, timeout=150)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -252,8 +290,14 @@ def test_a_prefork_dir_another_user_could_control_is_refused_and_the_worker_star
     before = os.lstat(short)
     unsafe = _unsafe_prefork_dir(kind, short)
     env = dict(env, ETRAIN_PREFORK_DIR=str(unsafe))
-    run = subprocess.run(["bash", "-c", f"{CLIENT}; echo rc=$?"], cwd=tmp_path / "work", env=env,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    run = subprocess.run(
+        ["bash", "-c", f"{CLIENT}; echo rc=$?"],
+        cwd=tmp_path / "work",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "rc=0" in run.stdout and "stdout reaches the client's stdout" in run.stdout, run.stderr
     (record,) = _records(env)
     assert not record["warm"]  # it ran in the client: nobody else's socket got its environment
@@ -280,9 +324,14 @@ def _closed_by_peer(sock: socket.socket, within: float) -> bool:
 def test_a_client_that_sends_nothing_or_a_4_gib_length_prefix_does_not_stall_other_worker_starts(
     env: dict[str, str], tmp_path: Path
 ) -> None:
-    owner = subprocess.Popen(["bash", "-c", f"{CLIENT}; echo first=$?; read go; {CLIENT}; echo second=$?; sleep 60"],
-                             cwd=tmp_path / "work", env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)  # fmt: skip
+    owner = subprocess.Popen(
+        ["bash", "-c", f"{CLIENT}; echo first=$?; read go; {CLIENT}; echo second=$?; sleep 60"],
+        cwd=tmp_path / "work",
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert owner.stdin is not None
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     huge = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -320,8 +369,14 @@ def test_a_request_over_the_size_cap_starts_the_worker_cold_with_a_warning_inste
     # 1 MB of undecodable bytes in the environment is 6 MB of JSON ("\udcff" each): over the zygote's cap
     big = {f"BIG{i}".encode(): b"\xff" * 100_000 for i in range(10)}
     benv: dict[bytes, bytes] = {**{k.encode(): v.encode() for k, v in env.items()}, **big}
-    run = subprocess.run(["bash", "-c", f"{CLIENT}; echo rc=$?"], cwd=tmp_path / "work", env=benv,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    run = subprocess.run(
+        ["bash", "-c", f"{CLIENT}; echo rc=$?"],
+        cwd=tmp_path / "work",
+        env=benv,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "rc=0" in run.stdout, run.stderr
     (record,) = _records(env)
     assert not record["warm"] and "over the prefork limit" in run.stderr and "running cold" in run.stderr, run.stderr

@@ -36,8 +36,7 @@ def owner() -> Iterator[subprocess.Popen[bytes]]:
 
 
 def _run(e: dict[str, str], tmp_path: Path, **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(CLIENT, cwd=tmp_path / "work", env={**e, **extra}, capture_output=True, text=True,
-                          timeout=90)  # fmt: skip
+    return subprocess.run(CLIENT, cwd=tmp_path / "work", env={**e, **extra}, capture_output=True, text=True, timeout=90)
 
 
 def _start(e: dict[str, str], tmp_path: Path, **extra: str) -> subprocess.Popen[bytes]:
@@ -58,7 +57,9 @@ def test_keys_name_zygotes_of_their_own_and_one_that_cannot_name_a_file_is_refus
 
 
 def test_one_owner_keeps_a_zygote_per_key_and_stop_zygote_ends_that_one_and_its_files(
-    env: dict[str, str], tmp_path: Path, owner: subprocess.Popen[bytes]  # noqa: F811
+    env: dict[str, str],  # noqa: F811
+    tmp_path: Path,
+    owner: subprocess.Popen[bytes],
 ) -> None:
     mine = {"ETRAIN_PREFORK_OWNER": str(owner.pid)}
     for key in ("job-a", "job-b", "job-a"):
@@ -77,14 +78,20 @@ def test_one_owner_keeps_a_zygote_per_key_and_stop_zygote_ends_that_one_and_its_
 
 
 def test_a_zygote_whose_starter_died_before_recording_it_is_still_found_and_stopped(
-    env: dict[str, str], tmp_path: Path, owner: subprocess.Popen[bytes]  # noqa: F811
+    env: dict[str, str],  # noqa: F811
+    tmp_path: Path,
+    owner: subprocess.Popen[bytes],
 ) -> None:
     # the agent stops a job's first client while it starts the job's zygote: the zygote comes up with no record of
     # its starter's (started here directly, as the starter's detached child would run); it records itself
     path = socket_path(owner.pid, "job")
     assert path is not None
-    zygote = subprocess.Popen([sys.executable, "-m", "elastic.prefork", "--serve", str(path), str(owner.pid), "0"],
-                              env=env, cwd=tmp_path, start_new_session=True)  # fmt: skip
+    zygote = subprocess.Popen(
+        [sys.executable, "-m", "elastic.prefork", "--serve", str(path), str(owner.pid), "0"],
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
     try:
         assert wait_until(path.exists, 60), "the zygote never listened"
         # a start in progress holds the starter's lock: stop_zygote waits for it to be released
@@ -103,10 +110,19 @@ def test_a_zygote_whose_starter_died_before_recording_it_is_still_found_and_stop
 
 @pytest.mark.parametrize("grace", [0, 30])
 def test_when_the_owner_dies_a_zygote_lets_its_children_end_within_its_grace_else_kills_them(
-    env: dict[str, str], tmp_path: Path, owner: subprocess.Popen[bytes], grace: int  # noqa: F811
+    env: dict[str, str],  # noqa: F811
+    tmp_path: Path,
+    owner: subprocess.Popen[bytes],
+    grace: int,
 ) -> None:
-    client = _start(env, tmp_path, ETRAIN_PREFORK_OWNER=str(owner.pid), ETRAIN_PREFORK_KEY="job",
-                    ETRAIN_PREFORK_GRACE=str(grace), MODE="sleep")  # fmt: skip
+    client = _start(
+        env,
+        tmp_path,
+        ETRAIN_PREFORK_OWNER=str(owner.pid),
+        ETRAIN_PREFORK_KEY="job",
+        ETRAIN_PREFORK_GRACE=str(grace),
+        MODE="sleep",
+    )
     try:
         record = wait_for(lambda: _records(env), timeout=60)[0]
         zygote = _zygote(record)
@@ -133,15 +149,17 @@ def test_when_the_owner_dies_a_zygote_lets_its_children_end_within_its_grace_els
 
 @pytest.mark.parametrize("under_torchrun", [True, False])
 def test_a_torchrun_workers_client_dies_with_its_torchrun_and_the_zygote_then_kills_the_worker(
-    env: dict[str, str], tmp_path: Path, owner: subprocess.Popen[bytes], under_torchrun: bool  # noqa: F811
+    env: dict[str, str],  # noqa: F811
+    tmp_path: Path,
+    owner: subprocess.Popen[bytes],
+    under_torchrun: bool,
 ) -> None:
     # bash stands in for torchrun, which gives each worker TORCHELASTIC_RUN_ID; the zygote is the owner's (a
     # node agent's), so it outlives that torchrun
     extra = {"ETRAIN_PREFORK_OWNER": str(owner.pid), "MODE": "sleep"}
     if under_torchrun:
         extra["TORCHELASTIC_RUN_ID"] = "job-g1"
-    parent = subprocess.Popen(["bash", "-c", " ".join(CLIENT) + " & wait"], cwd=tmp_path / "work",
-                              env={**env, **extra})  # fmt: skip
+    parent = subprocess.Popen(["bash", "-c", " ".join(CLIENT) + " & wait"], cwd=tmp_path / "work", env={**env, **extra})
     record = wait_for(lambda: _records(env), timeout=60)[0]
     worker = int(str(record["pid"]))
     st = process_stat(worker)
@@ -157,14 +175,16 @@ def test_a_torchrun_workers_client_dies_with_its_torchrun_and_the_zygote_then_ki
 
 
 def test_files_of_a_zygote_killed_with_its_owner_are_cleared_when_the_next_zygote_starts(
-    env: dict[str, str], tmp_path: Path, owner: subprocess.Popen[bytes]  # noqa: F811
+    env: dict[str, str],  # noqa: F811
+    tmp_path: Path,
+    owner: subprocess.Popen[bytes],
 ) -> None:
     """A node lost whole (its agent and the agent's zygote SIGKILLed, as Slurm's node failure does) left
     ``<owner>-<start>.{sock,lock,log,pid}`` in the prefork directory for good (issue 50); the next zygote started
     there clears what owners that are gone left, and nothing of a live owner's."""
     done = _run(env, tmp_path, ETRAIN_PREFORK_OWNER=str(owner.pid))
     assert done.returncode == 0, done.stderr
-    (zygote, _), = (_zygote(r) for r in _records(env))
+    ((zygote, _),) = (_zygote(r) for r in _records(env))
     base = Path(env["ETRAIN_PREFORK_DIR"])
     left = sorted(p.name for p in base.iterdir() if p.name.startswith(f"{owner.pid}-"))
     assert {Path(n).suffix for n in left} >= {".sock", ".lock", ".log", ".pid"}, left

@@ -29,8 +29,12 @@ p.wait()
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_the_command_becomes_the_started_process_and_gets_its_signal_when_the_parent_is_killed(sig: int) -> None:
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(int(sig))], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})  # fmt: skip
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(int(sig))],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
     try:
         assert parent.stdout is not None
         pid = int(parent.stdout.readline())
@@ -65,8 +69,9 @@ def test_a_missing_executable_is_refused_before_anything_starts_and_an_exec_fail
     script = tmp_path / "script"
     script.write_text("#!/no/such/interpreter\n")
     script.chmod(0o755)
-    done = subprocess.run(exec_with_parent_death_signal([str(script)], signal.SIGTERM), capture_output=True,
-                          text=True, timeout=30)  # fmt: skip
+    done = subprocess.run(
+        exec_with_parent_death_signal([str(script)], signal.SIGTERM), capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 127 and f"cannot run {script}" in done.stderr, done.stderr
 
 

@@ -114,17 +114,36 @@ def wait(predicate: Callable[[], bool], agents: list[TorchrunAgent], timeout: fl
     assert wait_until(lambda: ABORT.is_set() or predicate(), timeout) and not ABORT.is_set(), agent_logs(agents)
 
 
-def start(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, ex: Example, rec: Path, nnodes: str,
-          nproc: int = 1, live: bool = False, args: Sequence[str] = ()) -> TorchrunAgent:  # fmt: skip
+def start(
+    tmp: Path,
+    name: str,
+    etcd: LocalEtcdCluster,
+    run_id: str,
+    ex: Example,
+    rec: Path,
+    nnodes: str,
+    nproc: int = 1,
+    live: bool = False,
+    args: Sequence[str] = (),
+) -> TorchrunAgent:
     """A torchrun agent of ``ex``'s elastic script (warm: its workers fork from this process's zygote), its records
     in ``rec`` and its snapshots in ``rec/ck``; ``live``: ``--rdzv-conf recovery=live``."""
     rec.mkdir(parents=True, exist_ok=True)
     conf: dict[str, object] = {"last_call_timeout": 1}
     if live:
         conf["recovery"] = "live"
-    cmd = torchrun_command(backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
-                           rdzv_conf=conf, max_restarts=5, script=str(ex.script), script_args=[*ex.args, *args],
-                           prefork=True)  # fmt: skip
+    cmd = torchrun_command(
+        backend="etcd-v3",
+        endpoint=etcd.endpoints,
+        run_id=run_id,
+        nnodes=nnodes,
+        nproc=nproc,
+        rdzv_conf=conf,
+        max_restarts=5,
+        script=str(ex.script),
+        script_args=[*ex.args, *args],
+        prefork=True,
+    )
     env = {"LOGLEVEL": "WARNING", RECORD_ENV: str(rec), "ETRAIN_CHECKPOINT_URL": str(rec / "ck")}
     return TorchrunAgent(cmd, tmp / f"{rec.name}-{name}.log", env=env, forked=True).start()
 
@@ -331,9 +350,17 @@ def ddp_twin(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], ex:
     workers on one torchrun agent (c10d rendezvous, warm); its final loss in ``tmp/ddp/final.json``."""
     rec = tmp / "ddp"
     rec.mkdir()
-    cmd = torchrun_command(backend="c10d", endpoint=f"127.0.0.1:{free_port()}", run_id=new_run_id(ex), nnodes="1",
-                           nproc=2, max_restarts=0, script=str(EXAMPLES / f"ddp_{ex.name}.py"),
-                           script_args=list(ex.args), prefork=True)  # fmt: skip
+    cmd = torchrun_command(
+        backend="c10d",
+        endpoint=f"127.0.0.1:{free_port()}",
+        run_id=new_run_id(ex),
+        nnodes="1",
+        nproc=2,
+        max_restarts=0,
+        script=str(EXAMPLES / f"ddp_{ex.name}.py"),
+        script_args=list(ex.args),
+        prefork=True,
+    )
     agent = TorchrunAgent(cmd, tmp / "ddp.log", env={"LOGLEVEL": "WARNING", RECORD_ENV: str(rec)}, forked=True)
     agents.append(agent.start())
     wait(lambda: (rec / "final.json").exists() or agent.process is None or agent.process.poll() is not None, agents)
@@ -378,8 +405,11 @@ def check_example(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]
     assert assert_each_step_once(restart_steps(killed), ex) == [2]
     assert_every_sample_once(restart_steps(killed), ex)
     ignored = NOT_COMPARED + (NOT_COMPARED_WITH_A_LOADER if ex.loader else ())
-    diff = [d for d in differences(snapshot(fixed, ex.steps), snapshot(killed, ex.steps))
-            if not any(fnmatch.fnmatch(d, pattern) for pattern in ignored)]  # fmt: skip
+    diff = [
+        d
+        for d in differences(snapshot(fixed, ex.steps), snapshot(killed, ex.steps))
+        if not any(fnmatch.fnmatch(d, pattern) for pattern in ignored)
+    ]
     assert not diff, f"the final state after a kill and resume differs from the uninterrupted run's: {diff[:10]}"
     assert final_loss(killed) == final_loss(fixed)
 

@@ -24,19 +24,49 @@ def _windows(block: int) -> int:
 
 # the tests' sizes: tiny models, few steps
 NANOGPT = Example(
-    "nanogpt", ("--max-iters", "40", "--batch", "4", "--block", "16", "--accum", "2", "--warmup-iters", "5",
-                "--eval-interval", "10"),
-    samples=_windows(16), global_batch=16, steps=40, kill_at=23, grow_at=27, replacement=True, loader=True,
+    "nanogpt",
+    (
+        "--max-iters",
+        "40",
+        "--batch",
+        "4",
+        "--block",
+        "16",
+        "--accum",
+        "2",
+        "--warmup-iters",
+        "5",
+        "--eval-interval",
+        "10",
+    ),
+    samples=_windows(16),
+    global_batch=16,
+    steps=40,
+    kill_at=23,
+    grow_at=27,
+    replacement=True,
+    loader=True,
     twin_rtol=0.05,  # the DDP twin draws other windows (nanoGPT's get_batch, each rank from its own RNG)
-)  # fmt: skip  (a snapshot at each evaluation)
+)  # (a snapshot at each evaluation)
 IMAGES = Example(
-    "images", ("--epochs", "2", "--samples", "512", "--batch", "16"),
-    samples=512, global_batch=32, steps=32, kill_at=13, grow_at=20, loader=True,
-)  # fmt: skip  (a snapshot every 10 steps and at each epoch's end)
+    "images",
+    ("--epochs", "2", "--samples", "512", "--batch", "16"),
+    samples=512,
+    global_batch=32,
+    steps=32,
+    kill_at=13,
+    grow_at=20,
+    loader=True,
+)  # (a snapshot every 10 steps and at each epoch's end)
 GAN = Example(
-    "gan", ("--epochs", "3", "--samples", "1024", "--batch", "32"),
-    samples=1024, global_batch=64, steps=48, kill_at=23, grow_at=30,
-)  # fmt: skip  (a snapshot every 10 steps and at each epoch's end)
+    "gan",
+    ("--epochs", "3", "--samples", "1024", "--batch", "32"),
+    samples=1024,
+    global_batch=64,
+    steps=48,
+    kill_at=23,
+    grow_at=30,
+)  # (a snapshot every 10 steps and at each epoch's end)
 
 
 # measured: nanogpt 12, images 10, gan 11 (digits: 10)

@@ -43,8 +43,12 @@ def _check(case: Any, api: ApiTarget, run: str) -> None:
         # Follow up on the job just created: its status, events, and cancelling it twice.
         job_id = json.loads(response.text)["id"]
         schema = case.operation.schema
-        for method, path in (("GET", "/v1/jobs/{job_id}"), ("GET", "/v1/jobs/{job_id}/events"),
-                             ("POST", "/v1/jobs/{job_id}/cancel"), ("POST", "/v1/jobs/{job_id}/cancel")):  # fmt: skip
+        for method, path in (
+            ("GET", "/v1/jobs/{job_id}"),
+            ("GET", "/v1/jobs/{job_id}/events"),
+            ("POST", "/v1/jobs/{job_id}/cancel"),
+            ("POST", "/v1/jobs/{job_id}/cancel"),
+        ):
             follow = schema[path][method].Case(path_parameters={"job_id": job_id}).call(headers=api.headers)
             ok = follow.status_code in (200, 202) or (
                 # with the reconcile loop running, the first cancel may already have been applied

@@ -76,10 +76,19 @@ def test_every_spec_a_submit_accepts_starts_a_process_on_a_node(case: Any, tmp_p
     if not spec.working_dir or not Path(spec.working_dir).is_dir():
         spec = spec.model_copy(update={"working_dir": str(work)})  # a missing directory fails the job, rightly
     client = MemoryEtcdServer().client()
-    agent = create_agent(AgentSettings(etcd=EtcdOptions("127.0.0.1:9"), node_name="n1", prefix="/f",
-                                       work_dir=work / "agent", rdzv_host="127.0.0.1", python=sys.executable,
-                                       lease_ttl=timedelta(seconds=2)),
-                         client, launcher=_true_with_torchruns_arguments)  # fmt: skip
+    agent = create_agent(
+        AgentSettings(
+            etcd=EtcdOptions("127.0.0.1:9"),
+            node_name="n1",
+            prefix="/f",
+            work_dir=work / "agent",
+            rdzv_host="127.0.0.1",
+            python=sys.executable,
+            lease_ttl=timedelta(seconds=2),
+        ),
+        client,
+        launcher=_true_with_torchruns_arguments,
+    )
     try:
         a = Assignment(job_id="job-1", generation=1, spec=spec, assigned_at=datetime.now(timezone.utc))
         agent.sync({"job-1": a})

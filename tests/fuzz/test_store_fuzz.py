@@ -63,8 +63,15 @@ def _victim_spec() -> JobSpec:
 def _records() -> dict[str, Any]:
     """Well-formed records of every family, as JSON values (a "one field wrong" draw starts from these)."""
     spec = _victim_spec()
-    status = JobStatus(state=JobState.RUNNING, generation=1, nodes=["n1"], created_at=T0, updated_at=T0,
-                       started_at=T0, generation_started_at=T0)  # fmt: skip
+    status = JobStatus(
+        state=JobState.RUNNING,
+        generation=1,
+        nodes=["n1"],
+        created_at=T0,
+        updated_at=T0,
+        started_at=T0,
+        generation_started_at=T0,
+    )
     event = Event(id="00000000000000001-zz0000", time=T0, type="note", message="hello", data={"a": 1})
     return {
         "jobs": JobRecord(id=VICTIM, spec=spec, created_at=T0, checkpoint_url="file:///ckpt/victim"),
@@ -98,17 +105,36 @@ RECORDS = {f: (r.model_dump(mode="json") if hasattr(r, "model_dump") else r) for
 # -- strategies -----------------------------------------------------------------------------------------------
 HUGE = st.sampled_from([2**63, -(2**63) - 1, 10**30, -(10**30), 10**400, 1e308, -1e308, 5e-324, 2**64])
 SPECIAL_FLOATS = st.sampled_from([math.nan, math.inf, -math.inf, -0.0])
-TIMES = st.sampled_from([
-    "2025-01-01T00:00:00",  # no time zone
-    "2025-01-01T00:00:00+14:00", "2025-01-01T00:00:00-12:00", "0001-01-01T00:00:00Z", "9999-12-31T23:59:59Z",
-    "9999-12-31T23:59:59.999999+00:00", "0001-01-01T00:00:00", "9999-12-31T23:59:59", "1970-01-01", "not a time",
-    "P1D", "PT-5S", "-1", "",
-])  # fmt: skip
+TIMES = st.sampled_from(
+    [
+        "2025-01-01T00:00:00",  # no time zone
+        "2025-01-01T00:00:00+14:00",
+        "2025-01-01T00:00:00-12:00",
+        "0001-01-01T00:00:00Z",
+        "9999-12-31T23:59:59Z",
+        "9999-12-31T23:59:59.999999+00:00",
+        "0001-01-01T00:00:00",
+        "9999-12-31T23:59:59",
+        "1970-01-01",
+        "not a time",
+        "P1D",
+        "PT-5S",
+        "-1",
+        "",
+    ]
+)
 IDS = st.sampled_from([BYSTANDER, VICTIM, "n1", "n2", VICTIM_NODE, "", "../x", "a/b", "\x00", "é" * 3, "x" * 5000])
 SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(), HUGE, st.floats(allow_nan=True, allow_infinity=True), SPECIAL_FLOATS,
-    st.text(max_size=20), TIMES, IDS,
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    HUGE,
+    st.floats(allow_nan=True, allow_infinity=True),
+    SPECIAL_FLOATS,
+    st.text(max_size=20),
+    TIMES,
+    IDS,
+)
 JSON_VALUES = st.recursive(
     SCALARS,
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
@@ -221,10 +247,12 @@ class Trial:
             delete_prefixes=[k.events_of(VICTIM), k.reports],
         )
         client.commit(
-            puts=[(k.job(VICTIM), records["jobs"].model_dump_json().encode()),
-                  (k.status_of(VICTIM), records["status"].model_dump_json().encode()),
-                  (k.assignment("n1", VICTIM), records["assign"].model_dump_json().encode())]
-        )  # fmt: skip
+            puts=[
+                (k.job(VICTIM), records["jobs"].model_dump_json().encode()),
+                (k.status_of(VICTIM), records["status"].model_dump_json().encode()),
+                (k.assignment("n1", VICTIM), records["assign"].model_dump_json().encode()),
+            ]
+        )
 
     def run(self, family: str, value: bytes, run_name: str) -> None:
         count_case(run_name)
@@ -270,9 +298,16 @@ class Trial:
 
     def read_endpoints(self, bystander: str, where: str) -> None:
         h = self.h
-        for path in ("/v1/jobs", f"/v1/jobs/{bystander}", f"/v1/jobs/{VICTIM}", f"/v1/jobs/{VICTIM}/events",
-                     "/v1/nodes", "/metrics", "/v1/jobs?limit=1",
-                     "/v1/jobs?after=0"):  # fmt: skip
+        for path in (
+            "/v1/jobs",
+            f"/v1/jobs/{bystander}",
+            f"/v1/jobs/{VICTIM}",
+            f"/v1/jobs/{VICTIM}/events",
+            "/v1/nodes",
+            "/metrics",
+            "/v1/jobs?limit=1",
+            "/v1/jobs?after=0",
+        ):
             response = h.get(path)
             assert response.status_code < 500, (where, path, response.status_code, response.text[:500])
         listed = [j["id"] for j in h.get("/v1/jobs").json()["jobs"]]

@@ -126,8 +126,23 @@ class NetnsTopology:
                 node = NetnsNode(name, f"{PREFIX}{self.run_id}-n{i}", f"10.231.{self.subnet}.{10 + i}")
                 self._add_namespace(node.namespace)
                 hub_end = f"{PREFIX}h{i}"
-                _run(["ip", "-n", self.hub, "link", "add", hub_end, "type", "veth",
-                      "peer", "name", node.ifname, "netns", node.namespace])  # fmt: skip
+                _run(
+                    [
+                        "ip",
+                        "-n",
+                        self.hub,
+                        "link",
+                        "add",
+                        hub_end,
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        node.ifname,
+                        "netns",
+                        node.namespace,
+                    ]
+                )
                 _run(["ip", "-n", self.hub, "link", "set", hub_end, "master", BRIDGE])
                 _run(["ip", "-n", self.hub, "link", "set", hub_end, "up"])
                 _run(["ip", "-n", node.namespace, "addr", "add", f"{node.address}/24", "dev", node.ifname])
@@ -136,8 +151,12 @@ class NetnsTopology:
         except BaseException:
             self.teardown()
             raise
-        logger.info("netns: hub %s at %s; nodes %s", self.hub, self.hub_address,
-                    ", ".join(f"{n.name}={n.namespace}/{n.address}" for n in self.nodes.values()))  # fmt: skip
+        logger.info(
+            "netns: hub %s at %s; nodes %s",
+            self.hub,
+            self.hub_address,
+            ", ".join(f"{n.name}={n.namespace}/{n.address}" for n in self.nodes.values()),
+        )
         return self
 
     def _add_namespace(self, namespace: str) -> None:

@@ -27,16 +27,24 @@ from tests.integration.training_records import (
 WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "train_worker.py")
 
 
-def start_agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnodes: str, nproc: int,
-                args: list[str]) -> TorchrunAgent:  # fmt: skip
+def start_agent(
+    tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnodes: str, nproc: int, args: list[str]
+) -> TorchrunAgent:
     """A torchrun agent of train_worker.py on the etcd-v3 rendezvous (``max_restarts`` 5), logging to ``<name>.log``.
     Its workers start warm (``-m elastic.prefork``, the service's default): torch is imported once per agent, not
     on every (re)start; cold starts are tested with the same rendezvous in ``test_torchrun_etcd_v3.py``."""
     cmd = torchrun_command(
-        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
-        rdzv_conf={"last_call_timeout": 2}, max_restarts=5, script=WORKER, script_args=args,
+        backend="etcd-v3",
+        endpoint=etcd.endpoints,
+        run_id=run_id,
+        nnodes=nnodes,
+        nproc=nproc,
+        rdzv_conf={"last_call_timeout": 2},
+        max_restarts=5,
+        script=WORKER,
+        script_args=args,
         prefork=True,
-    )  # fmt: skip
+    )
     return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}, forked=True).start()
 
 
@@ -50,8 +58,17 @@ def hold_last_epoch(path: Path, epochs: int, most: float = 0.0) -> list[str]:
     return hold_args(path, epochs, most, pace=True)
 
 
-def assert_resizes_4_2_3(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, *, samples: int,
-                         epochs: int, step_sleep: float, extra: Sequence[str] = ()) -> None:  # fmt: skip
+def assert_resizes_4_2_3(
+    tmp: Path,
+    etcd: LocalEtcdCluster,
+    agents: list[TorchrunAgent],
+    rule: str,
+    *,
+    samples: int,
+    epochs: int,
+    step_sleep: float,
+    extra: Sequence[str] = (),
+) -> None:
     """Two agents of 2 workers (world 4); one SIGKILLed mid-epoch (4 -> 2); then a node of 1 worker joins (2 -> 3).
     Every step is committed exactly once, the LR follows ``rule`` and its warmup ramp exactly (the policy's target
     LR at the end), every record of a step comes from one rank of its world, every sample is consumed once per
@@ -59,10 +76,32 @@ def assert_resizes_4_2_3(tmp: Path, etcd: LocalEtcdCluster, agents: list[Torchru
     rec = tmp / "rec"
     run_id = f"resize-{uuid.uuid4().hex[:6]}"
     batch, lr, warmup = 4, 0.05, 3
-    args = ["--epochs", str(epochs), "--samples", str(samples), "--batch", str(batch), "--lr", str(lr), "--lr-rule",
-            rule, "--base-world", "4", "--warmup", str(warmup), "--save-every", "4", "--step-sleep", str(step_sleep),
-            "--checkpoint-url", str(tmp / "ck"), "--record", str(rec), *extra,
-            *hold_last_epoch(tmp / "hold", epochs)]  # fmt: skip
+    args = [
+        "--epochs",
+        str(epochs),
+        "--samples",
+        str(samples),
+        "--batch",
+        str(batch),
+        "--lr",
+        str(lr),
+        "--lr-rule",
+        rule,
+        "--base-world",
+        "4",
+        "--warmup",
+        str(warmup),
+        "--save-every",
+        "4",
+        "--step-sleep",
+        str(step_sleep),
+        "--checkpoint-url",
+        str(tmp / "ck"),
+        "--record",
+        str(rec),
+        *extra,
+        *hold_last_epoch(tmp / "hold", epochs),
+    ]
     a = start_agent(tmp, "a", etcd, run_id, "1:3", 2, args)
     b = start_agent(tmp, "b", etcd, run_id, "1:3", 2, args)
     agents += [a, b]
@@ -101,7 +140,12 @@ def assert_resizes_4_2_3(tmp: Path, etcd: LocalEtcdCluster, agents: list[Torchru
 
 
 def final_loss(
-    tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, seed: int, resize: bool,
+    tmp: Path,
+    etcd: LocalEtcdCluster,
+    agents: list[TorchrunAgent],
+    rule: str,
+    seed: int,
+    resize: bool,
     extra: Sequence[str] = (),
 ) -> float:
     """The final loss of a 4-worker run (two agents of 2), fixed or resized 4 -> 2 -> 3 (a node SIGKILLed, then one
@@ -109,9 +153,33 @@ def final_loss(
     rec = tmp / f"{rule}-{seed}-{'resized' if resize else 'fixed'}"
     run_id = f"conv-{uuid.uuid4().hex[:6]}"
     # No dropout and enough epochs to converge: the comparison is about the resizes, not about noise.
-    args = ["--epochs", "8", "--samples", "480", "--batch", "4", "--lr", "0.05", "--lr-rule", rule,
-            "--base-world", "4", "--warmup", "3", "--save-every", "8", "--seed", str(seed), "--dropout", "0",
-            "--checkpoint-url", str(rec / "ck"), "--record", str(rec), *extra]  # fmt: skip
+    args = [
+        "--epochs",
+        "8",
+        "--samples",
+        "480",
+        "--batch",
+        "4",
+        "--lr",
+        "0.05",
+        "--lr-rule",
+        rule,
+        "--base-world",
+        "4",
+        "--warmup",
+        "3",
+        "--save-every",
+        "8",
+        "--seed",
+        str(seed),
+        "--dropout",
+        "0",
+        "--checkpoint-url",
+        str(rec / "ck"),
+        "--record",
+        str(rec),
+        *extra,
+    ]
     if not resize:
         a = start_agent(tmp, f"{rec.name}-a", etcd, run_id, "2:2", 2, args)
         b = start_agent(tmp, f"{rec.name}-b", etcd, run_id, "2:2", 2, args)
@@ -139,11 +207,14 @@ def final_loss(
     return float(json.loads((rec / "final.json").read_text())["loss"])
 
 
-def assert_converges(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, seed: int,
-                     extra: Sequence[str] = ()) -> None:  # fmt: skip
+def assert_converges(
+    tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, seed: int, extra: Sequence[str] = ()
+) -> None:
     """The resized run's final loss within 2 % of the fixed-world run's (same seed, same data, no dropout)."""
     fixed = final_loss(tmp, etcd, agents, rule, seed, resize=False, extra=extra)
     resized = final_loss(tmp, etcd, agents, rule, seed, resize=True, extra=extra)
-    print(f"convergence {rule} seed {seed} {' '.join(extra)}: fixed 4 workers {fixed:.5f}, "
-          f"resized 4->2->3 {resized:.5f}, {100 * (resized - fixed) / fixed:+.2f} %")  # fmt: skip
+    print(
+        f"convergence {rule} seed {seed} {' '.join(extra)}: fixed 4 workers {fixed:.5f}, "
+        f"resized 4->2->3 {resized:.5f}, {100 * (resized - fixed) / fixed:+.2f} %"
+    )
     assert abs(resized - fixed) <= 0.02 * fixed

@@ -26,22 +26,49 @@ WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "trai
 
 # 99 samples, a global batch of 16 in 2 micro-batches per worker on 2 workers (fixed-global-batch, 4 x 4): the
 # epoch's last step has 3 samples, so one worker's second micro-batch is empty (the zero-weight padding)
-COMMON = ["--samples", "99", "--batch", "4", "--lr", "0.05", "--lr-rule", "fixed-global-batch", "--base-world", "4",
-          "--dropout", "0"]  # fmt: skip
+COMMON = [
+    "--samples",
+    "99",
+    "--batch",
+    "4",
+    "--lr",
+    "0.05",
+    "--lr-rule",
+    "fixed-global-batch",
+    "--base-world",
+    "4",
+    "--dropout",
+    "0",
+]
 
 
-def _agent(tmp: Path, name: str, etcd: LocalEtcdCluster, nproc: int, args: list[str], run_id: str | None = None,
-           nnodes: str = "1") -> TorchrunAgent:  # fmt: skip
+def _agent(
+    tmp: Path,
+    name: str,
+    etcd: LocalEtcdCluster,
+    nproc: int,
+    args: list[str],
+    run_id: str | None = None,
+    nnodes: str = "1",
+) -> TorchrunAgent:
     cmd = torchrun_command(
-        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id or f"{name}-{uuid.uuid4().hex[:6]}", nnodes=nnodes,
-        nproc=nproc, rdzv_conf={"last_call_timeout": 2}, max_restarts=5, script=WORKER, script_args=args,
+        backend="etcd-v3",
+        endpoint=etcd.endpoints,
+        run_id=run_id or f"{name}-{uuid.uuid4().hex[:6]}",
+        nnodes=nnodes,
+        nproc=nproc,
+        rdzv_conf={"last_call_timeout": 2},
+        max_restarts=5,
+        script=WORKER,
+        script_args=args,
         prefork=True,
-    )  # fmt: skip
+    )
     return TorchrunAgent(cmd, tmp / f"{name}.log", env={"LOGLEVEL": "WARNING"}, forked=True).start()
 
 
-def _run(tmp: Path, name: str, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], nproc: int,
-         args: list[str]) -> Path:  # fmt: skip
+def _run(
+    tmp: Path, name: str, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], nproc: int, args: list[str]
+) -> Path:
     """One job to its end; returns its record directory."""
     rec = tmp / name
     a = _agent(tmp, name, etcd, nproc, [*args, "--record", str(rec)])
@@ -103,12 +130,19 @@ def test_fsdp2_snapshot_of_2_workers_restores_the_same_full_state_on_2_1_and_3_w
     """Sharded snapshots are resharded on load: parameters and optimizer state (momentum) as saved, gathered in
     full on rank 0, whatever the number of workers that resume; training then goes on."""
     ck = ["--checkpoint-url", str(tmp_path / "ck"), "--save-every", "5", "--epochs", "3"]
-    saved = _run(tmp_path, "saved", etcd_server, agents, 2,
-                 [*COMMON, *ck, "--fsdp", "--max-steps", "10", "--dump-steps", "10"])  # fmt: skip
+    saved = _run(
+        tmp_path, "saved", etcd_server, agents, 2, [*COMMON, *ck, "--fsdp", "--max-steps", "10", "--dump-steps", "10"]
+    )
     assert (saved / "dump-step10.pt").exists()
     for world in (2, 1, 3):
-        rec = _run(tmp_path, f"resumed{world}", etcd_server, agents, world,
-                   [*COMMON, *ck, "--fsdp", "--dump-start", "--max-steps", str(10 + world)])  # fmt: skip
+        rec = _run(
+            tmp_path,
+            f"resumed{world}",
+            etcd_server,
+            agents,
+            world,
+            [*COMMON, *ck, "--fsdp", "--dump-start", "--max-steps", str(10 + world)],
+        )
         _same_full_state(saved / "dump-step10.pt", rec / "dump-start.pt")
         steps = sorted({r["step"] for r in read_records(rec)})
         assert steps == list(range(11, 11 + world)), (world, steps)
@@ -151,8 +185,13 @@ def test_fsdp2_kill_and_resume_at_same_world_gives_bit_identical_final_state(
     ref = _run(tmp_path, "ref", etcd_server, agents, 2, [*args, "--checkpoint-url", str(tmp_path / "ck-ref")])
 
     run = tmp_path / "run"
-    b = _agent(tmp_path, "run", etcd_server, 2,
-               [*args, "--checkpoint-url", str(tmp_path / "ck-run"), "--record", str(run), "--step-sleep", "0.1"])
+    b = _agent(
+        tmp_path,
+        "run",
+        etcd_server,
+        2,
+        [*args, "--checkpoint-url", str(tmp_path / "ck-run"), "--record", str(run), "--step-sleep", "0.1"],
+    )
     agents.append(b)
     assert wait_until(lambda: max_step(run) >= 13, 120), agent_logs(agents)
     b.kill_workers()
@@ -172,8 +211,9 @@ def test_fsdp2_resizes_4_2_3_with_kills_commit_every_step_once_and_every_sample_
     """A node of a 4-worker FSDP job SIGKILLed (4 -> 2), then a node joins (2 -> 3): each new world reshards the
     last snapshot; the effective steps are 1..N once each, the LR follows the policy and its warmup ramp exactly,
     every sample is consumed once per epoch."""
-    assert_resizes_4_2_3(tmp_path, etcd_server, agents, "linear", samples=240, epochs=3, step_sleep=0.05,
-                         extra=["--fsdp"])
+    assert_resizes_4_2_3(
+        tmp_path, etcd_server, agents, "linear", samples=240, epochs=3, step_sleep=0.05, extra=["--fsdp"]
+    )
 
 
 @pytest.mark.timeout(400)
@@ -185,9 +225,14 @@ def test_hsdp_2x2_trains_like_ddp_and_its_snapshot_restores_the_same_full_state_
     on load) restores the same full model and optimizer state on 2 workers sharded as FSDP and on 3 workers as
     HSDP 3 x 1, and training goes on."""
     ck = ["--save-every", "5", "--epochs", "2"]
-    hsdp = _run(tmp_path, "hsdp", etcd_server, agents, 4,
-                [*COMMON, *ck, "--fsdp", "--hsdp-shard", "2", "--dump-steps", "10",
-                 "--checkpoint-url", str(tmp_path / "ck")])  # fmt: skip
+    hsdp = _run(
+        tmp_path,
+        "hsdp",
+        etcd_server,
+        agents,
+        4,
+        [*COMMON, *ck, "--fsdp", "--hsdp-shard", "2", "--dump-steps", "10", "--checkpoint-url", str(tmp_path / "ck")],
+    )
     ddp = _run(tmp_path, "ddp", etcd_server, agents, 4, [*COMMON, *ck, "--checkpoint-url", str(tmp_path / "ck-ddp")])
     got, want = torch.load(hsdp / "final_params.pt"), torch.load(ddp / "final_params.pt")
     assert got.keys() == want.keys()
@@ -197,11 +242,23 @@ def test_hsdp_2x2_trains_like_ddp_and_its_snapshot_restores_the_same_full_state_
     # the same 10 steps again, stopped there, then resumed in other shapes
     stopped = ["--checkpoint-url", str(tmp_path / "ck-stop"), "--save-every", "5", "--epochs", "3"]
     hsdp_2x2 = ["--fsdp", "--hsdp-shard", "2"]
-    saved = _run(tmp_path, "saved", etcd_server, agents, 4,
-                 [*COMMON, *stopped, *hsdp_2x2, "--max-steps", "10", "--dump-steps", "10"])  # fmt: skip
+    saved = _run(
+        tmp_path,
+        "saved",
+        etcd_server,
+        agents,
+        4,
+        [*COMMON, *stopped, *hsdp_2x2, "--max-steps", "10", "--dump-steps", "10"],
+    )
     for world, shape in ((2, []), (3, ["--hsdp-shard", "1"])):
-        rec = _run(tmp_path, f"resumed{world}", etcd_server, agents, world,
-                   [*COMMON, *stopped, "--fsdp", *shape, "--dump-start", "--max-steps", str(10 + world)])  # fmt: skip
+        rec = _run(
+            tmp_path,
+            f"resumed{world}",
+            etcd_server,
+            agents,
+            world,
+            [*COMMON, *stopped, "--fsdp", *shape, "--dump-start", "--max-steps", str(10 + world)],
+        )
         _same_full_state(saved / "dump-step10.pt", rec / "dump-start.pt")
         assert sorted({r["step"] for r in read_records(rec)}) == list(range(11, 11 + world)), world
 

@@ -26,15 +26,28 @@ def test_kill_and_resume_at_same_world_gives_bit_identical_params(
 ) -> None:
     common = ["--epochs", "2", "--save-every", "5", "--samples", "384", "--batch", "8", "--lr-rule", "none"]
     ref = tmp_path / "ref"
-    a = _agent(tmp_path, "ref", etcd_server, f"ref-{uuid.uuid4().hex[:6]}", "1", 2,
-               [*common, "--checkpoint-url", str(tmp_path / "ck-ref"), "--record", str(ref)])  # fmt: skip
+    a = _agent(
+        tmp_path,
+        "ref",
+        etcd_server,
+        f"ref-{uuid.uuid4().hex[:6]}",
+        "1",
+        2,
+        [*common, "--checkpoint-url", str(tmp_path / "ck-ref"), "--record", str(ref)],
+    )
     agents.append(a)
     assert_exits_ok(a, agents, 200)
 
     run = tmp_path / "run"
-    b = _agent(tmp_path, "run", etcd_server, f"run-{uuid.uuid4().hex[:6]}", "1", 2,
-               [*common, "--checkpoint-url", str(tmp_path / "ck-run"), "--record", str(run),
-                "--step-sleep", "0.05"])  # fmt: skip
+    b = _agent(
+        tmp_path,
+        "run",
+        etcd_server,
+        f"run-{uuid.uuid4().hex[:6]}",
+        "1",
+        2,
+        [*common, "--checkpoint-url", str(tmp_path / "ck-run"), "--record", str(run), "--step-sleep", "0.05"],
+    )
     agents.append(b)
     assert wait_until(lambda: max_step(run) >= 13, 120), agent_logs(agents)
     b.kill_workers()  # SIGKILL every worker mid-run: torchrun restarts the group from the last snapshot
@@ -94,9 +107,28 @@ def test_sigterm_of_one_node_saves_synchronously_and_loses_no_step(
     run_id = f"term-{uuid.uuid4().hex[:6]}"
     pace = tmp_path / "pace"  # the steps sleep until the survivor resumed; the rest run at full speed
     pace.touch()
-    args = ["--epochs", "3", "--samples", "480", "--batch", "4", "--lr-rule", "linear", "--base-world", "2",
-            "--save-every", "1000", "--step-sleep", "0.05", "--pace-file", str(pace),
-            "--checkpoint-url", str(tmp_path / "ck"), "--record", str(rec)]  # fmt: skip
+    args = [
+        "--epochs",
+        "3",
+        "--samples",
+        "480",
+        "--batch",
+        "4",
+        "--lr-rule",
+        "linear",
+        "--base-world",
+        "2",
+        "--save-every",
+        "1000",
+        "--step-sleep",
+        "0.05",
+        "--pace-file",
+        str(pace),
+        "--checkpoint-url",
+        str(tmp_path / "ck"),
+        "--record",
+        str(rec),
+    ]
     a = _agent(tmp_path, "a", etcd_server, run_id, "1:2", 1, args)
     b = _agent(tmp_path, "b", etcd_server, run_id, "1:2", 1, args)
     agents += [a, b]
@@ -133,15 +165,48 @@ def test_the_snapshot_written_on_sigterm_is_reported_to_the_service_before_the_w
     from elastic.contract.lr import LRPolicy
 
     key = f"/etrain-{uuid.uuid4().hex[:6]}/progress/job-1"
-    job = JobEnv(job_name="job", generation=1, node_name="n1", progress_key=key,
-                 lr_policy=LRPolicy(LRRule.LINEAR, 0.05, 1, 4), min_nodes=1, max_nodes=1)  # fmt: skip
+    job = JobEnv(
+        job_name="job",
+        generation=1,
+        node_name="n1",
+        progress_key=key,
+        lr_policy=LRPolicy(LRRule.LINEAR, 0.05, 1, 4),
+        min_nodes=1,
+        max_nodes=1,
+    )
     rec = tmp_path / "rec"
-    args = ["--epochs", "50", "--samples", "480", "--batch", "4", "--lr-rule", "linear", "--base-world", "1",
-            "--save-every", "1000", "--step-sleep", "0.05", "--checkpoint-url", str(tmp_path / "ck"),
-            "--record", str(rec)]  # fmt: skip
-    cmd = torchrun_command(backend="etcd-v3", endpoint=etcd_server.endpoints, run_id=f"term-{uuid.uuid4().hex[:6]}",
-                           nnodes="1", nproc=1, rdzv_conf={"last_call_timeout": 1}, max_restarts=0, script=WORKER,
-                           script_args=args, prefork=True)  # fmt: skip
+    args = [
+        "--epochs",
+        "50",
+        "--samples",
+        "480",
+        "--batch",
+        "4",
+        "--lr-rule",
+        "linear",
+        "--base-world",
+        "1",
+        "--save-every",
+        "1000",
+        "--step-sleep",
+        "0.05",
+        "--checkpoint-url",
+        str(tmp_path / "ck"),
+        "--record",
+        str(rec),
+    ]
+    cmd = torchrun_command(
+        backend="etcd-v3",
+        endpoint=etcd_server.endpoints,
+        run_id=f"term-{uuid.uuid4().hex[:6]}",
+        nnodes="1",
+        nproc=1,
+        rdzv_conf={"last_call_timeout": 1},
+        max_restarts=0,
+        script=WORKER,
+        script_args=args,
+        prefork=True,
+    )
     env = {"LOGLEVEL": "WARNING", **job.to_environ(), ETCD_ENDPOINTS: etcd_server.endpoints}
     agent = TorchrunAgent(cmd, tmp_path / "a.log", env=env, forked=True).start()
     agents.append(agent)

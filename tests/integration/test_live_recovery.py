@@ -36,26 +36,63 @@ SAMPLES, BATCH, LR, WARMUP, BASE_WORLD = 360, 4, 0.05, 3, 3
 
 
 def _args(tmp: Path, epochs: int, extra: tuple[str, ...] = ()) -> list[str]:
-    return ["--recovery", "live", "--epochs", str(epochs), "--samples", str(SAMPLES), "--batch", str(BATCH),
-            "--lr", str(LR), "--lr-rule", "linear", *extra, "--base-world", str(BASE_WORLD), "--warmup", str(WARMUP),
-            "--save-every", "10", "--step-sleep", "0.08", "--checkpoint-url", str(tmp / "ck"),
-            "--record", str(tmp / "rec")]  # fmt: skip
+    return [
+        "--recovery",
+        "live",
+        "--epochs",
+        str(epochs),
+        "--samples",
+        str(SAMPLES),
+        "--batch",
+        str(BATCH),
+        "--lr",
+        str(LR),
+        "--lr-rule",
+        "linear",
+        *extra,
+        "--base-world",
+        str(BASE_WORLD),
+        "--warmup",
+        str(WARMUP),
+        "--save-every",
+        "10",
+        "--step-sleep",
+        "0.08",
+        "--checkpoint-url",
+        str(tmp / "ck"),
+        "--record",
+        str(tmp / "rec"),
+    ]
 
 
 def _agent(
-    tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, epochs: int, nnodes: str = "2:3", nproc: int = 1,
-    extra: tuple[str, ...] = (), warm: bool = True,
-) -> TorchrunAgent:  # fmt: skip
+    tmp: Path,
+    name: str,
+    etcd: LocalEtcdCluster,
+    run_id: str,
+    epochs: int,
+    nnodes: str = "2:3",
+    nproc: int = 1,
+    extra: tuple[str, ...] = (),
+    warm: bool = True,
+) -> TorchrunAgent:
     """A live-mode agent; ``warm``: its workers fork from the agent's prefork zygote (the service's default). Its
     last epoch's steps wait up to 0.5 s each while ``tmp/hold`` exists (made by :func:`_hold`): a joiner is admitted
     at a step boundary, so the job is slowed, not stopped, until the test saw it join; once the file is gone the
     steps no longer sleep either (the rest of the job runs at full speed)."""
     hold = hold_args(tmp / "hold", epochs, most=0.5, pace=True)
     cmd = torchrun_command(
-        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
-        rdzv_conf={"recovery": "live", "last_call_timeout": 1}, max_restarts=5, script=WORKER,
-        script_args=_args(tmp, epochs, (*extra, *hold)), prefork=warm,
-    )  # fmt: skip
+        backend="etcd-v3",
+        endpoint=etcd.endpoints,
+        run_id=run_id,
+        nnodes=nnodes,
+        nproc=nproc,
+        rdzv_conf={"recovery": "live", "last_call_timeout": 1},
+        max_restarts=5,
+        script=WORKER,
+        script_args=_args(tmp, epochs, (*extra, *hold)),
+        prefork=warm,
+    )
     env = {"LOGLEVEL": "WARNING", "TEST_AGENT_NAME": name}
     return TorchrunAgent(cmd, tmp / f"{name}.log", env=env, forked=True).start()
 
@@ -193,8 +230,16 @@ def test_live_hsdp_node_loss_keeps_the_survivors_shards_and_a_joiner_takes_each_
     # fixed-global-batch: 2 micro-batches per step on 2 workers; 16 k + 2 samples: the last step of an epoch leaves
     # ranks without samples (a zero-weight micro-batch: FSDP's collectives need every rank)
     samples = 16 * 22 + 2
-    hsdp = ("--fsdp", "--parallelize", "--lr-rule", "fixed-global-batch", "--base-world", "4",
-            "--samples", str(samples))  # fmt: skip
+    hsdp = (
+        "--fsdp",
+        "--parallelize",
+        "--lr-rule",
+        "fixed-global-batch",
+        "--base-world",
+        "4",
+        "--samples",
+        str(samples),
+    )
     hold = _hold(tmp_path)
     agents += [_agent(tmp_path, n, etcd_server, run_id, epochs=10, nnodes="1:2", nproc=2, extra=hsdp) for n in "ab"]
     assert wait_until(lambda: any(r["world"] == 4 for r in read_records(rec)), 120), agent_logs(agents)

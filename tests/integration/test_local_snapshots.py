@@ -27,17 +27,55 @@ WORKER = str(Path(__file__).resolve().parents[2] / "elastic" / "testing" / "trai
 
 
 def _start(
-    tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, local_every: int, nproc: int = 1,
-    extra: tuple[str, ...] = (), nnodes: str = "1:2",
-) -> TorchrunAgent:  # fmt: skip
-    args = ["--epochs", "2", "--samples", "480", "--batch", "4", "--lr-rule", "linear", "--base-world", "2",
-            "--save-every", "1000", "--local-every", str(local_every), "--local-max-overhead", "0",
-            "--step-sleep", "0.05", "--pace-file", str(tmp / "pace"), *(["--wait-local"] if local_every else []),
-            "--checkpoint-url", str(tmp / "ck"), "--record", str(tmp / "rec"), *extra]  # fmt: skip
+    tmp: Path,
+    name: str,
+    etcd: LocalEtcdCluster,
+    run_id: str,
+    local_every: int,
+    nproc: int = 1,
+    extra: tuple[str, ...] = (),
+    nnodes: str = "1:2",
+) -> TorchrunAgent:
+    args = [
+        "--epochs",
+        "2",
+        "--samples",
+        "480",
+        "--batch",
+        "4",
+        "--lr-rule",
+        "linear",
+        "--base-world",
+        "2",
+        "--save-every",
+        "1000",
+        "--local-every",
+        str(local_every),
+        "--local-max-overhead",
+        "0",
+        "--step-sleep",
+        "0.05",
+        "--pace-file",
+        str(tmp / "pace"),
+        *(["--wait-local"] if local_every else []),
+        "--checkpoint-url",
+        str(tmp / "ck"),
+        "--record",
+        str(tmp / "rec"),
+        *extra,
+    ]
     cmd = torchrun_command(
-        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
-        rdzv_conf={"last_call_timeout": 1}, max_restarts=5, script=WORKER, script_args=args, prefork=True,
-    )  # fmt: skip
+        backend="etcd-v3",
+        endpoint=etcd.endpoints,
+        run_id=run_id,
+        nnodes=nnodes,
+        nproc=nproc,
+        rdzv_conf={"last_call_timeout": 1},
+        max_restarts=5,
+        script=WORKER,
+        script_args=args,
+        prefork=True,
+    )
     env = {"LOGLEVEL": "INFO", "ETRAIN_LOCAL_SNAPSHOT_DIR": str(tmp / "shm")}
     return TorchrunAgent(cmd, tmp / f"{name}.log", env=env, forked=True).start()
 
@@ -89,9 +127,14 @@ def _assert_no_durable_snapshot_to_resume_from(tmp: Path, resumed: list[int]) ->
 
 
 def _two_agents_at_step_12(
-    tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], local_every: int, nproc: int = 1,
-    extra: tuple[str, ...] = (), nnodes: str = "1:2",
-) -> tuple[TorchrunAgent, TorchrunAgent]:  # fmt: skip
+    tmp: Path,
+    etcd: LocalEtcdCluster,
+    agents: list[TorchrunAgent],
+    local_every: int,
+    nproc: int = 1,
+    extra: tuple[str, ...] = (),
+    nnodes: str = "1:2",
+) -> tuple[TorchrunAgent, TorchrunAgent]:
     """On a loaded machine the second agent may start after the first formed a world of one; torchrun's re-form
     for it then takes a durable SIGTERM snapshot. So each step waits (``--hold-file``) until both agents trained
     in one world (2 * nproc ranks), and such a snapshot is of step 1 at most; ``nnodes="2"`` where only workers

@@ -91,8 +91,9 @@ def test_a_topology_survives_a_trip_through_json_to_a_process_in_the_hub() -> No
         back = NetnsTopology.from_json(topo.to_json())
         assert back == topo and back.nodes["x"].address.startswith("10.231.")
         code = "import socket; print(sorted(name for _, name in socket.if_nameindex()))"
-        out = subprocess.run([*back.node_prefix("x"), sys.executable, "-c", code],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            [*back.node_prefix("x"), sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
         assert out.strip() == str(sorted(["lo", back.nodes["x"].ifname]))
 
 
@@ -119,8 +120,15 @@ def test_cleanup_removes_idle_namespaces_of_a_dead_creator_and_keeps_a_live_crea
 
 
 def test_stale_runs_are_whole_idle_runs_of_dead_creators_and_never_foreign_names() -> None:
-    names = ["etrain-10xabcd-hub", "etrain-10xabcd-n1", "etrain-11x0000-hub", "etrain-12x0001-hub",
-             "etrain-12x0001-n1", "etrain-other", "mine-10xabcd-hub"]  # fmt: skip
+    names = [
+        "etrain-10xabcd-hub",
+        "etrain-10xabcd-n1",
+        "etrain-11x0000-hub",
+        "etrain-12x0001-hub",
+        "etrain-12x0001-n1",
+        "etrain-other",
+        "mine-10xabcd-hub",
+    ]
     busy = {n: False for n in names} | {"etrain-12x0001-n1": True}
     alive = {10: False, 11: True, 12: False}
     # run 10: creator gone, idle -> both removed; 11: creator alive; 12: a process still runs in n1

@@ -25,13 +25,22 @@ def test_logs_follow_prints_lines_while_the_job_trains_and_exits_when_it_ends(cl
         cluster.start_agent(name)
     wait_api("2 nodes", lambda: len(api.nodes()) == 2, 60)
     job_id = api.submit(job_spec(60, step_time=0.1, min_nodes=2, max_nodes=2))["id"]
-    wait_api("both torchruns to run", lambda: len(cluster.reports(job_id)) == 2
-             and all(r.state == "running" for r in cluster.reports(job_id).values()), 60)  # fmt: skip
+    wait_api(
+        "both torchruns to run",
+        lambda: (
+            len(cluster.reports(job_id)) == 2 and all(r.state == "running" for r in cluster.reports(job_id).values())
+        ),
+        60,
+    )
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETRAIN_")}
     env.update(ETRAIN_TOKEN=ADMIN, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "logs", job_id, "-f", "--server", cluster.url],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "logs", job_id, "-f", "--server", cluster.url],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     lines: list[str] = []
 
     def read() -> None:

@@ -52,17 +52,12 @@ def test_job_recovers_from_agent_sigkill_and_controller_restart_then_finishes(
     api = cluster.start_controller()  # a new process, new port: everything comes from etcd
     after = api.job(job_id)
     assert after["state"] == "running" and after["progress"]["step"] < STEPS  # the job trained on meanwhile
-    assert (
-        after["world_size"]["history"][: len(before["world_size"]["history"])]
-        == before["world_size"]["history"]
-    )
+    assert after["world_size"]["history"][: len(before["world_size"]["history"])] == before["world_size"]["history"]
     assert after["restarts"] == before["restarts"] and after["created_at"] == before["created_at"]
     types = [e["type"] for e in api.events(job_id)]
     assert types[0] == "submitted" and "node_lost" in types
 
-    final = wait_api(
-        "the job to finish", lambda: (j := api.job(job_id))["state"] in ("succeeded", "failed") and j, 150
-    )
+    final = wait_api("the job to finish", lambda: (j := api.job(job_id))["state"] in ("succeeded", "failed") and j, 150)
     assert final["state"] == "succeeded", final["last_error"]
     sizes = [c["world_size"] for c in final["world_size"]["history"]]
     assert 3 in sizes and sizes[-1] == 2

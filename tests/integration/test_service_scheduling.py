@@ -24,17 +24,47 @@ WORKER = str(REPO / "elastic" / "testing" / "train_worker.py")
 BATCH, LR, WARMUP, BASE_WORLD = 4, 0.05, 2, 2
 
 
-def _spec(name: str, rec: Path, *, samples: int, epochs: int, min_nodes: int, max_nodes: int, priority: int = 0,
-          sleep: float = 0.05, recovery: str = "restart", hold: Path | None = None) -> dict[str, Any]:  # fmt: skip
+def _spec(
+    name: str,
+    rec: Path,
+    *,
+    samples: int,
+    epochs: int,
+    min_nodes: int,
+    max_nodes: int,
+    priority: int = 0,
+    sleep: float = 0.05,
+    recovery: str = "restart",
+    hold: Path | None = None,
+) -> dict[str, Any]:
     """The test worker's job; with ``hold``, its last epoch waits at each step while that file (created here)
     exists (a live job's steps 0.5 s at most each: it admits joiners at step boundaries)."""
     return {
         "name": name,
         "entrypoint": WORKER,
-        "args": ["--epochs", str(epochs), "--samples", str(samples), "--batch", str(BATCH), "--lr", str(LR),
-                 "--lr-rule", "linear", "--base-world", str(BASE_WORLD), "--warmup", str(WARMUP),
-                 "--save-every", "10", "--step-sleep", str(sleep), "--record", str(rec),
-                 *(hold_last_epoch(hold, epochs, 0.5 if recovery == "live" else 0.0) if hold is not None else [])],
+        "args": [
+            "--epochs",
+            str(epochs),
+            "--samples",
+            str(samples),
+            "--batch",
+            str(BATCH),
+            "--lr",
+            str(LR),
+            "--lr-rule",
+            "linear",
+            "--base-world",
+            str(BASE_WORLD),
+            "--warmup",
+            str(WARMUP),
+            "--save-every",
+            "10",
+            "--step-sleep",
+            str(sleep),
+            "--record",
+            str(rec),
+            *(hold_last_epoch(hold, epochs, 0.5 if recovery == "live" else 0.0) if hold is not None else []),
+        ],
         "env": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
         "min_nodes": min_nodes,
         "max_nodes": max_nodes,
@@ -90,8 +120,11 @@ def _cluster_of(cluster: LocalServiceCluster, *names: str, spare: str | None = N
 
 
 def _finished(api: Any, job_id: str, timeout: float) -> dict[str, Any]:
-    final = wait_api(f"job {job_id} to end", lambda: (j := api.job(job_id))["state"] in
-                     ("succeeded", "failed", "cancelled") and j, timeout)  # fmt: skip
+    final = wait_api(
+        f"job {job_id} to end",
+        lambda: (j := api.job(job_id))["state"] in ("succeeded", "failed", "cancelled") and j,
+        timeout,
+    )
     assert final["state"] == "succeeded", (final["message"], final["last_error"])
     return final
 
@@ -106,8 +139,11 @@ def test_a_high_priority_job_shrinks_a_low_one_which_grows_back_both_exactly_onc
     # file to go (on a loaded machine it once trained its last steps at world 1 while the high job ran)
     hold = tmp_path / "hold"
     low = api.submit(_spec("low", low_rec, samples=360, epochs=3, min_nodes=1, max_nodes=3, hold=hold))["id"]
-    wait_api("the low job at world 3", lambda: 3 in _worlds(low_rec) and max(
-        (r["step"] for r in read_records(low_rec)), default=0) >= 5, 150)  # fmt: skip
+    wait_api(
+        "the low job at world 3",
+        lambda: 3 in _worlds(low_rec) and max((r["step"] for r in read_records(low_rec)), default=0) >= 5,
+        150,
+    )
 
     # where the job first trained at world 3: on a loaded machine its three torchruns can start further apart than
     # the rendezvous's last call (1 s), and the job then forms at world 1 or 2 first and grows (not a planned move)
@@ -148,8 +184,11 @@ def test_a_drain_moves_a_live_job_off_a_node_with_no_failure_and_no_lost_step(
     api = _cluster_of(cluster, "node-1", "node-2", "node-3")
     rec = tmp_path / "rec"
     job = api.submit(_spec("drained", rec, samples=320, epochs=3, min_nodes=2, max_nodes=2, recovery="live"))["id"]
-    wait_api("the job at world 2", lambda: 2 in _worlds(rec) and max(
-        (r["step"] for r in read_records(rec)), default=0) >= 5, 150)  # fmt: skip
+    wait_api(
+        "the job at world 2",
+        lambda: 2 in _worlds(rec) and max((r["step"] for r in read_records(rec)), default=0) >= 5,
+        150,
+    )
     before = api.job(job)
     drained = before["nodes"][0]
     spare = ({"node-1", "node-2", "node-3"} - set(before["nodes"])).pop()
@@ -183,10 +222,14 @@ def test_a_hot_spare_replaces_a_killed_node_its_workers_forked_from_its_warm_zyg
     rec = tmp_path / "rec"
     # the last epoch holds until the spare's worker trained: on a loaded machine the job could end at world 1 first
     hold = tmp_path / "hold"
-    job = api.submit(_spec("spared", rec, samples=320, epochs=3, min_nodes=1, max_nodes=3, recovery="live",
-                           hold=hold))["id"]  # fmt: skip
-    wait_api("the job at world 2", lambda: 2 in _worlds(rec) and max(
-        (r["step"] for r in read_records(rec)), default=0) >= 5, 150)  # fmt: skip
+    job = api.submit(_spec("spared", rec, samples=320, epochs=3, min_nodes=1, max_nodes=3, recovery="live", hold=hold))[
+        "id"
+    ]
+    wait_api(
+        "the job at world 2",
+        lambda: 2 in _worlds(rec) and max((r["step"] for r in read_records(rec)), default=0) >= 5,
+        150,
+    )
     nodes = sorted(api.job(job)["nodes"])
     assert nodes == ["node-1", "node-2"], (nodes, api.events(job))  # held back: the job is below max_nodes
     zygotes = _zygotes_of(spare["pid"])

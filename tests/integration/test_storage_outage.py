@@ -23,10 +23,34 @@ def test_a_storage_outage_costs_no_restart_and_loses_no_committed_snapshot(tmp_p
     ckpt, away, record = tmp_path / "ckpt", tmp_path / "ckpt.away", tmp_path / "record"
     pace = tmp_path / "pace"  # the steps sleep until the outage is over; the rest run at full speed
     pace.touch()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "--max-restarts=2",
-           "-m", "elastic.testing.train_worker", "--checkpoint-url", str(ckpt), "--record", str(record),
-           "--samples", "2400", "--epochs", "1", "--batch", "8", "--base-world", "1", "--save-every", "5",
-           "--step-sleep", "0.05", "--pace-file", str(pace)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        "--max-restarts=2",
+        "-m",
+        "elastic.testing.train_worker",
+        "--checkpoint-url",
+        str(ckpt),
+        "--record",
+        str(record),
+        "--samples",
+        "2400",
+        "--epochs",
+        "1",
+        "--batch",
+        "8",
+        "--base-world",
+        "1",
+        "--save-every",
+        "5",
+        "--step-sleep",
+        "0.05",
+        "--pace-file",
+        str(pace),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     log = open(tmp_path / "torchrun.log", "wb")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -92,9 +92,7 @@ def test_sigkill_of_one_agent_tree_shrinks_world_then_new_agent_grows_it(
         return any(r["world"] == 1 and r["t"] > killed_at for r in read_jsonl(out / "steps.jsonl"))
 
     assert wait_until(shrunk, 60), _logs(agents)
-    first_small = min(
-        r["t"] for r in read_jsonl(out / "steps.jsonl") if r["world"] == 1 and r["t"] > killed_at
-    )
+    first_small = min(r["t"] for r in read_jsonl(out / "steps.jsonl") if r["world"] == 1 and r["t"] > killed_at)
     recovery = first_small - killed_at
     assert a.process is not None and a.process.poll() is None, "the survivor must keep running"
 

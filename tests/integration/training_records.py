@@ -36,8 +36,15 @@ def hold_args(path: Path, epochs: int, most: float = 0.0, pace: bool = False) ->
     """train_worker.py's arguments that hold each step of the job's last epoch while ``path`` exists (``most``:
     seconds one step waits at most, 0 none; see the worker's docstring); ``pace``: its ``--step-sleep`` only while
     ``path`` exists too (``--pace-file``), so that the steps after the scenario released the job run at full speed."""
-    return ["--hold-file", str(path), "--hold-epoch", str(epochs - 1), "--hold-max", str(most),
-            *(["--pace-file", str(path)] if pace else [])]  # fmt: skip
+    return [
+        "--hold-file",
+        str(path),
+        "--hold-epoch",
+        str(epochs - 1),
+        "--hold-max",
+        str(most),
+        *(["--pace-file", str(path)] if pace else []),
+    ]
 
 
 def assert_exits_ok(agent: TorchrunAgent, agents: list[TorchrunAgent], timeout: float) -> None:

@@ -28,8 +28,12 @@ def make_settings(etcd: LocalEtcdCluster, prefix: str, **kw: object) -> Settings
     base: dict[str, object] = {
         "etcd": EtcdOptions(etcd.endpoints, connect_timeout=timedelta(seconds=2)),
         "prefix": prefix,
-        "tokens": (TokenEntry(ADMIN, Role.ADMIN, "alice"), TokenEntry(READER, Role.READ, "bob"),
-                   TokenEntry(USER, Role.USER, "carol"), TokenEntry(OTHER_USER, Role.USER, "dave")),
+        "tokens": (
+            TokenEntry(ADMIN, Role.ADMIN, "alice"),
+            TokenEntry(READER, Role.READ, "bob"),
+            TokenEntry(USER, Role.USER, "carol"),
+            TokenEntry(OTHER_USER, Role.USER, "dave"),
+        ),
         "leader_ttl": timedelta(seconds=2),
         "reconcile_interval": timedelta(seconds=0.3),
         "reconcile": ReconcileConfig(success_grace=timedelta(seconds=5), failure_settle=timedelta(seconds=1)),
@@ -54,9 +58,7 @@ def api(settings: Settings) -> Iterator[TestClient]:
 def live_server(settings: Settings) -> Iterator[str]:
     """The app served by uvicorn on a loopback port (for the CLI), its URL."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -66,4 +68,3 @@ def live_server(settings: Settings) -> Iterator[str]:
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(timeout=15)
-

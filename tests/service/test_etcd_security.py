@@ -63,9 +63,7 @@ def test_job_runs_with_etcd_user_and_password_and_a_wrong_password_is_refused(
 ) -> None:
     ctl = ["etcdctl", f"--endpoints=https://{tls_etcd}", "--cacert", str(certs / "ca.pem")]
     env = {**os.environ, "ETCDCTL_API": "3"}
-    subprocess.run(
-        [*ctl, "user", "add", "root:s3cret-pw"], check=True, capture_output=True, env=env, timeout=30
-    )
+    subprocess.run([*ctl, "user", "add", "root:s3cret-pw"], check=True, capture_output=True, env=env, timeout=30)
     subprocess.run([*ctl, "auth", "enable"], check=True, capture_output=True, env=env, timeout=30)
     (tmp_path / "pw").write_text("s3cret-pw\n")
     (tmp_path / "bad").write_text("wrong\n")
@@ -113,15 +111,22 @@ def _pass(**states: JobState) -> tuple[ClusterView, Plan]:
     now = datetime.now(timezone.utc)
     spec = JobSpec(name="j", entrypoint="t.py")
     view = ClusterView(
-        jobs={j: JobEntry(JobRecord(id=j, spec=spec, created_at=now),
-                          JobStatus(state=st, created_at=now, updated_at=now), 1) for j, st in states.items()},
+        jobs={
+            j: JobEntry(
+                JobRecord(id=j, spec=spec, created_at=now), JobStatus(state=st, created_at=now, updated_at=now), 1
+            )
+            for j, st in states.items()
+        },
         nodes={},
         assignments={},
-    )  # fmt: skip
-    plan = Plan(updates=[
-        JobUpdate(j, 1, None, assign={"n1": Assignment(job_id=j, generation=1, spec=spec, assigned_at=now)})
-        for j, st in states.items() if not st.terminal
-    ])  # fmt: skip
+    )
+    plan = Plan(
+        updates=[
+            JobUpdate(j, 1, None, assign={"n1": Assignment(job_id=j, generation=1, spec=spec, assigned_at=now)})
+            for j, st in states.items()
+            if not st.terminal
+        ]
+    )
     return view, plan
 
 
@@ -150,8 +155,9 @@ def test_a_jobs_etcd_user_reaches_its_own_rendezvous_and_progress_but_nothing_of
         job.ping()
         state = f"{keys.rdzv}/job-a1.g1/rdzv/state"
         lease = job.grant_lease(timedelta(seconds=10))
-        ok, _, _, _ = job.compare_and_put(state, b"s", mod_revision=0, lease=lease,
-                                          read_prefix=f"{keys.rdzv}/job-a1.g1/rdzv/alive/")  # fmt: skip
+        ok, _, _, _ = job.compare_and_put(
+            state, b"s", mod_revision=0, lease=lease, read_prefix=f"{keys.rdzv}/job-a1.g1/rdzv/alive/"
+        )
         assert ok and job.keep_alive_once(lease) > 0
         revision = job.put(f"{keys.rdzv}/job-a1.g7/store/k", b"v")
         assert job.wait_for_event(f"{keys.rdzv}/job-a1.g7/", revision, timedelta(seconds=5), prefix=True)
@@ -231,8 +237,14 @@ def test_a_job_runs_as_its_own_etcd_user_without_the_control_planes_credentials_
 ) -> None:
     _enable_auth(tls_etcd, certs)
     (tmp_path / "pw").write_text(_ROOT_PW + "\n")
-    flags = ["--etcd-ca-cert", str(certs / "ca.pem"), "--etcd-user", "root", "--etcd-password-file",
-             str(tmp_path / "pw")]  # fmt: skip
+    flags = [
+        "--etcd-ca-cert",
+        str(certs / "ca.pem"),
+        "--etcd-user",
+        "root",
+        "--etcd-password-file",
+        str(tmp_path / "pw"),
+    ]
     service = _Service(tmp_path, tls_etcd, flags)
     dump = tmp_path / "worker-env.json"
     try:
@@ -304,16 +316,26 @@ def test_a_job_on_a_uid_of_its_own_reaches_etcd_with_its_own_files_and_cannot_re
         password_file = shared / "agent-pw"  # the agent's own etcd password, 0600 as it must be: refused otherwise
         password_file.write_text(_ROOT_PW + "\n")
         password_file.chmod(0o600)
-        flags = ["--etcd-ca-cert", str(certs / "ca.pem"), "--etcd-user", "root", "--etcd-password-file",
-                 str(password_file)]  # fmt: skip
+        flags = [
+            "--etcd-ca-cert",
+            str(certs / "ca.pem"),
+            "--etcd-user",
+            "root",
+            "--etcd-password-file",
+            str(password_file),
+        ]
         service = _Service(tmp_path, tls_etcd, flags)
         dump = shared / "worker.json"
         script = f"DUMP, AGENT_PW = {str(dump)!r}, {str(password_file)!r}\n" + _PROBE
         python = _job_python()  # the jobs' uids must be able to run it, with this environment's packages
         path = os.pathsep.join((str(_ROOT), sysconfig.get_paths()["purelib"]))
         try:
-            job = service.run_one_node_job(script, agent_args=("--job-uid-range", "23100-23199", "--python", python),
-                                           where=shared, env={"PYTHONPATH": path})  # fmt: skip
+            job = service.run_one_node_job(
+                script,
+                agent_args=("--job-uid-range", "23100-23199", "--python", python),
+                where=shared,
+                env={"PYTHONPATH": path},
+            )
         finally:
             service.stop()
         seen = json.loads(dump.read_text())
@@ -324,8 +346,10 @@ def test_a_job_on_a_uid_of_its_own_reaches_etcd_with_its_own_files_and_cannot_re
         assert 23100 <= seen["uid"] <= 23199
         assert seen["agent_password_file"] == "PermissionError"
         private = shared / "work" / "jobs" / str(job["id"]) / "private"
-        assert seen["files"] == {"ETRAIN_ETCD_CA_CERT": str(private / "etcd-ca.pem"),
-                                 "ETRAIN_ETCD_PASSWORD_FILE": str(private / "etcd-password")}  # fmt: skip
+        assert seen["files"] == {
+            "ETRAIN_ETCD_CA_CERT": str(private / "etcd-ca.pem"),
+            "ETRAIN_ETCD_PASSWORD_FILE": str(private / "etcd-password"),
+        }
         assert seen["own"] == {"ETRAIN_ETCD_CA_CERT": "read", "ETRAIN_ETCD_PASSWORD_FILE": "read"}
         assert not private.exists()  # deleted when the job left the node
     finally:

@@ -53,8 +53,9 @@ def _placing(*job_ids: str) -> Plan:
 
 
 def _record(job_id: str, ready: bool = True) -> IdentityRecord:
-    return IdentityRecord(job_id=job_id, user=job_principal(job_id), password=f"pw-{job_id}", ready=ready,
-                          created_at=NOW)  # fmt: skip
+    return IdentityRecord(
+        job_id=job_id, user=job_principal(job_id), password=f"pw-{job_id}", ready=ready, created_at=NOW
+    )
 
 
 def test_a_job_the_plan_assigns_needs_its_identity_made_unless_a_ready_one_is_stored() -> None:
@@ -66,8 +67,9 @@ def test_a_job_the_plan_assigns_needs_its_identity_made_unless_a_ready_one_is_st
 
 
 def test_jobs_terminal_or_gone_lose_their_identity_and_a_job_the_plan_ends_loses_it_in_the_same_pass() -> None:
-    view = _view(_entry("done-1", JobState.SUCCEEDED), _entry("live-1", JobState.RUNNING),
-                 _entry("ending-1", JobState.RUNNING))  # fmt: skip
+    view = _view(
+        _entry("done-1", JobState.SUCCEEDED), _entry("live-1", JobState.RUNNING), _entry("ending-1", JobState.RUNNING)
+    )
     records = {j: _record(j) for j in ("done-1", "live-1", "ending-1", "purged-1")}
     cancelled = JobStatus(state=JobState.CANCELLED, created_at=NOW, updated_at=NOW)
     plan = Plan(updates=[JobUpdate("ending-1", 1, cancelled, unassign=["n1"])])
@@ -110,10 +112,16 @@ def test_a_jobs_role_covers_the_rendezvous_of_its_generations_and_its_progress_k
     assert rdzv.prefix and rdzv.perm == "readwrite"
     for generation in (1, 2, 17):  # where the etcd-v3 backend keeps the run that the agent names
         layout = RendezvousKeys.of(keys.rdzv, rdzv_run_id("j-1a2b", generation))
-        assert all(k.startswith(rdzv.key) for k in (layout.base, layout.assign(3), layout.store, layout.closed,
-                                                      layout.live + "gen"))  # live recovery's group
-    for other in ("/etrain.rdzv/j-1a2bc.g1/rdzv/state", "/etrain.rdzv/j-1a2.g1/rdzv/state", "/etrain/progress/j-1a2bc",
-                  "/etrain.rdzv/j-1a2b-g1/rdzv/state"):  # fmt: skip
+        assert all(
+            k.startswith(rdzv.key)
+            for k in (layout.base, layout.assign(3), layout.store, layout.closed, layout.live + "gen")
+        )  # live recovery's group
+    for other in (
+        "/etrain.rdzv/j-1a2bc.g1/rdzv/state",
+        "/etrain.rdzv/j-1a2.g1/rdzv/state",
+        "/etrain/progress/j-1a2bc",
+        "/etrain.rdzv/j-1a2b-g1/rdzv/state",
+    ):
         assert not other.startswith(rdzv.key) and other != progress.key
 
 
@@ -172,8 +180,9 @@ def test_the_leader_makes_the_jobs_user_before_writing_the_assignment_that_carri
     auth = c.server.auth
     assert auth.password("etrain-job-j-1") == a.etcd_password != "control-pw"
     assert auth.roles_of("etrain-job-j-1") == {"etrain-job-j-1"}
-    assert auth.role_permissions("etrain-job-j-1") == sorted(job_permissions(c.store.keys, "j-1"),
-                                                             key=lambda p: (p.key, p.prefix))  # fmt: skip
+    assert auth.role_permissions("etrain-job-j-1") == sorted(
+        job_permissions(c.store.keys, "j-1"), key=lambda p: (p.key, p.prefix)
+    )
     kv, _ = c.client.get(identity_key(c.store.keys, "j-1"))
     assert kv is not None and IdentityRecord.model_validate_json(kv.value).ready
 

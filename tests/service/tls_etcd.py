@@ -88,9 +88,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def _start_tls_etcd(
-    workdir: Path, certs: Path, client_cert_auth: bool
-) -> tuple[subprocess.Popen[bytes], str]:
+def _start_tls_etcd(workdir: Path, certs: Path, client_cert_auth: bool) -> tuple[subprocess.Popen[bytes], str]:
     port, peer = free_port(), free_port()
     cmd = [
         find_etcd_binary(),
@@ -138,8 +136,16 @@ class Service:
         env["PYTHONPATH"] = str(_ROOT)
         with open(self.workdir / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "service.cli", *args, "--etcd", self.endpoint, *self.flags,
-                 *self.role_flags.get(name, [])],
+                [
+                    sys.executable,
+                    "-m",
+                    "service.cli",
+                    *args,
+                    "--etcd",
+                    self.endpoint,
+                    *self.flags,
+                    *self.role_flags.get(name, []),
+                ],
                 env=env,
                 cwd=self.workdir,
                 stdout=log,
@@ -149,15 +155,16 @@ class Service:
         return proc
 
     def run_one_node_job(
-        self, script_text: str | None = None, agent_args: tuple[str, ...] = (), where: Path | None = None,
+        self,
+        script_text: str | None = None,
+        agent_args: tuple[str, ...] = (),
+        where: Path | None = None,
         env: dict[str, str] | None = None,
     ) -> dict[str, object]:
         """``where``: the directory of the agent's work dir and the job's script (default: the service's)."""
         where = where or self.workdir
         port = free_port()
-        self.etrain(
-            "controller", "controller", "--host", "127.0.0.1", "--port", str(port), "--leader-ttl", "2"
-        )
+        self.etrain("controller", "controller", "--host", "127.0.0.1", "--port", str(port), "--leader-ttl", "2")
         self.etrain(
             "agent",
             "agent",
@@ -178,8 +185,15 @@ class Service:
         script.write_text(
             script_text or "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
         )
-        job = api.submit({"name": "tls", "entrypoint": str(script), "rendezvous": {"last_call_timeout": 1},
-                          "env": env or {}, "working_dir": str(where)})  # fmt: skip
+        job = api.submit(
+            {
+                "name": "tls",
+                "entrypoint": str(script),
+                "rendezvous": {"last_call_timeout": 1},
+                "env": env or {},
+                "working_dir": str(where),
+            }
+        )
         done = wait_api(
             "the job to end", lambda: (j := api.job(job["id"]))["state"] in ("succeeded", "failed") and j, 90
         )

@@ -18,8 +18,7 @@ from elastic.testing.s3_server import LocalS3Server
 def _aws_environment() -> Iterator[None]:
     """No real AWS config or instance metadata (169.254.169.254) is ever consulted by tests."""
     saved = {
-        k: os.environ.get(k)
-        for k in ("AWS_EC2_METADATA_DISABLED", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
+        k: os.environ.get(k) for k in ("AWS_EC2_METADATA_DISABLED", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
     }
     os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
     os.environ["AWS_CONFIG_FILE"] = "/nonexistent/aws-config"

@@ -98,9 +98,7 @@ S3_POINTS = [
 ]
 
 
-def _kill_at(
-    target: Target, point: str, expected: int, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def _kill_at(target: Target, point: str, expected: int, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     marker = tmp_path / "marker"
     proc = _start(target, "pause", _env(marker, point))
     try:

@@ -411,8 +411,9 @@ def test_a_save_queues_its_copies_in_one_call_per_device_and_phase_not_one_per_t
     try:
         model, optimizer, state = adamw_state()
         expected = cpu_clone(state)
-        mgr = FsspecCheckpointManager(create_checkpoint_manager(str(tmp_path)).storage, CheckpointOptions(),
-                                      stager=stager_for(ops, free=64 * MIB))  # fmt: skip
+        mgr = FsspecCheckpointManager(
+            create_checkpoint_manager(str(tmp_path)).storage, CheckpointOptions(), stager=stager_for(ops, free=64 * MIB)
+        )
         mgr.save(1, state, overlap_with=optimizer)
         model(torch.randn(16, 64)).sum().backward()
         optimizer.step()

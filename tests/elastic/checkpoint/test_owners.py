@@ -48,12 +48,13 @@ def _process(cmd: list[str], log: Path, **extra: str) -> Iterator[subprocess.Pop
         proc.wait()
 
 
-def _worker(tmp_path: Path, name: str, root: Path, **extra: str) -> contextlib.AbstractContextManager[
-    subprocess.Popen[bytes]
-]:  # fmt: skip
+def _worker(
+    tmp_path: Path, name: str, root: Path, **extra: str
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
     cmd = [sys.executable, "-m", "tests.elastic.train._plain_script", (tmp_path / name).as_uri(), "100000", "slow"]
-    return _process(cmd, tmp_path / f"{name}.log", ETRAIN_LOCAL_SNAPSHOT_DIR=str(root),
-                    ETRAIN_LOCAL_SNAPSHOT_EVERY="1", **extra)  # fmt: skip
+    return _process(
+        cmd, tmp_path / f"{name}.log", ETRAIN_LOCAL_SNAPSHOT_DIR=str(root), ETRAIN_LOCAL_SNAPSHOT_EVERY="1", **extra
+    )
 
 
 def _wait_for_snapshot(job_dir: Path, proc: subprocess.Popen[bytes], log: Path) -> None:

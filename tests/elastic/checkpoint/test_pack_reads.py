@@ -36,9 +36,7 @@ def _mixed_state() -> dict[str, Any]:
     """Many small tensors of every width between large ones, 0-dimensional and empty ones, and a tied pair."""
     gen = torch.Generator().manual_seed(7)
     dtypes = [torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.complex64, torch.float16, torch.int64]
-    small = [
-        (torch.randn(n % 37 + 1, generator=gen) * 50).to(dtypes[n % len(dtypes)]) for n in range(120)
-    ]  # fmt: skip
+    small = [(torch.randn(n % 37 + 1, generator=gen) * 50).to(dtypes[n % len(dtypes)]) for n in range(120)]
     tied = torch.randn(5, 3, generator=gen)
     return {
         "large": torch.randn(300, 1024, generator=gen),  # 1.2 MB: read straight into its memory

@@ -37,7 +37,8 @@ def test_packed_rng_state_unpacks_to_the_same_draws(gauss_pending: bool) -> None
 
 def test_two_ranks_gather_each_others_rng_states(tmp_path: Path) -> None:
     script = tmp_path / "gather.py"
-    script.write_text(textwrap.dedent('''
+    script.write_text(
+        textwrap.dedent("""
         import random, sys
         import numpy as np, torch, torch.distributed as dist
         from elastic import compat
@@ -55,7 +56,8 @@ def test_two_ranks_gather_each_others_rng_states(tmp_path: Path) -> None:
         assert sorted(state.rng) == [0, 1] and got == expected, (got, expected)
         print("ok", rank)
         compat.destroy_process_group()
-    '''))
+    """)
+    )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     import os

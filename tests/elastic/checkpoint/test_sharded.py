@@ -19,17 +19,21 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.timeout(240)
-def test_two_ranks_save_sharded_state_load_it_back_and_fall_back_on_corruption(
-    target: Target, tmp_path: Path
-) -> None:
+def test_two_ranks_save_sharded_state_load_it_back_and_fall_back_on_corruption(target: Target, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, PYTHONPATH=str(REPO), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
         str(REPO / "tests/elastic/checkpoint/_sharded_worker.py"),
-        target.url, str(out), json.dumps(target.storage_options),
-    ]  # fmt: skip
+        target.url,
+        str(out),
+        json.dumps(target.storage_options),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in (0, 1):

@@ -23,8 +23,9 @@ OTHER = bytes(range(1, 33))
 
 def _manifest() -> Manifest:
     files = (FileEntry(path="0123abcd/tensors.bin", size=3, digest="0" * 64),)
-    return Manifest(step=7, token="0123abcd", kind=SnapshotKind.PACK, files=files, created_unix=1.0,
-                    world_size=1, writer_rank=0)  # fmt: skip
+    return Manifest(
+        step=7, token="0123abcd", kind=SnapshotKind.PACK, files=files, created_unix=1.0, world_size=1, writer_rank=0
+    )
 
 
 def test_a_signed_manifest_loads_with_its_key_and_only_with_it() -> None:
@@ -52,9 +53,7 @@ def test_editing_a_signed_manifest_and_fixing_its_checksum_is_still_refused() ->
         Manifest.from_json(json.dumps(body).encode(), key=KEY)
 
 
-def test_a_keyed_job_ignores_newer_snapshots_it_did_not_sign(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_keyed_job_ignores_newer_snapshots_it_did_not_sign(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     url = str(tmp_path)
     with create_checkpoint_manager(url, CheckpointOptions(signing_key=KEY)) as mine:
         mine.save(5, make_state(5, **SMALL))

@@ -71,9 +71,7 @@ def test_path_below_a_regular_file_is_named(tmp_path: Path) -> None:
 
 
 def test_usable_storage_passes_and_leaves_no_probe_behind(target: Target) -> None:
-    with create_checkpoint_manager(
-        target.url, CheckpointOptions(storage_options=target.storage_options)
-    ) as mgr:
+    with create_checkpoint_manager(target.url, CheckpointOptions(storage_options=target.storage_options)) as mgr:
         mgr.check_storage()
         assert mgr.storage.list_sizes("") == {}
 

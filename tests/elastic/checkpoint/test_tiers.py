@@ -310,8 +310,10 @@ def test_local_snapshots_due_while_the_last_is_still_written_are_skipped_counted
     tiers.close()
     assert tiers.local_stats == LocalSnapshotStats(saved=2, skipped=3, failed=0, last_skipped_step=4)
     assert tiers.local_stats.progress_fields() == {
-        "local_snapshots_saved": 2, "local_snapshots_skipped": 3, "local_snapshots_failed": 0,
-    }  # fmt: skip
+        "local_snapshots_saved": 2,
+        "local_snapshots_skipped": 3,
+        "local_snapshots_failed": 0,
+    }
     restored = SnapshotTiers(None, tmp_path / "local", 1, CPU).restore()
     assert restored is not None and restored.step == 5  # skipped steps cost nothing of what was written
 

@@ -27,11 +27,7 @@ def data_file(root: Path, step: int, name: str = "tensors-00000.bin") -> Path:
 
 
 def unusable_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.levelno == logging.WARNING and "unusable" in r.getMessage()
-    ]
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "unusable" in r.getMessage()]
 
 
 def test_corrupted_byte_falls_back_to_previous_snapshot_with_a_warning(
@@ -61,18 +57,14 @@ def test_corrupted_byte_on_s3_falls_back_too(s3_target: Target, caplog: pytest.L
     fs.pipe_file(path, bytes(data))
     with (
         caplog.at_level(logging.WARNING),
-        create_checkpoint_manager(
-            s3_target.url, CheckpointOptions(storage_options=s3_target.storage_options)
-        ) as mgr,
+        create_checkpoint_manager(s3_target.url, CheckpointOptions(storage_options=s3_target.storage_options)) as mgr,
     ):
         snap = mgr.load_latest()
     assert snap is not None and snap.step == 1
     assert "blake3 mismatch in" in unusable_warnings(caplog)[0]
 
 
-def test_truncated_or_missing_data_is_skipped_by_size_check(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_truncated_or_missing_data_is_skipped_by_size_check(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     save_steps(str(tmp_path), [1, 2, 3])
     data_file(tmp_path, 3).write_bytes(data_file(tmp_path, 3).read_bytes()[:-100])
     data_file(tmp_path, 2, "skeleton.pt").unlink()
@@ -136,6 +128,4 @@ def test_save_removes_dead_attempts_and_resaving_a_step_replaces_it(tmp_path: Pa
         snap = mgr.load(1)
     assert_same(snap.state, state)
     assert sorted(p.name for p in tmp_path.iterdir()) == [step_dir(1), step_dir(3)]
-    assert sorted(p.name for p in (tmp_path / step_dir(1)).iterdir()) == sorted(
-        ["manifest.json", snap.manifest.token]
-    )
+    assert sorted(p.name for p in (tmp_path / step_dir(1)).iterdir()) == sorted(["manifest.json", snap.manifest.token])

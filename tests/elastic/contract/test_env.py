@@ -34,8 +34,14 @@ def _full(tmp_path: Path) -> WorkerEnv:
         user="train",
         password_file=str(tmp_path / "pw"),
     )
-    return WorkerEnv(job=_JOB, job_id="j-1", checkpoint_url="file:///ck/j-1", local_snapshot_every=2, etcd=etcd,
-                     checkpoint_key=bytes(range(32)))
+    return WorkerEnv(
+        job=_JOB,
+        job_id="j-1",
+        checkpoint_url="file:///ck/j-1",
+        local_snapshot_every=2,
+        etcd=etcd,
+        checkpoint_key=bytes(range(32)),
+    )
 
 
 def test_what_the_writer_writes_the_parser_reads_back(tmp_path: Path) -> None:
@@ -110,14 +116,19 @@ def _without(name: str) -> dict[str, str]:
         ({**_JOB.to_environ(), contract.MAX_NODES: "2.5"}, "ETRAIN_MAX_NODES must be a whole number"),
         ({**_JOB.to_environ(), contract.LR_POLICY: "{"}, "ETRAIN_LR_POLICY is not an LR policy"),
         ({**_JOB.to_environ(), contract.LR_POLICY: '{"scaling": "sqrt"}'}, "ETRAIN_LR_POLICY has no 'rule'"),
-        ({**_JOB.to_environ(), contract.LR_POLICY: '{"rule": "cubic", "base_lr": 1, "base_world_size": 1, '
-                                                   '"base_batch_per_worker": 1}'}, "ETRAIN_LR_POLICY is not an LR"),
+        (
+            {
+                **_JOB.to_environ(),
+                contract.LR_POLICY: '{"rule": "cubic", "base_lr": 1, "base_world_size": 1, "base_batch_per_worker": 1}',
+            },
+            "ETRAIN_LR_POLICY is not an LR",
+        ),
         ({contract.LOCAL_SNAPSHOT_EVERY: "often"}, "ETRAIN_LOCAL_SNAPSHOT_EVERY must be a number of steps"),
         # a digit str.isdigit() accepts and int() refuses: it raised a plain ValueError (issue 48, L1's kin)
         ({contract.LOCAL_SNAPSHOT_EVERY: "\u00b2"}, "ETRAIN_LOCAL_SNAPSHOT_EVERY must be a number of steps"),
         ({contract.ETCD_USER: "u"}, "ETRAIN_ETCD_USER set without ETRAIN_ETCD_ENDPOINTS"),
     ],
-)  # fmt: skip
+)
 def test_a_missing_or_invalid_value_is_one_error_naming_the_variable(environ: dict[str, str], message: str) -> None:
     with pytest.raises(WorkerEnvError, match=message) as info:
         WorkerEnv.from_environ(environ)
@@ -134,9 +145,14 @@ def test_a_checkpoint_key_that_is_not_hex_or_too_short_is_named() -> None:
 # -- torchrun's own variables ------------------------------------------------------------------------------
 def test_torchruns_variables_are_read_through_one_place() -> None:
     environ = {
-        "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "2",
-        "TORCHELASTIC_RESTART_COUNT": "3", "TORCHELASTIC_RUN_ID": "j-1-g4",
-    }  # fmt: skip
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "2",
+        "TORCHELASTIC_RESTART_COUNT": "3",
+        "TORCHELASTIC_RUN_ID": "j-1-g4",
+    }
     assert TorchrunEnv.from_environ(environ) == TorchrunEnv(
         rank=5, world_size=8, local_rank=1, local_world_size=2, group_rank=2, restart_count=3, run_id="j-1-g4"
     )
@@ -154,8 +170,9 @@ def test_the_process_environment_is_the_default(monkeypatch: pytest.MonkeyPatch)
     assert (torchrun.local_rank, torchrun.restart_count) == (3, 7)
 
 
-@pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                  "TORCHELASTIC_RESTART_COUNT"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name", ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT"]
+)
 def test_a_malformed_integer_is_an_error_naming_the_variable(name: str) -> None:
     with pytest.raises(WorkerEnvError, match=f"{name} must be a whole number, got '1.5'"):
         TorchrunEnv.from_environ({name: "1.5"})

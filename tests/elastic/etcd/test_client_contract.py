@@ -196,9 +196,7 @@ def test_read_prefixes_returns_one_list_per_prefix_in_the_order_asked(client: Et
 
 
 # -- compare_and_put ---------------------------------------------------------------------------------
-def test_compare_and_put_with_mod_revision_zero_creates_only_a_missing_key(
-    client: EtcdClient, key_prefix: str
-) -> None:
+def test_compare_and_put_with_mod_revision_zero_creates_only_a_missing_key(client: EtcdClient, key_prefix: str) -> None:
     ok, kv, _, revision = client.compare_and_put(key_prefix + "/k", b"first", mod_revision=0)
     assert ok and kv is not None and kv.value == b"first" and kv.create_revision == revision
     ok, kv, _, again = client.compare_and_put(key_prefix + "/k", b"second", mod_revision=0)
@@ -227,19 +225,13 @@ def test_compare_and_put_on_the_current_mod_revision_writes_and_returns_the_new_
 
 def test_compare_and_put_reads_the_prefix_in_the_same_transaction(client: EtcdClient, key_prefix: str) -> None:
     client.put(key_prefix + "/m/a", b"a")
-    ok, _, under, _ = client.compare_and_put(
-        key_prefix + "/m/b", b"b", mod_revision=0, read_prefix=key_prefix + "/m/"
-    )
+    ok, _, under, _ = client.compare_and_put(key_prefix + "/m/b", b"b", mod_revision=0, read_prefix=key_prefix + "/m/")
     assert ok and [kv.key for kv in under] == [key_prefix + "/m/a", key_prefix + "/m/b"]  # sees its own put
-    ok, _, under, _ = client.compare_and_put(
-        key_prefix + "/m/b", b"c", mod_revision=0, read_prefix=key_prefix + "/m/"
-    )
+    ok, _, under, _ = client.compare_and_put(key_prefix + "/m/b", b"c", mod_revision=0, read_prefix=key_prefix + "/m/")
     assert not ok and [kv.value for kv in under] == [b"a", b"b"]  # the current values on failure
 
 
-def test_compare_and_put_refuses_a_stale_fencing_guard_and_writes_nothing(
-    client: EtcdClient, key_prefix: str
-) -> None:
+def test_compare_and_put_refuses_a_stale_fencing_guard_and_writes_nothing(client: EtcdClient, key_prefix: str) -> None:
     fence_at = client.put(key_prefix + "/leader", b"a")
     ok, _, _, _ = client.compare_and_put(
         key_prefix + "/k", b"1", mod_revision=0, guard=(key_prefix + "/leader", fence_at)
@@ -275,9 +267,7 @@ def test_a_put_on_a_gone_lease_is_refused_and_writes_nothing(client: EtcdClient,
 
 
 # -- commit ------------------------------------------------------------------------------------------
-def test_commit_applies_puts_deletes_and_prefix_deletes_in_one_revision(
-    client: EtcdClient, key_prefix: str
-) -> None:
+def test_commit_applies_puts_deletes_and_prefix_deletes_in_one_revision(client: EtcdClient, key_prefix: str) -> None:
     for key in ("/gone", "/r/1", "/r/2", "/r0"):
         client.put(key_prefix + key, b"old")
     before = client.ping()
@@ -316,9 +306,7 @@ def test_commit_expecting_revision_zero_requires_the_key_to_be_absent(client: Et
     assert client.get(key_prefix + "/job")[0].value == b"1"  # type: ignore[union-attr]
 
 
-def test_commit_guard_fails_once_the_fencing_key_is_deleted_or_recreated(
-    client: EtcdClient, key_prefix: str
-) -> None:
+def test_commit_guard_fails_once_the_fencing_key_is_deleted_or_recreated(client: EtcdClient, key_prefix: str) -> None:
     fence = (key_prefix + "/leader", client.put(key_prefix + "/leader", b"a"))
     assert client.commit([(key_prefix + "/x", b"1")], guard=fence)[0]
     client.put(key_prefix + "/leader", b"a again")  # rewritten, not recreated: the token holds
@@ -425,9 +413,7 @@ def test_a_range_compare_must_hold_for_every_key_under_the_prefix(client: EtcdCl
     assert client.txn([Compare(prefix, MOD, LT, rewritten + 1, prefix=True)], []).succeeded
 
 
-def test_txn_get_ops_count_only_keys_only_and_limit_report_the_total_count(
-    client: EtcdClient, key_prefix: str
-) -> None:
+def test_txn_get_ops_count_only_keys_only_and_limit_report_the_total_count(client: EtcdClient, key_prefix: str) -> None:
     prefix = key_prefix + "/g/"
     for name in ("c", "a", "b"):
         client.put(prefix + name, b"v-" + name.encode())
@@ -632,18 +618,14 @@ def test_wait_for_event_wakes_on_a_later_write_before_its_timeout(client: EtcdCl
     assert time.monotonic() - started < 10
 
 
-def test_wait_for_event_counts_a_change_already_made_at_the_start_revision(
-    client: EtcdClient, key_prefix: str
-) -> None:
+def test_wait_for_event_counts_a_change_already_made_at_the_start_revision(client: EtcdClient, key_prefix: str) -> None:
     revision = client.put(key_prefix + "/k", b"v")
     client.put(key_prefix + "/other", b"v")
     assert client.wait_for_event(key_prefix + "/k", revision, SHORT) is True
     assert client.wait_for_event(key_prefix + "/k", revision + 1, SHORT) is False
 
 
-def test_wait_for_event_returns_false_at_its_timeout_when_nothing_changes(
-    client: EtcdClient, key_prefix: str
-) -> None:
+def test_wait_for_event_returns_false_at_its_timeout_when_nothing_changes(client: EtcdClient, key_prefix: str) -> None:
     started = time.monotonic()
     assert client.wait_for_event(key_prefix + "/quiet", client.ping() + 1, SHORT) is False
     assert time.monotonic() - started >= SHORT.total_seconds() * 0.9
@@ -746,9 +728,7 @@ def test_user_add_creates_a_user_once_and_user_delete_removes_it_once(auth: Etcd
     assert user not in auth.user_list()
 
 
-def test_password_change_and_role_grant_of_a_missing_user_or_role_are_refused(
-    auth: EtcdAuth, key_prefix: str
-) -> None:
+def test_password_change_and_role_grant_of_a_missing_user_or_role_are_refused(auth: EtcdAuth, key_prefix: str) -> None:
     user, role = _name(key_prefix, "u"), _name(key_prefix, "r")
     with pytest.raises(EtcdError):
         auth.user_change_password(user, "pw")
@@ -787,9 +767,7 @@ def test_a_role_keeps_its_grants_by_key_and_a_second_grant_of_one_range_replaces
         auth.role_permissions(role)
 
 
-def test_managing_users_and_roles_changes_no_revision(
-    client: EtcdClient, auth: EtcdAuth, key_prefix: str
-) -> None:
+def test_managing_users_and_roles_changes_no_revision(client: EtcdClient, auth: EtcdAuth, key_prefix: str) -> None:
     user, role = _name(key_prefix, "u"), _name(key_prefix, "r")
     revision = client.put(key_prefix + "/k", b"v")
     auth.user_add(user, "pw")

@@ -106,7 +106,6 @@ def test_with_etcd_down_each_concurrent_call_fails_with_connection_error_only_at
     assert durations[-1] <= op_timeout + 1 + 1.5, f"some calls overran op_timeout: {durations}"
 
 
-
 def test_a_watch_retrying_through_an_outage_keeps_its_threads_and_gives_them_all_back_when_stopped(
     etcd_member: LocalEtcdCluster,
 ) -> None:
@@ -119,9 +118,11 @@ def test_a_watch_retrying_through_an_outage_keeps_its_threads_and_gives_them_all
         client.put("/outage/watched", b"1")
         before = threading.active_count()
         watch = threading.Thread(
-            target=client.watch_revisions, args=("/outage/", client.ping() + 1, lambda _r: None, stop),
-            kwargs={"prefix": True}, daemon=True,
-        )  # fmt: skip
+            target=client.watch_revisions,
+            args=("/outage/", client.ping() + 1, lambda _r: None, stop),
+            kwargs={"prefix": True},
+            daemon=True,
+        )
         watch.start()
         time.sleep(0.5)
         etcd_member.stop_member(0)

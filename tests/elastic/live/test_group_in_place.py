@@ -43,8 +43,10 @@ class Usage:
     cuda_allocated: int  # bytes (0 off CUDA)
 
     def __str__(self) -> str:
-        return (f"fds={self.fds} os_threads={self.os_threads} py_threads={self.py_threads} "
-                f"rss={self.rss / 2**20:.1f}MiB cuda_allocated={self.cuda_allocated}")  # fmt: skip
+        return (
+            f"fds={self.fds} os_threads={self.os_threads} py_threads={self.py_threads} "
+            f"rss={self.rss / 2**20:.1f}MiB cuda_allocated={self.cuda_allocated}"
+        )
 
 
 def usage(device: torch.device) -> Usage:
@@ -67,11 +69,18 @@ def _destroy_default_group() -> None:
 @pytest.fixture(
     params=[
         "gloo",
-        pytest.param("nccl", marks=[pytest.mark.cuda,
-                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA GPU; "
-                                                       "torch.cuda.is_available() is False here")]),
+        pytest.param(
+            "nccl",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available(),
+                    reason="NCCL needs a CUDA GPU; torch.cuda.is_available() is False here",
+                ),
+            ],
+        ),
     ]
-)  # fmt: skip
+)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -90,11 +99,18 @@ def solo_group(etcd_server: LocalEtcdCluster, backend: str) -> Iterator[LiveGrou
     assert not dist.is_initialized(), "another test left a process group behind"
     client = create_client(etcd_server.config(op_timeout=5))
     keys = LiveKeys(f"/test/{uuid.uuid4().hex[:12]}/live/")
-    settings = LiveSettings(1, 1, settle=timedelta(seconds=0.1), last_call=timedelta(seconds=0.1),
-                            join_timeout=timedelta(seconds=30), reform_timeout=timedelta(seconds=30))  # fmt: skip
+    settings = LiveSettings(
+        1,
+        1,
+        settle=timedelta(seconds=0.1),
+        last_call=timedelta(seconds=0.1),
+        join_timeout=timedelta(seconds=30),
+        reform_timeout=timedelta(seconds=30),
+    )
     membership = LiveMembership(client, keys, f"solo-{backend}", settings, node="test")
-    group = LiveGroup(client, keys, membership, backend, timeout=timedelta(seconds=60),
-                      store_timeout=timedelta(seconds=30))  # fmt: skip
+    group = LiveGroup(
+        client, keys, membership, backend, timeout=timedelta(seconds=60), store_timeout=timedelta(seconds=30)
+    )
     yield group
     _destroy_default_group()
     group.close()

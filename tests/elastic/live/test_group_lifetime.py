@@ -34,10 +34,12 @@ REFORMS = 100
 @pytest.fixture(
     params=[
         "gloo",
-        pytest.param("nccl", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                        reason="NCCL needs a CUDA GPU")]),
+        pytest.param(
+            "nccl",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA GPU")],
+        ),
     ]
-)  # fmt: skip
+)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -45,11 +47,24 @@ def backend(request: pytest.FixtureRequest) -> str:
 def _group(etcd: LocalEtcdCluster, backend: str, device: torch.device | None = None) -> tuple[LiveGroup, object]:
     client = create_client(etcd.config(op_timeout=5))
     keys = LiveKeys(f"/test/{uuid.uuid4().hex[:12]}/live/")
-    settings = LiveSettings(1, 1, settle=timedelta(seconds=0.1), last_call=timedelta(seconds=0.1),
-                            join_timeout=timedelta(seconds=30), reform_timeout=timedelta(seconds=30))  # fmt: skip
+    settings = LiveSettings(
+        1,
+        1,
+        settle=timedelta(seconds=0.1),
+        last_call=timedelta(seconds=0.1),
+        join_timeout=timedelta(seconds=30),
+        reform_timeout=timedelta(seconds=30),
+    )
     membership = LiveMembership(client, keys, f"lifetime-{backend}", settings, node="test")
-    group = LiveGroup(client, keys, membership, backend, timeout=timedelta(seconds=60),
-                      store_timeout=timedelta(seconds=30), device=device)  # fmt: skip
+    group = LiveGroup(
+        client,
+        keys,
+        membership,
+        backend,
+        timeout=timedelta(seconds=60),
+        store_timeout=timedelta(seconds=30),
+        device=device,
+    )
     return group, client
 
 

@@ -57,9 +57,16 @@ class Group:
         granularity: int = 1,
         settle: timedelta = SETTLE,
     ) -> LiveMembership:
-        settings = LiveSettings(min_workers, max_workers, ttl=ttl, settle=settle, last_call=LAST_CALL,
-                                join_timeout=join_timeout, reform_timeout=timedelta(seconds=15),
-                                granularity=granularity)  # fmt: skip
+        settings = LiveSettings(
+            min_workers,
+            max_workers,
+            ttl=ttl,
+            settle=settle,
+            last_call=LAST_CALL,
+            join_timeout=join_timeout,
+            reform_timeout=timedelta(seconds=15),
+            granularity=granularity,
+        )
         m = LiveMembership(self.client(), self.keys, wid, settings, node="test")
         self.members.append(m)
         return m

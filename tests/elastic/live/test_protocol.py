@@ -318,9 +318,12 @@ def test_sync_plan_continues_from_the_newest_applied_step_and_records_late_steps
 
 @pytest.mark.parametrize(
     "states",
-    [pytest.param([member(-1)], id="one-joiner"), pytest.param([member(-1)] * 3, id="all-joiners"),
-     pytest.param([], id="no-members")],
-)  # fmt: skip
+    [
+        pytest.param([member(-1)], id="one-joiner"),
+        pytest.param([member(-1)] * 3, id="all-joiners"),
+        pytest.param([], id="no-members"),
+    ],
+)
 @pytest.mark.timeout(10)
 def test_sync_plan_refuses_a_generation_without_any_state(states: list[MemberState]) -> None:
     with pytest.raises(ValueError, match="generation"):

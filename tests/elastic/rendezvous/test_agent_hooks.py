@@ -24,8 +24,12 @@ def test_hooks_run_with_the_agent_command_line_and_a_failing_one_is_skipped(
 ) -> None:
     seen = tmp_path / "seen.txt"
     source = f"def record(argv):\n    open({str(seen)!r}, 'w').write(' '.join(argv))\n\ndef broken(argv):\n    1 / 0\n"
-    _install(tmp_path, "etrain_test_hooks", source, {"a-record": "etrain_test_hooks:record",
-                                                     "b-broken": "etrain_test_hooks:broken"})  # fmt: skip
+    _install(
+        tmp_path,
+        "etrain_test_hooks",
+        source,
+        {"a-record": "etrain_test_hooks:record", "b-broken": "etrain_test_hooks:broken"},
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     with caplog.at_level(logging.WARNING):
         ran = run_agent_start_hooks(["torchrun", "--nnodes=2", "train.py"])

@@ -52,9 +52,16 @@ def make(request: pytest.FixtureRequest) -> Iterator[Make]:
 
         def factory(run_id: str, lo: int, hi: int, addr: str, join: float) -> RendezvousHandler:
             params = RendezvousParameters(
-                "etcd-v3", server.endpoints, run_id, lo, hi, local_addr=addr,
-                last_call_timeout=str(LAST_CALL), node_ttl="2", join_timeout=str(join),
-            )  # fmt: skip
+                "etcd-v3",
+                server.endpoints,
+                run_id,
+                lo,
+                hi,
+                local_addr=addr,
+                last_call_timeout=str(LAST_CALL),
+                node_ttl="2",
+                join_timeout=str(join),
+            )
             return create_handler(params)
 
     elif kind == "etcd-v3-memory":

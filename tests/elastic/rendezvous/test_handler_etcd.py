@@ -46,9 +46,15 @@ def _handler(
     made: list[EtcdV3RendezvousHandler], endpoints: str, run_id: str, addr: str, nodes: tuple[int, int]
 ) -> EtcdV3RendezvousHandler:
     params = RendezvousParameters(
-        "etcd-v3", endpoints, run_id, nodes[0], nodes[1], local_addr=addr, last_call_timeout="1",
+        "etcd-v3",
+        endpoints,
+        run_id,
+        nodes[0],
+        nodes[1],
+        local_addr=addr,
+        last_call_timeout="1",
         node_ttl=str(NODE_TTL),
-    )  # fmt: skip
+    )
     handler = create_handler(params)
     assert isinstance(handler, EtcdV3RendezvousHandler)
     made.append(handler)
@@ -201,8 +207,9 @@ def test_the_client_the_plugin_made_for_a_handler_is_closed_once_the_handler_is_
     etcd_server: LocalEtcdCluster,
 ) -> None:
     # a process that makes and drops handlers (a test run) must not keep their gRPC channels reconnecting
-    params = RendezvousParameters("etcd-v3", etcd_server.endpoints, f"d-{uuid.uuid4().hex[:6]}", 1, 1,
-                                  local_addr="127.0.0.1")  # fmt: skip
+    params = RendezvousParameters(
+        "etcd-v3", etcd_server.endpoints, f"d-{uuid.uuid4().hex[:6]}", 1, 1, local_addr="127.0.0.1"
+    )
     handler = create_handler(params)
     client = handler._client  # private: the plugin's client, which the handler's lifetime must bound
     assert handler.next_rendezvous().world_size == 1

@@ -19,9 +19,15 @@ WARNING = "--max-restarts=0 (torchrun's default) with --nnodes="
 def _agent(tmp_path: Path, etcd: LocalEtcdCluster, name: str, nnodes: str, max_restarts: int) -> TorchrunAgent:
     script = tmp_path / "done.py"
     script.write_text("print('trained', flush=True)\n")
-    cmd = torchrun_command(backend="etcd-v3", endpoint=etcd.endpoints, run_id=f"{name}-{uuid.uuid4().hex[:8]}",
-                           nnodes=nnodes, max_restarts=max_restarts, rdzv_conf={"last_call_timeout": 1},
-                           script=str(script))  # fmt: skip
+    cmd = torchrun_command(
+        backend="etcd-v3",
+        endpoint=etcd.endpoints,
+        run_id=f"{name}-{uuid.uuid4().hex[:8]}",
+        nnodes=nnodes,
+        max_restarts=max_restarts,
+        rdzv_conf={"last_call_timeout": 1},
+        script=str(script),
+    )
     return TorchrunAgent(cmd, tmp_path / f"{name}.log").start()
 
 

@@ -39,12 +39,15 @@ def test_unreadable_password_file_names_the_option(tmp_path: Path) -> None:
         etcd_config_from_params(_params("h:2379", user="u", password_file=str(tmp_path / "missing")))
 
 
-@pytest.mark.parametrize(("conf", "message"), [
-    ({"cert": "/c.pem"}, "cert_key"),
-    ({"user": "u"}, "user and password"),
-    ({"op_timeout": "-1"}, "op_timeout"),
-    ({"op_timeout": "soon"}, "op_timeout"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ({"cert": "/c.pem"}, "cert_key"),
+        ({"user": "u"}, "user and password"),
+        ({"op_timeout": "-1"}, "op_timeout"),
+        ({"op_timeout": "soon"}, "op_timeout"),
+    ],
+)
 def test_bad_options_fail_with_a_message_naming_them(conf: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         etcd_config_from_params(_params("h:2379", **conf))

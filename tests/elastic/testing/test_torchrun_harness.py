@@ -38,8 +38,15 @@ SCRIPT = textwrap.dedent(
 def _agent(tmp: Path, etcd: LocalEtcdCluster, env: dict[str, str], max_restarts: int = 0) -> TorchrunAgent:
     script = tmp / "job.py"
     script.write_text(SCRIPT)
-    cmd = torchrun_command(backend="etcd-v3", endpoint=etcd.endpoints, run_id=f"h-{uuid.uuid4().hex[:8]}",
-                           nnodes="1", max_restarts=max_restarts, script=str(script), prefork=True)  # fmt: skip
+    cmd = torchrun_command(
+        backend="etcd-v3",
+        endpoint=etcd.endpoints,
+        run_id=f"h-{uuid.uuid4().hex[:8]}",
+        nnodes="1",
+        max_restarts=max_restarts,
+        script=str(script),
+        prefork=True,
+    )
     return TorchrunAgent(cmd, tmp / "agent.log", env={"OUT": str(tmp / "out.jsonl"), **env}, forked=True).start()
 
 

@@ -58,7 +58,13 @@ class Run:
 
 
 def train(
-    root: Path, steps: int, delay: float, mode: WriterBusy, *, every: int = 5, sigterm_at: int | None = None,
+    root: Path,
+    steps: int,
+    delay: float,
+    mode: WriterBusy,
+    *,
+    every: int = 5,
+    sigterm_at: int | None = None,
     local_every: int | None = None,
 ) -> Run:
     """``steps`` optimizer steps of about 10 ms (one epoch), a snapshot due every ``every``; with ``sigterm_at``
@@ -91,8 +97,9 @@ def train(
             signal.raise_signal(signal.SIGTERM)
         time.sleep(0.01)
 
-    trainer = ElasticTrainer(model, optimizer, data, config, on_step=on_step,
-                             checkpoint_storage=SlowStorage(root, delay))  # fmt: skip
+    trainer = ElasticTrainer(
+        model, optimizer, data, config, on_step=on_step, checkpoint_storage=SlowStorage(root, delay)
+    )
     run = Run(trainer, model)
     holder.append(run)
     last[0] = time.monotonic()
@@ -112,8 +119,9 @@ def main() -> None:
     torch.set_num_threads(1)
     run = train(root, steps, delay, WriterBusy.DEFER)
     rank = run.trainer.rank
-    seen = {str(step): [s.saved, s.deferred, s.skipped, s.pending_since, s.last_saved_step]
-            for step, s in run.stats.items()}  # fmt: skip
+    seen = {
+        str(step): [s.saved, s.deferred, s.skipped, s.pending_since, s.last_saved_step] for step, s in run.stats.items()
+    }
     run.trainer.close()
     (out / f"rank{rank}.json").write_text(json.dumps({"seen": seen, "max_gap": max(run.gaps)}))
 

@@ -31,8 +31,9 @@ def _train(url: str, steps: int, mode: str) -> None:
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     policy = LRPolicy(LRRule.NONE, 0.1, base_world_size=1, base_batch_per_worker=8)
-    trainer = ElasticTrainer(model, optimizer, dataset, ElasticConfig(policy, checkpoint_url=url, save_every_steps=2,
-                                                                      progress_every=1))  # fmt: skip
+    trainer = ElasticTrainer(
+        model, optimizer, dataset, ElasticConfig(policy, checkpoint_url=url, save_every_steps=2, progress_every=1)
+    )
     if mode == "basic-after":
         logging.basicConfig(level=logging.INFO, format="USER %(name)s: %(message)s")
     print(f"start step {trainer.step}", flush=True)

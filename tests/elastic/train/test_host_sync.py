@@ -62,8 +62,9 @@ class _ScalarReads(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default:
             self.all_reads += 1
-            caller = next(f for f in reversed(traceback.extract_stack())
-                          if f.filename != __file__ and not _plumbing(f.filename))  # fmt: skip
+            caller = next(
+                f for f in reversed(traceback.extract_stack()) if f.filename != __file__ and not _plumbing(f.filename)
+            )
             self.callers.add(caller.filename)
             if caller.filename.startswith(_LOOP_CODE):
                 self.loop_reads.append(f"{caller.filename}:{caller.lineno} {caller.line}")
@@ -76,8 +77,9 @@ def _data(n: int = 400) -> TensorDataset:
     return TensorDataset(x, (x.sum(dim=1) > 0).long() + (x[:, 0] > 1).long())
 
 
-def _train(device: torch.device, steps: int, watch_from: int, guard: Any, url: str | None = None,
-           save_every: int | None = None) -> tuple[list[StepInfo], list[list[torch.Tensor]], Any]:  # fmt: skip
+def _train(
+    device: torch.device, steps: int, watch_from: int, guard: Any, url: str | None = None, save_every: int | None = None
+) -> tuple[list[StepInfo], list[list[torch.Tensor]], Any]:
     """Train a small MLP for ``steps`` steps (2 micro-batches each) with ``guard()`` entered from step
     ``watch_from`` on; the step records, each watched step's micro-batch losses (detached) and the guard."""
     torch.manual_seed(0)
@@ -147,19 +149,33 @@ def test_step_loss_refuses_a_loss_of_more_than_one_value_naming_its_shape() -> N
 
 @pytest.mark.parametrize(
     ("backend", "cpu"),
-    [("gloo", True), ("nccl", False), ("cpu:gloo,cuda:nccl", True), ("cuda:nccl", False), ("mpi", True),
-     ("undefined", True)],
-)  # fmt: skip
+    [
+        ("gloo", True),
+        ("nccl", False),
+        ("cpu:gloo,cuda:nccl", True),
+        ("cuda:nccl", False),
+        ("mpi", True),
+        ("undefined", True),
+    ],
+)
 def test_which_default_groups_take_cpu_tensors_themselves(backend: str, cpu: bool) -> None:
     assert takes_cpu_tensors(backend) is cpu
 
 
 @pytest.mark.parametrize(
     ("backend", "cuda_available", "cuda"),
-    [("nccl", True, True), ("gloo", True, False), ("cpu:gloo,cuda:nccl", True, True), ("cuda:nccl", True, True),
-     ("CPU:gloo, CUDA:nccl", True, True), ("cpu:gloo,cuda:gloo", True, False), ("undefined", True, True),
-     ("undefined", False, False), ("mpi", True, False)],
-)  # fmt: skip
+    [
+        ("nccl", True, True),
+        ("gloo", True, False),
+        ("cpu:gloo,cuda:nccl", True, True),
+        ("cuda:nccl", True, True),
+        ("CPU:gloo, CUDA:nccl", True, True),
+        ("cpu:gloo,cuda:gloo", True, False),
+        ("undefined", True, True),
+        ("undefined", False, False),
+        ("mpi", True, False),
+    ],
+)
 def test_the_loop_trains_on_the_gpu_whenever_the_default_group_runs_cuda_tensors_over_nccl(
     backend: str, cuda_available: bool, cuda: bool
 ) -> None:
@@ -211,8 +227,9 @@ def _two_ranks(rank: int, store_path: str, out: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_two_ranks_agree_on_every_flag_either_of_them_set_over_their_separate_host_group(tmp_path: Path) -> None:
-    ranks = mp.start_processes(_two_ranks, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
-                               start_method="spawn", join=False)  # fmt: skip
+    ranks = mp.start_processes(
+        _two_ranks, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn", join=False
+    )
     deadline = time.monotonic() + 90
     while not ranks.join(timeout=1):  # raises if a rank failed
         if time.monotonic() > deadline:
@@ -264,8 +281,9 @@ def test_on_a_gpu_a_snapshot_boundary_after_warm_up_makes_no_stream_sync(
     nccl_world_1: torch.device, tmp_path: Path
 ) -> None:
     # the first boundary warms the stager up (buffers); from step 3 on, steps 4 and 8 save (every 4 steps)
-    records, _, _ = _train(nccl_world_1, steps=10, watch_from=3, guard=_NoStreamSync, url=str(tmp_path / "ck"),
-                           save_every=4)  # fmt: skip
+    records, _, _ = _train(
+        nccl_world_1, steps=10, watch_from=3, guard=_NoStreamSync, url=str(tmp_path / "ck"), save_every=4
+    )
     assert [r.step for r in records][-1] == 10
     from elastic.checkpoint import create_checkpoint_manager
 

@@ -154,8 +154,14 @@ def test_registered_state_scheduler_and_a_second_optimizer_resume_bit_identical_
             sched.step()
             ema.update_parameters(trainer.module)
             counter.value += 1
-        return trainer, {"model": _params(model), "ema": _params(ema), "a": opt_a.state_dict(),
-                         "b": opt_b.state_dict(), "counter": counter.value, "lr": opt_a.param_groups[0]["lr"]}
+        return trainer, {
+            "model": _params(model),
+            "ema": _params(ema),
+            "a": opt_a.state_dict(),
+            "b": opt_b.state_dict(),
+            "counter": counter.value,
+            "lr": opt_a.param_groups[0]["lr"],
+        }
 
     straight, expected = run(7)
     assert (Path(url) / step_dir(7)).is_dir(), "max_steps took a final snapshot of step 7"
@@ -180,8 +186,9 @@ def test_registered_state_scheduler_and_a_second_optimizer_resume_bit_identical_
 
 
 def test_bad_registrations_are_clear_errors(gloo_world_1: None) -> None:
-    trainer = ElasticTrainer(_model(), torch.optim.SGD(_model().parameters(), lr=0.05), _data(),
-                             ElasticConfig(_policy(), progress_every=0))  # fmt: skip
+    trainer = ElasticTrainer(
+        _model(), torch.optim.SGD(_model().parameters(), lr=0.05), _data(), ElasticConfig(_policy(), progress_every=0)
+    )
     with pytest.raises(RegistrationError, match="has no load_state_dict"):
         trainer.register_state("x", type("OnlySave", (), {"state_dict": lambda self: {}})())
     trainer.register_state("c", _Counter())
@@ -200,13 +207,19 @@ def _loader_records(workers: int) -> Iterator[list[int]]:
     # workers from the forkserver: a fork of this pytest process, whose thread pools other tests used, can crash
     multiprocessing.set_forkserver_preload(PRELOAD)
     context = "forkserver" if workers else None
-    loader = DataLoader(ds, batch_sampler=ElasticBatchSampler(ds, seed=5), num_workers=workers,
-                        persistent_workers=workers > 0, multiprocessing_context=context)  # fmt: skip
+    loader = DataLoader(
+        ds,
+        batch_sampler=ElasticBatchSampler(ds, seed=5),
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        multiprocessing_context=context,
+    )
     model = _model()
     records: list[StepInfo] = []
     config = ElasticConfig(_policy(accumulation=3), progress_every=0)
-    trainer = ElasticTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), loader, config,
-                             on_step=records.append)  # fmt: skip
+    trainer = ElasticTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), loader, config, on_step=records.append
+    )
     served: list[int] = []
     for step in trainer.steps(epochs=2):
         for x, y, ids in step:
@@ -263,8 +276,14 @@ def test_on_cuda_the_own_step_with_fp16_gradscaler_and_a_pinned_two_worker_loade
     scales = []
     for max_steps in (4, 8):
         ds = _data(64)
-        loader = DataLoader(ds, batch_sampler=ElasticBatchSampler(ds, seed=1), num_workers=2, pin_memory=True,
-                            persistent_workers=True, multiprocessing_context="forkserver")  # fmt: skip
+        loader = DataLoader(
+            ds,
+            batch_sampler=ElasticBatchSampler(ds, seed=1),
+            num_workers=2,
+            pin_memory=True,
+            persistent_workers=True,
+            multiprocessing_context="forkserver",
+        )
         model = _model()
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=2)
@@ -292,8 +311,12 @@ def _draws(url: str, max_steps: int) -> list[float]:
     ds = _data(40)
     loader = DataLoader(ds, batch_sampler=ElasticBatchSampler(ds, seed=2))
     model = _model()
-    trainer = ElasticTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), loader,
-                             ElasticConfig(_policy(), url, save_every_steps=3, progress_every=0))  # fmt: skip
+    trainer = ElasticTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        loader,
+        ElasticConfig(_policy(), url, save_every_steps=3, progress_every=0),
+    )
     drawn = []
     for step in trainer.steps(max_steps=max_steps):
         for x, y, _ in step:

@@ -38,12 +38,21 @@ pytestmark = pytest.mark.timeout(60)
     ("steps", "kept", "expected"),
     [
         pytest.param([5, 5, 5, 5], [True] * 4, ShardSources((0, 1), (False, False)), id="all-kept-no-broadcast"),
-        pytest.param([5, 5, -1, -1], [True, True, False, False], ShardSources((0, 1), (True, True)),
-                     id="joiners-take-the-survivors-shards"),
-        pytest.param([-1, -1, 5, 5], [False, False, True, True], ShardSources((2, 3), (True, True)),
-                     id="the-holder-need-not-be-rank-0"),
-        pytest.param([5, 4, 5, 5], [True] * 4, ShardSources((0, 3), (False, True)),
-                     id="a-member-a-step-behind-receives"),
+        pytest.param(
+            [5, 5, -1, -1],
+            [True, True, False, False],
+            ShardSources((0, 1), (True, True)),
+            id="joiners-take-the-survivors-shards",
+        ),
+        pytest.param(
+            [-1, -1, 5, 5],
+            [False, False, True, True],
+            ShardSources((2, 3), (True, True)),
+            id="the-holder-need-not-be-rank-0",
+        ),
+        pytest.param(
+            [5, 4, 5, 5], [True] * 4, ShardSources((0, 3), (False, True)), id="a-member-a-step-behind-receives"
+        ),
         pytest.param([5, 5], [True, True], ShardSources((0, 1), (False, False)), id="one-replica"),
         pytest.param([5, 5, -1, -1], [True, False, False, False], None, id="shard-1-lost-no-full-replica"),
         pytest.param([5, 4, -1, -1], [True, True, False, False], None, id="shard-1-only-behind"),

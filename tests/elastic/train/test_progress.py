@@ -33,9 +33,18 @@ from elastic.train.progress import EtcdProgressReporter, NullProgressReporter, c
 
 KEY = "/etrain/progress/j-1"
 FIELDS = (
-    "step", "world_size", "time", "total_steps", "loss", "generation", "restart_count", "checkpoint_step",
-    "checkpoint_path", "nodes", "extra",
-)  # fmt: skip
+    "step",
+    "world_size",
+    "time",
+    "total_steps",
+    "loss",
+    "generation",
+    "restart_count",
+    "checkpoint_step",
+    "checkpoint_path",
+    "nodes",
+    "extra",
+)
 
 
 # -- the reader: Progress.from_json ------------------------------------------------------------------------
@@ -83,13 +92,18 @@ def _parse(raw: bytes) -> Progress | None:
 
 
 _scalars = (
-    st.none() | st.booleans() | st.integers() | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20)
-)  # fmt: skip
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20)
+)
 _json = st.recursive(
-    _scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    _scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=12,
-)  # fmt: skip
+)
 _plausible: dict[str, st.SearchStrategy[Any]] = {
     "step": st.integers(min_value=-3, max_value=10**6),
     "world_size": st.integers(min_value=-1, max_value=64),
@@ -178,9 +192,18 @@ def test_from_json_rejects_each_malformed_value_with_invalid_progress(raw: bytes
 
 def test_from_json_reads_back_a_full_report_and_ignores_unknown_fields() -> None:
     p = Progress(
-        step=7, world_size=4, time=1_700_000_000.5, total_steps=100, loss=0.25, generation=2, restart_count=1,
-        checkpoint_step=5, checkpoint_path="file:///ck/j-1/step-5", nodes=["a", "b"], extra={"lr": 0.1, "epoch": 1},
-    )  # fmt: skip
+        step=7,
+        world_size=4,
+        time=1_700_000_000.5,
+        total_steps=100,
+        loss=0.25,
+        generation=2,
+        restart_count=1,
+        checkpoint_step=5,
+        checkpoint_path="file:///ck/j-1/step-5",
+        nodes=["a", "b"],
+        extra={"lr": 0.1, "epoch": 1},
+    )
     assert Progress.from_json(p.to_json()) == p
     doc = json.loads(p.to_json())
     doc["written_by_a_newer_version"] = {"x": [1]}
@@ -196,8 +219,15 @@ def test_a_report_with_a_non_finite_loss_is_written_as_valid_json_without_the_lo
 
 # -- the writer: EtcdProgressReporter ----------------------------------------------------------------------
 def _reporter_env(etcd: LocalEtcdCluster | str) -> dict[str, str]:
-    job = JobEnv(job_name="demo", generation=3, node_name="n1", progress_key=KEY,
-                 lr_policy=LRPolicy(LRRule.FIXED_GLOBAL_BATCH, 0.05, 2, 16), min_nodes=1, max_nodes=2)  # fmt: skip
+    job = JobEnv(
+        job_name="demo",
+        generation=3,
+        node_name="n1",
+        progress_key=KEY,
+        lr_policy=LRPolicy(LRRule.FIXED_GLOBAL_BATCH, 0.05, 2, 16),
+        min_nodes=1,
+        max_nodes=2,
+    )
     endpoints = etcd.endpoints if isinstance(etcd, LocalEtcdCluster) else etcd
     return {**WorkerEnv(job=job, etcd=EtcdOptions(endpoints)).to_environ(), "RANK": "0"}
 

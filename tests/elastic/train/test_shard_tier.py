@@ -53,8 +53,9 @@ def _train(sharded: ShardedModel, optimizer: torch.optim.Optimizer, steps: int) 
 
 
 def _loop(step: int) -> dict[str, Any]:
-    return capture_training_state(step, nn.Module(), None, None, gather_rng=False,
-                                  data_cursor={"position": step}).to_dict()  # fmt: skip
+    return capture_training_state(
+        step, nn.Module(), None, None, gather_rng=False, data_cursor={"position": step}
+    ).to_dict()
 
 
 def _restart(tier_dir: Path, rank: int, world: int) -> tuple[ShardTier, ShardedModel, torch.optim.Optimizer]:
@@ -119,8 +120,11 @@ def test_shard_snapshots_restore_bit_for_bit_when_every_shard_is_there_else_the_
     start_ranks(_worker, (str(tmp_path),), 4)
     r = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in range(4)]
     assert sorted(p.name for p in (tmp_path / "tier").iterdir() if p.is_dir()) == [
-        "n2-i0-0", "n2-i0-1", "n2-i1-0", "n2-i1-1"
-    ], "one slot per rank, named after its shard"  # fmt: skip
+        "n2-i0-0",
+        "n2-i0-1",
+        "n2-i1-0",
+        "n2-i1-1",
+    ], "one slot per rank, named after its shard"
     for i in range(4):
         assert r[i]["step"] == 3 and r[i]["cursor"] == {"position": 3}
         assert r[i]["restored"] == r[i]["saved"], f"rank {i}: the restored shard is not the saved one"

@@ -91,8 +91,12 @@ def test_parallelize_with_a_module_sharded_already_is_refused(gloo_world_1: None
 def test_the_loop_entry_of_a_sharded_snapshot_holds_step_cursor_and_rng(gloo_world_1: None) -> None:
     model = _sharded_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    cursor = {"data_cursor": {"sampler": {"epoch": 2, "position": 8}}, "world_size": 1, "lr_reference": {},
-              "extras": {"lr_ramp": {"start_step": 0, "start_factor": 1.0, "target_factor": 1.0}}}  # fmt: skip
+    cursor = {
+        "data_cursor": {"sampler": {"epoch": 2, "position": 8}},
+        "world_size": 1,
+        "lr_reference": {},
+        "extras": {"lr_ramp": {"start_step": 0, "start_factor": 1.0, "target_factor": 1.0}},
+    }
     state = capture_sharded(17, model, optimizer, None, **cursor)
     assert set(state) == {"model", "optim", "loop"} and isinstance(state["loop"], bytes)
     loop = loop_state(state)

@@ -154,9 +154,18 @@ def test_two_ranks_take_each_deferred_snapshot_at_the_same_step(tmp_path: Path) 
     steps = 200
     env = dict(os.environ, PYTHONPATH=str(REPO), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "-m", "tests.elastic.train._deferral_worker", str(tmp_path / "ck"), str(out), str(steps), str(DELAY),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "tests.elastic.train._deferral_worker",
+        str(tmp_path / "ck"),
+        str(out),
+        str(steps),
+        str(DELAY),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rank0, rank1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))

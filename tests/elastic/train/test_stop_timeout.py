@@ -25,12 +25,37 @@ WORKER = ROOT / "elastic" / "testing" / "train_worker.py"
 
 
 def _rank(rank: int, port: int, tmp: Path, stop_timeout: float) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    args = ["--record", str(tmp / "rec"), "--checkpoint-url", str(tmp / "ck"), "--epochs", "1000",
-            "--samples", "64", "--batch", "4", "--base-world", "2", "--save-every", "5", "--step-sleep", "0.05",
-            "--stop-timeout", str(stop_timeout)]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+    }
+    args = [
+        "--record",
+        str(tmp / "rec"),
+        "--checkpoint-url",
+        str(tmp / "ck"),
+        "--epochs",
+        "1000",
+        "--samples",
+        "64",
+        "--batch",
+        "4",
+        "--base-world",
+        "2",
+        "--save-every",
+        "5",
+        "--step-sleep",
+        "0.05",
+        "--stop-timeout",
+        str(stop_timeout),
+    ]
     log = open(tmp / f"rank{rank}.log", "wb")
     try:
         return subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -51,8 +76,8 @@ def test_sigterm_with_a_peer_gone_silent_exits_after_the_stop_timeout(tmp_path: 
         deadline = time.monotonic() + 60
         while _steps(tmp_path) < 8:
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, (
-                (tmp_path / "rank0.log").read_text()
-            )
+                tmp_path / "rank0.log"
+            ).read_text()
             time.sleep(0.1)
         os.kill(procs[1].pid, signal.SIGSTOP)
         time.sleep(0.5)  # rank 0 is now waiting for rank 1 in the next step's collective

@@ -25,8 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _config(recovery: RecoveryMode, shard_size: int | None = None) -> ElasticConfig:
-    return ElasticConfig(LRPolicy(LRRule.FIXED_GLOBAL_BATCH, 0.1, 2, 4), None, recovery=recovery,
-                         shard_size=shard_size)  # fmt: skip
+    return ElasticConfig(LRPolicy(LRRule.FIXED_GLOBAL_BATCH, 0.1, 2, 4), None, recovery=recovery, shard_size=shard_size)
 
 
 def _model() -> nn.Module:
@@ -102,9 +101,11 @@ def test_the_live_modules_are_imported_only_for_live_recovery(tmp_path: Path) ->
     import subprocess
     import sys
 
-    code = ("import sys, torch\n"
-            "from elastic.train.trainer import ElasticTrainer\n"
-            "from elastic.train.strategy_factory import create_strategy\n"
-            "print('elastic.train.live' in sys.modules, 'elastic.train.strategy_live' in sys.modules)\n")  # fmt: skip
+    code = (
+        "import sys, torch\n"
+        "from elastic.train.trainer import ElasticTrainer\n"
+        "from elastic.train.strategy_factory import create_strategy\n"
+        "print('elastic.train.live' in sys.modules, 'elastic.train.strategy_live' in sys.modules)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.split() == ["False", "False"]

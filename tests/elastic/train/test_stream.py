@@ -44,8 +44,9 @@ def _train(url: str, max_steps: int, served: list[int]) -> dict[str, Any]:
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     loader = StatefulDataLoader(_Stream(), batch_size=3)
-    config = ElasticConfig(LRPolicy(LRRule.NONE, 0.01, 1, 3, accumulation_steps=2), url, save_every_steps=2,
-                           progress_every=0)  # fmt: skip
+    config = ElasticConfig(
+        LRPolicy(LRRule.NONE, 0.01, 1, 3, accumulation_steps=2), url, save_every_steps=2, progress_every=0
+    )
     trainer = ElasticTrainer(model, opt, loader, config)
     for step in trainer.steps(max_steps=max_steps):
         for x, y, ids in step:

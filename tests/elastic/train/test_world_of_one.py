@@ -17,8 +17,18 @@ from elastic.contract.env import TorchrunEnv, WorkerEnvError
 
 REPO = Path(__file__).resolve().parents[3]
 #: every variable a launcher may have left in the test's own environment (none may reach the plain script)
-LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", contract.LOCAL_SNAPSHOT_EVERY)  # fmt: skip
+LAUNCHER = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    contract.LOCAL_SNAPSHOT_EVERY,
+)
 
 
 def plain_env(**extra: str) -> dict[str, str]:

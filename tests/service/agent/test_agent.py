@@ -40,9 +40,7 @@ if mode == "sleep":
 """
 
 
-def _settings(
-    etcd: LocalEtcdCluster, prefix: str, tmp_path: Path, name: str = "n1", **kw: object
-) -> AgentSettings:
+def _settings(etcd: LocalEtcdCluster, prefix: str, tmp_path: Path, name: str = "n1", **kw: object) -> AgentSettings:
     base: dict[str, object] = {
         "etcd": EtcdOptions(etcd.endpoints),
         "node_name": name,
@@ -79,9 +77,7 @@ def _assign(agent: NodeAgent, tmp_path: Path, mode: str, generation: int = 1) ->
         checkpoint_url="file:///ck/job-1",
         assigned_at=datetime.now(timezone.utc),
     )
-    agent.client.put(
-        agent.store.keys.assignment(agent.settings.node_name, "job-1"), a.model_dump_json().encode()
-    )
+    agent.client.put(agent.store.keys.assignment(agent.settings.node_name, "job-1"), a.model_dump_json().encode())
     return a
 
 
@@ -221,8 +217,9 @@ def test_a_warm_job_back_on_an_agent_of_the_same_process_forks_from_a_new_zygote
                 _assign(agent, tmp_path, "sleep", generation=1)
                 wait_for(lambda agent=agent: agent.running_jobs().get("job-1"), timeout=30)
                 _assign(agent, tmp_path, "sleep", generation=2)
-                wait_for(lambda agent=agent: (r := _report(agent)) and r.generation == 2 and r.state == "running",
-                         timeout=30)  # fmt: skip
+                wait_for(
+                    lambda agent=agent: (r := _report(agent)) and r.generation == 2 and r.state == "running", timeout=30
+                )
                 continue
             _assign(agent, tmp_path, "sleep", generation=3)
             client = wait_for(lambda agent=agent: (r := _report(agent)) and r.generation == 3 and r.pid, timeout=30)

@@ -49,8 +49,9 @@ def _assignment(tmp_path: Path, job_id: str, **spec: object) -> Assignment:
     """An assignment as a stored job (from before submits refused NUL, or written into etcd) would give it:
     built without validation, since the API now refuses such a spec."""
     valid = JobSpec(name="job", entrypoint="train.py", working_dir=str(tmp_path), warm_start=False)
-    return Assignment(job_id=job_id, generation=1, spec=valid.model_copy(update=spec),
-                      assigned_at=datetime.now(timezone.utc))  # fmt: skip
+    return Assignment(
+        job_id=job_id, generation=1, spec=valid.model_copy(update=spec), assigned_at=datetime.now(timezone.utc)
+    )
 
 
 def _report(agent: NodeAgent, job_id: str) -> WorkerReport | None:

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.timeout(30)
 def test_an_agent_is_healthy_while_registered_and_its_loop_runs_or_stops_a_torchrun() -> None:
     fresh = {"since_loop_s": 1.0, "lease_ttl_s": 15.0}
     assert judge_health("n1", registered=True, running=2, stopping=0, **fresh) == (
-        True, {"status": "ok", "node": "n1", "jobs": 2, "stopping": 0})  # fmt: skip
+        True,
+        {"status": "ok", "node": "n1", "jobs": 2, "stopping": 0},
+    )
     assert not judge_health("n1", registered=False, running=0, stopping=0, **fresh)[0]
     assert not judge_health("n1", registered=True, running=0, stopping=0, since_loop_s=16.0, lease_ttl_s=15.0)[0]
     assert not judge_health("n1", registered=True, running=0, stopping=0, since_loop_s=11.0, lease_ttl_s=1.0)[0]

@@ -71,11 +71,11 @@ def test_a_secret_readable_by_every_user_or_owned_by_a_job_uid_is_named(tmp_path
         assert "readable by group 20004" in (secret_exposure(f, R) or "")
 
 
-def _settings(work: Path, pw: Path, job_uid_range: UidRange | None = None,
-              job_owner: str | None = None) -> AgentSettings:  # fmt: skip
+def _settings(
+    work: Path, pw: Path, job_uid_range: UidRange | None = None, job_owner: str | None = None
+) -> AgentSettings:
     etcd = EtcdOptions("e:1", ca_cert="ca.pem", user="agent", password_file=str(pw))
-    return AgentSettings(etcd=etcd, node_name="n1", work_dir=work, job_uid_range=job_uid_range,
-                         job_owner=job_owner)  # fmt: skip
+    return AgentSettings(etcd=etcd, node_name="n1", work_dir=work, job_uid_range=job_uid_range, job_owner=job_owner)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a uid range needs root")
@@ -138,8 +138,9 @@ def test_a_job_whose_uid_cannot_enter_its_working_dir_fails_to_launch_saying_why
         settings = AgentSettings(etcd=etcd, node_name="n1", work_dir=reachable / "work", job_uid_range=R)
         agent = NodeAgent(settings, MemoryEtcdClient())
         spec = JobSpec.model_validate({"name": "j", "entrypoint": "train.py", "working_dir": str(tmp_path)})
-        a = Assignment(job_id="j-1", generation=1, spec=spec, checkpoint_key="ab" * 32,
-                       assigned_at=datetime.now(timezone.utc))  # fmt: skip
+        a = Assignment(
+            job_id="j-1", generation=1, spec=spec, checkpoint_key="ab" * 32, assigned_at=datetime.now(timezone.utc)
+        )
         agent.sync({"j-1": a})
         kv, _ = agent.client.get(agent.store.keys.report("j-1", "n1"))
         assert kv is not None

@@ -106,10 +106,16 @@ def _job_python() -> str:
 
 def _spec(name: str, shared: Path, *args: str, warm: bool) -> dict[str, Any]:
     path = os.pathsep.join((str(REPO), sysconfig.get_paths()["purelib"]))
-    return {"name": name, "entrypoint": str(shared / "probe.py"), "args": [str(shared), *args],
-            "working_dir": str(shared), "warm_start": warm, "rendezvous": {"last_call_timeout": 1},
-            "env": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"},
-            "restart_policy": {"max_failures": 0, "max_worker_restarts": 0}}  # fmt: skip
+    return {
+        "name": name,
+        "entrypoint": str(shared / "probe.py"),
+        "args": [str(shared), *args],
+        "working_dir": str(shared),
+        "warm_start": warm,
+        "rendezvous": {"last_call_timeout": 1},
+        "env": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"},
+        "restart_policy": {"max_failures": 0, "max_worker_restarts": 0},
+    }
 
 
 def _published(api: Any, job_id: str, path: Path, timeout: float) -> None:
@@ -118,8 +124,10 @@ def _published(api: Any, job_id: str, path: Path, timeout: float) -> None:
     wait_api(f"{path.name} from job {job_id}", lambda: path.exists() or api.job(job_id)["state"] in ended, timeout)
     if not path.exists():
         job = api.job(job_id)
-        raise AssertionError(f"job {job_id} ended {job['state']} before its worker wrote {path.name}: "
-                             f"{job['message']!r}, {job['last_error']!r}, events {api.events(job_id)}")  # fmt: skip
+        raise AssertionError(
+            f"job {job_id} ended {job['state']} before its worker wrote {path.name}: "
+            f"{job['message']!r}, {job['last_error']!r}, events {api.events(job_id)}"
+        )
 
 
 def test_two_jobs_on_one_agent_run_as_distinct_uids_and_cannot_read_each_others_or_the_agents_secrets(

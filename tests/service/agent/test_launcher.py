@@ -78,11 +78,17 @@ def test_torchrun_command_is_stock_torchrun_with_the_etcd_v3_rendezvous() -> Non
     )
     assert module[-4:] == ["--module", "elastic.prefork", "-m", "train.py"]
     assert not any(c.startswith(("--rdzv-conf", "--local-addr")) for c in module)
-    cold = torchrun_command(_assignment(module=True, warm_start=False), python="py", etcd_endpoints="e:1",
-                            rdzv_host=None, conf_on_command_line=None)  # fmt: skip
+    cold = torchrun_command(
+        _assignment(module=True, warm_start=False),
+        python="py",
+        etcd_endpoints="e:1",
+        rdzv_host=None,
+        conf_on_command_line=None,
+    )
     assert cold[-2:] == ["--module", "train.py"] and "elastic.prefork" not in cold
-    cold_script = torchrun_command(_assignment(warm_start=False), python="py", etcd_endpoints="e:1",
-                                   rdzv_host=None, conf_on_command_line=None)  # fmt: skip
+    cold_script = torchrun_command(
+        _assignment(warm_start=False), python="py", etcd_endpoints="e:1", rdzv_host=None, conf_on_command_line=None
+    )
     assert cold_script[-1] == "train.py" and "--module" not in cold_script
 
 
@@ -92,13 +98,12 @@ def test_rdzv_conf_carries_timeouts_prefix_tls_and_a_users_password_file_but_nev
     a = _assignment(rendezvous={"last_call_timeout": 1, "join_timeout": 30, "node_ttl": 2})
     plain = rdzv_conf(a, EtcdOptions("e:1"), "/etrain/rdzv")
     assert plain == "key_prefix=/etrain/rdzv,last_call_timeout=1,join_timeout=30,node_ttl=2,connect_timeout=5"
-    tls = EtcdOptions("e:1", ca_cert="ca.pem", cert="c.pem", cert_key="k.pem", user="u", password_file="pw",
-                      password="s3cret")  # fmt: skip
+    tls = EtcdOptions(
+        "e:1", ca_cert="ca.pem", cert="c.pem", cert_key="k.pem", user="u", password_file="pw", password="s3cret"
+    )
     text = rdzv_conf(a, tls, "/p")
     conf = dict(kv.split("=", 1) for kv in text.split(","))
-    assert conf["ca_cert"] == str(Path("ca.pem").resolve()) and conf["cert_key"] == str(
-        Path("k.pem").resolve()
-    )
+    assert conf["ca_cert"] == str(Path("ca.pem").resolve()) and conf["cert_key"] == str(Path("k.pem").resolve())
     assert (conf["user"], conf["password_file"]) == ("u", str(Path("pw").resolve()))
     assert "password" not in conf and "s3cret" not in text
 
@@ -125,14 +130,16 @@ def test_rdzv_conf_asks_torchrun_for_live_recovery_only_when_the_spec_does() -> 
     params = RendezvousParameters("etcd-v3", "e:1", a.rdzv_id, 2, 3, **conf)
     assert recovery_mode(params) == "live"
     # the service sets ETRAIN_ETCD_ENDPOINTS (the job's own connection): the plugin keeps it
-    exported = live_worker_environ(params, RendezvousKeys.of(conf["key_prefix"], a.rdzv_id),
-                                   {"ETRAIN_ETCD_ENDPOINTS": "e:1"})  # fmt: skip
+    exported = live_worker_environ(
+        params, RendezvousKeys.of(conf["key_prefix"], a.rdzv_id), {"ETRAIN_ETCD_ENDPOINTS": "e:1"}
+    )
     assert exported[LIVE_PREFIX] == "/etrain.rdzv/j-abc-g4/live/" and "ETRAIN_ETCD_ENDPOINTS" not in exported
 
 
 # -- the job's own etcd identity ---------------------------------------------------------------------
-_AGENT_ETCD = EtcdOptions("e:1", ca_cert="ca.pem", cert="c.pem", cert_key="k.pem", user="root",
-                          password_file="/secrets/root-pw")  # fmt: skip
+_AGENT_ETCD = EtcdOptions(
+    "e:1", ca_cert="ca.pem", cert="c.pem", cert_key="k.pem", user="root", password_file="/secrets/root-pw"
+)
 
 
 def _with_identity(a: Assignment) -> Assignment:
@@ -145,8 +152,13 @@ def test_job_etcd_gives_the_job_its_own_user_and_password_file_and_keeps_only_th
     etcd = job_etcd(_AGENT_ETCD, _with_identity(_assignment()), tmp_path / "pw")
     assert (etcd.user, etcd.password_file, etcd.password) == ("etrain-job-j-abc", str(tmp_path / "pw"), None)
     assert (etcd.endpoints, etcd.ca_cert, etcd.cert, etcd.cert_key) == ("e:1", "ca.pem", "c.pem", "k.pem")
-    env = worker_env(_assignment(), base={"ETRAIN_ETCD_PASSWORD_FILE": "/secrets/root-pw"}, node_name="n1",
-                     progress_key="/p", etcd=etcd)  # fmt: skip
+    env = worker_env(
+        _assignment(),
+        base={"ETRAIN_ETCD_PASSWORD_FILE": "/secrets/root-pw"},
+        node_name="n1",
+        progress_key="/p",
+        etcd=etcd,
+    )
     assert (env["ETRAIN_ETCD_USER"], env["ETRAIN_ETCD_PASSWORD_FILE"]) == ("etrain-job-j-abc", str(tmp_path / "pw"))
     assert "root" not in env.values() and "/secrets/root-pw" not in env.values()
 
@@ -269,8 +281,13 @@ def test_worker_env_sets_service_variables_over_user_and_base_values() -> None:
     assert (job.min_nodes, job.max_nodes, job.job_name) == (2, 3, "j")
     assert env["ETRAIN_LOCAL_SNAPSHOT_EVERY"] == "0"  # off unless the spec asks
     assert "ETRAIN_CHECKPOINT_KEY" not in env  # an assignment without a key (made before keys existed)
-    keyed = worker_env(a.model_copy(update={"checkpoint_key": "ab" * 32}), base={}, node_name="n1",
-                       progress_key="/p", etcd=EtcdOptions("e:1"))  # fmt: skip
+    keyed = worker_env(
+        a.model_copy(update={"checkpoint_key": "ab" * 32}),
+        base={},
+        node_name="n1",
+        progress_key="/p",
+        etcd=EtcdOptions("e:1"),
+    )
     assert WorkerEnv.from_environ(keyed).checkpoint_key == bytes.fromhex("ab" * 32)
 
 
@@ -288,8 +305,13 @@ def test_worker_env_drops_inherited_service_variables_it_does_not_set(tmp_path: 
 
 
 def test_local_snapshot_every_reaches_the_workers_and_a_negative_one_is_refused() -> None:
-    env = worker_env(_assignment(local_snapshot_every=2), base={"ETRAIN_LOCAL_SNAPSHOT_EVERY": "9"},
-                     node_name="n1", progress_key="/p", etcd=EtcdOptions("e:1"))  # fmt: skip
+    env = worker_env(
+        _assignment(local_snapshot_every=2),
+        base={"ETRAIN_LOCAL_SNAPSHOT_EVERY": "9"},
+        node_name="n1",
+        progress_key="/p",
+        etcd=EtcdOptions("e:1"),
+    )
     assert env["ETRAIN_LOCAL_SNAPSHOT_EVERY"] == "2"
     with pytest.raises(ValueError, match="local_snapshot_every"):
         _assignment(local_snapshot_every=-1)

@@ -62,8 +62,12 @@ def _raw_get(port: int, path: str, token: str | None = TOKEN) -> tuple[int, str]
 
 def test_every_request_needs_the_bearer_token(server: LogServer) -> None:
     url = f"http://127.0.0.1:{server.port}/jobs/{JOB}/logs"
-    for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": f"Basic {TOKEN}"},
-                    {"Authorization": f"Bearer {TOKEN}x"}):  # fmt: skip
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong-token"},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": f"Bearer {TOKEN}x"},
+    ):
         resp = httpx.get(url, headers=headers)
         assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Bearer", headers
         assert "line" not in resp.text
@@ -145,10 +149,17 @@ while True:
 @pytest.fixture
 def agent(etcd_server: LocalEtcdCluster, key_prefix: str, tmp_path: Path) -> Iterator[NodeAgent]:
     settings = AgentSettings(
-        etcd=EtcdOptions(etcd_server.endpoints), node_name="n1", prefix=key_prefix, work_dir=tmp_path / "work",
-        rdzv_host="127.0.0.1", lease_ttl=timedelta(seconds=2), poll_interval=timedelta(seconds=0.2),
-        stop_grace=timedelta(seconds=5), logs_port=free_port(), logs_host="127.0.0.1",
-    )  # fmt: skip
+        etcd=EtcdOptions(etcd_server.endpoints),
+        node_name="n1",
+        prefix=key_prefix,
+        work_dir=tmp_path / "work",
+        rdzv_host="127.0.0.1",
+        lease_ttl=timedelta(seconds=2),
+        poll_interval=timedelta(seconds=0.2),
+        stop_grace=timedelta(seconds=5),
+        logs_port=free_port(),
+        logs_host="127.0.0.1",
+    )
     a = create_agent(settings)
     stop = threading.Event()
     thread = threading.Thread(target=a.run, args=(stop,), daemon=True)
@@ -169,8 +180,12 @@ def test_agent_publishes_its_log_server_and_follow_streams_until_the_job_is_stop
 
     script = tmp_path / "ticker.py"
     script.write_text(_TICKER)
-    a = Assignment(job_id=JOB, generation=1, assigned_at=datetime.now(timezone.utc),
-                   spec=JobSpec(name="train", entrypoint=str(script), rendezvous={"last_call_timeout": 1}))  # type: ignore[arg-type]  # fmt: skip
+    a = Assignment(
+        job_id=JOB,
+        generation=1,
+        assigned_at=datetime.now(timezone.utc),
+        spec=JobSpec(name="train", entrypoint=str(script), rendezvous={"last_call_timeout": 1}),
+    )  # type: ignore[arg-type]
     key = agent.store.keys.assignment("n1", JOB)
     agent.client.put(key, a.model_dump_json().encode())
     wait_for(lambda: agent.runs(JOB, 1), what="the torchrun to start")
@@ -179,8 +194,13 @@ def test_agent_publishes_its_log_server_and_follow_streams_until_the_job_is_stop
     ended = threading.Event()
 
     def follow() -> None:
-        with httpx.stream("GET", f"{info.logs_url}/jobs/{JOB}/logs", params={"follow": 1, "offset": 0},
-                          headers={"Authorization": f"Bearer {info.logs_token}"}, timeout=30) as resp:  # fmt: skip
+        with httpx.stream(
+            "GET",
+            f"{info.logs_url}/jobs/{JOB}/logs",
+            params={"follow": 1, "offset": 0},
+            headers={"Authorization": f"Bearer {info.logs_token}"},
+            timeout=30,
+        ) as resp:
             assert resp.status_code == 200 and resp.headers["x-etrain-generation"] == "1"
             for chunk in resp.iter_raw():
                 received.append(chunk)
@@ -206,8 +226,13 @@ def test_agent_publishes_its_log_server_and_follow_streams_until_the_job_is_stop
 
 
 def test_follow_of_a_log_whose_torchrun_is_gone_ends_after_the_file(server: LogServer) -> None:
-    with httpx.stream("GET", f"http://127.0.0.1:{server.port}/jobs/{JOB}/logs", params={"follow": "1"},
-                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10) as resp:  # fmt: skip
+    with httpx.stream(
+        "GET",
+        f"http://127.0.0.1:{server.port}/jobs/{JOB}/logs",
+        params={"follow": "1"},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=10,
+    ) as resp:
         assert resp.read() == b"+ torchrun ...\nline 1\nline 2\nline 3\n"
 
 

@@ -63,7 +63,8 @@ def test_idle_connections_time_out_and_beyond_the_limit_get_503(server: LogServe
         sock.close()
     assert time.monotonic() - started < 5
     # (<=: another test's server threads in this process may end meanwhile, never start)
-    wait_for(lambda: server.open_connections == 0 and _handlers() <= before, 5,
-             what="the idle connections' threads to end")  # fmt: skip
+    wait_for(
+        lambda: server.open_connections == 0 and _handlers() <= before, 5, what="the idle connections' threads to end"
+    )
     resp = httpx.get(f"http://127.0.0.1:{server.port}/jobs/{JOB}/logs", headers={"Authorization": f"Bearer {TOKEN}"})
     assert resp.status_code == 200 and resp.text == "hello\n"

@@ -35,7 +35,6 @@ class FakeProcess:
         self.stopping = threading.Event()  # set when a stop begins
         self.release: threading.Event | None = None  # when set up, a stop lasts until this is set
 
-
     def poll(self) -> int | None:
         return self.exit_code
 

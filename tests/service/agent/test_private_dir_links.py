@@ -67,20 +67,35 @@ def _snapshot(*roots: Path, skip: Path | None = None) -> dict[str, tuple[object,
 def _as_job(files: PreparedJob, script: str) -> None:
     """Run ``script`` (sh) as the job's uid in its HOME, as its code could."""
     assert files.user is not None and files.home is not None
-    subprocess.run(["sh", "-ec", script], cwd=files.home, user=files.user.uid, group=files.user.gid,
-                   extra_groups=[], check=True, timeout=30)  # fmt: skip
+    subprocess.run(
+        ["sh", "-ec", script],
+        cwd=files.home,
+        user=files.user.uid,
+        group=files.user.gid,
+        extra_groups=[],
+        check=True,
+        timeout=30,
+    )
 
 
 def _agent_files(sandbox: Path) -> JobFiles:
-    settings = AgentSettings(etcd=EtcdOptions("e:1"), node_name="n1", work_dir=sandbox / "work", job_uid_range=R,
-                             job_tmp_dirs=())  # fmt: skip
+    settings = AgentSettings(
+        etcd=EtcdOptions("e:1"), node_name="n1", work_dir=sandbox / "work", job_uid_range=R, job_tmp_dirs=()
+    )
     return JobFiles(settings)
 
 
 def _assignment(job_id: str, generation: int) -> Assignment:
     spec = JobSpec.model_validate({"name": "j", "entrypoint": "train.py"})
-    return Assignment(job_id=job_id, generation=generation, spec=spec, checkpoint_key="ab" * 32, etcd_user="u-j",
-                      etcd_password="pw-j", assigned_at=datetime.now(timezone.utc))  # fmt: skip
+    return Assignment(
+        job_id=job_id,
+        generation=generation,
+        spec=spec,
+        checkpoint_key="ab" * 32,
+        etcd_user="u-j",
+        etcd_password="pw-j",
+        assigned_at=datetime.now(timezone.utc),
+    )
 
 
 def test_symlinks_and_loops_a_job_leaves_in_its_home_change_nothing_they_point_to_when_it_leaves(
@@ -90,16 +105,19 @@ def test_symlinks_and_loops_a_job_leaves_in_its_home_change_nothing_they_point_t
     files = jobs.prepare(_assignment("j-1", 1))
     outside = sandbox / "outside"
     job_dir = sandbox / "work" / "jobs" / "j-1"
-    _as_job(files, f"""
+    _as_job(
+        files,
+        f"""
         ln -s {outside} evil                    # ~/evil -> a 0755 directory of root's
-        mkdir -p deeper/still && ln -s {outside / 'sub'} deeper/still/evil
-        ln -s {outside / 'kept.txt'} file-link
+        mkdir -p deeper/still && ln -s {outside / "sub"} deeper/still/evil
+        ln -s {outside / "kept.txt"} file-link
         ln -s .. up                             # the job's directory above its HOME (0711, the agent's)
         ln -s {job_dir} job-dir
         ln -s loop loop && ln -s b a && ln -s a b && ln -s . self
         mkdir locked && ln -s {outside} locked/evil && chmod 000 locked
         mkfifo fifo
-    """)
+    """,
+    )
     before = _snapshot(outside, sandbox / "work", skip=files.home)
     jobs.forget([])
     assert files.home is not None and not os.path.lexists(files.home)
@@ -113,12 +131,15 @@ def test_the_next_generation_replaces_a_home_whose_secret_names_are_links_withou
     jobs = _agent_files(sandbox)
     first = jobs.prepare(_assignment("j-2", 1))
     outside = sandbox / "outside"
-    _as_job(first, f"""
+    _as_job(
+        first,
+        f"""
         rm etcd-password checkpoint-key
-        ln -s {outside / 'kept.txt'} etcd-password   # the agent writes the job's etcd password here next time
+        ln -s {outside / "kept.txt"} etcd-password   # the agent writes the job's etcd password here next time
         ln -s {outside} checkpoint-key
         ln -s {outside} evil
-    """)
+    """,
+    )
     before = _snapshot(outside)
     second = jobs.prepare(_assignment("j-2", 2))
     assert _snapshot(outside) == before

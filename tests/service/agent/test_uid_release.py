@@ -61,8 +61,13 @@ def _tree(d: Path) -> dict[str, tuple[int, int]]:
 
 
 def _job_files(node: Path) -> JobFiles:
-    settings = AgentSettings(etcd=EtcdOptions("e:1"), node_name="n1", work_dir=node / "work", job_uid_range=R,
-                             job_tmp_dirs=(node / "tmp", node / "shm", node / "missing"))  # fmt: skip
+    settings = AgentSettings(
+        etcd=EtcdOptions("e:1"),
+        node_name="n1",
+        work_dir=node / "work",
+        job_uid_range=R,
+        job_tmp_dirs=(node / "tmp", node / "shm", node / "missing"),
+    )
     return JobFiles(settings)
 
 
@@ -79,13 +84,17 @@ def test_a_released_uid_leaves_nothing_of_its_own_in_the_temp_dirs_and_no_one_el
     uid, tmp, shm, outside = user.uid, node / "tmp", node / "shm", node / "outside"
     # another user's entries first (one in a directory of the job's that let everyone write)
     _as(OTHER, tmp, "echo theirs > other-file && mkdir other-dir && echo x > other-dir/f")
-    _as(uid, tmp, f"""
+    _as(
+        uid,
+        tmp,
+        f"""
         echo left > file && mkfifo fifo
         mkdir -p tree/a/b && echo x > tree/a/b/f && chmod 000 tree/a
         mkdir shared && chmod 777 shared
-        ln -s {outside} link-to-dir && ln -s {outside / 'kept.txt'} link-to-file && ln -s loop loop
+        ln -s {outside} link-to-dir && ln -s {outside / "kept.txt"} link-to-file && ln -s loop loop
         mkdir etrain-prefork-{uid} && chmod 700 etrain-prefork-{uid}
-    """)
+    """,
+    )
     _as(OTHER, tmp / "shared", "echo mine > in-their-dir")
     _as(uid, shm, f"mkdir etrain-{uid} && echo snapshot > etrain-{uid}/slot-0")
     (tmp / "roots").write_text("root's\n")

@@ -50,8 +50,11 @@ def test_a_streamed_body_without_length_is_cut_off_at_the_limit(api: TestClient)
 
 def test_a_body_within_the_limit_is_admitted(api: TestClient) -> None:
     spec = {"name": "ok", "entrypoint": "t.py", "env": {"X": "y" * 1000}}
-    resp = api.post("/v1/jobs", content=json.dumps(spec), headers={"Authorization": f"Bearer {ADMIN}",
-                                                                  "Content-Type": "application/json"})  # fmt: skip
+    resp = api.post(
+        "/v1/jobs",
+        content=json.dumps(spec),
+        headers={"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"},
+    )
     assert resp.status_code == 201, resp.text
 
 

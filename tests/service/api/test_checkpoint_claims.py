@@ -63,11 +63,18 @@ def test_a_user_may_not_claim_a_url_inside_another_users_default_prefix_even_onc
     assert api.post(f"/v1/jobs/{job}/cancel", headers={"Authorization": f"Bearer {USER}"}).status_code == 202
     wait_for(lambda: api.get(f"/v1/jobs/{job}").json()["state"] == "cancelled", 20, 0.2, what="cancelled")
     # the prefix is no active job's now (no 409), but it holds carol's checkpoints: dave may not write there
-    for url in (f"{root}/{job}", f"{root}/{job}/resumed", f"{root}//{job}/x", f"{root}/{job.upper()}/x",
-                f"{root}/{quote(job[:3])}%{ord(job[3]):02X}{job[4:]}"):  # fmt: skip
+    for url in (
+        f"{root}/{job}",
+        f"{root}/{job}/resumed",
+        f"{root}//{job}/x",
+        f"{root}/{job.upper()}/x",
+        f"{root}/{quote(job[:3])}%{ord(job[3]):02X}{job[4:]}",
+    ):
         msg = _refusal(_submit(api, OTHER_USER, checkpoint_url=url))
-        assert msg.startswith(f"lies in {root}/{job}, the default checkpoint prefix of job {job}, and job {job} was "
-                              "submitted by another user"), (url, msg)  # fmt: skip
+        assert msg.startswith(
+            f"lies in {root}/{job}, the default checkpoint prefix of job {job}, and job {job} was "
+            "submitted by another user"
+        ), (url, msg)
     # carol may resume from her own job's checkpoints in a new job, and an admin may write anywhere below the root
     assert _submit(api, USER, checkpoint_url=f"{root}/{job}/resumed").status_code == 201
     assert _submit(api, ADMIN, checkpoint_url=f"{root}/{job}/copy").status_code == 201
@@ -82,9 +89,11 @@ def test_a_user_may_not_claim_the_default_prefix_of_a_job_id_not_yet_created(
     for url in (f"{root}/train-deadbeef", f"{root}/train-deadbeef/ckpt", f"{root}/a-b-0123abcd"):
         msg = _refusal(_submit(api, USER, checkpoint_url=url))
         job = url.removeprefix(root + "/").split("/")[0]
-        assert msg == (f"lies in {root}/{job}, the default checkpoint prefix of job {job}, and no job {job} of user "
-                       "carol exists, and the name is kept for the job that gets that id: below the root give a "
-                       "directory whose name is not a job id (<name>-<8 hex digits>)")  # fmt: skip
+        assert msg == (
+            f"lies in {root}/{job}, the default checkpoint prefix of job {job}, and no job {job} of user "
+            "carol exists, and the name is kept for the job that gets that id: below the root give a "
+            "directory whose name is not a job id (<name>-<8 hex digits>)"
+        )
     for name in ("train-deadbee", "train-deadbeef0", "train_deadbeef", "-deadbeef", "train-deadbeeg", "runs"):
         assert _submit(api, USER, checkpoint_url=f"{root}/{name}").status_code == 201, name
     assert _submit(api, ADMIN, checkpoint_url=f"{root}/train-deadbeef").status_code == 201  # an operator may

@@ -20,18 +20,38 @@ from tests.service.conftest import ADMIN
 pytestmark = pytest.mark.timeout(60)
 
 # ASGI headers are bytes, which the middleware reads as latin-1: b"\xb2" is '²', b"\xb9" is '¹'
-LENGTHS = {"superscript-two": b"\xb2", "superscript-digits": b"\xb9\xb2", "5000-digits": b"1" * 5000, "plus": b"+5",
-           "space": b" 5", "empty": b""}  # fmt: skip
+LENGTHS = {
+    "superscript-two": b"\xb2",
+    "superscript-digits": b"\xb9\xb2",
+    "5000-digits": b"1" * 5000,
+    "plus": b"+5",
+    "space": b" 5",
+    "empty": b"",
+}
 
 
 def _post(settings: Settings, etcd: EtcdClient, length: bytes) -> tuple[int, bytes]:
     """POST /v1/jobs with this Content-Length through the app: the answer's status and body (500 if it raised)."""
     app = create_app(settings, etcd)  # (its lifespan is not run: the reconcile loop stays off)
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/jobs", "raw_path": b"/v1/jobs", "query_string": b"", "root_path": "",
-             "server": ("127.0.0.1", 8080), "client": ("127.0.0.1", 50000),
-             "headers": [(b"host", b"127.0.0.1:8080"), (b"authorization", f"Bearer {ADMIN}".encode()),
-                         (b"content-type", b"application/json"), (b"content-length", length)]}  # fmt: skip
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/jobs",
+        "raw_path": b"/v1/jobs",
+        "query_string": b"",
+        "root_path": "",
+        "server": ("127.0.0.1", 8080),
+        "client": ("127.0.0.1", 50000),
+        "headers": [
+            (b"host", b"127.0.0.1:8080"),
+            (b"authorization", f"Bearer {ADMIN}".encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", length),
+        ],
+    }
     sent: list[dict[str, object]] = []
 
     async def receive() -> dict[str, object]:

@@ -23,8 +23,9 @@ BASE = "http://testserver"
 @pytest.fixture
 def client() -> Iterator[TestClient]:
     # nothing here touches etcd: the app is built against an address nobody listens on, its loop not started
-    app = create_app(Settings(etcd=EtcdOptions("127.0.0.1:1"), tokens=(TokenEntry(READER, Role.READ, "bob"),),
-                              run_controller=False))  # fmt: skip
+    app = create_app(
+        Settings(etcd=EtcdOptions("127.0.0.1:1"), tokens=(TokenEntry(READER, Role.READ, "bob"),), run_controller=False)
+    )
     yield TestClient(app, base_url=BASE)
 
 
@@ -70,8 +71,12 @@ def test_every_file_the_docs_page_names_is_served_from_here_under_the_strict_pol
         assert resp.status_code == 200, ref
         _assert_strict(resp)
         kinds[ref.rsplit("/", 1)[-1]] = resp.headers["content-type"].split(";")[0]
-    assert kinds == {"swagger-ui.css": "text/css", "favicon-32x32.png": "image/png",
-                     "swagger-ui-bundle.js": "text/javascript", "init.js": "text/javascript"}  # fmt: skip
+    assert kinds == {
+        "swagger-ui.css": "text/css",
+        "favicon-32x32.png": "image/png",
+        "swagger-ui-bundle.js": "text/javascript",
+        "init.js": "text/javascript",
+    }
     bundle = client.get("/docs/swagger-ui-bundle.js")
     assert len(bundle.content) > 500_000 and b"SwaggerUIBundle" in bundle.content
     init = client.get("/docs/init.js").text
@@ -80,8 +85,15 @@ def test_every_file_the_docs_page_names_is_served_from_here_under_the_strict_pol
 
 
 def test_redoc_the_oauth_redirect_and_any_other_docs_path_are_not_served(client: TestClient) -> None:
-    for path in ("/redoc", "/docs/oauth2-redirect", "/docs/swagger-ui-bundle.js.map", "/docs/index.html",
-                 "/docs/..%2F..%2Fapp.py", "/docs/%2e%2e/dashboard.py", "/docs/swagger-initializer.js"):  # fmt: skip
+    for path in (
+        "/redoc",
+        "/docs/oauth2-redirect",
+        "/docs/swagger-ui-bundle.js.map",
+        "/docs/index.html",
+        "/docs/..%2F..%2Fapp.py",
+        "/docs/%2e%2e/dashboard.py",
+        "/docs/swagger-initializer.js",
+    ):
         assert client.get(path).status_code == 404, path
 
 

@@ -21,8 +21,14 @@ from tests.service.conftest import ADMIN, READER, make_settings
 pytestmark = pytest.mark.timeout(60)
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-SPEC: dict[str, Any] = {"name": "train", "entrypoint": "train.py", "min_nodes": 1, "max_nodes": 3,
-                        "priority": 10, "queue": "team-a"}  # fmt: skip
+SPEC: dict[str, Any] = {
+    "name": "train",
+    "entrypoint": "train.py",
+    "min_nodes": 1,
+    "max_nodes": 3,
+    "priority": 10,
+    "queue": "team-a",
+}
 
 
 @pytest.fixture
@@ -104,8 +110,17 @@ def test_resize_of_a_finished_job_is_409(quiet: TestClient, state: JobState) -> 
         ({}, ""),
         ({"min_nodes": None, "max_nodes": None}, ""),
     ],
-    ids=["min-above-max", "max-below-min", "per-job-limit", "model-limit", "min-zero", "not-int", "other-field",
-         "empty", "nulls"],
+    ids=[
+        "min-above-max",
+        "max-below-min",
+        "per-job-limit",
+        "model-limit",
+        "min-zero",
+        "not-int",
+        "other-field",
+        "empty",
+        "nulls",
+    ],
 )
 def test_an_invalid_resize_is_422_naming_the_field_and_changes_nothing(
     quiet: TestClient, body: dict[str, Any], field: str

@@ -130,9 +130,16 @@ def client(live_server: str) -> Iterator[httpx.Client]:
 
 def _register(etcd_client: EtcdClient, settings: Settings, name: str, agent: _Agent) -> None:
     port = agent.server_address[1]
-    info = NodeInfo(name=name, capacity=1, rdzv_host="127.0.0.1", hostname="node-host", incarnation="x",
-                    registered_at=datetime.now(timezone.utc), logs_url=f"http://127.0.0.1:{port}",
-                    logs_token="t" * 32)  # fmt: skip
+    info = NodeInfo(
+        name=name,
+        capacity=1,
+        rdzv_host="127.0.0.1",
+        hostname="node-host",
+        incarnation="x",
+        registered_at=datetime.now(timezone.utc),
+        logs_url=f"http://127.0.0.1:{port}",
+        logs_token="t" * 32,
+    )
     lease = etcd_client.grant_lease(timedelta(seconds=300))  # as an agent registers: on a lease
     etcd_client.put(Keys(settings.prefix).node(name), dump(info), lease=lease)
 
@@ -163,8 +170,9 @@ def test_an_agent_error_whose_body_never_ends_gets_502_within_seconds_also_when_
     _register(etcd_client, settings, "stalled", serve(_stalled_error))
     job_id = client.post("/v1/jobs", json=SPEC).json()["id"]
     started = time.monotonic()
-    resp = client.get(f"/v1/jobs/{job_id}/logs", params={"node": "stalled", "follow": "true"},
-                      timeout=ERROR_BODY_TIMEOUT + 10)  # fmt: skip
+    resp = client.get(
+        f"/v1/jobs/{job_id}/logs", params={"node": "stalled", "follow": "true"}, timeout=ERROR_BODY_TIMEOUT + 10
+    )
     assert resp.status_code == 502, resp.text
     assert resp.json()["detail"] == "the agent of node stalled answered HTTP 500: disk on fire"
     assert time.monotonic() - started < ERROR_BODY_TIMEOUT + 5

@@ -26,9 +26,19 @@ SPEC: dict[str, Any] = {"name": "logged", "entrypoint": "train.py", "min_nodes":
 
 
 def _agent(settings: Settings, name: str, work: Path, logs: bool = True, **kw: Any) -> NodeAgent:
-    return create_agent(AgentSettings(etcd=settings.etcd, node_name=name, prefix=settings.prefix, work_dir=work,
-                                      rdzv_host="127.0.0.1", lease_ttl=timedelta(seconds=2),
-                                      logs_port=free_port() if logs else 0, logs_host="127.0.0.1", **kw))  # fmt: skip
+    return create_agent(
+        AgentSettings(
+            etcd=settings.etcd,
+            node_name=name,
+            prefix=settings.prefix,
+            work_dir=work,
+            rdzv_host="127.0.0.1",
+            lease_ttl=timedelta(seconds=2),
+            logs_port=free_port() if logs else 0,
+            logs_host="127.0.0.1",
+            **kw,
+        )
+    )
 
 
 @pytest.fixture
@@ -136,8 +146,10 @@ def test_follow_interleaves_both_nodes_lines_until_the_job_ends(
 ) -> None:
     script, done = tmp_path / "ticker.py", tmp_path / "done"
     script.write_text(_TICKER)
-    agents = [_agent(settings, name, tmp_path / name, poll_interval=timedelta(seconds=0.2),
-                     stop_grace=timedelta(seconds=5)) for name in ("node-a", "node-b")]  # fmt: skip
+    agents = [
+        _agent(settings, name, tmp_path / name, poll_interval=timedelta(seconds=0.2), stop_grace=timedelta(seconds=5))
+        for name in ("node-a", "node-b")
+    ]
     stop = threading.Event()
     threads = [threading.Thread(target=a.run, args=(stop,), daemon=True) for a in agents]
     for t in threads:
@@ -161,8 +173,11 @@ def test_follow_interleaves_both_nodes_lines_until_the_job_ends(
 
         reader = threading.Thread(target=follow, daemon=True)
         reader.start()
-        wait_for(lambda: all(f"[{n}] tick 5 from {n}\n".encode() in b"".join(received) for n in ("node-a", "node-b")),
-                 60, what="both nodes' lines streamed")  # fmt: skip
+        wait_for(
+            lambda: all(f"[{n}] tick 5 from {n}\n".encode() in b"".join(received) for n in ("node-a", "node-b")),
+            60,
+            what="both nodes' lines streamed",
+        )
         assert not ended.is_set()
 
         def agent_streams() -> int:
@@ -171,8 +186,9 @@ def test_follow_interleaves_both_nodes_lines_until_the_job_ends(
             return sum(a.log_server.open_connections for a in agents if a.log_server is not None)
 
         assert agent_streams() == 2  # the follower's, one on each agent
-        with http.stream("GET", f"/v1/jobs/{job_id}/logs", params={"follow": "true", "node": "node-a"},
-                         timeout=None) as other:  # fmt: skip
+        with http.stream(
+            "GET", f"/v1/jobs/{job_id}/logs", params={"follow": "true", "node": "node-a"}, timeout=None
+        ) as other:
             assert other.status_code == 200 and other.headers["x-etrain-node"] == "node-a"
             assert next(other.iter_raw()).startswith(b"+ ")  # a single node's log comes as it is
             wait_for(lambda: _exactly(agent_streams(), 3), 10, what="a third stream", retry_on=(ValueError,))

@@ -59,8 +59,16 @@ def victim(request: pytest.FixtureRequest) -> Iterator[ThreadingHTTPServer]:
 
 
 def _node(name: str, logs_url: str) -> NodeInfo:
-    return NodeInfo(name=name, capacity=1, rdzv_host="127.0.0.1", hostname="node-host", incarnation="x",
-                    registered_at=datetime.now(timezone.utc), logs_url=logs_url, logs_token="t" * 32)  # fmt: skip
+    return NodeInfo(
+        name=name,
+        capacity=1,
+        rdzv_host="127.0.0.1",
+        hostname="node-host",
+        incarnation="x",
+        registered_at=datetime.now(timezone.utc),
+        logs_url=logs_url,
+        logs_token="t" * 32,
+    )
 
 
 @pytest.mark.timeout(60)
@@ -70,16 +78,18 @@ def test_a_node_record_pointing_the_logs_proxy_elsewhere_gets_nothing_sent(
     host, port = victim.server_address[:2]
     job_id = api.post("/v1/jobs", json=SPEC).json()["id"]
     keys = Keys(settings.prefix)
-    for i, url in enumerate((
-        f"http://{host}:{port}/latest/meta-data#",  # the fixed path ends up in the fragment
-        f"http://{host}:{port}/latest/meta-data?x=",  # ... or in the query
-        f"http://{host}:{port}#",
-        f"http://user:pw@{host}:{port}",
-        f"http://{host}:{port}/",  # a well-formed URL, but on 127.0.0.2: not the node's host
-        f"ftp://{host}:{port}",
-        f"http://{host}:{port}x",
-        f"http://{host}",
-    )):
+    for i, url in enumerate(
+        (
+            f"http://{host}:{port}/latest/meta-data#",  # the fixed path ends up in the fragment
+            f"http://{host}:{port}/latest/meta-data?x=",  # ... or in the query
+            f"http://{host}:{port}#",
+            f"http://user:pw@{host}:{port}",
+            f"http://{host}:{port}/",  # a well-formed URL, but on 127.0.0.2: not the node's host
+            f"ftp://{host}:{port}",
+            f"http://{host}:{port}x",
+            f"http://{host}",
+        )
+    ):
         if url == f"http://{host}:{port}/" and host == "127.0.0.1":
             continue  # loopback is a registered host: that one is asked (below)
         lease = etcd_client.grant_lease(timedelta(seconds=300))  # a record on no lease is no node at all
@@ -103,18 +113,36 @@ def test_checked_logs_url_rebuilds_the_address_from_checked_parts() -> None:
     }
     for url, base in ok.items():
         assert checked_logs_url(_node("n", url)) == base
-    for url in ("http://127.0.0.1:8082/x", "http://127.0.0.1:8082#", "http://127.0.0.1:8082?", "http://10.1.2.3:1",
-                "http://a@127.0.0.1:1", "http://127.0.0.1:0", "http://127.0.0.1:99999", "http://127.0.0.1:8082 x",
-                "http://127.0.0.1\\@other:1", "", "gopher://127.0.0.1:1"):  # fmt: skip
+    for url in (
+        "http://127.0.0.1:8082/x",
+        "http://127.0.0.1:8082#",
+        "http://127.0.0.1:8082?",
+        "http://10.1.2.3:1",
+        "http://a@127.0.0.1:1",
+        "http://127.0.0.1:0",
+        "http://127.0.0.1:99999",
+        "http://127.0.0.1:8082 x",
+        "http://127.0.0.1\\@other:1",
+        "",
+        "gopher://127.0.0.1:1",
+    ):
         with pytest.raises(ValueError):
             checked_logs_url(_node("n", url))
 
 
 @pytest.fixture
 def agent(settings: Settings, tmp_path: Path) -> Iterator[NodeAgent]:
-    agent = create_agent(AgentSettings(etcd=settings.etcd, node_name="node-a", prefix=settings.prefix,
-                                       work_dir=tmp_path / "node-a", rdzv_host="127.0.0.1", logs_port=free_port(),
-                                       logs_host="127.0.0.1"))  # fmt: skip
+    agent = create_agent(
+        AgentSettings(
+            etcd=settings.etcd,
+            node_name="node-a",
+            prefix=settings.prefix,
+            work_dir=tmp_path / "node-a",
+            rdzv_host="127.0.0.1",
+            logs_port=free_port(),
+            logs_host="127.0.0.1",
+        )
+    )
     agent.register()
     yield agent
     agent.shutdown()

@@ -37,8 +37,9 @@ def test_auth_off_on_loopback_refuses_foreign_hosts_and_non_json_writes(app_sett
         # a cross-site form post, a bodiless fetch, a text/plain body: refused before anything happens
         form = local.post(f"/v1/jobs/{job_id}/cancel", data={"x": "1"})
         bare = local.post(f"/v1/jobs/{job_id}/cancel")
-        text = local.post("/v1/jobs", content=b'{"name": "x", "entrypoint": "t.py"}',
-                          headers={"Content-Type": "text/plain"})  # fmt: skip
+        text = local.post(
+            "/v1/jobs", content=b'{"name": "x", "entrypoint": "t.py"}', headers={"Content-Type": "text/plain"}
+        )
         for resp in (form, bare, text):
             assert resp.status_code == 415 and "application/json" in resp.json()["detail"], resp.text
         assert local.get(f"/v1/jobs/{job_id}").json()["cancel_requested"] is False

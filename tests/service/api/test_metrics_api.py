@@ -29,8 +29,12 @@ T0 = 1_764_000_000.0
 
 @pytest.fixture
 def settings(etcd_server: LocalEtcdCluster, key_prefix: str, tmp_path: Path) -> Settings:
-    return make_settings(etcd_server, key_prefix, checkpoint_root=f"file://{tmp_path}/ckpt",
-                         metrics_flush_interval=timedelta(seconds=0.2))  # fmt: skip
+    return make_settings(
+        etcd_server,
+        key_prefix,
+        checkpoint_root=f"file://{tmp_path}/ckpt",
+        metrics_flush_interval=timedelta(seconds=0.2),
+    )
 
 
 def _submit(api: TestClient) -> str:
@@ -42,8 +46,9 @@ def _submit(api: TestClient) -> str:
 
 def _report(api: TestClient, etcd_client: EtcdClient, key_prefix: str, job_id: str, i: int, **kw: Any) -> None:
     """Write report ``i`` (step 10*i, a second apart) and wait until the leader has taken it in."""
-    progress = Progress(step=10 * i, world_size=kw.pop("world_size", 2), time=T0 + i, loss=1.0 / (i + 1),
-                        generation=1, **kw)  # fmt: skip
+    progress = Progress(
+        step=10 * i, world_size=kw.pop("world_size", 2), time=T0 + i, loss=1.0 / (i + 1), generation=1, **kw
+    )
     etcd_client.put(Keys(key_prefix).progress_of(job_id), progress.to_json())
     wait_for(lambda: api.get(f"/v1/jobs/{job_id}").json()["progress"]["step"] == 10 * i, timeout=20)
 
@@ -97,9 +102,13 @@ def test_a_malformed_report_does_not_enter_the_served_series(
 
 
 def test_etrain_metrics_prints_the_series_as_a_table_and_as_csv(
-    api: TestClient, live_server: str, etcd_client: EtcdClient, key_prefix: str, tmp_path: Path,
+    api: TestClient,
+    live_server: str,
+    etcd_client: EtcdClient,
+    key_prefix: str,
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     job_id = _submit(api)
     for i in range(3):
         _report(api, etcd_client, key_prefix, job_id, i)
@@ -115,11 +124,16 @@ def test_etrain_metrics_prints_the_series_as_a_table_and_as_csv(
     assert main(["metrics", job_id, "--csv", *common]) == 0
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert [(r["step"], r["loss"], r["world_size"], r["steps_per_s"]) for r in rows] == [
-        ("0", "1", "2", ""), ("10", "0.5", "2", "10"), ("20", "0.333333", "2", "10")]
+        ("0", "1", "2", ""),
+        ("10", "0.5", "2", "10"),
+        ("20", "0.333333", "2", "10"),
+    ]
     assert main(["metrics", job_id, "--csv", "--max-points", "2", *common]) == 0  # older reports as a window
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert [(r["reports"], r["step"], r["loss"], r["loss_min"], r["loss_max"]) for r in rows] == [
-        ("2", "10", "0.5", "0.5", "1"), ("1", "20", "0.333333", "0.333333", "0.333333")]
+        ("2", "10", "0.5", "0.5", "1"),
+        ("1", "20", "0.333333", "0.333333", "0.333333"),
+    ]
     assert main(["metrics", job_id, "--max-points", "2", *common]) == 0
     assert "0.5..1" in capsys.readouterr().out.splitlines()[1]
     assert main(["metrics", job_id, "--since", str(T0 + 1), "--json", *common]) == 0

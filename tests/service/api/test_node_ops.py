@@ -50,15 +50,18 @@ def _assign(client: TestClient, node: str, job_id: str) -> None:
     """What the leader writes when it places the job on the node: the assignment and the job's status."""
     store = _store(client)
     spec = JobSpec.model_validate(SPEC)
-    store.client.put(store.keys.assignment(node, job_id), dump(Assignment(job_id=job_id, generation=1, spec=spec,
-                                                                          assigned_at=T0)))  # fmt: skip
+    store.client.put(
+        store.keys.assignment(node, job_id), dump(Assignment(job_id=job_id, generation=1, spec=spec, assigned_at=T0))
+    )
     _set_state(client, job_id, JobState.RUNNING, [node])
 
 
 def _set_state(client: TestClient, job_id: str, state: JobState, nodes: list[str]) -> None:
     store = _store(client)
-    store.client.put(store.keys.status_of(job_id),
-                     dump(JobStatus(state=state, nodes=nodes, generation=1, created_at=T0, updated_at=T0)))  # fmt: skip
+    store.client.put(
+        store.keys.status_of(job_id),
+        dump(JobStatus(state=state, nodes=nodes, generation=1, created_at=T0, updated_at=T0)),
+    )
 
 
 def _nodes(client: TestClient) -> dict[str, dict[str, Any]]:

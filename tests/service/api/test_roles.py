@@ -22,8 +22,12 @@ from tests.service.conftest import ADMIN, OTHER_USER, READER, USER, make_setting
 
 pytestmark = pytest.mark.timeout(60)
 
-SPEC: dict[str, Any] = {"name": "train", "entrypoint": "train.py", "args": ["--lr", "0.1"],
-                        "env": {"WANDB_API_KEY": "s3cr3t"}}  # fmt: skip
+SPEC: dict[str, Any] = {
+    "name": "train",
+    "entrypoint": "train.py",
+    "args": ["--lr", "0.1"],
+    "env": {"WANDB_API_KEY": "s3cr3t"},
+}
 
 
 def _as(token: str) -> dict[str, str]:
@@ -34,10 +38,19 @@ def _as(token: str) -> dict[str, str]:
 def api(etcd_server: LocalEtcdCluster, key_prefix: str, tmp_path: Path) -> Iterator[TestClient]:
     """The app (no agents: jobs stay pending), with limits for carol (USER) and defaults for other users."""
     quotas_file = tmp_path / "quotas.yaml"
-    quotas_file.write_text(yaml.safe_dump({"limits": {
-        "default": {"max_priority": 0},
-        "users": {"carol": {"max_priority": 10, "queues": ["team-a"], "max_pending": 2}, "dave": {"max_jobs": 3}},
-    }}))  # fmt: skip
+    quotas_file.write_text(
+        yaml.safe_dump(
+            {
+                "limits": {
+                    "default": {"max_priority": 0},
+                    "users": {
+                        "carol": {"max_priority": 10, "queues": ["team-a"], "max_pending": 2},
+                        "dave": {"max_jobs": 3},
+                    },
+                }
+            }
+        )
+    )
     reconcile = ReconcileConfig(success_grace=timedelta(seconds=5), quotas=load_quotas(quotas_file))
     settings = make_settings(etcd_server, key_prefix, checkpoint_root=f"file://{tmp_path}/ckpt", reconcile=reconcile)
     with TestClient(create_app(settings)) as client:
@@ -52,8 +65,10 @@ def test_a_user_cannot_cancel_or_resize_another_users_job_but_can_its_own(api: T
     resp = _submit(api, USER)
     assert resp.status_code == 201 and resp.json()["submitted_by"] == "carol"  # the job's owner: the token's user
     job = resp.json()["id"]
-    for method, path, body in (("POST", f"/v1/jobs/{job}/cancel", None),
-                               ("PATCH", f"/v1/jobs/{job}", {"max_nodes": 2})):  # fmt: skip
+    for method, path, body in (
+        ("POST", f"/v1/jobs/{job}/cancel", None),
+        ("PATCH", f"/v1/jobs/{job}", {"max_nodes": 2}),
+    ):
         other = api.request(method, path, json=body, headers=_as(OTHER_USER))
         assert other.status_code == 403, other.text
         assert "token 'dave' (role user) may not" in other.json()["detail"]

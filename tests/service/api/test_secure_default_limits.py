@@ -57,12 +57,15 @@ def test_without_a_quotas_file_a_user_token_may_not_raise_priority_above_0_nor_n
 def granted(etcd_server: LocalEtcdCluster, key_prefix: str, tmp_path: Path) -> Iterator[TestClient]:
     """A quotas file that grants carol priority 10 and queue team-a, and names neither dave nor a default."""
     quotas_file = tmp_path / "quotas.yaml"
-    quotas_file.write_text(yaml.safe_dump({"users": {"carol": 4},
-                                           "limits": {"users": {"carol": {"max_priority": 10,
-                                                                          "queues": ["team-a"]}}}}))  # fmt: skip
+    quotas_file.write_text(
+        yaml.safe_dump(
+            {"users": {"carol": 4}, "limits": {"users": {"carol": {"max_priority": 10, "queues": ["team-a"]}}}}
+        )
+    )
     reconcile = ReconcileConfig(success_grace=timedelta(seconds=5), quotas=load_quotas(quotas_file))
-    settings = make_settings(etcd_server, key_prefix, checkpoint_root=f"file://{tmp_path}/ckpt", reconcile=reconcile,
-                             run_controller=False)  # fmt: skip
+    settings = make_settings(
+        etcd_server, key_prefix, checkpoint_root=f"file://{tmp_path}/ckpt", reconcile=reconcile, run_controller=False
+    )
     with TestClient(create_app(settings)) as client:
         yield client
 
@@ -84,11 +87,14 @@ def test_a_quotas_file_grants_a_user_more_and_users_it_does_not_name_keep_the_se
 def test_user_submit_limits_fill_what_the_file_leaves_unset_with_the_secure_default() -> None:
     assert UNGRANTED_LIMITS == SubmitLimits(max_priority=0, queues=frozenset(), max_pending=None, max_jobs=1000)
     assert user_submit_limits(Quotas(), "anyone") == UNGRANTED_LIMITS
-    quotas = Quotas(limits={"carol": SubmitLimits(queues=frozenset({"team-a"}))},
-                    default_limits=SubmitLimits(max_pending=3))  # fmt: skip
-    assert user_submit_limits(quotas, "carol") == SubmitLimits(max_priority=0, queues=frozenset({"team-a"}),
-                                                               max_pending=3, max_jobs=1000)  # fmt: skip
-    assert user_submit_limits(quotas, "dave") == SubmitLimits(max_priority=0, queues=frozenset(), max_pending=3,
-                                                              max_jobs=1000)  # fmt: skip
+    quotas = Quotas(
+        limits={"carol": SubmitLimits(queues=frozenset({"team-a"}))}, default_limits=SubmitLimits(max_pending=3)
+    )
+    assert user_submit_limits(quotas, "carol") == SubmitLimits(
+        max_priority=0, queues=frozenset({"team-a"}), max_pending=3, max_jobs=1000
+    )
+    assert user_submit_limits(quotas, "dave") == SubmitLimits(
+        max_priority=0, queues=frozenset(), max_pending=3, max_jobs=1000
+    )
     grant_all = Quotas(default_limits=SubmitLimits(max_priority=1000))
     assert user_submit_limits(grant_all, "dave").max_priority == 1000

@@ -33,10 +33,18 @@ def test_trace_of_a_job_that_lost_an_agent_validates_and_puts_the_loss_on_that_n
     api: TestClient, settings: Settings, tmp_path: Path
 ) -> None:
     agents = {
-        name: create_agent(AgentSettings(etcd=settings.etcd, node_name=name, prefix=settings.prefix, nproc_per_node=1,
-                                         work_dir=tmp_path / name, lease_ttl=timedelta(seconds=2)))
+        name: create_agent(
+            AgentSettings(
+                etcd=settings.etcd,
+                node_name=name,
+                prefix=settings.prefix,
+                nproc_per_node=1,
+                work_dir=tmp_path / name,
+                lease_ttl=timedelta(seconds=2),
+            )
+        )
         for name in ("node-a", "node-b")
-    }  # fmt: skip
+    }
     for agent in agents.values():
         agent.register()  # no agent loop: the leader assigns, nothing is started
     try:
@@ -44,9 +52,17 @@ def test_trace_of_a_job_that_lost_an_agent_validates_and_puts_the_loss_on_that_n
         wait_for(lambda: api.get(f"/v1/jobs/{job_id}").json()["nodes"] == ["node-a", "node-b"], what="placed")
         store: ServiceStore = api.app.state.store  # type: ignore[attr-defined]
         ckpt = f"{settings.checkpoint_root}/{job_id}/step-10".removeprefix("file://")
-        report = Progress(step=12, world_size=2, time=time.time(), loss=0.5, generation=1,
-                          checkpoint_step=10, checkpoint_path=ckpt, nodes=["node-a", "node-b"],
-                          extra={"snapshots_saved": 1, "last_save_seconds": 0.1})  # fmt: skip
+        report = Progress(
+            step=12,
+            world_size=2,
+            time=time.time(),
+            loss=0.5,
+            generation=1,
+            checkpoint_step=10,
+            checkpoint_path=ckpt,
+            nodes=["node-a", "node-b"],
+            extra={"snapshots_saved": 1, "last_save_seconds": 0.1},
+        )
         store.client.put(store.keys.progress_of(job_id), report.to_json())  # as the job's rank 0 does
         wait_for(lambda: api.get(f"/v1/jobs/{job_id}").json()["checkpoint"]["step"] == 10, what="checkpoint seen")
         agents.pop("node-b").shutdown()  # its lease revoked: the node is lost

@@ -38,8 +38,7 @@ def _etrain(*args: str, timeout: float = 30) -> tuple[int, str, str, float]:
 @pytest.mark.parametrize("command", [["controller", "--host", "127.0.0.1"], ["agent", "--node-name", "n1"]])
 def test_unreachable_etcd_is_one_line_and_exit_2_within_the_connect_timeout(command: list[str]) -> None:
     port = free_port()  # nobody listens there
-    code, _out, err, took = _etrain(*command, "--etcd", f"127.0.0.1:{port}", "--etcd-connect-timeout", "1",
-                                    timeout=90)  # fmt: skip
+    code, _out, err, took = _etrain(*command, "--etcd", f"127.0.0.1:{port}", "--etcd-connect-timeout", "1", timeout=90)
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and lines[0].startswith("etrain: ")
@@ -64,14 +63,32 @@ def test_bad_etcd_auth_settings_are_one_line_naming_them(tmp_path: Path) -> None
     code, _, err, _ = _etrain("controller", "--etcd", "127.0.0.1:1", "--etcd-user", "u")
     assert code == 2 and err.strip() == "etrain: --etcd-user needs --etcd-password-file"
     missing = tmp_path / "missing"
-    code, _, err, _ = _etrain("controller", "--host", "127.0.0.1", "--etcd", "127.0.0.1:1", "--etcd-user", "u",
-                              "--etcd-password-file", str(missing))  # fmt: skip
+    code, _, err, _ = _etrain(
+        "controller",
+        "--host",
+        "127.0.0.1",
+        "--etcd",
+        "127.0.0.1:1",
+        "--etcd-user",
+        "u",
+        "--etcd-password-file",
+        str(missing),
+    )
     assert code == 2 and err.strip().count("\n") == 0
     assert f"etcd settings: cannot read the etcd password file {missing}" in err
     pw = tmp_path / "pw"
     pw.write_text("s3cret\n")
-    code, _, err, _ = _etrain("controller", "--host", "127.0.0.1", "--etcd", "127.0.0.1:1", "--etcd-user", "u",
-                              "--etcd-password-file", str(pw))  # fmt: skip
+    code, _, err, _ = _etrain(
+        "controller",
+        "--host",
+        "127.0.0.1",
+        "--etcd",
+        "127.0.0.1:1",
+        "--etcd-user",
+        "u",
+        "--etcd-password-file",
+        str(pw),
+    )
     assert code == 2 and "need TLS" in err and "s3cret" not in err
 
 
@@ -95,8 +112,9 @@ def test_controller_refuses_an_open_api_on_a_non_loopback_address_unless_told_in
     port = str(free_port())
     code, _, err, _ = _etrain("controller", "--etcd", f"127.0.0.1:{port}", "--host", "0.0.0.0")
     assert code == 2 and "refusing to serve the API on 0.0.0.0 without --tokens-file" in err
-    code, _, err, _ = _etrain("controller", "--etcd", f"127.0.0.1:{port}", "--host", "0.0.0.0", "--insecure",
-                              "--etcd-connect-timeout", "0.5")  # fmt: skip
+    code, _, err, _ = _etrain(
+        "controller", "--etcd", f"127.0.0.1:{port}", "--host", "0.0.0.0", "--insecure", "--etcd-connect-timeout", "0.5"
+    )
     assert code == 2 and "refusing" not in err and "etcd" in err  # past the check: etcd is what is missing
 
 
@@ -281,8 +299,14 @@ def test_a_reader_that_leaves_the_pipe_gets_no_traceback_and_exit_141(live_serve
     read, write = os.pipe()
     os.close(read)  # the reader is gone
     try:
-        proc = subprocess.run([sys.executable, "-m", "service.cli", "list", "--server", live_server],
-                              stdout=write, stderr=subprocess.PIPE, text=True, env=env, timeout=60)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "service.cli", "list", "--server", live_server],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=60,
+        )
     finally:
         os.close(write)
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr

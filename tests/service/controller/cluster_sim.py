@@ -65,7 +65,11 @@ class Cluster:
         self._seen = self._view()  # what etcd holds: the view the maps were last read from
 
     def add_job(
-        self, job_id: str, spec: JobSpec, at: datetime = T0, checkpoint_url: str | None = None,
+        self,
+        job_id: str,
+        spec: JobSpec,
+        at: datetime = T0,
+        checkpoint_url: str | None = None,
         user: str | None = None,
     ) -> None:
         rec = JobRecord(id=job_id, spec=spec, created_at=at, checkpoint_url=checkpoint_url, submitted_by=user)
@@ -76,8 +80,7 @@ class Cluster:
             self.nodes[n] = node(n, capacity)
 
     def view(self) -> ClusterView:
-        return ClusterView(self.jobs, self.nodes, self.assignments, self.reports, self.progress,
-                           controls=self.controls)
+        return ClusterView(self.jobs, self.nodes, self.assignments, self.reports, self.progress, controls=self.controls)
 
     def tick(self, now: datetime) -> Plan:
         """One leader pass at ``now``: what the test changed is written, the view read, the plan applied (every
@@ -129,16 +132,26 @@ class Cluster:
 
         sync({j: e.record for j, e in self.jobs.items()}, {j: e.record for j, e in stored.jobs.items()}, k.job)
         sync({j: e.status for j, e in self.jobs.items()}, {j: e.status for j, e in stored.jobs.items()}, k.status_of)
-        sync({j: True for j, e in self.jobs.items() if e.cancel_requested},
-             {j: True for j, e in stored.jobs.items() if e.cancel_requested}, k.cancel_of, lambda _: b"{}")
+        sync(
+            {j: True for j, e in self.jobs.items() if e.cancel_requested},
+            {j: True for j, e in stored.jobs.items() if e.cancel_requested},
+            k.cancel_of,
+            lambda _: b"{}",
+        )
         sync(self.progress, stored.progress, k.progress_of, lambda p: p.to_json())
         sync(self.controls, stored.controls, k.nodectl_of)
         for node in {*self.assignments, *stored.assignments}:
-            sync(self.assignments.get(node, {}), stored.assignments.get(node, {}),
-                 lambda job_id, node=node: k.assignment(node, job_id))
+            sync(
+                self.assignments.get(node, {}),
+                stored.assignments.get(node, {}),
+                lambda job_id, node=node: k.assignment(node, job_id),
+            )
         for job_id in {*self.reports, *stored.reports}:
-            sync(self.reports.get(job_id, {}), stored.reports.get(job_id, {}),
-                 lambda node, job_id=job_id: k.report(job_id, node))
+            sync(
+                self.reports.get(job_id, {}),
+                stored.reports.get(job_id, {}),
+                lambda node, job_id=job_id: k.report(job_id, node),
+            )
         nodes = [(k.node(n), info) for n, info in self.nodes.items() if stored.nodes.get(n) != info]
         deletes += [k.node(n) for n in stored.nodes if n not in self.nodes]
         for i in range(0, max(len(puts), len(deletes)), 60):  # etcd: 128 operations per transaction
@@ -152,8 +165,9 @@ class Cluster:
     def assigned(self, job_id: str) -> dict[str, int]:
         return {n: jobs[job_id].generation for n, jobs in self.assignments.items() if job_id in jobs}
 
-    def report(self, job_id: str, node: str, state: str, code: int | None = None, at: datetime = T0,
-               planned: bool = False) -> None:  # fmt: skip
+    def report(
+        self, job_id: str, node: str, state: str, code: int | None = None, at: datetime = T0, planned: bool = False
+    ) -> None:
         gen = self.status(job_id).generation
         self.reports.setdefault(job_id, {})[node] = WorkerReport(
             job_id=job_id,
@@ -167,6 +181,4 @@ class Cluster:
 
     def progress_at(self, job_id: str, at: datetime, step: int, world: int, **kw: Any) -> None:
         gen = self.status(job_id).generation
-        self.progress[job_id] = Progress(
-            step=step, world_size=world, time=at.timestamp(), generation=gen, **kw
-        )
+        self.progress[job_id] = Progress(step=step, world_size=world, time=at.timestamp(), generation=gen, **kw)

@@ -145,8 +145,19 @@ def test_the_bootstrapped_agents_user_runs_a_job_with_the_controller_as_root(
     (tmp_path / "root-pw").write_text("r00t-pw\n")
     (tmp_path / "agent-pw").write_text("ag3nt-pw\n")
     ca = ["--etcd-ca-cert", str(certs / "ca.pem")]
-    command = [sys.executable, "-m", "service.cli", "etcd-bootstrap", "--etcd", tls_etcd, *ca, "--etcd-password-file",
-               str(tmp_path / "root-pw"), "--agent-password-file", str(tmp_path / "agent-pw")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "etcd-bootstrap",
+        "--etcd",
+        tls_etcd,
+        *ca,
+        "--etcd-password-file",
+        str(tmp_path / "root-pw"),
+        "--agent-password-file",
+        str(tmp_path / "agent-pw"),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=_ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "etcd authentication enabled: users 'root' and 'etrain-agent'"
@@ -165,13 +176,29 @@ def test_the_bootstrapped_agents_user_runs_a_job_with_the_controller_as_root(
     assert "permission denied" not in agent_log
 
 
-def test_the_command_refuses_a_user_other_than_root_and_a_missing_agent_password(tls_etcd: str, certs: Path,
-                                                                                 tmp_path: Path) -> None:  # fmt: skip
+def test_the_command_refuses_a_user_other_than_root_and_a_missing_agent_password(
+    tls_etcd: str, certs: Path, tmp_path: Path
+) -> None:
     (tmp_path / "pw").write_text("x\n")
-    base = [sys.executable, "-m", "service.cli", "etcd-bootstrap", "--etcd", tls_etcd, "--etcd-ca-cert",
-            str(certs / "ca.pem"), "--etcd-password-file", str(tmp_path / "pw")]  # fmt: skip
-    other = subprocess.run([*base, "--etcd-user", "alice", "--agent-password-file", str(tmp_path / "pw")],
-                           capture_output=True, text=True, timeout=60, cwd=_ROOT)  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "etcd-bootstrap",
+        "--etcd",
+        tls_etcd,
+        "--etcd-ca-cert",
+        str(certs / "ca.pem"),
+        "--etcd-password-file",
+        str(tmp_path / "pw"),
+    ]
+    other = subprocess.run(
+        [*base, "--etcd-user", "alice", "--agent-password-file", str(tmp_path / "pw")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=_ROOT,
+    )
     assert other.returncode == 2 and "--etcd-user must be 'root'" in other.stderr
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETRAIN_")}
     missing = subprocess.run(base, capture_output=True, text=True, timeout=60, cwd=_ROOT, env=env)
@@ -184,8 +211,13 @@ def test_the_command_refuses_a_user_other_than_root_and_a_missing_agent_password
 
 
 # -- one etcd user per node (issue H3: whoever held the shared agents' user controlled the service) ----------------
-NODES = AuthBootstrap(root_password="r00t-pw", agent_user=None, agent_password=None, prefix="/etrain",
-                      nodes=(("n1", "n1-pw"), ("n2", "n2-pw")))  # fmt: skip
+NODES = AuthBootstrap(
+    root_password="r00t-pw",
+    agent_user=None,
+    agent_password=None,
+    prefix="/etrain",
+    nodes=(("n1", "n1-pw"), ("n2", "n2-pw")),
+)
 
 
 def test_a_nodes_etcd_user_reaches_its_own_record_assignments_and_reports_and_nothing_else(
@@ -195,8 +227,15 @@ def test_a_nodes_etcd_user_reaches_its_own_record_assignments_and_reports_and_no
     and could inject jobs, which the leader scheduled past tokens, limits and quotas."""
     assert bootstrap_etcd_auth(_config(tls_etcd, certs), NODES) is BootstrapOutcome.ENABLED
     root = _client(tls_etcd, certs, "root", "r00t-pw")
-    secrets = ["/etrain/jobs/j-1", "/etrain/identities/j-1", "/etrain/status/j-1", "/etrain/assign/n2/j-1",
-               "/etrain/reports/n2/j-1", "/etrain/progress/j-1", "/etrain.rdzv/j-1.g1/state"]  # fmt: skip
+    secrets = [
+        "/etrain/jobs/j-1",
+        "/etrain/identities/j-1",
+        "/etrain/status/j-1",
+        "/etrain/assign/n2/j-1",
+        "/etrain/reports/n2/j-1",
+        "/etrain/progress/j-1",
+        "/etrain.rdzv/j-1.g1/state",
+    ]
     for key in [*secrets, "/etrain/assign/n1/j-1"]:
         root.put(key, b'{"secret": "s3cret"}')
     node = _client(tls_etcd, certs, node_principal("n1"), "n1-pw")
@@ -210,8 +249,14 @@ def test_a_nodes_etcd_user_reaches_its_own_record_assignments_and_reports_and_no
         for key in secrets:
             with pytest.raises(EtcdError, match="permission denied"):
                 node.get(key)
-        for key in [*secrets, "/etrain/assign/n1/j-2", "/etrain/nodes/n2", "/etrain/nodes/n10", "/etrain/leader",
-                    "/etrain/cancel/j-1"]:  # fmt: skip
+        for key in [
+            *secrets,
+            "/etrain/assign/n1/j-2",
+            "/etrain/nodes/n2",
+            "/etrain/nodes/n10",
+            "/etrain/leader",
+            "/etrain/cancel/j-1",
+        ]:
             with pytest.raises(EtcdError, match="permission denied"):
                 node.put(key, b"{}")
         with pytest.raises(EtcdError, match="permission denied"):
@@ -225,22 +270,35 @@ def test_bootstrap_takes_back_grants_of_an_earlier_prefix_and_removes_a_node_tha
     tls_etcd: str, certs: Path
 ) -> None:
     """Before, a run with another ``--prefix`` kept the old grant too (L5)."""
-    old = AuthBootstrap(root_password="r00t-pw", agent_user="etrain-agent", agent_password="ag3nt-pw", prefix="/old",
-                        nodes=(("n1", "n1-pw"),))  # fmt: skip
+    old = AuthBootstrap(
+        root_password="r00t-pw",
+        agent_user="etrain-agent",
+        agent_password="ag3nt-pw",
+        prefix="/old",
+        nodes=(("n1", "n1-pw"),),
+    )
     bootstrap_etcd_auth(_config(tls_etcd, certs), old)
-    new = AuthBootstrap(root_password="r00t-pw", agent_user="etrain-agent", agent_password="ag3nt-pw",
-                        prefix="/etrain", nodes=(("n1", "n1-pw"),), remove_nodes=("n2",))  # fmt: skip
+    new = AuthBootstrap(
+        root_password="r00t-pw",
+        agent_user="etrain-agent",
+        agent_password="ag3nt-pw",
+        prefix="/etrain",
+        nodes=(("n1", "n1-pw"),),
+        remove_nodes=("n2",),
+    )
     bootstrap_etcd_auth(_config(tls_etcd, certs), new)
     root = _client(tls_etcd, certs, "root", "r00t-pw")
     try:
         by_key = {"key": lambda p: (p.key, p.prefix)}
         assert root.role_permissions(AGENT_ROLE) == sorted(agent_permissions("/etrain"), **by_key)  # type: ignore[arg-type]
-        assert root.role_permissions(node_principal("n1")) == sorted(node_permissions("/etrain", "n1"),
-                                                                     key=lambda p: (p.key, p.prefix))  # fmt: skip
+        assert root.role_permissions(node_principal("n1")) == sorted(
+            node_permissions("/etrain", "n1"), key=lambda p: (p.key, p.prefix)
+        )
         bootstrap_etcd_auth(_config(tls_etcd, certs), NODES)
         assert node_principal("n2") in root.user_list()
-        gone = AuthBootstrap(root_password="r00t-pw", agent_user=None, agent_password=None, prefix="/etrain",
-                             remove_nodes=("n2",))  # fmt: skip
+        gone = AuthBootstrap(
+            root_password="r00t-pw", agent_user=None, agent_password=None, prefix="/etrain", remove_nodes=("n2",)
+        )
         bootstrap_etcd_auth(_config(tls_etcd, certs), gone)
         assert node_principal("n2") not in root.user_list()
     finally:
@@ -256,8 +314,21 @@ def test_an_agent_as_its_nodes_own_etcd_user_runs_a_job_with_the_controller_as_r
     registers, runs a job and reports: every key the agent touches is inside its node's role."""
     (tmp_path / "root-pw").write_text("r00t-pw\n")
     ca = ["--etcd-ca-cert", str(certs / "ca.pem")]
-    command = [sys.executable, "-m", "service.cli", "etcd-bootstrap", "--etcd", tls_etcd, *ca, "--etcd-password-file",
-               str(tmp_path / "root-pw"), "--node", "n1", "--node-password-dir", str(tmp_path / "nodes")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "etcd-bootstrap",
+        "--etcd",
+        tls_etcd,
+        *ca,
+        "--etcd-password-file",
+        str(tmp_path / "root-pw"),
+        "--node",
+        "n1",
+        "--node-password-dir",
+        str(tmp_path / "nodes"),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETRAIN_")}
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=_ROOT, env=env)
     assert done.returncode == 0, done.stderr

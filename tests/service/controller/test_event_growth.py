@@ -43,9 +43,14 @@ def _report(store: ServiceStore, n: int, world_size: int = 1, path: str | None =
     """Rank 0's report number ``n`` (a newer time each)."""
     entry = store.get_job(JOB)
     assert entry is not None
-    progress = Progress(step=n, world_size=world_size, time=datetime.now(timezone.utc).timestamp() + n,
-                        generation=entry.status.generation, checkpoint_step=5 if path else None,
-                        checkpoint_path=path)  # fmt: skip
+    progress = Progress(
+        step=n,
+        world_size=world_size,
+        time=datetime.now(timezone.utc).timestamp() + n,
+        generation=entry.status.generation,
+        checkpoint_step=5 if path else None,
+        checkpoint_path=path,
+    )
     store.client.put(store.keys.progress_of(JOB), progress.to_json())
 
 

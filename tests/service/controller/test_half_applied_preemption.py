@@ -28,8 +28,9 @@ LOW, HIGH = "low-00000001", "high-00000002"
 def store(etcd_client: EtcdClient, key_prefix: str) -> Iterator[ServiceStore]:
     store = ServiceStore(etcd_client, key_prefix)
     lease = etcd_client.grant_lease(timedelta(seconds=120))
-    store.register_node(NodeInfo(name="n1", capacity=1, incarnation="x", registered_at=datetime.now(timezone.utc)),
-                        lease)  # fmt: skip
+    store.register_node(
+        NodeInfo(name="n1", capacity=1, incarnation="x", registered_at=datetime.now(timezone.utc)), lease
+    )
     yield store
     etcd_client.revoke_lease(lease)
 
@@ -92,8 +93,13 @@ def test_huge_node_lists_in_progress_cannot_make_a_victims_release_fail(
         controller.tick()
         names = [f"n{i:04d}-" + "x" * 56 for i in range(2900)]  # valid names, ~190 KB per report
         for n in range(1, 11):  # each report a new world size: an entry of the status's world-size history
-            progress = Progress(step=n, world_size=1 + n % 2, time=datetime.now(timezone.utc).timestamp() + n,
-                                generation=_status(store, LOW).generation, nodes=names)  # fmt: skip
+            progress = Progress(
+                step=n,
+                world_size=1 + n % 2,
+                time=datetime.now(timezone.utc).timestamp() + n,
+                generation=_status(store, LOW).generation,
+                nodes=names,
+            )
             store.client.put(store.keys.progress_of(LOW), progress.to_json())
             controller.tick()
             assert len(_booked(store)) <= 1

@@ -33,8 +33,9 @@ def test_a_job_whose_transaction_etcd_refuses_fails_alone_and_a_later_job_still_
     for i in range(131):
         info = NodeInfo(name=f"n{i:03d}", capacity=1, incarnation="x", registered_at=now)
         store.register_node(info, lease)
-    big = JobSpec.model_construct(**{**JobSpec(name="big", entrypoint="t.py").__dict__, "min_nodes": 130,
-                                     "max_nodes": 130})  # fmt: skip
+    big = JobSpec.model_construct(
+        **{**JobSpec(name="big", entrypoint="t.py").__dict__, "min_nodes": 130, "max_nodes": 130}
+    )
     _submit(store, "big-1", big, now)
     _submit(store, "small-1", JobSpec(name="small", entrypoint="t.py"), now + timedelta(seconds=1))
     controller = Controller(store, make_settings(etcd_server, key_prefix))

@@ -20,9 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 TTL = timedelta(seconds=2)
 
 
-def test_only_one_replica_leads_and_the_other_takes_over_on_resign(
-    etcd_client: EtcdClient, key_prefix: str
-) -> None:
+def test_only_one_replica_leads_and_the_other_takes_over_on_resign(etcd_client: EtcdClient, key_prefix: str) -> None:
     a = LeaderElection(etcd_client, key_prefix + "/leader", "replica-a", TTL)
     b = LeaderElection(etcd_client, key_prefix + "/leader", "replica-b", TTL)
     try:
@@ -76,9 +74,7 @@ def test_deposed_leader_cannot_write_even_before_it_notices(etcd_client: EtcdCli
         b.resign()
 
 
-def test_two_controller_replicas_reconcile_one_at_a_time(
-    etcd_server: LocalEtcdCluster, key_prefix: str
-) -> None:
+def test_two_controller_replicas_reconcile_one_at_a_time(etcd_server: LocalEtcdCluster, key_prefix: str) -> None:
     from elastic.etcd import create_client
 
     clients = [create_client(etcd_server.config(op_timeout=5)) for _ in range(2)]

@@ -26,8 +26,16 @@ def _s(seconds: float) -> datetime:
 
 
 def _job(min_nodes: int = 1, max_nodes: int = 3, priority: int = 0, **kw: Any) -> JobSpec:
-    return JobSpec.model_validate({"name": "j", "entrypoint": "train.py", "min_nodes": min_nodes,
-                                   "max_nodes": max_nodes, "priority": priority, **kw})  # fmt: skip
+    return JobSpec.model_validate(
+        {
+            "name": "j",
+            "entrypoint": "train.py",
+            "min_nodes": min_nodes,
+            "max_nodes": max_nodes,
+            "priority": priority,
+            **kw,
+        }
+    )
 
 
 def _settle(c: Cluster, start: float, ticks: int = 6) -> float:
@@ -313,15 +321,24 @@ def _priority_respected(c: Cluster, before: dict[str, list[str]]) -> None:
     quota=hs.sampled_from([None, 1, 2, 4]),
 )
 @example(  # j2 (priority 0) preempted at tick 15 for j0 while slots it fits stay free: placed one pass later
-    capacities=[1, 1, 2, 2, 2], controls=[], quota=None,
-    jobs=[(1, 3, 2, 1, RecoveryMode.RESTART, 3, 4, "u2"), (2, 1, 2, 2, RecoveryMode.RESTART, 6, 8, "u1"),
-          (0, 1, 1, 1, RecoveryMode.LIVE, 3, 6, "u2"), (1, 1, 2, 1, RecoveryMode.RESTART, 6, 7, "u1"),
-          (2, 1, 2, 2, RecoveryMode.RESTART, 6, 8, "u1"), (2, 1, 2, 1, RecoveryMode.RESTART, 8, 5, "u2")],
+    capacities=[1, 1, 2, 2, 2],
+    controls=[],
+    quota=None,
+    jobs=[
+        (1, 3, 2, 1, RecoveryMode.RESTART, 3, 4, "u2"),
+        (2, 1, 2, 2, RecoveryMode.RESTART, 6, 8, "u1"),
+        (0, 1, 1, 1, RecoveryMode.LIVE, 3, 6, "u2"),
+        (1, 1, 2, 1, RecoveryMode.RESTART, 6, 7, "u1"),
+        (2, 1, 2, 2, RecoveryMode.RESTART, 6, 8, "u1"),
+        (2, 1, 2, 1, RecoveryMode.RESTART, 8, 5, "u2"),
+    ],
 )
 def test_property_no_double_booking_min_nodes_kept_priority_respected_everyone_scheduled(
-    capacities: list[int], jobs: list[tuple[Any, ...]], controls: list[tuple[int, NodeMode, int]],
+    capacities: list[int],
+    jobs: list[tuple[Any, ...]],
+    controls: list[tuple[int, NodeMode, int]],
     quota: int | None,
-) -> None:  # fmt: skip
+) -> None:
     quotas = Quotas(default_user=quota)
     c = Cluster(cfg=ReconcileConfig(**{**CFG.__dict__, "quotas": quotas}))
     names = [f"n{i}" for i in range(len(capacities))]
@@ -333,8 +350,12 @@ def test_property_no_double_booking_min_nodes_kept_priority_respected_everyone_s
     for tick in range(90):
         for i, (prio, lo, extra, nproc, mode, at, _, user) in enumerate(jobs):
             if at == tick:
-                c.add_job(f"j{i}", _job(lo, lo + extra, priority=prio, nproc_per_node=nproc, recovery=mode),
-                          at=_s(tick), user=user)  # fmt: skip
+                c.add_job(
+                    f"j{i}",
+                    _job(lo, lo + extra, priority=prio, nproc_per_node=nproc, recovery=mode),
+                    at=_s(tick),
+                    user=user,
+                )
         for node_index, mode, at in controls:
             if at == tick and node_index < len(names):
                 c.controls[names[node_index]] = NodeControl(name=names[node_index], mode=mode, at=_s(tick))
@@ -372,15 +393,21 @@ def test_property_lost_nodes_and_hot_spares_keep_the_invariants_and_spares_only_
 ) -> None:
     c = Cluster()
     names = [f"n{i}" for i in range(len(nodes))]
-    infos = {name: NodeInfo(name=name, capacity=cap, incarnation="x", registered_at=T0, spare=spare)
-             for name, (cap, spare) in zip(names, nodes, strict=True)}  # fmt: skip
+    infos = {
+        name: NodeInfo(name=name, capacity=cap, incarnation="x", registered_at=T0, spare=spare)
+        for name, (cap, spare) in zip(names, nodes, strict=True)
+    }
     c.nodes.update(infos)
     ran: dict[str, int] = {}
     for tick in range(70):
         for i, (prio, lo, extra, nproc, mode, at, _, user) in enumerate(jobs):
             if at == tick:
-                c.add_job(f"j{i}", _job(lo, lo + extra, priority=prio, nproc_per_node=nproc, recovery=mode),
-                          at=_s(tick), user=user)  # fmt: skip
+                c.add_job(
+                    f"j{i}",
+                    _job(lo, lo + extra, priority=prio, nproc_per_node=nproc, recovery=mode),
+                    at=_s(tick),
+                    user=user,
+                )
         for index, down, length in outages:
             if index < len(names) and tick == down:
                 c.nodes.pop(names[index], None)  # the agent died: its lease expired

@@ -36,14 +36,14 @@ GARBAGE = {
     "nan-time": b'{"step": 3, "world_size": 1, "time": NaN}',
     "negative-step": b'{"step": -3, "world_size": 1, "time": 1700000000.0}',
     "checkpoint-path-of-no-scheme": b'{"step": 3, "world_size": 1, "time": 1700000000.0, "checkpoint_step": 2,'
-                                    b' "checkpoint_path": "ftp://elsewhere/x"}',
+    b' "checkpoint_path": "ftp://elsewhere/x"}',
     "checkpoint-path-relative": b'{"step": 3, "world_size": 1, "time": 1700000000.0, "checkpoint_step": 2,'
-                                b' "checkpoint_path": "relative/x"}',
+    b' "checkpoint_path": "relative/x"}',
     "nodes-of-lone-surrogates": b'{"step": 3, "world_size": 2, "time": 1700000000.0, "nodes": ["\\ud800"]}',
     "deeply-nested": b'{"step": 3, "world_size": 1, "time": 1.0, "extra": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
     "not-an-object": b"[1, 2, 3]",
     "invalid-utf8": b'{"step": 3, "world_size": 1, "time": 1.0, "checkpoint_path": "/\xff"}',
-}  # fmt: skip
+}
 
 
 def _submit(store: ServiceStore, job_id: str, at: datetime, checkpoint_url: str) -> None:
@@ -104,10 +104,24 @@ def test_a_job_with_garbage_progress_does_not_stop_another_jobs_cancel(
 
 
 # -- property: any bytes in the progress key, then a reconcile pass over a running job ---------------------
-_CHECKPOINT_PATHS = st.sampled_from([
-    "/ck/j1/step-5", "file:///ck/j1/step-5", "/ck/other/step-5", "s3://bucket/x", "ftp://x/y", "relative/x",
-    "file://host/ck", "/ck/j1/../other", "s3://[bad", "", "://", "/", "\x00", "file:///ck/j1/\u00e9",
-]) | st.text(max_size=12)  # fmt: skip
+_CHECKPOINT_PATHS = st.sampled_from(
+    [
+        "/ck/j1/step-5",
+        "file:///ck/j1/step-5",
+        "/ck/other/step-5",
+        "s3://bucket/x",
+        "ftp://x/y",
+        "relative/x",
+        "file://host/ck",
+        "/ck/j1/../other",
+        "s3://[bad",
+        "",
+        "://",
+        "/",
+        "\x00",
+        "file:///ck/j1/\u00e9",
+    ]
+) | st.text(max_size=12)
 _documents = st.fixed_dictionaries(
     {
         "step": st.integers(min_value=-2, max_value=2**64),
@@ -128,8 +142,16 @@ _documents = st.fixed_dictionaries(
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(doc=_documents)
-@example(doc={"step": 1, "world_size": 1, "time": _s(5).timestamp(), "generation": 1, "checkpoint_step": 1,
-              "checkpoint_path": "ftp://x/y"})  # fmt: skip
+@example(
+    doc={
+        "step": 1,
+        "world_size": 1,
+        "time": _s(5).timestamp(),
+        "generation": 1,
+        "checkpoint_step": 1,
+        "checkpoint_path": "ftp://x/y",
+    }
+)
 @example(doc={"step": 1, "world_size": 1, "time": 1e300})
 @example(doc={"step": 1, "world_size": 2, "time": _s(5).timestamp(), "generation": 1, "nodes": ["\ud800"]})
 def test_a_reconcile_pass_never_raises_whatever_the_progress_key_holds(doc: dict[str, Any]) -> None:

@@ -206,9 +206,7 @@ def test_failure_on_one_node_waits_to_settle_then_blames_and_blacklists_it() -> 
 def test_repeated_failures_before_the_first_step_fail_as_crash_loop() -> None:
     c = Cluster()
     c.add_nodes("a", "b")
-    c.add_job(
-        "j1", _spec(restart_policy={"backoff_initial": 1, "max_failures": 10, "crash_loop_threshold": 2})
-    )
+    c.add_job("j1", _spec(restart_policy={"backoff_initial": 1, "max_failures": 10, "crash_loop_threshold": 2}))
     c.tick(_s(0))
     for t in (1, 10):
         c.report("j1", "a", "exited", 2, at=_s(t))

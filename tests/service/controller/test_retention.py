@@ -40,8 +40,13 @@ def test_a_finished_job_is_deleted_with_its_events_reports_progress_and_metric_s
         assert store.get_job("old-1") is not None  # within the retention
         controller.tick(datetime.now(timezone.utc) + timedelta(seconds=2))
         assert store.get_job("old-1") is None
-        for prefix in (store.keys.events_of("old-1"), store.keys.report("old-1", "n"), store.keys.progress_of("old-1"),
-                       store.keys.cancel_of("old-1"), store.keys.metrics_of("old-1")):  # fmt: skip
+        for prefix in (
+            store.keys.events_of("old-1"),
+            store.keys.report("old-1", "n"),
+            store.keys.progress_of("old-1"),
+            store.keys.cancel_of("old-1"),
+            store.keys.metrics_of("old-1"),
+        ):
             assert etcd_client.count_prefix(prefix) == 0, prefix
         live = store.get_job("live-1")
         assert live is not None and live.status.state == JobState.PENDING and store.events("live-1")

@@ -94,12 +94,22 @@ def test_the_leader_counts_the_scheduling_actions_it_applied_and_not_refused_one
     _job(store, "big", JobState.PENDING, [])
     _job(store, "small", JobState.RUNNING, [])
     entries = {e.record.id: e for e in store.list_jobs()}
-    plan = Plan(updates=[
-        JobUpdate("small", entries["small"].status_revision, None,
-                  events=[_event("shrunk", 0), _event("state", 1), _event("evacuated", 2), _event("drained", 3)]),
-        JobUpdate("big", entries["big"].status_revision + 100, None,  # stale: refused, decided again next pass
-                  events=[_event("preempted", 0)]),
-    ])  # fmt: skip
+    plan = Plan(
+        updates=[
+            JobUpdate(
+                "small",
+                entries["small"].status_revision,
+                None,
+                events=[_event("shrunk", 0), _event("state", 1), _event("evacuated", 2), _event("drained", 3)],
+            ),
+            JobUpdate(
+                "big",
+                entries["big"].status_revision + 100,
+                None,  # stale: refused, decided again next pass
+                events=[_event("preempted", 0)],
+            ),
+        ]
+    )
 
     def decide(view: ClusterView, now: datetime, config: ReconcileConfig) -> Plan:
         return plan
@@ -129,8 +139,10 @@ def test_a_status_written_by_an_older_controller_shows_zero_planned_and_preempte
     store: ServiceStore, metrics: Metrics
 ) -> None:
     _job(store, "old", JobState.RUNNING, ["n1"])
-    legacy = '{"state": "running", "nodes": ["n1"], "restarts": {"failure": 1, "membership": 2, "in_place": 0},' \
-             ' "created_at": "2026-01-01T00:00:00Z", "updated_at": "2026-01-01T00:00:00Z"}'
+    legacy = (
+        '{"state": "running", "nodes": ["n1"], "restarts": {"failure": 1, "membership": 2, "in_place": 0},'
+        ' "created_at": "2026-01-01T00:00:00Z", "updated_at": "2026-01-01T00:00:00Z"}'
+    )
     store.client.put(store.keys.status_of("old"), legacy.encode())
     text = metrics.render().decode()
     assert 'etrain_job_restarts{cause="failure",job="old"} 1.0' in text

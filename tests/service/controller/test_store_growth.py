@@ -31,13 +31,15 @@ pytestmark = pytest.mark.timeout(120)
 SPEC = {"name": "small", "entrypoint": "train.py"}
 
 
-def _store_jobs(store: ServiceStore, n: int, pad: int, *, state: JobState = JobState.CANCELLED,
-                finished: datetime | None = None) -> None:  # fmt: skip
+def _store_jobs(
+    store: ServiceStore, n: int, pad: int, *, state: JobState = JobState.CANCELLED, finished: datetime | None = None
+) -> None:
     """``n`` jobs of about ``pad`` bytes each, stored as a submit of before the spec cap would have."""
     now = datetime.now(timezone.utc)
     for i in range(n):
-        rec = JobRecord(id=f"old-{i:05d}", spec=JobSpec(name="old", entrypoint="t.py", env={"PAD": "x" * pad}),
-                        created_at=now)  # fmt: skip
+        rec = JobRecord(
+            id=f"old-{i:05d}", spec=JobSpec(name="old", entrypoint="t.py", env={"PAD": "x" * pad}), created_at=now
+        )
         status = JobStatus(state=state, created_at=now, updated_at=finished or now, finished_at=finished)
         store.create_job(rec, status, new_event("submitted", "t", now))
 
@@ -73,9 +75,14 @@ def test_while_every_pass_fails_readyz_says_so_and_finished_jobs_are_still_delet
     _store_jobs(store, 5, 100, finished=long_ago)
     client.put(store.keys.progress_of("live-1"), b'{"step": 1, "pad": "' + b"x" * 100_000 + b'"}')
     store.put_report(WorkerReport(job_id="old-00001", node="n1", generation=1, state="exited", exit_code=0))
-    settings = Settings(etcd=EtcdOptions("127.0.0.1:9"), prefix=prefix, tokens=None,
-                        leader_ttl=timedelta(seconds=2), reconcile_interval=timedelta(seconds=0.2),
-                        reconcile=ReconcileConfig(terminal_retention=timedelta(days=7)))  # fmt: skip
+    settings = Settings(
+        etcd=EtcdOptions("127.0.0.1:9"),
+        prefix=prefix,
+        tokens=None,
+        leader_ttl=timedelta(seconds=2),
+        reconcile_interval=timedelta(seconds=0.2),
+        reconcile=ReconcileConfig(terminal_retention=timedelta(days=7)),
+    )
     with TestClient(create_app(settings, client)) as api:
         controller: Controller = api.app.state.controller  # type: ignore[attr-defined]
         assert wait_until(lambda: controller.health.consecutive_failures >= FAILING_AFTER, timeout=30)

@@ -54,8 +54,7 @@ def server(clock: ManualClock) -> MemoryEtcdServer:
 def _controller(server: MemoryEtcdServer, name: str) -> tuple[Controller, ServiceStore, MemoryEtcdClient]:
     client = server.client()
     store = ServiceStore(client, "/t")
-    settings = Settings(etcd=EtcdOptions("127.0.0.1:1"), prefix="/t", replica_id=name,
-                        leader_ttl=timedelta(seconds=2))  # fmt: skip
+    settings = Settings(etcd=EtcdOptions("127.0.0.1:1"), prefix="/t", replica_id=name, leader_ttl=timedelta(seconds=2))
     return Controller(store, settings), store, client
 
 
@@ -81,8 +80,11 @@ def _reads(name: str) -> list[str]:
 
 def _submit(store: ServiceStore, job_id: str, nodes: int = 1) -> None:
     spec = JobSpec(name="job", entrypoint="train.py", min_nodes=nodes, max_nodes=nodes)
-    store.create_job(JobRecord(id=job_id, spec=spec, created_at=T0), JobStatus(created_at=T0, updated_at=T0),
-                     new_event("submitted", "submitted", T0))  # fmt: skip
+    store.create_job(
+        JobRecord(id=job_id, spec=spec, created_at=T0),
+        JobStatus(created_at=T0, updated_at=T0),
+        new_event("submitted", "submitted", T0),
+    )
 
 
 def _node(store: ServiceStore, name: str) -> None:
@@ -131,8 +133,9 @@ def test_a_new_leader_and_a_returning_one_read_everything_again(server: MemoryEt
     a.stop()
 
 
-def test_a_failed_pass_makes_the_next_one_read_everything(server: MemoryEtcdServer,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_failed_pass_makes_the_next_one_read_everything(
+    server: MemoryEtcdServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     a, store, _ = _controller(server, "a")
     _node(store, "n1")
     _tick(a, "a")

@@ -74,8 +74,9 @@ def test_a_cordon_or_uncordon_wakes_a_pass_whose_view_holds_it(
         return Plan()
 
     monkeypatch.setattr(loop, "reconcile", recording)
-    controller = Controller(store, make_settings(etcd_server, key_prefix, reconcile_interval=timedelta(seconds=8)),
-                            metrics)  # fmt: skip
+    controller = Controller(
+        store, make_settings(etcd_server, key_prefix, reconcile_interval=timedelta(seconds=8)), metrics
+    )
     controller.start()
     try:
         deadline = time.monotonic() + 10

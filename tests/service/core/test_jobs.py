@@ -70,7 +70,11 @@ def test_a_new_job_is_pending_with_its_submitted_event_and_a_key_of_its_own() ->
     record, status, event = new_job(_spec(), "j-1", "file:///ck/j-1", "alice", T0)
     again, _, _ = new_job(_spec(), "j-1", "file:///ck/j-1", "alice", T0)
     assert (record.id, record.checkpoint_url, record.submitted_by, record.created_at) == (
-        "j-1", "file:///ck/j-1", "alice", T0)  # fmt: skip
+        "j-1",
+        "file:///ck/j-1",
+        "alice",
+        T0,
+    )
     assert record.checkpoint_key and record.checkpoint_key != again.checkpoint_key
     assert status.state == JobState.PENDING and status.created_at == T0
     assert event.type == "submitted" and event.message == "submitted by alice"

@@ -39,9 +39,17 @@ def _stored_bytes(store: ServiceStore, job_id: str) -> int:
 
 def _report(i: int, rng: random.Random) -> bytes:
     """A report with every field the series keeps, at full float precision (the worst case for its size)."""
-    return Progress(step=1_000_000 + i * 10, world_size=64, time=1_764_000_000.123456 + i * 1.000001,
-                    loss=rng.random() * 3, generation=12, restart_count=3, checkpoint_step=1_000_000 + i,
-                    total_steps=10_000_000, extra={"snapshots_saved": 1000 + i}).to_json()  # fmt: skip
+    return Progress(
+        step=1_000_000 + i * 10,
+        world_size=64,
+        time=1_764_000_000.123456 + i * 1.000001,
+        loss=rng.random() * 3,
+        generation=12,
+        restart_count=3,
+        checkpoint_step=1_000_000 + i,
+        total_steps=10_000_000,
+        extra={"snapshots_saved": 1000 + i},
+    ).to_json()
 
 
 def test_a_long_jobs_series_stays_within_the_documented_bytes_in_etcd_and_reads_back_as_kept() -> None:
@@ -115,8 +123,13 @@ def test_a_malformed_report_never_enters_the_series_and_another_jobs_report_stil
     recorder = MetricsRecorder(store.client, store.keys)
     rng = random.Random(3)
     store.client.put(store.keys.progress_of("good-1"), _report(0, rng))
-    for bad in (b"{not json", b'{"step": -1, "world_size": 1, "time": 5.0}', b'{"step": 1, "world_size": 0, "time": 5}',
-                b'{"step": 1, "world_size": 1, "time": 5, "loss": "nan"}', b"[1, 2]"):  # fmt: skip
+    for bad in (
+        b"{not json",
+        b'{"step": -1, "world_size": 1, "time": 5.0}',
+        b'{"step": 1, "world_size": 0, "time": 5}',
+        b'{"step": 1, "world_size": 1, "time": 5, "loss": "nan"}',
+        b"[1, 2]",
+    ):
         store.client.put(store.keys.progress_of("bad-1"), bad)
         recorder.observe(store.read_view())
     recorder.flush(fence, force=True)
@@ -130,8 +143,9 @@ def test_a_malformed_report_never_enters_the_series_and_another_jobs_report_stil
     assert [p.step for p in read_series(store.client, store.keys, "bad-1").points] == [1_000_050]
 
 
-def test_an_unreadable_stored_chunk_is_skipped_with_a_warning(etcd_client: EtcdClient, key_prefix: str,
-                                                             caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_an_unreadable_stored_chunk_is_skipped_with_a_warning(
+    etcd_client: EtcdClient, key_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
     store = ServiceStore(etcd_client, key_prefix)
     store.client.put(store.keys.metrics_chunk("j-1", 0), b'[{"t": "soon"}]')
     store.client.put(store.keys.metrics_chunk("j-1", 1), b'[{"t": 100.0, "step": 60, "world_size": 2}]')

@@ -22,8 +22,9 @@ def _write(tmp_path: Path, data: Any, name: str = "quotas.yaml") -> Path:
 
 
 def test_a_yaml_quotas_file_gives_user_queue_and_default_limits(tmp_path: Path) -> None:
-    quotas = load_quotas(_write(tmp_path, {"users": {"alice": 4, "ci-bot": 0}, "queues": {"team-a": 6},
-                                           "default_user": 8}))  # fmt: skip
+    quotas = load_quotas(
+        _write(tmp_path, {"users": {"alice": 4, "ci-bot": 0}, "queues": {"team-a": 6}, "default_user": 8})
+    )
     assert quotas == Quotas(users={"alice": 4, "ci-bot": 0}, queues={"team-a": 6}, default_user=8)
     assert (quotas.user_limit("alice"), quotas.user_limit("bob"), quotas.queue_limit("team-a")) == (4, 8, 6)
     assert quotas.queue_limit("team-b") is None and quotas.queue_limit(None) is None
@@ -54,8 +55,19 @@ def test_every_part_is_optional(tmp_path: Path, data: dict[str, Any]) -> None:
         (["users"], "expected a mapping with users, queues and/or default_user"),
         (None, "expected a mapping with users, queues and/or default_user"),
     ],
-    ids=["unknown-key", "negative", "fraction", "bool", "string", "default-negative", "users-list", "queue-name",
-         "numeric-user", "list", "empty-file"],
+    ids=[
+        "unknown-key",
+        "negative",
+        "fraction",
+        "bool",
+        "string",
+        "default-negative",
+        "users-list",
+        "queue-name",
+        "numeric-user",
+        "list",
+        "empty-file",
+    ],
 )
 def test_a_bad_quotas_file_is_refused_in_one_line_naming_the_key(tmp_path: Path, data: Any, words: str) -> None:
     path = _write(tmp_path, data)
@@ -75,10 +87,17 @@ def test_a_missing_or_unparsable_file_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_limits_bound_what_user_tokens_submit_each_unset_one_taken_from_the_default(tmp_path: Path) -> None:
-    quotas = load_quotas(_write(tmp_path, {"limits": {
-        "default": {"max_priority": 0, "max_pending": 10},
-        "users": {"alice": {"max_priority": 100, "queues": ["team-a"]}, "bob": {"max_pending": 1}},
-    }}))  # fmt: skip
+    quotas = load_quotas(
+        _write(
+            tmp_path,
+            {
+                "limits": {
+                    "default": {"max_priority": 0, "max_pending": 10},
+                    "users": {"alice": {"max_priority": 100, "queues": ["team-a"]}, "bob": {"max_pending": 1}},
+                }
+            },
+        )
+    )
     assert quotas.submit_limits("alice") == SubmitLimits(max_priority=100, queues=frozenset({"team-a"}), max_pending=10)
     assert quotas.submit_limits("bob") == SubmitLimits(max_priority=0, queues=None, max_pending=1)
     assert quotas.submit_limits("carol") == SubmitLimits(max_priority=0, max_pending=10)

@@ -27,8 +27,14 @@ def _loss(i: int) -> float:
 
 
 def _point(i: int) -> MetricPoint:
-    return MetricPoint(t=1_000.0 + i, step=i, world_size=3 if i < 50_000 else 2, loss=_loss(i),
-                       steps_per_s=1.0 + (i % 10) / 10, restart_count=0 if i < 50_000 else 1)  # fmt: skip
+    return MetricPoint(
+        t=1_000.0 + i,
+        step=i,
+        world_size=3 if i < 50_000 else 2,
+        loss=_loss(i),
+        steps_per_s=1.0 + (i % 10) / 10,
+        restart_count=0 if i < 50_000 else 1,
+    )
 
 
 def test_series_of_100k_reports_stays_bounded_and_keeps_first_last_min_max_of_every_window() -> None:
@@ -86,8 +92,9 @@ def test_fit_returns_at_most_max_points_entries_covering_every_report() -> None:
 def test_point_from_progress_derives_steps_per_second_within_a_generation_only() -> None:
     first = point_from_progress(Progress(step=10, world_size=2, time=100.0, generation=1, loss=1.5), None)
     assert first.steps_per_s is None and first.loss == 1.5
-    second = point_from_progress(Progress(step=30, world_size=2, time=104.0, generation=1,
-                                          extra={"snapshots_saved": 3}), first)  # fmt: skip
+    second = point_from_progress(
+        Progress(step=30, world_size=2, time=104.0, generation=1, extra={"snapshots_saved": 3}), first
+    )
     assert second.steps_per_s == 5.0 and second.snapshots_saved == 3
     restarted = point_from_progress(Progress(step=40, world_size=1, time=110.0, generation=2), second)
     assert restarted.steps_per_s is None

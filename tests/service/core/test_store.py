@@ -192,8 +192,9 @@ def test_apply_unassigns_nodes_and_clears_the_jobs_reports(store: ServiceStore) 
     store.put_report(WorkerReport(job_id="j-10", node="n1", generation=1, state="running"))
     entry = store.get_job("j-1")
     assert entry is not None
-    update = JobUpdate("j-1", entry.status_revision, None, unassign=["n1"], clear_reports=True,
-                       clear_report_nodes=["n1"])  # reports are keyed by node: each named
+    update = JobUpdate(
+        "j-1", entry.status_revision, None, unassign=["n1"], clear_reports=True, clear_report_nodes=["n1"]
+    )  # reports are keyed by node: each named
     assert store.apply(update, fence) is True
     view = store.read_view()
     assert view.assignments == {} and list(view.reports) == ["j-10"]

@@ -139,8 +139,9 @@ def test_an_invalid_resize_names_the_field_and_writes_nothing(
 
 def test_a_finished_or_unknown_job_cannot_be_resized(store: ServiceStore) -> None:
     _create(store, "j-1")
-    store.client.put(store.keys.status_of("j-1"),
-                     dump(JobStatus(state=JobState.SUCCEEDED, created_at=T0, updated_at=T0)))  # fmt: skip
+    store.client.put(
+        store.keys.status_of("j-1"), dump(JobStatus(state=JobState.SUCCEEDED, created_at=T0, updated_at=T0))
+    )
     with pytest.raises(JobFinished, match="already succeeded"):
         store.resize_job("j-1", max_nodes=2)
     with pytest.raises(JobNotFound):
@@ -202,6 +203,9 @@ def test_a_resize_race_on_a_real_etcd_is_retried(
     calls = _interfering(etcd_client, monkeypatch, 2, lambda _n: etcd_client.put(record_key, kv.value))
     entry = store.resize_job("j-1", min_nodes=1, max_nodes=2)
     assert len(calls) == 3  # two lost races, then the write
-    assert (entry.record.spec.min_nodes, entry.record.spec.max_nodes) == (1, 2) == (
-        _spec(store, "j-1").min_nodes, _spec(store, "j-1").max_nodes)  # fmt: skip
+    assert (
+        (entry.record.spec.min_nodes, entry.record.spec.max_nodes)
+        == (1, 2)
+        == (_spec(store, "j-1").min_nodes, _spec(store, "j-1").max_nodes)
+    )
     assert [e.type for e in store.events("j-1")] == ["submitted", "resize"]

@@ -42,8 +42,9 @@ def _s(seconds: float) -> datetime:
 
 def _ev(seconds: float, kind: str, message: str, seq: int = 0, **data: Any) -> Event:
     at = _s(seconds)
-    return Event(id=f"{int(at.timestamp() * 1_000_000):017d}-c{seq:03d}", time=at, type=kind, message=message,
-                 data=data)  # fmt: skip
+    return Event(
+        id=f"{int(at.timestamp() * 1_000_000):017d}-c{seq:03d}", time=at, type=kind, message=message, data=data
+    )
 
 
 def _move(seconds: float, old: str, new: str, message: str, seq: int = 0) -> Event:
@@ -52,8 +53,9 @@ def _move(seconds: float, old: str, new: str, message: str, seq: int = 0) -> Eve
 
 def _record(**spec: Any) -> JobRecord:
     base: dict[str, Any] = {"name": "j", "entrypoint": "train.py", "min_nodes": 2, "max_nodes": 3}
-    return JobRecord(id="j-1", spec=JobSpec.model_validate({**base, **spec}), created_at=T0,
-                     checkpoint_url="file:///ckpt/j-1")  # fmt: skip
+    return JobRecord(
+        id="j-1", spec=JobSpec.model_validate({**base, **spec}), created_at=T0, checkpoint_url="file:///ckpt/j-1"
+    )
 
 
 def _status(**kw: Any) -> JobStatus:
@@ -76,8 +78,11 @@ def _on(trace: dict[str, Any], track: str, ph: str | None = None, name: str | No
 
 def _spans(trace: dict[str, Any], track: str, prefix: str = "") -> list[tuple[str, float, float]]:
     """``(name, start s, end s)`` of the track's complete events whose name starts with ``prefix``."""
-    return [(e["name"], e["ts"] / S, (e["ts"] + e["dur"]) / S) for e in _on(trace, track, "X")
-            if e["name"].startswith(prefix)]  # fmt: skip
+    return [
+        (e["name"], e["ts"] / S, (e["ts"] + e["dur"]) / S)
+        for e in _on(trace, track, "X")
+        if e["name"].startswith(prefix)
+    ]
 
 
 def _counter(trace: dict[str, Any], name: str) -> list[tuple[float, float]]:
@@ -107,9 +112,15 @@ def _agent_kill_history() -> list[Event]:
 
 
 def _agent_kill_trace() -> dict[str, Any]:
-    status = _status(state=JobState.SUCCEEDED, generation=2, step=100, loss=0.5, progress_at=_s(59),
-                     finished_at=_s(60), checkpoint=CheckpointInfo(step=60, path="/ckpt/j-1/step-60",
-                                                                   committed_at=_s(50)))  # fmt: skip
+    status = _status(
+        state=JobState.SUCCEEDED,
+        generation=2,
+        step=100,
+        loss=0.5,
+        progress_at=_s(59),
+        finished_at=_s(60),
+        checkpoint=CheckpointInfo(step=60, path="/ckpt/j-1/step-60", committed_at=_s(50)),
+    )
     return job_trace(_record(), status, list(reversed(_agent_kill_history())), now=_s(100))
 
 
@@ -117,8 +128,14 @@ def _agent_kill_trace() -> dict[str, Any]:
 def test_agent_kill_ends_the_lost_nodes_generation_and_reforms_the_survivors_on_their_own_tracks() -> None:
     trace = _agent_kill_trace()
     assert validate_trace(trace) == []
-    assert _threads(trace) == {"controller": CONTROLLER_TID, "snapshots": SNAPSHOTS_TID, "node a": 2, "node b": 3,
-                               "node c": 4, "node d": 5}  # fmt: skip
+    assert _threads(trace) == {
+        "controller": CONTROLLER_TID,
+        "snapshots": SNAPSHOTS_TID,
+        "node a": 2,
+        "node b": 3,
+        "node c": 4,
+        "node d": 5,
+    }
     # the killed agent's node: its generation ends when its lease expired, with the cause
     assert _spans(trace, "node c") == [("generation 1", 1, 20)]
     [lost] = _on(trace, "node c", "i", "node lost")
@@ -143,15 +160,22 @@ def test_agent_kill_ends_the_lost_nodes_generation_and_reforms_the_survivors_on_
 def test_agent_kill_trace_shows_states_snapshots_and_counters_on_the_controller_and_snapshot_tracks() -> None:
     trace = _agent_kill_trace()
     assert _spans(trace, "controller") == [
-        ("pending", 0, 1), ("running", 1, 20), ("recovering", 20, 23),
-        ("running", 23, 40), ("recovering", 40, 43), ("running", 43, 60),
-    ]  # fmt: skip
+        ("pending", 0, 1),
+        ("running", 1, 20),
+        ("recovering", 20, 23),
+        ("running", 23, 40),
+        ("recovering", 40, 43),
+        ("running", 43, 60),
+    ]
     [done] = _on(trace, "controller", "i", "succeeded")
     assert done["s"] == "p" and done["ts"] == 60 * S and done["args"]["message"] == "finished at step 100"
     assert [e["ts"] / S for e in _on(trace, "controller", "i", "submitted")] == [0]
     commits = _on(trace, "snapshots", "i", "snapshot committed")
     assert [(e["ts"] / S, e["args"]["step"], e["args"]["path"]) for e in commits] == [
-        (8, 10, "/ckpt/j-1/step-10"), (30, 40, "/ckpt/j-1/step-40"), (50, 60, "/ckpt/j-1/step-60")]  # fmt: skip
+        (8, 10, "/ckpt/j-1/step-10"),
+        (30, 40, "/ckpt/j-1/step-40"),
+        (50, 60, "/ckpt/j-1/step-60"),
+    ]
     assert _counter(trace, "world_size") == [(5, 3), (23, 2)]
     assert _counter(trace, "step") == [(8, 10), (30, 40), (50, 60), (59, 100)]
     assert _counter(trace, "loss") == [(59, 0.5)]
@@ -212,16 +236,43 @@ def test_latest_progress_and_agent_reports_add_snapshot_stats_torchrun_instants_
         _move(1, "pending", "running", "generation 1 on 2 node(s): a, b"),
         _ev(6, "checkpoint", "checkpoint committed at step 5", step=5, path="/ckpt/j-1/step-5"),
     ]
-    status = _status(state=JobState.RUNNING, generation=1, nodes=["a", "b"], step=7, loss=1.0, progress_at=_s(7),
-                     checkpoint=CheckpointInfo(step=5, path="/ckpt/j-1/step-5", committed_at=_s(6)))  # fmt: skip
-    progress = Progress(step=9, world_size=2, time=_s(8).timestamp(), loss=0.75, generation=1,
-                        extra={"snapshots_saved": 2, "snapshots_deferred": 1, "snapshots_skipped": 0,
-                               "last_save_seconds": 0.25, "lr": 0.1})  # fmt: skip
+    status = _status(
+        state=JobState.RUNNING,
+        generation=1,
+        nodes=["a", "b"],
+        step=7,
+        loss=1.0,
+        progress_at=_s(7),
+        checkpoint=CheckpointInfo(step=5, path="/ckpt/j-1/step-5", committed_at=_s(6)),
+    )
+    progress = Progress(
+        step=9,
+        world_size=2,
+        time=_s(8).timestamp(),
+        loss=0.75,
+        generation=1,
+        extra={
+            "snapshots_saved": 2,
+            "snapshots_deferred": 1,
+            "snapshots_skipped": 0,
+            "last_save_seconds": 0.25,
+            "lr": 0.1,
+        },
+    )
     reports = {
         "a": WorkerReport(job_id="j-1", node="a", generation=1, state="running", pid=11, started_at=_s(2)),
-        "b": WorkerReport(job_id="j-1", node="b", generation=1, state="exited", pid=12, exit_code=3,
-                          started_at=_s(2), finished_at=_s(9), error="Traceback: secret-log-tail"),
-    }  # fmt: skip
+        "b": WorkerReport(
+            job_id="j-1",
+            node="b",
+            generation=1,
+            state="exited",
+            pid=12,
+            exit_code=3,
+            started_at=_s(2),
+            finished_at=_s(9),
+            error="Traceback: secret-log-tail",
+        ),
+    }
     trace = job_trace(_record(), status, events, now=_s(10), progress=progress, reports=reports)
     assert validate_trace(trace) == []
     stats = {"snapshots_saved": 2, "snapshots_deferred": 1, "snapshots_skipped": 0, "last_save_seconds": 0.25}
@@ -239,8 +290,12 @@ def test_latest_progress_and_agent_reports_add_snapshot_stats_torchrun_instants_
 @pytest.mark.timeout(10)
 def test_truncated_events_draw_no_guessed_first_state_and_the_status_supplies_the_last_commit() -> None:
     events = [_move(40, "recovering", "running", "running on 2 node(s), world size 2")]
-    status = _status(state=JobState.RUNNING, generation=3, nodes=["a", "b"],
-                     checkpoint=CheckpointInfo(step=70, path=None, committed_at=_s(35)))  # fmt: skip
+    status = _status(
+        state=JobState.RUNNING,
+        generation=3,
+        nodes=["a", "b"],
+        checkpoint=CheckpointInfo(step=70, path=None, committed_at=_s(35)),
+    )
     trace = job_trace(_record(), status, events, now=_s(50), events_truncated=True)
     assert validate_trace(trace) == []
     assert _spans(trace, "controller") == [("running", 40, 50)]
@@ -266,8 +321,9 @@ def test_unknown_event_types_and_non_finite_values_still_give_strict_json() -> N
 
 
 # -- histories written by the real reconcile function ---------------------------------------------------------
-CFG = ReconcileConfig(success_grace=timedelta(seconds=10), failure_settle=timedelta(seconds=2),
-                      resume_after=timedelta(seconds=30))  # fmt: skip
+CFG = ReconcileConfig(
+    success_grace=timedelta(seconds=10), failure_settle=timedelta(seconds=2), resume_after=timedelta(seconds=30)
+)
 
 
 @dataclass
@@ -291,8 +347,14 @@ class _Sim:
 
     def tick(self, seconds: float) -> None:
         job_id = self.entry.record.id
-        view = ClusterView({job_id: self.entry}, self.nodes, self.assignments, {job_id: self.reports},
-                           {job_id: self.progress} if self.progress else {}, controls=self.controls)  # fmt: skip
+        view = ClusterView(
+            {job_id: self.entry},
+            self.nodes,
+            self.assignments,
+            {job_id: self.reports},
+            {job_id: self.progress} if self.progress else {},
+            controls=self.controls,
+        )
         for u in reconcile(view, _s(seconds), CFG).updates:
             if u.status is not None:
                 self.entry = JobEntry(self.entry.record, u.status, self.entry.status_revision + 1)
@@ -307,20 +369,33 @@ class _Sim:
             self.events += u.events
 
     def report(self, node: str, state: str, code: int | None, seconds: float) -> None:
-        self.reports[node] = WorkerReport(job_id=self.entry.record.id, node=node, generation=self.status.generation,
-                                          state=state, exit_code=code, finished_at=_s(seconds))  # type: ignore[arg-type]  # fmt: skip
+        self.reports[node] = WorkerReport(
+            job_id=self.entry.record.id,
+            node=node,
+            generation=self.status.generation,
+            state=state,
+            exit_code=code,
+            finished_at=_s(seconds),
+        )  # type: ignore[arg-type]
 
     def report_progress(self, seconds: float, step: int, world: int, nodes: list[str], **kw: Any) -> None:
-        self.progress = Progress(step=step, world_size=world, time=_s(seconds).timestamp(),
-                                 generation=self.status.generation, nodes=nodes, **kw)  # fmt: skip
+        self.progress = Progress(
+            step=step,
+            world_size=world,
+            time=_s(seconds).timestamp(),
+            generation=self.status.generation,
+            nodes=nodes,
+            **kw,
+        )
 
     @property
     def status(self) -> JobStatus:
         return self.entry.status
 
     def trace(self, now: float) -> dict[str, Any]:
-        return job_trace(self.entry.record, self.status, self.events, _s(now), progress=self.progress,
-                         reports=self.reports)  # fmt: skip
+        return job_trace(
+            self.entry.record, self.status, self.events, _s(now), progress=self.progress, reports=self.reports
+        )
 
 
 @pytest.mark.timeout(20)
@@ -427,12 +502,16 @@ def _be(ph: str, name: str, ts: float, tid: int = 0) -> dict[str, Any]:
 def test_validator_accepts_nested_durations_balanced_pairs_counters_instants_and_the_array_format() -> None:
     events = [
         {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "main"}},
-        _x("outer", 0, 100), _x("inner", 10, 20), _x("inner2", 30, 70),
-        _be("B", "b", 5, tid=1), _be("B", "c", 6, tid=1), _be("E", "c", 7, tid=1),
+        _x("outer", 0, 100),
+        _x("inner", 10, 20),
+        _x("inner2", 30, 70),
+        _be("B", "b", 5, tid=1),
+        _be("B", "c", 6, tid=1),
+        _be("E", "c", 7, tid=1),
         {"ph": "E", "ts": 9, "pid": 1, "tid": 1},  # an E may omit its name
         {"name": "n", "ph": "i", "s": "g", "ts": 3, "pid": 1, "tid": 0},
         {"name": "ctr", "ph": "C", "ts": 3, "pid": 1, "args": {"value": 2.5}},
-    ]  # fmt: skip
+    ]
     assert validate_trace({"traceEvents": events, "displayTimeUnit": "ns"}) == []
     assert validate_trace(events) == []
 
@@ -482,9 +561,14 @@ def test_validator_refuses_a_malformed_container() -> None:
 # -- any history at all gives a valid trace -------------------------------------------------------------------
 _NODES = st.sampled_from(["a", "b", "c", "d"])
 _VALUES = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(), st.text(max_size=5),
-    st.lists(_NODES, max_size=4), st.dictionaries(_NODES, st.one_of(st.none(), st.integers(-20, 5))),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(),
+    st.text(max_size=5),
+    st.lists(_NODES, max_size=4),
+    st.dictionaries(_NODES, st.one_of(st.none(), st.integers(-20, 5))),
+)
 _DATA = {  # the data reconcile writes, and now and then anything else
     "node": _NODES,
     "nodes": st.lists(_NODES, max_size=4, unique=True),
@@ -493,31 +577,59 @@ _DATA = {  # the data reconcile writes, and now and then anything else
     "step": st.integers(0, 100),
     "path": st.sampled_from([None, "/ckpt/j-1/step-5"]),
 }
-_MESSAGES = st.sampled_from([
-    "generation 1 on 2 node(s): a, b", "generation 2 on 3 node(s): a, c, d", "generation 7 on 1 node(s): b",
-    "re-forming on 2 node(s) after losing c", "waiting for nodes: 1 left, min_nodes=2", "restart 1/3 in 2s",
-    "live recovery: going on with 1 node(s) without b, whose torchrun died (failure 1/3)",
-    "scaling up to 3 node(s) with d", "running on 2 node(s), world size 2", "finished at step 9", "", "x",
-])  # fmt: skip
-_MOVES = st.sampled_from([
-    ("pending", "running", "generation 1 on 2 node(s): a, b"),
-    ("recovering", "running", "generation 2 on 3 node(s): a, c, d"),
-    ("recovering", "running", "generation 3 on 1 node(s): b"),
-    ("running", "recovering", "re-forming on 2 node(s) after losing c"),
-    ("running", "recovering", "waiting for nodes: 1 left, min_nodes=2"),
-    ("running", "recovering", "restart 1/3 in 2s"),
-    ("running", "recovering", "live recovery: going on with 1 node(s) without b, whose torchrun died (failure 1/3)"),
-    ("running", "recovering", "scaling up to 3 node(s) with d"),
-    ("recovering", "running", "running on 2 node(s), world size 2"),
-    ("running", "succeeded", "finished at step 9"),
-    ("recovering", "failed", "restart budget exhausted: 4 failures (max_failures=3)"),
-    ("pending", "cancelled", "cancelled by request"),
-])  # fmt: skip
+_MESSAGES = st.sampled_from(
+    [
+        "generation 1 on 2 node(s): a, b",
+        "generation 2 on 3 node(s): a, c, d",
+        "generation 7 on 1 node(s): b",
+        "re-forming on 2 node(s) after losing c",
+        "waiting for nodes: 1 left, min_nodes=2",
+        "restart 1/3 in 2s",
+        "live recovery: going on with 1 node(s) without b, whose torchrun died (failure 1/3)",
+        "scaling up to 3 node(s) with d",
+        "running on 2 node(s), world size 2",
+        "finished at step 9",
+        "",
+        "x",
+    ]
+)
+_MOVES = st.sampled_from(
+    [
+        ("pending", "running", "generation 1 on 2 node(s): a, b"),
+        ("recovering", "running", "generation 2 on 3 node(s): a, c, d"),
+        ("recovering", "running", "generation 3 on 1 node(s): b"),
+        ("running", "recovering", "re-forming on 2 node(s) after losing c"),
+        ("running", "recovering", "waiting for nodes: 1 left, min_nodes=2"),
+        ("running", "recovering", "restart 1/3 in 2s"),
+        (
+            "running",
+            "recovering",
+            "live recovery: going on with 1 node(s) without b, whose torchrun died (failure 1/3)",
+        ),
+        ("running", "recovering", "scaling up to 3 node(s) with d"),
+        ("recovering", "running", "running on 2 node(s), world size 2"),
+        ("running", "succeeded", "finished at step 9"),
+        ("recovering", "failed", "restart budget exhausted: 4 failures (max_failures=3)"),
+        ("pending", "cancelled", "cancelled by request"),
+    ]
+)
 _STATES = st.sampled_from(["pending", "running", "recovering", "succeeded", "failed", "cancelled", "odd"])
-_KINDS = st.sampled_from([
-    "state", "state", "node_lost", "node_joined", "workers_failed", "workers_succeeded", "world_size", "checkpoint",
-    "checkpoint_rejected", "node_blacklisted", "submitted", "other",
-])  # fmt: skip
+_KINDS = st.sampled_from(
+    [
+        "state",
+        "state",
+        "node_lost",
+        "node_joined",
+        "workers_failed",
+        "workers_succeeded",
+        "world_size",
+        "checkpoint",
+        "checkpoint_rejected",
+        "node_blacklisted",
+        "submitted",
+        "other",
+    ]
+)
 
 
 @st.composite
@@ -525,8 +637,11 @@ def _events(draw: st.DrawFn) -> list[Event]:
     out = []
     for seq in range(draw(st.integers(0, 30))):
         kind = draw(_KINDS)
-        data = {key: draw(st.one_of(strategy, _VALUES) if draw(st.integers(0, 9)) == 0 else strategy)
-                for key, strategy in _DATA.items() if draw(st.booleans())}  # fmt: skip
+        data = {
+            key: draw(st.one_of(strategy, _VALUES) if draw(st.integers(0, 9)) == 0 else strategy)
+            for key, strategy in _DATA.items()
+            if draw(st.booleans())
+        }
         message = draw(_MESSAGES)
         if kind == "state":
             old, new, message = draw(st.one_of(_MOVES, _MOVES, _MOVES, st.tuples(_STATES, _STATES, _MESSAGES)))
@@ -539,8 +654,13 @@ def _events(draw: st.DrawFn) -> list[Event]:
 
 @pytest.mark.timeout(120)
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-@given(events=_events(), state=st.sampled_from(list(JobState)), nodes=st.lists(_NODES, max_size=3, unique=True),
-       truncated=st.booleans(), live=st.booleans())  # fmt: skip
+@given(
+    events=_events(),
+    state=st.sampled_from(list(JobState)),
+    nodes=st.lists(_NODES, max_size=3, unique=True),
+    truncated=st.booleans(),
+    live=st.booleans(),
+)
 def test_any_event_history_gives_a_valid_strict_json_trace(
     events: list[Event], state: JobState, nodes: list[str], truncated: bool, live: bool
 ) -> None:

@@ -52,27 +52,41 @@ class Changes:
             rec = JobRecord(id=job if r.random() < 0.9 else other, spec=spec, created_at=T0)
             c.put(k.job(job), self._value(rec.model_dump_json().encode()))
         elif kind == 1:
-            st = JobStatus(state=r.choice(list(JobState)), generation=r.randint(0, 3), created_at=T0, updated_at=T0,
-                           nodes=sorted(r.sample(NODES, r.randint(0, 3))))  # fmt: skip
+            st = JobStatus(
+                state=r.choice(list(JobState)),
+                generation=r.randint(0, 3),
+                created_at=T0,
+                updated_at=T0,
+                nodes=sorted(r.sample(NODES, r.randint(0, 3))),
+            )
             c.put(k.status_of(job), self._value(st.model_dump_json().encode()))
         elif kind == 2:
             c.put(k.cancel_of(job), b"{}")
         elif kind == 3:
-            info = NodeInfo(name=node if r.random() < 0.9 else "elsewhere", capacity=r.randint(1, 4),
-                            incarnation=str(r.random()), registered_at=T0)  # fmt: skip
+            info = NodeInfo(
+                name=node if r.random() < 0.9 else "elsewhere",
+                capacity=r.randint(1, 4),
+                incarnation=str(r.random()),
+                registered_at=T0,
+            )
             lease = 0
             if r.random() < 0.5:
                 lease = c.grant_lease(timedelta(seconds=30))
                 self.leases.append(lease)
             c.put(k.node(node), self._value(info.model_dump_json().encode()), lease=lease)
         elif kind == 4:
-            a = Assignment(job_id=job if r.random() < 0.9 else other, generation=r.randint(1, 3), spec=spec,
-                           assigned_at=T0)  # fmt: skip
+            a = Assignment(
+                job_id=job if r.random() < 0.9 else other, generation=r.randint(1, 3), spec=spec, assigned_at=T0
+            )
             c.put(k.assignment(node, job), self._value(a.model_dump_json().encode()))
         elif kind == 5:
-            rep = WorkerReport(job_id=job if r.random() < 0.9 else other, node=node, generation=r.randint(1, 3),
-                               state=r.choice(["running", "exited", "stopped"]),
-                               exit_code=r.choice([None, 0, 1]))  # fmt: skip
+            rep = WorkerReport(
+                job_id=job if r.random() < 0.9 else other,
+                node=node,
+                generation=r.randint(1, 3),
+                state=r.choice(["running", "exited", "stopped"]),
+                exit_code=r.choice([None, 0, 1]),
+            )
             c.put(k.report(job, node), self._value(rep.model_dump_json().encode()))
         elif kind == 6:
             p = Progress(step=r.randint(0, 100), world_size=r.randint(1, 4), time=1e9 + r.random(), nodes=[node])
@@ -80,8 +94,18 @@ class Changes:
         elif kind == 7:  # deletions: one key, or a node's reports, or a node's lease
             choice = r.randrange(4)
             if choice == 0:
-                c.delete(r.choice([k.job(job), k.status_of(job), k.cancel_of(job), k.progress_of(job), k.node(node),
-                                   k.nodectl_of(node)]))  # fmt: skip
+                c.delete(
+                    r.choice(
+                        [
+                            k.job(job),
+                            k.status_of(job),
+                            k.cancel_of(job),
+                            k.progress_of(job),
+                            k.node(node),
+                            k.nodectl_of(node),
+                        ]
+                    )
+                )
             elif choice == 1:
                 c.commit(delete_prefixes=[k.reports_by(node)])
             elif choice == 2:
@@ -89,16 +113,25 @@ class Changes:
             elif self.leases:
                 c.revoke_lease(self.leases.pop(r.randrange(len(self.leases))))
         elif kind == 8:  # an operator's cordon / drain request (uncordon: the deletions above)
-            ctl = NodeControl(name=node if r.random() < 0.9 else "elsewhere", mode=r.choice(list(NodeMode)), at=T0,
-                              requested_by="op", reason=r.choice([None, "maintenance"]))  # fmt: skip
+            ctl = NodeControl(
+                name=node if r.random() < 0.9 else "elsewhere",
+                mode=r.choice(list(NodeMode)),
+                at=T0,
+                requested_by="op",
+                reason=r.choice([None, "maintenance"]),
+            )
             c.put(k.nodectl_of(node), self._value(ctl.model_dump_json().encode()))
         else:  # several prefixes in one transaction, as the leader writes
             st = JobStatus(state=JobState.RUNNING, generation=2, created_at=T0, updated_at=T0, nodes=[node])
             a = Assignment(job_id=job, generation=2, spec=spec, assigned_at=T0)
             elsewhere = r.choice([n for n in NODES if n != node])
-            c.commit([(k.status_of(job), st.model_dump_json().encode()),
-                      (k.assignment(node, job), a.model_dump_json().encode())],
-                     [k.assignment(elsewhere, job)] if r.random() < 0.5 else [])  # fmt: skip
+            c.commit(
+                [
+                    (k.status_of(job), st.model_dump_json().encode()),
+                    (k.assignment(node, job), a.model_dump_json().encode()),
+                ],
+                [k.assignment(elsewhere, job)] if r.random() < 0.5 else [],
+            )
 
 
 def _check(client: EtcdClient, store: ServiceStore, seed: int, rounds: int, watch: bool) -> dict[str, int]:
@@ -129,8 +162,9 @@ def memory() -> MemoryEtcdClient:
 
 @pytest.mark.parametrize("watch", [True, False], ids=["hints", "no-hints"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_the_cached_view_equals_a_full_read_after_random_changes(memory: MemoryEtcdClient, seed: int,
-                                                                 watch: bool) -> None:  # fmt: skip
+def test_the_cached_view_equals_a_full_read_after_random_changes(
+    memory: MemoryEtcdClient, seed: int, watch: bool
+) -> None:
     reads = _check(memory, ServiceStore(memory, "/t"), seed, 300, watch)
     assert reads["full"] == 1 and reads["incremental"] >= 299  # one full read, then only changes
 

@@ -25,8 +25,12 @@ pytestmark = pytest.mark.xdist_group("dashboard_browser")
 
 @pytest.fixture
 def settings(etcd_server: LocalEtcdCluster, key_prefix: str, tmp_path: Path) -> Settings:
-    return make_settings(etcd_server, key_prefix, checkpoint_root=f"file://{tmp_path}/ckpt",
-                         metrics_flush_interval=timedelta(seconds=0.2))  # fmt: skip
+    return make_settings(
+        etcd_server,
+        key_prefix,
+        checkpoint_root=f"file://{tmp_path}/ckpt",
+        metrics_flush_interval=timedelta(seconds=0.2),
+    )
 
 
 def _count(url: str, job_id: str) -> int:
@@ -39,8 +43,14 @@ def _count(url: str, job_id: str) -> int:
 def _report(url: str, etcd_client: EtcdClient, key: str, job_id: str, i: int, at: float) -> None:
     """Report ``i``: world size 3 then 2 (from report 6), generation 1 then 2 (from report 9), a snapshot at
     reports 4 and 8; waits until the controller has it in the job's series."""
-    progress = Progress(step=10 * i, world_size=3 if i < 6 else 2, time=at, loss=round(4.0 / (i + 1), 6),
-                        generation=1 if i < 9 else 2, checkpoint_step=(i // 4) * 40 or None)  # fmt: skip
+    progress = Progress(
+        step=10 * i,
+        world_size=3 if i < 6 else 2,
+        time=at,
+        loss=round(4.0 / (i + 1), 6),
+        generation=1 if i < 9 else 2,
+        checkpoint_step=(i // 4) * 40 or None,
+    )
     etcd_client.put(key, progress.to_json())
     wait_for(lambda: _count(url, job_id) == i + 1, timeout=20)
 
@@ -49,8 +59,11 @@ def _report(url: str, etcd_client: EtcdClient, key: str, job_id: str, i: int, at
 def test_job_page_plots_reports_made_before_it_was_opened_marks_changes_and_keeps_appending(
     ui: UiPage, live_server: str, etcd_client: EtcdClient, key_prefix: str
 ) -> None:
-    resp = httpx.post(f"{live_server}/v1/jobs", json={"name": "history", "entrypoint": "train.py"},
-                      headers={"Authorization": f"Bearer {ADMIN}"})  # fmt: skip
+    resp = httpx.post(
+        f"{live_server}/v1/jobs",
+        json={"name": "history", "entrypoint": "train.py"},
+        headers={"Authorization": f"Bearer {ADMIN}"},
+    )
     assert resp.status_code == 201, resp.text
     job_id = resp.json()["id"]
     key = Keys(key_prefix).progress_of(job_id)
