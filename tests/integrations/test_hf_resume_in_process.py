@@ -6,6 +6,7 @@ test_hf_trainer.py."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,8 @@ def _trainer_run(tmp: Path, ck: Path, max_steps: int) -> tuple[dict[str, torch.T
     return _params(trainer.accelerator.unwrap_model(trainer.model_wrapped)), steps
 
 
-def _accelerate_run(ck: Path, max_steps: int) -> tuple[dict[str, torch.Tensor], list[StepInfo]]:
+def _accelerate_run(ck: Path, max_steps: int, sigterm_at: int = 0,
+                    save_every: int = 4) -> tuple[dict[str, torch.Tensor], list[StepInfo]]:  # fmt: skip
     from accelerate import Accelerator
 
     from elastic.integrations.accelerate import ElasticAccelerate
@@ -61,7 +63,7 @@ def _accelerate_run(ck: Path, max_steps: int) -> tuple[dict[str, torch.Tensor], 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     model, optimizer = accelerator.prepare(model, optimizer)
     elastic = ElasticAccelerate(accelerator, model, optimizer, data, POLICY, checkpoint_url=str(ck),
-                                scheduler=scheduler, save_every_steps=4, on_step=steps.append)  # fmt: skip
+                                scheduler=scheduler, save_every_steps=save_every, on_step=steps.append)  # fmt: skip
     loader = torch.utils.data.DataLoader(data, batch_sampler=elastic.batch_sampler)
     for step in elastic.steps(loader, max_steps=max_steps):
         assert step.accumulation == ACCUMULATION * BASE_WORLD
@@ -70,6 +72,8 @@ def _accelerate_run(ck: Path, max_steps: int) -> tuple[dict[str, torch.Tensor], 
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
+        if step.index == sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice in the middle of training
     return _params(accelerator.unwrap_model(model)), steps
 
 
@@ -107,5 +111,24 @@ def test_accelerate_loop_stopped_and_started_again_resumes_by_itself_bit_identic
     _assert_resumed_as_uninterrupted(whole, first, second, 7, 14)
     params, steps = _accelerate_run(tmp_path / "ck", 14)  # started again after its end: nothing to do
     assert steps == []
+    for k, v in params.items():
+        assert torch.equal(v, whole[0][k]), k
+
+
+@pytest.mark.timeout(120)
+def test_accelerate_loop_sigterm_saves_the_step_at_the_boundary_and_exits_143(
+    tmp_path: Path, gloo_world_1: None
+) -> None:
+    """SIGTERM during step 6 (no snapshot due but the first epoch's end, step 5): the step is saved at its
+    boundary, the run exits 143; started again, it resumes at step 7 and ends bit-identical to an uninterrupted run."""
+    whole = _accelerate_run(tmp_path / "ck-whole", 10)
+    with pytest.raises(SystemExit) as stopped:
+        _accelerate_run(tmp_path / "ck", 10, sigterm_at=6, save_every=100)
+    assert stopped.value.code == 143
+    saved = sorted(p.parent.name for p in (tmp_path / "ck").glob("step-*/manifest.json"))
+    assert saved == ["step-000000000005", "step-000000000006"], saved  # the epoch's end (5 steps), and the notice
+    params, tail = _accelerate_run(tmp_path / "ck", 10, save_every=100)
+    assert [s.step for s in tail] == [7, 8, 9, 10]
+    assert [list(s.indices) for s in tail] == [list(s.indices) for s in whole[1][6:]]
     for k, v in params.items():
         assert torch.equal(v, whole[0][k]), k
