@@ -79,9 +79,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ElasticDDPStrategy", "TorchrunEnvironment"]
 
-#: the oldest Lightning release this adapter is tested with (docs/integrations.md)
-OLDEST_LIGHTNING = "2.4"
-
 #: the Trainer's attribute for its argument ``reload_dataloaders_every_n_epochs`` (set by its data connector)
 RELOAD = "reload_dataloaders_every_n_epochs"
 
@@ -152,8 +149,6 @@ class ElasticDDPStrategy(DDPStrategy):
         on_step: called with each committed step's :class:`~elastic.train.config.StepInfo` on this rank.
         **kwargs: ``DDPStrategy``'s own (``find_unused_parameters``, ``static_graph``, ``timeout``, ...).
     """
-
-    strategy_name = "elastic_ddp"
 
     def __init__(self, config: LRPolicy | ElasticConfig, checkpoint_url: str | None = None, *,
                  state: Mapping[str, Any] | None = None, on_step: Callable[[StepInfo], None] | None = None,
