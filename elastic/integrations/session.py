@@ -151,6 +151,7 @@ class BoundarySession:
         self._scheduler: Any = None
         self._pending: _Pending | None = None
         self._lr_hook: Any = None
+        self._restored_step: int | None = None  # the step of the snapshot restored at start (it need not be saved)
         self._indices: list[int] = []  # this rank's samples of the step in progress
         self._global_batch = 0
         self._loss = 0.0
@@ -196,6 +197,7 @@ class BoundarySession:
         assert self._module is not None and self._optimizer is not None, "attach() first"
         restored = self.checkpoints.restore(self._module, self._optimizer, self._scheduler, self.cursor,
                                             self.rank, self.world_size)  # fmt: skip
+        self._restored_step = self.step if restored else None
         return restored
 
     # -- the step --------------------------------------------------------------------------------------
@@ -291,7 +293,8 @@ class BoundarySession:
         if agreed is not None and agreed.flags.signalled:
             self.checkpoints.act(agreed.flags, self.step, False, self.rank, agreed.signalled, self._capture,
                                  self._optimizer)  # type: ignore[arg-type]  # fmt: skip
-        if self.checkpoints.manager is not None and self.checkpoints.stats.last_saved_step != self.step:
+        saved = self.checkpoints.stats.last_saved_step == self.step or self._restored_step == self.step
+        if self.checkpoints.manager is not None and not saved:
             logger.info("training ended at step %d: saving it", self.step)
             assert self._optimizer is not None
             self.checkpoints.save(self.step, self._capture, self._optimizer, blocking=True)

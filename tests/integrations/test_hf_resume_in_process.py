@@ -31,8 +31,9 @@ def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _trainer_run(tmp: Path, ck: Path, max_steps: int) -> tuple[dict[str, torch.Tensor], list[StepInfo]]:
-    from transformers import Trainer, TrainingArguments
+def _trainer_run(tmp: Path, ck: Path, max_steps: int, sigterm_at: int = 0,
+                 save_every: int = 4) -> tuple[dict[str, torch.Tensor], list[StepInfo]]:  # fmt: skip
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from elastic.integrations.hf import make_elastic
 
@@ -43,7 +44,15 @@ def _trainer_run(tmp: Path, ck: Path, max_steps: int) -> tuple[dict[str, torch.T
         use_cpu=True, disable_tqdm=True, logging_steps=1000,
     )  # fmt: skip
     trainer = Trainer(model=make_model(0), args=args, train_dataset=Sequences(SAMPLES))
-    make_elastic(trainer, checkpoint_url=str(ck), base_world_size=BASE_WORLD, save_every_steps=4, on_step=steps.append)
+    make_elastic(trainer, checkpoint_url=str(ck), base_world_size=BASE_WORLD, save_every_steps=save_every,
+                 on_step=steps.append)  # fmt: skip
+
+    class Notice(TrainerCallback):
+        def on_optimizer_step(self, *args: Any, **kwargs: Any) -> None:  # inside the step, before its boundary
+            if len(steps) + 1 == sigterm_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer.add_callback(Notice())
     assert args.gradient_accumulation_steps == ACCUMULATION * BASE_WORLD  # a world of one runs both ranks' share
     trainer.train()
     return _params(trainer.accelerator.unwrap_model(trainer.model_wrapped)), steps
@@ -88,7 +97,6 @@ def _assert_resumed_as_uninterrupted(whole: Any, first: Any, second: Any, stop: 
         assert torch.equal(ref[k], params[k]), k
 
 
-@pytest.mark.slow  # the Trainer's resume is in test_hf_trainer.py's default test (under torchrun)
 @pytest.mark.timeout(120)
 def test_trainer_stopped_and_started_again_resumes_by_itself_bit_identical(tmp_path: Path, gloo_world_1: None) -> None:
     whole = _trainer_run(tmp_path, tmp_path / "ck-whole", 14)  # 40 samples, 8 a step: 5 steps an epoch
@@ -111,6 +119,22 @@ def test_accelerate_loop_stopped_and_started_again_resumes_by_itself_bit_identic
     _assert_resumed_as_uninterrupted(whole, first, second, 7, 14)
     params, steps = _accelerate_run(tmp_path / "ck", 14)  # started again after its end: nothing to do
     assert steps == []
+    for k, v in params.items():
+        assert torch.equal(v, whole[0][k]), k
+
+
+@pytest.mark.timeout(120)
+def test_trainer_sigterm_saves_the_step_at_the_boundary_and_exits_143(tmp_path: Path, gloo_world_1: None) -> None:
+    """The Trainer's form of the test below: SIGTERM during step 6, saved at its boundary, exit 143, resumed at 7."""
+    whole = _trainer_run(tmp_path, tmp_path / "ck-whole", 10, save_every=100)
+    with pytest.raises(SystemExit) as stopped:
+        _trainer_run(tmp_path, tmp_path / "ck", 10, sigterm_at=6, save_every=100)
+    assert stopped.value.code == 143
+    saved = sorted(p.parent.name for p in (tmp_path / "ck").glob("step-*/manifest.json"))
+    assert saved == ["step-000000000005", "step-000000000006"], saved  # the epoch's end (5 steps), and the notice
+    params, tail = _trainer_run(tmp_path, tmp_path / "ck", 10, save_every=100)
+    assert [s.step for s in tail] == [7, 8, 9, 10]
+    assert [list(s.indices) for s in tail] == [list(s.indices) for s in whole[1][6:]]
     for k, v in params.items():
         assert torch.equal(v, whole[0][k]), k
 
