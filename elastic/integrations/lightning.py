@@ -61,6 +61,7 @@ from elastic.checkpoint import capture_training_state
 from elastic.checkpoint.state import TrainingState
 from elastic.contract.lr import LRPolicy
 from elastic.contract.recovery import RecoveryMode
+from elastic.train.agreement import BoundaryAgreement, checked_flags, replicas_agreement
 from elastic.train.batch_sampler import ElasticBatchSampler, LockstepError
 from elastic.train.boundary import BoundaryFlags
 from elastic.train.collectives import HostCollectives
@@ -71,7 +72,7 @@ from elastic.train.registry import StateRegistry
 from elastic.train.sampler import ElasticSampler, StepLayout, step_layout
 from elastic.train.schedule import SnapshotStats
 from elastic.train.snapshots import LoopCheckpoints
-from elastic.train.step import OptimizerGate, StepMismatchError
+from elastic.train.step import OptimizerGate
 from elastic.train.step_loss import StepLoss
 from elastic.train.stop_timeout import StopTimeout
 
@@ -91,8 +92,12 @@ class TorchrunEnvironment(TorchElasticEnvironment):
 
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         if num_devices * num_nodes != self.world_size():
-            logger.debug("Trainer(devices=%d, num_nodes=%d): the world is torchrun's, %d", num_devices, num_nodes,
-                         self.world_size())  # fmt: skip
+            logger.debug(
+                "Trainer(devices=%d, num_nodes=%d): the world is torchrun's, %d",
+                num_devices,
+                num_nodes,
+                self.world_size(),
+            )
 
 
 class _Cursor(TrainingCursor):
@@ -101,10 +106,13 @@ class _Cursor(TrainingCursor):
 
     def load(self, ts: TrainingState, rank: int, world_size: int) -> None:
         state = dict(dict(ts.data_cursor)["sampler"])
-        self.sampler = ElasticSampler(int(state["dataset_size"]), seed=int(state["seed"]),
-                                      shuffle=bool(state.get("shuffle", True)),
-                                      replacement=bool(state.get("replacement", False)),
-                                      num_samples=state.get("num_samples"))  # fmt: skip
+        self.sampler = ElasticSampler(
+            int(state["dataset_size"]),
+            seed=int(state["seed"]),
+            shuffle=bool(state.get("shuffle", True)),
+            replacement=bool(state.get("replacement", False)),
+            num_samples=state.get("num_samples"),
+        )
         super().load(ts, rank, world_size)
 
 
@@ -124,8 +132,9 @@ class _Boundary(Callback):
     def __init__(self, strategy: ElasticDDPStrategy) -> None:
         self._strategy = strategy
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._strategy._micro_batch_done()
 
 
@@ -150,17 +159,25 @@ class ElasticDDPStrategy(DDPStrategy):
         **kwargs: ``DDPStrategy``'s own (``find_unused_parameters``, ``static_graph``, ``timeout``, ...).
     """
 
-    def __init__(self, config: LRPolicy | ElasticConfig, checkpoint_url: str | None = None, *,
-                 state: Mapping[str, Any] | None = None, on_step: Callable[[StepInfo], None] | None = None,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: LRPolicy | ElasticConfig,
+        checkpoint_url: str | None = None,
+        *,
+        state: Mapping[str, Any] | None = None,
+        on_step: Callable[[StepInfo], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if isinstance(config, LRPolicy):
             config = ElasticConfig(config, checkpoint_url)
         elif checkpoint_url is not None:
             config = replace(config, checkpoint_url=checkpoint_url)
         if config.recovery is RecoveryMode.LIVE:
-            raise ValueError("recovery='live' under Lightning: Lightning forms and owns the process group, so the "
-                             "group cannot re-form in process; leave recovery unset (restart mode, warm restarts "
-                             "with -m elastic.prefork)")  # fmt: skip
+            raise ValueError(
+                "recovery='live' under Lightning: Lightning forms and owns the process group, so the "
+                "group cannot re-form in process; leave recovery unset (restart mode, warm restarts "
+                "with -m elastic.prefork)"
+            )
         if kwargs.get("start_method", "popen") != "popen":
             raise ValueError("ElasticDDPStrategy runs under torchrun (start_method='popen'), not spawned processes")
         if kwargs.get("cluster_environment") is None and TorchElasticEnvironment.detect():
@@ -177,6 +194,7 @@ class ElasticDDPStrategy(DDPStrategy):
         self._fresh_sampler = True  # no snapshot restored: the sampler is made from the training loader
         self._checkpoints: LoopCheckpoints | None = None
         self._host: HostCollectives | None = None
+        self._agreement: BoundaryAgreement | None = None  # the boundary's flags, overlapped with the next step
         self._gate: OptimizerGate | None = None
         self._watcher: PreemptionWatcher | None = None
         self._stop_timeout: StopTimeout | None = None
@@ -214,6 +232,7 @@ class ElasticDDPStrategy(DDPStrategy):
         rank, world = self.global_rank, self.world_size
         device = self.root_device
         self._host = HostCollectives.for_loop(device, self.config.timeout, live=False)
+        self._agreement = replicas_agreement(self.world_size, self._host.device, self._host.group)
         policy = self.config.lr_policy
         self._cursor = _Cursor(policy, ElasticSampler(1), rank, world, self._registry)
         optimizers = list(self.optimizers)
@@ -229,8 +248,9 @@ class ElasticDDPStrategy(DDPStrategy):
         for name, obj in self._user_state.items():
             self._registry.register(name, obj)
         self._checkpoints = LoopCheckpoints(self.config, None, device)
-        restored = self._checkpoints.restore(self._module, optimizers[0], schedulers[0] if schedulers else None,
-                                             self._cursor, rank, world)  # fmt: skip
+        restored = self._checkpoints.restore(
+            self._module, optimizers[0], schedulers[0] if schedulers else None, self._cursor, rank, world
+        )
         self._registry.close()
         plan = self._cursor.policy.step_plan(world)
         trainer.accumulate_grad_batches = plan.accumulation_steps
@@ -240,27 +260,41 @@ class ElasticDDPStrategy(DDPStrategy):
         if restored:
             self._fresh_sampler = False
             self._restore_counters(trainer)
-        logger.info("elastic: %s at step %d, world %d: %d micro-batch(es) of %d per rank and step, global batch %d",
-                    "resumed" if restored else "starting", self._step, world, plan.accumulation_steps,
-                    plan.micro_batch, plan.global_batch)  # fmt: skip
+        logger.info(
+            "elastic: %s at step %d, world %d: %d micro-batch(es) of %d per rank and step, global batch %d",
+            "resumed" if restored else "starting",
+            self._step,
+            world,
+            plan.accumulation_steps,
+            plan.micro_batch,
+            plan.global_batch,
+        )
 
     def _check_trainer(self, trainer: Trainer) -> None:
         policy = self.config.lr_policy
         if trainer.ckpt_path is not None:
-            raise ValueError(f"Trainer.fit(ckpt_path={trainer.ckpt_path!r}): ElasticDDPStrategy resumes from the "
-                             "newest verified snapshot at its checkpoint URL itself; leave ckpt_path out")  # fmt: skip
+            raise ValueError(
+                f"Trainer.fit(ckpt_path={trainer.ckpt_path!r}): ElasticDDPStrategy resumes from the "
+                "newest verified snapshot at its checkpoint URL itself; leave ckpt_path out"
+            )
         if trainer.limit_train_batches not in (1.0, None) or getattr(trainer, "overfit_batches", False):
-            raise ValueError("limit_train_batches and overfit_batches end Lightning's epochs before the elastic "
-                             "sampler's: leave them unset under ElasticDDPStrategy")  # fmt: skip
+            raise ValueError(
+                "limit_train_batches and overfit_batches end Lightning's epochs before the elastic "
+                "sampler's: leave them unset under ElasticDDPStrategy"
+            )
         if trainer.accumulate_grad_batches not in (1, policy.accumulation_steps):
-            raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): the accumulation "
-                             "is the LR policy's (LRPolicy(accumulation_steps=...)), adjusted to each world")
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): the accumulation "
+                "is the LR policy's (LRPolicy(accumulation_steps=...)), adjusted to each world"
+            )
         module = trainer.lightning_module
         if not module.automatic_optimization and any(
             policy.step_plan(w).accumulation_steps > 1 for w in (1, policy.base_world_size)
-        ):  # fmt: skip
-            raise ValueError("manual optimization with gradient accumulation: Lightning accumulates only under "
-                             "automatic optimization")  # fmt: skip
+        ):
+            raise ValueError(
+                "manual optimization with gradient accumulation: Lightning accumulates only under "
+                "automatic optimization"
+            )
 
     def _restore_counters(self, trainer: Trainer) -> None:
         """Lightning's epoch and step counters from the restored cursor (Lightning's own checkpoint is not used: its
@@ -296,47 +330,68 @@ class ElasticDDPStrategy(DDPStrategy):
         if not isinstance(dl, DataLoader):
             raise TypeError(f"ElasticDDPStrategy trains from a torch DataLoader, not a {type(dl).__name__}")
         if isinstance(dl.dataset, torch.utils.data.IterableDataset):
-            raise TypeError("an IterableDataset has no indices for the elastic sampler: use a map-style data set "
-                            "(shards or windows) for exactly-once data across resizes")  # fmt: skip
+            raise TypeError(
+                "an IterableDataset has no indices for the elastic sampler: use a map-style data set "
+                "(shards or windows) for exactly-once data across resizes"
+            )
         if dl.batch_sampler is None or type(dl.batch_sampler) is not torch.utils.data.BatchSampler:
-            raise TypeError(f"the training DataLoader has a batch sampler of its own ({type(dl.batch_sampler).__name__}"
-                            "): give it batch_size= (the LR policy's base_batch_per_worker), the elastic sampler "
-                            "decides which samples each step takes")  # fmt: skip
+            raise TypeError(
+                f"the training DataLoader has a batch sampler of its own ({type(dl.batch_sampler).__name__}"
+                "): give it batch_size= (the LR policy's base_batch_per_worker), the elastic sampler "
+                "decides which samples each step takes"
+            )
         sampler = dl.sampler
         if type(sampler) not in (RandomSampler, SequentialSampler, DistributedSampler) or (
             isinstance(sampler, RandomSampler) and (sampler.replacement or sampler._num_samples is not None)
-        ):  # fmt: skip
-            raise TypeError(f"the training DataLoader's sampler is a {type(sampler).__name__}: the elastic sampler "
-                            "replaces it (a random or sequential order only)")  # fmt: skip
+        ):
+            raise TypeError(
+                f"the training DataLoader's sampler is a {type(sampler).__name__}: the elastic sampler "
+                "replaces it (a random or sequential order only)"
+            )
         shuffle = not isinstance(sampler, SequentialSampler) and bool(getattr(sampler, "shuffle", True))
         micro = self._cursor.policy.base_batch_per_worker
         if dl.batch_size != micro:
-            raise ValueError(f"the training DataLoader's batch_size={dl.batch_size} differs from the LR policy's "
-                             f"base_batch_per_worker={micro}: the policy sets the micro-batch")  # fmt: skip
+            raise ValueError(
+                f"the training DataLoader's batch_size={dl.batch_size} differs from the LR policy's "
+                f"base_batch_per_worker={micro}: the policy sets the micro-batch"
+            )
         size = len(dl.dataset)  # type: ignore[arg-type]
         if self._fresh_sampler:
             if self._cursor.sampler.dataset_size != size:
                 self._cursor.sampler = ElasticSampler(size, seed=self.config.seed, shuffle=shuffle)
                 self._cursor.sampler.set_world(self.global_rank, self.world_size)
         elif self._cursor.sampler.dataset_size != size or self._cursor.sampler.shuffle != shuffle:
-            raise ValueError(f"the snapshot's data cursor is for {self._cursor.sampler.dataset_size} samples "
-                             f"(shuffle={self._cursor.sampler.shuffle}), the training DataLoader has {size} "
-                             f"(shuffle={shuffle})")  # fmt: skip
+            raise ValueError(
+                f"the snapshot's data cursor is for {self._cursor.sampler.dataset_size} samples "
+                f"(shuffle={self._cursor.sampler.shuffle}), the training DataLoader has {size} "
+                f"(shuffle={shuffle})"
+            )
         batch_sampler = ElasticBatchSampler(size, seed=self._cursor.sampler.seed, shuffle=shuffle)
         batch_sampler.bind(lambda world: self._cursor_policy_plan(world), sampler=self._cursor.sampler)
         self._batch_sampler = batch_sampler
         workers = dl.num_workers
         extra: dict[str, Any] = {}
         if workers > 0:
-            extra = {"prefetch_factor": dl.prefetch_factor, "persistent_workers": dl.persistent_workers,
-                     "multiprocessing_context": dl.multiprocessing_context, "timeout": dl.timeout}  # fmt: skip
+            extra = {
+                "prefetch_factor": dl.prefetch_factor,
+                "persistent_workers": dl.persistent_workers,
+                "multiprocessing_context": dl.multiprocessing_context,
+                "timeout": dl.timeout,
+            }
         if dl.pin_memory_device:
             extra["pin_memory_device"] = dl.pin_memory_device
         if hasattr(dl, "in_order"):
             extra["in_order"] = dl.in_order
-        return _ElasticLoader(dl.dataset, batch_sampler=batch_sampler, num_workers=workers, collate_fn=dl.collate_fn,
-                              pin_memory=dl.pin_memory, worker_init_fn=dl.worker_init_fn,
-                              generator=dl.generator, **extra)  # fmt: skip
+        return _ElasticLoader(
+            dl.dataset,
+            batch_sampler=batch_sampler,
+            num_workers=workers,
+            collate_fn=dl.collate_fn,
+            pin_memory=dl.pin_memory,
+            worker_init_fn=dl.worker_init_fn,
+            generator=dl.generator,
+            **extra,
+        )
 
     def _cursor_policy_plan(self, world: int) -> Any:
         assert self._cursor is not None
@@ -413,8 +468,10 @@ class ElasticDDPStrategy(DDPStrategy):
         served = self._batch_sampler.consumed()
         expected = layout.micro[j] or [layout.pad_index]
         if served != expected:
-            raise LockstepError(f"step {self._step + 1}, micro-batch {j}: the loader served {served[:8]}..., the "
-                                f"cursor expected {expected[:8]}...")  # fmt: skip
+            raise LockstepError(
+                f"step {self._step + 1}, micro-batch {j}: the loader served {served[:8]}..., the "
+                f"cursor expected {expected[:8]}..."
+            )
         self._weight = layout.weight(j, self.world_size)
         self._factor = self._weight * len(layout.micro)  # Lightning divides each micro-batch's loss by their number
 
@@ -448,8 +505,11 @@ class ElasticDDPStrategy(DDPStrategy):
         loss = self._loss.take()
         self._committed = _Committed(stepped, epoch_done)
         if self._on_step is not None:
-            self._on_step(StepInfo(self._step, epoch, self.global_rank, self.world_size, list(layout.indices),
-                                   self._lr_applied, loss))  # fmt: skip
+            self._on_step(
+                StepInfo(
+                    self._step, epoch, self.global_rank, self.world_size, list(layout.indices), self._lr_applied, loss
+                )
+            )
 
     def _boundary(self) -> None:
         """The boundary of the step committed last (a collective): the agreed flags, the snapshots they call for,
@@ -461,23 +521,25 @@ class ElasticDDPStrategy(DDPStrategy):
         assert self._stop_timeout is not None
         self._stop_timeout.boundary()
         signalled = self._watcher is not None and self._watcher.requested
-        step = self._step
-        mine = self._checkpoints.local_flags(step, time.monotonic(), signalled, self.global_rank)
-        mine = dataclasses.replace(mine, optimizer_steps=committed.stepped, optimizer_steps_neg=-committed.stepped)
-        flags: BoundaryFlags = mine.agree(self._host.device, self._host.group())
-        if not flags.steps_agree:
-            raise StepMismatchError(f"step {step}: the optimizer(s) stepped {-flags.optimizer_steps_neg} time(s) on "
-                                    f"some ranks and {flags.optimizer_steps} on others (this rank: "
-                                    f"{committed.stepped})")  # fmt: skip
+        step, agreement, checkpoints = self._step, self._agreement, self._checkpoints
+        assert agreement is not None
+
+        def mine() -> BoundaryFlags:  # this rank's view, when asked (deferred: after the boundary's snapshots)
+            flags = checkpoints.local_flags(step + agreement.lag, time.monotonic(), signalled, self.global_rank)
+            return flags.with_steps(committed.stepped, joiners=False)
+
+        flags = checked_flags(agreement.agreed(step, committed.stepped, mine))
         if flags.signalled:
             self._stop_timeout.reached()
         optimizer = self.optimizers[0]
         self._checkpoints.warm_up(self._module, optimizer, self._scheduler, self._cursor)
-        if self._checkpoints.act(flags, step, committed.epoch_done, self.global_rank, signalled, self._capture,
-                                 optimizer):  # fmt: skip
+        if self._checkpoints.act(
+            flags, step, committed.epoch_done, self.global_rank, signalled, self._capture, optimizer
+        ):
             self._stopped = True
             self._close(finished=False)
             raise SIGTERMException(143)
+        agreement.launch(step, committed.stepped, mine)
 
     @property
     def _scheduler(self) -> Any:
@@ -488,8 +550,14 @@ class ElasticDDPStrategy(DDPStrategy):
     def _capture(self) -> TrainingState:
         """References to the full state (a collective: gathers every rank's RNG state)."""
         assert self._cursor is not None and self._host is not None
-        return capture_training_state(self._step, self._module, self.optimizers[0], self._scheduler,
-                                      process_group=self._host.group(), **self._cursor.state())  # fmt: skip
+        return capture_training_state(
+            self._step,
+            self._module,
+            self.optimizers[0],
+            self._scheduler,
+            process_group=self._host.group(),
+            **self._cursor.state(),
+        )
 
     def on_train_end(self) -> None:
         """Training ended on every rank: the last boundary, then the last step saved unless a snapshot of it exists."""
@@ -497,6 +565,8 @@ class ElasticDDPStrategy(DDPStrategy):
         if self._cursor is None or self._closed:
             return
         self._boundary()
+        if self._agreement is not None:
+            checked_flags(self._agreement.drain())  # the last boundary's, in flight: its steps are checked
         checkpoints = self._checkpoints
         assert checkpoints is not None
         if checkpoints.manager is not None and checkpoints.stats.last_saved_step != self._step:
@@ -513,6 +583,8 @@ class ElasticDDPStrategy(DDPStrategy):
         if self._closed:
             return
         self._closed = True
+        if self._agreement is not None:
+            self._agreement.discard()
         if self._stop_timeout is not None:
             self._stop_timeout.reached()
         if self._watcher is not None:

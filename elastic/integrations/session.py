@@ -31,7 +31,6 @@ restarts them (warm with ``-m elastic.prefork``); the session resumes from the n
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -48,6 +47,7 @@ from elastic.checkpoint import capture_training_state
 from elastic.checkpoint.state import TrainingState
 from elastic.contract.lr import StepPlan
 from elastic.train import console
+from elastic.train.agreement import checked_flags, replicas_agreement
 from elastic.train.batch_sampler import ElasticBatchSampler, LockstepError
 from elastic.train.boundary import BoundaryFlags
 from elastic.train.config import ElasticConfig, StepInfo
@@ -56,7 +56,7 @@ from elastic.train.preemption import PreemptionWatcher
 from elastic.train.registry import StateRegistry
 from elastic.train.sampler import step_layout
 from elastic.train.snapshots import LoopCheckpoints
-from elastic.train.step import OptimizerGate, StepMismatchError
+from elastic.train.step import OptimizerGate
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +80,15 @@ class SessionBatchSampler(ElasticBatchSampler):
     a whole epoch's micro-batches at this world (what a framework computes its steps per epoch from), whatever the
     cursor: a framework's ``max_steps`` derived from epochs is then the same on every restart."""
 
-    def __init__(self, data_source: Sized | int, *, seed: int = 0, shuffle: bool = True,
-                 replacement: bool = False, num_samples: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        data_source: Sized | int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        replacement: bool = False,
+        num_samples: int | None = None,
+    ) -> None:
         super().__init__(data_source, seed=seed, shuffle=shuffle, replacement=replacement, num_samples=num_samples)
         self._layouts: deque[MicroBatch] = deque()
         self.finished = False  # the run is over (a restored run that had reached its end): nothing more to serve
@@ -97,8 +104,9 @@ class SessionBatchSampler(ElasticBatchSampler):
             plan = self.plan()
             layout = step_layout(ahead, plan.global_batch, plan.accumulation_steps)
             for j, idx in enumerate(layout.micro):
-                served.append(MicroBatch(list(idx), layout.weight(j, ahead.world_size), len(layout.micro),
-                                         layout.total))  # fmt: skip
+                served.append(
+                    MicroBatch(list(idx), layout.weight(j, ahead.world_size), len(layout.micro), layout.total)
+                )
                 yield idx or [layout.pad_index]
             ahead.advance(plan.global_batch)
 
@@ -123,13 +131,20 @@ class BoundarySession:
         on_step: called with each committed step's :class:`~elastic.train.config.StepInfo` on this rank.
     """
 
-    def __init__(self, config: ElasticConfig, data: Sized | int, device: torch.device,
-                 on_step: Callable[[StepInfo], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: ElasticConfig,
+        data: Sized | int,
+        device: torch.device,
+        on_step: Callable[[StepInfo], None] | None = None,
+    ) -> None:
         compat.check_torch_version()
         console.attach()  # the resume and the SIGTERM save show on stderr when the script configures no logging
         if config.recovery is not None and config.recovery.value != "restart":
-            raise ValueError("the framework owns the process group: live recovery is not available here, leave "
-                             "recovery unset (restart mode, with warm starts under -m elastic.prefork)")  # fmt: skip
+            raise ValueError(
+                "the framework owns the process group: live recovery is not available here, leave "
+                "recovery unset (restart mode, with warm starts under -m elastic.prefork)"
+            )
         self.config = config
         self.device = device
         self._on_step = on_step
@@ -140,8 +155,9 @@ class BoundarySession:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.batch_sampler = SessionBatchSampler(data, seed=config.seed, shuffle=config.shuffle)
         self.registry = StateRegistry()
-        self.cursor = TrainingCursor(config.lr_policy, self.batch_sampler.sampler, self.rank, self.world_size,
-                                     self.registry)  # fmt: skip
+        self.cursor = TrainingCursor(
+            config.lr_policy, self.batch_sampler.sampler, self.rank, self.world_size, self.registry
+        )
         self.batch_sampler.bind(lambda world: self.cursor.policy.step_plan(world))
         self.checkpoints = LoopCheckpoints(config, None, device)
         self.watcher = PreemptionWatcher()
@@ -149,7 +165,7 @@ class BoundarySession:
         self._optimizer: torch.optim.Optimizer | None = None
         self._module: torch.nn.Module | None = None
         self._scheduler: Any = None
-        self._pending: _Pending | None = None
+        self._agreement = replicas_agreement(self.world_size, device, lambda: None)  # the default group
         self._lr_hook: Any = None
         self._restored_step: int | None = None  # the step of the snapshot restored at start (it need not be saved)
         self._indices: list[int] = []  # this rank's samples of the step in progress
@@ -195,8 +211,9 @@ class BoundarySession:
         state; a collective). False: a fresh start. Installs the SIGTERM watcher."""
         self.watcher.install()
         assert self._module is not None and self._optimizer is not None, "attach() first"
-        restored = self.checkpoints.restore(self._module, self._optimizer, self._scheduler, self.cursor,
-                                            self.rank, self.world_size)  # fmt: skip
+        restored = self.checkpoints.restore(
+            self._module, self._optimizer, self._scheduler, self.cursor, self.rank, self.world_size
+        )
         self._restored_step = self.step if restored else None
         return restored
 
@@ -224,56 +241,28 @@ class BoundarySession:
         epoch_done = self.cursor.sampler.advance(global_batch)
         self.cursor.step += 1
         if self._on_step is not None:
-            self._on_step(StepInfo(self.step, epoch, self.rank, self.world_size, list(self._indices), lr,
-                                   self._loss))  # fmt: skip
+            self._on_step(StepInfo(self.step, epoch, self.rank, self.world_size, list(self._indices), lr, self._loss))
         self._indices, self._global_batch, self._loss = [], 0, 0.0
         signalled = self.watcher.requested
-        agreed = self._agreed(signalled, stepped)
-        flags, signalled_here = (agreed.flags, agreed.signalled) if agreed is not None else (BoundaryFlags(), False)
-        if agreed is not None and not flags.steps_agree:
-            raise StepMismatchError(f"step {agreed.step}: the optimizer stepped {-flags.optimizer_steps_neg} time(s) "
-                                    f"on some ranks and {flags.optimizer_steps} on others (this rank: "
-                                    f"{agreed.stepped})")  # fmt: skip
+
+        def mine() -> BoundaryFlags:  # this rank's view, when asked (deferred: after the boundary's snapshots)
+            acted_at = self.step + self._agreement.lag  # the boundary the flags are acted on
+            flags = self.checkpoints.local_flags(acted_at, time.monotonic(), signalled, self.rank)
+            return flags.with_steps(stepped, joiners=False)
+
+        flags = checked_flags(self._agreement.agreed(self.step, stepped, mine))
         module, optimizer = self._module, self._optimizer
         assert module is not None
         self.checkpoints.warm_up(module, optimizer, self._scheduler, self.cursor)
-        stop = self.checkpoints.act(flags, self.step, epoch_done, self.rank, signalled_here, self._capture,
-                                    optimizer)  # fmt: skip
+        stop = self.checkpoints.act(flags, self.step, epoch_done, self.rank, signalled, self._capture, optimizer)
         if stop:
             self._stop()
-        if self.world_size > 1:
-            self._launch(signalled, stepped)
+        self._agreement.launch(self.step, stepped, mine)
         return epoch_done
-
-    def _agreed(self, signalled: bool, stepped: int) -> _Agreed | None:
-        """The flags to act on at this boundary: the previous boundary's, agreed by now (a world of one: this
-        boundary's own view)."""
-        if self.world_size == 1:
-            mine = self._local(signalled, stepped)
-            return _Agreed(self.step, mine, signalled, stepped)
-        return self._drain()
-
-    def _local(self, signalled: bool, stepped: int) -> BoundaryFlags:
-        mine = self.checkpoints.local_flags(self.step, time.monotonic(), signalled, self.rank)
-        return dataclasses.replace(mine, optimizer_steps=stepped, optimizer_steps_neg=-stepped)
-
-    def _launch(self, signalled: bool, stepped: int) -> None:
-        tensor = torch.tensor(self._local(signalled, stepped).encode(), device=self.device)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
-        self._pending = _Pending(self.step, stepped, signalled, tensor, work)
-
-    def _drain(self) -> _Agreed | None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        pending.work.wait()
-        flags = BoundaryFlags.decode([int(v) for v in pending.tensor.tolist()])
-        return _Agreed(pending.step, flags, pending.signalled, pending.stepped)
 
     def _capture(self) -> TrainingState:
         assert self._module is not None
-        return capture_training_state(self.step, self._module, self._optimizer, self._scheduler,
-                                      **self.cursor.state())  # fmt: skip
+        return capture_training_state(self.step, self._module, self._optimizer, self._scheduler, **self.cursor.state())
 
     def _stop(self) -> None:
         logger.warning("SIGTERM: step %d saved; exiting", self.step)
@@ -289,10 +278,12 @@ class BoundarySession:
     def finish(self) -> None:
         """The framework's training ended (every rank): a signal seen at the last boundary is acted on, the last
         step is saved unless a snapshot of it exists, and the snapshots are flushed."""
-        agreed = self._drain()
-        if agreed is not None and agreed.flags.signalled:
-            self.checkpoints.act(agreed.flags, self.step, False, self.rank, agreed.signalled, self._capture,
-                                 self._optimizer)  # type: ignore[arg-type]  # fmt: skip
+        flags = checked_flags(self._agreement.drain())
+        if flags.signalled:
+            assert self._optimizer is not None
+            self.checkpoints.act(
+                flags, self.step, False, self.rank, self.watcher.requested, self._capture, self._optimizer
+            )
         saved = self.checkpoints.stats.last_saved_step == self.step or self._restored_step == self.step
         if self.checkpoints.manager is not None and not saved:
             logger.info("training ended at step %d: saving it", self.step)
@@ -305,7 +296,7 @@ class BoundarySession:
         if self._closed:
             return
         self._closed = True
-        self._pending = None
+        self._agreement.discard()
         self.watcher.uninstall()
         if self._gate is not None:
             self._gate.close()
@@ -319,20 +310,3 @@ class BoundarySession:
 
 def _group_up() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-@dataclass(frozen=True)
-class _Agreed:
-    step: int
-    flags: BoundaryFlags
-    signalled: bool  # this rank's own view, in the flags agreed
-    stepped: int
-
-
-@dataclass(frozen=True)
-class _Pending:
-    step: int
-    stepped: int
-    signalled: bool
-    tensor: torch.Tensor
-    work: Any

@@ -37,7 +37,15 @@ from elastic.train.step import StepMismatchError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Agreed", "BoundaryAgreement", "DeferredAgreement", "ImmediateAgreement", "check_steps", "checked_flags"]
+__all__ = [
+    "Agreed",
+    "BoundaryAgreement",
+    "DeferredAgreement",
+    "ImmediateAgreement",
+    "check_steps",
+    "checked_flags",
+    "replicas_agreement",
+]
 
 #: this rank's view of the boundary now (computed when the agreement is made or started)
 LocalFlags = Callable[[], BoundaryFlags]
@@ -146,6 +154,14 @@ class DeferredAgreement(BoundaryAgreement):
         if self._pending is not None:
             logger.debug("the agreement of step %d is dropped unread", self._pending.step)
         self._pending = None
+
+
+def replicas_agreement(world_size: int, device: torch.device, group: Callable[[], Any]) -> BoundaryAgreement:
+    """The agreement of replicas whose gradient all-reduce meets every rank once per step (DDP, in restart mode: the
+    loop's, or a framework's): deferred, but for a world of one (nothing to agree on)."""
+    if world_size == 1:
+        return ImmediateAgreement(device, group)
+    return DeferredAgreement(device, group)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic.checkpoint.state import TrainingState
 from elastic.live.grads import broadcast_module
-from elastic.train.agreement import BoundaryAgreement, DeferredAgreement
+from elastic.train.agreement import BoundaryAgreement, replicas_agreement
 from elastic.train.collectives import HostCollectives
 from elastic.train.config import ElasticConfig
 from elastic.train.strategy import LoopParts, ParallelStrategy, RestartRecovery, capture_replicated
@@ -61,9 +61,7 @@ class DDPStrategy(ParallelStrategy):
     def agreement(self, host: HostCollectives, world_size: int) -> BoundaryAgreement:
         """Overlapped with the next step (:class:`~elastic.train.agreement.DeferredAgreement`): DDP's gradient
         all-reduce already meets every rank once per step; a world of one has nothing to agree on."""
-        if world_size == 1:
-            return super().agreement(host, world_size)
-        return DeferredAgreement(host.device, host.group)
+        return replicas_agreement(world_size, host.device, host.group)
 
     def no_sync(self) -> AbstractContextManager[Any]:
         assert self._model is not None
