@@ -73,9 +73,14 @@ def main() -> None:
             own = res["elastic"]["adapter_cpu_ms_per_step"]
             share = own / 1000 * res["elastic"]["steps_per_cpu_s"]
             rounds.append(
-                {"plain": res["plain"], "elastic": res["elastic"], "ratio": ratio, "ratio_cpu": ratio_cpu,
-                 "adapter_share": share}
-            )  # fmt: skip
+                {
+                    "plain": res["plain"],
+                    "elastic": res["elastic"],
+                    "ratio": ratio,
+                    "ratio_cpu": ratio_cpu,
+                    "adapter_share": share,
+                }
+            )
             print(
                 f"round {r + 1}: plain {res['plain']['steps_per_s']:.2f} steps/s "
                 f"({res['plain']['steps_per_cpu_s']:.2f} per CPU-s), elastic {res['elastic']['steps_per_s']:.2f} "

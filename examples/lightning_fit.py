@@ -67,8 +67,15 @@ def main() -> None:
     )
     trainer.fit(Digits(args.lr), data)
     if trainer.is_global_zero:
-        print(json.dumps({"step": trainer.global_step, "epoch": trainer.current_epoch,
-                          "loss": float(trainer.callback_metrics["loss"])}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "step": trainer.global_step,
+                    "epoch": trainer.current_epoch,
+                    "loss": float(trainer.callback_metrics["loss"]),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

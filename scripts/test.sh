@@ -36,7 +36,9 @@ unset PYTHONDONTWRITEBYTECODE
 # ruff and mypy run beside the suite (a serial suite leaves one of two cores mostly idle; mypy's ~1 CPU-minute
 # then costs no wall time); their output comes after the suite's, and either failing fails the run.
 lint_log=$(mktemp)
-( echo "== ruff"; $PY -m ruff check elastic service tests bench examples && echo "== mypy" && $PY -m mypy ) \
+# `ruff format --check`: the layout is ruff's (docs: README "Development"); `ruff format` fixes it.
+( echo "== ruff"; $PY -m ruff check elastic service tests bench examples \
+  && $PY -m ruff format --check elastic service tests bench examples && echo "== mypy" && $PY -m mypy ) \
   >"$lint_log" 2>&1 &
 lint=$!
 # Under CI (or COMPAT=1) the torch compatibility run follows the suite: its torch wheels (several GB of CUDA builds)

@@ -56,18 +56,35 @@ class ElasticAccelerate:
     """
 
     def __init__(
-        self, accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: Sized,
-        policy: LRPolicy | ElasticConfig, *, checkpoint_url: str | None = None, scheduler: Any = None,
-        state: dict[str, Any] | None = None, save_every_steps: int | None = 50,
+        self,
+        accelerator: Accelerator,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data: Sized,
+        policy: LRPolicy | ElasticConfig,
+        *,
+        checkpoint_url: str | None = None,
+        scheduler: Any = None,
+        state: dict[str, Any] | None = None,
+        save_every_steps: int | None = 50,
         save_every_seconds: timedelta | None = None,
         on_step: Callable[[StepInfo], None] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if accelerator.gradient_accumulation_steps != 1:
-            raise ValueError("create the Accelerator without gradient_accumulation_steps: the LR policy's step plan "
-                             "sets the micro-batches of each step for the world")  # fmt: skip
-        config = policy if isinstance(policy, ElasticConfig) else ElasticConfig(
-            policy, checkpoint_url=checkpoint_url, save_every_steps=save_every_steps,
-            save_every_seconds=save_every_seconds)
+            raise ValueError(
+                "create the Accelerator without gradient_accumulation_steps: the LR policy's step plan "
+                "sets the micro-batches of each step for the world"
+            )
+        config = (
+            policy
+            if isinstance(policy, ElasticConfig)
+            else ElasticConfig(
+                policy,
+                checkpoint_url=checkpoint_url,
+                save_every_steps=save_every_steps,
+                save_every_seconds=save_every_seconds,
+            )
+        )
         self.accelerator = accelerator
         self.model = model
         self.session = BoundarySession(config, len(data), accelerator.device, on_step=on_step)
@@ -87,14 +104,17 @@ class ElasticAccelerate:
         """Committed steps."""
         return self.session.step
 
-    def steps(self, loader: torch.utils.data.DataLoader, *, epochs: int | None = None,
-              max_steps: int | None = None) -> Iterator[Step]:  # fmt: skip
+    def steps(
+        self, loader: torch.utils.data.DataLoader, *, epochs: int | None = None, max_steps: int | None = None
+    ) -> Iterator[Step]:
         """Yield each optimizer step (a :class:`Step`: iterate it for the micro-batches, then step the optimizer);
         a step commits when the next one is asked for. Ends after ``epochs`` (the cursor's) or ``max_steps``
         committed steps, whichever first; the last step is then saved (unless saved) and the snapshots flushed."""
         if loader.batch_sampler is not self.session.batch_sampler:
-            raise ValueError("the DataLoader must use batch_sampler=elastic.batch_sampler (and not be prepared by "
-                             "accelerate, which would shard it again)")  # fmt: skip
+            raise ValueError(
+                "the DataLoader must use batch_sampler=elastic.batch_sampler (and not be prepared by "
+                "accelerate, which would shard it again)"
+            )
         if epochs is None and max_steps is None:
             raise ValueError("give epochs or max_steps")
         s = self.session
@@ -116,7 +136,8 @@ class ElasticAccelerate:
     def _done(self, epochs: int | None, max_steps: int | None) -> bool:
         s = self.session
         return (max_steps is not None and s.step >= max_steps) or (
-            epochs is not None and s.cursor.sampler.epoch >= epochs)  # fmt: skip
+            epochs is not None and s.cursor.sampler.epoch >= epochs
+        )
 
     def close(self) -> None:
         """Leave early (the snapshots flushed; a finished :meth:`steps` closes by itself)."""

@@ -54,8 +54,18 @@ logger = logging.getLogger(__name__)
 __all__ = ["ElasticCallback", "make_elastic"]
 
 #: the ``TrainerState`` fields a snapshot carries (the rest are the run's settings, recomputed by each start)
-_STATE_FIELDS = ("global_step", "epoch", "log_history", "total_flos", "num_input_tokens_seen", "best_metric",
-                 "best_global_step", "best_model_checkpoint", "trial_name", "trial_params")  # fmt: skip
+_STATE_FIELDS = (
+    "global_step",
+    "epoch",
+    "log_history",
+    "total_flos",
+    "num_input_tokens_seen",
+    "best_metric",
+    "best_global_step",
+    "best_model_checkpoint",
+    "trial_name",
+    "trial_params",
+)
 
 
 def make_elastic(
@@ -89,28 +99,46 @@ def make_elastic(
     if config is None:
         if policy is None:
             if base_world_size is None:
-                raise ValueError("make_elastic needs base_world_size (the world the arguments' batch and LR are "
-                                 "meant for) or a policy")  # fmt: skip
-            policy = LRPolicy(LRRule.FIXED_GLOBAL_BATCH, args.learning_rate, base_world_size,
-                              args.per_device_train_batch_size,
-                              accumulation_steps=args.gradient_accumulation_steps)  # fmt: skip
+                raise ValueError(
+                    "make_elastic needs base_world_size (the world the arguments' batch and LR are "
+                    "meant for) or a policy"
+                )
+            policy = LRPolicy(
+                LRRule.FIXED_GLOBAL_BATCH,
+                args.learning_rate,
+                base_world_size,
+                args.per_device_train_batch_size,
+                accumulation_steps=args.gradient_accumulation_steps,
+            )
         seed = args.data_seed if args.data_seed is not None else args.seed
-        config = ElasticConfig(policy, checkpoint_url=checkpoint_url, save_every_steps=save_every_steps,
-                               save_every_seconds=save_every_seconds, seed=seed)
+        config = ElasticConfig(
+            policy,
+            checkpoint_url=checkpoint_url,
+            save_every_steps=save_every_steps,
+            save_every_seconds=save_every_seconds,
+            seed=seed,
+        )
     elif policy is not None or checkpoint_url is not None:
         raise ValueError("give config, or policy/checkpoint_url, not both")
     dataset = trainer.train_dataset
     if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
-        raise ValueError("make_elastic needs a map-style train_dataset (with __len__): the elastic sampler chooses "
-                         "each step's samples by index")  # fmt: skip
+        raise ValueError(
+            "make_elastic needs a map-style train_dataset (with __len__): the elastic sampler chooses "
+            "each step's samples by index"
+        )
     if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
-        raise ValueError("make_elastic supports replicated (DDP) training: FSDP and DeepSpeed shard the state, "
-                         "which its snapshots do not (the loop's own ElasticTrainer(parallelize=) does)")  # fmt: skip
+        raise ValueError(
+            "make_elastic supports replicated (DDP) training: FSDP and DeepSpeed shard the state, "
+            "which its snapshots do not (the loop's own ElasticTrainer(parallelize=) does)"
+        )
     if not getattr(args, "dataloader_in_order", True):
         raise ValueError("dataloader_in_order=False: the loader must serve the micro-batches in the sampler's order")
     if trainer.compute_loss_func is not None:
-        warnings.warn("make_elastic: compute_loss_func normalises the loss itself; the loop's per-sample weights of "
-                      "uneven micro-batches are not applied to it", stacklevel=2)  # fmt: skip
+        warnings.warn(
+            "make_elastic: compute_loss_func normalises the loss itself; the loop's per-sample weights of "
+            "uneven micro-batches are not applied to it",
+            stacklevel=2,
+        )
     session = BoundarySession(config, len(dataset), args.device, on_step=on_step)
     plan = session.plan
     # the step plan for this world: the Trainer reads both each time it needs them
@@ -118,9 +146,15 @@ def make_elastic(
     args.gradient_accumulation_steps = plan.accumulation_steps
     trainer._train_batch_size = plan.micro_batch
     trainer.model_accepts_loss_kwargs = False  # the loop's per-sample weights, not num_items_in_batch
-    logger.info("elastic: world %d, global batch %d = %d x %d micro-batches of %d per rank; LR factor %.4g",
-                session.world_size, plan.global_batch, session.world_size, plan.accumulation_steps, plan.micro_batch,
-                session.lr_factor)  # fmt: skip
+    logger.info(
+        "elastic: world %d, global batch %d = %d x %d micro-batches of %d per rank; LR factor %.4g",
+        session.world_size,
+        plan.global_batch,
+        session.world_size,
+        plan.accumulation_steps,
+        plan.micro_batch,
+        session.lr_factor,
+    )
     trainer.__class__ = _elastic_class(type(trainer))
     trainer._elastic = session  # type: ignore[attr-defined]
     trainer._elastic_factor = None  # type: ignore[attr-defined]
@@ -149,16 +183,21 @@ class _ElasticTrainer(Trainer):
         workers = args.dataloader_num_workers
         generator = torch.Generator().manual_seed(self._elastic.config.seed)  # never draws from the global RNG
         return DataLoader(
-            dataset, batch_sampler=self._elastic.batch_sampler, collate_fn=collator, num_workers=workers,
+            dataset,
+            batch_sampler=self._elastic.batch_sampler,
+            collate_fn=collator,
+            num_workers=workers,
             pin_memory=args.dataloader_pin_memory,
             persistent_workers=args.dataloader_persistent_workers and workers > 0,
             prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
             multiprocessing_context=args.dataloader_multiprocessing_context if workers > 0 else None,
-            worker_init_fn=partial(seed_worker, num_workers=workers, rank=args.process_index), generator=generator,
-        )  # fmt: skip
+            worker_init_fn=partial(seed_worker, num_workers=workers, rank=args.process_index),
+            generator=generator,
+        )
 
-    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
-                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:  # fmt: skip
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
         micro = self._elastic.next_micro_batch()
         # the Trainer divides a micro-batch's mean loss by its accumulation steps: the loop's weight in its place
         self._elastic_factor = micro.weight * self.current_gradient_accumulation_steps
@@ -167,8 +206,13 @@ class _ElasticTrainer(Trainer):
         finally:
             self._elastic_factor = None
 
-    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
-                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:  # fmt: skip
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         factor = self._elastic_factor
         if factor is None or factor == 1.0:
@@ -180,9 +224,12 @@ class _ElasticTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint:
-            logger.warning("make_elastic: resume_from_checkpoint=%r is ignored: the newest verified snapshot at %s "
-                           "is the resume point", resume_from_checkpoint,
-                           self._elastic.checkpoints.manager.url if self._elastic.checkpoints.manager else None)
+            logger.warning(
+                "make_elastic: resume_from_checkpoint=%r is ignored: the newest verified snapshot at %s "
+                "is the resume point",
+                resume_from_checkpoint,
+                self._elastic.checkpoints.manager.url if self._elastic.checkpoints.manager else None,
+            )
         try:
             return super().train(None, *args, **kwargs)
         except BaseException:
@@ -225,8 +272,9 @@ class ElasticCallback(TrainerCallback):
         self._trainer = trainer
         self._session = session
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:  # fmt: skip
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         t, s = self._trainer, self._session
         optimizer = t.optimizer
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
@@ -237,14 +285,18 @@ class ElasticCallback(TrainerCallback):
             state.epoch = _epoch(s)
             t._globalstep_last_logged = s.step  # the Trainer's loss logging counts from here
             t._initial_global_step = s.step
-            logger.info("elastic: resumed at step %d (epoch %d, sample %d of it) from the %s snapshot", s.step,
-                        s.cursor.sampler.epoch, s.cursor.sampler.position, s.resumed_from)  # fmt: skip
+            logger.info(
+                "elastic: resumed at step %d (epoch %d, sample %d of it) from the %s snapshot",
+                s.step,
+                s.cursor.sampler.epoch,
+                s.cursor.sampler.position,
+                s.resumed_from,
+            )
             if _ended(args, s):  # the snapshot is of the run's end: serve nothing (the Trainer then stops)
                 s.batch_sampler.finished = True
                 control.should_training_stop = True
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:  # fmt: skip
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         s = self._session
         s.commit()
         if state.global_step != s.step:
@@ -253,8 +305,9 @@ class ElasticCallback(TrainerCallback):
         if _ended(args, s):  # the epochs are the cursor's (a resumed run starts mid-epoch)
             control.should_training_stop = True
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:  # fmt: skip
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._session.finish()
 
 

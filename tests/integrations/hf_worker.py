@@ -49,8 +49,16 @@ class Sequences(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 def make_model(seed: int) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -70,8 +78,11 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--accelerate", action="store_true", help="the script's own loop with an Accelerator "
-                   "(elastic/integrations/accelerate.py) instead of the Trainer")  # fmt: skip
+    p.add_argument(
+        "--accelerate",
+        action="store_true",
+        help="the script's own loop with an Accelerator (elastic/integrations/accelerate.py) instead of the Trainer",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     args.record.mkdir(parents=True, exist_ok=True)
@@ -84,30 +95,58 @@ def main() -> None:
         run_accelerate(args, data, model, restart, attempt)
         return
     targs = TrainingArguments(
-        output_dir=str(args.record / "hf-out"), per_device_train_batch_size=args.batch,
-        gradient_accumulation_steps=args.accumulation, learning_rate=args.lr, num_train_epochs=args.epochs,
-        max_steps=args.steps, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, save_strategy="no",
-        logging_steps=1000, report_to="none", seed=args.seed, use_cpu=True, disable_tqdm=True,
+        output_dir=str(args.record / "hf-out"),
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.accumulation,
+        learning_rate=args.lr,
+        num_train_epochs=args.epochs,
+        max_steps=args.steps,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        save_strategy="no",
+        logging_steps=1000,
+        report_to="none",
+        seed=args.seed,
+        use_cpu=True,
+        disable_tqdm=True,
         dataloader_num_workers=0,
-    )  # fmt: skip
+    )
     trainer = Trainer(model=model, args=targs, train_dataset=data)
     rank = targs.process_index
     log = args.record / f"rank{rank}.jsonl"
 
     def on_step(info: StepInfo) -> None:
         plan = policy.step_plan(info.world_size)
-        record = {"step": info.step, "epoch": info.epoch, "rank": info.rank, "world": info.world_size,
-                  "lr": info.lr, "indices": list(info.indices), "global_batch": plan.global_batch,
-                  "accumulation": targs.gradient_accumulation_steps, "restart": restart, "t": time.time(),
-                  "attempt": attempt, "pid": os.getpid()}  # fmt: skip
+        record = {
+            "step": info.step,
+            "epoch": info.epoch,
+            "rank": info.rank,
+            "world": info.world_size,
+            "lr": info.lr,
+            "indices": list(info.indices),
+            "global_batch": plan.global_batch,
+            "accumulation": targs.gradient_accumulation_steps,
+            "restart": restart,
+            "t": time.time(),
+            "attempt": attempt,
+            "pid": os.getpid(),
+        }
         with open(log, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    policy = LRPolicy(LRRule(args.lr_rule), args.lr, args.base_world, args.batch, warmup_steps=args.warmup,
-                      accumulation_steps=args.accumulation)  # fmt: skip
+    policy = LRPolicy(
+        LRRule(args.lr_rule),
+        args.lr,
+        args.base_world,
+        args.batch,
+        warmup_steps=args.warmup,
+        accumulation_steps=args.accumulation,
+    )
     # the one elastic line
-    make_elastic(trainer, checkpoint_url=args.checkpoint_url, policy=policy, save_every_steps=args.save_every,
-                 on_step=on_step)  # fmt: skip
+    make_elastic(
+        trainer, checkpoint_url=args.checkpoint_url, policy=policy, save_every_steps=args.save_every, on_step=on_step
+    )
 
     if args.step_sleep > 0:
 
@@ -122,8 +161,9 @@ def main() -> None:
         final(args, data, trainer.accelerator.unwrap_model(trainer.model_wrapped), trainer.state.global_step)
 
 
-def run_accelerate(args: argparse.Namespace, data: Sequences, model: GPT2LMHeadModel, restart: int,
-                   attempt: str) -> None:  # fmt: skip
+def run_accelerate(
+    args: argparse.Namespace, data: Sequences, model: GPT2LMHeadModel, restart: int, attempt: str
+) -> None:
     """The same training as the Trainer's (AdamW, linear decay to 0 over the run's steps, no clipping) in a loop of
     the script's own with an ``Accelerator``."""
     from accelerate import Accelerator
@@ -131,8 +171,14 @@ def run_accelerate(args: argparse.Namespace, data: Sequences, model: GPT2LMHeadM
     from elastic.integrations.accelerate import ElasticAccelerate
 
     accelerator = Accelerator(cpu=True)
-    policy = LRPolicy(LRRule(args.lr_rule), args.lr, args.base_world, args.batch, warmup_steps=args.warmup,
-                      accumulation_steps=args.accumulation)  # fmt: skip
+    policy = LRPolicy(
+        LRRule(args.lr_rule),
+        args.lr,
+        args.base_world,
+        args.batch,
+        warmup_steps=args.warmup,
+        accumulation_steps=args.accumulation,
+    )
     steps_per_epoch = -(-len(data) // policy.step_plan(1).global_batch)
     total = args.steps if args.steps > 0 else int(steps_per_epoch * args.epochs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -143,15 +189,34 @@ def run_accelerate(args: argparse.Namespace, data: Sequences, model: GPT2LMHeadM
 
     def on_step(info: StepInfo) -> None:
         plan = policy.step_plan(info.world_size)
-        record = {"step": info.step, "epoch": info.epoch, "rank": info.rank, "world": info.world_size,
-                  "lr": info.lr, "indices": list(info.indices), "global_batch": plan.global_batch,
-                  "accumulation": plan.accumulation_steps, "restart": restart, "t": time.time(),
-                  "attempt": attempt, "pid": os.getpid()}  # fmt: skip
+        record = {
+            "step": info.step,
+            "epoch": info.epoch,
+            "rank": info.rank,
+            "world": info.world_size,
+            "lr": info.lr,
+            "indices": list(info.indices),
+            "global_batch": plan.global_batch,
+            "accumulation": plan.accumulation_steps,
+            "restart": restart,
+            "t": time.time(),
+            "attempt": attempt,
+            "pid": os.getpid(),
+        }
         with open(log, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    elastic = ElasticAccelerate(accelerator, model, optimizer, data, policy, checkpoint_url=args.checkpoint_url,
-                                scheduler=scheduler, save_every_steps=args.save_every, on_step=on_step)  # fmt: skip
+    elastic = ElasticAccelerate(
+        accelerator,
+        model,
+        optimizer,
+        data,
+        policy,
+        checkpoint_url=args.checkpoint_url,
+        scheduler=scheduler,
+        save_every_steps=args.save_every,
+        on_step=on_step,
+    )
     loader = torch.utils.data.DataLoader(data, batch_sampler=elastic.batch_sampler)
     for step in elastic.steps(loader, max_steps=total):
         for batch in step:

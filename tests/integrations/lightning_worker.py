@@ -44,8 +44,16 @@ def make_dataset(n: int, seed: int = 1234) -> TensorDataset:
 class TinyNet(L.LightningModule):
     """16 -> hidden -> 4 with dropout, SGD with momentum; remembers the ids it trained on (padding excluded)."""
 
-    def __init__(self, lr: float, seed: int, dropout: float, hidden: int = 32, data: TensorDataset | None = None,
-                 batch: int = 8, workers: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        lr: float,
+        seed: int,
+        dropout: float,
+        hidden: int = 32,
+        data: TensorDataset | None = None,
+        batch: int = 8,
+        workers: int = 0,
+    ) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.net = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 4))
@@ -69,8 +77,13 @@ class TinyNet(L.LightningModule):
 
     def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
         assert self.data is not None
-        return DataLoader(self.data, batch_size=self.batch, shuffle=True, num_workers=self.workers,
-                          persistent_workers=self.workers > 0)  # fmt: skip
+        return DataLoader(
+            self.data,
+            batch_size=self.batch,
+            shuffle=True,
+            num_workers=self.workers,
+            persistent_workers=self.workers > 0,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,10 +119,21 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_step(info: StepInfo) -> None:
         trainer = model.trainer
-        record = {"step": info.step, "epoch": info.epoch, "rank": info.rank, "world": info.world_size,
-                  "lr": info.lr, "loss": info.loss, "indices": list(info.indices), "seen": model.seen,
-                  "accumulation": trainer.accumulate_grad_batches, "restart": restart, "attempt": attempt,
-                  "t": time.time(), "pid": os.getpid()}  # fmt: skip
+        record = {
+            "step": info.step,
+            "epoch": info.epoch,
+            "rank": info.rank,
+            "world": info.world_size,
+            "lr": info.lr,
+            "loss": info.loss,
+            "indices": list(info.indices),
+            "seen": model.seen,
+            "accumulation": trainer.accumulate_grad_batches,
+            "restart": restart,
+            "attempt": attempt,
+            "t": time.time(),
+            "pid": os.getpid(),
+        }
         model.seen = []
         if not log:
             log.append(args.record / f"rank{info.rank}.{os.getpid()}.jsonl")
@@ -130,15 +154,32 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from elastic.integrations.lightning import ElasticDDPStrategy
 
-        policy = LRPolicy(LRRule(args.lr_rule), args.lr, args.base_world, args.batch, warmup_steps=args.warmup,
-                          accumulation_steps=args.accum)  # fmt: skip
-        config = ElasticConfig(policy, args.checkpoint_url, save_every_steps=args.save_every or None, seed=args.seed,
-                               progress_every=0)  # fmt: skip
+        policy = LRPolicy(
+            LRRule(args.lr_rule),
+            args.lr,
+            args.base_world,
+            args.batch,
+            warmup_steps=args.warmup,
+            accumulation_steps=args.accum,
+        )
+        config = ElasticConfig(
+            policy, args.checkpoint_url, save_every_steps=args.save_every or None, seed=args.seed, progress_every=0
+        )
         strategy = ElasticDDPStrategy(config, on_step=on_step)
         devices, nodes = 1, 1
-    trainer = L.Trainer(accelerator="cpu", devices=devices, num_nodes=nodes, strategy=strategy,
-                        max_epochs=args.epochs, max_steps=args.max_steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=nodes,
+        strategy=strategy,
+        max_epochs=args.epochs,
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     started = time.perf_counter()
     trainer.fit(model)
     elapsed = time.perf_counter() - started
@@ -149,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
             loss = float(F.cross_entropy(model(x), y))
         params = {k: v.detach().clone() for k, v in model.state_dict().items()}
         torch.save(params, args.record / "final_params.pt")
-        (args.record / "final.json").write_text(json.dumps({"loss": loss, "step": trainer.global_step,
-                                                            "fit_seconds": elapsed}))  # fmt: skip
+        (args.record / "final.json").write_text(
+            json.dumps({"loss": loss, "step": trainer.global_step, "fit_seconds": elapsed})
+        )
     return 0
 
 

@@ -21,11 +21,23 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
 
 def _run(etcd: LocalEtcdCluster, tmp: Path, max_steps: int) -> subprocess.CompletedProcess[str]:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
-        "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoints}", f"--rdzv-id=hf-ex-{uuid.uuid4().hex[:6]}",
-        str(EXAMPLE), "--checkpoint-url", str(tmp / "ck"), "--output-dir", str(tmp / "out"),
-        "--max-steps", str(max_steps),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--rdzv-backend=etcd-v3",
+        f"--rdzv-endpoint={etcd.endpoints}",
+        f"--rdzv-id=hf-ex-{uuid.uuid4().hex[:6]}",
+        str(EXAMPLE),
+        "--checkpoint-url",
+        str(tmp / "ck"),
+        "--output-dir",
+        str(tmp / "out"),
+        "--max-steps",
+        str(max_steps),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp)
 

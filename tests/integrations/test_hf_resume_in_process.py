@@ -31,21 +31,31 @@ def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _trainer_run(tmp: Path, ck: Path, max_steps: int, sigterm_at: int = 0,
-                 save_every: int = 4) -> tuple[dict[str, torch.Tensor], list[StepInfo]]:  # fmt: skip
+def _trainer_run(
+    tmp: Path, ck: Path, max_steps: int, sigterm_at: int = 0, save_every: int = 4
+) -> tuple[dict[str, torch.Tensor], list[StepInfo]]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from elastic.integrations.hf import make_elastic
 
     steps: list[StepInfo] = []
     args = TrainingArguments(
-        output_dir=str(tmp / "hf-out"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATION,
-        learning_rate=LR, max_steps=max_steps, lr_scheduler_type="constant", save_strategy="no", report_to="none",
-        use_cpu=True, disable_tqdm=True, logging_steps=1000,
-    )  # fmt: skip
+        output_dir=str(tmp / "hf-out"),
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUMULATION,
+        learning_rate=LR,
+        max_steps=max_steps,
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1000,
+    )
     trainer = Trainer(model=make_model(0), args=args, train_dataset=Sequences(SAMPLES))
-    make_elastic(trainer, checkpoint_url=str(ck), base_world_size=BASE_WORLD, save_every_steps=save_every,
-                 on_step=steps.append)  # fmt: skip
+    make_elastic(
+        trainer, checkpoint_url=str(ck), base_world_size=BASE_WORLD, save_every_steps=save_every, on_step=steps.append
+    )
 
     class Notice(TrainerCallback):
         def on_optimizer_step(self, *args: Any, **kwargs: Any) -> None:  # inside the step, before its boundary
@@ -58,8 +68,9 @@ def _trainer_run(tmp: Path, ck: Path, max_steps: int, sigterm_at: int = 0,
     return _params(trainer.accelerator.unwrap_model(trainer.model_wrapped)), steps
 
 
-def _accelerate_run(ck: Path, max_steps: int, sigterm_at: int = 0,
-                    save_every: int = 4) -> tuple[dict[str, torch.Tensor], list[StepInfo]]:  # fmt: skip
+def _accelerate_run(
+    ck: Path, max_steps: int, sigterm_at: int = 0, save_every: int = 4
+) -> tuple[dict[str, torch.Tensor], list[StepInfo]]:
     from accelerate import Accelerator
 
     from elastic.integrations.accelerate import ElasticAccelerate
@@ -71,8 +82,17 @@ def _accelerate_run(ck: Path, max_steps: int, sigterm_at: int = 0,
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     model, optimizer = accelerator.prepare(model, optimizer)
-    elastic = ElasticAccelerate(accelerator, model, optimizer, data, POLICY, checkpoint_url=str(ck),
-                                scheduler=scheduler, save_every_steps=save_every, on_step=steps.append)  # fmt: skip
+    elastic = ElasticAccelerate(
+        accelerator,
+        model,
+        optimizer,
+        data,
+        POLICY,
+        checkpoint_url=str(ck),
+        scheduler=scheduler,
+        save_every_steps=save_every,
+        on_step=steps.append,
+    )
     loader = torch.utils.data.DataLoader(data, batch_sampler=elastic.batch_sampler)
     for step in elastic.steps(loader, max_steps=max_steps):
         assert step.accumulation == ACCUMULATION * BASE_WORLD

@@ -38,21 +38,49 @@ PRELOAD = "torch,torch.distributed,torch.nn.parallel,torch.distributed.run,trans
 SAMPLES, EPOCHS, BATCH, ACCUMULATION, LR, BASE_WORLD, WARMUP = 96, 3, 2, 2, 3e-3, 2, 2
 
 
-def _agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnodes: str, nproc: int,
-           args: list[str]) -> TorchrunAgent:  # fmt: skip
+def _agent(
+    tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnodes: str, nproc: int, args: list[str]
+) -> TorchrunAgent:
     cmd = torchrun_command(
-        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
-        rdzv_conf={"last_call_timeout": 1}, max_restarts=5, script=WORKER, script_args=args, prefork=True,
-    )  # fmt: skip
+        backend="etcd-v3",
+        endpoint=etcd.endpoints,
+        run_id=run_id,
+        nnodes=nnodes,
+        nproc=nproc,
+        rdzv_conf={"last_call_timeout": 1},
+        max_restarts=5,
+        script=WORKER,
+        script_args=args,
+        prefork=True,
+    )
     env = {"LOGLEVEL": "WARNING", PREFORK_PRELOAD: PRELOAD, **OFFLINE}
     return TorchrunAgent(cmd, tmp / f"{name}.log", env=env, forked=True).start()
 
 
 def _args(tmp: Path, name: str, *extra: str) -> list[str]:
-    return ["--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--batch", str(BATCH), "--lr", str(LR),
-            "--accumulation", str(ACCUMULATION),
-            "--base-world", str(BASE_WORLD), "--warmup", str(WARMUP), "--save-every", "4",
-            "--checkpoint-url", str(tmp / f"ck-{name}"), "--record", str(tmp / name), *extra]  # fmt: skip
+    return [
+        "--samples",
+        str(SAMPLES),
+        "--epochs",
+        str(EPOCHS),
+        "--batch",
+        str(BATCH),
+        "--lr",
+        str(LR),
+        "--accumulation",
+        str(ACCUMULATION),
+        "--base-world",
+        str(BASE_WORLD),
+        "--warmup",
+        str(WARMUP),
+        "--save-every",
+        "4",
+        "--checkpoint-url",
+        str(tmp / f"ck-{name}"),
+        "--record",
+        str(tmp / name),
+        *extra,
+    ]
 
 
 def _unkilled(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], mode: Sequence[str] = ()) -> Path:
@@ -72,8 +100,9 @@ def _final_loss(rec: Path) -> float:
     return float(json.loads((rec / "final.json").read_text())["loss"])
 
 
-def _assert_policy_and_exactly_once(rec: Path, rule: LRRule = LRRule.FIXED_GLOBAL_BATCH,
-                                    max_steps: int | None = None) -> list[int]:  # fmt: skip
+def _assert_policy_and_exactly_once(
+    rec: Path, rule: LRRule = LRRule.FIXED_GLOBAL_BATCH, max_steps: int | None = None
+) -> list[int]:
     """Every step committed once, by one rank per worker of its world; the policy's global batch (all ranks' samples
     together; the last step of an epoch takes what is left) and accumulation, and the LR (the Trainer's linear decay
     times the policy's factor, with its ramp after each resize) at every step; every sample once per epoch (at most
@@ -137,12 +166,20 @@ def _resize_2_1_2(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]
     return rec
 
 
-def _kill_at_same_world(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent],
-                        mode: Sequence[str] = ()) -> Path:  # fmt: skip
+def _kill_at_same_world(
+    tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], mode: Sequence[str] = ()
+) -> Path:
     """One node of 2 workers, both SIGKILLed mid-run: torchrun restarts them from the last snapshot."""
     rec = tmp / "killed"
-    agent = _agent(tmp, "killed", etcd, f"hf-kill-{uuid.uuid4().hex[:6]}", "1", 2,
-                   _args(tmp, "killed", "--step-sleep", "0.1", *mode))  # fmt: skip
+    agent = _agent(
+        tmp,
+        "killed",
+        etcd,
+        f"hf-kill-{uuid.uuid4().hex[:6]}",
+        "1",
+        2,
+        _args(tmp, "killed", "--step-sleep", "0.1", *mode),
+    )
     agents.append(agent)
     assert wait_until(lambda: max_step(rec) >= 6, 120), agent_logs(agents)
     agent.kill_workers()
@@ -160,8 +197,9 @@ def _assert_bit_identical(ref: Path, rec: Path) -> None:
 
 def _assert_loss_within_2_percent(ref: Path, rec: Path) -> None:
     fixed, resized = _final_loss(ref), _final_loss(rec)
-    print(f"hf 2->1->2: unkilled {fixed:.5f}, killed and resized {resized:.5f}, "
-          f"{100 * (resized - fixed) / fixed:+.2f} %")  # fmt: skip
+    print(
+        f"hf 2->1->2: unkilled {fixed:.5f}, killed and resized {resized:.5f}, {100 * (resized - fixed) / fixed:+.2f} %"
+    )
     assert abs(resized - fixed) <= 0.02 * fixed
 
 
@@ -196,10 +234,12 @@ def test_hf_trainer_linear_rule_2_1_2_rescales_the_lr_with_its_ramp_and_keeps_ev
     assert _assert_policy_and_exactly_once(resized, LRRule.LINEAR, max_steps=40) == [2, 1, 2]
 
 
-def _all_guarantees(tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent],
-                    mode: Sequence[str] = ()) -> None:  # fmt: skip
-    ref_agent = _agent(tmp_path, "ref", etcd_server, f"hf-ref-{uuid.uuid4().hex[:6]}", "1", 2,
-                       _args(tmp_path, "ref", *mode))  # fmt: skip
+def _all_guarantees(
+    tmp_path: Path, etcd_server: LocalEtcdCluster, agents: list[TorchrunAgent], mode: Sequence[str] = ()
+) -> None:
+    ref_agent = _agent(
+        tmp_path, "ref", etcd_server, f"hf-ref-{uuid.uuid4().hex[:6]}", "1", 2, _args(tmp_path, "ref", *mode)
+    )
     agents.append(ref_agent)
     resized = _resize_2_1_2(tmp_path, etcd_server, agents, mode)
     assert_exits_ok(ref_agent, agents, 120)

@@ -37,8 +37,16 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, r
 
 WORKER = str(Path(__file__).with_name("lightning_worker.py"))
 # the agents' shared zygote of their own (a key) imports Lightning once: every worker, restarted or not, starts warm
-PRELOAD = ",".join(["torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.run", "lightning.pytorch",
-                    "elastic.integrations.lightning"])  # fmt: skip
+PRELOAD = ",".join(
+    [
+        "torch",
+        "torch.distributed",
+        "torch.nn.parallel",
+        "torch.distributed.run",
+        "lightning.pytorch",
+        "elastic.integrations.lightning",
+    ]
+)
 
 # 89 samples: an epoch ends with a step of 1 sample, which a world of 2 splits into a micro-batch and a padding one
 SAMPLES, BATCH, LR, BASE_WORLD, WARMUP = 89, 4, 0.05, 2, 2
@@ -48,21 +56,51 @@ SAMPLES, BATCH, LR, BASE_WORLD, WARMUP = 89, 4, 0.05, 2, 2
 DROPOUT = 0.1
 
 
-def _agent(tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnodes: str, nproc: int,
-           args: list[str]) -> TorchrunAgent:  # fmt: skip
+def _agent(
+    tmp: Path, name: str, etcd: LocalEtcdCluster, run_id: str, nnodes: str, nproc: int, args: list[str]
+) -> TorchrunAgent:
     cmd = torchrun_command(
-        backend="etcd-v3", endpoint=etcd.endpoints, run_id=run_id, nnodes=nnodes, nproc=nproc,
-        rdzv_conf={"last_call_timeout": 1}, max_restarts=5, script=WORKER, script_args=args, prefork=True,
-    )  # fmt: skip
+        backend="etcd-v3",
+        endpoint=etcd.endpoints,
+        run_id=run_id,
+        nnodes=nnodes,
+        nproc=nproc,
+        rdzv_conf={"last_call_timeout": 1},
+        max_restarts=5,
+        script=WORKER,
+        script_args=args,
+        prefork=True,
+    )
     env = {"LOGLEVEL": "WARNING", PREFORK_PRELOAD: PRELOAD, PREFORK_KEY: "lightning"}
     return TorchrunAgent(cmd, tmp / f"{name}.log", env=env, forked=True).start()
 
 
 def _args(tmp: Path, name: str, rule: str, epochs: int, dropout: float, *extra: str) -> list[str]:
-    return ["--samples", str(SAMPLES), "--epochs", str(epochs), "--dropout", str(dropout), "--batch", str(BATCH),
-            "--lr", str(LR), "--lr-rule", rule, "--base-world", str(BASE_WORLD), "--warmup", str(WARMUP),
-            "--save-every", "3", "--checkpoint-url", str(tmp / f"ck-{name}"), "--record", str(tmp / name),
-            *extra]  # fmt: skip
+    return [
+        "--samples",
+        str(SAMPLES),
+        "--epochs",
+        str(epochs),
+        "--dropout",
+        str(dropout),
+        "--batch",
+        str(BATCH),
+        "--lr",
+        str(LR),
+        "--lr-rule",
+        rule,
+        "--base-world",
+        str(BASE_WORLD),
+        "--warmup",
+        str(WARMUP),
+        "--save-every",
+        "3",
+        "--checkpoint-url",
+        str(tmp / f"ck-{name}"),
+        "--record",
+        str(tmp / name),
+        *extra,
+    ]
 
 
 def _final_loss(rec: Path) -> float:
@@ -106,8 +144,19 @@ def _resize_2_1_2(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]
     run_id = f"pl-212-{uuid.uuid4().hex[:6]}"
     hold = tmp / "hold-resized"  # the last epoch waits for the kills and the join (however slow the machine)
     hold.touch()
-    args = _args(tmp, "resized", rule, epochs, 0.0, "--step-sleep", "0.1", "--hold-file", str(hold), "--hold-epoch",
-                 str(epochs - 1))  # fmt: skip
+    args = _args(
+        tmp,
+        "resized",
+        rule,
+        epochs,
+        0.0,
+        "--step-sleep",
+        "0.1",
+        "--hold-file",
+        str(hold),
+        "--hold-epoch",
+        str(epochs - 1),
+    )
     a = _agent(tmp, "a", etcd, run_id, "1:2", 1, args)
     b = _agent(tmp, "b", etcd, run_id, "1:2", 1, args)
     agents += [a, b]
@@ -129,14 +178,16 @@ def _resize_2_1_2(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent]
     return rec
 
 
-def _start_killed(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str,
-                  epochs: int) -> TorchrunAgent:  # fmt: skip
+def _start_killed(
+    tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, epochs: int
+) -> TorchrunAgent:
     """One node of 2 workers, to be SIGKILLed mid-run (:func:`_kill_at_same_world`); from its second epoch on it
     waits for the kill."""
     hold = tmp / "hold-killed"
     hold.touch()
-    args = _args(tmp, "killed", rule, epochs, DROPOUT, "--step-sleep", "0.05", "--hold-file", str(hold),
-                 "--hold-epoch", "1")  # fmt: skip
+    args = _args(
+        tmp, "killed", rule, epochs, DROPOUT, "--step-sleep", "0.05", "--hold-file", str(hold), "--hold-epoch", "1"
+    )
     agent = _agent(tmp, "killed", etcd, f"pl-kill-{uuid.uuid4().hex[:6]}", "1", 2, args)
     agents.append(agent)
     return agent
@@ -176,19 +227,25 @@ def _assert_bit_identical(ref: Path, rec: Path) -> None:
 
 def _assert_loss_within_2_percent(ref: Path, rec: Path) -> None:
     fixed, resized = _final_loss(ref), _final_loss(rec)
-    print(f"lightning 2->1->2: unkilled {fixed:.5f}, killed and resized {resized:.5f}, "
-          f"{100 * (resized - fixed) / fixed:+.2f} %")  # fmt: skip
+    print(
+        f"lightning 2->1->2: unkilled {fixed:.5f}, killed and resized {resized:.5f}, "
+        f"{100 * (resized - fixed) / fixed:+.2f} %"
+    )
     assert abs(resized - fixed) <= 0.02 * fixed
 
 
-def _scenario(tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, epochs: int,
-              same_loss: bool = True) -> None:  # fmt: skip
+def _scenario(
+    tmp: Path, etcd: LocalEtcdCluster, agents: list[TorchrunAgent], rule: str, epochs: int, same_loss: bool = True
+) -> None:
     """Four runs side by side: the run killed and resumed at the same world and its unkilled twin (with dropout), the
     resized run and its unkilled twin (without; ``same_loss``: their final losses within 2 %)."""
     refs = []
     for name, dropout in (("ref", 0.0), ("ref-rng", DROPOUT)):
-        refs.append(_agent(tmp, name, etcd, f"pl-{name}-{uuid.uuid4().hex[:6]}", "1", 2,
-                           _args(tmp, name, rule, epochs, dropout)))  # fmt: skip
+        refs.append(
+            _agent(
+                tmp, name, etcd, f"pl-{name}-{uuid.uuid4().hex[:6]}", "1", 2, _args(tmp, name, rule, epochs, dropout)
+            )
+        )
     agents += refs
     killed_agent = _start_killed(tmp, etcd, agents, rule, epochs)
     killed = _kill_at_same_world(tmp, killed_agent, agents)
@@ -234,11 +291,28 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_fit.py"
 def _run_example(etcd: LocalEtcdCluster, nproc: int, args: list[str]) -> dict[str, float]:
     """examples/lightning_fit.py under the README's torchrun command (warm, on the etcd-v3 rendezvous); rank 0's JSON
     line."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
-           "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoints}", f"--rdzv-id=pl-ex-{uuid.uuid4().hex[:6]}",
-           "-m", "elastic.prefork", str(EXAMPLE), *args]  # fmt: skip
-    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", LOGLEVEL="WARNING",
-               **shared_zygote(), **{PREFORK_PRELOAD: PRELOAD, PREFORK_KEY: "lightning"})  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=etcd-v3",
+        f"--rdzv-endpoint={etcd.endpoints}",
+        f"--rdzv-id=pl-ex-{uuid.uuid4().hex[:6]}",
+        "-m",
+        "elastic.prefork",
+        str(EXAMPLE),
+        *args,
+    ]
+    env = dict(
+        os.environ,
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        OMP_NUM_THREADS="1",
+        LOGLEVEL="WARNING",
+        **shared_zygote(),
+        **{PREFORK_PRELOAD: PRELOAD, PREFORK_KEY: "lightning"},
+    )
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=EXAMPLE.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads([ln for ln in done.stdout.splitlines() if ln.startswith("{")][-1])

@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs elastic-train[lightning]")
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, sys, warnings
     import lightning as L
     import torch
@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent('''
     fit("fresh", ElasticDDPStrategy(policy, url)).save_checkpoint(url + "/lightning.ckpt")
     fit("ckpt", ElasticDDPStrategy(policy, url), ckpt_path=url + "/lightning.ckpt")
     print(json.dumps(out))
-''')
+""")
 
 
 @pytest.mark.slow  # ≈ 25 s, most of it Lightning's import
@@ -65,8 +65,13 @@ SCRIPT = textwrap.dedent('''
 def test_lightning_strategy_refuses_what_it_cannot_keep_exactly_once(tmp_path: Path) -> None:
     worker_dir = str(Path(__file__).parent)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETRAIN_")}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ck"), worker_dir], capture_output=True,
-                          text=True, timeout=170, env={**env, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "ck"), worker_dir],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert "Lightning forms and owns the process group" in out["live"]
