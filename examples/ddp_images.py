@@ -36,15 +36,9 @@ def main() -> None:
     model = image_model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True)
     ddp_model = DDP(model)
+    workers = {"num_workers": args.workers, "pin_memory": True, "persistent_workers": args.workers > 0}
     sampler = DistributedSampler(train, seed=args.seed)
-    loader = DataLoader(
-        train,
-        batch_size=args.batch,
-        sampler=sampler,
-        num_workers=args.workers,
-        pin_memory=True,
-        persistent_workers=args.workers > 0,
-    )
+    loader = DataLoader(train, batch_size=args.batch, sampler=sampler, **workers)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         train.set_epoch(epoch)  # the augmentation's seed (see AugmentedImages)

@@ -43,10 +43,9 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True)
     ddp_model = DDP(model)
     config = ElasticConfig(LRPolicy("fixed-global-batch", args.lr, 2, args.batch), save_every_steps=10)
+    workers = {"num_workers": args.workers, "pin_memory": True, "persistent_workers": args.workers > 0}
     sampler = ElasticBatchSampler(train, seed=args.seed)
-    loader = DataLoader(
-        train, batch_sampler=sampler, num_workers=args.workers, pin_memory=True, persistent_workers=args.workers > 0
-    )
+    loader = DataLoader(train, batch_sampler=sampler, **workers)
     trainer = ElasticTrainer(ddp_model, optimizer, loader, config, on_step=record_steps())
     for epoch in range(args.epochs):
         train.set_epoch(epoch)  # the augmentation's seed (see AugmentedImages)
