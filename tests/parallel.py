@@ -79,6 +79,7 @@ HEAVY_PATHS = (
     "tests/test_examples.py",
     "tests/examples/",
     "tests/deploy/test_slurm",
+    "tests/integrations/",
 )
 
 

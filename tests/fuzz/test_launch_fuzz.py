@@ -26,7 +26,8 @@ from service.core.config import AgentSettings, EtcdOptions, Settings
 from service.core.keys import load
 from service.core.models import Assignment, JobSpec, WorkerReport, submit_problems
 
-pytestmark = pytest.mark.timeout(300)
+# one unit of the parallel run: the guard at the end reads what the fuzz test launched in the same process
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("launch_fuzz")]
 
 
 class _Started:

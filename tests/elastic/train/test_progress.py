@@ -123,7 +123,7 @@ _documents = st.fixed_dictionaries(
 ).flatmap(lambda known: st.dictionaries(st.text(max_size=8), _json, max_size=3).map(lambda junk: {**junk, **known}))
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(doc=_documents)
 @example(doc={"step": 1, "world_size": 2, "time": "soon"})
 @example(doc={"step": 1, "world_size": [1, 2], "time": 1.0})

@@ -313,7 +313,7 @@ def _priority_respected(c: Cluster, before: dict[str, list[str]]) -> None:
         assert fits < spec.min_nodes, f"{job_id} (priority {spec.priority}) waits although {fits} nodes would fit it"
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     capacities=hs.lists(hs.integers(1, 2), min_size=1, max_size=5),
     jobs=_jobs,
@@ -382,7 +382,7 @@ def test_property_no_double_booking_min_nodes_kept_priority_respected_everyone_s
             assert f"j{i}" in ever_started, f"j{i} never scheduled though capacity allows: {c.status(f'j{i}')}"
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     nodes=hs.lists(hs.tuples(hs.integers(1, 2), hs.booleans()), min_size=2, max_size=6),  # (capacity, spare)
     jobs=_jobs,
