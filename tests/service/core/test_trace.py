@@ -653,7 +653,7 @@ def _events(draw: st.DrawFn) -> list[Event]:
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(
     events=_events(),
     state=st.sampled_from(list(JobState)),
