@@ -263,9 +263,9 @@ def test_hsdp_2x2_trains_like_ddp_and_its_snapshot_restores_the_same_full_state_
         assert sorted({r["step"] for r in read_records(rec)}) == list(range(11, 11 + world)), world
 
 
-# slow since 2026-12-06 (the suite's 15 minutes): the sharded resize's mechanics stay in the default suite (the 4 -> 2 -> 3
-# resizes with kills, every step once and every sample once per epoch; the snapshot restored at 2, 1 and 3 workers; the
-# same-world resume bit-identical), and the convergence of a resized run in the DDP small form
+# slow since 2026-12-06 (the suite's 15 minutes): the sharded resize's mechanics stay in the default suite (the
+# 4 -> 2 -> 3 resizes with kills, every step once and every sample once per epoch; the snapshot restored at 2, 1 and
+# 3 workers; the same-world resume bit-identical), and the convergence of a resized run in the DDP small form
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp2_resized_run_converges_within_2_percent_of_fixed_world_small_form(
