@@ -9,11 +9,13 @@ per parameter marks its gradient ready while the backward pass runs, and each bu
 (:mod:`elastic.live.buckets`: reverse parameter order, ~25 MiB) is all-reduced asynchronously as soon as it
 and every bucket before it are complete, so communication overlaps the rest of the backward pass as DDP's
 does. The work handles are waited at the step boundary (:meth:`GradientReducer.finish`), where a failure is
-caught as for every other collective of the loop; buckets not complete by then (a parameter unused on this
-rank, a backward that did not go through the wrapper) are launched there, in the same order on every rank.
-Once a step has had a parameter without a gradient, the wrapper looks for unused parameters after every
-forward (the autograd graph from its outputs, as DDP's ``find_unused_parameters``) and marks them ready at
-once, so that one unused layer does not hold back every bucket behind it.
+caught as for every other collective of the loop. As DDP does, each gradient is divided by the world size as it is
+copied into its bucket (one pass), and, as DDP's ``gradient_as_bucket_view``, the averaged gradient is left in the
+bucket: ``param.grad`` is a view into it after the step's all-reduce (no copy back). Buckets not complete by then (a
+parameter unused on this rank, a backward that did not go through the wrapper) are launched there, in the same
+order on every rank. Once a step has had a parameter without a gradient, the wrapper looks for unused parameters
+after every forward (the autograd graph from its outputs, as DDP's ``find_unused_parameters``) and marks them ready
+at once, so that one unused layer does not hold back every bucket behind it.
 
 The reducer holds no process group: each bucket goes to the group current when it launches, and
 :meth:`~GradientReducer.reset` (after a failure, before a re-form) drops the in-flight handles, so nothing
@@ -107,6 +109,8 @@ class GradientReducer:
             for i in bucket.params:
                 self._bucket_of[i] = b
         self._flat: list[torch.Tensor | None] = [None] * len(self.buckets)  # one buffer per bucket, kept
+        self._views: list[list[torch.Tensor] | None] = [None] * len(self.buckets)  # its parameters' views
+        self._scale: float | None = None  # 1 / the world size of this step's all-reduce
         self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
             for i, p in enumerate(self._params)
@@ -165,22 +169,37 @@ class GradientReducer:
             self._next += 1
 
     def _launch(self, b: int) -> None:
-        bucket = self.buckets[b]
-        flat = self._flat[b]
-        if flat is None:
-            flat = self._flat[b] = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
-        for i, offset in zip(bucket.params, bucket.offsets, strict=True):
-            p = self._params[i]
-            view = flat[offset : offset + p.numel()].view(p.shape)
-            if p.grad is None:
+        if self._scale is None:
+            self._scale = 1.0 / dist.get_world_size()
+        views = self._views_of(b)
+        for i, view in zip(self.buckets[b].params, views, strict=True):
+            grad = self._params[i].grad
+            if grad is None:
                 view.zero_()  # unused on this rank: takes part with zeros, gets the average
-            else:
-                view.copy_(p.grad)
+            elif grad is view:  # accumulated in place into last step's average (zero_grad(set_to_none=False))
+                view.mul_(self._scale)
+            else:  # divided while copied into the bucket: one pass, DDP's numerics (mul_out by 1 / world)
+                torch.mul(grad, self._scale, out=view)
+        flat = self._flat[b]
+        assert flat is not None
         self._works.append((b, dist.all_reduce(flat, async_op=True)))
+
+    def _views_of(self, b: int) -> list[torch.Tensor]:
+        """The bucket's buffer (made at its first launch, or again after :meth:`reset` dropped it) and each of its
+        parameters' views into it: what the parameter's gradient becomes once averaged."""
+        views = self._views[b]
+        if views is None:
+            bucket = self.buckets[b]
+            flat = self._flat[b] = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            views = self._views[b] = [
+                flat[offset : offset + self._params[i].numel()].view(self._params[i].shape)
+                for i, offset in zip(bucket.params, bucket.offsets, strict=True)
+            ]
+        return views
 
     # -- the step boundary ---------------------------------------------------------------------------
     def finish(self, world_size: int) -> None:
-        """Launch what is left, wait for every bucket and write the averages into the gradients. A
+        """Launch what is left, wait for every bucket and make the averages the gradients. A
         collective: every rank calls it once per step. Raises what a failed collective raises; the step's
         state is reset either way."""
         try:
@@ -192,6 +211,8 @@ class GradientReducer:
                     "after each forward from now on",
                     self._ready.count(False),
                 )
+            if self._scale is None:  # nothing launched during the backward pass
+                self._scale = 1.0 / world_size
             while self._next < len(self.buckets):
                 self._launch(self._next)
                 self.stats.at_boundary += 1
@@ -199,7 +220,7 @@ class GradientReducer:
             for _, work in self._works:
                 work.wait()
             for b, _ in self._works:
-                self._unpack(b, world_size)
+                self._unpack(b)
             self._works = []  # all done: reset() keeps their buffers
             self.stats.steps += 1
         finally:
@@ -217,18 +238,16 @@ class GradientReducer:
                 "by building a new trainer)"
             )
 
-    def _unpack(self, b: int, world_size: int) -> None:
-        bucket, flat = self.buckets[b], self._flat[b]
-        assert flat is not None
-        for i, offset in zip(bucket.params, bucket.offsets, strict=True):
+    def _unpack(self, b: int) -> None:
+        """The bucket's averages become its parameters' gradients: views into its buffer, no copy (DDP's
+        ``gradient_as_bucket_view``). The next step's backward makes new gradients (``zero_grad()``) or adds into
+        these (``set_to_none=False``); either way :meth:`_launch` writes the bucket before its all-reduce."""
+        views = self._views[b]
+        assert views is not None
+        for i, view in zip(self.buckets[b].params, views, strict=True):
             p = self._params[i]
-            if not p.requires_grad:
-                continue  # frozen since the reducer was built: no gradient (an optimizer then skips it)
-            summed = flat[offset : offset + p.numel()].view(p.shape)
-            if p.grad is None:
-                p.grad = summed / world_size
-            else:
-                torch.div(summed, world_size, out=p.grad)  # the average and its copy in one pass
+            if p.requires_grad:  # one frozen since the reducer was built keeps no gradient (an optimizer skips it)
+                p.grad = view
 
     def reset(self) -> None:
         """Forget the step in progress (its in-flight work handles too): after a failure, before a re-form.
@@ -236,8 +255,14 @@ class GradientReducer:
         lands in a buffer nobody reads)."""
         for b, work in self._works:
             if not work.is_completed():
+                views = self._views[b] or []
+                for i, view in zip(self.buckets[b].params, views, strict=True):
+                    if self._params[i].grad is view:  # a late write must not land in a gradient either
+                        self._params[i].grad = None
                 self._flat[b] = None
+                self._views[b] = None
         self._armed = False
+        self._scale = None
         self._unused = set()
         self._ready = [False] * len(self._params)
         self._missing = [len(b.params) for b in self.buckets]

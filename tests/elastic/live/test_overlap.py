@@ -177,6 +177,89 @@ def test_a_parameter_frozen_later_keeps_no_gradient_and_one_unfrozen_later_is_a_
     late.close()
 
 
+def _aliases(grad: torch.Tensor, buffers: list[torch.Tensor | None]) -> bool:
+    return any(
+        flat is not None and flat.data_ptr() <= grad.data_ptr() < flat.data_ptr() + flat.numel() * flat.element_size()
+        for flat in buffers
+    )
+
+
+def _in_bucket(reducer: GradientReducer, grad: torch.Tensor) -> bool:
+    return _aliases(grad, reducer._flat)
+
+
+@pytest.mark.timeout(60)
+def test_averaged_gradients_are_views_of_the_buckets_under_either_zero_grad(gloo_world_1: None) -> None:
+    """No copy back (DDP's gradient_as_bucket_view): the average is left in the bucket, and the next step's
+    gradients, made anew (set_to_none) or added into the views (set_to_none=False), are what is sent."""
+    net, reference = Net(), Net()
+    reducer = GradientReducer(net, bucket_bytes=4096)
+    model = LiveDataParallel(net, reducer)
+    for step, set_to_none in enumerate((True, False, False, True, False)):
+        net.zero_grad(set_to_none=set_to_none)
+        reference.zero_grad(set_to_none=set_to_none)
+        with model.no_sync():
+            _loss(model, 10 + step, skip_unused=False).backward()
+        _loss(model, step, skip_unused=False).backward()
+        reducer.finish(world_size=1)
+        _loss(reference, 10 + step, skip_unused=False).backward()
+        _loss(reference, step, skip_unused=False).backward()
+        for (name, p), q in zip(net.named_parameters(), reference.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad), f"step {step}: {name}"
+            assert _in_bucket(reducer, p.grad), f"step {step}: {name}'s gradient is a copy, not the bucket's view"
+    reducer.close()
+
+
+def _dropped_step_worker(rank: int, store_path: str, out: str) -> None:
+    """Rank 0 sends its buckets during backward and drops the step (reset) before rank 1 has sent anything; rank 1
+    then sends, so rank 0's abandoned all-reduce completes late, into the buffer it dropped. The ranks signal each
+    other through the store: a barrier would queue behind rank 0's abandoned collectives."""
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        net = Net()
+        reducer = GradientReducer(net, bucket_bytes=1)
+        model = LiveDataParallel(net, reducer)
+        result: dict[str, Any] = {}
+        _loss(model, 0, skip_unused=False).backward()  # a complete step: the gradients are the buckets' views
+        reducer.finish(world_size=2)
+        net.zero_grad(set_to_none=False)  # ... zeroed in place: the next backward adds into the buckets
+        if rank == 0:
+            _loss(model, 1, skip_unused=False).backward()
+            result["in_flight"] = reducer.in_flight
+            works, buffers = list(reducer._works), list(reducer._flat)
+            result["aliased_before"] = sum(p.grad is not None and _aliases(p.grad, buffers) for p in net.parameters())
+            reducer.reset()  # the step is dropped: a late write must land nowhere the loop reads
+            result["grads_left"] = sum(p.grad is not None and _aliases(p.grad, buffers) for p in net.parameters())
+            store.set("dropped", "1")  # rank 1 sends its buckets now
+            for _, work in works:
+                work.wait()  # rank 0's abandoned all-reduces complete, late
+        else:
+            store.wait(["dropped"])
+            _loss(model, 2, skip_unused=False).backward()
+            reducer.finish(world_size=2)  # pairs with rank 0's abandoned buckets
+        net.zero_grad(set_to_none=True)
+        _loss(model, 3 + rank, skip_unused=False).backward()  # the next step, on both ranks
+        reducer.finish(world_size=2)
+        result["grads"] = [p.grad.clone() for p in net.parameters() if p.grad is not None]
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_dropped_step_leaves_no_gradient_in_a_bucket_still_in_flight(tmp_path: Path) -> None:
+    start_ranks(_dropped_step_worker, (str(tmp_path / "store"), str(tmp_path)), 2)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r0["in_flight"] > 0, "nothing was in flight when the step was dropped: the test proves nothing"
+    assert r0["aliased_before"] == 12, "the gradients were not the buckets' views: the test proves nothing"
+    assert r0["grads_left"] == 0, "a gradient still aliased a bucket whose all-reduce was abandoned"
+    assert len(r0["grads"]) == len(r1["grads"]) == 12
+    for i, (a, b) in enumerate(zip(r0["grads"], r1["grads"], strict=True)):
+        assert torch.equal(a, b), f"parameter {i}: the step after the dropped one differs between the ranks"
+
+
 @dataclass
 class _Out:
     prediction: torch.Tensor
@@ -207,7 +290,8 @@ def test_outputs_in_a_dataclass_are_searched_for_the_used_parameters(gloo_world_
 
 # -- two processes: bit for bit the post-backward all-reduce -----------------------------------------------
 def _reference_all_reduce(module: nn.Module, world_size: int, bucket_bytes: int) -> None:
-    """The loop's gradient averaging before the overlap (post-backward, buckets in parameter order)."""
+    """The loop's gradient averaging before the overlap (post-backward, buckets in parameter order), with DDP's
+    numerics (each gradient times 1 / world, then summed)."""
     params = [p for p in module.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
@@ -223,9 +307,8 @@ def _reference_all_reduce(module: nn.Module, world_size: int, bucket_bytes: int)
         size += t.numel() * t.element_size()
     buckets.append(bucket)
     for b in buckets:
-        flat = _flatten_dense_tensors(b)
+        flat = _flatten_dense_tensors(b).mul_(1.0 / world_size)  # divided before the sum, as DDP does
         dist.all_reduce(flat)
-        flat.div_(world_size)
         for g, reduced in zip(b, _unflatten_dense_tensors(flat, b), strict=True):
             g.copy_(reduced)
 
