@@ -163,6 +163,8 @@ def main() -> None:
     p.add_argument("--loader-context", choices=["fork", "forkserver", "spawn"], default="fork")
     p.add_argument("--form", choices=["short", "own"], default="short", help="the elastic loop's form")
     p.add_argument("--sample-spin", type=int, default=0, help="__getitem__'s busy loop, iterations per sample")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--threads", type=int, default=1, help="cpu: torch's threads (0: torch's default)")
     args = p.parse_args()
     if args.mode == "calibrate":
         calibrate(args)
@@ -173,7 +175,8 @@ def main() -> None:
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
-        torch.set_num_threads(1)
+        if args.threads:
+            torch.set_num_threads(args.threads)
         device = torch.device("cpu")
     live = args.mode == "live"
     if not live:  # live mode: the trainer forms the group itself (elastic.live)
@@ -183,7 +186,12 @@ def main() -> None:
         dataset = Costly(dataset, args.sample_spin)
     if not live:
         model = DDP(model, device_ids=[device.index] if cuda else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3 if args.model == "char" else 1e-5)
+    lr = 1e-3 if args.model == "char" else 1e-5
+    optimizer: torch.optim.Optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=lr)
+        if args.optimizer == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=lr)
+    )
     times: list[float] = []
     cpu: list[float] = []
     thread_cpu: list[float] = []  # the main thread's CPU (the rest of the process's is the writer's, hasher's, ...)

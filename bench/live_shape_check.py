@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import itertools
 import json
@@ -80,6 +81,19 @@ def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v > 0}
 
 
+class Repeated:
+    """``size`` samples over a smaller data set (index modulo its length)."""
+
+    def __init__(self, data: Any, size: int) -> None:
+        self._data, self._size = data, size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, i: int) -> Any:
+        return self._data[i % len(self._data)]
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -95,7 +109,19 @@ def worker(args: argparse.Namespace) -> None:
     total = args.warmup + args.steps + 1
     n = args.batch * 2 * total
     g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(n, args.width, generator=g), torch.randn(n, args.width, generator=g))
+    data: Any = TensorDataset(torch.randn(n, args.width, generator=g), torch.randn(n, args.width, generator=g))
+    if args.samples > n:  # a larger data set over the same tensors (the sampler's permutation grows with it)
+        data = Repeated(data, args.samples)
+    gc_s = [0.0, 0.0]  # seconds in the collector during the timed steps, and the start of the current collection
+
+    def on_gc(phase: str, _info: dict[str, Any]) -> None:
+        if len(wall) > args.warmup:
+            if phase == "start":
+                gc_s[1] = time.perf_counter()
+            else:
+                gc_s[0] += time.perf_counter() - gc_s[1]
+
+    gc.callbacks.append(on_gc)
     wall: list[float] = []
     cpu: list[float] = []
     prof = cProfile.Profile() if args.profile else None
@@ -151,6 +177,7 @@ def worker(args: argparse.Namespace) -> None:
             "steps_per_cpu_s": (len(steady_c) - 1) / (steady_c[-1] - steady_c[0]),
             "step_ms": [round((b - a) * 1000, 3) for a, b in itertools.pairwise(steady_w)],
             "threads": torch.get_num_threads(),
+            "gc_s": round(gc_s[0], 4),
             "thread_cpu_s": cpu_delta(threads_at[0], threads_at[1]) if len(threads_at) == 2 else {},
         }
         Path(args.out).write_text(json.dumps(result))
@@ -192,10 +219,13 @@ def run(mode: str, args: argparse.Namespace, etcd: Any, work: Path, profile: str
         "--out",
         str(out),
         *(["--profile", profile] if profile else []),
-        *[f"--{k}={getattr(args, k)}" for k in ("steps", "warmup", "batch", "width", "layers", "threads")],
+        *[f"--{k}={getattr(args, k)}" for k in ("steps", "warmup", "batch", "width", "layers", "threads", "samples")],
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    env.pop("OMP_NUM_THREADS", None)
+    if args.threads:  # OpenMP's pool too, as the benchmark sets it
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    else:  # as torchrun leaves it with one worker per agent
+        env.pop("OMP_NUM_THREADS", None)
     procs = [
         subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(work / f"{mode}.{i}.log", "ab"))
         for i in range(2)
@@ -215,6 +245,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64, help="samples per worker per step")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--samples", type=int, default=0, help="the data set's size (default: what the steps take)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--profile", default=None)

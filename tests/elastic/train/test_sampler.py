@@ -71,3 +71,29 @@ def test_state_for_another_dataset_is_refused() -> None:
     s = ElasticSampler(10, seed=1)
     with pytest.raises(ValueError, match="sampler state"):
         s.load_state_dict(ElasticSampler(11, seed=1).state_dict())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("replacement", [False, True])
+def test_a_large_epoch_order_costs_8_bytes_a_sample_and_nothing_the_collector_walks(replacement: bool) -> None:
+    """The epoch's order is a tensor: a list of 2M ints would take ~72 MB and be one object whose 2M elements the
+    garbage collector visits at each collection of its generation (a 100 ms pause at 10M samples, issue 52)."""
+    import gc
+    import tracemalloc
+
+    import torch
+
+    n = 2_000_000
+    sampler = ElasticSampler(n, seed=3, replacement=replacement)
+    sampler.set_world(1, 2)
+    tracemalloc.start()
+    try:
+        first = sampler.step_indices(8)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, f"{peak} bytes of Python objects for the epoch's order of {n} samples"
+    assert not any(isinstance(o, list) and len(o) >= n for o in gc.get_objects())
+    g = torch.Generator().manual_seed(3)
+    order = torch.randint(n, (n,), generator=g) if replacement else torch.randperm(n, generator=g)
+    assert first == order[4:8].tolist()  # the same order as before: resumed runs read the same samples
