@@ -378,9 +378,13 @@ def nccl_world_1() -> Iterator[torch.device]:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.timeout(120)
-def test_on_cuda_the_overlapped_average_is_the_local_gradient_at_world_1(nccl_world_1: torch.device) -> None:
-    """At world size 1 the average is the gradient itself: any race between the hooks' copies (autograd's
-    stream), NCCL's stream and the copy back would show as a difference, over many steps and small buckets."""
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_on_cuda_the_overlapped_average_is_the_local_gradient_at_world_1(
+    nccl_world_1: torch.device, set_to_none: bool
+) -> None:
+    """At world size 1 the average is the gradient itself: any race between the hooks' copies into the buckets
+    (autograd's stream), NCCL's stream and the gradients left as the buckets' views (the next step's backward adding
+    into them with ``set_to_none=False``) would show as a difference, over many steps and small buckets."""
     device = nccl_world_1
     net, reference = Net(mixed=True).to(device), Net(mixed=True).to(device)
     reducer = GradientReducer(net, bucket_bytes=256)
@@ -397,7 +401,7 @@ def test_on_cuda_the_overlapped_average_is_the_local_gradient_at_world_1(nccl_wo
         for (name, p), q in zip(net.named_parameters(), reference.parameters(), strict=True):
             want = q.grad if q.grad is not None else torch.zeros_like(q)
             assert p.grad is not None and torch.equal(p.grad, want), f"step {step}: {name}"
-        net.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
+        net.zero_grad(set_to_none=set_to_none)
+        reference.zero_grad(set_to_none=set_to_none)
     assert reducer.stats.overlapped > 0
     reducer.close()
