@@ -1,7 +1,8 @@
 """Live mode's gradient all-reduce against torch's DDP inside one 2-rank job, blocks of steps interleaved: where the
 live step's time goes without the run-to-run noise of separate jobs (issue 52).
 
-The same model (issue 52's shape by default: a 4-layer 1024-wide MLP, 64 samples per rank, SGD, MSE) in several
+The same model (issue 52's shape by default: a 4-layer 1024-wide MLP, 64 samples per rank, SGD, MSE; ``--batch 16
+--optimizer adamw``: the loop benchmark's defaults) in several
 copies of identical weights, one per variant, each stepped in turn for ``--block`` steps, ``--blocks`` times:
 
 - ``ddp``: ``DistributedDataParallel`` (its C++ reducer);
@@ -15,7 +16,8 @@ Per variant: the median step time (ms) and CPU ms per step over all its blocks, 
 torchrun, or alone (it starts ``torchrun --standalone --nproc-per-node 2`` on itself). JSON to ``--out`` (default
 ``bench/results/reducer_ab.json``).
 
-    python bench/reducer_ab_bench.py [--blocks 30] [--block 10] [--width 1024] [--layers 4] [--batch 64]
+    python bench/reducer_ab_bench.py [--blocks 30] [--block 10] [--width 1024] [--layers 4] [--batch 64] \
+        [--optimizer sgd|adamw]
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def worker(args: argparse.Namespace) -> None:
         else:
             reducers[v] = GradientReducer(m)
             models[v] = LiveDataParallel(m, reducers[v])
-    opts = {v: torch.optim.SGD(models[v].parameters(), lr=1e-4) for v in variants}
+    make = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
+    opts = {v: make(models[v].parameters(), lr=1e-4) for v in variants}
     g = torch.Generator().manual_seed(1 + rank)
     x, y = torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g)
     flags = torch.zeros(3, dtype=torch.int64)
@@ -116,6 +119,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default=str(HERE / "results" / "reducer_ab.json"))
     args = p.parse_args()

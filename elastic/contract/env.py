@@ -60,6 +60,7 @@ __all__ = [
     "ETCD_USER",
     "ETCD_VARIABLES",
     "GENERATION",
+    "HOST_MALLOC",
     "JOB_ID",
     "JOB_NAME",
     "LIVE_NODES",
@@ -141,6 +142,8 @@ PREFORK_KEY = "ETRAIN_PREFORK_KEY"
 # grace: a dead agent's torchrun gets SIGTERM and stops its workers as it would have); unset: none
 PREFORK_GRACE = "ETRAIN_PREFORK_GRACE"
 PREFORK_CLIENT = "ETRAIN_PREFORK_CLIENT"
+# "0": the loop leaves glibc's malloc thresholds as they are (elastic.train.host_malloc); unset or "1": it sets them
+HOST_MALLOC = "ETRAIN_HOST_MALLOC"
 # "LOW-HIGH": the ports the local test servers take (elastic.testing.ports; each parallel test worker has its own)
 PORT_RANGE = "ETRAIN_PORT_RANGE"
 # -- torchrun's own, for each worker it starts (read only) -------------------------------------------------

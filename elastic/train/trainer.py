@@ -53,6 +53,7 @@ from elastic.train.collectives import leave_process_group, mean_over_workers
 from elastic.train.config import ElasticConfig, LiveOptions, RecoveryMode, StepInfo
 from elastic.train.cursor import TrainingCursor
 from elastic.train.data import StreamData, source_sampler, step_data
+from elastic.train.host_malloc import keep_freed_memory
 from elastic.train.loop_progress import LoopProgress
 from elastic.train.parallel import Parallelize
 from elastic.train.preemption import PreemptionWatcher
@@ -119,6 +120,7 @@ class ElasticTrainer:
             (as :meth:`register_state`).
         """
         compat.check_torch_version()
+        keep_freed_memory()  # a step's multi-MiB temporaries stay mapped (elastic.train.host_malloc)
         self.config = config
         self._on_step = on_step
         self.optimizers = optimizers = as_optimizers(optimizer)
