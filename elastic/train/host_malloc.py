@@ -4,12 +4,12 @@ glibc gives large blocks back to the kernel: a block of at least ``M_MMAP_THRESH
 and unmapped when freed, and the heap's free top is trimmed once it exceeds ``M_TRIM_THRESHOLD``. Both start small
 (128 KiB) and rise only when a large mapped block is freed (glibc's dynamic threshold). A step allocates and frees the
 same multi-MiB tensors every step (matmul outputs, gradients, an optimizer's intermediates); when they go back to the
-kernel, every page of them is faulted in again at the next step. Whether that happened depended on what the process
-happened to free first: DDP's reducer frees its first buckets when it rebuilds them after the first iteration, which
-raised the thresholds; live mode's reducer keeps its buckets, so the thresholds stayed low and a live worker took
+kernel, every page of them is faulted in again at the next step. Whether that happens depends on what the process
+happened to free before (not traced further: DDP's reducer, which replaces its buckets after the first iteration,
+likely frees a large mapped block early; live mode's reducer keeps its buckets), and a live worker took
 5,600 more page faults a step than a DDP one (``perf stat``, issue 52: 1.68 M against 0.29 M over 300 steps of a
-4 x 1024^2 MLP with AdamW), 0.87 of DDP's step rate; with the thresholds set, both took 0.12 M and live mode ran at
-1.12.
+4 x 1024^2 MLP with AdamW, batch 16: 14.3 against 16.6 steps/s); with the thresholds set here, 0.14 M each and
+16.8 against 16.7 steps/s.
 
 :func:`keep_freed_memory` sets them where glibc's dynamic rule would end up at most (``M_MMAP_THRESHOLD`` 32 MiB,
 ``M_TRIM_THRESHOLD`` twice that), so that whatever the process freed first, blocks under 32 MiB are reused and up to
