@@ -1,11 +1,13 @@
-"""The boundary's agreement at the boundary (ImmediateAgreement) against overlapped with the next step
-(DeferredAgreement, what DDP in restart mode uses: elastic/train/agreement.py), inside one job: 2 ranks under
-``torchrun --standalone``, the char transformer fed by a 2-worker DataLoader over an ElasticBatchSampler (the loop's
-short form), the two agreements swapped every ``--block`` steps at the same step on both ranks (``--blocks`` blocks,
-alternating), so that both see the same machine. Prints each block's steps/s (rank 0, wall and per CPU-second) and the
-medians, and writes JSON. A bench, not a test: it swaps the trainer's private agreement object between blocks.
+"""The boundary's agreement at every boundary (ImmediateAgreement), overlapped with the next step at every boundary
+(DeferredAgreement with a zero interval: what DDP in restart mode did until 2026-12-06) and overlapped every few
+boundaries (DeferredAgreement's default ``interval``: what DDP in restart mode uses, elastic/train/agreement.py),
+inside one job: 2 ranks under ``torchrun --standalone``, the char transformer fed by a 2-worker DataLoader over an
+ElasticBatchSampler (the loop's short form), the agreements swapped every ``--block`` steps at the same step on both
+ranks (``--blocks`` blocks, in turn), so that all see the same machine. Prints each block's steps/s (rank 0, wall
+and per CPU-second) and the medians, and writes JSON. A bench, not a test: it swaps the trainer's private agreement
+object between blocks.
 
-    python bench/boundary_agreement_bench.py [--block 150] [--blocks 10] [--json bench/results/boundary_agreement.json]
+    python bench/boundary_agreement_bench.py [--block 150] [--blocks 9] [--json bench/results/boundary_agreement.json]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,8 +44,13 @@ def _worker(args: argparse.Namespace) -> None:
     config = ElasticConfig(LRPolicy("linear", 1e-3, 2, 16), None, progress_every=0)
     trainer = ElasticTrainer(model, optimizer, loader, config)
     host = trainer._host
-    make = {"deferred": DeferredAgreement, "immediate": ImmediateAgreement}
-    order = [("deferred", "immediate")[i % 2] for i in range(args.blocks)]
+    make = {
+        "windowed": DeferredAgreement,
+        "every-step": lambda device, group: DeferredAgreement(device, group, timedelta(0)),
+        "immediate": ImmediateAgreement,
+    }
+    names = list(make)
+    order = [names[i % len(names)] for i in range(args.blocks)]
     rates: dict[str, list[tuple[float, float]]] = {name: [] for name in make}
     warmup, k, block, current = 30, 0, 0, order[0]
     trainer._agreement = make[current](host.device, host.group)
@@ -75,7 +83,7 @@ def _worker(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--block", type=int, default=150, help="steps per block")
-    p.add_argument("--blocks", type=int, default=10, help="blocks, alternating deferred and immediate")
+    p.add_argument("--blocks", type=int, default=9, help="blocks, windowed, every-step and immediate in turn")
     p.add_argument("--json", default=str(HERE / "results" / "boundary_agreement.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -102,17 +110,18 @@ def main() -> None:
     result = json.loads(Path(args.json).read_text())
     print(
         f"{os.cpu_count()} CPU(s), load average {load:.2f} at start; 2 ranks, char transformer, 2-worker DataLoader, "
-        f"{args.blocks} alternating blocks of {args.block} steps"
+        f"{args.blocks} blocks of {args.block} steps in turn"
     )
     medians = {}
-    for name in ("deferred", "immediate"):
+    for name in ("windowed", "every-step", "immediate"):
         wall, cpu = result[name]["steps_per_s"], result[name]["steps_per_cpu_s"]
         medians[name] = statistics.median(wall)
         print(
             f"{name:9s} wall {[round(w, 2) for w in wall]} median {medians[name]:.2f} steps/s, "
             f"per CPU-second median {statistics.median(cpu):.2f}"
         )
-    print(f"deferred / immediate: {medians['deferred'] / medians['immediate']:.3f}")
+    print(f"windowed / every-step: {medians['windowed'] / medians['every-step']:.3f}")
+    print(f"windowed / immediate: {medians['windowed'] / medians['immediate']:.3f}")
     result["load_average_start"] = load
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")

@@ -157,6 +157,11 @@ class LocalSpacing:
         self.blocking_s = 0.0
         self.stats = LocalSnapshotStats()
 
+    def may_be_due(self, step: int) -> bool:
+        """Whether a snapshot can be due at ``step`` (:meth:`due` without its measured cost: the same on every rank,
+        whose :attr:`last_step` follows the agreed snapshots)."""
+        return self.every is not None and step - self.last_step >= self.every
+
     def due(self, step: int, writer: Any) -> bool:
         """``writer``: the local manager's ``last_timings`` (None: not known yet)."""
         if self.every is None or step - self.last_step < self.every:
@@ -329,6 +334,11 @@ class SnapshotTiers:
         ``max_overhead``, enough time since the last one that its measured cost (the loop blocked in
         capture and copy, plus the writer's time) stays under that fraction of the time between them."""
         return self._dir is not None and self._spacing.due(step, self._local.last_timings if self._local else None)
+
+    def may_want_local(self, step: int) -> bool:
+        """Whether :meth:`want_local` can be True at ``step`` on rank 0 (known to every rank: the loop agrees on the
+        flags of such a step)."""
+        return self._spacing.may_be_due(step)
 
     def note_durable(self, step: int) -> None:
         """A durable snapshot was taken at ``step``: the next local one is counted from there."""

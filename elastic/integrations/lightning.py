@@ -524,12 +524,13 @@ class ElasticDDPStrategy(DDPStrategy):
         step, agreement, checkpoints = self._step, self._agreement, self._checkpoints
         assert agreement is not None
 
-        def mine() -> BoundaryFlags:  # this rank's view, when asked (deferred: after the boundary's snapshots)
-            flags = checkpoints.local_flags(step + agreement.lag, time.monotonic(), signalled, self.global_rank)
+        def mine(acted_at: int) -> BoundaryFlags:  # this rank's view of boundary `acted_at`, when asked
+            flags = checkpoints.local_flags(acted_at, time.monotonic(), signalled, self.global_rank)
             return flags.with_steps(committed.stepped, joiners=False)
 
-        flags = checked_flags(agreement.agreed(step, committed.stepped, mine))
-        if flags.signalled:
+        needed = checkpoints.flags_needed(step, committed.epoch_done)
+        flags = checked_flags(agreement.agreed(step, committed.stepped, mine, needed=needed))
+        if flags is not None and flags.signalled:
             self._stop_timeout.reached()
         optimizer = self.optimizers[0]
         self._checkpoints.warm_up(self._module, optimizer, self._scheduler, self._cursor)
@@ -539,7 +540,7 @@ class ElasticDDPStrategy(DDPStrategy):
             self._stopped = True
             self._close(finished=False)
             raise SIGTERMException(143)
-        agreement.launch(step, committed.stepped, mine)
+        agreement.launch(step, mine, soon=checkpoints.flags_needed(step + 1, epoch_done=False))
 
     @property
     def _scheduler(self) -> Any:

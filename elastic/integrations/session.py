@@ -19,11 +19,11 @@ keeps what the elastic loop keeps, with the loop's objects:
 - the SIGTERM save: a :class:`~elastic.train.preemption.PreemptionWatcher`; every rank saves the step at the
   boundary after the signal and the signalled ranks exit 143, as in the loop.
 
-At each boundary (:meth:`BoundarySession.commit`) every rank agrees on the boundary's flags
+At the boundaries (:meth:`BoundarySession.commit`) every rank agrees on the boundary's flags
 (:class:`~elastic.train.boundary.BoundaryFlags`: a SIGTERM seen anywhere, a time-based snapshot due, the writer
-busy, the optimizer steps run). The all-reduce is started at one boundary and waited for at the next, so the
-framework's gradient all-reduce hides it: what the flags decide (a SIGTERM seen by a peer, a time-based snapshot)
-happens one step later, on every rank alike; a rank's own SIGTERM is acted on at the next boundary either way.
+busy, the optimizer steps run). The all-reduce is started at one boundary and waited for at the next, every few
+steps (:class:`~elastic.train.agreement.DeferredAgreement`), so the framework's gradient all-reduce hides it: what
+the flags decide (a SIGTERM, a time-based snapshot) happens up to its interval later, on every rank alike.
 
 Restart mode only: the framework forms and owns the process group, so a lost peer fails the workers and torchrun
 restarts them (warm with ``-m elastic.prefork``); the session resumes from the newest snapshot at any world.
@@ -245,19 +245,19 @@ class BoundarySession:
         self._indices, self._global_batch, self._loss = [], 0, 0.0
         signalled = self.watcher.requested
 
-        def mine() -> BoundaryFlags:  # this rank's view, when asked (deferred: after the boundary's snapshots)
-            acted_at = self.step + self._agreement.lag  # the boundary the flags are acted on
+        def mine(acted_at: int) -> BoundaryFlags:  # this rank's view of boundary `acted_at`, when asked
             flags = self.checkpoints.local_flags(acted_at, time.monotonic(), signalled, self.rank)
             return flags.with_steps(stepped, joiners=False)
 
-        flags = checked_flags(self._agreement.agreed(self.step, stepped, mine))
+        needed = self.checkpoints.flags_needed(self.step, epoch_done)
+        flags = checked_flags(self._agreement.agreed(self.step, stepped, mine, needed=needed))
         module, optimizer = self._module, self._optimizer
         assert module is not None
         self.checkpoints.warm_up(module, optimizer, self._scheduler, self.cursor)
         stop = self.checkpoints.act(flags, self.step, epoch_done, self.rank, signalled, self._capture, optimizer)
         if stop:
             self._stop()
-        self._agreement.launch(self.step, stepped, mine)
+        self._agreement.launch(self.step, mine, soon=self.checkpoints.flags_needed(self.step + 1, epoch_done=False))
         return epoch_done
 
     def _capture(self) -> TrainingState:
@@ -278,8 +278,8 @@ class BoundarySession:
     def finish(self) -> None:
         """The framework's training ended (every rank): a signal seen at the last boundary is acted on, the last
         step is saved unless a snapshot of it exists, and the snapshots are flushed."""
-        flags = checked_flags(self._agreement.drain())
-        if flags.signalled:
+        flags = checked_flags(self._agreement.drain(BoundaryFlags(signalled=self.watcher.requested)))
+        if flags is not None and flags.signalled:
             assert self._optimizer is not None
             self.checkpoints.act(
                 flags, self.step, False, self.rank, self.watcher.requested, self._capture, self._optimizer

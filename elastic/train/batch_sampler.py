@@ -142,5 +142,8 @@ class ElasticBatchSampler(Sampler[list[int]]):
                 yield idx
 
     def __len__(self) -> int:
-        """Micro-batches left in this epoch at the current world."""
-        return sum(len(micro) for micro in self._steps())
+        """Micro-batches left in this epoch at the current world: each step left yields the plan's
+        ``accumulation_steps`` (an empty one padded), so no walk over the epoch."""
+        plan = self.plan()
+        steps = -(-self.sampler.remaining() // plan.global_batch)
+        return steps * plan.accumulation_steps

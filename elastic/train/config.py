@@ -19,6 +19,7 @@ from elastic.contract.env import WorkerEnv
 from elastic.contract.lr import LRPolicy
 from elastic.contract.recovery import RecoveryMode
 from elastic.live.protocol import LiveOptions
+from elastic.train.agreement import DEFAULT_INTERVAL
 from elastic.train.schedule import SnapshotSchedule, WriterBusy, writer_busy
 
 __all__ = ["ElasticConfig", "LiveOptions", "RecoveryMode", "StepInfo"]
@@ -49,6 +50,9 @@ class ElasticConfig:
     timeout: timedelta = timedelta(minutes=10)
     # after SIGTERM, how long to reach the step boundary before exiting without the final save (None: wait)
     stop_timeout: timedelta | None = timedelta(seconds=10)
+    # DDP in restart mode: how long the ranks may go between agreements on the step boundary's flags (a time-based
+    # snapshot, a SIGTERM), in steps of the group's slowest; zero: every step (see elastic/train/agreement.py)
+    agreement_interval: timedelta = DEFAULT_INTERVAL
     total_steps: int | None = None  # only for progress reports to the job service
     # a failed save (storage away) is reported and the next one tried; saves failing for longer stop training
     save_failure_grace: timedelta = timedelta(minutes=5)
@@ -68,6 +72,8 @@ class ElasticConfig:
                 raise ValueError(f"recovery must be 'restart' or 'live', got {self.recovery!r}") from None
         object.__setattr__(self, "when_writer_busy", writer_busy(self.when_writer_busy))
         SnapshotSchedule(self.save_every_steps, self.save_every_seconds, self.when_writer_busy)  # validates them
+        if self.agreement_interval < timedelta(0):
+            raise ValueError(f"agreement_interval must be >= 0, got {self.agreement_interval}")
         if self.save_failure_grace < timedelta(0):
             raise ValueError(f"save_failure_grace must be >= 0, got {self.save_failure_grace}")
         if self.local_max_overhead is not None and not 0 < self.local_max_overhead < 1:

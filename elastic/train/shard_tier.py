@@ -203,6 +203,10 @@ class ShardTier:
         """As the replicated tier's (:class:`~elastic.checkpoint.tiers.LocalSpacing`)."""
         return self._dir is not None and self._spacing.due(step, self._local.last_timings if self._local else None)
 
+    def may_want_local(self, step: int) -> bool:
+        """As the replicated tier's."""
+        return self._spacing.may_be_due(step)
+
     def note_durable(self, step: int) -> None:
         self._spacing.last_step = step
 

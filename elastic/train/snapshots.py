@@ -3,8 +3,8 @@
 :class:`LoopCheckpoints` is the checkpoint concern of :class:`~elastic.train.trainer.ElasticTrainer`: the durable
 manager, the node-local tier, the schedule (``save_every_steps``, ``save_every_seconds``, a busy writer deferring a
 snapshot), failures of the storage (a grace time before training stops) and the SIGTERM save. Its step-boundary
-decisions use flags that every rank agrees on in the loop's one all-reduce per step (:meth:`local_flags`
-before it, :meth:`act` after it), so that every rank takes the same snapshots.
+decisions use flags that every rank agrees on in the loop's boundary all-reduce (:meth:`local_flags` before it,
+:meth:`act` after it; :meth:`flags_needed` says where it must run), so that every rank takes the same snapshots.
 
 For a sharded model (FSDP2, ``sharded=True``) the snapshots use the sharded layout (see
 :mod:`elastic.train.sharded`): every rank writes its shards, rank 0 commits the manifest, and a restore loads
@@ -244,9 +244,22 @@ class LoopCheckpoints:
             writer_busy=self.manager is not None and self.manager.in_flight,
         )
 
+    def flags_needed(self, step: int, epoch_done: bool) -> bool:
+        """Whether a snapshot may be due at the boundary ending ``step`` on a schedule every rank knows, so that the
+        ranks must agree on its flags there (:mod:`elastic.train.agreement`): an epoch's end, a multiple of
+        ``save_every_steps``, a pending snapshot, a node-local snapshot's earliest step. A time-based snapshot and
+        a SIGTERM wait for the next agreement."""
+        schedule = self.schedule
+        return (
+            epoch_done
+            or schedule.stats.pending_since is not None
+            or (schedule.every_steps is not None and step % schedule.every_steps == 0)
+            or (self.shard_tier or self.tiers).may_want_local(step)
+        )
+
     def act(
         self,
-        flags: BoundaryFlags,
+        flags: BoundaryFlags | None,
         step: int,
         epoch_done: bool,
         rank: int,
@@ -254,8 +267,11 @@ class LoopCheckpoints:
         capture: Capture,
         optimizer: torch.optim.Optimizer,
     ) -> bool:
-        """Take the snapshots the agreed ``flags`` call for at this boundary (collectives on every rank).
-        Returns whether this rank must stop now (it was SIGTERM'd and the step is saved)."""
+        """Take the snapshots the agreed ``flags`` call for at this boundary (collectives on every rank); None: no
+        flags were agreed here (:meth:`flags_needed` was False, so none can be due). Returns whether this rank must
+        stop now (it was SIGTERM'd and the step is saved)."""
+        if flags is None:
+            return False
         if flags.signalled:
             # SIGTERM: a preemption notice, or torchrun restarting the group (it signals workers first).
             # Everyone saves this step synchronously (no step is lost); the signalled ranks then exit,

@@ -22,6 +22,9 @@ the step's body ran, with as many optimizer steps on every rank (a step that ran
 error on all of them; one that ran on none, as a ``GradScaler`` skips a step with non-finite gradients, is a
 skipped step and commits). In live mode a step whose group broke (a peer lost in its collectives) is dropped:
 the gate turns the body's ``optimizer.step()`` calls into no-ops, and the loop re-forms and serves the step again.
+A collective of the script's own in the body (a metric's all-reduce, FSDP's ``clip_grad_norm_``) is covered when
+the body runs under ``with step:`` (a lost peer there drops the step too, and the rest of the body is skipped);
+outside it, its error ends the worker (the restart path).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class StepHost:
     gradients_done: Callable[[], None]  # the last micro-batch's backward ran: complete the step's gradients
     run_backward: Callable[[torch.Tensor, float, bool, Any], None]  # (loss, weight, padding, scaler)
     broken: Callable[[], bool]  # live mode: the group broke during the step
+    peer_lost: Callable[[RuntimeError], bool]  # live mode: the error of a collective is a lost peer (the step drops)
 
 
 class Step:
@@ -104,6 +108,15 @@ class Step:
     def complete(self) -> bool:
         """Whether all the step's micro-batches were served (and their gradients synchronized)."""
         return self._done
+
+    def __enter__(self) -> Step:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        """``with step:`` around the step's body: in live mode a peer lost in a collective of the script's own drops
+        the step, as one lost in backward does (the rest of the body is skipped; its optimizer steps would be no-ops
+        anyway), and the loop re-forms and serves the step again. Any other error is raised."""
+        return isinstance(exc, RuntimeError) and self._host.peer_lost(exc)
 
     def __iter__(self) -> Iterator[Any]:
         if self._current >= 0:

@@ -60,8 +60,9 @@ class DDPStrategy(ParallelStrategy):
 
     def agreement(self, host: HostCollectives, world_size: int) -> BoundaryAgreement:
         """Overlapped with the next step (:class:`~elastic.train.agreement.DeferredAgreement`): DDP's gradient
-        all-reduce already meets every rank once per step; a world of one has nothing to agree on."""
-        return replicas_agreement(world_size, host.device, host.group)
+        all-reduce already meets every rank once per step; a world of one has nothing to agree on. Every few steps
+        (``agreement_interval``)."""
+        return replicas_agreement(world_size, host.device, host.group, self.config.agreement_interval)
 
     def no_sync(self) -> AbstractContextManager[Any]:
         assert self._model is not None

@@ -144,6 +144,7 @@ class ElasticTrainer:
             gradients_done=self._gradients_done,
             run_backward=self._run_backward,
             broken=lambda: self._strategy.dropped,
+            peer_lost=lambda exc: self._strategy.peer_failed(exc),
         )
         self._backward_pending = False  # the short form: a micro-batch yielded whose backward has not run
         self._checkpoints = LoopCheckpoints(
@@ -361,17 +362,17 @@ class ElasticTrainer:
         self.cursor.step += 1
         loss = self._loss.take()
         self._strategy.step_applied(lr, loss)  # restart mode: recorded now; live: once committed
-        # Every rank agrees on the boundary's flags (one all-reduce per step; in live mode the step commits here, so
-        # its record is written only now); DDP's agreement overlaps the next step (elastic.train.agreement)
+        # Every rank agrees on the boundary's flags (live mode: at each boundary, the step's commit point, so its
+        # record is written only now; DDP: every few steps, overlapped with the next one: elastic.train.agreement)
         signalled = self._preemption.requested
 
-        def mine() -> BoundaryFlags:  # this rank's view, when asked (a deferred agreement: after the snapshots)
-            acted_at = self.step + self._agreement.lag  # the boundary the flags are acted on
+        def mine(acted_at: int) -> BoundaryFlags:  # this rank's view of boundary `acted_at`, when asked
             flags = self._checkpoints.local_flags(acted_at, time.monotonic(), signalled, self.rank)
             return flags.with_steps(stepped, joiners=self._strategy.joiners_waiting(self.rank))
 
         try:
-            agreed = self._agreement.agreed(self.step, stepped, mine)
+            needed = self._checkpoints.flags_needed(self.step, epoch_done)
+            agreed = self._agreement.agreed(self.step, stepped, mine, needed=needed)
         except RuntimeError as exc:
             self._collective_failed(exc)
             return
@@ -385,30 +386,32 @@ class ElasticTrainer:
             self._progress.log_loss(self.step, self.sampler.epoch, lr, loss)
             stop = self._act(flags, epoch_done, signalled)
             if not stop:
-                self._agreement.launch(self.step, stepped, mine)
+                soon = self._checkpoints.flags_needed(self.step + 1, epoch_done=False)
+                self._agreement.launch(self.step, mine, soon=soon)
         except RuntimeError as exc:
             self._collective_failed(exc)
             return
         self._publish_progress(lr, loss)
         if stop:
             self._stop_after_notice(lr, loss)
-        if flags.joiners and not self._stopped:
+        if flags is not None and flags.joiners and not self._stopped:
             self._recover(ReformReason.ADMIT)  # workers registered since: admit them at this boundary
 
     def _record(self, info: StepInfo) -> None:
         if self._on_step is not None:
             self._on_step(info)
 
-    def _act(self, flags: BoundaryFlags, epoch_done: bool, signalled: bool) -> bool:
-        """The boundary's snapshots; True when this rank must stop now (SIGTERM'd, and the step is saved)."""
-        if flags.signalled:
+    def _act(self, flags: BoundaryFlags | None, epoch_done: bool, signalled: bool) -> bool:
+        """The boundary's snapshots (None: no flags agreed here); True when this rank must stop now (SIGTERM'd, and
+        the step is saved)."""
+        if flags is not None and flags.signalled:
             self._stop_timeout.reached()
         self._checkpoints.warm_up(self.module, self.optimizer, self.scheduler, self.cursor)
         stop = self._checkpoints.act(flags, self.step, epoch_done, self.rank, signalled, self._capture, self.optimizer)
         if stop:
             self._stopped = True
             return True
-        if flags.signalled:
+        if flags is not None and flags.signalled:
             self._recover(ReformReason.FAILURE)  # the signalled members leave: a live group re-forms without them
         return False
 

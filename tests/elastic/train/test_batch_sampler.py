@@ -4,6 +4,8 @@ whatever the world size."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
@@ -104,3 +106,24 @@ def test_a_sampler_built_from_anothers_options_takes_its_state_and_names_the_sam
     twin.load_state_dict(s.state_dict())
     twin.set_world(1, 3)
     assert twin.step_indices(9) == s.step_indices(9)
+
+
+@pytest.mark.parametrize(
+    ("size", "world", "rank", "accumulation", "batch"), [(10, 1, 0, 1, 3), (23, 3, 2, 2, 2), (7, 4, 3, 3, 1)]
+)
+def test_its_length_is_the_micro_batches_its_iterator_yields(
+    size: int, world: int, rank: int, accumulation: int, batch: int
+) -> None:
+    bs = ElasticBatchSampler(size, batch_size=batch, accumulation_steps=accumulation, seed=1)
+    bs.set_world(rank, world)
+    assert len(bs) == len(list(bs))
+    bs.advance()
+    assert len(bs) == len(list(bs)), "after a committed step"
+
+
+def test_its_length_does_not_walk_the_epoch() -> None:
+    bs = ElasticBatchSampler(10_000_000, batch_size=8)
+    bs.set_world(0, 2)
+    started = time.perf_counter()
+    assert len(bs) == 625_000
+    assert time.perf_counter() - started < 0.05, "a walk over 10M samples takes seconds"
