@@ -370,10 +370,16 @@ def _loader_parts(args: argparse.Namespace) -> None:
                 ratio, cpu_ratio = rate / plain, cpu_rate / plain_cpu
                 part[f"{system}_ratio_median"], part[f"{system}_cpu_ratio_median"] = ratio, cpu_ratio
                 part[f"{system}_goal_met"] = ratio >= GOAL_LOADER
+                # each round's own ratio too (a round's runs are neighbours in time: a drift of the machine's speed
+                # over the run, as load from before decays, hits both)
+                mine, base = rates[system]["steps_per_s"], rates["plain-loader"]["steps_per_s"]
+                per = [a / b for a, b in zip(mine, base, strict=True)]
+                part[f"{system}_round_ratios"] = per
                 print(
                     f"{LOADER_SYSTEMS[system]}: median {rate:.2f} steps/s, ratio {ratio:.3f} (goal >= "
                     f"{GOAL_LOADER}: {'met' if ratio >= GOAL_LOADER else 'MISSED'}); per CPU-second of rank 0: "
-                    f"{cpu_ratio:.3f}",
+                    f"{cpu_ratio:.3f}; rounds' own ratios {', '.join(f'{x:.2f}' for x in per)} (median "
+                    f"{med(per):.3f})",
                     flush=True,
                 )
             result["loader"] = part
