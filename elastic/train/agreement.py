@@ -160,6 +160,11 @@ class DeferredAgreement(BoundaryAgreement):
         self._every = 1  # boundaries per agreement: from the group's slowest step, the same on every rank
 
     @property
+    def interval(self) -> timedelta:
+        """How long one agreement's window may last (in the group's slowest steps)."""
+        return timedelta(seconds=self._interval)
+
+    @property
     def every(self) -> int:
         """How many boundaries the next agreement covers (1 until the group's step time is known)."""
         return self._every

@@ -135,3 +135,13 @@ def test_ddp_defers_its_agreement_only_where_there_is_somebody_to_agree_with(glo
     assert isinstance(strategy.agreement(host, 1), ImmediateAgreement)
     mine = BoundaryFlags(signalled=True)
     assert ImmediateAgreement(CPU, host.group).agreed(3, 1, lambda at: mine, needed=False) == Agreed(3, mine, 1)
+
+
+@pytest.mark.timeout(30)
+def test_ddps_agreement_takes_the_configs_interval_and_a_negative_one_is_refused(gloo_world_1: None) -> None:
+    with pytest.raises(ValueError, match="agreement_interval must be >= 0"):
+        ElasticConfig(_policy(), agreement_interval=timedelta(seconds=-1))
+    host = HostCollectives.for_loop(CPU, ElasticConfig(_policy()).timeout, live=False)
+    config = ElasticConfig(_policy(), agreement_interval=timedelta(0))
+    agreement = DDPStrategy(nn.Linear(2, 2), config).agreement(host, 2)
+    assert isinstance(agreement, DeferredAgreement) and agreement.interval == timedelta(0)
