@@ -54,6 +54,8 @@ class LocalSlurm:
     slurmd_timeout: int = 30
     # a step credential's lifetime, which is also how long Slurm holds a requeued job (None: Slurm's 120 s)
     cred_expire: int | None = None
+    # how long slurmctld waits on one RPC (None: Slurm's 10 s); a ping to a lost node waits this long
+    message_timeout: int | None = None
     names: list[str] = field(default_factory=list)
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _munge_dir: Path | None = None
@@ -139,6 +141,7 @@ class LocalSlurm:
             "SelectType=select/linear",
             "ReturnToService=2",
             f"SlurmdTimeout={self.slurmd_timeout}",
+            *([f"MessageTimeout={self.message_timeout}"] if self.message_timeout else []),
             "KillWait=10",
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",

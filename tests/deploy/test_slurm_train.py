@@ -31,7 +31,9 @@ def slurm(tmp_path: Path) -> Iterator[LocalSlurm]:
     if problem:
         pytest.fail(problem)
     # cred_expire=15: Slurm holds a requeued job back for a credential's lifetime (120 s by default)
-    cluster = LocalSlurm(tmp_path / "slurm", slurmd_timeout=6, cred_expire=15).start()
+    # message_timeout=3: slurmctld's pings of a lost node give up after 3 s, not 10: it is DOWN (and the job that
+    # lost it ends) about 13 s sooner
+    cluster = LocalSlurm(tmp_path / "slurm", slurmd_timeout=6, cred_expire=15, message_timeout=3).start()
     try:
         yield cluster
     finally:
@@ -116,7 +118,7 @@ def _log(log: Path) -> str:
 def test_a_node_lost_mid_training_the_job_shrinks_finishes_and_ends_completed(
     slurm: LocalSlurm, tmp_path: Path
 ) -> None:
-    job, rec, log = _submit(slurm, tmp_path, "3", ["--epochs", "3", "--step-sleep", "0.05"])
+    job, rec, log = _submit(slurm, tmp_path, "3", ["--epochs", "2", "--step-sleep", "0.05"])
     assert _wait(lambda: any(r["world"] == 3 and r["step"] >= 8 for r in _records(rec)), 150), _log(log)
     lost_at = time.time()
     slurm.kill_node("n3", _node_pids("n3"))
@@ -126,7 +128,7 @@ def test_a_node_lost_mid_training_the_job_shrinks_finishes_and_ends_completed(
     assert _job_field(slurm, job, "JobState") == "COMPLETED", _log(log)
     assert _job_field(slurm, job, "ExitCode") == "0:0", _log(log)
     final = json.loads((rec / "final.json").read_text())
-    assert final["step"] >= 3 * 240 // 12, final  # 3 epochs, 12 samples a step at 3 workers, more at 2
+    assert final["step"] >= 2 * 240 // 12, final  # 2 epochs, 12 samples a step at 3 workers, more at 2
     print(f"slurm-train.sh: node lost -> first step at world 2: {resumed - lost_at:.1f} s")
 
 
