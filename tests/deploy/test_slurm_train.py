@@ -30,10 +30,10 @@ def slurm(tmp_path: Path) -> Iterator[LocalSlurm]:
     problem = missing()
     if problem:
         pytest.fail(problem)
-    # cred_expire=15: Slurm holds a requeued job back for a credential's lifetime (120 s by default)
+    # cred_expire=8: Slurm holds a requeued job back for a credential's lifetime (120 s by default)
     # message_timeout=3: slurmctld's pings of a lost node give up after 3 s, not 10: it is DOWN (and the job that
     # lost it ends) about 13 s sooner
-    cluster = LocalSlurm(tmp_path / "slurm", slurmd_timeout=6, cred_expire=15, message_timeout=3).start()
+    cluster = LocalSlurm(tmp_path / "slurm", slurmd_timeout=6, cred_expire=8, message_timeout=3).start()
     try:
         yield cluster
     finally:
@@ -159,5 +159,5 @@ def test_the_time_limits_warning_saves_requeues_and_the_job_resumes_from_that_sn
     print(
         f"slurm-train.sh: USR1 -> saved and requeued {requeued_at - warned_at:.1f} s; the requeued run started -> "
         f"its first step {first_step['t'] - started_at:.1f} s; Slurm held it {started_at - requeued_at:.1f} s "
-        "(cred_expire=15 on the test cluster, 120 s by default)"
+        "(cred_expire=8 on the test cluster, 120 s by default)"
     )
