@@ -57,7 +57,8 @@ def test_a_service_job_on_slurm_survives_a_lost_node_and_saves_on_scancel(
     if problem:
         pytest.fail(problem)
     api = service.start_controller()
-    slurm = LocalSlurm(tmp_path / "slurm", slurmd_timeout=6).start()
+    # message_timeout=3: the lost node is DOWN before the scancel, whose job would otherwise wait for it to be
+    slurm = LocalSlurm(tmp_path / "slurm", slurmd_timeout=6, message_timeout=3).start()
     try:
         env = {
             "ETRAIN_ETCD_ENDPOINTS": service.etcd.endpoints,
@@ -66,6 +67,8 @@ def test_a_service_job_on_slurm_survives_a_lost_node_and_saves_on_scancel(
             "ETRAIN_NPROC_PER_NODE": "1",
             "ETRAIN_CONTROLLER_URL": service.url,
             "TMPDIR": str(tmp_path),
+            # the lease of the test cluster's own agents (2 s, not 10): the lost node's agent is gone sooner
+            "ETRAIN_AGENT_ARGS": f"--lease-ttl {service.lease_ttl}",
         }
         out = tmp_path / "agents-%j.out"
         allocation = slurm.sbatch("--nodes=3", f"--output={out}", str(HPC / "slurm-agents.sh"), env=env, cwd=REPO)
@@ -75,7 +78,7 @@ def test_a_service_job_on_slurm_survives_a_lost_node_and_saves_on_scancel(
             return log.read_text()[-3000:] if log.exists() else "(no output)"
 
         wait_api("3 agents", lambda: sorted(n["name"] for n in api.nodes()) == slurm.names, 90)
-        job_id = api.submit(job_spec(200, step_time=0.1))["id"]
+        job_id = api.submit(job_spec(120, step_time=0.1))["id"]
         wait_api(
             "the job at 3 nodes with a snapshot",
             lambda: (j := api.job(job_id))["world_size"]["current"] == 3 and (j["checkpoint"]["step"] or 0) >= 10,
