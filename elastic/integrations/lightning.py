@@ -53,20 +53,19 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
-from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.utils.data import DataLoader
 
 from elastic import compat
 from elastic.checkpoint import capture_training_state
 from elastic.checkpoint.state import TrainingState
 from elastic.contract.lr import LRPolicy
 from elastic.contract.recovery import RecoveryMode
+from elastic.integrations.lightning_loader import LoaderCursor, elastic_loader
 from elastic.train.agreement import BoundaryAgreement, checked_flags, replicas_agreement
 from elastic.train.batch_sampler import ElasticBatchSampler, LockstepError
 from elastic.train.boundary import BoundaryFlags
 from elastic.train.collectives import HostCollectives
 from elastic.train.config import ElasticConfig, StepInfo
-from elastic.train.cursor import TrainingCursor
 from elastic.train.preemption import PreemptionWatcher
 from elastic.train.registry import StateRegistry
 from elastic.train.sampler import ElasticSampler, StepLayout, step_layout
@@ -98,32 +97,6 @@ class TorchrunEnvironment(TorchElasticEnvironment):
                 num_nodes,
                 self.world_size(),
             )
-
-
-class _Cursor(TrainingCursor):
-    """The training cursor, whose sampler is made when the training loader is known (Lightning requests it after
-    the restore): a restored cursor's sampler is rebuilt from the snapshot's (its size, seed and order)."""
-
-    def load(self, ts: TrainingState, rank: int, world_size: int) -> None:
-        state = dict(dict(ts.data_cursor)["sampler"])
-        self.sampler = ElasticSampler(
-            int(state["dataset_size"]),
-            seed=int(state["seed"]),
-            shuffle=bool(state.get("shuffle", True)),
-            replacement=bool(state.get("replacement", False)),
-            num_samples=state.get("num_samples"),
-        )
-        super().load(ts, rank, world_size)
-
-
-class _ElasticLoader(DataLoader[Any]):
-    """The user's loader over the elastic batch sampler. Its iterators are made without touching the global torch
-    RNG (a DataLoader iterator draws its workers' base seed from it, and a resumed run makes its iterators at other
-    points than an uninterrupted one: what the script drew after them would differ)."""
-
-    def __iter__(self) -> _BaseDataLoaderIter:
-        with torch.random.fork_rng(devices=[]):
-            return super().__iter__()
 
 
 class _Boundary(Callback):
@@ -190,7 +163,7 @@ class ElasticDDPStrategy(DDPStrategy):
         self._on_step = on_step
         self._user_state = dict(state or {})
         self._registry = StateRegistry()
-        self._cursor: _Cursor | None = None
+        self._cursor: LoaderCursor | None = None
         self._fresh_sampler = True  # no snapshot restored: the sampler is made from the training loader
         self._checkpoints: LoopCheckpoints | None = None
         self._host: HostCollectives | None = None
@@ -234,7 +207,7 @@ class ElasticDDPStrategy(DDPStrategy):
         self._host = HostCollectives.for_loop(device, self.config.timeout, live=False)
         self._agreement = replicas_agreement(self.world_size, self._host.device, self._host.group)
         policy = self.config.lr_policy
-        self._cursor = _Cursor(policy, ElasticSampler(1), rank, world, self._registry)
+        self._cursor = LoaderCursor(policy, ElasticSampler(1), rank, world, self._registry)
         optimizers = list(self.optimizers)
         for i, extra in enumerate(optimizers[1:], start=1):
             self._registry.register(f"optimizer.{i}", extra)
@@ -327,75 +300,10 @@ class ElasticDDPStrategy(DDPStrategy):
 
     def _elastic_loader(self, dl: object) -> DataLoader[Any]:
         assert self._cursor is not None
-        if not isinstance(dl, DataLoader):
-            raise TypeError(f"ElasticDDPStrategy trains from a torch DataLoader, not a {type(dl).__name__}")
-        if isinstance(dl.dataset, torch.utils.data.IterableDataset):
-            raise TypeError(
-                "an IterableDataset has no indices for the elastic sampler: use a map-style data set "
-                "(shards or windows) for exactly-once data across resizes"
-            )
-        if dl.batch_sampler is None or type(dl.batch_sampler) is not torch.utils.data.BatchSampler:
-            raise TypeError(
-                f"the training DataLoader has a batch sampler of its own ({type(dl.batch_sampler).__name__}"
-                "): give it batch_size= (the LR policy's base_batch_per_worker), the elastic sampler "
-                "decides which samples each step takes"
-            )
-        sampler = dl.sampler
-        if type(sampler) not in (RandomSampler, SequentialSampler, DistributedSampler) or (
-            isinstance(sampler, RandomSampler) and (sampler.replacement or sampler._num_samples is not None)
-        ):
-            raise TypeError(
-                f"the training DataLoader's sampler is a {type(sampler).__name__}: the elastic sampler "
-                "replaces it (a random or sequential order only)"
-            )
-        shuffle = not isinstance(sampler, SequentialSampler) and bool(getattr(sampler, "shuffle", True))
-        micro = self._cursor.policy.base_batch_per_worker
-        if dl.batch_size != micro:
-            raise ValueError(
-                f"the training DataLoader's batch_size={dl.batch_size} differs from the LR policy's "
-                f"base_batch_per_worker={micro}: the policy sets the micro-batch"
-            )
-        size = len(dl.dataset)  # type: ignore[arg-type]
-        if self._fresh_sampler:
-            if self._cursor.sampler.dataset_size != size:
-                self._cursor.sampler = ElasticSampler(size, seed=self.config.seed, shuffle=shuffle)
-                self._cursor.sampler.set_world(self.global_rank, self.world_size)
-        elif self._cursor.sampler.dataset_size != size or self._cursor.sampler.shuffle != shuffle:
-            raise ValueError(
-                f"the snapshot's data cursor is for {self._cursor.sampler.dataset_size} samples "
-                f"(shuffle={self._cursor.sampler.shuffle}), the training DataLoader has {size} "
-                f"(shuffle={shuffle})"
-            )
-        batch_sampler = ElasticBatchSampler(size, seed=self._cursor.sampler.seed, shuffle=shuffle)
-        batch_sampler.bind(lambda world: self._cursor_policy_plan(world), sampler=self._cursor.sampler)
-        self._batch_sampler = batch_sampler
-        workers = dl.num_workers
-        extra: dict[str, Any] = {}
-        if workers > 0:
-            extra = {
-                "prefetch_factor": dl.prefetch_factor,
-                "persistent_workers": dl.persistent_workers,
-                "multiprocessing_context": dl.multiprocessing_context,
-                "timeout": dl.timeout,
-            }
-        if dl.pin_memory_device:
-            extra["pin_memory_device"] = dl.pin_memory_device
-        if hasattr(dl, "in_order"):
-            extra["in_order"] = dl.in_order
-        return _ElasticLoader(
-            dl.dataset,
-            batch_sampler=batch_sampler,
-            num_workers=workers,
-            collate_fn=dl.collate_fn,
-            pin_memory=dl.pin_memory,
-            worker_init_fn=dl.worker_init_fn,
-            generator=dl.generator,
-            **extra,
+        loader, self._batch_sampler = elastic_loader(
+            dl, self._cursor, self.config.seed, self.global_rank, self.world_size, fresh=self._fresh_sampler
         )
-
-    def _cursor_policy_plan(self, world: int) -> Any:
-        assert self._cursor is not None
-        return self._cursor.policy.step_plan(world)
+        return loader
 
     # -- the steps -------------------------------------------------------------------------------------
     @property
