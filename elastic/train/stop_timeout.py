@@ -4,8 +4,10 @@ A worker that received SIGTERM saves at the next step boundary (:mod:`elastic.tr
 blocked in a collective with a peer that vanished without closing its connections (a network partition, a
 host gone dark), that boundary never comes: :class:`StopTimeout`, armed from the watcher's thread as soon as
 the signal arrives, exits the process with 128+signal and no final save after ``stop_timeout`` (at least three
-times the slowest of the last steps), and the group re-forms from the last snapshot, instead of waiting for
-torchrun's SIGKILL 30 s later.
+times the slowest of the last steps) without a step boundary, and the group re-forms from the last snapshot,
+instead of waiting for torchrun's SIGKILL 30 s later. It counts from the signal or the last boundary after it,
+whichever is later: a loop still passing boundaries is not blocked, only not yet at the one where the ranks agree
+on the signal (with DDP they agree every few steps, elastic/train/agreement.py).
 """
 
 from __future__ import annotations
@@ -58,13 +60,20 @@ class StopTimeout:
         if self._timeout is None:
             return
         limit = max(self._timeout.total_seconds(), 3 * max(self._step_times, default=0.0))
+        armed = time.monotonic()
 
         def watchdog() -> None:
-            if self._reached.wait(limit):
-                return
+            while True:
+                last = self._last_boundary  # written by the loop's thread (a float: read whole)
+                since = max(armed, last if last is not None else armed)
+                left = since + limit - time.monotonic()
+                if left <= 0:
+                    break
+                if self._reached.wait(left):
+                    return
             logger.error(
-                "%s %.0f s ago and step %d's boundary not reached: blocked in a collective with a vanished peer?"
-                " exiting without the final save",
+                "%s, then %.0f s without a step boundary (step %d's not reached): blocked in a collective with a"
+                " vanished peer? exiting without the final save",
                 sig.name,
                 limit,
                 self._step(),

@@ -103,3 +103,37 @@ def test_sigterm_with_a_peer_gone_silent_exits_after_the_stop_timeout(tmp_path: 
                 p.kill()
                 os.kill(p.pid, signal.SIGCONT)
                 p.wait()
+
+
+_PROGRESSING = """
+import signal, time
+from datetime import timedelta
+from elastic.train.stop_timeout import StopTimeout
+timeout = StopTimeout(timedelta(seconds=1), lambda: 7)
+timeout.boundary()
+timeout.arm(signal.SIGTERM)
+started = time.monotonic()
+while time.monotonic() - started < 2.5:  # boundaries keep passing (the agreement on the signal is steps away)
+    time.sleep(0.2)
+    timeout.boundary()
+print("still running 2.5 s after the signal", flush=True)
+time.sleep(5)  # now blocked: no boundary
+print("never exited", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_stop_timeout_counts_from_the_last_step_boundary_so_a_loop_still_stepping_is_not_cut_short() -> None:
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _PROGRESSING],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert "still running 2.5 s after the signal" in done.stdout and "never exited" not in done.stdout
+    assert "then 1 s without a step boundary (step 7's not reached)" in done.stderr
+    assert took < 6, f"{took:.1f} s: the timeout after the last boundary is 1 s"
