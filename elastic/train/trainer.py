@@ -379,7 +379,7 @@ class ElasticTrainer:
         flags = checked_flags(agreed)  # StepMismatchError where its optimizer(s) ran on some ranks only
         if stepped == 0:
             logger.info(
-                "step %d: no optimizer step ran on any rank (a skipped step); its samples count as consumed", self.step
+                "step %d: the optimizer(s) did not step here (a skipped step); its samples count as consumed", self.step
             )
         self._strategy.step_committed()
         try:
