@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -98,13 +97,20 @@ def test_an_agent_started_before_the_bootstrap_waits_for_etcd_users_and_says_wha
     """The chart's agents may start before the controller's init container: a client with a user waits (its
     timeout) for authentication to be turned on, logs in then, and says so plainly when it never is."""
     early = _client(tls_etcd, certs, "etrain-agent", "ag3nt-pw")
+
+    def bootstrap_later() -> BootstrapOutcome:
+        time.sleep(1.5)
+        return bootstrap_etcd_auth(_config(tls_etcd, certs), PLAN)
+
     try:
         with pytest.raises(EtcdError, match="has no authentication turned on, but user 'etrain-agent' is configured"):
             early.ping(timeout=timedelta(seconds=1))
-        threading.Timer(1.5, lambda: bootstrap_etcd_auth(_config(tls_etcd, certs), PLAN)).start()
-        started = time.monotonic()
-        early.ping(timeout=timedelta(seconds=30))  # logs in once the bootstrap has turned auth on
-        assert 1.0 < time.monotonic() - started < 30
+        with ThreadPoolExecutor(1) as pool:  # the bootstrap ends (and its outcome is checked) before etcd stops
+            bootstrap = pool.submit(bootstrap_later)
+            started = time.monotonic()
+            early.ping(timeout=timedelta(seconds=30))  # logs in once the bootstrap has turned auth on
+            assert 1.0 < time.monotonic() - started < 30
+            assert bootstrap.result(timeout=60) is BootstrapOutcome.ENABLED
         early.put("/etrain/nodes/n1", b"up")
     finally:
         early.close()
