@@ -153,6 +153,16 @@ def _assert_worlds(records: list[dict[str, Any]], expected: list[int]) -> None:
     assert worlds[-len(expected) :] == expected and set(worlds) <= set(expected), worlds
 
 
+def _fully_recorded(rec: Path, step: int) -> bool:
+    """The job is at ``step`` or later and every rank has written its record of the newest committed step: a kill
+    now finds the victims after that record (in the step's pacing sleep), not between a commit and its record, which
+    would leave a committed step without a victim's record (seen once under the parallel suite's load)."""
+    records = read_records(rec)
+    newest = max((r["step"] for r in records), default=0)
+    at = [r for r in records if r["step"] == newest and not r["late"]]
+    return newest >= step and bool(at) and len(at) == at[0]["world"]
+
+
 def _pids(records: list[dict[str, Any]], agent: str) -> set[int]:
     return {r["pid"] for r in records if r["agent"] == agent and not r["late"]}
 
@@ -168,7 +178,7 @@ def test_live_worker_crash_survivors_keep_their_processes_and_the_restarted_work
     hold = _hold(tmp_path)
     agents += [_agent(tmp_path, name, etcd_server, run_id, epochs=8, warm=False) for name in ("a", "b", "c")]
     assert wait_until(lambda: any(r["world"] == 3 for r in read_records(rec)), 120), agent_logs(agents)
-    assert wait_until(lambda: max_step(rec) >= 20, 120), agent_logs(agents)
+    assert wait_until(lambda: _fully_recorded(rec, 20), 120), agent_logs(agents)
     agents[2].kill_workers()  # c's worker crashes: its agent alone restarts it; a and b go on
     assert wait_until(lambda: _worlds(read_records(rec))[-1:] == [3] and len(_worlds(read_records(rec))) >= 3, 120), (
         agent_logs(agents)
@@ -194,7 +204,7 @@ def test_live_node_loss_then_a_replacement_node_joins_with_the_state_of_a_peer(
     hold = _hold(tmp_path)
     agents += [_agent(tmp_path, name, etcd_server, run_id, epochs=8) for name in ("a", "b", "c")]
     assert wait_until(lambda: any(r["world"] == 3 for r in read_records(rec)), 120), agent_logs(agents)
-    assert wait_until(lambda: max_step(rec) >= 20, 120), agent_logs(agents)
+    assert wait_until(lambda: _fully_recorded(rec, 20), 120), agent_logs(agents)
     agents[2].kill_tree()  # node c dies with its agent: 3 -> 2
     assert wait_until(lambda: _worlds(read_records(rec))[-1:] == [2], 60), agent_logs(agents)
     shrunk_at = max_step(rec)
@@ -243,7 +253,7 @@ def test_live_hsdp_node_loss_keeps_the_survivors_shards_and_a_joiner_takes_each_
     hold = _hold(tmp_path)
     agents += [_agent(tmp_path, n, etcd_server, run_id, epochs=10, nnodes="1:2", nproc=2, extra=hsdp) for n in "ab"]
     assert wait_until(lambda: any(r["world"] == 4 for r in read_records(rec)), 120), agent_logs(agents)
-    assert wait_until(lambda: max_step(rec) >= 15, 120), agent_logs(agents)
+    assert wait_until(lambda: _fully_recorded(rec, 15), 120), agent_logs(agents)
     agents[1].kill_tree()  # node b (a replica) dies with its agent: 4 -> 2
     assert wait_until(lambda: _worlds(read_records(rec))[-1:] == [2], 60), agent_logs(agents)
     shrunk_at = max_step(rec)
