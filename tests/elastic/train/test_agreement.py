@@ -4,6 +4,7 @@ next step (DDP in restart mode), elastic/train/agreement.py."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,6 +33,17 @@ from tests.ranks import start_ranks
 CPU = torch.device("cpu")
 
 
+def _two_ranks(fn: Callable[[int, str, str], None], tmp_path: Path) -> list[list[str]]:
+    """Run ``fn(rank, store_path, out)`` on 2 gloo ranks; each rank's lines (:func:`_report`)."""
+    start_ranks(fn, (str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    return [(tmp_path / f"rank{rank}").read_text().splitlines() for rank in (0, 1)]
+
+
+def _report(out: str, rank: int, lines: list[str]) -> None:
+    Path(out, f"rank{rank}").write_text("\n".join(lines))
+    compat.destroy_process_group()
+
+
 def _deferred_rank(rank: int, store_path: str, out: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     agreement = DeferredAgreement(CPU, lambda: None)
@@ -51,16 +63,13 @@ def _deferred_rank(rank: int, store_path: str, out: str) -> None:
     lines.append(f"second boundary: {agreed}")
     lines.append(f"drained: {agreement.drain()}")  # step 2 was not agreed on yet: it is, now
     lines.append(f"drained again: {agreement.drain()}")
-    Path(out, f"rank{rank}").write_text("\n".join(lines))
-    compat.destroy_process_group()
+    _report(out, rank, lines)
 
 
 @pytest.mark.timeout(120)
 def test_a_deferred_agreement_does_not_wait_for_a_slow_rank_and_is_read_at_the_next_boundary(tmp_path: Path) -> None:
-    start_ranks(_deferred_rank, (str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     flags = BoundaryFlags(time_due=True, signalled=True, optimizer_steps=2, optimizer_steps_neg=-1)
-    for rank in (0, 1):
-        lines = (tmp_path / f"rank{rank}").read_text().splitlines()
+    for rank, lines in enumerate(_two_ranks(_deferred_rank, tmp_path)):
         assert lines == [
             "first boundary: None",
             "launch waited: True",
@@ -94,15 +103,13 @@ def _windows_rank(rank: int, store_path: str, out: str) -> None:
         check_steps(agreement.drain() or Agreed(0, BoundaryFlags(), 0))
     except StepMismatchError as exc:
         lines.append(f"drain: mismatch in {str(exc).split(':')[0]}")
-    Path(out, f"rank{rank}").write_text("\n".join(lines))
-    compat.destroy_process_group()
+    _report(out, rank, lines)
 
 
 @pytest.mark.timeout(120)
 def test_a_deferred_agreement_covers_a_window_of_steps_and_still_names_a_mismatched_step(tmp_path: Path) -> None:
-    start_ranks(_windows_rank, (str(tmp_path / "store"), str(tmp_path)), nprocs=2)
-    for rank in (0, 1):
-        assert (tmp_path / f"rank{rank}").read_text().splitlines() == [
+    for rank, lines in enumerate(_two_ranks(_windows_rank, tmp_path)):
+        assert lines == [
             "2: agreed 1 time_due=False every=1",  # step 1's time is not known: a window of one boundary
             f"3: agreed 2 time_due=False every={MAX_WINDOW}",  # ~5 ms steps: then MAX_WINDOW boundaries
             "19: agreed 18 time_due=False every=16",  # the window 3-18
